@@ -1,0 +1,294 @@
+"""Model configuration: parse a checkpoint's config.json into one `ModelConfig`.
+
+Supported `model_type`s:
+
+* ``qwen3_5_moe``       — Qwen3.5/3.6-MoE (multimodal wrapper); the text part is in ``text_config``.
+* ``qwen3_5_moe_text``  — the text model alone (what ``Qwen3_5MoeForCausalLM`` saves).
+* ``qwen3_next``        — Qwen3-Next (fused GDN input projections, optional dense-MLP layers).
+
+Every dimension comes from the file; nothing about the 35B model is a constant here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import CheckpointError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Bits and group size of one affine-quantized tensor."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """The ``quantization`` (or ``quantization_config``) block of an MLX config.json.
+
+    ``default`` applies to every quantized tensor without a per-path override; ``overrides``
+    maps module paths as written in the file (e.g. ``language_model.model.layers.0.mlp.gate``)
+    to their own spec.
+    """
+
+    default: QuantSpec
+    overrides: Mapping[str, QuantSpec] = field(default_factory=dict)
+
+    def spec_for(self, path: str) -> QuantSpec:
+        return self.overrides.get(path, self.default)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QuantizationConfig":
+        mode = d.get("mode", "affine")
+        if mode != "affine":
+            raise CheckpointError(f"quantization mode {mode!r} is not supported (only 'affine')")
+        try:
+            default = QuantSpec(int(d["bits"]), int(d["group_size"]), mode)
+        except KeyError as e:
+            raise CheckpointError(f"quantization block lacks {e.args[0]!r}") from None
+        overrides = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                overrides[k] = QuantSpec(int(v.get("bits", default.bits)),
+                                         int(v.get("group_size", default.group_size)),
+                                         v.get("mode", mode))
+        return cls(default, overrides)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions and options of one hybrid GDN/attention MoE model."""
+
+    model_type: str                 # the file's top-level model_type
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple              # "linear_attention" | "full_attention", one per layer
+    # full (gated) attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attn_output_gate: bool
+    rope_theta: float
+    partial_rotary_factor: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MoE / MLP
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    intermediate_size: int          # dense-MLP layers (qwen3_next mlp_only_layers); 0 if none
+    mlp_only_layers: tuple
+    decoder_sparse_step: int
+    # misc
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple
+    quantization: QuantizationConfig | None = None
+    raw: Mapping[str, Any] = field(default=None, repr=False, compare=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def is_full_attention(self, i: int) -> bool:
+        return self.layer_types[i] == FULL
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def full_attention_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_attention_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def is_multimodal_wrapper(self) -> bool:
+        return self.model_type == "qwen3_5_moe"
+
+    def __repr__(self) -> str:  # readable in a notebook
+        nl = self.num_hidden_layers
+        nf = len(self.full_attention_layers)
+        q = "dense"
+        if self.quantization is not None:
+            q = f"affine {self.quantization.default.bits}-bit g{self.quantization.default.group_size}"
+            if self.quantization.overrides:
+                q += f" (+{len(self.quantization.overrides)} per-path overrides)"
+        return (
+            f"ModelConfig({self.model_type}: {nl} layers [{nl - nf} GDN + {nf} attention], "
+            f"hidden {self.hidden_size}, vocab {self.vocab_size}, "
+            f"attention {self.num_attention_heads}q/{self.num_key_value_heads}kv x {self.head_dim} "
+            f"(rotary {self.rotary_dim}, theta {self.rope_theta:g}), "
+            f"GDN {self.linear_num_key_heads}k/{self.linear_num_value_heads}v x "
+            f"{self.linear_key_head_dim}/{self.linear_value_head_dim} conv {self.linear_conv_kernel_dim}, "
+            f"MoE {self.num_experts} experts top-{self.num_experts_per_tok} x {self.moe_intermediate_size} "
+            f"+ shared {self.shared_expert_intermediate_size}, weights {q})"
+        )
+
+    # ---- parsing -------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no config.json") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: invalid JSON: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        if not isinstance(d, Mapping):
+            raise CheckpointError("config must be a JSON object")
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        t = dict(d.get("text_config") or {}) if model_type == "qwen3_5_moe" else dict(d)
+        if model_type == "qwen3_5_moe" and not t:
+            raise CheckpointError("model_type 'qwen3_5_moe' needs a 'text_config' block")
+
+        def req(key):
+            if key not in t:
+                raise CheckpointError(f"config lacks required field {key!r}")
+            return t[key]
+
+        def integer(key, default=None):
+            v = t.get(key, default) if default is not None else req(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointError(f"config field {key!r} must be a non-negative integer, got {v!r}")
+            return v
+
+        n_layers = integer("num_hidden_layers")
+        layer_types = t.get("layer_types")
+        if layer_types is None:
+            interval = integer("full_attention_interval", 4)
+            if interval == 0:
+                raise CheckpointError("full_attention_interval must be positive")
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        layer_types = tuple(layer_types)
+        if len(layer_types) != n_layers or any(x not in (LINEAR, FULL) for x in layer_types):
+            raise CheckpointError(
+                f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {list(layer_types)!r}")
+
+        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise CheckpointError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+        prf = float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))
+
+        hd = t.get("head_dim") or req("hidden_size") // integer("num_attention_heads")
+        # eos: text_config's, the top level's, both.
+        eos = []
+        for src in (t, d):
+            v = src.get("eos_token_id")
+            for x in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(x, int) and x not in eos:
+                    eos.append(x)
+
+        qblock = d.get("quantization") or d.get("quantization_config")
+        if qblock is not None and model_type != "qwen3_5_moe" and "quantization" not in d:
+            # HF-style quantization_config of another method (e.g. bitsandbytes) is not ours
+            if "bits" not in qblock:
+                raise CheckpointError(f"unsupported quantization_config {dict(qblock)!r}")
+        quant = QuantizationConfig.from_dict(qblock) if qblock is not None else None
+
+        is_next = model_type == "qwen3_next"
+        cfg = cls(
+            model_type=model_type,
+            vocab_size=integer("vocab_size"),
+            hidden_size=integer("hidden_size"),
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            num_attention_heads=integer("num_attention_heads"),
+            num_key_value_heads=integer("num_key_value_heads"),
+            head_dim=int(hd),
+            attn_output_gate=bool(t.get("attn_output_gate", True)),
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
+            linear_num_key_heads=integer("linear_num_key_heads"),
+            linear_num_value_heads=integer("linear_num_value_heads"),
+            linear_key_head_dim=integer("linear_key_head_dim"),
+            linear_value_head_dim=integer("linear_value_head_dim"),
+            linear_conv_kernel_dim=integer("linear_conv_kernel_dim", 4),
+            num_experts=integer("num_experts"),
+            num_experts_per_tok=integer("num_experts_per_tok"),
+            moe_intermediate_size=integer("moe_intermediate_size"),
+            shared_expert_intermediate_size=integer("shared_expert_intermediate_size"),
+            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            intermediate_size=integer("intermediate_size", 0) if is_next else 0,
+            mlp_only_layers=tuple(t.get("mlp_only_layers") or ()) if is_next else (),
+            decoder_sparse_step=integer("decoder_sparse_step", 1) if is_next else 1,
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
+            max_position_embeddings=integer("max_position_embeddings", 262144),
+            eos_token_ids=tuple(eos),
+            quantization=quant,
+            raw=d,
+        )
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        def check(cond, msg):
+            if not cond:
+                raise CheckpointError(msg)
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                     "num_experts_per_tok", "decoder_sparse_step"):
+            check(getattr(self, name) > 0, f"config field {name!r} must be positive")
+        check(self.num_attention_heads % self.num_key_value_heads == 0,
+              f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+              f"num_key_value_heads ({self.num_key_value_heads})")
+        check(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+              f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+              f"linear_num_key_heads ({self.linear_num_key_heads})")
+        check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+              f"rotary dims {self.rotary_dim} (head_dim x partial_rotary_factor) must be even and <= head_dim")
+        check(self.num_experts == 0 or self.num_experts_per_tok <= self.num_experts,
+              "num_experts_per_tok exceeds num_experts")
+        for i in range(self.num_hidden_layers):
+            if not self.is_moe_layer(i):
+                check(self.intermediate_size > 0, f"layer {i} is a dense-MLP layer but intermediate_size is 0")

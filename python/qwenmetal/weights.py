@@ -1,0 +1,368 @@
+"""Checkpoint weights: find, sanitize and check every tensor of a model against its config.
+
+Output is a `Weights` object: canonical tensor names (no prefix, no ``.weight``) mapped to either a
+dense array (viewing the memory-mapped file where no transform is needed) or a `QuantizedTensor`
+(MLX affine: uint32 packed values + per-group scales and biases).
+
+Canonical names and layouts (the contract every backend reads)::
+
+    embed_tokens [V, H]        lm_head [V, H] (absent when tied)        norm [H]
+    layers.{i}.input_layernorm [H]          layers.{i}.post_attention_layernorm [H]
+    # Gated DeltaNet layer
+    layers.{i}.linear_attn.in_proj_qkv [2*key_dim + value_dim, H]   rows [q | k | v], head-major
+    layers.{i}.linear_attn.in_proj_z [value_dim, H]   .in_proj_b [nv, H]   .in_proj_a [nv, H]
+    layers.{i}.linear_attn.conv1d [conv_dim, K]       .dt_bias [nv]   .A_log [nv] (float32)
+    layers.{i}.linear_attn.norm [dv] (plain weight)   .out_proj [H, value_dim]
+    # full attention layer
+    layers.{i}.self_attn.q_proj [nh*hd*(2 if output gate), H]  per head [query(hd) | gate(hd)]
+    layers.{i}.self_attn.k_proj / v_proj [nkv*hd, H]   .o_proj [H, nh*hd]   .q_norm / .k_norm [hd]
+    # MoE layer
+    layers.{i}.mlp.gate [E, H]   layers.{i}.mlp.switch_mlp.{gate_proj,up_proj} [E, I, H]   .down_proj [E, H, I]
+    layers.{i}.mlp.shared_expert.{gate_proj,up_proj} [Is, H]   .down_proj [H, Is]   layers.{i}.mlp.shared_expert_gate [1, H]
+    # dense-MLP layer (qwen3_next mlp_only_layers)
+    layers.{i}.mlp.{gate_proj,up_proj} [I, H]   .down_proj [H, I]
+
+Every RMSNorm weight except ``linear_attn.norm`` is stored *shifted* (the factor the normalised
+vector is multiplied by): MLX files already hold ``1 + w``; for HF files the loader adds 1 in float32
+(model-spec §2.3). Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba`` are split into the four
+projections above (per-k-head grouped order), which is an exact row permutation for quantized
+tensors too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .safetensors_io import TensorSource
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+SHIFTED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+SUPPORTED_BITS = (4, 8)
+
+
+@dataclass
+class QuantizedTensor:
+    """An MLX affine-quantized matrix (or stack of matrices along leading axes).
+
+    ``weight``: uint32 [..., out, in*bits/32], elements packed LSB-first;
+    ``scales``/``biases``: [..., out, in/group_size]; value = scale*q + bias.
+    """
+
+    weight: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple:
+        return self.weight.shape[:-1] + (self.weight.shape[-1] * 32 // self.bits,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def take_rows(self, rows: np.ndarray) -> "QuantizedTensor":
+        """Rows (axis -2) in the given order; exact, as scales and biases are per row."""
+        return QuantizedTensor(np.take(self.weight, rows, axis=-2), np.take(self.scales, rows, axis=-2),
+                               np.take(self.biases, rows, axis=-2), self.bits, self.group_size)
+
+    def dequantize(self) -> np.ndarray:
+        from .quant import dequantize
+        return dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size)
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({list(self.shape)}, {self.bits}-bit g{self.group_size})"
+
+
+Tensor = "np.ndarray | QuantizedTensor"
+
+
+def to_float32(t) -> np.ndarray:
+    if isinstance(t, QuantizedTensor):
+        return t.dequantize()
+    return np.asarray(t, dtype=np.float32)
+
+
+@dataclass
+class Weights:
+    config: ModelConfig
+    tensors: dict
+    layout: str                  # "mlx" or "hf": how the files were laid out
+    path: str
+
+    def __getitem__(self, name):
+        return self.tensors[name]
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def dense_float32(self) -> dict:
+        """Every tensor dequantized/cast to float32 (what the numpy reference computes on)."""
+        return {k: to_float32(v) for k, v in self.tensors.items()}
+
+    def dense_float32_nbytes(self) -> int:
+        return sum(4 * int(np.prod(t.shape)) for t in self.tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------
+def _canonical_key(key: str):
+    """Map a file key to (canonical stem, part) with part in weight/scales/biases/'' — or None to drop."""
+    if key.startswith("mtp.") or ".mtp." in key:
+        return None
+    rest = key
+    for prefix in ("language_model.model.", "model.language_model.", "model."):
+        if rest.startswith(prefix):
+            rest = rest[len(prefix):]
+            break
+    else:
+        if rest.startswith("language_model.lm_head."):
+            rest = rest[len("language_model."):]
+    head = rest.split(".", 1)[0]
+    if head in ("visual", "vision_tower", "vision_model", "multi_modal_projector") or key.startswith(
+            ("vision_tower.", "visual.", "language_model.vision_tower.")):
+        return None
+    for part in ("weight", "scales", "biases"):
+        if rest.endswith("." + part):
+            return rest[: -len(part) - 1], part
+    return rest, ""
+
+
+def detect_layout(src: TensorSource, stems: dict) -> str:
+    """'hf' or 'mlx' (model-spec §2.3: the conv1d shape decides; other signs as fallback)."""
+    for stem, parts in stems.items():
+        if stem.endswith("linear_attn.conv1d") and "weight" in parts:
+            shape = src.shape(parts["weight"])
+            if len(shape) == 3 and shape[1] != shape[2]:
+                return "hf" if shape[1] == 1 else "mlx"
+    if any(".mlp.experts." in s for s in stems):
+        return "hf"
+    if any("scales" in p for p in stems.values()):
+        return "mlx"
+    return "mlx" if src.metadata.get("format") == "mlx" else "hf"
+
+
+class _Reader:
+    """Fetches tensors by canonical stem with strict checks; remembers what was used."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig):
+        self.src, self.config = src, config
+        self.stems: dict = {}
+        for key in src.keys():
+            c = _canonical_key(key)
+            if c is None:
+                continue
+            stem, part = c
+            self.stems.setdefault(stem, {})[part] = key
+        self.used: set = set()
+
+    def where(self, key: str) -> str:
+        return f"{self.src.file_of(key)}: tensor {key!r}"
+
+    def has(self, stem: str) -> bool:
+        return stem in self.stems
+
+    def _missing(self, stem: str):
+        raise CheckpointError(f"{self.src.directory}: missing tensor {stem!r} (expected for {self.config.model_type}; "
+                              f"looked for it with and without the 'model.'/'language_model.model.' prefixes)")
+
+    def plain(self, stem: str, shape: tuple) -> np.ndarray:
+        """A non-quantized float tensor of exactly `shape` (bare name or `.weight`)."""
+        parts = self.stems.get(stem)
+        if not parts:
+            self._missing(stem)
+        if "scales" in parts or "biases" in parts:
+            raise CheckpointError(f"{self.where(parts.get('weight', parts['scales']))}: "
+                                  f"is quantized but {stem} must be a plain float tensor")
+        key = parts.get("weight", parts.get(""))
+        if key is None:
+            self._missing(stem)
+        self._check_float(key)
+        arr = self.src.get(key)
+        if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"{self.where(key)}: shape {list(arr.shape)}, expected {list(shape)}")
+        self.used.add(key)
+        return arr
+
+    def _check_float(self, key):
+        dt = self.src.dtype_name(key)
+        if dt not in FLOAT_DTYPES:
+            raise CheckpointError(f"{self.where(key)}: dtype {dt}, expected one of {FLOAT_DTYPES}")
+
+    def linear(self, stem: str, shape: tuple, *, reshape_from=None):
+        """A matrix (or stack) of logical `shape`: dense float or MLX affine-quantized."""
+        parts = self.stems.get(stem)
+        if not parts or ("weight" not in parts and "" not in parts):
+            self._missing(stem)
+        key = parts.get("weight", parts.get(""))
+        if "scales" not in parts and "biases" not in parts:
+            self._check_float(key)
+            arr = self.src.get(key)
+            if tuple(arr.shape) != tuple(shape):
+                raise CheckpointError(f"{self.where(key)}: shape {list(arr.shape)}, expected {list(shape)}")
+            self.used.add(key)
+            return arr
+        if "scales" not in parts or "biases" not in parts:
+            missing = "scales" if "scales" not in parts else "biases"
+            raise CheckpointError(f"{self.where(key)}: quantized tensor lacks '{stem}.{missing}' "
+                                  f"(only affine quantization with biases is supported)")
+        w, s, b = (self.src.get(parts[p]) for p in ("weight", "scales", "biases"))
+        if self.src.dtype_name(parts["weight"]) != "U32":
+            raise CheckpointError(f"{self.where(parts['weight'])}: quantized weight must be U32, "
+                                  f"got {self.src.dtype_name(parts['weight'])}")
+        for p in ("scales", "biases"):
+            self._check_float(parts[p])
+        if s.shape != b.shape or s.dtype != b.dtype:
+            raise CheckpointError(f"{self.where(parts['biases'])}: shape/dtype {list(b.shape)} {b.dtype} "
+                                  f"differs from its scales {list(s.shape)} {s.dtype}")
+        lead, in_features = tuple(shape[:-1]), shape[-1]
+        if tuple(w.shape[:-1]) != lead or tuple(s.shape[:-1]) != lead:
+            raise CheckpointError(f"{self.where(parts['weight'])}: shape {list(w.shape)} (scales {list(s.shape)}) "
+                                  f"does not fit logical shape {list(shape)}")
+        packed, ngroups = w.shape[-1], s.shape[-1]
+        if ngroups == 0 or in_features % ngroups or (32 * packed) % in_features:
+            raise CheckpointError(f"{self.where(parts['weight'])}: packed width {packed} / {ngroups} groups "
+                                  f"cannot hold {in_features} inputs")
+        bits, gs = 32 * packed // in_features, in_features // ngroups
+        if bits not in SUPPORTED_BITS:
+            raise CheckpointError(f"{self.where(parts['weight'])}: {bits}-bit quantization is not supported "
+                                  f"(supported: {SUPPORTED_BITS})")
+        q = self.config.quantization
+        if q is not None:
+            file_path = key[: -len(".weight")] if key.endswith(".weight") else key
+            spec = q.spec_for(file_path)
+            if (spec.bits, spec.group_size) != (bits, gs):
+                raise CheckpointError(
+                    f"{self.where(parts['weight'])}: shapes say {bits}-bit group {gs}, but config.json's "
+                    f"quantization block says {spec.bits}-bit group {spec.group_size} for {file_path!r}")
+        self.used.update(parts.values())
+        return QuantizedTensor(w, s, b, bits, gs)
+
+    def leftovers(self) -> list:
+        left = []
+        for parts in self.stems.values():
+            left.extend(k for k in parts.values() if k not in self.used)
+        return left
+
+
+def _shift_norm(arr: np.ndarray) -> np.ndarray:
+    return np.asarray(arr, dtype=np.float32) + np.float32(1.0)
+
+
+def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
+    """Load and check every tensor of the checkpoint directory `path` for `config`."""
+    path = os.fspath(path)
+    src = TensorSource(path)
+    r = _Reader(src, config)
+    layout = detect_layout(src, r.stems)
+    hf = layout == "hf"
+    c = config
+    H, V = c.hidden_size, c.vocab_size
+    out: dict = {}
+
+    def norm(stem, dim):
+        a = r.plain(stem, (dim,))
+        return _shift_norm(a) if hf else a
+
+    out["embed_tokens"] = r.linear("embed_tokens", (V, H))
+    if c.tie_word_embeddings:
+        if r.has("lm_head"):
+            r.linear("lm_head", (V, H))   # tolerated (some exports keep it); the embedding is used
+    else:
+        out["lm_head"] = r.linear("lm_head", (V, H))
+    out["norm"] = norm("norm", H)
+
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    nk, nv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        out[p + "input_layernorm"] = norm(p + "input_layernorm", H)
+        out[p + "post_attention_layernorm"] = norm(p + "post_attention_layernorm", H)
+        if c.is_full_attention(i):
+            a = p + "self_attn."
+            out[a + "q_proj"] = r.linear(a + "q_proj", (nh * hd * (2 if c.attn_output_gate else 1), H))
+            out[a + "k_proj"] = r.linear(a + "k_proj", (nkv * hd, H))
+            out[a + "v_proj"] = r.linear(a + "v_proj", (nkv * hd, H))
+            out[a + "o_proj"] = r.linear(a + "o_proj", (H, nh * hd))
+            out[a + "q_norm"] = norm(a + "q_norm", hd)
+            out[a + "k_norm"] = norm(a + "k_norm", hd)
+        else:
+            g = p + "linear_attn."
+            if r.has(g + "in_proj_qkvz"):           # qwen3_next fused layout, grouped per k-head
+                rr = nv // nk
+                qkvz = r.linear(g + "in_proj_qkvz", (2 * c.key_dim + 2 * c.value_dim, H))
+                ba = r.linear(g + "in_proj_ba", (2 * nv, H))
+                per = 2 * dk + 2 * rr * dv
+                base = np.arange(nk)[:, None] * per
+
+                def rows(start, n):
+                    return (base + start + np.arange(n)[None, :]).reshape(-1)
+
+                qkv_rows = np.concatenate([rows(0, dk), rows(dk, dk), rows(2 * dk, rr * dv)])
+                out[g + "in_proj_qkv"] = _take_rows(qkvz, qkv_rows)
+                out[g + "in_proj_z"] = _take_rows(qkvz, rows(2 * dk + rr * dv, rr * dv))
+                bbase = np.arange(nk)[:, None] * 2 * rr
+                out[g + "in_proj_b"] = _take_rows(ba, (bbase + np.arange(rr)[None, :]).reshape(-1))
+                out[g + "in_proj_a"] = _take_rows(ba, (bbase + rr + np.arange(rr)[None, :]).reshape(-1))
+            else:
+                out[g + "in_proj_qkv"] = r.linear(g + "in_proj_qkv", (c.conv_dim, H))
+                out[g + "in_proj_z"] = r.linear(g + "in_proj_z", (c.value_dim, H))
+                out[g + "in_proj_b"] = r.linear(g + "in_proj_b", (nv, H))
+                out[g + "in_proj_a"] = r.linear(g + "in_proj_a", (nv, H))
+            conv = r.plain(g + "conv1d", (c.conv_dim, 1, K) if hf else (c.conv_dim, K, 1))
+            out[g + "conv1d"] = conv.reshape(c.conv_dim, K)   # same flat memory in both layouts
+            out[g + "dt_bias"] = r.plain(g + "dt_bias", (nv,))
+            out[g + "A_log"] = np.asarray(r.plain(g + "A_log", (nv,)), dtype=np.float32)
+            out[g + "norm"] = r.plain(g + "norm", (dv,))
+            out[g + "out_proj"] = r.linear(g + "out_proj", (H, c.value_dim))
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            E, I, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            out[m + "gate"] = r.linear(m + "gate", (E, H))
+            if r.has(m + "experts.gate_up_proj"):          # HF fused experts
+                gu = r.plain(m + "experts.gate_up_proj", (E, 2 * I, H))
+                out[m + "switch_mlp.gate_proj"] = gu[:, :I, :]
+                out[m + "switch_mlp.up_proj"] = gu[:, I:, :]
+                out[m + "switch_mlp.down_proj"] = r.plain(m + "experts.down_proj", (E, H, I))
+            elif r.has(m + "experts.0.gate_proj"):         # HF per-expert keys: stack in expert order
+                for name, shp in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                    out[m + "switch_mlp." + name] = np.stack(
+                        [r.plain(f"{m}experts.{e}.{name}", shp) for e in range(E)])
+            else:
+                out[m + "switch_mlp.gate_proj"] = r.linear(m + "switch_mlp.gate_proj", (E, I, H))
+                out[m + "switch_mlp.up_proj"] = r.linear(m + "switch_mlp.up_proj", (E, I, H))
+                out[m + "switch_mlp.down_proj"] = r.linear(m + "switch_mlp.down_proj", (E, H, I))
+            if Is > 0:
+                s = m + "shared_expert."
+                out[s + "gate_proj"] = r.linear(s + "gate_proj", (Is, H))
+                out[s + "up_proj"] = r.linear(s + "up_proj", (Is, H))
+                out[s + "down_proj"] = r.linear(s + "down_proj", (H, Is))
+                out[m + "shared_expert_gate"] = r.linear(m + "shared_expert_gate", (1, H))
+        else:
+            I = c.intermediate_size
+            out[m + "gate_proj"] = r.linear(m + "gate_proj", (I, H))
+            out[m + "up_proj"] = r.linear(m + "up_proj", (I, H))
+            out[m + "down_proj"] = r.linear(m + "down_proj", (H, I))
+
+    left = r.leftovers()
+    if left:
+        k = left[0]
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise CheckpointError(f"{src.file_of(k)}: unexpected tensor {k!r}{more} — not part of a "
+                              f"{c.model_type} model with this config.json")
+    return Weights(config, out, layout, path)
+
+
+def _take_rows(t, rows):
+    if isinstance(t, QuantizedTensor):
+        return t.take_rows(rows)
+    return np.take(t, rows, axis=-2)

@@ -1,0 +1,254 @@
+"""Config parsing and the strict checkpoint loader: every malformed input names file and tensor."""
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import qwenmetal as qm
+from qwenmetal.config import ModelConfig
+from qwenmetal.errors import CheckpointError
+from qwenmetal.safetensors_io import TensorSource
+from qwenmetal.testing import PRESETS, make_checkpoint
+from qwenmetal.weights import QuantizedTensor, load_weights
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {(p, f): make_checkpoint(root / f"{p}-{f}", config=p, format=f, seed=0)
+            for p in ("tiny", "tiny-qwen3-next") for f in ("mlx-q4", "mlx-bf16", "hf-bf16")}
+
+
+def copy(src, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite(dirpath, edit):
+    """Load the (single) safetensors file, let `edit` change the dict, write it back."""
+    files = sorted(dirpath.glob("*.safetensors"))
+    assert len(files) == 1
+    src = TensorSource(dirpath)
+    tensors = {k: np.array(src.get(k)) for k in src.keys()}
+    md = src.metadata
+    del src
+    edit(tensors)
+    (dirpath / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, str(files[0]), metadata=md)
+
+
+# ---- config ------------------------------------------------------------------------------
+def test_config_from_presets_has_no_35b_constants():
+    for name, d in PRESETS.items():
+        c = ModelConfig.from_dict(d)
+        assert c.num_hidden_layers == len(c.layer_types)
+        assert "ModelConfig(" in repr(c)
+
+
+def test_config_nested_text_config_and_rope_parameters():
+    base = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "eos_token_id": 7,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            "full_attention_interval": 4}
+    c = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": base, "eos_token_id": 9,
+                               "quantization": {"bits": 4, "group_size": 64,
+                                                "language_model.model.layers.0.mlp.gate": {"bits": 8, "group_size": 64}}})
+    assert c.full_attention_layers == (3, 7) and c.rotary_dim == 8 and c.rope_theta == 1e6
+    assert c.eos_token_ids == (7, 9)
+    assert c.quantization.spec_for("language_model.model.layers.0.mlp.gate").bits == 8
+    assert c.quantization.spec_for("x").bits == 4
+    # qwen3_next: top-level rope_theta / partial_rotary_factor and explicit layer_types
+    d = dict(base, model_type="qwen3_next", rope_theta=5e5, partial_rotary_factor=0.25,
+             layer_types=["linear_attention"] * 7 + ["full_attention"], intermediate_size=64,
+             mlp_only_layers=[1], decoder_sparse_step=1)
+    d.pop("rope_parameters")
+    c = ModelConfig.from_dict(d)
+    assert c.rope_theta == 5e5 and c.rotary_dim == 4 and not c.is_moe_layer(1) and c.is_moe_layer(0)
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"model_type": "llama"}, "not supported"),
+    ({"num_attention_heads": 3}, "multiple of"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"hidden_size": "big"}, "hidden_size"),
+])
+def test_config_errors(change, msg):
+    d = json.loads(json.dumps(PRESETS["tiny-qwen3-next"]))
+    d.update(change)
+    with pytest.raises(CheckpointError, match=msg):
+        ModelConfig.from_dict(d)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        ModelConfig.from_file(tmp_path)
+
+
+# ---- layouts -----------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+def test_all_formats_load_to_the_same_model(ckpts, preset):
+    """hf-bf16 and mlx-bf16 are the same bf16 weights: equal after sanitize; mlx-q4 is their quantization."""
+    w = {f: load_weights(ckpts[preset, f], ModelConfig.from_file(ckpts[preset, f]))
+         for f in ("hf-bf16", "mlx-bf16", "mlx-q4")}
+    assert w["hf-bf16"].layout == "hf" and w["mlx-bf16"].layout == "mlx" and w["mlx-q4"].layout == "mlx"
+    assert set(w["hf-bf16"].tensors) == set(w["mlx-bf16"].tensors) == set(w["mlx-q4"].tensors)
+    hf, mb, q = (x.dense_float32() for x in w.values())
+    for k in hf:
+        assert hf[k].shape == mb[k].shape == q[k].shape, k
+        if k.endswith(("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")) or k == "norm":
+            # HF adds 1 in float32, MLX files hold bf16(1 + w)
+            np.testing.assert_allclose(hf[k], mb[k], atol=2 ** -8, err_msg=k)
+        else:
+            np.testing.assert_array_equal(hf[k], mb[k], err_msg=k)
+        if isinstance(w["mlx-q4"][k], QuantizedTensor):
+            assert np.abs(q[k] - mb[k]).max() <= np.abs(mb[k]).max() * 0.2 + 1e-3, k
+    qt = w["mlx-q4"].tensors
+    router = next(k for k in qt if k.endswith("mlp.gate"))
+    assert qt[router].bits == 8 and qt["embed_tokens"].bits == 4
+
+
+def test_sharded_checkpoint_loads(ckpts, tmp_path):
+    src_dir = ckpts["tiny", "mlx-q4"]
+    dst = copy(src_dir, tmp_path)
+    src = TensorSource(dst)
+    tensors = {k: np.array(src.get(k)) for k in src.keys()}
+    del src
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    wm = {}
+    for fn, ks in shards.items():
+        save_file({k: tensors[k] for k in ks}, str(dst / fn), metadata={"format": "mlx"})
+        wm.update({k: fn for k in ks})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    a = qm.Model.load(src_dir, backend="reference")
+    b = qm.Model.load(dst, backend="reference")
+    ids = [1, 5, 9, 2]
+    np.testing.assert_array_equal(a.prefill(a.new_session(), ids), b.prefill(b.new_session(), ids))
+
+
+# ---- strictness ----------------------------------------------------------------------------
+def _first(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix))
+
+
+def test_missing_tensor(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
+    rewrite(d, lambda t: t.pop(_first(t, "linear_attn.dt_bias")))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers\.0\.linear_attn\.dt_bias'"):
+        qm.Model.load(d, backend="reference")
+
+
+def test_wrong_shape(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "hf-bf16"], tmp_path)
+    def edit(t):
+        k = _first(t, "post_attention_layernorm.weight")
+        t[k] = np.concatenate([t[k], t[k][:1]])
+    rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor '.*post_attention_layernorm\.weight': shape"):
+        qm.Model.load(d, backend="reference")
+
+
+def test_wrong_dtype(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
+    def edit(t):
+        k = _first(t, "linear_attn.norm.weight")
+        t[k] = t[k].astype(np.float32).astype(np.int32)
+    rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=r"tensor '.*linear_attn\.norm\.weight': dtype I32"):
+        qm.Model.load(d, backend="reference")
+
+
+def test_quantized_missing_biases_and_wrong_bits(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
+    rewrite(d, lambda t: t.pop(_first(t, "o_proj.biases")))
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight'.*lacks '.*o_proj\.biases'"):
+        qm.Model.load(d, backend="reference")
+    # a 4-bit router contradicts the 8-bit per-path override in config.json
+    d2 = tmp_path / "ck2"
+    shutil.copytree(ckpts["tiny", "mlx-q4"], d2)
+    def edit(t):
+        from qwenmetal.quant import quantize
+        stem = _first(t, "mlp.gate.weight")[: -len(".weight")]
+        w = np.asarray(qm.weights.QuantizedTensor(t[stem + ".weight"], t[stem + ".scales"], t[stem + ".biases"],
+                                                  8, 64).dequantize())
+        t[stem + ".weight"], t[stem + ".scales"], t[stem + ".biases"] = quantize(w, 4, 64)
+    rewrite(d2, edit)
+    with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight'.*4-bit group 64.*8-bit"):
+        qm.Model.load(d2, backend="reference")
+
+
+def test_unknown_leftover_tensor_but_mtp_and_vision_are_dropped(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "hf-bf16"], tmp_path)
+    rewrite(d, lambda t: t.update({"mtp.fc.weight": np.zeros((4, 4), np.float32),
+                                   "model.visual.patch_embed.weight": np.zeros((2,), ml_dtypes.bfloat16)}))
+    qm.Model.load(d, backend="reference")
+    rewrite(d, lambda t: t.update({"model.layers.0.mlp.mystery.weight": np.zeros((4,), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.mystery\.weight'"):
+        qm.Model.load(d, backend="reference")
+
+
+def test_truncated_file_and_bad_header(ckpts, tmp_path):
+    d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
+    f = next(d.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor '.*': data ends at byte"):
+        qm.Model.load(d, backend="reference")
+    f.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated file"):
+        qm.Model.load(d, backend="reference")
+    n = int.from_bytes(data[:8], "little")
+    f.write_bytes(data[:8] + b"{" * n + data[8 + n:])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: header is not valid JSON"):
+        qm.Model.load(d, backend="reference")
+    f.write_bytes((10 ** 12).to_bytes(8, "little") + data[8:])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: bad header length"):
+        qm.Model.load(d, backend="reference")
+
+
+def test_missing_config_and_files(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        qm.Model.load(tmp_path, backend="reference")
+    with pytest.raises(CheckpointError, match="no such directory"):
+        qm.Model.load(tmp_path / "nope" / "deeper", backend="reference")
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        qm.Model.load(tmp_path, backend="reference")
+
+
+def test_unknown_backend(ckpts):
+    with pytest.raises(ValueError, match="unknown backend"):
+        qm.Model.load(ckpts["tiny", "mlx-q4"], backend="cuda")
+
+
+def test_weights_are_memory_mapped_views(ckpts):
+    w = load_weights(ckpts["tiny", "mlx-q4"], ModelConfig.from_file(ckpts["tiny", "mlx-q4"]))
+    e = w["embed_tokens"]
+    assert isinstance(e, QuantizedTensor)
+    assert not e.weight.flags.owndata and not e.weight.flags.writeable
+
+
+def test_core_dequantize_matches_numpy():
+    from qwenmetal import _core
+    from qwenmetal.quant import dequantize, quantize
+    rng = np.random.default_rng(0)
+    for bits in (4, 8):
+        for gs in (32, 64, 128):
+            w = rng.normal(size=(7, 256)).astype(np.float32)
+            q, s, b = quantize(w, bits, gs)
+            ref = dequantize(q, s, b, bits, gs)
+            got = _core.dequantize_affine(np.ascontiguousarray(q), s.astype(np.float32), b.astype(np.float32),
+                                          bits, gs)
+            np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="group_size"):
+        _core.dequantize_affine(q, s.astype(np.float32), b.astype(np.float32), 8, 48)

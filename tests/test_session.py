@@ -44,7 +44,7 @@ def test_decode_equals_prefill_logits(model):
     for j in range(3, len(ids)):
         np.testing.assert_allclose(model.decode_step(s, ids[j]), full[j], atol=2e-5 * np.abs(full).max())
     assert model.prefill(model.new_session(), ids, return_logits="none") is None
-    np.testing.assert_array_equal(model.prefill(model.new_session(), ids), full[-1])
+    np.testing.assert_allclose(model.prefill(model.new_session(), ids), full[-1], atol=1e-5)  # 1-row vs L-row GEMM
 
 
 def test_fork_is_independent(model):

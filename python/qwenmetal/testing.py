@@ -1,0 +1,822 @@
+"""Deterministic tiny checkpoints in the real on-disk formats, for tests and demos.
+
+``make_checkpoint(dir, config="tiny", format="mlx-q4", seed=0)`` writes a complete checkpoint directory:
+
+* ``"hf-bf16"``  -- what transformers' ``save_pretrained`` writes: for ``qwen3_5_moe`` (nested
+  ``text_config``) the ``Qwen3_5MoeForConditionalGeneration`` layout (``model.language_model.*``,
+  ``lm_head.weight``, ``model.visual.*`` when the config has a ``vision_config``), for
+  ``qwen3_5_moe_text`` the ``Qwen3_5MoeForCausalLM`` layout (``model.layers.*``), both with fused experts
+  (``save_original_format=False``); for ``qwen3_next`` the ``Qwen3NextForCausalLM`` layout (fused
+  ``in_proj_qkvz``/``in_proj_ba``, per-expert keys). bf16, except ``A_log`` which is float32 as in
+  Qwen's own releases. Norms are zero-centred (the model applies ``1 + w``).
+* ``"mlx-bf16"`` -- what ``mlx_lm.convert`` writes from that HF checkpoint: sanitized keys, experts
+  stacked into ``switch_mlp``, conv1d ``[C, K, 1]``, ``bf16(1 + w)`` norms.
+* ``"mlx-q4"`` / ``"mlx-q8"`` -- ``mlx_lm.convert -q --q-bits 4|8 --q-group-size 64``: every Linear /
+  Embedding / SwitchLinear with an input dim divisible by 64 affine-quantized (uint32 weights, scales
+  and biases in the weight dtype), router ``mlp.gate`` and ``mlp.shared_expert_gate`` at 8 bits, the
+  ``quantization`` block (+ per-path overrides) in config.json, duplicated as ``quantization_config``.
+
+mlx-lm has no ``qwen3_5_moe_text`` model: for that model type the MLX formats wrap the text config the way
+the real multimodal checkpoint does (``{"model_type": "qwen3_5_moe", "text_config": {...}}``) -- the
+result is what ``mlx_lm.convert`` makes of the same weights under the nested config.
+
+Every format also gets ``tokenizer.json`` (a byte-level BPE trained here on a built-in corpus, with the
+Qwen pre-tokenizer and the real special tokens), ``tokenizer_config.json`` (with the chat template and
+``added_tokens_decoder``), ``chat_template.jinja`` and ``generation_config.json``.
+
+The weights are drawn from ``seed`` per tensor name, in float32, then rounded to bf16: the same seed is the
+same logical model in every format (mlx-q4 is the quantization of exactly the hf-bf16 weights).
+Same arguments -> byte-identical files. The directory appears atomically (written to a temporary
+sibling, then renamed), so a half-written one is never mistaken for a checkpoint.
+
+Verified against the real tools in ``tests/test_fixtures.py``.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+from .quant import quantize
+
+__all__ = ["PRESETS", "FORMATS", "SPECIAL_TOKENS", "BPE_VOCAB_SIZE", "CHAT_TEMPLATE",
+           "make_checkpoint", "cached_checkpoint", "hf_tensors", "mlx_tensors", "build_tokenizer",
+           "wrap_text_config"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FORMATS = ("hf-bf16", "mlx-bf16", "mlx-q4", "mlx-q8")
+FIXTURE_VERSION = 1          # bump when generated content changes (invalidates cached_checkpoint)
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------
+BPE_VOCAB_SIZE = 400         # 256 byte symbols + 144 merges; the added tokens follow
+# (content, special) in id order, a subset of Qwen's in Qwen's order
+_ADDED_TOKENS = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+)
+SPECIAL_TOKENS = {tok: BPE_VOCAB_SIZE + i for i, (tok, _) in enumerate(_ADDED_TOKENS)}
+ENDOFTEXT, IM_START, IM_END = SPECIAL_TOKENS["<|endoftext|>"], SPECIAL_TOKENS["<|im_start|>"], SPECIAL_TOKENS["<|im_end|>"]
+
+# Qwen3.5 (HF Qwen3_5Tokenizer) and Qwen2/Qwen3/Qwen3-Next (Qwen2Tokenizer) pre-tokenizer regexes
+_QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the model thinks about the next token.
+A hybrid model mixes gated delta networks with full attention every fourth layer.
+Each token picks two of eight experts, and a shared expert always runs beside them.
+Weights are stored as four-bit integers with one scale and one bias for every group of sixty-four.
+The scale may be negative; the bias is the value at the edge of the group.
+<|im_start|>user
+What is the capital of France?<|im_end|>
+<|im_start|>assistant
+<think>
+The user asks about geography. Paris is the capital.
+</think>
+
+The capital of France is Paris.<|im_end|>
+def forward(self, x):
+    h = self.norm(x)
+    return x + self.mixer(h)
+for i in range(10):
+    print(i * i, "squared")
+if (a > b) { return a - b; } else { return b - a; }
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 1234 3.14159 2026-01-01 100%
+Ünïcödé tëxt: café, naïve, façade, Straße, Ærø, smörgåsbord, crème brûlée.
+Greek: αβγ δέλτα; Cyrillic: привет мир; Hebrew: שלום; Arabic: مرحبا
+中文：你好，世界。日本語：こんにちは。한국어: 안녕하세요.
+Emoji: 🙂 👍🏽 👨‍👩‍👧 🚀 — and symbols: ©®™ ±×÷ ≤≥ ∑∫ → ←
+She said "it's fine", we'll see; they're here, I'm there, you've won, he'd go.
+<tool_call>
+<function=get_weather>
+<parameter=city>
+Berlin
+</parameter>
+</function>
+</tool_call>
+<tool_response>
+{"temperature": 21, "unit": "celsius"}
+</tool_response>
+   indented line with    several   spaces	and a tab
+The end of the corpus; the end of the story. The end.
+"""
+
+# A compact Qwen3.5-style chat template (model-spec §8.4): optional system turn (with the XML tool-call
+# instructions when tools are given), trimmed user turns, assistant turns with a <think> block only after
+# the last real user query (or with preserve_thinking), XML tool calls, grouped tool responses, and the
+# generation prompt "<|im_start|>assistant\n<think>\n" (or an empty think block if enable_thinking=false).
+CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is string -%}{{- part -}}
+            {%- elif part is mapping and part.type == 'text' -%}{{- part.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none -%}
+        {{- content | string -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if not messages -%}
+    {{- raise_exception('No messages provided.') -}}
+{%- endif -%}
+{%- set has_system = messages[0].role == 'system' -%}
+{%- if tools is defined and tools -%}
+    {{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' ~ (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format\n- Required parameters MUST be specified\n- Reasoning about a call may come BEFORE the call, never after it\n- Without a suitable function, answer normally\n</IMPORTANT>' -}}
+    {%- if has_system -%}
+        {%- set sys = text_of(messages[0].content) | trim -%}
+        {%- if sys -%}
+            {{- '\n\n' ~ sys -}}
+        {%- endif -%}
+    {%- endif -%}
+    {{- '<|im_end|>\n' -}}
+{%- elif has_system -%}
+    {{- '<|im_start|>system\n' ~ (text_of(messages[0].content) | trim) ~ '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for m in messages -%}
+    {%- if m.role == 'user' -%}
+        {%- set c = text_of(m.content) | trim -%}
+        {%- if not (c.startswith('<tool_response>') and c.endswith('</tool_response>')) -%}
+            {%- set ns.last_query = loop.index0 -%}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if ns.last_query < 0 -%}
+    {{- raise_exception('No user query found in messages.') -}}
+{%- endif -%}
+{%- for m in messages -%}
+    {%- set content = text_of(m.content) -%}
+    {%- if m.role == 'system' -%}
+        {%- if not loop.first -%}
+            {{- raise_exception('The system message must come first.') -}}
+        {%- endif -%}
+    {%- elif m.role == 'user' -%}
+        {{- '<|im_start|>user\n' ~ (content | trim) ~ '<|im_end|>\n' -}}
+    {%- elif m.role == 'assistant' -%}
+        {%- set reasoning = '' -%}
+        {%- if m.reasoning_content is string -%}
+            {%- set reasoning = m.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+            {%- set content = content.split('</think>')[-1] -%}
+        {%- endif -%}
+        {%- set content = content | trim -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if loop.index0 > ns.last_query or preserve_thinking is true -%}
+            {{- '<think>\n' ~ (reasoning | trim) ~ '\n</think>\n\n' -}}
+        {%- endif -%}
+        {{- content -}}
+        {%- if m.tool_calls -%}
+            {%- for call in m.tool_calls -%}
+                {%- set fn = call.function if call.function is defined else call -%}
+                {%- if not loop.first -%}
+                    {{- '\n' -}}
+                {%- elif content -%}
+                    {{- '\n\n' -}}
+                {%- endif -%}
+                {{- '<tool_call>\n<function=' ~ fn.name ~ '>\n' -}}
+                {%- if fn.arguments is mapping -%}
+                    {%- for key, value in fn.arguments | items -%}
+                        {{- '<parameter=' ~ key ~ '>\n' -}}
+                        {%- if value is string -%}{{- value -}}{%- else -%}{{- value | tojson -}}{%- endif -%}
+                        {{- '\n</parameter>\n' -}}
+                    {%- endfor -%}
+                {%- elif fn.arguments is string -%}
+                    {{- fn.arguments ~ '\n' -}}
+                {%- endif -%}
+                {{- '</function>\n</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif m.role == 'tool' -%}
+        {%- if loop.first or loop.previtem.role != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' ~ content ~ '\n</tool_response>' -}}
+        {%- if loop.last or loop.nextitem.role != 'tool' -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- else -%}
+        {{- raise_exception('Unexpected message role: ' ~ m.role) -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- else -%}
+        {{- '<think>\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
+
+def _family(cfg: Mapping[str, Any]) -> str:
+    mt = cfg.get("model_type")
+    if mt == "qwen3_next":
+        return "qwen3_next"
+    if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return "qwen3_5"
+    raise ValueError(f"model_type {mt!r} is not supported (qwen3_5_moe, qwen3_5_moe_text, qwen3_next)")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(family: str) -> str:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
+
+    regex = _QWEN2_REGEX if family == "qwen3_next" else _QWEN35_REGEX
+
+    def pipeline(tok):
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    trainer_tok = pipeline(Tokenizer(models.BPE(unk_token=None)))
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, min_frequency=1, show_progress=False,
+                                  special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer_tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab, merges = trained["vocab"], [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                                       for m in trained["merges"]]
+    if len(vocab) != BPE_VOCAB_SIZE:
+        raise RuntimeError(f"BPE training gave {len(vocab)} tokens, expected {BPE_VOCAB_SIZE}")
+    # the same model with the settings transformers' Qwen tokenizers use (so a save_pretrained round
+    # trip, as mlx_lm.convert does, rewrites the file unchanged)
+    tok = pipeline(Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, dropout=None,
+                                        continuing_subword_prefix="", end_of_word_suffix="",
+                                        fuse_unk=False, byte_fallback=False)))
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+    for content, special in _ADDED_TOKENS:
+        t = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        if special:
+            tok.add_special_tokens([t])
+        else:
+            tok.add_tokens([t])
+    if tok.get_vocab_size() != BPE_VOCAB_SIZE + len(_ADDED_TOKENS) or \
+            tok.token_to_id("<|endoftext|>") != ENDOFTEXT or tok.token_to_id("</think>") != SPECIAL_TOKENS["</think>"]:
+        raise RuntimeError("unexpected tokenizer ids")
+    return tok.to_str(pretty=True)
+
+
+def build_tokenizer(config: str | Mapping[str, Any] = "tiny"):
+    """The fixture tokenizer (a ``tokenizers.Tokenizer``) for a preset name or config dict."""
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(_tokenizer_json(_family(_resolve_config(config))))
+
+
+def _tokenizer_config(family: str) -> dict:
+    decoder = {}
+    for content, special in _ADDED_TOKENS:
+        decoder[str(SPECIAL_TOKENS[content])] = {"content": content, "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": special}
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer" if family == "qwen3_next" else "Qwen3_5Tokenizer",
+        "unk_token": None,
+    }
+
+
+def _generation_config() -> dict:
+    return {"bos_token_id": ENDOFTEXT, "do_sample": True, "eos_token_id": [IM_END, ENDOFTEXT],
+            "pad_token_id": ENDOFTEXT, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
+
+
+# --------------------------------------------------------------------------------------------------
+# presets (config.json dicts, in the schema transformers 5 writes them)
+# --------------------------------------------------------------------------------------------------
+def _text_config(model_type: str, **extra) -> dict:
+    d = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": ENDOFTEXT,
+        "full_attention_interval": 4,      # mlx-lm reads this (and ignores layer_types)
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 4096,
+        "model_type": model_type,
+        "moe_intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 64,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 512,
+    }
+    d.update(extra)
+    return dict(sorted(d.items()))
+
+
+def _presets() -> dict:
+    text = _text_config("qwen3_5_moe_text")
+    nested_text = dict(text)
+    tiny = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "dtype": "bfloat16",
+        "image_token_id": SPECIAL_TOKENS["<|image_pad|>"],
+        "model_type": "qwen3_5_moe",
+        "text_config": nested_text,
+        "tie_word_embeddings": False,
+        "video_token_id": SPECIAL_TOKENS["<|video_pad|>"],
+        "vision_config": {
+            "depth": 1, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 32, "in_channels": 3,
+            "initializer_range": 0.02, "intermediate_size": 64, "model_type": "qwen3_5_moe_vision",
+            "num_heads": 2, "num_position_embeddings": 64, "out_hidden_size": 128, "patch_size": 16,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"}, "spatial_merge_size": 2,
+            "temporal_patch_size": 2},
+        "vision_end_token_id": SPECIAL_TOKENS["<|vision_end|>"],
+        "vision_start_token_id": SPECIAL_TOKENS["<|vision_start|>"],
+    }
+    tiny_text = dict(text, architectures=["Qwen3_5MoeForCausalLM"], dtype="bfloat16")
+    nxt = _text_config(
+        "qwen3_next", architectures=["Qwen3NextForCausalLM"], dtype="bfloat16", eos_token_id=IM_END,
+        decoder_sparse_step=1, intermediate_size=128, mlp_only_layers=[], norm_topk_prob=True,
+        rope_parameters={"partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rope_type": "default"},
+        # mlx-lm's qwen3_next ModelArgs requires these two at the top level (transformers 5 nests them)
+        rope_theta=10000000.0, partial_rotary_factor=0.25)
+    return {"tiny": tiny, "tiny-text": dict(sorted(tiny_text.items())), "tiny-qwen3-next": nxt}
+
+
+#: Preset name -> config.json dict. ``tiny``: Qwen3.5/3.6-MoE as released (``qwen3_5_moe`` with a nested
+#: ``text_config`` and a tiny vision config); ``tiny-text``: the same text model as transformers'
+#: ``Qwen3_5MoeForCausalLM`` saves it (``qwen3_5_moe_text``); ``tiny-qwen3-next``: Qwen3-Next.
+#: All: hidden 128, 4 layers (3 GDN + 1 attention), attention 4q/2kv x 32 (8 rotary dims, theta 1e7),
+#: GDN 2k/4v heads x 32, conv 4, 8 experts top-2 x 64 + shared 64, vocab 512 (tokenizer: 414 ids).
+#: Every linear's input dim is a multiple of 64, so 4-bit g64 quantization covers all of them.
+PRESETS: dict[str, dict] = _presets()
+
+
+def _resolve_config(config: str | Mapping[str, Any]) -> dict:
+    if isinstance(config, str):
+        try:
+            return copy.deepcopy(PRESETS[config])
+        except KeyError:
+            raise ValueError(f"unknown preset {config!r}; presets: {sorted(PRESETS)}") from None
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a preset name or a config.json dict, not {type(config).__name__}")
+    return json.loads(json.dumps(config))
+
+
+# --------------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------------
+def _rng(seed: int, name: str) -> np.random.Generator:
+    digest = hashlib.sha256(f"qwenmetal-fixture/{int(seed)}/{name}".encode()).digest()
+    return np.random.default_rng(np.frombuffer(digest[:16], dtype="<u4").astype(np.uint64))
+
+
+def _normal(seed, name, shape, std, mean=0.0):
+    return (_rng(seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean))
+
+
+def _uniform(seed, name, shape, lo, hi):
+    return _rng(seed, name).uniform(lo, hi, size=shape).astype(np.float32)
+
+
+def _bf16(a):
+    return np.asarray(a, np.float32).astype(BF16)
+
+
+def _logical_text_weights(c: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Text-model tensors by logical name (Qwen3.5 naming, no prefix), float32 -> bf16 (A_log float32)."""
+    H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    nv, dv, K = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    E, I, S = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    W, PROJ = {}, 0.04
+
+    def proj(name, shape, std=PROJ):
+        W[name] = _bf16(_normal(seed, name, shape, std))
+
+    def zc_norm(name, n):            # zero-centred RMSNorm weight (applied as 1 + w)
+        W[name] = _bf16(_normal(seed, name, (n,), 0.1))
+
+    proj("embed_tokens.weight", (c.vocab_size, H), 0.05)
+    zc_norm("norm.weight", H)
+    if not c.tie_word_embeddings:
+        proj("lm_head.weight", (c.vocab_size, H), 0.05)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        zc_norm(p + "input_layernorm.weight", H)
+        zc_norm(p + "post_attention_layernorm.weight", H)
+        if c.is_full_attention(i):
+            a = p + "self_attn."
+            proj(a + "q_proj.weight", (nh * hd * 2, H))          # per head: [query | output gate]
+            proj(a + "k_proj.weight", (nkv * hd, H))
+            proj(a + "v_proj.weight", (nkv * hd, H))
+            proj(a + "o_proj.weight", (H, nh * hd))
+            zc_norm(a + "q_norm.weight", hd)
+            zc_norm(a + "k_norm.weight", hd)
+        else:
+            g = p + "linear_attn."
+            proj(g + "in_proj_qkv.weight", (c.conv_dim, H))
+            proj(g + "in_proj_z.weight", (c.value_dim, H))
+            proj(g + "in_proj_b.weight", (nv, H))
+            proj(g + "in_proj_a.weight", (nv, H))
+            W[g + "conv1d.weight"] = _bf16(_normal(seed, g + "conv1d.weight", (c.conv_dim, 1, K), 0.3))
+            W[g + "dt_bias"] = _bf16(_uniform(seed, g + "dt_bias", (nv,), 0.0, 1.0))
+            W[g + "A_log"] = np.log(_uniform(seed, g + "A_log", (nv,), 1.0, 16.0)).astype(np.float32)
+            W[g + "norm.weight"] = _bf16(_normal(seed, g + "norm.weight", (dv,), 0.1, mean=1.0))
+            proj(g + "out_proj.weight", (H, c.value_dim))
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            proj(m + "gate.weight", (E, H), 0.1)
+            proj(m + "experts.gate_up_proj", (E, 2 * I, H))      # rows [:I] gate, [I:] up
+            proj(m + "experts.down_proj", (E, H, I))
+            proj(m + "shared_expert.gate_proj.weight", (S, H))
+            proj(m + "shared_expert.up_proj.weight", (S, H))
+            proj(m + "shared_expert.down_proj.weight", (H, S))
+            proj(m + "shared_expert_gate.weight", (1, H), 0.05)
+        else:
+            proj(m + "gate_proj.weight", (c.intermediate_size, H))
+            proj(m + "up_proj.weight", (c.intermediate_size, H))
+            proj(m + "down_proj.weight", (H, c.intermediate_size))
+    return W
+
+
+def _fuse_qwen3_next_gdn(W: dict, prefix: str, c: ModelConfig) -> None:
+    """Replace in_proj_{qkv,z,b,a} by Qwen3-Next's fused in_proj_qkvz / in_proj_ba, grouped per k-head:
+    k-head g holds [q_g | k_g | v_{g*r..g*r+r-1} | z_{same}] and [b_{same} | a_{same}], r = nv / nk."""
+    nk, dk, nv, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim
+    r, H = nv // nk, c.hidden_size
+    qkv = W.pop(prefix + "in_proj_qkv.weight")
+    q = qkv[:nk * dk].reshape(nk, dk, H)
+    k = qkv[nk * dk:2 * nk * dk].reshape(nk, dk, H)
+    v = qkv[2 * nk * dk:].reshape(nk, r * dv, H)
+    z = W.pop(prefix + "in_proj_z.weight").reshape(nk, r * dv, H)
+    W[prefix + "in_proj_qkvz.weight"] = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
+    b = W.pop(prefix + "in_proj_b.weight").reshape(nk, r, H)
+    a = W.pop(prefix + "in_proj_a.weight").reshape(nk, r, H)
+    W[prefix + "in_proj_ba.weight"] = np.concatenate([b, a], axis=1).reshape(-1, H)
+
+
+def _vision_weights(vc: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """``model.visual.*`` of Qwen3_5MoeVisionModel (the engine ignores them; real checkpoints have them)."""
+    h, inter, m = vc["hidden_size"], vc["intermediate_size"], vc.get("spatial_merge_size", 2)
+    ps, tps, ch = vc.get("patch_size", 16), vc.get("temporal_patch_size", 2), vc.get("in_channels", 3)
+    W = {}
+
+    def t(name, shape, std=0.02, mean=0.0):
+        W["model.visual." + name] = _bf16(_normal(seed, "visual." + name, shape, std, mean))
+
+    t("patch_embed.proj.weight", (h, ch, tps, ps, ps))
+    t("patch_embed.proj.bias", (h,))
+    t("pos_embed.weight", (vc["num_position_embeddings"], h))
+    for i in range(vc["depth"]):
+        b = f"blocks.{i}."
+        for n in ("norm1", "norm2"):
+            t(b + n + ".weight", (h,), 0.1, 1.0)
+            t(b + n + ".bias", (h,))
+        t(b + "attn.qkv.weight", (3 * h, h))
+        t(b + "attn.qkv.bias", (3 * h,))
+        t(b + "attn.proj.weight", (h, h))
+        t(b + "attn.proj.bias", (h,))
+        t(b + "mlp.linear_fc1.weight", (inter, h))
+        t(b + "mlp.linear_fc1.bias", (inter,))
+        t(b + "mlp.linear_fc2.weight", (h, inter))
+        t(b + "mlp.linear_fc2.bias", (h,))
+    merged = h * m * m
+    t("merger.norm.weight", (h,), 0.1, 1.0)
+    t("merger.norm.bias", (h,))
+    t("merger.linear_fc1.weight", (merged, merged))
+    t("merger.linear_fc1.bias", (merged,))
+    t("merger.linear_fc2.weight", (vc["out_hidden_size"], merged))
+    t("merger.linear_fc2.bias", (vc["out_hidden_size"],))
+    return W
+
+
+def _check_supported(cfg: dict, c: ModelConfig) -> None:
+    text = cfg.get("text_config", cfg) if cfg["model_type"] == "qwen3_5_moe" else cfg
+    if text.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported by the fixtures")
+    if not c.attn_output_gate:
+        raise ValueError("attn_output_gate=false is not supported (these models always gate attention)")
+    if c.num_experts and c.shared_expert_intermediate_size <= 0:
+        raise ValueError("MoE layers need shared_expert_intermediate_size > 0")
+
+
+def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
+    """The tensors of the ``hf-bf16`` checkpoint, by file key (see the module docstring)."""
+    cfg = _resolve_config(config)
+    c = ModelConfig.from_dict(cfg)
+    _check_supported(cfg, c)
+    fam = _family(cfg)
+    W = _logical_text_weights(c, seed)
+    if fam == "qwen3_next":
+        for i in c.linear_attention_layers:
+            _fuse_qwen3_next_gdn(W, f"layers.{i}.linear_attn.", c)
+        for i in range(c.num_hidden_layers):
+            if not c.is_moe_layer(i):
+                continue
+            m, I = f"layers.{i}.mlp.", c.moe_intermediate_size
+            gate_up, down = W.pop(m + "experts.gate_up_proj"), W.pop(m + "experts.down_proj")
+            for e in range(c.num_experts):
+                W[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :I])
+                W[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, I:])
+                W[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e])
+    prefix = "model.language_model." if cfg["model_type"] == "qwen3_5_moe" else "model."
+    out = {("lm_head.weight" if k == "lm_head.weight" else prefix + k): v for k, v in W.items()}
+    if cfg["model_type"] == "qwen3_5_moe" and cfg.get("vision_config"):
+        out.update(_vision_weights(cfg["vision_config"], seed))
+    return out
+
+
+# ---- HF -> MLX, as mlx_lm.convert does it ----------------------------------------------------------
+_NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                  ".q_norm.weight", ".k_norm.weight")
+
+
+def _mlx_sanitize(hf: dict[str, np.ndarray], cfg: dict, c: ModelConfig) -> dict[str, np.ndarray]:
+    """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors."""
+    fam = _family(cfg)
+    w = {}
+    if fam == "qwen3_5":
+        for k, v in hf.items():
+            if k.startswith(("vision_tower", "model.visual")):
+                continue
+            if k.startswith("model.language_model"):
+                k = k.replace("model.language_model", "language_model.model")
+            elif not k.startswith("language_model."):
+                k = "language_model." + k
+            w[k] = v
+        for i in range(c.num_hidden_layers):
+            p = f"language_model.model.layers.{i}.mlp"
+            if f"{p}.experts.gate_up_proj" in w:
+                gu = w.pop(f"{p}.experts.gate_up_proj")
+                mid = gu.shape[-2] // 2
+                w[f"{p}.switch_mlp.gate_proj.weight"] = np.ascontiguousarray(gu[..., :mid, :])
+                w[f"{p}.switch_mlp.up_proj.weight"] = np.ascontiguousarray(gu[..., mid:, :])
+                w[f"{p}.switch_mlp.down_proj.weight"] = w.pop(f"{p}.experts.down_proj")
+        shift = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in w.items())
+    else:
+        moe_layers = sorted(int(k.split(".")[2]) for k in hf
+                            if k.startswith("model.layers.") and k.endswith(".mlp.experts.0.up_proj.weight"))
+        if not moe_layers:
+            raise ValueError("mlx-lm's qwen3_next sanitize needs at least one MoE layer")
+        w = dict(hf)
+        for i in moe_layers:
+            p = f"model.layers.{i}.mlp"
+            for n in ("up_proj", "down_proj", "gate_proj"):
+                w[f"{p}.switch_mlp.{n}.weight"] = np.stack(
+                    [w.pop(f"{p}.experts.{e}.{n}.weight") for e in range(c.num_experts)])
+        shift = True
+    w = {k: v for k, v in w.items() if "mtp." not in k}
+    for k, v in list(w.items()):
+        if "conv1d.weight" in k and v.shape[-1] != 1:
+            w[k] = np.ascontiguousarray(np.moveaxis(v, 2, 1))
+        if shift and k.endswith(_NORM_SUFFIXES) and v.ndim == 1:
+            w[k] = (v.astype(np.float32) + np.float32(1.0)).astype(v.dtype)     # bf16 + 1.0 in MLX
+    return w
+
+
+def _convert_dtype(cfg: dict):
+    """The dtype ``mlx_lm.convert`` casts to (``torch_dtype``, else text_config's ``dtype``), if any."""
+    dt = cfg.get("torch_dtype")
+    if dt is None and cfg.get("text_config"):
+        dt = cfg["text_config"].get("dtype")
+    return {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}.get(dt)
+
+
+def _mlx_quantize(w: dict, cfg: dict, c: ModelConfig, bits: int, group_size: int):
+    """``mlx_lm.utils.quantize_model`` with the model's ``quant_predicate``. Returns (tensors, overrides)."""
+    fam = _family(cfg)
+    use_predicate = fam == "qwen3_next" or c.num_experts > 0
+    out, overrides = {}, {}
+    for k, v in w.items():
+        path = k[:-len(".weight")] if k.endswith(".weight") else None
+        quantizable = (path is not None and v.ndim >= 2 and "conv1d" not in k and not k.startswith("vision"))
+        if not quantizable or v.shape[-1] % group_size:
+            out[k] = v
+            continue
+        b, g = bits, group_size
+        if use_predicate and (path.endswith("mlp.gate") or path.endswith("shared_expert_gate")):
+            b, g = 8, 64
+            overrides[path] = {"group_size": 64, "bits": 8}
+        out[k], out[path + ".scales"], out[path + ".biases"] = quantize(v, b, g, scale_dtype=v.dtype)
+
+    def order(path):        # module traversal order: layer index, then gate before shared_expert_gate
+        parts = path.split(".")
+        i = parts.index("layers")
+        return int(parts[i + 1]), path.endswith("shared_expert_gate")
+
+    return out, {p: overrides[p] for p in sorted(overrides, key=order)}
+
+
+def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
+                seed: int = 0) -> dict[str, np.ndarray]:
+    """The tensors of an MLX-format checkpoint (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``), by file key."""
+    return _mlx_build(_resolve_config(config), format, seed)[0]
+
+
+def _mlx_build(cfg: dict, format: str, seed: int):
+    c = ModelConfig.from_dict(cfg)
+    hf = hf_tensors(cfg, seed)
+    w = _mlx_sanitize(hf, cfg, c)
+    dt = _convert_dtype(cfg)
+    if dt is not None:
+        keep_a_log = _family(cfg) == "qwen3_5"            # qwen3_5's cast_predicate skips A_log
+        w = {k: (v if (keep_a_log and k.endswith("A_log")) else v.astype(dt)) for k, v in w.items()}
+    overrides = None
+    if format in ("mlx-q4", "mlx-q8"):
+        bits = 4 if format == "mlx-q4" else 8
+        w, overrides = _mlx_quantize(w, cfg, c, bits, 64)
+        overrides = {"group_size": 64, "bits": bits, "mode": "affine", **overrides}
+    elif format != "mlx-bf16":
+        raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
+    return w, overrides
+
+
+def _total_parameters(w: dict[str, np.ndarray], quant: dict | None) -> int:
+    # mlx_lm.utils.get_total_parameters: logical sizes of the *leaf* modules' parameters. A_log and
+    # dt_bias belong to the (non-leaf) GatedDeltaNet module, so they are not counted.
+    n = 0
+    for k, v in w.items():
+        if k.endswith((".A_log", ".dt_bias")):
+            continue
+        if k.endswith((".scales", ".biases")) and k[:-7] + ".weight" in w and w[k[:-7] + ".weight"].dtype == np.uint32:
+            continue
+        if k.endswith(".weight") and v.dtype == np.uint32:
+            path = k[:-len(".weight")]
+            bits = (quant.get(path) or quant)["bits"]
+            n += v.size * 32 // bits
+        else:
+            n += v.size
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------------
+def _hf_config_text(cfg: dict) -> str:
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+
+def wrap_text_config(text_cfg: Mapping[str, Any]) -> dict:
+    """A ``qwen3_5_moe_text`` config.json dict wrapped the way the released multimodal checkpoint nests it
+    (``{"model_type": "qwen3_5_moe", "text_config": {...}}``) -- the only form mlx-lm loads."""
+    text = {k: v for k, v in text_cfg.items() if k not in ("architectures", "dtype")}
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "dtype": text_cfg.get("dtype", "bfloat16"),
+            "model_type": "qwen3_5_moe", "text_config": text,
+            "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False)}
+
+
+def _mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None) -> str:
+    """The config.json ``mlx_lm.convert`` writes, from the HF config.json text (same steps, same order)."""
+    cfg = json.loads(hf_config_text)
+    if cfg["model_type"] == "qwen3_5_moe_text":                   # mlx-lm has no such model: wrap it
+        cfg = wrap_text_config(cfg)
+    if gen.get("eos_token_id"):                                   # utils.load_config
+        cfg["eos_token_id"] = gen["eos_token_id"]
+    text = cfg.get("text_config") if cfg["model_type"] == "qwen3_5_moe" else None
+    if text is not None:                                          # qwen3_5 TextModelArgs.__post_init__
+        rp = text.get("rope_parameters")
+        if rp and "type" not in rp and "rope_type" in rp:
+            rp["type"] = rp.pop("rope_type")
+    if quant is not None:                                         # quantize_model + save_config
+        cfg["quantization"] = quant
+        cfg["quantization_config"] = quant
+    cfg.pop("_name_or_path", None)
+    cfg.pop("vision_config", None)
+    return json.dumps(dict(sorted(cfg.items())), indent=4)
+
+
+def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
+    from safetensors.numpy import save_file
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": fmt})
+    os.chmod(path, 0o644)           # the writer creates it owner-only
+
+
+_MLX_README = "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n"
+
+
+def _write_checkpoint(d: Path, cfg: dict, format: str, seed: int) -> None:
+    fam = _family(cfg)
+    gen = _generation_config()
+    hf_cfg_text = _hf_config_text(cfg)
+    if format == "hf-bf16":
+        _save_safetensors(d / "model.safetensors", hf_tensors(cfg, seed), "pt")
+        (d / "config.json").write_text(hf_cfg_text, encoding="utf-8")
+    else:
+        w, quant = _mlx_build(cfg, format, seed)
+        _save_safetensors(d / "model.safetensors", w, "mlx")
+        index = {"metadata": {"total_size": int(sum(v.nbytes for v in w.values())),
+                              "total_parameters": int(_total_parameters(w, quant))},
+                 "weight_map": {k: "model.safetensors" for k in sorted(w)}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=4), encoding="utf-8")
+        (d / "config.json").write_text(_mlx_config_text(hf_cfg_text, gen, quant), encoding="utf-8")
+        (d / "README.md").write_text(_MLX_README, encoding="utf-8")
+    (d / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (d / "tokenizer.json").write_text(_tokenizer_json(fam), encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(fam), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
+                    seed: int = 0) -> Path:
+    """Write a complete checkpoint directory at ``dir`` and return its path.
+
+    ``config``: a :data:`PRESETS` name or a config.json dict (same schema as a real config.json);
+    ``format``: one of :data:`FORMATS`. ``dir`` must not exist or be an empty directory. The checkpoint is
+    built in a temporary sibling directory and renamed into place.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
+    cfg = _resolve_config(config)
+    c = ModelConfig.from_dict(cfg)
+    _check_supported(cfg, c)
+    n_tok = BPE_VOCAB_SIZE + len(_ADDED_TOKENS)
+    if c.vocab_size < n_tok:
+        raise ValueError(f"vocab_size {c.vocab_size} is smaller than the fixture tokenizer ({n_tok} ids)")
+    dest = Path(dir)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest} exists and is not an empty directory")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    try:
+        _write_checkpoint(tmp, cfg, format, int(seed))
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, dest)          # also replaces an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("QWENMETAL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "qwenmetal" / "fixtures"
+
+
+def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4", seed: int = 0) -> Path:
+    """``make_checkpoint`` once per (config, format, seed, generator version) under a cache directory
+    (``$QWENMETAL_CACHE`` if set, else ``~/.cache/qwenmetal/fixtures``) and return its path."""
+    import tokenizers
+
+    cfg = _resolve_config(preset)
+    key = json.dumps({"config": cfg, "format": format, "seed": int(seed), "version": FIXTURE_VERSION,
+                      "numpy": np.__version__, "tokenizers": tokenizers.__version__}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = preset if isinstance(preset, str) else cfg.get("model_type", "custom")
+    dest = _cache_root() / f"{name}-{format}-seed{int(seed)}-{digest}"
+    if (dest / "config.json").is_file():
+        return dest
+    try:
+        return make_checkpoint(dest, cfg, format, seed)
+    except (FileExistsError, OSError):
+        if (dest / "config.json").is_file():          # built concurrently by someone else
+            return dest
+        raise

@@ -9,7 +9,6 @@
 """
 import contextlib
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -21,19 +20,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from oracles import require  # fails in CI, skips elsewhere
 from qwenmetal.config import ModelConfig
 from qwenmetal.quant import dequantize, quantize
 from qwenmetal.testing import (BPE_VOCAB_SIZE, FORMATS, PRESETS, SPECIAL_TOKENS, build_tokenizer,
                                cached_checkpoint, hf_tensors, make_checkpoint, mlx_tensors, wrap_text_config)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def require(mod):
-    """Import an oracle; a missing one skips locally but FAILS in CI (CI=true)."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(mod)
-    return pytest.importorskip(mod)
 
 
 def _next_with_dense_layer():

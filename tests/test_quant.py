@@ -1,6 +1,4 @@
 """qwenmetal.quant against MLX itself: quantize == mx.quantize and dequantize == mx.dequantize, byte for byte."""
-import importlib
-import os
 
 import ml_dtypes
 import numpy as np
@@ -9,16 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from oracles import require  # fails in CI, skips elsewhere
 from qwenmetal.quant import dequantize, infer_bits_and_group_size, pack, quantize, unpack
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def require(mod):
-    """Import an oracle; a missing one skips locally but FAILS in CI (CI=true)."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(mod)
-    return pytest.importorskip(mod)
 
 
 def _to_mx(mx, a):

@@ -173,3 +173,22 @@ def test_generate_streams_and_is_reproducible(model):
         list(model.generate("abc", max_tokens=0))
     with pytest.raises(ValueError):
         list(model.generate("abc", temperature=-1))
+
+
+@settings(max_examples=10, deadline=None)
+@given(prefix=ids_st, branch=ids_st, probe=st.integers(0, 200))
+def test_fork_and_snapshot_properties(model, prefix, branch, probe):
+    """For any history: a fork advanced on its own never changes its parent, and restoring a
+    snapshot gives back exactly the logits the session had when it was taken."""
+    s = model.new_session()
+    model.prefill(s, prefix)
+    snap = s.snapshot()
+    expect = model.decode_step(s.fork(), probe)
+    f = s.fork()
+    model.prefill(f, branch)
+    np.testing.assert_array_equal(model.decode_step(s.fork(), probe), expect)
+    model.prefill(s, branch)
+    np.testing.assert_array_equal(model.decode_step(s.fork(), probe), model.decode_step(f.fork(), probe))
+    s.restore(snap)
+    assert s.tokens == tuple(prefix)
+    np.testing.assert_array_equal(model.decode_step(s, probe), expect)

@@ -196,6 +196,9 @@ class _Reader:
         key = parts.get("weight", parts.get(""))
         if key is None:
             self._missing(stem)
+        return self._dense(key, shape)
+
+    def _dense(self, key: str, shape: tuple) -> np.ndarray:
         self._check_float(key)
         arr = self.src.get(key)
         if tuple(arr.shape) != tuple(shape):
@@ -208,19 +211,14 @@ class _Reader:
         if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{self.where(key)}: dtype {dt}, expected one of {FLOAT_DTYPES}")
 
-    def linear(self, stem: str, shape: tuple, *, reshape_from=None):
+    def linear(self, stem: str, shape: tuple):
         """A matrix (or stack) of logical `shape`: dense float or MLX affine-quantized."""
         parts = self.stems.get(stem)
         if not parts or ("weight" not in parts and "" not in parts):
             self._missing(stem)
         key = parts.get("weight", parts.get(""))
         if "scales" not in parts and "biases" not in parts:
-            self._check_float(key)
-            arr = self.src.get(key)
-            if tuple(arr.shape) != tuple(shape):
-                raise CheckpointError(f"{self.where(key)}: shape {list(arr.shape)}, expected {list(shape)}")
-            self.used.add(key)
-            return arr
+            return self._dense(key, shape)
         if "scales" not in parts or "biases" not in parts:
             missing = "scales" if "scales" not in parts else "biases"
             raise CheckpointError(f"{self.where(key)}: quantized tensor lacks '{stem}.{missing}' "

@@ -26,7 +26,6 @@ from .errors import CheckpointError
 from .tokenizer import load_tokenizer
 from .weights import load_weights
 
-BACKENDS = ("reference",)
 PLANNED_BACKENDS = ("cpu", "metal", "metal-sim")
 RETURN_LOGITS = ("last", "all", "none")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -82,6 +81,12 @@ class ReferenceBackend:
         new = state.copy()
         out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
         return new, out
+
+
+# name -> factory(weights, **options) returning a backend (see docs/architecture.md)
+BACKENDS = {"reference": ReferenceBackend}
+# what backend="auto" picks: the first of these that is available
+AUTO_ORDER = ("reference",)
 
 
 def _total_memory() -> int:
@@ -176,24 +181,25 @@ class Model:
         self.generation_config = _read_json(os.path.join(path, "generation_config.json"))
 
     @classmethod
-    def load(cls, path_or_id, backend: str = "auto", *, dtype: str = "float32", revision: str | None = None,
-             gdn_mode: str = "chunked", chunk_size: int = 64) -> "Model":
+    def load(cls, path_or_id, backend: str = "auto", *, revision: str | None = None, **options) -> "Model":
         """Load a checkpoint (local directory or hub id) onto a backend.
 
         backend: "reference" (numpy, float32 on dequantized weights) or "auto" (the fastest
-        available here). dtype (reference): "float32" or "bfloat16" (rounds where MLX rounds).
+        available here). Other keyword options go to the backend — reference: dtype
+        ("float32" | "bfloat16", rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"),
+        chunk_size (GDN prefill chunk, default 64).
         """
         if backend == "auto":
-            backend = "reference"
+            backend = next(b for b in AUTO_ORDER if b in BACKENDS)
         if backend not in BACKENDS:
             if backend in PLANNED_BACKENDS:
-                raise ValueError(f"backend {backend!r} is not available in this build; available: {BACKENDS}")
-            raise ValueError(f"unknown backend {backend!r}; available: {BACKENDS}")
+                raise ValueError(f"backend {backend!r} is not available in this build; available: {tuple(BACKENDS)}")
+            raise ValueError(f"unknown backend {backend!r}; available: {tuple(BACKENDS)}")
         path = resolve_checkpoint(path_or_id, revision)
         config = ModelConfig.from_file(path)
         weights = load_weights(path, config)
         tokenizer = load_tokenizer(path)
-        impl = ReferenceBackend(weights, dtype=dtype, gdn_mode=gdn_mode, chunk_size=chunk_size)
+        impl = BACKENDS[backend](weights, **options)
         return cls(config, weights, tokenizer, impl, path)
 
     @property

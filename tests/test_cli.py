@@ -1,4 +1,5 @@
-"""The README's first command: `qwenmetal demo` works offline on a fresh install; `info` too."""
+"""The README's first command: `qwenmetal demo` works offline on a fresh install; `info`, `generate` and the
+interactive `chat` too (convert: tests/test_convert.py; serve: tests/test_server.py)."""
 import os
 import re
 import shutil
@@ -10,13 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, tmp_path):
+def run(args, tmp_path, stdin=None):
     env = dict(os.environ, QWENMETAL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     exe = shutil.which("qwenmetal")
     if os.environ.get("CI") == "true":
         assert exe, "the qwenmetal console script is not installed"
     cmd = [exe] if exe else [sys.executable, "-m", "qwenmetal.cli"]
-    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300,
+                          input=stdin if stdin is not None else "")
 
 
 def test_demo_offline(tmp_path):
@@ -51,3 +53,52 @@ def test_readme_commands_and_ci():
     test_cmd = next(b.strip() for b in blocks if "pytest" in b)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci.splitlines(), f".ci/run must run the README's test command {test_cmd!r}"
+
+
+# ---- generate / chat ----------------------------------------------------------------------------------
+def _ckpt(tmp_path):
+    from qwenmetal.testing import make_checkpoint
+    return make_checkpoint(tmp_path / "ck", config="tiny", format="mlx-q4", seed=7)
+
+
+def test_generate_command(tmp_path):
+    import qwenmetal as qm
+
+    d = _ckpt(tmp_path)
+    m = qm.Model.load(d, backend="reference")
+    want = "".join(o.text for o in m.generate("Hello", max_tokens=8, temperature=0, ignore_eos=True))
+    ref = ["--backend", "reference"]
+    r = run(["generate", "--model", str(d), "--prompt", "Hello", "--max-tokens", "8", "--temperature", "0",
+             "--ignore-eos"] + ref, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    assert re.search(r"prompt \d+ tokens \(0 cached\).*generated 8 tokens.*finish: length", r.stderr)
+    stop = want[2:4]
+    r = run(["generate", "--model", str(d), "--prompt", "Hello", "--max-tokens", "8", "--temperature", "0",
+             "--ignore-eos", "--stop", stop, "--quiet"] + ref, tmp_path)
+    assert r.stdout == want[:want.index(stop)] + "\n" and r.stderr == ""
+    ids, head, _ = m.chat_prompt([{"role": "user", "content": "Hi there"}], enable_thinking=False)
+    want = "".join(o.text for o in m.generate(ids, max_tokens=6, temperature=0))
+    r = run(["generate", "--model", str(d), "--chat", "--no-thinking", "--max-tokens", "6", "--temperature", "0",
+             "--quiet"] + ref, tmp_path, stdin="Hi there")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    r = run(["generate", "--model", str(d), "--prompt", "x", "--temperature", "-1"], tmp_path)
+    assert r.returncode == 2 and "temperature" in r.stderr
+
+
+def test_chat_command(tmp_path):
+    d = _ckpt(tmp_path)
+    save = tmp_path / "conv.safetensors"
+    script = (f"Hello\n/stats\n/save {save}\n/reset\n/history\n/load {save}\n/history\nAnd now?\n/nope\n/exit\n")
+    r = run(["chat", "--model", str(d), "--max-tokens", "5", "--temperature", "0", "--system", "Be brief.",
+             "--backend", "reference"], tmp_path, stdin=script)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "prompt " in out and "finish: " in out                                    # /stats
+    assert "(saved 3 messages" in out and "(conversation cleared)" in out
+    assert "(loaded 3 messages" in out and "[user] Hello" in out and "[system] Be brief." in out
+    assert "unknown command /nope" in out
+    import qwenmetal as qm
+    s = qm.Session.load(save, qm.Model.load(d, backend="reference"))
+    assert [m["role"] for m in s.metadata["messages"]] == ["system", "user", "assistant"]

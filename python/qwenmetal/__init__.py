@@ -7,10 +7,12 @@
 """
 from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError
+from .generation import ChatResponse
 from .model import GenerationOutput, Model, Session, SessionSnapshot
+from .prefix_cache import PrefixCache
 from .sampling import Sampler
 
 __version__ = "0.1.0"
 
 __all__ = ["Model", "Session", "SessionSnapshot", "GenerationOutput", "ModelConfig", "QuantizationConfig",
-           "CheckpointError", "Sampler", "__version__"]
+           "CheckpointError", "Sampler", "PrefixCache", "ChatResponse", "__version__"]

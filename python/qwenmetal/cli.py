@@ -2,25 +2,105 @@
 
     qwenmetal demo                       # offline: tiny random-weight checkpoint, streamed generation
     qwenmetal demo --model mlx-community/Qwen3.6-35B-A3B-4bit
-    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes
+    qwenmetal generate --model PATH_OR_ID --prompt "Hello" [--chat] [sampling options]
+    qwenmetal chat --model PATH_OR_ID    # interactive; /reset /save /load /history /stats /help /exit
+    qwenmetal serve --model PATH_OR_ID [--port 8000] [--api-key KEY]   # OpenAI-compatible server
+    qwenmetal convert --model HF_PATH_OR_ID --out DIR [--q-bits 4]     # as mlx_lm.convert -q
+    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate
+    qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
+
+Every option is described in docs/usage.md (and docs/server.md for `serve`).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import threading
 import time
 
 DEMO_PROMPT = "The quick brown fox"
 REAL_MODEL = "mlx-community/Qwen3.6-35B-A3B-4bit"
 
 
-def _add_model_args(p, default_model=None):
-    p.add_argument("--model", default=default_model,
+def _add_model_args(p, default_model=None, required=False):
+    p.add_argument("--model", default=default_model, required=required,
                    help="checkpoint directory or Hugging Face hub id" +
-                   (" (default: a generated tiny random-weight checkpoint)" if default_model is None else ""))
+                   (" (default: a generated tiny random-weight checkpoint)" if default_model is None and not required
+                    else ""))
     p.add_argument("--backend", default="auto", help="reference | auto (default: auto)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) with a hub id")
 
 
+def _add_sampling_args(p, max_tokens=256):
+    g = p.add_argument_group("sampling (unset values come from generation_config.json)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off")
+    g.add_argument("--min-p", type=float, default=None, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=None, help="0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable); matched across tokens, not printed")
+    g.add_argument("--cache-bytes", type=float, default=None, metavar="BYTES",
+                   help="prefix cache budget in bytes (0 disables it; default: 10%% of memory, at most 8 GiB)")
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=args.seed, stop=args.stop)
+
+
+def _load(args, quiet: bool = False):
+    """Resolve (download with huggingface_hub's progress bars) and load, with a progress line on a terminal."""
+    import qwenmetal as qm
+    from .model import resolve_checkpoint
+
+    path = resolve_checkpoint(args.model, getattr(args, "revision", None))
+    show = not quiet and sys.stderr.isatty()
+    if not show:
+        model = qm.Model.load(path, backend=args.backend)
+    else:
+        from tqdm.auto import tqdm
+        box: dict = {}
+
+        def work():
+            try:
+                box["model"] = qm.Model.load(path, backend=args.backend)
+            except BaseException as e:  # re-raised in the main thread
+                box["error"] = e
+
+        th = threading.Thread(target=work, daemon=True)
+        th.start()
+        with tqdm(desc=f"loading {os.path.basename(os.path.normpath(path))}", bar_format="{desc}: {elapsed}",
+                  file=sys.stderr, leave=False) as bar:
+            while th.is_alive():
+                th.join(0.1)
+                bar.refresh()
+        if "error" in box:
+            raise box["error"]
+        model = box["model"]
+    cb = getattr(args, "cache_bytes", None)
+    if cb is not None:
+        model.prefix_cache = qm.PrefixCache(int(cb)) if cb > 0 else None
+    return model
+
+
+def _stats_line(st: dict) -> str:
+    pre = (f"{st['prefill_tokens_per_second']:.1f} tok/s prefill" if st["prefill_tokens"] else "no prefill")
+    dec = st["decode_tokens_per_second"]
+    dec = f"{dec:.1f} tok/s decode" if dec == dec else "-"
+    return (f"prompt {st['prompt_tokens']} tokens ({st['cached_tokens']} cached), {pre}; "
+            f"generated {st['generated_tokens']} tokens, {dec}; finish: {st['finish_reason']}")
+
+
+# ---------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
     import qwenmetal as qm
 
@@ -57,25 +137,234 @@ def cmd_demo(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import qwenmetal as qm
+    import numpy as np
 
-    model = qm.Model.load(args.model, backend=args.backend)
+    model = _load(args, quiet=True)
     c = model.config
     print(repr(model))
     s = model.new_session()
-    print(f"weights: {model.weights.nbytes / 2**20:.1f} MiB as stored ({model.weights.layout} layout)")
-    print(f"session state at position 0: {s.nbytes / 2**20:.2f} MiB; KV cache grows by "
-          f"{2 * len(c.full_attention_layers) * c.num_key_value_heads * c.head_dim * 2} bytes/token (bf16)")
+    kv_bf16 = 2 * len(c.full_attention_layers) * c.num_key_value_heads * c.head_dim * 2
+    fixed = s.nbytes
+    n_params = sum(int(np.prod(t.shape)) for t in model.weights.tensors.values())
+    print(f"parameters (text model): {n_params / 1e9:.3f} B" if n_params > 1e8 else
+          f"parameters (text model): {n_params / 1e6:.3f} M")
+    print(f"weights: {model.weights.nbytes / 2**20:.1f} MiB as stored ({model.weights.layout} layout); "
+          f"{model.weights.dense_float32_nbytes() / 2**20:.1f} MiB as float32 (the reference backend's copy)")
+    print(f"session state at position 0: {fixed / 2**20:.2f} MiB (conv + recurrent state); KV cache grows by "
+          f"{kv_bf16} bytes/token (bf16)")
+    print("memory estimate (weights as stored + one session, bf16 KV):")
+    for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
+        total = model.weights.nbytes + fixed + ctx * kv_bf16
+        print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
     print(f"stop ids: {list(model.eos_token_ids)}")
+    if model.generation_config:
+        print(f"generation_config: {json.dumps(model.generation_config, sort_keys=True)}")
     return 0
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    kw = _sampling_kwargs(args)
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+               [{"role": "user", "content": prompt}]
+        ids, head, _ = model.chat_prompt(msgs, enable_thinking=False if args.no_thinking else None)
+        gen = model.generate(ids, cache_points=(head,) if head else (), ignore_eos=args.ignore_eos, **kw)
+    else:
+        gen = model.generate(prompt, ignore_eos=args.ignore_eos, **kw)
+    stats = None
+    for out in gen:
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+        stats = out.stats
+    sys.stdout.write("\n")
+    if stats and not args.quiet:
+        print(_stats_line(stats), file=sys.stderr)
+    return 0
+
+
+_CHAT_HELP = """commands:
+  /reset         forget the conversation
+  /save FILE     save the conversation and its session state (safetensors)
+  /load FILE     load a saved conversation (its state goes into the prefix cache)
+  /history       print the conversation
+  /stats         statistics of the last reply
+  /help          this text
+  /exit, /quit   leave (also Ctrl-D)"""
+
+
+def _conversation_session(model, messages):
+    """A session holding exactly the rendered conversation (prefix cache first, then prefill the rest)."""
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    ids = model.tokenizer.encode(text)
+    s = model.new_session()
+    e = model.prefix_cache.lookup(ids, need_logits=False) if model.prefix_cache is not None else None
+    if e is not None:
+        s.restore(e.snapshot)
+    if s.position < len(ids):
+        model.prefill(s, ids[s.position:], return_logits="none")
+    return s
+
+
+def cmd_chat(args) -> int:
+    from .generation import ChatStreamParser, parse_assistant, prompt_opens_thinking
+    import qwenmetal as qm
+
+    model = _load(args)
+    if model.tokenizer is None or model.tokenizer.chat_template is None:
+        print("qwenmetal: error: this checkpoint has no chat template", file=sys.stderr)
+        return 2
+    tty = sys.stdout.isatty()
+    dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    last_stats = None
+    think = False if args.no_thinking else None
+    print(f"qwenmetal chat — {model.path} on {model.backend!r}. /help for commands.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/help":
+                print(_CHAT_HELP)
+            elif cmd == "/reset":
+                history = list(base)
+                print("(conversation cleared)")
+            elif cmd == "/history":
+                for m in history:
+                    print(f"[{m['role']}] {m.get('content', '')}")
+            elif cmd == "/stats":
+                print(_stats_line(last_stats) if last_stats else "(no reply yet)")
+            elif cmd == "/save":
+                if not arg:
+                    print("usage: /save FILE")
+                    continue
+                if len(history) == len(base) and not base:
+                    print("(nothing to save yet)")
+                    continue
+                try:
+                    s = _conversation_session(model, history)
+                    s.save(arg, metadata={"messages": history})
+                except (ValueError, OSError, NotImplementedError) as e:
+                    print(f"error: {e}")
+                    continue
+                print(f"(saved {len(history)} messages, {s.position} tokens to {arg})")
+            elif cmd == "/load":
+                if not arg:
+                    print("usage: /load FILE")
+                    continue
+                try:
+                    s = qm.Session.load(arg, model)
+                except (ValueError, OSError, NotImplementedError) as e:
+                    print(f"error: {e}")
+                    continue
+                msgs = s.metadata.get("messages")
+                if not isinstance(msgs, list):
+                    print(f"error: {arg} holds no conversation")
+                    continue
+                history = msgs
+                if model.prefix_cache is not None:
+                    model.prefix_cache.put(s.tokens, s.snapshot(), kind="loaded")
+                print(f"(loaded {len(history)} messages, {s.position} tokens)")
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+            continue
+        history.append({"role": "user", "content": line})
+        ids, head, text = model.chat_prompt(history, enable_thinking=think)
+        thinking = prompt_opens_thinking(text)
+        parser = ChatStreamParser(thinking, parse_tools=False)
+        pieces = []
+        mode = None
+        try:
+            for out in model.generate(ids, cache_points=(head,) if head else (), **_sampling_kwargs(args)):
+                pieces.append(out.text)
+                for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
+                    if field_ == "reasoning_content":
+                        if args.hide_thinking:
+                            continue
+                        if mode != "r":
+                            sys.stdout.write(dim + ("" if tty else "<think>\n"))
+                            mode = "r"
+                    elif mode == "r":
+                        sys.stdout.write(("" if tty else "\n</think>\n") + reset + "\n")
+                        mode = "c"
+                    sys.stdout.write(t)
+                    sys.stdout.flush()
+                if out.finish_reason:
+                    last_stats = out.stats
+        except KeyboardInterrupt:
+            print("\n(interrupted)")
+        if mode == "r":
+            sys.stdout.write(reset)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _, content, _ = parse_assistant("".join(pieces), thinking=thinking)
+        history.append({"role": "assistant", "content": content})
+        if last_stats and args.verbose:
+            print(_stats_line(last_stats), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import importlib.util
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"qwenmetal: error: the server needs the 'server' extra (missing {', '.join(missing)}): "
+              f"pip install 'qwenmetal[server]'", file=sys.stderr)
+        return 2
+    from .server import serve
+    api_key = args.api_key or os.environ.get("QWENMETAL_API_KEY") or None
+    model = _load(args)
+    name = args.served_model_name or (args.model if not os.path.isdir(args.model)
+                                      else os.path.basename(os.path.normpath(args.model)))
+    print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
+          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
+          max_queue=args.max_queue, log_level=args.log_level)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    t = time.perf_counter()
+    out = convert(args.model, args.out, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
+                  q_group_size=args.q_group_size, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                  progress=not args.quiet)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB of weights) in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import main_args
+
+    return main_args(args)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwenmetal", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
     p = sub.add_parser("demo", help="generate from a tiny offline checkpoint (or --model)")
     _add_model_args(p)
     p.add_argument("--prompt", default=DEMO_PROMPT)
@@ -83,14 +372,66 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("info", help="describe a checkpoint")
-    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face hub id")
-    p.add_argument("--backend", default="auto")
+
+    p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
+    _add_model_args(p, required=True)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    _add_model_args(p, required=True)
+    p.add_argument("--prompt", default=None, help="the prompt (default or '-': read stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--quiet", action="store_true", help="no statistics line on stderr")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history (/help for commands)")
+    _add_model_args(p, required=True)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
+    p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
+    p.add_argument("--verbose", action="store_true", help="statistics after every reply")
+    _add_sampling_args(p, max_tokens=4096)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
+    _add_model_args(p, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set QWENMETAL_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --model value "
+                   "for a hub id, the directory name for a path)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens when a chat request sets none (default: up to the context limit)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("convert", help="HF bf16 checkpoint -> MLX layout, 4-bit (as mlx_lm.convert -q)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or hub id")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--no-quantize", action="store_true", help="keep the weights unquantized (mlx_lm.convert without -q)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("bench", help="prefill/decode speed on a random real-width checkpoint (docs/benchmarks.md)")
+    from .bench import add_arguments as _bench_arguments
+    _bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, MemoryError) as e:
+    except (ValueError, MemoryError, FileExistsError) as e:
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
 

@@ -157,6 +157,24 @@ class ModelConfig:
             f"+ shared {self.shared_expert_intermediate_size}, weights {q})"
         )
 
+    def _repr_html_(self) -> str:  # Jupyter: the same facts as a table
+        from html import escape
+        nl, nf = self.num_hidden_layers, len(self.full_attention_layers)
+        q = "dense" if self.quantization is None else \
+            f"affine {self.quantization.default.bits}-bit g{self.quantization.default.group_size}"
+        rows = [
+            ("model_type", self.model_type), ("layers", f"{nl} ({nl - nf} Gated DeltaNet + {nf} attention)"),
+            ("hidden", self.hidden_size), ("vocab", self.vocab_size),
+            ("attention", f"{self.num_attention_heads} q / {self.num_key_value_heads} kv heads x {self.head_dim}, "
+                          f"rotary {self.rotary_dim}, theta {self.rope_theta:g}"),
+            ("Gated DeltaNet", f"{self.linear_num_key_heads} k / {self.linear_num_value_heads} v heads x "
+                               f"{self.linear_key_head_dim}/{self.linear_value_head_dim}, conv {self.linear_conv_kernel_dim}"),
+            ("MoE", f"{self.num_experts} experts, top-{self.num_experts_per_tok} x {self.moe_intermediate_size} "
+                    f"+ shared {self.shared_expert_intermediate_size}"),
+            ("context", self.max_position_embeddings), ("weights", q)]
+        body = "".join(f"<tr><td>{escape(str(k))}</td><td>{escape(str(v))}</td></tr>" for k, v in rows)
+        return f"<b>qwenmetal.ModelConfig</b><table>{body}</table>"
+
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -23,8 +22,11 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .generation import ChatResponse, GenerationOutput
+from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
 from .weights import load_weights
+from .cpu_backend import CpuBackend, available as cpu_available
 
 PLANNED_BACKENDS = ("cpu", "metal", "metal-sim")
 RETURN_LOGITS = ("last", "all", "none")
@@ -82,11 +84,19 @@ class ReferenceBackend:
         out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
         return new, out
 
+    def state_to_arrays(self, state) -> dict:
+        """The backend-independent state layout of Session.save (see docs/architecture.md)."""
+        return state.to_arrays()
+
+    def state_from_arrays(self, arrays: dict):
+        from .reference import ReferenceState
+        return ReferenceState.from_arrays(arrays)
+
 
 # name -> factory(weights, **options) returning a backend (see docs/architecture.md)
-BACKENDS = {"reference": ReferenceBackend}
+BACKENDS = {"reference": ReferenceBackend, **({"cpu": CpuBackend} if cpu_available() else {})}
 # what backend="auto" picks: the first of these that is available
-AUTO_ORDER = ("reference",)
+AUTO_ORDER = ("cpu", "reference")
 
 
 def _total_memory() -> int:
@@ -118,6 +128,7 @@ class Session:
         self._state = state
         self._tokens = list(tokens)
         self.max_context = max_context or model.config.max_position_embeddings
+        self.metadata: dict = {}          # user data kept by save()/load()
 
     @property
     def position(self) -> int:
@@ -152,20 +163,32 @@ class Session:
         self._state = self._model._backend.new_state()
         self._tokens = []
 
+    def save(self, path, metadata: dict | None = None) -> None:
+        """Write the state, tokens and position to `path` (a safetensors file with a JSON header naming
+        the model; format in `qwenmetal.session_io`). `metadata`: JSON-serialisable user data."""
+        from .session_io import save_session
+        save_session(self, path, metadata if metadata is not None else self.metadata)
+
+    @classmethod
+    def load(cls, path, model: "Model", max_context: int | None = None) -> "Session":
+        """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
+        (config.json or weight files differ) or the file is malformed."""
+        from .session_io import load_session
+        return load_session(path, model, max_context)
+
     def __repr__(self) -> str:
         return (f"Session(position={self.position}, max_context={self.max_context}, "
                 f"state={self.nbytes / 2**20:.2f} MiB)")
 
-
-@dataclass
-class GenerationOutput:
-    """One generated token. The last output of a generation has `finish_reason` and `stats`."""
-
-    token: int
-    text: str                     # the new text this token completes (may be "" mid-character)
-    index: int
-    finish_reason: str | None = None      # "stop" (eos), "length" (max_tokens) or "context"
-    stats: dict | None = None
+    def _repr_html_(self) -> str:
+        from html import escape
+        tail = ""
+        tok = self._model.tokenizer
+        if tok is not None and self._tokens:
+            text = tok.decode(self._tokens[-64:])
+            tail = f"<tr><td>last tokens</td><td><code>{escape(text[-300:])}</code></td></tr>"
+        return (f"<b>qwenmetal.Session</b><table><tr><td>position</td><td>{self.position} / {self.max_context}</td></tr>"
+                f"<tr><td>state</td><td>{self.nbytes / 2**20:.2f} MiB</td></tr>{tail}</table>")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,15 +202,20 @@ class Model:
         self._backend = backend
         self.path = path
         self.generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        self.prefix_cache: PrefixCache | None = PrefixCache()
+        self._identity = None
 
     @classmethod
     def load(cls, path_or_id, backend: str = "auto", *, revision: str | None = None, **options) -> "Model":
         """Load a checkpoint (local directory or hub id) onto a backend.
 
-        backend: "reference" (numpy, float32 on dequantized weights) or "auto" (the fastest
-        available here). Other keyword options go to the backend — reference: dtype
-        ("float32" | "bfloat16", rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"),
-        chunk_size (GDN prefill chunk, default 64).
+        backend: "cpu" (C++ engine on the mmap'd weights, threads + SIMD), "reference" (numpy,
+        float32 on dequantized weights) or "auto" (the fastest available here: cpu, then reference).
+        Other keyword options go to the backend — cpu: threads (default: physical cores), kv_dtype
+        ("bfloat16" | "float32"), prefill_chunk (tokens per chunk, default 512), quantize (None | 4 | 8:
+        quantize a dense checkpoint at load, group 64); reference: dtype ("float32" | "bfloat16",
+        rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
+        default 64).
         """
         if backend == "auto":
             backend = next(b for b in AUTO_ORDER if b in BACKENDS)
@@ -215,10 +243,20 @@ class Model:
         for x in (g if isinstance(g, list) else [g]):
             if isinstance(x, int) and x not in ids:
                 ids.append(x)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            if self.tokenizer.eos_token_id not in ids:
-                ids.append(self.tokenizer.eos_token_id)
+        if self.tokenizer is not None:
+            for t in (self.tokenizer.eos_token_id, self.tokenizer.token_to_id("<|im_end|>")):
+                if t is not None and t not in ids:
+                    ids.append(t)
         return tuple(ids)
+
+    @property
+    def identity(self) -> dict:
+        """What names this checkpoint (hash of config.json + weight file names and sizes); sessions
+        saved with `Session.save` carry it and refuse to load into another model."""
+        if self._identity is None:
+            from .session_io import model_identity
+            self._identity = model_identity(self.path)
+        return self._identity
 
     def new_session(self, max_context: int | None = None) -> Session:
         if max_context is not None and not (0 < max_context <= self.config.max_position_embeddings):
@@ -277,64 +315,97 @@ class Model:
         return arr.astype(np.int64)
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 32, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 session: Session | None = None) -> Iterator[GenerationOutput]:
-        """Stream tokens for `prompt` (text, encoded without a chat template, or token ids).
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, seed: int | None = None, sampler=None,
+                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                 ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                 session: Session | None = None, cache: bool = True, cache_points: Sequence[int] = (),
+                 skip_special_tokens: bool = True, progress: bool | None = None,
+                 cancel=None) -> Iterator[GenerationOutput]:
+        """Stream `GenerationOutput`s for `prompt` (text, encoded without a chat template, or token ids).
 
-        Greedy when temperature == 0. Stops at an eos id, after `max_tokens`, or at the context
-        limit. With `session`, continues it (the prompt is appended); otherwise uses a new one.
+        Sampling parameters left as None come from generation_config.json (greedy when temperature is
+        0; `sampler=` a `qm.Sampler` overrides them all). Stops at an eos id (config.json,
+        generation_config.json, the tokenizer's eos, `<|im_end|>`; `ignore_eos` disables them), an id in
+        `stop_token_ids`, a `stop` string (matched across tokens, not emitted), after `max_tokens`, or
+        when the session is full. With `session`, continues it (the prompt is appended; the last sampled
+        token is not fed back); otherwise uses a new session and the prefix cache (`cache=False` to
+        bypass). The last output has `finish_reason` and `stats`. Arguments are checked before the
+        first output: invalid ones raise ValueError. See docs/usage.md.
         """
-        from .sampling import Sampler
+        from .generation import generate
+        return generate(self, prompt, max_tokens=max_tokens, sampler=sampler, temperature=temperature,
+                        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
+                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+                        top_logprobs=top_logprobs, session=session, cache=cache, cache_points=cache_points,
+                        skip_special_tokens=skip_special_tokens, progress=progress, cancel=cancel)
 
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.path}: no tokenizer.json, so prompts must be token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        s = session if session is not None else self.new_session()
-        vocab_used = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        stops = set(self.eos_token_ids)
-        t0 = time.perf_counter()
-        logits = self.prefill(s, ids)
-        t1 = time.perf_counter()
-        generated: list = []
-        text_so_far = ""
-        for n in range(max_tokens):
-            tok = sampler(logits, vocab_used)
-            generated.append(tok)
-            text = ""
-            if self.tokenizer is not None:
-                full = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if not full.endswith("\ufffd"):
-                    text, text_so_far = full[len(text_so_far):], full
-            reason = None
-            if tok in stops:
-                reason = "stop"
-            elif n + 1 == max_tokens:
-                reason = "length"
-            elif s.position + 1 > s.max_context:
-                reason = "context"
-            if reason is None:
-                logits = self.decode_step(s, tok)
-                yield GenerationOutput(tok, text, n)
-                continue
-            t2 = time.perf_counter()
-            decode_steps = len(generated) - 1
-            stats = {"prompt_tokens": len(ids), "generated_tokens": len(generated),
-                     "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
-                     "prefill_tokens_per_second": len(ids) / max(t1 - t0, 1e-9),
-                     "decode_tokens_per_second": decode_steps / (t2 - t1) if decode_steps else float("nan")}
-            yield GenerationOutput(tok, text, n, reason, stats)
-            return
+    def chat_prompt(self, messages, *, tools=None, enable_thinking: bool | None = None, **template_kwargs):
+        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path}: no tokenizer.json, so chat is not available")
+        tk = self.tokenizer
+        text = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                      enable_thinking=enable_thinking, **template_kwargs)
+        ids = tk.encode(text)
+        head = 0
+        try:
+            base = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=False,
+                                          enable_thinking=enable_thinking, **template_kwargs)
+            if text.startswith(base):
+                b = tk.encode(base)
+                if ids[:len(b)] == b:
+                    head = len(b)
+        except Exception:  # a template may refuse to render without the generation prompt
+            head = 0
+        return ids, head, text
+
+    def chat(self, messages, *, tools=None, enable_thinking: bool | None = None, stream: bool = False,
+             chat_template_kwargs: dict | None = None, **generate_kwargs):
+        """Answer a conversation (OpenAI-style message dicts) with the checkpoint's chat template.
+
+        Returns a `ChatResponse` (content, reasoning, tool_calls, finish_reason, stats, `.message` to
+        append to the history), or with `stream=True` the `GenerationOutput` iterator. Uses the prefix
+        cache: the state where the messages end is kept, so the next turn prefills only what is new.
+        Other keyword arguments go to `generate` (max_tokens, temperature, stop, seed, ...).
+        """
+        from .generation import parse_assistant, prompt_opens_thinking
+
+        ids, head, text = self.chat_prompt(messages, tools=tools, enable_thinking=enable_thinking,
+                                           **(chat_template_kwargs or {}))
+        points = (head,) if head else ()
+        gen = self.generate(ids, cache_points=points, **generate_kwargs)
+        if stream:
+            return gen
+        pieces, toks, lps = [], [], []
+        last = None
+        for out in gen:
+            pieces.append(out.text)
+            toks.append(out.token)
+            if out.logprob is not None:
+                lps.append(out.logprob)
+            last = out
+        full = "".join(pieces)
+        reasoning, content, calls = parse_assistant(full, thinking=prompt_opens_thinking(text), tools=tools)
+        return ChatResponse(full, content, reasoning, calls, last.finish_reason, last.stats, toks, lps or None)
 
     def __repr__(self) -> str:
         return (f"Model(backend={self.backend!r}, path={self.path!r}, layout={self.weights.layout!r}, "
                 f"weights={self.weights.nbytes / 2**20:.1f} MiB,\n      {self.config!r})")
+
+    def _repr_html_(self) -> str:
+        from html import escape
+        c = self.config
+        rows = [("backend", self.backend), ("path", self.path), ("layout", self.weights.layout),
+                ("weights", f"{self.weights.nbytes / 2**20:.1f} MiB"),
+                ("layers", f"{c.num_hidden_layers} ({len(c.linear_attention_layers)} Gated DeltaNet, "
+                           f"{len(c.full_attention_layers)} attention)"),
+                ("tokenizer", repr(self.tokenizer)), ("prefix cache", repr(self.prefix_cache))]
+        body = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows)
+        return f"<b>qwenmetal.Model</b><table>{body}</table>" + c._repr_html_()
 
 
 def _read_json(path: str) -> dict:

@@ -500,6 +500,28 @@ class ReferenceState:
         for d in (self.keys, self.values, self.conv, self.ssm):
             yield from d.values()
 
+    def to_arrays(self) -> dict:
+        """The backend-independent layout of ``Session.save`` (docs/architecture.md): ``layers.{i}.key`` /
+        ``.value`` [nkv, T, hd], ``layers.{i}.conv`` [K-1, conv_dim], ``layers.{i}.ssm`` [nv, dv, dk]
+        float32, ``position`` int64 [1]. Arrays are copies."""
+        out = {"position": np.array([self.position], dtype=np.int64)}
+        for name, d in (("key", self.keys), ("value", self.values), ("conv", self.conv), ("ssm", self.ssm)):
+            for i, a in d.items():
+                out[f"layers.{i}.{name}"] = np.array(a, dtype=F32, copy=True)
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> "ReferenceState":
+        """Inverse of :meth:`to_arrays` (float32 or bfloat16 input; kept as float32)."""
+        st = cls(int(np.asarray(arrays["position"]).reshape(-1)[0]))
+        slots = {"key": st.keys, "value": st.values, "conv": st.conv, "ssm": st.ssm}
+        for k, a in arrays.items():
+            if k == "position":
+                continue
+            _, i, name = k.split(".")
+            slots[name][int(i)] = np.ascontiguousarray(np.asarray(a).astype(F32))
+        return st
+
     @property
     def nbytes(self) -> int:
         """Bytes of all state arrays as stored."""

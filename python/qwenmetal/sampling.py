@@ -1,42 +1,165 @@
 """Token sampling from float32 logits.
 
-Greedy (argmax) at temperature 0. Otherwise temperature, then top-k, then top-p (nucleus) on the
-tempered distribution, drawn with a seeded numpy Generator so seeded runs repeat exactly.
-Ids at or beyond the tokenizer's vocabulary (the padded rows of lm_head) are never chosen.
+``Sampler(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed)``.
+The pipeline, in this order (documented in docs/usage.md):
+
+1. Ids at or beyond the tokenizer's vocabulary (the padded rows of lm_head) are dropped: never sampled.
+2. Reported log-probabilities are ``log_softmax`` of these raw logits -- the model's own distribution,
+   before penalties, temperature and filters (as mlx-lm and vLLM report them).
+3. ``repetition_penalty`` (HF/vLLM convention, multiplicative and sign-aware: a positive logit is divided
+   by it, a negative one multiplied) on every distinct id in the context: the prompt *and* the generated
+   tokens.
+4. ``presence_penalty`` / ``frequency_penalty`` (OpenAI/vLLM convention, additive) on the tokens generated
+   in this call: ``logit -= presence * [count > 0] + frequency * count``.
+5. ``temperature == 0``: greedy (argmax of the penalised logits; the lowest id wins an exact tie).
+6. Otherwise divide by the temperature, then keep the ``top_k`` most likely ids (0 = off), then the
+   smallest set whose probability reaches ``top_p`` (1 = off), then drop ids whose probability is below
+   ``min_p`` times the most likely one's (0 = off) -- HF's order -- and draw from what is left with the
+   sampler's seeded numpy Generator: the same seed gives the same tokens.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import numpy as np
+
+#: generation_config.json keys that give sampling defaults
+GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty")
+
+
+@dataclass
+class SampleResult:
+    token: int
+    logprob: float | None = None                          # of `token` under the raw model distribution
+    top_logprobs: list | None = None                      # [(id, logprob)] most likely first
 
 
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        if not (temperature >= 0.0):
+    """Turns logits into a token id. See the module docstring for the exact pipeline."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 seed: int | None = None):
+        def num(name, v):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            return float(v)
+
+        temperature, top_p, min_p = num("temperature", temperature), num("top_p", top_p), num("min_p", min_p)
+        repetition_penalty = num("repetition_penalty", repetition_penalty)
+        presence_penalty = num("presence_penalty", presence_penalty)
+        frequency_penalty = num("frequency_penalty", frequency_penalty)
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) and not (
+                isinstance(top_k, float) and top_k.is_integer()):
+            raise ValueError(f"top_k must be an integer, got {top_k!r}")
+        top_k = int(top_k)
+        if temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
         if not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        if not (0.0 <= min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
+        self.repetition_penalty = repetition_penalty
+        self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, logits: np.ndarray, vocab_used: int | None = None) -> int:
+    @classmethod
+    def from_generation_config(cls, generation_config: dict | None, **overrides) -> "Sampler":
+        """Defaults from a checkpoint's generation_config.json (``do_sample: false`` means greedy), with
+        ``overrides`` (``None`` values ignored) on top."""
+        g = generation_config or {}
+        kw = {}
+        for k in GENERATION_CONFIG_KEYS:
+            v = g.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                kw[k] = v
+        if g.get("do_sample") is False:
+            kw["temperature"] = 0.0
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def __repr__(self) -> str:
+        return (f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+                f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, "
+                f"presence_penalty={self.presence_penalty}, frequency_penalty={self.frequency_penalty}, "
+                f"seed={self.seed})")
+
+    # -----------------------------------------------------------------------------------------------
+    def __call__(self, logits: np.ndarray, vocab_used: int | None = None, *, context: Sequence[int] = (),
+                 generated: Sequence[int] = ()) -> int:
+        return self.sample(logits, vocab_used, context=context, generated=generated).token
+
+    def sample(self, logits: np.ndarray, vocab_used: int | None = None, *, context: Sequence[int] = (),
+               generated: Sequence[int] = (), logprobs: bool = False, top_logprobs: int = 0) -> SampleResult:
+        """One token. ``context``: every token before this one (prompt and generated, for the repetition
+        penalty); ``generated``: the tokens generated so far in this call (presence/frequency penalties).
+        With ``logprobs``/``top_logprobs`` the result carries the chosen token's log-probability and the
+        ``top_logprobs`` most likely alternatives under the raw model distribution."""
         x = np.asarray(logits, dtype=np.float32)
+        if x.ndim != 1:
+            raise ValueError(f"logits must be 1-D, got shape {x.shape}")
         if vocab_used is not None:
             x = x[:vocab_used]
+        x = x.astype(np.float64)
+        raw = x
+        if self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty:
+            x = x.copy()
+            if self.repetition_penalty != 1.0:
+                ids = np.unique(np.asarray([*context, *generated], dtype=np.int64))
+                ids = ids[(ids >= 0) & (ids < x.size)]
+                v = x[ids]
+                x[ids] = np.where(v > 0, v / self.repetition_penalty, v * self.repetition_penalty)
+            if (self.presence_penalty or self.frequency_penalty) and len(generated):
+                ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+                keep = (ids >= 0) & (ids < x.size)
+                ids, counts = ids[keep], counts[keep]
+                x[ids] -= self.presence_penalty + self.frequency_penalty * counts
         if self.temperature == 0.0:
-            return int(np.argmax(x))
-        x = x.astype(np.float64) / self.temperature
+            tok = int(np.argmax(x))
+        else:
+            tok = self._draw(x / self.temperature)
+        res = SampleResult(tok)
+        if logprobs or top_logprobs:
+            m = raw.max()
+            lse = m + np.log(np.sum(np.exp(raw - m)))
+            res.logprob = float(raw[tok] - lse)
+            if top_logprobs:
+                n = min(int(top_logprobs), raw.size)
+                idx = np.argpartition(-raw, n - 1)[:n]
+                idx = idx[np.lexsort((idx, -raw[idx]))]
+                res.top_logprobs = [(int(i), float(raw[i] - lse)) for i in idx]
+        return res
+
+    def _draw(self, x: np.ndarray) -> int:
+        """Filters (top-k, top-p, min-p) on tempered logits `x`, then one seeded draw."""
+        cand = np.arange(x.size)
         if self.top_k and self.top_k < x.size:
-            kth = np.partition(x, -self.top_k)[-self.top_k]
-            x = np.where(x < kth, -np.inf, x)
-        p = np.exp(x - x.max())
+            cand = np.argpartition(-x, self.top_k - 1)[:self.top_k]
+        v = x[cand]
+        order = np.lexsort((cand, -v))                 # most likely first, ties by lower id
+        cand, v = cand[order], v[order]
+        p = np.exp(v - v[0])
         p /= p.sum()
+        n = p.size
         if self.top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            cum = np.cumsum(p[order])
-            keep = order[: int(np.searchsorted(cum, self.top_p)) + 1]
-            q = np.zeros_like(p)
-            q[keep] = p[keep]
-            p = q / q.sum()
-        return int(self.rng.choice(p.size, p=p))
+            n = min(n, int(np.searchsorted(np.cumsum(p), self.top_p)) + 1)
+        if self.min_p > 0.0:
+            n = min(n, max(1, int(np.sum(p[:n] >= self.min_p * p[0]))))
+        p = p[:n] / p[:n].sum()
+        u = self.rng.random()
+        j = min(int(np.searchsorted(np.cumsum(p), u, side="right")), n - 1)
+        return int(cand[j])

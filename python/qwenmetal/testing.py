@@ -46,8 +46,8 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
+from . import convert as _convert
 from .config import ModelConfig
-from .quant import quantize
 
 __all__ = ["PRESETS", "FORMATS", "SPECIAL_TOKENS", "BPE_VOCAB_SIZE", "CHAT_TEMPLATE",
            "make_checkpoint", "cached_checkpoint", "hf_tensors", "mlx_tensors", "build_tokenizer",
@@ -234,13 +234,7 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 """
 
 
-def _family(cfg: Mapping[str, Any]) -> str:
-    mt = cfg.get("model_type")
-    if mt == "qwen3_next":
-        return "qwen3_next"
-    if mt in ("qwen3_5_moe", "qwen3_5_moe_text"):
-        return "qwen3_5"
-    raise ValueError(f"model_type {mt!r} is not supported (qwen3_5_moe, qwen3_5_moe_text, qwen3_next)")
+_family = _convert.family
 
 
 @functools.lru_cache(maxsize=None)
@@ -574,85 +568,16 @@ def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0) -> dict[
     return out
 
 
-# ---- HF -> MLX, as mlx_lm.convert does it ----------------------------------------------------------
-_NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                  ".q_norm.weight", ".k_norm.weight")
-
-
+# ---- HF -> MLX, as mlx_lm.convert does it (the product code: qwenmetal.convert) ---------------------
 def _mlx_sanitize(hf: dict[str, np.ndarray], cfg: dict, c: ModelConfig) -> dict[str, np.ndarray]:
     """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors."""
-    fam = _family(cfg)
-    w = {}
-    if fam == "qwen3_5":
-        for k, v in hf.items():
-            if k.startswith(("vision_tower", "model.visual")):
-                continue
-            if k.startswith("model.language_model"):
-                k = k.replace("model.language_model", "language_model.model")
-            elif not k.startswith("language_model."):
-                k = "language_model." + k
-            w[k] = v
-        for i in range(c.num_hidden_layers):
-            p = f"language_model.model.layers.{i}.mlp"
-            if f"{p}.experts.gate_up_proj" in w:
-                gu = w.pop(f"{p}.experts.gate_up_proj")
-                mid = gu.shape[-2] // 2
-                w[f"{p}.switch_mlp.gate_proj.weight"] = np.ascontiguousarray(gu[..., :mid, :])
-                w[f"{p}.switch_mlp.up_proj.weight"] = np.ascontiguousarray(gu[..., mid:, :])
-                w[f"{p}.switch_mlp.down_proj.weight"] = w.pop(f"{p}.experts.down_proj")
-        shift = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in w.items())
-    else:
-        moe_layers = sorted(int(k.split(".")[2]) for k in hf
-                            if k.startswith("model.layers.") and k.endswith(".mlp.experts.0.up_proj.weight"))
-        if not moe_layers:
-            raise ValueError("mlx-lm's qwen3_next sanitize needs at least one MoE layer")
-        w = dict(hf)
-        for i in moe_layers:
-            p = f"model.layers.{i}.mlp"
-            for n in ("up_proj", "down_proj", "gate_proj"):
-                w[f"{p}.switch_mlp.{n}.weight"] = np.stack(
-                    [w.pop(f"{p}.experts.{e}.{n}.weight") for e in range(c.num_experts)])
-        shift = True
-    w = {k: v for k, v in w.items() if "mtp." not in k}
-    for k, v in list(w.items()):
-        if "conv1d.weight" in k and v.shape[-1] != 1:
-            w[k] = np.ascontiguousarray(np.moveaxis(v, 2, 1))
-        if shift and k.endswith(_NORM_SUFFIXES) and v.ndim == 1:
-            w[k] = (v.astype(np.float32) + np.float32(1.0)).astype(v.dtype)     # bf16 + 1.0 in MLX
-    return w
-
-
-def _convert_dtype(cfg: dict):
-    """The dtype ``mlx_lm.convert`` casts to (``torch_dtype``, else text_config's ``dtype``), if any."""
-    dt = cfg.get("torch_dtype")
-    if dt is None and cfg.get("text_config"):
-        dt = cfg["text_config"].get("dtype")
-    return {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}.get(dt)
+    return _convert.materialize(_convert.mlx_sanitize({k: _convert.lazy(v) for k, v in hf.items()}, cfg, c))
 
 
 def _mlx_quantize(w: dict, cfg: dict, c: ModelConfig, bits: int, group_size: int):
     """``mlx_lm.utils.quantize_model`` with the model's ``quant_predicate``. Returns (tensors, overrides)."""
-    fam = _family(cfg)
-    use_predicate = fam == "qwen3_next" or c.num_experts > 0
-    out, overrides = {}, {}
-    for k, v in w.items():
-        path = k[:-len(".weight")] if k.endswith(".weight") else None
-        quantizable = (path is not None and v.ndim >= 2 and "conv1d" not in k and not k.startswith("vision"))
-        if not quantizable or v.shape[-1] % group_size:
-            out[k] = v
-            continue
-        b, g = bits, group_size
-        if use_predicate and (path.endswith("mlp.gate") or path.endswith("shared_expert_gate")):
-            b, g = 8, 64
-            overrides[path] = {"group_size": 64, "bits": 8}
-        out[k], out[path + ".scales"], out[path + ".biases"] = quantize(v, b, g, scale_dtype=v.dtype)
-
-    def order(path):        # module traversal order: layer index, then gate before shared_expert_gate
-        parts = path.split(".")
-        i = parts.index("layers")
-        return int(parts[i + 1]), path.endswith("shared_expert_gate")
-
-    return out, {p: overrides[p] for p in sorted(overrides, key=order)}
+    q, overrides = _convert.mlx_quantize({k: _convert.lazy(v) for k, v in w.items()}, cfg, c, bits, group_size)
+    return _convert.materialize(q), overrides
 
 
 def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
@@ -662,39 +587,15 @@ def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4"
 
 
 def _mlx_build(cfg: dict, format: str, seed: int):
-    c = ModelConfig.from_dict(cfg)
-    hf = hf_tensors(cfg, seed)
-    w = _mlx_sanitize(hf, cfg, c)
-    dt = _convert_dtype(cfg)
-    if dt is not None:
-        keep_a_log = _family(cfg) == "qwen3_5"            # qwen3_5's cast_predicate skips A_log
-        w = {k: (v if (keep_a_log and k.endswith("A_log")) else v.astype(dt)) for k, v in w.items()}
-    overrides = None
-    if format in ("mlx-q4", "mlx-q8"):
-        bits = 4 if format == "mlx-q4" else 8
-        w, overrides = _mlx_quantize(w, cfg, c, bits, 64)
-        overrides = {"group_size": 64, "bits": bits, "mode": "affine", **overrides}
-    elif format != "mlx-bf16":
+    if format not in ("mlx-q4", "mlx-q8", "mlx-bf16"):
         raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
-    return w, overrides
+    hf = {k: _convert.lazy(v) for k, v in hf_tensors(cfg, seed).items()}
+    bits = {"mlx-q4": 4, "mlx-q8": 8, "mlx-bf16": None}[format]
+    w, quant = _convert.mlx_build(hf, cfg, bits, 64)
+    return _convert.materialize(w), quant
 
 
-def _total_parameters(w: dict[str, np.ndarray], quant: dict | None) -> int:
-    # mlx_lm.utils.get_total_parameters: logical sizes of the *leaf* modules' parameters. A_log and
-    # dt_bias belong to the (non-leaf) GatedDeltaNet module, so they are not counted.
-    n = 0
-    for k, v in w.items():
-        if k.endswith((".A_log", ".dt_bias")):
-            continue
-        if k.endswith((".scales", ".biases")) and k[:-7] + ".weight" in w and w[k[:-7] + ".weight"].dtype == np.uint32:
-            continue
-        if k.endswith(".weight") and v.dtype == np.uint32:
-            path = k[:-len(".weight")]
-            bits = (quant.get(path) or quant)["bits"]
-            n += v.size * 32 // bits
-        else:
-            n += v.size
-    return n
+_total_parameters = _convert.total_parameters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -704,33 +605,8 @@ def _hf_config_text(cfg: dict) -> str:
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
 
 
-def wrap_text_config(text_cfg: Mapping[str, Any]) -> dict:
-    """A ``qwen3_5_moe_text`` config.json dict wrapped the way the released multimodal checkpoint nests it
-    (``{"model_type": "qwen3_5_moe", "text_config": {...}}``) -- the only form mlx-lm loads."""
-    text = {k: v for k, v in text_cfg.items() if k not in ("architectures", "dtype")}
-    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "dtype": text_cfg.get("dtype", "bfloat16"),
-            "model_type": "qwen3_5_moe", "text_config": text,
-            "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False)}
-
-
-def _mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None) -> str:
-    """The config.json ``mlx_lm.convert`` writes, from the HF config.json text (same steps, same order)."""
-    cfg = json.loads(hf_config_text)
-    if cfg["model_type"] == "qwen3_5_moe_text":                   # mlx-lm has no such model: wrap it
-        cfg = wrap_text_config(cfg)
-    if gen.get("eos_token_id"):                                   # utils.load_config
-        cfg["eos_token_id"] = gen["eos_token_id"]
-    text = cfg.get("text_config") if cfg["model_type"] == "qwen3_5_moe" else None
-    if text is not None:                                          # qwen3_5 TextModelArgs.__post_init__
-        rp = text.get("rope_parameters")
-        if rp and "type" not in rp and "rope_type" in rp:
-            rp["type"] = rp.pop("rope_type")
-    if quant is not None:                                         # quantize_model + save_config
-        cfg["quantization"] = quant
-        cfg["quantization_config"] = quant
-    cfg.pop("_name_or_path", None)
-    cfg.pop("vision_config", None)
-    return json.dumps(dict(sorted(cfg.items())), indent=4)
+wrap_text_config = _convert.wrap_text_config
+_mlx_config_text = _convert.mlx_config_text
 
 
 def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
@@ -739,7 +615,7 @@ def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> N
     os.chmod(path, 0o644)           # the writer creates it owner-only
 
 
-_MLX_README = "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n"
+_MLX_README = _convert.MLX_README
 
 
 def _write_checkpoint(d: Path, cfg: dict, format: str, seed: int) -> None:

@@ -7,10 +7,61 @@ with jinja2's sandbox, so a template from a downloaded checkpoint cannot run arb
 """
 from __future__ import annotations
 
+import codecs
+import copy
+import datetime
 import json
 import os
 
 from .errors import CheckpointError
+
+
+def _byte_decoder() -> dict:
+    """The GPT-2 byte-level alphabet, inverted: unicode character -> byte value."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _normalize_messages(messages) -> list:
+    """A copy of `messages` with OpenAI-style tool calls made renderable: ``function.arguments`` given as a
+    JSON string (what OpenAI clients send) is parsed into a mapping, as the Qwen templates expect."""
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m)
+            new_calls = []
+            for c in calls:
+                c = copy.deepcopy(dict(c))
+                fn = c.get("function") if isinstance(c.get("function"), dict) else None
+                if fn is not None and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    except json.JSONDecodeError:
+                        args = None
+                    if isinstance(args, dict):
+                        fn["arguments"] = args
+                new_calls.append(c)
+            m["tool_calls"] = new_calls
+        out.append(m)
+    return out
 
 
 def _raise_exception(msg):
@@ -47,6 +98,14 @@ class Tokenizer:
                              lstrip=bool(spec.get("lstrip", False)), rstrip=bool(spec.get("rstrip", False)),
                              single_word=bool(spec.get("single_word", False)))
             (self._tok.add_special_tokens if special else self._tok.add_tokens)([tok])
+        self._added = {int(i): t for i, t in self._tok.get_added_tokens_decoder().items()}
+        self.special_ids = frozenset(i for i, t in self._added.items() if t.special)
+        try:
+            from tokenizers import decoders
+            self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        except Exception:  # pragma: no cover - very old tokenizers
+            self.byte_level = False
+        self._bytes_cache: dict = {}
         self.chat_template = None
         jinja_path = os.path.join(self.directory, "chat_template.jinja")
         if os.path.exists(jinja_path):
@@ -93,6 +152,32 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token `token_id` stands for (byte-level BPE: the token's bytes; added tokens: their
+        text as UTF-8). A token need not be valid UTF-8 on its own."""
+        i = int(token_id)
+        b = self._bytes_cache.get(i)
+        if b is None:
+            if i in self._added:
+                b = self._added[i].content.encode("utf-8")
+            else:
+                t = self._tok.id_to_token(i)
+                if t is None:
+                    raise ValueError(f"token id {i} is not in the tokenizer's vocabulary")
+                if self.byte_level:
+                    try:
+                        b = bytes(_BYTE_DECODER[ch] for ch in t)
+                    except KeyError:          # not a byte-level symbol string
+                        b = t.encode("utf-8")
+                else:
+                    b = t.encode("utf-8")
+            self._bytes_cache[i] = b
+        return b
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+        """An incremental detokenizer: feed ids one at a time, get text that never splits a character."""
+        return StreamDecoder(self, skip_special_tokens)
+
     # ---- chat ---------------------------------------------------------------------------
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None,
                             tokenize: bool = False, **kwargs):
@@ -100,6 +185,9 @@ class Tokenizer:
         ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``."""
         if self.chat_template is None:
             raise ValueError(f"{self.directory}: the checkpoint has no chat template")
+        if kwargs.get("enable_thinking", 0) is None:
+            kwargs.pop("enable_thinking")          # None: the template's default
+        messages = _normalize_messages(messages)
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -107,6 +195,7 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
                 json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
             env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
         text = self._template.render(messages=list(messages), tools=tools,
                                      add_generation_prompt=add_generation_prompt,
@@ -116,6 +205,47 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.vocab_size} ids, chat template: {'yes' if self.chat_template else 'no'})"
+
+
+class StreamDecoder:
+    """Incremental detokenization that never emits broken UTF-8.
+
+    ``add(id)`` returns the text that token completes. For byte-level BPE the token bytes are accumulated and
+    decoded with an incremental UTF-8 decoder, so a character split over several tokens (CJK, emoji, ...) is
+    emitted whole by the token that completes it, and the concatenation of all pieces plus ``flush()`` equals
+    ``tokenizer.decode(ids)`` (invalid byte sequences become U+FFFD there too). Other tokenizers fall back to
+    decoding the whole sequence and emitting the new suffix once it no longer ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list = []
+        self._emitted = ""
+
+    def add(self, token_id: int) -> str:
+        t = self.tokenizer
+        i = int(token_id)
+        if self.skip_special_tokens and i in t.special_ids:
+            return ""
+        if t.byte_level:
+            return self._utf8.decode(t.token_bytes(i), final=False)
+        self._ids.append(i)
+        full = t.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        if full.endswith("\ufffd") or not full.startswith(self._emitted):
+            return ""
+        new, self._emitted = full[len(self._emitted):], full
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character at the very end becomes U+FFFD)."""
+        if self.tokenizer.byte_level:
+            return self._utf8.decode(b"", final=True)
+        full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        new = full[len(self._emitted):] if full.startswith(self._emitted) else ""
+        self._emitted = full
+        return new
 
 
 def load_tokenizer(directory):

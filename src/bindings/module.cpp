@@ -4,4 +4,6 @@
 NB_MODULE(_core, m) {
     m.doc() = "qwenmetal compiled core";
     qwenmetal::bindings::register_quant(m);
+    qwenmetal::bindings::register_msl_sim(m);
+    qwenmetal::bindings::register_cpu_engine(m);
 }

@@ -1,5 +1,9 @@
 #include "cpu/quant.h"
 
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
 namespace qwenmetal::cpu {
 
 void dequantize_affine(const uint32_t* w, const float* scales, const float* biases, float* out,
@@ -24,6 +28,106 @@ void dequantize_affine(const uint32_t* w, const float* scales, const float* bias
             }
         }
     }
+}
+
+void quantize_affine(const void* src, DType dtype, int64_t ld, int64_t rows, int64_t cols, int bits, int group_size,
+                     uint32_t* wq, uint16_t* scales, uint16_t* biases) {
+    const float n_bins = static_cast<float>((1 << bits) - 1);
+    const float eps = 1e-7f;
+    const int per_word = 32 / bits;
+    const int64_t groups = cols / group_size;
+    const int64_t words = cols / per_word;
+    float buf[128];
+    for (int64_t r = 0; r < rows; ++r) {
+        uint32_t* wr = wq + r * words;
+        for (int64_t g = 0; g < groups; ++g) {
+            for (int i = 0; i < group_size; ++i) buf[i] = load_scalar(src, dtype, size_t(r * ld + g * group_size + i));
+            float mx = buf[0], mn = buf[0];
+            for (int i = 1; i < group_size; ++i) {
+                mx = buf[i] > mx ? buf[i] : mx;
+                mn = buf[i] < mn ? buf[i] : mn;
+            }
+            const bool mask = std::fabs(mn) > std::fabs(mx);
+            float scale = (mx - mn) / n_bins;
+            scale = scale > eps ? scale : eps;
+            scale = mask ? scale : -scale;
+            const float edge = mask ? mn : mx;
+            const float q0 = std::nearbyint(edge / scale);
+            float bias = 0.f;
+            if (q0 != 0.f) {
+                scale = edge / q0;
+                bias = edge;
+            }
+            for (int i = 0; i < group_size; i += per_word) {
+                uint32_t word = 0;
+                for (int j = 0; j < per_word; ++j) {
+                    float q = std::nearbyint((buf[i + j] - bias) / scale);
+                    q = q < 0.f ? 0.f : (q > n_bins ? n_bins : q);
+                    word |= static_cast<uint32_t>(q) << (bits * j);
+                }
+                wr[(g * group_size + i) / per_word] = word;
+            }
+            scales[r * groups + g] = f32_to_bf16(scale);
+            biases[r * groups + g] = f32_to_bf16(bias);
+        }
+    }
+}
+
+void prepare_xvecs(Workspace& ws, const float* X, int64_t M, int64_t ldx, int64_t K, int64_t first,
+                   size_t float_offset) {
+    const Kernels& kk = kernels();
+    float* base = ws.xvec.data() + float_offset;
+    for (int64_t m = 0; m < M; ++m) {
+        kk.xvec_prepare(X + m * ldx, K, base + m * xvec_floats(K), &ws.xv[first + m]);
+        ws.xvp[first + m] = &ws.xv[first + m];
+    }
+}
+
+namespace {
+// QWENMETAL_GEMM=tile: prefill through dequantized 16-row tiles + gemm_tile instead of the register-tile
+// kernel (for comparisons; see docs/cpu.md)
+bool use_tile_gemm() {
+    static const bool v = [] {
+        const char* e = std::getenv("QWENMETAL_GEMM");
+        return e && std::string(e) == "tile";
+    }();
+    return v;
+}
+}  // namespace
+
+void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XVec* const* xv, float* tile,
+                 int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate) {
+    const Kernels& kk = kernels();
+    if (M <= kGemvMaxRows) {
+        for (int64_t m = 0; m < M; ++m) kk.gemv(W, *xv[m], y + m * ldy, r0, r1, accumulate);
+        return;
+    }
+    if (!use_tile_gemm() && !(kk.tile_gemm_min_rows && M >= kk.tile_gemm_min_rows)) {
+        kk.gemm_x(W, xv, M, y, ldy, r0, r1, accumulate);
+        return;
+    }
+    const int64_t K = W.cols;
+    for (int64_t r = r0; r < r1; r += kRowBlock) {
+        const int64_t n = (r1 - r < kRowBlock) ? r1 - r : kRowBlock;
+        kk.dequant(W, r, n, tile, K);
+        kk.gemm_tile(X, ldx, M, tile, K, n, K, y + r, ldy, accumulate);
+    }
+}
+
+void linear(ThreadPool& pool, Workspace& ws, const float* X, int64_t M, int64_t ldx, const LinearOut* outs, int n) {
+    int64_t start[9];
+    start[0] = 0;
+    for (int i = 0; i < n; ++i) start[i + 1] = start[i] + (outs[i].W->rows + kRowBlock - 1) / kRowBlock;
+    prepare_xvecs(ws, X, M, ldx, outs[0].W->cols);
+    const XVec* const* xv = ws.xvp.data();
+    pool.run(start[n], [&](int64_t task, int th) {
+        int i = 0;
+        while (task >= start[i + 1]) ++i;
+        const LinearOut& o = outs[i];
+        const int64_t r0 = (task - start[i]) * kRowBlock;
+        const int64_t r1 = (r0 + kRowBlock < o.W->rows) ? r0 + kRowBlock : o.W->rows;
+        linear_rows(*o.W, X, M, ldx, xv, ws.t(th), r0, r1, o.y, o.ldy, o.accumulate);
+    });
 }
 
 }  // namespace qwenmetal::cpu

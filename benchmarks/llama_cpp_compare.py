@@ -1,0 +1,497 @@
+"""qwenmetal vs llama.cpp (llama-cpp-python) on the same random real-width weights, in one run.
+
+    bash benchmarks/build_llama_cpp.sh                    # once: the fastest llama.cpp build that runs safely here
+    python benchmarks/llama_cpp_compare.py                # 8 layers, 2 threads, prefill 128/512/2048, decode @128/1024/4096
+    python benchmarks/llama_cpp_compare.py --validate     # check the GGUF against qwenmetal's reference logits first
+    python benchmarks/llama_cpp_compare.py --layers 4 --json out.json
+
+Steps:
+
+1. The benchmark checkpoint of ``qwenmetal bench`` (random weights, real Qwen3.6-35B-A3B per-layer widths,
+   MLX 4-bit), generated once and cached (``qwenmetal.bench.ensure_checkpoint``).
+2. The same weights as a GGUF for llama.cpp (``benchmarks/mlx_to_gguf.py``): every 4-bit matrix requantized
+   to Q4_0 -- the embedding and lm_head too -- and the 8-bit router / shared-expert gate to Q8_0, so that both
+   engines read the same number of weight bytes per token (4.5 and 8.5 bits per weight). Cached beside the
+   checkpoint.
+3. Each engine runs in a fresh process (prior art's method), same threads, same synthetic prompt
+   (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
+   median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
+   llama.cpp: the sequence state saved after the context prefill and restored before each repeat).
+4. The table: prefill tok/s and decode ms/token of both, the ratios (targets: qwenmetal decode >= 1.3x and
+   prefill >= 1.0x llama.cpp), each engine's effective GB/s and its fraction of the measured read bandwidth.
+
+llama.cpp settings: n_threads = n_threads_batch = --threads, n_batch = the longest prompt (<= 2048),
+n_ubatch 512 (llama.cpp's default), KV cache f16 (its default; qwenmetal's default is bf16: the same bytes),
+mmap'd weights, flash attention per ``--flash-attn`` (default on, the faster setting here; llama.cpp's own
+CLI default is "auto", which turns it on for the CPU).
+
+``--validate`` builds two small checkpoints (the ``tiny`` fixture preset, and a 4-layer model with the real
+head counts and widths but 16 experts and a 1024 vocab), writes each as a float32 GGUF and a Q4_0 GGUF, and
+compares llama.cpp's logits (prefill of 24 tokens, then 8 teacher-forced decode steps) with qwenmetal's
+numpy reference on the same dequantized weights. The float32 GGUF must agree to float32 accuracy; otherwise
+the GGUF's layout is wrong and the speed comparison would be meaningless.
+
+llama-cpp-python is an optional benchmark tool (build it with benchmarks/build_llama_cpp.sh), never a
+dependency of qwenmetal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from mlx_to_gguf import convert as convert_gguf  # noqa: E402
+
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp side
+# ---------------------------------------------------------------------------------------------
+def _import_llama():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit("llama-cpp-python is not installed: run  bash benchmarks/build_llama_cpp.sh  "
+                         "(a from-source build with this host's SIMD flags and AMX off; see docs/benchmarks.md)")
+    return llama_cpp
+
+
+def open_llama(gguf: str, threads: int, n_ctx: int, n_batch: int, flash_attn: bool, kv_f32: bool = False,
+               logits_all: bool = False):
+    llama_cpp = _import_llama()
+    kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(512, n_batch),
+              n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, logits_all=logits_all,
+              use_mmap=True, verbose=False)
+    if kv_f32:
+        kw.update(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    return llama_cpp.Llama(**kw)
+
+
+def _last_logits(llm) -> np.ndarray:
+    import llama_cpp
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
+class _SeqState:
+    """Save / restore sequence 0 of a llama context (KV cache and recurrent state)."""
+
+    def __init__(self, llm):
+        import ctypes
+        import llama_cpp
+        self.llm, self.n_tokens = llm, llm.n_tokens
+        ctx = llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        self.buf = (ctypes.c_uint8 * size)()
+        self.size = llama_cpp.llama_state_seq_get_data(ctx, self.buf, size, 0)
+        if not self.size:
+            raise RuntimeError("llama_state_seq_get_data returned 0 bytes")
+
+    def restore(self):
+        import llama_cpp
+        llm = self.llm
+        mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+        llama_cpp.llama_memory_clear(mem, True)
+        if not llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, self.buf, self.size, 0):
+            raise RuntimeError("llama_state_seq_set_data failed")
+        llm.n_tokens = self.n_tokens
+
+
+def llama_worker(a) -> dict:
+    """Time llama.cpp (runs in its own process)."""
+    import statistics
+
+    from qwenmetal.bench import fnv1a, peak_rss_bytes, synthetic_prompt
+
+    llama_cpp = _import_llama()
+    prefill, contexts = a.prefill, a.contexts
+    n_ctx = max(prefill + contexts) + a.decode_steps + 16
+    n_batch = min(2048, max(prefill + contexts))
+    t = time.perf_counter()
+    llm = open_llama(a.gguf, a.threads, n_ctx, n_batch, a.flash_attn)
+    load_s = time.perf_counter() - t
+    V = llm.n_vocab()
+    res = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__,
+           "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+           "threads": a.threads, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": a.flash_attn,
+           "kv_dtype": "float16", "load_seconds": load_s, "prefill": [], "decode": [],
+           "loadavg_at_start": list(os.getloadavg())}
+    for n in prefill:
+        ids = synthetic_prompt(n, V).tolist()
+        samples = []
+        for r in range(1 + a.repeats):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(ids)
+            int(np.argmax(_last_logits(llm)))
+            dt = time.perf_counter() - t
+            if r:
+                samples.append(dt)
+        med = statistics.median(samples)
+        res["prefill"].append({"tokens": n, "seconds": med, "tokens_per_second": n / med, "samples_seconds": samples})
+        log(f"  llama.cpp prefill {n:6d}: {n / med:9.1f} tok/s")
+    for ctx in contexts:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(synthetic_prompt(ctx, V).tolist())
+        prefill_s = time.perf_counter() - t
+        first = int(np.argmax(_last_logits(llm)))
+        try:
+            saved = _SeqState(llm)
+        except Exception as e:                      # pragma: no cover - fall back to re-prefilling
+            log(f"  (sequence state save failed: {e}; re-prefilling before each repeat)")
+            saved = None
+
+        def rewind():
+            if saved is not None:
+                saved.restore()
+            else:
+                llm.reset()
+                llm.eval(synthetic_prompt(ctx, V).tolist())
+
+        rewind()
+        tok = first
+        for _ in range(4):                          # warm-up steps
+            llm.eval([tok])
+            tok = int(np.argmax(_last_logits(llm)))
+        samples, digests = [], []
+        for _ in range(a.repeats):
+            rewind()
+            tok, toks = first, []
+            t = time.perf_counter()
+            for _ in range(a.decode_steps):
+                llm.eval([tok])
+                tok = int(np.argmax(_last_logits(llm)))
+                toks.append(tok)
+            samples.append((time.perf_counter() - t) / a.decode_steps)
+            digests.append(fnv1a(toks))
+        med = statistics.median(samples)
+        res["decode"].append({"context": ctx, "steps": a.decode_steps, "seconds_per_token": med,
+                              "ms_per_token": 1e3 * med, "tokens_per_second": 1 / med,
+                              "samples_ms": [1e3 * x for x in samples], "digest": digests[0],
+                              "digest_stable": len(set(digests)) == 1, "context_prefill_seconds": prefill_s})
+        log(f"  llama.cpp decode @ {ctx:6d}: {1e3 * med:8.2f} ms/token")
+    res["peak_rss_bytes"] = peak_rss_bytes()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes per token of the GGUF (same accounting as qwenmetal.bench.decode_bytes)
+# ---------------------------------------------------------------------------------------------
+def gguf_tensor_sizes(gguf_path) -> dict:
+    from gguf import GGUFReader
+    r = GGUFReader(str(gguf_path))
+    return {t.name: int(t.n_bytes) for t in r.tensors}
+
+
+def _gguf_category(name: str) -> str:
+    if name == "output.weight":
+        return "lm_head"
+    if name == "token_embd.weight":
+        return "embedding"
+    if "_exps." in name:
+        return "routed_experts"
+    if "_shexp." in name:
+        return "shared_expert"
+    if ".ffn_gate_inp" in name:
+        return "router"
+    if ".ssm_" in name or ".attn_qkv." in name or ".attn_gate." in name:
+        return "gdn"
+    if ".attn_" in name and "attn_norm" not in name:
+        return "attention"
+    return "norms"
+
+
+def gguf_decode_bytes(config, sizes: dict, context: int, kv_element_bytes: int = 2) -> dict:
+    """qwenmetal.bench.decode_bytes for GGUF tensor names (llama.cpp keeps the GDN state in float32)."""
+    from qwenmetal.bench import decode_bytes
+    canon = {}
+    for name, n in sizes.items():
+        cat = _gguf_category(name)
+        key = {"lm_head": "lm_head", "embedding": "embed_tokens"}.get(cat)
+        if key is None:
+            key = {"routed_experts": "layers.x.mlp.switch_mlp.", "shared_expert": "layers.x.mlp.shared_expert.",
+                   "router": "layers.x.mlp.gate", "gdn": "layers.x.linear_attn.",
+                   "attention": "layers.x.self_attn.", "norms": "norm"}[cat] + name
+        canon[key] = n
+    return decode_bytes(config, canon, context, kv_element_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: the GGUF against qwenmetal's reference logits
+# ---------------------------------------------------------------------------------------------
+def mid_config() -> dict:
+    """Real head counts and widths (hidden 2048, GDN 16/32 x 128, attention 16/2 x 256, moe 512), 4 layers,
+    but 16 experts and a 1024 vocab, so that the float32 reference fits in memory."""
+    from qwenmetal.bench import real_config
+    return real_config(4, vocab_size=1024, num_experts=16)
+
+
+def _roundtrip_q4_0(weights):
+    """The checkpoint's weights as the Q4_0 GGUF holds them: every 4-bit matrix through Q4_0 and back, every
+    8-bit one through Q8_0 (the GGUF's row/column permutations move whole 32-blocks, so they commute)."""
+    import gguf
+    from gguf import quants
+
+    from qwenmetal.weights import QuantizedTensor, Weights
+
+    out = {}
+    for k, t in weights.tensors.items():
+        if isinstance(t, QuantizedTensor):
+            a = t.dequantize()
+            qt = gguf.GGMLQuantizationType.Q4_0 if t.bits == 4 else gguf.GGMLQuantizationType.Q8_0
+            q = convert_gguf.__globals__["QTYPES"]["q4_0" if t.bits == 4 else "q8_0"][0](a)
+            out[k] = quants.dequantize(q, qt).reshape(a.shape).astype(np.float32)
+        else:
+            out[k] = t
+    return Weights(weights.config, out, weights.layout, weights.path)
+
+
+def _reference_logits(ckpt: Path, ids: np.ndarray, n_decode: int, roundtrip: bool = False, tokens=None):
+    """qwenmetal's numpy reference: logits of every prompt position, then n_decode greedy steps (or the
+    given decode tokens)."""
+    import qwenmetal as qm
+    from qwenmetal.model import Model, ReferenceBackend
+
+    model = qm.Model.load(str(ckpt), backend="reference")
+    if roundtrip:
+        w = _roundtrip_q4_0(model.weights)
+        model = Model(model.config, w, model.tokenizer, ReferenceBackend(w), model.path)
+    s = model.new_session()
+    ref = [model.prefill(s, ids, return_logits="all")]
+    toks = []
+    for j in range(n_decode):
+        tok = int(np.argmax(ref[-1][-1])) if tokens is None else int(tokens[j])
+        toks.append(tok)
+        ref.append(model.decode_step(s, tok)[None, :])
+    return np.concatenate(ref).astype(np.float32), toks      # [n_prompt + n_decode, V]
+
+
+def validate(threads: int, out_dir: Path, n_prompt: int = 24, n_decode: int = 8) -> list:
+    from qwenmetal.bench import ensure_checkpoint, resolve_config, synthetic_prompt
+
+    rows = []
+    for name, cfg in (("tiny", resolve_config("tiny")), ("mid", mid_config())):
+        ckpt = ensure_checkpoint(cfg, 0, name=f"validate-{name}", log=log)
+        V = cfg["text_config"]["vocab_size"]
+        ids = synthetic_prompt(n_prompt, V)
+        exact, toks = _reference_logits(ckpt, ids, n_decode)
+        # Q4_0 file vs the reference on the same weights round-tripped through Q4_0 / Q8_0, decoding the
+        # same tokens (llama.cpp also quantizes activations to 8 bits in its Q4_0 products)
+        rt, _ = _reference_logits(ckpt, ids, n_decode, roundtrip=True, tokens=toks)
+        # (weights, KV cache f32?, flash attention): the exact check, then the benchmark's settings
+        for qtype, kv_f32, fa in (("f32", True, False), ("f32", False, True), ("q4_0", False, True)):
+            ref = exact if qtype == "f32" else rt
+            g = out_dir / f"{ckpt.name}.{qtype}.gguf"
+            if not g.exists():
+                convert_gguf(ckpt, g, qtype, log=None)
+            llm = open_llama(g, threads, n_ctx=n_prompt + n_decode + 8, n_batch=n_prompt + n_decode,
+                             flash_attn=fa, kv_f32=kv_f32, logits_all=True)
+            llm.eval(ids.tolist())
+            got = [np.array(llm.scores[:n_prompt], np.float32)]
+            for tok in toks:
+                llm.eval([tok])
+                got.append(np.array(_last_logits(llm), np.float32)[None, :])
+            got = np.concatenate(got)
+            del llm
+            scale = float(np.abs(ref).max())
+            err = float(np.abs(got - ref).max())
+            agree = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
+            corr = float(np.corrcoef(got.ravel(), ref.ravel())[0, 1])
+            row = {"config": name, "gguf": qtype, "kv_cache": "f32" if kv_f32 else "f16", "flash_attn": fa,
+                   "positions": int(ref.shape[0]), "max_abs_logit": scale,
+                   "max_abs_diff": err, "rel_max_diff": err / scale, "argmax_agreement": agree, "correlation": corr}
+            rows.append(row)
+            log(f"  validate {name:5s} {qtype:5s} kv {row['kv_cache']} fa {'on ' if fa else 'off'}: max|dlogit| {err:.2e} (max |logit| {scale:.2f}, "
+                f"rel {err / scale:.1e}), argmax agreement {100 * agree:.0f}%, corr {corr:.6f}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+def _run_json(cmd: list, what: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        log(f"[{what}] " + " ".join(cmd))
+        subprocess.run(cmd + ["--json", path], check=True, stdout=sys.stderr)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
+
+
+def _csv(xs) -> str:
+    return ",".join(str(x) for x in xs)
+
+
+def compare(a) -> dict:
+    from qwenmetal.bench import ensure_checkpoint, measure_read_bandwidth, resolve_config
+    from qwenmetal.config import ModelConfig
+
+    cfg = resolve_config(a.config, a.layers)
+    ckpt = ensure_checkpoint(cfg, a.seed, log=log)
+    gguf = ckpt.parent / f"{ckpt.name}.q4_0.gguf"
+    if not gguf.exists():
+        log(f"writing {gguf} (one-time) ...")
+        t = time.perf_counter()
+        convert_gguf(ckpt, gguf, "q4_0", log=log)
+        log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
+    c = ModelConfig.from_file(ckpt)
+    result = {"schema": "qwenmetal-llama-compare/1", "checkpoint": str(ckpt), "gguf": str(gguf),
+              "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if a.validate:
+        result["validation"] = validate(a.threads, ckpt.parent)
+    common = ["--threads", str(a.threads), "--prefill", _csv(a.prefill), "--contexts", _csv(a.contexts),
+              "--repeats", str(a.repeats), "--decode-steps", str(a.decode_steps)]
+    arms = []
+    if not a.skip_qwenmetal:
+        arms.append(("qwenmetal", [sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend",
+                                   a.backend, "--bandwidth-bytes", "0"] + common))
+    if not a.skip_llama:
+        arms.append(("llama.cpp", [sys.executable, str(Path(__file__).resolve()), "--worker", "--gguf", str(gguf),
+                                   "--flash-attn", a.flash_attn] + common))
+    for r in range(a.rounds):
+        for name, cmd in (arms if r % 2 == 0 else arms[::-1]):       # alternate the order between rounds
+            res = _run_json(cmd, name)
+            result.setdefault(name, []).append(res)
+    log("measuring read bandwidth ...")
+    result["bandwidth"] = measure_read_bandwidth(a.threads)
+    bw = result["bandwidth"]["read_gbps"]
+    sizes = gguf_tensor_sizes(gguf)
+    for res in result.get("llama.cpp", []):
+        for d in res["decode"]:
+            b = gguf_decode_bytes(c, sizes, d["context"], 2)
+            d["bytes_per_token"], d["bytes"] = b["total"], b
+            d["effective_gbps"] = b["total"] * d["tokens_per_second"] / 1e9
+            d["bandwidth_ratio"] = d["effective_gbps"] / bw
+    for res in result.get("qwenmetal", []):
+        for d in res["decode"]:
+            d["bandwidth_ratio"] = d["effective_gbps"] / bw
+    result["summary"] = summarize(result)
+    return result
+
+
+def _best(results: list, kind: str, key: str, value: str, better=max):
+    """Per point (prefill length or context), the best value over rounds."""
+    out = {}
+    for res in results:
+        for d in res[kind]:
+            k = d[key]
+            out[k] = better(out[k], d[value]) if k in out else d[value]
+    return out
+
+
+def summarize(result: dict) -> dict:
+    qm, ll = result.get("qwenmetal", []), result.get("llama.cpp", [])
+    s = {"prefill": [], "decode": []}
+    if qm and ll:
+        qp, lp = _best(qm, "prefill", "tokens", "tokens_per_second"), _best(ll, "prefill", "tokens", "tokens_per_second")
+        for n in sorted(qp):
+            s["prefill"].append({"tokens": n, "qwenmetal_tok_s": qp[n], "llama_tok_s": lp.get(n),
+                                 "ratio": qp[n] / lp[n] if lp.get(n) else None})
+        qd = _best(qm, "decode", "context", "ms_per_token", min)
+        ld = _best(ll, "decode", "context", "ms_per_token", min)
+        qr = _best(qm, "decode", "context", "bandwidth_ratio")
+        lr = _best(ll, "decode", "context", "bandwidth_ratio")
+        for ctx in sorted(qd):
+            s["decode"].append({"context": ctx, "qwenmetal_ms": qd[ctx], "llama_ms": ld.get(ctx),
+                                "speedup": ld[ctx] / qd[ctx] if ld.get(ctx) else None,
+                                "qwenmetal_bandwidth_ratio": qr.get(ctx), "llama_bandwidth_ratio": lr.get(ctx)})
+    return s
+
+
+def format_summary(result: dict) -> str:
+    bw = result["bandwidth"]
+    lines = [f"measured read bandwidth: {bw['read_gbps']:.2f} GB/s ({bw['threads']} threads); threads {result['threads']}"]
+    for name in ("qwenmetal", "llama.cpp"):
+        for res in result.get(name, [])[:1]:
+            lines.append(f"\n{name}: " + ", ".join(
+                f"prefill {d['tokens']} {d['tokens_per_second']:.1f} tok/s" for d in res["prefill"]))
+            for d in res["decode"]:
+                lines.append(f"  decode @{d['context']}: {d['ms_per_token']:.2f} ms/token, "
+                             f"{d['bytes_per_token'] / 1e6:.1f} MB/token, {d['effective_gbps']:.2f} GB/s "
+                             f"= {100 * d['bandwidth_ratio']:.1f}% of measured")
+    s = result.get("summary") or {}
+    if s.get("prefill"):
+        lines += ["", f"{'prefill':>8} {'qwenmetal tok/s':>16} {'llama.cpp tok/s':>16} {'ratio':>7}  (target >= 1.0)"]
+        for p in s["prefill"]:
+            lines.append(f"{p['tokens']:>8} {p['qwenmetal_tok_s']:>16.1f} {p['llama_tok_s']:>16.1f} {p['ratio']:>6.2f}x")
+        lines += ["", f"{'context':>8} {'qwenmetal ms':>13} {'llama.cpp ms':>13} {'speedup':>8} {'qm of bw':>9} "
+                      f"{'llama of bw':>12}  (target >= 1.3x, >= 70%)"]
+        for d in s["decode"]:
+            lines.append(f"{d['context']:>8} {d['qwenmetal_ms']:>13.2f} {d['llama_ms']:>13.2f} {d['speedup']:>7.2f}x "
+                         f"{100 * d['qwenmetal_bandwidth_ratio']:>8.1f}% {100 * d['llama_bandwidth_ratio']:>11.1f}%")
+    for v in result.get("validation", []):
+        lines.append(f"validation {v['config']} {v['gguf']} kv {v['kv_cache']} fa {v['flash_attn']}: max|dlogit| {v['max_abs_diff']:.2e} "
+                     f"(rel {v['rel_max_diff']:.1e}), argmax {100 * v['argmax_agreement']:.0f}%")
+    return "\n".join(lines)
+
+
+def _ints(s):
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--config", default="real")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="cpu", help="qwenmetal backend (default cpu)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill", type=_ints, default=[128, 512, 2048])
+    p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of both arms (order alternates); best per point")
+    p.add_argument("--flash-attn", default="on", choices=("on", "off"), help="llama.cpp flash attention")
+    p.add_argument("--validate", action="store_true", help="validate the GGUF layout against reference logits first")
+    p.add_argument("--validate-only", action="store_true")
+    p.add_argument("--skip-qwenmetal", action="store_true")
+    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH")
+    # internal: the llama.cpp arm in its own process
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        a.flash_attn = a.flash_attn == "on"
+        res = llama_worker(a)
+        if a.json:
+            with open(a.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+        return 0
+    if a.validate_only:
+        from qwenmetal.bench import cache_root
+        rows = validate(a.threads, cache_root())
+        if a.json:
+            with open(a.json, "w", encoding="utf-8") as f:
+                json.dump({"validation": rows}, f, indent=2)
+        return 0
+    result = compare(a)
+    print(format_summary(result))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The C++ CPU backend (``backend="cpu"``): a thin wrapper over ``qwenmetal._core.CpuEngine``.
+
+The loader (`weights.py`) has already mapped and checked every tensor. This module only describes
+each canonical tensor to C++ — a pointer into the memory-mapped file plus dtype, shape and strides —
+and keeps the numpy views alive for as long as the engine lives, so the weights are used in place:
+nothing is copied at load and resident memory grows only as pages are touched. Small tensors (norm
+weights, conv taps, ``A_log``, ``dt_bias``) are handed over as float32 copies.
+
+Options (``Model.load(path, backend="cpu", **options)``):
+
+* ``threads``: worker threads, default = physical cores of this process's CPU set.
+* ``kv_dtype``: ``"bfloat16"`` (default) or ``"float32"`` (exact comparisons with the reference).
+* ``prefill_chunk``: tokens per forward chunk (default 512); scratch memory is bounded by it.
+* ``quantize``: ``None``, ``4`` or ``8``: quantize a dense (bf16/f16/f32) checkpoint at load with
+  MLX's affine algorithm, group 64 (router and shared-expert gate at 8 bits, as mlx-lm does).
+
+State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
+the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
+before touching the state, so an error leaves it unchanged, and the GIL is released during compute
+(a KeyboardInterrupt is delivered when the call returns, after a complete step).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .weights import QuantizedTensor, Weights
+
+KV_DTYPES = ("bfloat16", "float32")
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+# canonical tensors passed as float32 vectors (everything else is a linear layer)
+_SMALL_SUFFIXES = ("layernorm", "q_norm", "k_norm", "linear_attn.norm", "conv1d", "dt_bias", "A_log")
+
+
+def _core():
+    try:
+        from . import _core
+    except ImportError as e:          # pragma: no cover - source tree without the extension
+        raise ImportError("the cpu backend needs the compiled extension qwenmetal._core "
+                          "(pip install -e . builds it)") from e
+    return _core
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _rows_contiguous(a: np.ndarray) -> np.ndarray:
+    """`a` if each matrix (last two axes) is C-contiguous, else a C-contiguous copy."""
+    it = a.itemsize
+    if a.ndim >= 2 and a.strides[-1] == it and a.strides[-2] == a.shape[-1] * it:
+        return a
+    return np.ascontiguousarray(a)
+
+
+def describe(t, keep: list) -> dict:
+    """The C++ descriptor of one linear tensor (dense or MLX-quantized); arrays used go to `keep`."""
+    if isinstance(t, QuantizedTensor):
+        w = _rows_contiguous(t.weight)
+        s, b = _rows_contiguous(t.scales), _rows_contiguous(t.biases)
+        if s.dtype == np.dtype(np.float16) or s.dtype not in _DTYPE_NAMES:
+            s, b = np.ascontiguousarray(s, np.float32), np.ascontiguousarray(b, np.float32)
+        if w.ndim == 3 and (s.strides[0] != b.strides[0]):
+            s, b = np.ascontiguousarray(s), np.ascontiguousarray(b)
+        keep += [w, s, b]
+        return dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_DTYPE_NAMES[s.dtype],
+                    shape=list(t.shape), data=_ptr(w), scales=_ptr(s), biases=_ptr(b),
+                    stride=int(w.strides[0]) if w.ndim == 3 else 0,
+                    sstride=int(s.strides[0]) if s.ndim == 3 else 0)
+    a = np.asarray(t)
+    if a.dtype not in _DTYPE_NAMES:
+        a = np.asarray(a, np.float32)
+    a = _rows_contiguous(a)
+    if a.ndim not in (2, 3):
+        raise ValueError(f"linear tensor of shape {a.shape} is not supported")
+    keep.append(a)
+    return dict(bits=0, group_size=0, dtype=_DTYPE_NAMES[a.dtype], sdtype="bfloat16", shape=list(a.shape),
+                data=_ptr(a), scales=0, biases=0, stride=int(a.strides[0]) if a.ndim == 3 else 0, sstride=0)
+
+
+def config_dict(c) -> dict:
+    return dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        layer_is_attention=[c.is_full_attention(i) for i in range(c.num_hidden_layers)],
+        layer_is_moe=[c.is_moe_layer(i) for i in range(c.num_hidden_layers)],
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, rotary_dim=c.rotary_dim, attn_output_gate=c.attn_output_gate,
+        rope_theta=float(c.rope_theta),
+        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
+        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
+        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+        intermediate_size=c.intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+        rms_norm_eps=float(c.rms_norm_eps), tie_word_embeddings=bool(c.tie_word_embeddings))
+
+
+class _Impl:
+    """The engine call, separate from the backend so tests can patch it (like ReferenceBackend.impl)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def forward(self, state, ids, logits):
+        return self.engine.forward(state, ids, logits)
+
+
+class CpuBackend:
+    """C++ threads + SIMD on the checkpoint's own (mmap'd, usually 4-bit) weights."""
+
+    name = "cpu"
+
+    def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
+                 prefill_chunk: int = 512, quantize: int | None = None):
+        core = _core()
+        if threads is None:
+            threads = core.cpu_physical_cores()
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if quantize not in (None, 4, 8) or isinstance(quantize, bool):
+            raise ValueError(f"quantize must be None, 4 or 8, got {quantize!r}")
+        c = weights.config
+        keep: list = []
+        tensors, small = {}, {}
+        for name, t in weights.tensors.items():
+            if name.endswith(_SMALL_SUFFIXES) or name == "norm":
+                small[name] = np.ascontiguousarray(np.asarray(t, np.float32).reshape(-1))
+            else:
+                tensors[name] = describe(t, keep)
+        self.weights = weights
+        self.threads = int(threads)
+        self.kv_dtype = kv_dtype
+        self.prefill_chunk = int(prefill_chunk)
+        self.quantize = quantize
+        self.engine = core.CpuEngine(config_dict(c), tensors, small, self.threads, kv_dtype == "float32",
+                                     self.prefill_chunk, int(quantize or 0), keep)
+        self.impl = _Impl(self.engine)
+
+    def new_state(self):
+        return self.engine.new_state()
+
+    def forward(self, state, ids: np.ndarray, logits: str):
+        """Run `ids` on `state` in place (all-or-nothing) and return (state, logits)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = self.impl.forward(state, ids, logits)
+        return state, out
+
+    # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
+    def state_to_arrays(self, state) -> dict:
+        c = self.weights.config
+        position, kv, conv, ssm = state._export()
+        nkv, hd = c.num_key_value_heads, c.head_dim
+        out = {"position": np.array([position], dtype=np.int64)}
+        for j, i in enumerate(c.full_attention_layers):
+            for n, a in (("key", kv[2 * j]), ("value", kv[2 * j + 1])):
+                if a.dtype == np.uint16:
+                    a = a.view(ml_dtypes.bfloat16)
+                out[f"layers.{i}.{n}"] = np.ascontiguousarray(a.reshape(position, nkv, hd).transpose(1, 0, 2))
+        K1, cd = c.linear_conv_kernel_dim - 1, c.conv_dim
+        shape = (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
+        for j, i in enumerate(c.linear_attention_layers):
+            out[f"layers.{i}.conv"] = conv[j].reshape(K1, cd)
+            out[f"layers.{i}.ssm"] = ssm[j].reshape(shape)
+        return out
+
+    def state_from_arrays(self, arrays: dict):
+        c = self.weights.config
+        position = int(np.asarray(arrays["position"]).reshape(-1)[0])
+        kv_t = ml_dtypes.bfloat16 if self.kv_dtype == "bfloat16" else np.float32
+        kv = []
+        for i in c.full_attention_layers:
+            for n in ("key", "value"):
+                a = np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t)        # [nkv, P, hd]
+                a = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, -1)
+                kv.append(a.reshape(-1).view(np.uint8))
+        conv = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.conv"], np.float32).reshape(-1))
+                for i in c.linear_attention_layers]
+        ssm = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.ssm"], np.float32).reshape(-1))
+               for i in c.linear_attention_layers]
+        st = self.new_state()
+        st._import(position, kv, conv, ssm)
+        return st
+
+    def __repr__(self) -> str:
+        return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "
+                f"quantize={self.quantize}, isa={_core().cpu_isa()!r})")
+
+
+def available() -> bool:
+    """True when the compiled extension with the CPU engine is importable."""
+    try:
+        from . import _core
+    except ImportError:
+        return False
+    return hasattr(_core, "CpuEngine")

@@ -1,0 +1,426 @@
+// qwenmetal._core bindings of the C++ CPU engine: CpuEngine, CpuState and a few kernel entry points
+// for the tests. The Python side (python/qwenmetal/cpu_backend.py) validates inputs and passes
+// tensor descriptors (pointers into arrays it keeps alive); every compute call releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bindings/registry.h"
+#include "core/engine.h"
+#include "cpu/attention.h"
+#include "cpu/gdn.h"
+#include "cpu/kernels.h"
+#include "cpu/moe.h"
+#include "cpu/quant.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace qwenmetal;
+
+namespace {
+
+template <class T, int N>
+using In = nb::ndarray<const T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
+template <class T, int N>
+using InOut = nb::ndarray<T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
+
+DType parse_dtype(const std::string& s) {
+    if (s == "float32") return DType::F32;
+    if (s == "float16") return DType::F16;
+    if (s == "bfloat16") return DType::BF16;
+    throw std::invalid_argument("unsupported dtype " + s);
+}
+
+const void* ptr_of(const nb::handle& h) {
+    return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
+}
+
+TensorDesc parse_desc(const nb::dict& d) {
+    TensorDesc t;
+    t.bits = nb::cast<int>(d["bits"]);
+    t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
+    t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
+    t.group_size = nb::cast<int>(d["group_size"]);
+    for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
+    t.data = ptr_of(d["data"]);
+    t.scales = ptr_of(d["scales"]);
+    t.biases = ptr_of(d["biases"]);
+    t.stride = nb::cast<size_t>(d["stride"]);
+    t.sstride = nb::cast<size_t>(d["sstride"]);
+    if (t.shape.size() < 2) throw std::invalid_argument("a linear tensor needs at least 2 dimensions");
+    return t;
+}
+
+WMat wmat_of(const TensorDesc& d) {
+    WMat m;
+    m.bits = d.bits;
+    m.dtype = d.dtype;
+    m.sdtype = d.sdtype;
+    m.group_size = d.group_size;
+    m.rows = d.shape[d.shape.size() - 2];
+    m.cols = d.shape.back();
+    m.data = d.data;
+    m.scales = d.scales;
+    m.biases = d.biases;
+    return m;
+}
+
+Config parse_config(const nb::dict& d) {
+    Config c;
+    auto i64 = [&](const char* k) { return nb::cast<int64_t>(d[k]); };
+    c.vocab = i64("vocab_size");
+    c.hidden = i64("hidden_size");
+    c.n_layers = i64("num_hidden_layers");
+    for (nb::handle v : nb::cast<nb::list>(d["layer_is_attention"])) c.layer_is_attention.push_back(nb::cast<bool>(v));
+    for (nb::handle v : nb::cast<nb::list>(d["layer_is_moe"])) c.layer_is_moe.push_back(nb::cast<bool>(v));
+    c.n_heads = i64("num_attention_heads");
+    c.n_kv_heads = i64("num_key_value_heads");
+    c.head_dim = i64("head_dim");
+    c.rotary_dim = i64("rotary_dim");
+    c.attn_output_gate = nb::cast<bool>(d["attn_output_gate"]);
+    c.rope_theta = nb::cast<double>(d["rope_theta"]);
+    c.nk = i64("linear_num_key_heads");
+    c.nv = i64("linear_num_value_heads");
+    c.dk = i64("linear_key_head_dim");
+    c.dv = i64("linear_value_head_dim");
+    c.conv_kernel = i64("linear_conv_kernel_dim");
+    c.n_experts = i64("num_experts");
+    c.top_k = i64("num_experts_per_tok");
+    c.moe_inter = i64("moe_intermediate_size");
+    c.shared_inter = i64("shared_expert_intermediate_size");
+    c.dense_inter = i64("intermediate_size");
+    c.norm_topk = nb::cast<bool>(d["norm_topk_prob"]);
+    c.eps = nb::cast<float>(d["rms_norm_eps"]);
+    c.tie_embeddings = nb::cast<bool>(d["tie_word_embeddings"]);
+    return c;
+}
+
+struct PyEngine {
+    std::unique_ptr<Engine> engine;
+    nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
+};
+
+nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
+    size_t n = 1;
+    for (size_t s : shape) n *= s;
+    float* p = new float[n ? n : 1];
+    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<float*>(q); });
+    return nb::ndarray<nb::numpy, float>(p, shape.size(), shape.data(), owner);
+}
+
+nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits) {
+    int want;
+    if (logits == "none") want = 0;
+    else if (logits == "last") want = 1;
+    else if (logits == "all") want = 2;
+    else throw std::invalid_argument("logits must be 'last', 'all' or 'none', got '" + logits + "'");
+    const int64_t n = static_cast<int64_t>(ids.shape(0));
+    const size_t V = static_cast<size_t>(pe.engine->config().vocab);
+    nb::object out = nb::none();
+    float* dst = nullptr;
+    if (want) {
+        auto arr = want == 2 ? new_array({size_t(n), V}) : new_array({V});
+        dst = arr.data();
+        out = nb::cast(arr);
+    }
+    {
+        nb::gil_scoped_release release;
+        pe.engine->forward(s, ids.data(), n, want, dst);
+    }
+    return out;
+}
+
+// ---- kernel entry points for tests ----------------------------------------------------------------
+struct IsaScope {
+    const cpu::Kernels* saved;
+    explicit IsaScope(const std::string& name) : saved(&cpu::kernels()) {
+        if (name.empty()) return;
+        for (cpu::Isa i : {cpu::Isa::Portable, cpu::Isa::AVX2, cpu::Isa::AVX512, cpu::Isa::NEON})
+            if (name == cpu::isa_name(i)) {
+                if (!cpu::set_isa(i)) throw std::invalid_argument("isa '" + name + "' is not available here");
+                return;
+            }
+        throw std::invalid_argument("unknown isa '" + name + "'");
+    }
+    ~IsaScope() { cpu::set_isa(saved->isa); }
+};
+
+nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa) {
+    const TensorDesc d = parse_desc(desc);
+    const WMat W = wmat_of(d);
+    if (static_cast<int64_t>(X.shape(1)) != W.cols) throw std::invalid_argument("X has the wrong width");
+    const int64_t M = static_cast<int64_t>(X.shape(0));
+    auto Y = new_array({size_t(M), size_t(W.rows)});
+    {
+        nb::gil_scoped_release release;
+        IsaScope scope(isa);
+        ThreadPool pool(threads);
+        cpu::Workspace ws(pool.size());
+        ws.reserve(cpu::linear_thread_floats(W.cols), cpu::linear_xvec_floats(W.cols, M), size_t(M));
+        cpu::LinearOut o = {&W, Y.data(), W.rows, false};
+        cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
+    }
+    return nb::cast(Y);
+}
+
+// Gated delta rule on one head: q, k [L, dk], v [L, dv], beta, g [L]; state [dv, dk] updated in place.
+nb::object k_gdn(In<float, 2> q, In<float, 2> k, In<float, 2> v, In<float, 1> beta, In<float, 1> g,
+                 InOut<float, 2> state, bool chunked, const std::string& isa) {
+    const int64_t L = q.shape(0), dk = q.shape(1), dv = v.shape(1);
+    if (k.shape(0) != size_t(L) || v.shape(0) != size_t(L) || k.shape(1) != size_t(dk) || beta.shape(0) != size_t(L) ||
+        g.shape(0) != size_t(L) || state.shape(0) != size_t(dv) || state.shape(1) != size_t(dk))
+        throw std::invalid_argument("gdn: inconsistent shapes");
+    auto O = new_array({size_t(L), size_t(dv)});
+    {
+        nb::gil_scoped_release release;
+        IsaScope scope(isa);
+        const cpu::Kernels& kk = cpu::kernels();
+        // q, k, v of one token share a stride in the engine; pack them so here too
+        const int64_t ld = 2 * dk + dv;
+        std::vector<float> qkv(size_t(L * ld));
+        for (int64_t t = 0; t < L; ++t) {
+            std::copy(q.data() + t * dk, q.data() + (t + 1) * dk, qkv.begin() + t * ld);
+            std::copy(k.data() + t * dk, k.data() + (t + 1) * dk, qkv.begin() + t * ld + dk);
+            std::copy(v.data() + t * dv, v.data() + (t + 1) * dv, qkv.begin() + t * ld + 2 * dk);
+        }
+        if (chunked) {
+            std::vector<float> scratch(cpu::gdn_chunk_floats(dk, dv));
+            cpu::gdn_chunked_head(kk, state.data(), L, qkv.data(), qkv.data() + dk, qkv.data() + 2 * dk, ld,
+                                  beta.data(), g.data(), 1, O.data(), dv, dk, dv, scratch.data());
+        } else {
+            cpu::gdn_recurrent_head(kk, state.data(), L, qkv.data(), qkv.data() + dk, qkv.data() + 2 * dk, ld,
+                                    beta.data(), g.data(), 1, O.data(), dv, dk, dv);
+        }
+    }
+    return nb::cast(O);
+}
+
+// Causal GQA attention: q [L, nh, hd] (already normalised/rotated), keys/values [T, nkv, hd] float32
+// with T = pos0 + L; the cache is stored as float32 or bf16 (kv_f32). Returns [L, nh*hd].
+nb::object k_attention(In<float, 3> q, In<float, 3> keys, In<float, 3> values, int64_t pos0, bool kv_f32,
+                       int threads, const std::string& isa) {
+    const int64_t L = q.shape(0), nh = q.shape(1), hd = q.shape(2), T = keys.shape(0), nkv = keys.shape(1);
+    if (T != pos0 + L || values.shape(0) != size_t(T) || keys.shape(2) != size_t(hd) || nh % nkv)
+        throw std::invalid_argument("attention: inconsistent shapes");
+    auto O = new_array({size_t(L), size_t(nh * hd)});
+    {
+        nb::gil_scoped_release release;
+        IsaScope scope(isa);
+        const size_t n = size_t(T * nkv * hd);
+        std::vector<float> kf, vf;
+        std::vector<uint16_t> kb, vb;
+        cpu::KVCacheView cv{nullptr, nullptr, kv_f32};
+        if (kv_f32) {
+            kf.assign(keys.data(), keys.data() + n);
+            vf.assign(values.data(), values.data() + n);
+            cv.k = kf.data();
+            cv.v = vf.data();
+        } else {
+            kb.resize(n);
+            vb.resize(n);
+            for (size_t i = 0; i < n; ++i) {
+                kb[i] = f32_to_bf16(keys.data()[i]);
+                vb[i] = f32_to_bf16(values.data()[i]);
+            }
+            cv.k = kb.data();
+            cv.v = vb.data();
+        }
+        cpu::AttnDims d{nh, nkv, hd, 0, hd, nh * hd, 1e-6f};
+        ThreadPool pool(threads);
+        cpu::Workspace ws(pool.size());
+        ws.reserve(cpu::attention_thread_floats(d), 0);
+        std::vector<float> shared(cpu::attention_shared_floats(d, L, T) + 1);
+        cpu::attention(pool, ws, shared.data(), d, q.data(), L, pos0, cv, O.data(), nh * hd);
+    }
+    return nb::cast(O);
+}
+
+nb::tuple k_route(In<float, 1> logits, int64_t k, bool norm_topk) {
+    const int64_t E = logits.shape(0);
+    if (k < 1 || k > E) throw std::invalid_argument("route: bad k");
+    std::vector<int32_t> idx(static_cast<size_t>(k));
+    std::vector<float> wts(static_cast<size_t>(k)), probs(static_cast<size_t>(E));
+    cpu::route_token(logits.data(), E, k, norm_topk, idx.data(), wts.data(), probs.data());
+    nb::list i, w;
+    for (int64_t j = 0; j < k; ++j) {
+        i.append(idx[j]);
+        w.append(wts[j]);
+    }
+    return nb::make_tuple(i, w);
+}
+
+nb::tuple k_quantize(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w, int bits, int group_size) {
+    const int64_t rows = w.shape(0), cols = w.shape(1);
+    if ((bits != 4 && bits != 8) || cols % group_size) throw std::invalid_argument("quantize: bad bits/group size");
+    uint32_t* wq = new uint32_t[size_t(rows * cols * bits / 32)];
+    uint16_t* s = new uint16_t[size_t(rows * (cols / group_size))];
+    uint16_t* b = new uint16_t[size_t(rows * (cols / group_size))];
+    {
+        nb::gil_scoped_release release;
+        cpu::quantize_affine(w.data(), DType::F32, cols, rows, cols, bits, group_size, wq, s, b);
+    }
+    nb::capsule ow(wq, [](void* p) noexcept { delete[] static_cast<uint32_t*>(p); });
+    nb::capsule os(s, [](void* p) noexcept { delete[] static_cast<uint16_t*>(p); });
+    nb::capsule ob(b, [](void* p) noexcept { delete[] static_cast<uint16_t*>(p); });
+    return nb::make_tuple(
+        nb::ndarray<nb::numpy, uint32_t, nb::ndim<2>>(wq, {size_t(rows), size_t(cols * bits / 32)}, ow),
+        nb::ndarray<nb::numpy, uint16_t, nb::ndim<2>>(s, {size_t(rows), size_t(cols / group_size)}, os),
+        nb::ndarray<nb::numpy, uint16_t, nb::ndim<2>>(b, {size_t(rows), size_t(cols / group_size)}, ob));
+}
+
+// state <-> arrays (Session.save / Session.load): raw KV rows [P, nkv*hd] in the cache dtype (uint16 bits of
+// bf16, or float32), conv [K-1, conv_dim] and ssm [nv*dv*dk] float32; Python does the layout
+nb::tuple state_export(const State& s) {
+    nb::list kv, conv, ssm;
+    const size_t P = size_t(s.position), row = size_t(s.kv_row_bytes()) / (s.kv_f32() ? 4 : 2);
+    for (int64_t i = 0; i < 2 * s.n_attention(); ++i) {
+        const void* src = (i % 2) ? s.v(size_t(i / 2)) : s.k(size_t(i / 2));
+        if (s.kv_f32()) {
+            auto a = new_array({P, row});
+            if (P) std::memcpy(a.data(), src, P * row * 4);
+            kv.append(nb::cast(a));
+        } else {
+            uint16_t* p = new uint16_t[P * row + 1];
+            if (P) std::memcpy(p, src, P * row * 2);
+            nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<uint16_t*>(q); });
+            kv.append(nb::cast(nb::ndarray<nb::numpy, uint16_t, nb::ndim<2>>(p, {P, row}, owner)));
+        }
+    }
+    for (int64_t i = 0; i < s.n_gdn(); ++i) {
+        auto c = new_array({size_t(s.conv_floats())});
+        std::memcpy(c.data(), s.conv(size_t(i)), size_t(s.conv_floats()) * 4);
+        conv.append(nb::cast(c));
+        auto m = new_array({size_t(s.ssm_floats())});
+        std::memcpy(m.data(), s.ssm(size_t(i)), size_t(s.ssm_floats()) * 4);
+        ssm.append(nb::cast(m));
+    }
+    return nb::make_tuple(s.position, kv, conv, ssm);
+}
+
+void state_import(State& s, int64_t position, nb::list kv, nb::list conv, nb::list ssm) {
+    const size_t row_bytes = size_t(s.kv_row_bytes());
+    if (position < 0 || nb::len(kv) != size_t(2 * s.n_attention()) || nb::len(conv) != size_t(s.n_gdn()) ||
+        nb::len(ssm) != size_t(s.n_gdn()))
+        throw std::invalid_argument("state arrays do not match this model");
+    std::vector<nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>> k;
+    for (nb::handle h : kv) {
+        auto a = nb::cast<nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>>(h);
+        if (a.nbytes() != size_t(position) * row_bytes) throw std::invalid_argument("KV array of the wrong size");
+        k.push_back(a);
+    }
+    std::vector<In<float, 1>> c, m;
+    for (nb::handle h : conv) {
+        c.push_back(nb::cast<In<float, 1>>(h));
+        if (c.back().shape(0) != size_t(s.conv_floats())) throw std::invalid_argument("conv state of the wrong size");
+    }
+    for (nb::handle h : ssm) {
+        m.push_back(nb::cast<In<float, 1>>(h));
+        if (m.back().shape(0) != size_t(s.ssm_floats())) throw std::invalid_argument("recurrent state of the wrong size");
+    }
+    s.reserve(position);
+    for (size_t i = 0; i < k.size(); ++i)
+        if (position) std::memcpy((i % 2) ? s.v(i / 2) : s.k(i / 2), k[i].data(), size_t(position) * row_bytes);
+    for (size_t i = 0; i < c.size(); ++i) {
+        std::memcpy(s.conv(i), c[i].data(), size_t(s.conv_floats()) * 4);
+        std::memcpy(s.ssm(i), m[i].data(), size_t(s.ssm_floats()) * 4);
+    }
+    s.position = position;
+}
+
+}  // namespace
+
+namespace qwenmetal::bindings {
+
+void register_cpu_engine(nb::module_& m) {
+    nb::class_<State>(m, "CpuState", "One sequence's decode state, held in C++ (KV cache, conv and GDN states).")
+        .def_prop_ro("position", [](const State& s) { return s.position; }, "tokens consumed so far")
+        .def_prop_ro("nbytes", [](const State& s) { return s.nbytes(); },
+                     "bytes of state as stored (KV cache counted up to the position)")
+        .def_prop_ro("allocated_nbytes", [](const State& s) { return s.allocated_bytes(); },
+                     "bytes allocated, including KV capacity reserved ahead")
+        .def_prop_ro("capacity", [](const State& s) { return s.capacity(); }, "tokens the KV cache can hold")
+        .def_prop_ro("kv_dtype", [](const State& s) { return std::string(s.kv_f32() ? "float32" : "bfloat16"); })
+        .def("copy", [](const State& s) { return std::make_unique<State>(s); }, "a deep, independent copy")
+        .def("reset", &State::reset, "back to position 0 with zeroed recurrent state")
+        .def("_export", &state_export, "(position, [k0, v0, ...] raw KV rows, [conv], [ssm]) copies")
+        .def("_import", &state_import, "position"_a, "kv"_a, "conv"_a, "ssm"_a, "inverse of _export")
+        .def("__repr__", [](const State& s) {
+            return "CpuState(position=" + std::to_string(s.position) + ", " + std::to_string(s.nbytes()) + " bytes)";
+        });
+
+    nb::class_<PyEngine>(m, "CpuEngine", "The C++ CPU engine over one checkpoint's weights.")
+        .def("__init__",
+             [](PyEngine* self, nb::dict config, nb::dict tensors, nb::dict small, int threads, bool kv_f32,
+                int64_t prefill_chunk, int quantize, nb::object keepalive) {
+                 Config c = parse_config(config);
+                 std::map<std::string, TensorDesc> t;
+                 for (auto [k, v] : tensors) t[nb::cast<std::string>(k)] = parse_desc(nb::cast<nb::dict>(v));
+                 std::map<std::string, std::vector<float>> s;
+                 for (auto [k, v] : small) {
+                     auto a = nb::cast<In<float, 1>>(v);
+                     s[nb::cast<std::string>(k)] = std::vector<float>(a.data(), a.data() + a.shape(0));
+                 }
+                 Options o;
+                 o.threads = threads;
+                 o.kv_f32 = kv_f32;
+                 o.prefill_chunk = prefill_chunk;
+                 o.quantize = quantize;
+                 std::unique_ptr<Engine> e;
+                 {
+                     nb::gil_scoped_release release;
+                     e = std::make_unique<Engine>(c, t, s, o);
+                 }
+                 new (self) PyEngine{std::move(e), keepalive};
+             },
+             "config"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
+             "keepalive"_a)
+        .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
+        .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a,
+             "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
+             "[vocab] ('last'), [n, vocab] ('all') or None. The GIL is released; on error the state is unchanged.")
+        .def_prop_ro("threads", [](PyEngine& pe) { return pe.engine->threads(); })
+        .def_prop_ro("prefill_chunk", [](PyEngine& pe) { return pe.engine->options().prefill_chunk; })
+        .def_prop_ro("kv_dtype", [](PyEngine& pe) {
+            return std::string(pe.engine->options().kv_f32 ? "float32" : "bfloat16");
+        })
+        .def_prop_ro("weight_nbytes", [](PyEngine& pe) { return pe.engine->weight_bytes(); },
+                     "bytes of weights the forward pass reads from (mapped + owned)")
+        .def_prop_ro("owned_weight_nbytes", [](PyEngine& pe) { return pe.engine->owned_weight_bytes(); },
+                     "bytes of weights held in engine memory (quantized at load)");
+
+    m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
+    m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
+    m.def("cpu_isas", [] {
+        nb::list l;
+        for (cpu::Isa i : {cpu::Isa::Portable, cpu::Isa::AVX2, cpu::Isa::AVX512, cpu::Isa::NEON})
+            if (cpu::kernels_for(i)) l.append(std::string(cpu::isa_name(i)));
+        return l;
+    }, "the SIMD kernel sets this CPU can run");
+    m.def("cpu_set_isa", [](const std::string& name) {
+        for (cpu::Isa i : {cpu::Isa::Portable, cpu::Isa::AVX2, cpu::Isa::AVX512, cpu::Isa::NEON})
+            if (name == cpu::isa_name(i)) {
+                if (!cpu::set_isa(i)) throw std::invalid_argument("isa '" + name + "' is not available here");
+                return;
+            }
+        throw std::invalid_argument("unknown isa '" + name + "'");
+    }, "select the SIMD kernels (tests and benchmarks)");
+    m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "",
+          "Y = X W^T through the engine's GEMV (<= 3 rows) or tiled GEMM path (tests).");
+    m.def("cpu_gdn", &k_gdn, "q"_a, "k"_a, "v"_a, "beta"_a, "g"_a, "state"_a, "chunked"_a, "isa"_a = "",
+          "Gated delta rule on one head, recurrent or chunked (tests).");
+    m.def("cpu_attention", &k_attention, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a, "threads"_a = 1,
+          "isa"_a = "", "Causal GQA attention through the engine's kernel (tests).");
+    m.def("cpu_route", &k_route, "logits"_a, "k"_a, "norm_topk"_a, "Router top-k of one token (tests).");
+    m.def("cpu_quantize", &k_quantize, "w"_a, "bits"_a, "group_size"_a,
+          "MLX affine quantizer of the engine (float32 input; bf16 scales/biases as uint16).");
+}
+
+}  // namespace qwenmetal::bindings

@@ -1,0 +1,179 @@
+// The C++ model shared by the C++ backends: its dimensions (mirrored from the Python ModelConfig,
+// nothing hard-coded), the weights table (descriptors into the mmap'd checkpoint, or into buffers
+// owned here when a dense checkpoint is quantized at load), the per-sequence State, and the Engine
+// that runs the forward graph (forward.cpp) on a thread pool.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "core/threadpool.h"
+#include "cpu/quant.h"
+
+namespace qwenmetal {
+
+struct Config {
+    int64_t vocab = 0, hidden = 0, n_layers = 0;
+    std::vector<uint8_t> layer_is_attention, layer_is_moe;
+    // full attention
+    int64_t n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+    bool attn_output_gate = true;
+    double rope_theta = 10000.0;
+    // Gated DeltaNet
+    int64_t nk = 0, nv = 0, dk = 0, dv = 0, conv_kernel = 0;
+    // MoE / MLP
+    int64_t n_experts = 0, top_k = 0, moe_inter = 0, shared_inter = 0, dense_inter = 0;
+    bool norm_topk = true;
+    float eps = 1e-6f;
+    bool tie_embeddings = false;
+
+    int64_t key_dim() const { return nk * dk; }
+    int64_t value_dim() const { return nv * dv; }
+    int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+    int64_t q_proj_rows() const { return n_heads * head_dim * (attn_output_gate ? 2 : 1); }
+    void validate() const;
+};
+
+// One canonical tensor as handed over by Python (see python/qwenmetal/cpu_backend.py).
+struct TensorDesc {
+    int bits = 0;                       // 0 dense, 4 or 8 quantized
+    DType dtype = DType::F32;           // dense element type
+    DType sdtype = DType::BF16;         // scales/biases (BF16 or F32)
+    int group_size = 0;
+    std::vector<int64_t> shape;         // logical [..., rows, cols]
+    const void* data = nullptr;
+    const void* scales = nullptr;
+    const void* biases = nullptr;
+    size_t stride = 0, sstride = 0;     // bytes between matrices along a leading (expert) axis
+};
+
+struct Options {
+    int threads = 0;                    // 0: physical cores
+    bool kv_f32 = false;                // KV cache element type: float32, else bf16
+    int64_t prefill_chunk = 512;
+    int quantize = 0;                   // 0, 4 or 8: quantize dense linears at load (group 64)
+};
+
+struct AttnLayer {
+    WMat q, k, v, o;
+    std::vector<float> q_norm, k_norm;
+};
+struct GdnLayer {
+    WMat qkv, z, b, a, out;
+    std::vector<float> conv_t;          // [K][conv_dim] (transposed taps)
+    std::vector<float> dt_bias, A_neg_exp, norm;   // A_neg_exp = -exp(A_log)
+};
+struct MoeLayer {
+    WMat router, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate;
+    WStack gate, up, down;
+    bool has_shared = false;
+};
+struct MlpLayer {
+    WMat gate, up, down;
+};
+struct Layer {
+    bool attention = false, moe = false;
+    std::vector<float> input_norm, post_norm;
+    AttnLayer attn;
+    GdnLayer gdn;
+    MoeLayer moe_w;
+    MlpLayer mlp;
+};
+
+// One sequence's decode state. KV rows are [capacity][nkv*hd] per attention layer (bf16 or fp32),
+// conv state [K-1][conv_dim] fp32 and recurrent state [nv][dv][dk] fp32 per GDN layer.
+class State {
+public:
+    State(const Config& c, bool kv_f32);
+    State(const State& o);                 // deep copy (capacity trimmed to the position)
+    State& operator=(const State&) = delete;
+
+    int64_t position = 0;
+    int64_t capacity() const { return capacity_; }
+    bool kv_f32() const { return kv_f32_; }
+    // bytes as stored for the tokens held (the KV cache counted up to `position`)
+    size_t nbytes() const;
+    size_t allocated_bytes() const;
+    // make room for `tokens` KV rows; all allocation happens here, before any compute (throws
+    // std::bad_alloc with the state unchanged)
+    void reserve(int64_t tokens);
+    void reset();
+
+    int64_t n_attention() const { return n_attn_; }
+    int64_t n_gdn() const { return n_gdn_; }
+    int64_t kv_row_bytes() const { return kv_row_bytes_; }
+    int64_t conv_floats() const { return conv_floats_; }
+    int64_t ssm_floats() const { return ssm_floats_; }
+    void* k(size_t attn_i) const { return kv_[2 * attn_i].get(); }
+    void* v(size_t attn_i) const { return kv_[2 * attn_i + 1].get(); }
+    float* conv(size_t gdn_i) const { return conv_[gdn_i].get(); }
+    float* ssm(size_t gdn_i) const { return ssm_[gdn_i].get(); }
+
+private:
+    struct Free {
+        void operator()(void* p) const { std::free(p); }
+    };
+    using Buf = std::unique_ptr<uint8_t, Free>;
+    static Buf alloc(size_t bytes);
+
+    int64_t n_attn_ = 0, n_gdn_ = 0, kv_row_bytes_ = 0, conv_floats_ = 0, ssm_floats_ = 0;
+    bool kv_f32_;
+    int64_t capacity_ = 0;
+    std::vector<std::unique_ptr<uint8_t, Free>> kv_;
+    std::vector<std::unique_ptr<float, Free>> conv_, ssm_;
+    friend class Engine;
+};
+
+class Engine {
+public:
+    Engine(const Config& c, const std::map<std::string, TensorDesc>& tensors,
+           const std::map<std::string, std::vector<float>>& small, const Options& opt);
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    const Config& config() const { return cfg_; }
+    const Options& options() const { return opt_; }
+    int threads() const { return pool_->size(); }
+    std::unique_ptr<State> new_state() const { return std::make_unique<State>(cfg_, opt_.kv_f32); }
+
+    // Run `ids` at state.position..; logits rows for the last token (want == 1), every token
+    // (want == 2) or none (0) written to `logits` ([1 or n, vocab], caller-allocated).
+    // Everything that can fail (argument checks, KV growth, scratch) happens before the state is
+    // touched; after that nothing can throw, so a failed call leaves the state unchanged.
+    void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits);
+    // bytes of weights the engine owns (quantized at load); the rest is the caller's mmap
+    size_t owned_weight_bytes() const { return owned_bytes_; }
+    size_t weight_bytes() const;
+
+private:
+    void check_state(const State& s) const;
+    void reserve_scratch(int64_t L, int64_t T_end);
+    void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits);
+    void lm_head(const float* x, int64_t rows, float* out);
+    WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,
+                     int64_t cols, bool router);
+    WStack make_stack(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t n, int64_t rows,
+                      int64_t cols);
+    WMat quantize_owned(const void* src, DType dt, int64_t rows, int64_t cols, int bits);
+
+    Config cfg_;
+    Options opt_;
+    std::unique_ptr<ThreadPool> pool_;
+    cpu::Workspace ws_;
+    std::mutex mu_;                      // one forward at a time per engine (scratch is shared)
+    WMat embed_, lm_head_;
+    std::vector<float> final_norm_;
+    std::vector<Layer> layers_;
+    std::vector<int64_t> attn_index_, gdn_index_;   // layer -> index among attention / GDN layers
+    std::vector<float> inv_freq_;
+    std::vector<std::unique_ptr<uint8_t[]>> owned_;
+    size_t owned_bytes_ = 0;
+    // activations of one chunk
+    FBuf x_, xn_, buf_a_, buf_b_, buf_c_, shared_;
+};
+
+}  // namespace qwenmetal

@@ -1,0 +1,206 @@
+// The forward graph of the hybrid Gated DeltaNet / gated attention / MoE model (model-spec §4),
+// written to be read next to python/qwenmetal/reference.py. Every heavy step is a kernel of one
+// family in src/cpu/ (quant, norm, attention, gdn, moe) run on the engine's thread pool.
+//
+//   x = embed(ids)                                            chunk of L <= prefill_chunk tokens
+//   for each layer:
+//       xn = RMSNorm(x)
+//       x += GatedAttention(xn) | GatedDeltaNet(xn)           the output projection adds into x
+//       xn = RMSNorm(x)
+//       x += MoE(xn) | MLP(xn)                                the down projections add into x
+//   logits = RMSNorm(x[rows asked for]) @ lm_head^T
+//
+// Activations are float32 throughout; weights stay in their stored format (4/8-bit or 16/32-bit
+// floats) and are converted in registers. Scratch is sized by the chunk, never by the prompt.
+#include <algorithm>
+#include <stdexcept>
+
+#include "core/engine.h"
+#include "cpu/attention.h"
+#include "cpu/gdn.h"
+#include "cpu/moe.h"
+#include "cpu/norm.h"
+#include "cpu/quant.h"
+
+namespace qwenmetal {
+
+using namespace cpu;
+
+namespace {
+AttnDims attn_dims(const Config& c) {
+    const int64_t qs = c.attn_output_gate ? 2 * c.head_dim : c.head_dim;
+    return AttnDims{c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim, qs, c.q_proj_rows(), c.eps};
+}
+MoeDims moe_dims(const Config& c) {
+    return MoeDims{c.hidden, c.n_experts, c.moe_inter, c.shared_inter, c.top_k};
+}
+}  // namespace
+
+// Grow every scratch buffer a chunk of L tokens ending at context length T can need. Called before
+// the state is touched: after it, the forward pass allocates nothing and cannot fail.
+void Engine::reserve_scratch(int64_t L, int64_t T) {
+    const Config& c = cfg_;
+    const int64_t H = c.hidden, vd = c.value_dim(), kvd = c.n_kv_heads * c.head_dim;
+    int64_t Kmax = std::max({H, c.n_heads * c.head_dim, vd, c.moe_inter, c.shared_inter, c.dense_inter});
+    x_.get(L * H);
+    xn_.get(L * H);
+    buf_a_.get(L * std::max({c.conv_dim(), c.q_proj_rows(), vd}) + 16);
+    buf_b_.get(L * std::max(vd + 4 * c.nv, 2 * kvd) + 16);
+    buf_c_.get(L * std::max(c.conv_dim(), c.n_heads * c.head_dim) + 16);
+    const AttnDims ad = attn_dims(c);
+    const MoeDims md = moe_dims(c);
+    size_t shared = attention_shared_floats(ad, L, T);
+    size_t per_thread = std::max(linear_thread_floats(Kmax), attention_thread_floats(ad));
+    per_thread = std::max(per_thread, gdn_chunk_floats(c.dk, c.dv));
+    size_t xv = linear_xvec_floats(Kmax, L), n_xv = size_t(L);
+    if (c.n_experts > 0) {
+        shared = std::max(shared, moe_shared_floats(md, L));
+        per_thread = std::max(per_thread, moe_thread_floats(md, L));
+        xv = std::max(xv, moe_xvec_floats(md, L));
+        n_xv = std::max(n_xv, moe_xvec_count(md, L));
+    }
+    if (c.dense_inter > 0) shared = std::max(shared, mlp_shared_floats(c.dense_inter, L));
+    shared_.get(shared + 16);
+    ws_.reserve(per_thread, xv, n_xv);
+}
+
+void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits) {
+    check_state(s);
+    if (n < 1) throw std::invalid_argument("cpu engine: no tokens");
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= cfg_.vocab)
+            throw std::invalid_argument("cpu engine: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t chunk = opt_.prefill_chunk;
+    s.reserve(s.position + n);                       // KV growth (strong guarantee)
+    reserve_scratch(std::min(n, chunk), s.position + n);
+    // ---- nothing below can throw: the state is only changed by complete computations ----
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        const int64_t L = std::min(chunk, n - c0);
+        const bool last = c0 + L == n;
+        forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
+                      want == 2 ? logits + c0 * cfg_.vocab : logits);
+    }
+}
+
+void Engine::lm_head(const float* xn, int64_t rows, float* out) {
+    LinearOut o = {&lm_head_, out, cfg_.vocab, false};
+    linear(*pool_, ws_, xn, rows, cfg_.hidden, &o, 1);
+}
+
+void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits) {
+    const Config& c = cfg_;
+    const Kernels& kk = kernels();
+    ThreadPool& pool = *pool_;
+    const int64_t H = c.hidden, pos0 = s.position;
+    float* x = x_.data();
+    float* xn = xn_.data();
+
+    // embedding rows (dequantized / converted)
+    for (int64_t i = 0; i < L; ++i) kk.dequant(embed_, ids[i], 1, x + i * H, H);
+
+    for (int64_t li = 0; li < c.n_layers; ++li) {
+        const Layer& ly = layers_[li];
+        rms_norm_rows(pool, x, H, L, ly.input_norm.data(), c.eps, xn, H, H);
+
+        if (ly.attention) {
+            // ---- gated full attention ----
+            const AttnLayer& A = ly.attn;
+            const AttnDims d = attn_dims(c);
+            const int64_t kvd = c.n_kv_heads * c.head_dim, od = c.n_heads * c.head_dim;
+            float* qg = buf_a_.data();                 // [L][q_proj_rows]: per head [query | gate]
+            float* kb = buf_b_.data();                 // [L][kvd]
+            float* vb = kb + L * kvd;                  // [L][kvd]
+            float* ob = buf_c_.data();                 // [L][nh*hd]
+            LinearOut proj[3] = {{&A.q, qg, d.q_row, false}, {&A.k, kb, kvd, false}, {&A.v, vb, kvd, false}};
+            linear(pool, ws_, xn, L, H, proj, 3);
+            const size_t ai = static_cast<size_t>(attn_index_[li]);
+            const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
+            attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
+                                  inv_freq_.data(), cache);
+            attention(pool, ws_, shared_.data(), d, qg, L, pos0, cache, ob, od);
+            if (c.attn_output_gate)
+                for (int64_t i = 0; i < L; ++i)
+                    for (int64_t h = 0; h < c.n_heads; ++h) {
+                        const float* gate = qg + i * d.q_row + h * d.q_stride + c.head_dim;
+                        float* o = ob + i * od + h * c.head_dim;
+                        for (int64_t e = 0; e < c.head_dim; ++e) o[e] *= sigmoid(gate[e]);
+                    }
+            LinearOut out = {&A.o, x, H, true};        // x += o_proj(o)
+            linear(pool, ws_, ob, L, od, &out, 1);
+        } else {
+            // ---- Gated DeltaNet ----
+            const GdnLayer& G = ly.gdn;
+            const int64_t cd = c.conv_dim(), vd = c.value_dim(), nv = c.nv;
+            const size_t gi = static_cast<size_t>(gdn_index_[li]);
+            float* qkv = buf_a_.data();                // [L][conv_dim]
+            float* z = buf_b_.data();                  // [L][value_dim]
+            float* bb = z + L * vd;                    // [L][nv]
+            float* aa = bb + L * nv;
+            float* beta = aa + L * nv;
+            float* g = beta + L * nv;
+            float* act = buf_c_.data();                // [L][conv_dim] conv + SiLU output
+            LinearOut proj[4] = {{&G.qkv, qkv, cd, false}, {&G.z, z, vd, false}, {&G.b, bb, nv, false},
+                                 {&G.a, aa, nv, false}};
+            linear(pool, ws_, xn, L, H, proj, 4);
+            gdn_conv_silu(pool, qkv, cd, L, cd, c.conv_kernel, G.conv_t.data(), s.conv(gi), act, cd);
+            const GdnDims gd{c.nk, nv, c.dk, c.dv, 1e-6f};
+            for (int64_t i = 0; i < L; ++i)
+                gdn_prepare_token(gd, act + i * cd, bb + i * nv, aa + i * nv, G.A_neg_exp.data(), G.dt_bias.data(),
+                                  beta + i * nv, g + i * nv);
+            float* o = qkv;                            // [L][value_dim] (qkv is consumed)
+            float* S = s.ssm(gi);
+            const int64_t rep = nv / c.nk, kd = c.key_dim();
+            pool.run(nv, [&](int64_t h, int th) {     // one task per value head
+                const int64_t kh = h / rep;
+                const float* q = act + kh * c.dk;
+                const float* k = act + kd + kh * c.dk;
+                const float* v = act + 2 * kd + h * c.dv;
+                float* Sh = S + h * c.dv * c.dk;
+                if (L == 1)
+                    gdn_recurrent_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv);
+                else
+                    gdn_chunked_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv,
+                                     ws_.t(th));
+                for (int64_t i = 0; i < L; ++i) {
+                    float* oh = o + i * vd + h * c.dv;
+                    gated_rms_norm(oh, z + i * vd + h * c.dv, G.norm.data(), c.eps, oh, c.dv);
+                }
+            });
+            LinearOut out = {&G.out, x, H, true};      // x += out_proj(y)
+            linear(pool, ws_, o, L, vd, &out, 1);
+        }
+
+        rms_norm_rows(pool, x, H, L, ly.post_norm.data(), c.eps, xn, H, H);
+        if (ly.moe) {
+            const MoeLayer& m = ly.moe_w;
+            MoeWeights w;
+            w.router = &m.router;
+            w.gate = &m.gate;
+            w.up = &m.up;
+            w.down = &m.down;
+            if (m.has_shared) {
+                w.shared_gate_proj = &m.shared_gate_proj;
+                w.shared_up_proj = &m.shared_up_proj;
+                w.shared_down_proj = &m.shared_down_proj;
+                w.shared_expert_gate = &m.shared_expert_gate;
+            }
+            w.top_k = c.top_k;
+            w.norm_topk = c.norm_topk;
+            moe_forward(pool, ws_, shared_.data(), w, moe_dims(c), xn, L, x);
+        } else {
+            mlp_forward(pool, ws_, shared_.data(), ly.mlp.gate, ly.mlp.up, ly.mlp.down, xn, L, H, x);
+        }
+    }
+
+    if (logits_all) {
+        rms_norm_rows(pool, x, H, L, final_norm_.data(), c.eps, xn, H, H);
+        lm_head(xn, L, logits);
+    } else if (logits_last) {
+        rms_norm(x + (L - 1) * H, final_norm_.data(), c.eps, xn, H);
+        lm_head(xn, 1, logits);
+    }
+    s.position += L;
+}
+
+}  // namespace qwenmetal

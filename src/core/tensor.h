@@ -1,0 +1,133 @@
+// Weight descriptors shared by the C++ backends: a matrix is either dense (bf16/f16/f32) or MLX
+// affine-quantized (4 or 8 bits, per-group scale and bias). Descriptors point into memory owned
+// elsewhere (the mmap'd checkpoint, kept alive by Python, or buffers the engine owns after
+// quantizing at load); nothing here copies weights.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <new>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace qwenmetal {
+
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+inline size_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// round to nearest even (NaN kept quiet)
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (mant == 0) {
+            u = sign;
+        } else {                       // subnormal: normalise
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+            mant &= 0x3ffu;
+            u = sign | (exp << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float load_scalar(const void* p, DType d, size_t i) {
+    switch (d) {
+        case DType::F32: return static_cast<const float*>(p)[i];
+        case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+        default: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    }
+}
+
+// One [rows, cols] matrix, y = W x. Rows are contiguous: a dense row is `cols` values, a quantized
+// row is cols*bits/32 uint32 words plus cols/group_size scales and biases.
+struct WMat {
+    int bits = 0;                  // 0 = dense, else 4 or 8 (MLX affine)
+    DType dtype = DType::F32;      // dense: element type
+    DType sdtype = DType::BF16;    // quantized: scale/bias type (BF16 or F32; F16 is converted at load)
+    int group_size = 0;
+    int64_t rows = 0, cols = 0;
+    const void* data = nullptr;    // dense values, or packed uint32 words
+    const void* scales = nullptr;
+    const void* biases = nullptr;
+
+    bool quantized() const { return bits != 0; }
+    bool empty() const { return data == nullptr; }
+    size_t row_bytes() const { return quantized() ? size_t(cols) * bits / 8 : size_t(cols) * dtype_size(dtype); }
+    int64_t groups() const { return quantized() ? cols / group_size : 0; }
+    size_t srow_bytes() const { return size_t(groups()) * dtype_size(sdtype); }
+    const uint8_t* row(int64_t r) const { return static_cast<const uint8_t*>(data) + size_t(r) * row_bytes(); }
+    const uint8_t* srow(int64_t r) const { return static_cast<const uint8_t*>(scales) + size_t(r) * srow_bytes(); }
+    const uint8_t* brow(int64_t r) const { return static_cast<const uint8_t*>(biases) + size_t(r) * srow_bytes(); }
+    size_t nbytes() const { return size_t(rows) * (row_bytes() + (quantized() ? 2 * srow_bytes() : 0)); }
+};
+
+// A stack of matrices (the routed experts): matrix e starts at byte offset e*stride of each array.
+struct WStack {
+    WMat base;
+    int64_t n = 0;
+    size_t stride = 0, sstride = 0;    // bytes between consecutive matrices (data / scales+biases)
+    WMat at(int64_t e) const {
+        WMat m = base;
+        m.data = static_cast<const uint8_t*>(base.data) + size_t(e) * stride;
+        if (base.quantized()) {
+            m.scales = static_cast<const uint8_t*>(base.scales) + size_t(e) * sstride;
+            m.biases = static_cast<const uint8_t*>(base.biases) + size_t(e) * sstride;
+        }
+        return m;
+    }
+};
+
+// 64-byte aligned float buffer that only grows (scratch).
+class FBuf {
+public:
+    FBuf() = default;
+    FBuf(const FBuf&) = delete;
+    FBuf& operator=(const FBuf&) = delete;
+    ~FBuf() { std::free(p_); }
+    float* get(size_t n) {            // at least n floats; contents not preserved on growth
+        if (n > cap_) {
+            size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+            void* q = std::aligned_alloc(64, bytes ? bytes : 64);
+            if (!q) throw std::bad_alloc();
+            std::free(p_);
+            p_ = static_cast<float*>(q);
+            cap_ = n;
+        }
+        return p_;
+    }
+    float* data() const { return p_; }
+    size_t capacity() const { return cap_; }
+
+private:
+    float* p_ = nullptr;
+    size_t cap_ = 0;
+};
+
+}  // namespace qwenmetal

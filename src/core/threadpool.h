@@ -1,0 +1,56 @@
+// A persistent pool of worker threads. `run(n, fn)` calls fn(task, thread) for every task in
+// [0, n) — tasks are handed out dynamically from an atomic counter, the calling thread works too —
+// and returns when all are done. Kernels make each task write its own outputs with a fixed
+// summation order, so results never depend on the number of threads or on who ran what.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <type_traits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace qwenmetal {
+
+class ThreadPool {
+public:
+    using Fn = void (*)(void* ctx, int64_t task, int thread);
+
+    explicit ThreadPool(int n_threads);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    int size() const { return n_; }
+    // fn(task, thread) for every task; `fn` is any callable, passed by reference (no allocation,
+    // so a running forward pass cannot fail half-way on memory)
+    template <class F>
+    void run(int64_t n_tasks, F&& fn) {
+        using G = std::remove_reference_t<F>;
+        run_impl(n_tasks, [](void* c, int64_t t, int th) { (*static_cast<G*>(c))(t, th); },
+                 const_cast<void*>(static_cast<const void*>(&fn)));
+    }
+
+private:
+    void run_impl(int64_t n_tasks, Fn fn, void* ctx);
+    void worker(int id);
+    void work(int id);
+
+    int n_;
+    std::vector<std::thread> threads_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int64_t> next_{0};
+    std::atomic<int> active_{0};
+    int64_t n_tasks_ = 0;
+    Fn fn_ = nullptr;
+    void* ctx_ = nullptr;
+    bool stop_ = false;
+};
+
+// Physical cores available to this process (hyper-threads counted once), at least 1.
+int physical_cores();
+
+}  // namespace qwenmetal

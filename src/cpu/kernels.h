@@ -1,0 +1,79 @@
+// The SIMD inner loops of the CPU engine, one implementation per instruction set, chosen once at
+// run time (cpuid): AVX-512 (F/BW/VL/DQ + FMA), AVX2+FMA, NEON (arm64) and a portable path.
+// All variants are the same source (kernels.inc) instantiated over a small vector-traits struct,
+// so they compute the same thing in the same order within a row; they differ only in vector width.
+//
+// Everything here is single-threaded and writes only its own outputs: the callers (quant, moe, gdn,
+// attention) split work over threads by output rows / heads / experts.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace qwenmetal::cpu {
+
+enum class Isa : int { Portable = 0, AVX2 = 1, AVX512 = 2, NEON = 3 };
+
+// The input vector of a GEMV, prepared once per call and shared by all threads: `xp` is x in the
+// lane order the 4-bit unpack produces (even elements then odd elements of every 2W block), and
+// xs32/xs64/xs128 are the sums of x over groups of 32/64/128 inputs (the bias term of
+// Σ (s·q + b)·x = s·Σ q·x + b·Σ x).
+struct XVec {
+    const float* x = nullptr;
+    const float* xp = nullptr;
+    const float* xs32 = nullptr;
+    const float* xs64 = nullptr;
+    const float* xs128 = nullptr;
+    int64_t K = 0;
+    const float* xs(int gs) const { return gs == 32 ? xs32 : gs == 64 ? xs64 : xs128; }
+};
+
+struct Kernels {
+    Isa isa;
+    const char* name;
+    int width;   // float lanes
+    // from this many input rows on, prefill GEMMs go through dequantized 16-row tiles (gemm_tile)
+    // instead of the register-tile kernel (gemm_x); 0 = never (measured per ISA, docs/cpu.md)
+    int64_t tile_gemm_min_rows;
+    // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats)
+    void (*xvec_prepare)(const float* x, int64_t K, float* scratch, XVec* out);
+    // y[r] (+)= Σ_k W[r,k]·x[k] for r in [r0, r1); y indexed by absolute row
+    void (*gemv)(const WMat& W, const XVec& x, float* y, int64_t r0, int64_t r1, bool accumulate);
+    // rows [r0, r0+n) of W as float32 into out [n, W.cols] (row stride ldo)
+    void (*dequant)(const WMat& W, int64_t r0, int64_t n, float* out, int64_t ldo);
+    // Y[m, j] (+)= Σ_k X[m,k]·T[j,k] for m < M, j < N (T: dequantized weight tile, row stride ldt)
+    void (*gemm_tile)(const float* X, int64_t ldx, int64_t M, const float* T, int64_t ldt, int64_t N, int64_t K,
+                      float* Y, int64_t ldy, bool accumulate);
+    // Y[m, r] (+)= Σ_k W[r,k]·x_m[k] for M prepared inputs X[m] (row m of Y at Y + m*ldy), r in [r0, r1):
+    // prefill; weights unpacked once per register tile and reused for several input rows
+    void (*gemm_x)(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
+                   bool accumulate);
+    float (*dot)(const float* a, const float* b, int64_t n);
+    float (*dot_bf16)(const float* a, const uint16_t* b, int64_t n);
+    void (*axpy)(float* y, float a, const float* x, int64_t n);          // y += a x
+    void (*axpy_bf16)(float* y, float a, const uint16_t* x, int64_t n);
+    // one Gated DeltaNet decode step for one value head, state S [dv][dk] (fp32, updated in place):
+    // S *= decay; d = (v - S k)·beta; S += d ⊗ k; o = S q
+    void (*gdn_step)(float* S, int64_t dv, int64_t dk, const float* q, const float* k, const float* v, float beta,
+                     float decay, float* o);
+};
+
+size_t xvec_floats(int64_t K);
+
+// The kernels in use (best for this CPU, or QWENMETAL_ISA=portable|avx2|avx512 to force one).
+const Kernels& kernels();
+// A specific implementation, or nullptr if this build/CPU lacks it (tests compare them).
+const Kernels* kernels_for(Isa isa);
+// Select the implementation used by kernels(); returns false if unavailable.
+bool set_isa(Isa isa);
+const char* isa_name(Isa isa);
+Isa best_isa();
+
+// per-ISA tables (defined in kernels_*.cpp; nullptr-returning stubs where not compiled)
+const Kernels* kernels_portable();
+const Kernels* kernels_avx2();
+const Kernels* kernels_avx512();
+const Kernels* kernels_neon();
+
+}  // namespace qwenmetal::cpu

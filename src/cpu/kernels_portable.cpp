@@ -1,0 +1,203 @@
+// Portable instantiation of kernels.inc (plain C++ over 4-float blocks that compilers vectorise for
+// the baseline ISA), the NEON one on arm64, and the run-time choice between all of them.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cpu/kernels.h"
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+namespace qwenmetal::cpu {
+
+namespace {
+namespace portable {
+struct VT {
+    static constexpr int W = 4;
+    static constexpr int MM_NR = 1, MM_MX = 4;
+    static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
+    struct V {
+        float v[4];
+    };
+    static inline V zero() { return V{{0.f, 0.f, 0.f, 0.f}}; }
+    static inline V set1(float a) { return V{{a, a, a, a}}; }
+    static inline V load(const float* p) { return V{{p[0], p[1], p[2], p[3]}}; }
+    static inline V loadn(const float* p, int n) {
+        V r = zero();
+        for (int i = 0; i < n; ++i) r.v[i] = p[i];
+        return r;
+    }
+    static inline void store(float* p, V a) {
+        for (int i = 0; i < 4; ++i) p[i] = a.v[i];
+    }
+    static inline void storen(float* p, V a, int n) {
+        for (int i = 0; i < n; ++i) p[i] = a.v[i];
+    }
+    static inline V fma(V a, V b, V c) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+        return r;
+    }
+    static inline V mul(V a, V b) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] * b.v[i];
+        return r;
+    }
+    static inline float reduce(V a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+    static inline V load_bf16(const uint16_t* p) {
+        return V{{bf16_to_f32(p[0]), bf16_to_f32(p[1]), bf16_to_f32(p[2]), bf16_to_f32(p[3])}};
+    }
+    static inline V loadn_bf16(const uint16_t* p, int n) {
+        V r = zero();
+        for (int i = 0; i < n; ++i) r.v[i] = bf16_to_f32(p[i]);
+        return r;
+    }
+    static inline V load_f16(const uint16_t* p) {
+        return V{{f16_to_f32(p[0]), f16_to_f32(p[1]), f16_to_f32(p[2]), f16_to_f32(p[3])}};
+    }
+    static inline V loadn_f16(const uint16_t* p, int n) {
+        V r = zero();
+        for (int i = 0; i < n; ++i) r.v[i] = f16_to_f32(p[i]);
+        return r;
+    }
+    static inline void q4(const uint8_t* p, V& even, V& odd) {
+        for (int i = 0; i < 4; ++i) {
+            even.v[i] = static_cast<float>(p[i] & 15);
+            odd.v[i] = static_cast<float>(p[i] >> 4);
+        }
+    }
+    static inline void q4_natural(const uint8_t* p, V& a, V& b) {
+        a = V{{float(p[0] & 15), float(p[0] >> 4), float(p[1] & 15), float(p[1] >> 4)}};
+        b = V{{float(p[2] & 15), float(p[2] >> 4), float(p[3] & 15), float(p[3] >> 4)}};
+    }
+    static inline V q8(const uint8_t* p) { return V{{float(p[0]), float(p[1]), float(p[2]), float(p[3])}}; }
+};
+#include "cpu/kernels.inc"
+}  // namespace portable
+
+#if defined(__aarch64__)
+namespace neon {
+struct VT {
+    static constexpr int W = 4;
+    static constexpr int MM_NR = 1, MM_MX = 4;
+    static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
+    using V = float32x4_t;
+    static inline V zero() { return vdupq_n_f32(0.f); }
+    static inline V set1(float a) { return vdupq_n_f32(a); }
+    static inline V load(const float* p) { return vld1q_f32(p); }
+    static inline V loadn(const float* p, int n) {
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < n; ++i) t[i] = p[i];
+        return vld1q_f32(t);
+    }
+    static inline void store(float* p, V a) { vst1q_f32(p, a); }
+    static inline void storen(float* p, V a, int n) {
+        float t[4];
+        vst1q_f32(t, a);
+        for (int i = 0; i < n; ++i) p[i] = t[i];
+    }
+    static inline V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
+    static inline V mul(V a, V b) { return vmulq_f32(a, b); }
+    static inline float reduce(V a) { return vaddvq_f32(a); }
+    static inline V load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+    static inline V loadn_bf16(const uint16_t* p, int n) {
+        uint16_t t[4] = {0, 0, 0, 0};
+        for (int i = 0; i < n; ++i) t[i] = p[i];
+        return load_bf16(t);
+    }
+    static inline V load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+    static inline V loadn_f16(const uint16_t* p, int n) {
+        uint16_t t[4] = {0, 0, 0, 0};
+        for (int i = 0; i < n; ++i) t[i] = p[i];
+        return load_f16(t);
+    }
+    static inline uint32x4_t bytes4(const uint8_t* p) {
+        uint32_t w;
+        std::memcpy(&w, p, 4);
+        const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(w));
+        return vmovl_u16(vget_low_u16(vmovl_u8(b)));
+    }
+    static inline void q4(const uint8_t* p, V& even, V& odd) {
+        const uint32x4_t v = bytes4(p);
+        even = vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15)));
+        odd = vcvtq_f32_u32(vshrq_n_u32(v, 4));
+    }
+    static inline void q4_natural(const uint8_t* p, V& a, V& b) {
+        V e, o;
+        q4(p, e, o);
+        a = vzip1q_f32(e, o);
+        b = vzip2q_f32(e, o);
+    }
+    static inline V q8(const uint8_t* p) { return vcvtq_f32_u32(bytes4(p)); }
+};
+#include "cpu/kernels.inc"
+}  // namespace neon
+#endif
+}  // namespace
+
+const Kernels* kernels_portable() { return portable::table(Isa::Portable, "portable"); }
+
+#if defined(__aarch64__)
+const Kernels* kernels_neon() { return neon::table(Isa::NEON, "neon"); }
+#else
+const Kernels* kernels_neon() { return nullptr; }
+#endif
+
+size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16); }
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::AVX2: return "avx2";
+        case Isa::AVX512: return "avx512";
+        case Isa::NEON: return "neon";
+        default: return "portable";
+    }
+}
+
+const Kernels* kernels_for(Isa isa) {
+    switch (isa) {
+        case Isa::AVX2: return kernels_avx2();
+        case Isa::AVX512: return kernels_avx512();
+        case Isa::NEON: return kernels_neon();
+        default: return kernels_portable();
+    }
+}
+
+Isa best_isa() {
+    for (Isa i : {Isa::AVX512, Isa::AVX2, Isa::NEON})
+        if (kernels_for(i)) return i;
+    return Isa::Portable;
+}
+
+namespace {
+const Kernels* initial() {
+    if (const char* e = std::getenv("QWENMETAL_ISA")) {
+        const std::string s(e);
+        for (Isa i : {Isa::Portable, Isa::AVX2, Isa::AVX512, Isa::NEON})
+            if (s == isa_name(i) && kernels_for(i)) return kernels_for(i);
+    }
+    return kernels_for(best_isa());
+}
+std::atomic<const Kernels*> g_active{nullptr};
+}  // namespace
+
+const Kernels& kernels() {
+    const Kernels* k = g_active.load(std::memory_order_acquire);
+    if (!k) {
+        k = initial();
+        g_active.store(k, std::memory_order_release);
+    }
+    return *k;
+}
+
+bool set_isa(Isa isa) {
+    const Kernels* k = kernels_for(isa);
+    if (!k) return false;
+    g_active.store(k, std::memory_order_release);
+    return true;
+}
+
+}  // namespace qwenmetal::cpu

@@ -1,0 +1,201 @@
+#include "cpu/moe.h"
+
+#include <cmath>
+
+#include "cpu/norm.h"
+
+namespace qwenmetal::cpu {
+
+void route_token(const float* logits, int64_t E, int64_t k, bool norm_topk, int32_t* idx, float* wts, float* probs) {
+    float mx = logits[0];
+    for (int64_t e = 1; e < E; ++e) mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) {
+        probs[e] = std::exp(logits[e] - mx);
+        sum += probs[e];
+    }
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    for (int64_t j = 0; j < k; ++j) {      // repeated argmax: ties go to the lower expert id
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int64_t i = 0; i < j; ++i) taken |= idx[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        idx[j] = static_cast<int32_t>(best);
+        wts[j] = probs[best];
+    }
+    if (norm_topk) {
+        float s = 0.f;
+        for (int64_t j = 0; j < k; ++j) s += wts[j];
+        for (int64_t j = 0; j < k; ++j) wts[j] /= s;
+    }
+}
+
+// shared layout (floats): logits L*E | probs E | wts L*k | sg L | hs L*2*Is | idx L*k (int) | pair order
+// L*k (int) | expert start E+1 (int) | He L*k*I (SwiGLU outputs, in expert order)
+size_t moe_shared_floats(const MoeDims& d, int64_t L) {
+    const int64_t P = L * d.k;
+    return size_t(L * d.E + d.E + P + L + 2 * L * d.Is + P + P + d.E + 1 + P * d.I + 64);
+}
+
+size_t moe_thread_floats(const MoeDims& d, int64_t L) {
+    (void)L;
+    const int64_t mx = d.H > d.I ? d.H : d.I;
+    return size_t(2 * kRowBlock * 64 + 2 * mx + 64);
+}
+
+// prepared inputs: the L token rows (width H), the L*k SwiGLU rows (width I), the L shared rows (width Is)
+size_t moe_xvec_floats(const MoeDims& d, int64_t L) {
+    return size_t(L * xvec_floats(d.H) + L * d.k * xvec_floats(d.I) + L * xvec_floats(d.Is > 0 ? d.Is : 1));
+}
+size_t moe_xvec_count(const MoeDims& d, int64_t L) { return size_t(L * (2 + 2 * d.k)); }   // + a pointer scratch of L*k
+
+void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeights& w, const MoeDims& d,
+                 const float* xn, int64_t L, float* x) {
+    const Kernels& kk = kernels();
+    const int64_t H = d.H, E = d.E, I = d.I, Is = d.Is, k = d.k, P = L * k;
+    const bool has_shared = w.shared_down_proj != nullptr && Is > 0;
+    float* logits = shared;
+    float* probs = logits + L * E;
+    float* wts = probs + E;
+    float* sg = wts + P;
+    float* hs = sg + L;                                  // [L][2*Is]: gate | up, then silu(gate)*up in place
+    int32_t* idx = reinterpret_cast<int32_t*>(hs + 2 * L * Is);
+    int32_t* order = idx + P;                            // pairs sorted by expert (pair = t*k + slot)
+    int32_t* estart = order + P;                         // [E+1]
+    float* He = reinterpret_cast<float*>(estart + E + 1);   // [P][I] in expert order
+
+    // 1. router logits, shared-expert gate/up and the shared-expert gate scalar: one section on xn
+    //    (this also prepares the L token rows as XVecs 0..L-1, reused by the experts below)
+    {
+        LinearOut outs[4];
+        int n = 0;
+        outs[n++] = {w.router, logits, E, false};
+        if (has_shared) {
+            outs[n++] = {w.shared_gate_proj, hs, 2 * Is, false};
+            outs[n++] = {w.shared_up_proj, hs + Is, 2 * Is, false};
+            outs[n++] = {w.shared_expert_gate, sg, 1, false};
+        }
+        linear(pool, ws, xn, L, H, outs, n);
+    }
+    // 2. routing + grouping by expert (counting sort, stable: token order within an expert)
+    for (int64_t t = 0; t < L; ++t) route_token(logits + t * E, E, k, w.norm_topk, idx + t * k, wts + t * k, probs);
+    for (int64_t e = 0; e <= E; ++e) estart[e] = 0;
+    for (int64_t p = 0; p < P; ++p) ++estart[idx[p] + 1];
+    for (int64_t e = 0; e < E; ++e) estart[e + 1] += estart[e];
+    int32_t* cursor = reinterpret_cast<int32_t*>(probs);   // reuse: E ints
+    for (int64_t e = 0; e < E; ++e) cursor[e] = estart[e];
+    for (int64_t p = 0; p < P; ++p) order[cursor[idx[p]]++] = static_cast<int32_t>(p);
+    int64_t n_active = 0;
+    int32_t* elist = cursor;                              // experts with tokens, ascending
+    for (int64_t e = 0; e < E; ++e)
+        if (estart[e + 1] > estart[e]) elist[n_active++] = static_cast<int32_t>(e);
+    if (has_shared)
+        for (int64_t t = 0; t < L; ++t) {
+            sg[t] = sigmoid(sg[t]);
+            float* h = hs + t * 2 * Is;
+            for (int64_t r = 0; r < Is; ++r) h[r] = silu(h[r]) * h[Is + r];
+        }
+    // input rows: XVec t (t < L) = token t (prepared by linear() above); L + q = SwiGLU row of pair
+    // slot q (expert order); L + P + t = shared-expert row of token t
+    const XVec** xv = ws.xvp.data();
+    const XVec** tok_of_slot = xv + L + P + L;           // scratch pointer array: token XVec of each slot
+    for (int64_t q = 0; q < P; ++q) tok_of_slot[q] = xv[order[q] / k];
+
+    // 3. gate/up + SwiGLU: tasks = (expert with tokens) x (16-row block of I); an expert's weights are
+    //    read once for all of its tokens
+    const int64_t nb_i = (I + kRowBlock - 1) / kRowBlock;
+    pool.run(n_active * nb_i, [&](int64_t task, int th) {
+        const int64_t e = elist[task / nb_i];
+        const int64_t r0 = (task % nb_i) * kRowBlock, r1 = (r0 + kRowBlock < I) ? r0 + kRowBlock : I;
+        const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
+        const WMat Wg = w.gate->at(e), Wu = w.up->at(e);
+        float* gb = ws.t(th);                           // [up to 64 tokens][16]
+        float* ub = gb + kRowBlock * 64;
+        for (int64_t q0 = 0; q0 < ne; q0 += 64) {
+            const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
+            const XVec* const* X = tok_of_slot + p0 + q0;
+            if (nq <= kGemvMaxRows)
+                for (int64_t q = 0; q < nq; ++q) {
+                    kk.gemv(Wg, *X[q], gb + q * kRowBlock - r0, r0, r1, false);
+                    kk.gemv(Wu, *X[q], ub + q * kRowBlock - r0, r0, r1, false);
+                }
+            else {
+                kk.gemm_x(Wg, X, nq, gb - r0, kRowBlock, r0, r1, false);
+                kk.gemm_x(Wu, X, nq, ub - r0, kRowBlock, r0, r1, false);
+            }
+            for (int64_t q = 0; q < nq; ++q)
+                for (int64_t r = 0; r < r1 - r0; ++r)
+                    He[(p0 + q0 + q) * I + r0 + r] = silu(gb[q * kRowBlock + r]) * ub[q * kRowBlock + r];
+        }
+    });
+    // prepare the SwiGLU rows and the shared rows as inputs of the down projections
+    {
+        const size_t off = size_t(L) * xvec_floats(H);
+        float* base = ws.xvec.data() + off;
+        const int64_t nb = (P + 15) / 16;
+        pool.run(nb, [&](int64_t b, int) {
+            for (int64_t q = b * 16; q < P && q < (b + 1) * 16; ++q) {
+                kk.xvec_prepare(He + q * I, I, base + q * xvec_floats(I), &ws.xv[L + q]);
+                ws.xvp[L + q] = &ws.xv[L + q];
+            }
+        });
+        if (has_shared)
+            prepare_xvecs(ws, hs, L, 2 * Is, Is, L + P, off + size_t(P) * xvec_floats(I));
+    }
+    // 4. down projections x routing weights + gated shared expert, summed into x: tasks own blocks of
+    //    16 output rows and loop over every active expert (ascending id), so each (token, row) is
+    //    summed by one task in a fixed order
+    const int64_t nb_h = (H + kRowBlock - 1) / kRowBlock;
+    pool.run(nb_h, [&](int64_t task, int th) {
+        const int64_t r0 = task * kRowBlock, r1 = (r0 + kRowBlock < H) ? r0 + kRowBlock : H, n = r1 - r0;
+        float* yb = ws.t(th);                           // [up to 64 rows][16]
+        for (int64_t a = 0; a < n_active; ++a) {
+            const int64_t e = elist[a];
+            const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
+            const WMat Wd = w.down->at(e);
+            for (int64_t q0 = 0; q0 < ne; q0 += 64) {
+                const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
+                const XVec* const* X = ws.xvp.data() + L + p0 + q0;
+                if (nq <= kGemvMaxRows)
+                    for (int64_t q = 0; q < nq; ++q) kk.gemv(Wd, *X[q], yb + q * kRowBlock - r0, r0, r1, false);
+                else
+                    kk.gemm_x(Wd, X, nq, yb - r0, kRowBlock, r0, r1, false);
+                for (int64_t q = 0; q < nq; ++q) {
+                    const int64_t p = order[p0 + q0 + q], t = p / k;
+                    const float wt = wts[p];
+                    for (int64_t r = 0; r < n; ++r) x[t * H + r0 + r] += wt * yb[q * kRowBlock + r];
+                }
+            }
+        }
+        if (has_shared)
+            for (int64_t t0 = 0; t0 < L; t0 += 64) {
+                const int64_t nt = (L - t0 < 64) ? L - t0 : 64;
+                const XVec* const* X = ws.xvp.data() + L + P + t0;
+                if (nt <= kGemvMaxRows)
+                    for (int64_t q = 0; q < nt; ++q)
+                        kk.gemv(*w.shared_down_proj, *X[q], yb + q * kRowBlock - r0, r0, r1, false);
+                else
+                    kk.gemm_x(*w.shared_down_proj, X, nt, yb - r0, kRowBlock, r0, r1, false);
+                for (int64_t q = 0; q < nt; ++q)
+                    for (int64_t r = 0; r < n; ++r) x[(t0 + q) * H + r0 + r] += sg[t0 + q] * yb[q * kRowBlock + r];
+            }
+    });
+}
+
+size_t mlp_shared_floats(int64_t I, int64_t L) { return size_t(2 * L * I + 16); }
+
+void mlp_forward(ThreadPool& pool, Workspace& ws, float* shared, const WMat& gate, const WMat& up, const WMat& down,
+                 const float* xn, int64_t L, int64_t H, float* x) {
+    const int64_t I = gate.rows;
+    float* h = shared;     // [L][2I]
+    LinearOut outs[2] = {{&gate, h, 2 * I, false}, {&up, h + I, 2 * I, false}};
+    linear(pool, ws, xn, L, H, outs, 2);
+    for (int64_t t = 0; t < L; ++t)
+        for (int64_t r = 0; r < I; ++r) h[t * 2 * I + r] = silu(h[t * 2 * I + r]) * h[t * 2 * I + I + r];
+    LinearOut o = {&down, x, H, true};
+    linear(pool, ws, h, L, 2 * I, &o, 1);
+}
+
+}  // namespace qwenmetal::cpu

@@ -1,0 +1,238 @@
+"""`qwenmetal bench` (python/qwenmetal/bench.py): the smoke run on a tiny config, its JSON schema, the
+bytes-per-token arithmetic against the checkpoint's tensor sizes, the streaming checkpoint generator
+against the fixture writer's layout, and the GGUF writer of benchmarks/ (read back with the `gguf`
+package; skipped where it is not installed). No timing assertions."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwenmetal import bench
+from qwenmetal.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _backends():
+    from qwenmetal.model import BACKENDS
+    return [b for b in ("reference", "cpu") if b in BACKENDS]
+
+
+def _run_cli(args, tmp_path):
+    env = dict(os.environ, QWENMETAL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    exe = shutil.which("qwenmetal")
+    cmd = [exe] if exe else [sys.executable, "-m", "qwenmetal.cli"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _safetensors_sizes(ckpt: Path) -> dict:
+    """File key -> data bytes, read from the safetensors headers."""
+    out = {}
+    for f in ckpt.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                out[k] = v["data_offsets"][1] - v["data_offsets"][0]
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_bench_quick_json(tmp_path, backend):
+    out = tmp_path / "bench.json"
+    r = _run_cli(["bench", "--quick", "--config", "tiny", "--backend", backend, "--json", str(out),
+                  "--threads", "2", "--bandwidth-bytes", str(64 << 20)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "prefill" in r.stdout and "ms/token" in r.stdout and "peak RSS" in r.stdout
+    res = json.loads(out.read_text())
+
+    assert res["schema"] == bench.SCHEMA
+    assert res["backend"] == backend and res["threads"] == 2
+    for k in ("machine", "model", "method", "bandwidth", "prefill", "decode", "peak_rss_bytes", "load_seconds"):
+        assert k in res, k
+    m = res["model"]
+    assert (m["layers"], m["hidden_size"], m["num_experts"], m["num_experts_per_tok"], m["vocab_size"]) == (4, 128, 8, 2, 512)
+    assert [p["tokens"] for p in res["prefill"]] == list(bench.QUICK_PREFILL)
+    assert [d["context"] for d in res["decode"]] == list(bench.QUICK_CONTEXTS)
+    for p in res["prefill"]:
+        assert p["seconds"] > 0 and p["tokens_per_second"] == pytest.approx(p["tokens"] / p["seconds"])
+        assert len(p["samples_seconds"]) == 1
+    bw = res["bandwidth"]["read_gbps"]
+    assert bw > 0 and res["bandwidth"]["buffer_bytes"] == 64 << 20
+    assert res["peak_rss_bytes"] > 0
+
+    # bytes per decoded token, recomputed here from the files' tensor sizes
+    ckpt = Path(m["checkpoint"])
+    sizes = _safetensors_sizes(ckpt)
+    assert sum(sizes.values()) == m["weights_bytes"]
+    c = ModelConfig.from_file(ckpt)
+
+    def total(pred):
+        return sum(n for k, n in sizes.items() if pred(k))
+
+    experts = total(lambda k: ".switch_mlp." in k)
+    embed = total(lambda k: ".embed_tokens." in k)
+    rest = sum(sizes.values()) - experts - embed
+    weights = rest + experts * 2 // 8 + embed // 512                 # top-2 of 8 experts, one embedding row
+    kv_el = bench.KV_ELEMENT_BYTES[res["kv_dtype"]]
+    gdn_state = 3 * 2 * 4 * (4 * 32 * 32 + (2 * 2 * 32 + 4 * 32) * 3)  # 3 GDN layers, read+write, f32
+    for d in res["decode"]:
+        kv = 1 * 2 * 2 * 32 * kv_el * (d["context"] + 1)                 # 1 attention layer, K+V, 2 kv heads x 32
+        assert d["bytes"]["weights"] == weights
+        assert d["bytes"]["kv_cache"] == kv
+        assert d["bytes"]["gdn_state"] == gdn_state
+        assert d["bytes_per_token"] == weights + kv + gdn_state
+        assert d["bytes"]["weight_parts"]["lm_head"] == total(lambda k: k.startswith("language_model.lm_head."))
+        assert sum(d["bytes"]["weight_parts"].values()) == weights
+        assert d["effective_gbps"] == pytest.approx(d["bytes_per_token"] * d["tokens_per_second"] / 1e9)
+        assert d["bandwidth_ratio"] == pytest.approx(d["effective_gbps"] / bw)
+        assert d["steps"] == 4 and d["digest_stable"] is True
+    # a second run reuses the cached checkpoint
+    assert len(list((tmp_path / "cache" / "bench").glob("bench-*"))) == 1
+
+
+def test_real_width_bytes_budget():
+    """Model-spec §1.2's per-token arithmetic at the real widths (sizes computed from the shapes)."""
+    cfg = bench.real_config(8)
+    c = ModelConfig.from_dict(cfg)
+    q4 = lambda o, i: o * i // 2 + 2 * 2 * o * (i // 64)                  # noqa: E731 packed + bf16 scales, biases
+    q8 = lambda o, i: o * i + 2 * 2 * o * (i // 64)                       # noqa: E731
+    H, V, E, I = 2048, 248320, 256, 512
+    sizes = {"lm_head": q4(V, H), "embed_tokens": q4(V, H), "norm": 2 * H}
+    for i in range(8):
+        p = f"layers.{i}."
+        sizes[p + "mlp.switch_mlp.gate_proj"] = E * q4(I, H)
+        sizes[p + "mlp.switch_mlp.up_proj"] = E * q4(I, H)
+        sizes[p + "mlp.switch_mlp.down_proj"] = E * q4(H, I)
+        sizes[p + "mlp.gate"] = q8(E, H)
+    b = bench.decode_bytes(c, sizes, context=0)
+    assert sizes["lm_head"] == 286_064_640                                  # the 286 MB of model-spec §1.2
+    assert b["weight_parts"]["routed_experts"] == 8 * 8 * 3 * q4(I, H)      # 8 layers x top-8 x 1.769 MB
+    assert 8 * 3 * q4(I, H) == pytest.approx(14.16e6, rel=1e-3)
+    assert b["weight_parts"]["embedding"] == q4(V, H) // V
+    # 6 GDN layers: 32 x 128 x 128 f32 recurrent state + 8192 x 3 conv state, read and written
+    assert b["gdn_state"] == 6 * 2 * 4 * (32 * 128 * 128 + 8192 * 3)
+    assert b["kv_cache"] == 2 * (2 * 2 * 256 * 2) * 1                       # 2 attention layers, the new token
+    assert bench.decode_bytes(c, sizes, 4096)["kv_cache"] == 2 * 2048 * 4097
+
+
+def test_streaming_generator_matches_fixture_layout(tmp_path):
+    """The sharded writer produces what make_checkpoint (and mlx_lm.convert -q) produce: same tensor
+    names, shapes and dtypes, same quantization block, and qwenmetal loads it."""
+    from safetensors import safe_open
+
+    import qwenmetal as qm
+    from qwenmetal.testing import make_checkpoint
+
+    ours = bench.write_checkpoint(tmp_path / "ours", bench.resolve_config("tiny"), seed=1)
+    ref = make_checkpoint(tmp_path / "ref", "tiny", "mlx-q4", seed=1)
+
+    def layout(d):
+        out = {}
+        for f in d.glob("*.safetensors"):
+            with safe_open(str(f), "np") as fh:
+                for k in fh.keys():
+                    t = fh.get_slice(k)
+                    out[k] = (t.get_dtype(), tuple(t.get_shape()))
+        return out
+
+    assert layout(ours) == layout(ref)
+    assert len(list(ours.glob("model-*-of-*.safetensors"))) == 4 + 2
+    qa = json.loads((ours / "config.json").read_text())["quantization"]
+    qb = json.loads((ref / "config.json").read_text())["quantization"]
+    assert qa == qb
+    index = json.loads((ours / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(_safetensors_sizes(ours).values())
+    m = qm.Model.load(str(ours), backend="reference")
+    logits = m.prefill(m.new_session(), bench.synthetic_prompt(8, m.config.vocab_size))
+    assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_synthetic_prompt_and_digest():
+    ids = bench.synthetic_prompt(5, 248320)
+    assert ids.tolist() == [(i * 2654435761 % 2**32) % 248320 for i in range(5)]
+    assert bench.fnv1a([1, 2, 3]) == bench.fnv1a([1, 2, 3]) != bench.fnv1a([1, 2, 4])
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/mlx_to_gguf.py, checked with the gguf package's reader (llama.cpp is not needed)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_mod():
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import mlx_to_gguf
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mlx_to_gguf
+
+
+def test_q4_0_q8_0_match_gguf_reference(gguf_mod):
+    import gguf
+    from gguf import quants
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 2, (64, 1))).astype(np.float32)
+    x[3, :32] = 0.0
+    assert np.array_equal(gguf_mod.quantize_q4_0(x), quants.quantize(x, gguf.GGMLQuantizationType.Q4_0))
+    assert np.array_equal(gguf_mod.quantize_q8_0(x), quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_gguf_writer_layout(gguf_mod, tmp_path):
+    from gguf import GGUFReader, quants
+
+    from qwenmetal.weights import load_weights, to_float32
+
+    ckpt = bench.write_checkpoint(tmp_path / "ck", bench.resolve_config("tiny"), seed=2)
+    c = ModelConfig.from_file(ckpt)
+    W = load_weights(str(ckpt), c).tensors
+    f32 = gguf_mod.convert(ckpt, tmp_path / "m.f32.gguf", "f32", log=None)
+    q4 = gguf_mod.convert(ckpt, tmp_path / "m.q4_0.gguf", "q4_0", log=None)
+    r = GGUFReader(str(f32))
+    assert r.fields["general.architecture"].contents() == "qwen35moe"
+    kv = {k: r.fields[k].contents() for k in r.fields}
+    assert kv["qwen35moe.block_count"] == 4 and kv["qwen35moe.expert_count"] == 8
+    assert kv["qwen35moe.expert_used_count"] == 2 and kv["qwen35moe.ssm.group_count"] == 2
+    assert kv["qwen35moe.ssm.time_step_rank"] == 4 and kv["qwen35moe.rope.dimension_count"] == 8
+    assert kv["qwen35moe.attention.recurrent_layers"] == [True, True, True, False]
+    assert len(kv["tokenizer.ggml.tokens"]) == 512
+    T = {t.name: np.asarray(t.data) for t in r.tensors}
+    assert len(T) == 2 + 1 + 3 * 19 + 16
+    # tiled v-head order: k-heads 2, v-heads 4 (2 per k-head) -> grouped [k0v0, k0v1, k1v0, k1v1] becomes
+    # [k0v0, k1v0, k0v1, k1v1]
+    ho = gguf_mod.v_head_order(2, 4, 1)
+    assert ho.tolist() == [0, 2, 1, 3]
+    vo = gguf_mod.v_head_order(2, 4, 32)
+    g = "layers.0.linear_attn."
+    assert np.array_equal(T["output.weight"], to_float32(W["lm_head"]))
+    assert np.array_equal(T["blk.0.ssm_a"], -np.exp(W[g + "A_log"][ho]))
+    qkv = to_float32(W[g + "in_proj_qkv"])
+    assert np.array_equal(T["blk.0.attn_qkv.weight"][:128], qkv[:128])
+    assert np.array_equal(T["blk.0.attn_qkv.weight"][128:], qkv[128:][vo])
+    assert np.array_equal(T["blk.0.ssm_out.weight"], to_float32(W[g + "out_proj"])[:, vo])
+    assert np.array_equal(T["blk.0.ssm_conv1d.weight"][128:], to_float32(W[g + "conv1d"])[128:][vo])
+    assert np.array_equal(T["blk.0.ffn_down_exps.weight"], to_float32(W["layers.0.mlp.switch_mlp.down_proj"]))
+    assert np.array_equal(T["blk.3.attn_q_norm.weight"], to_float32(W["layers.3.self_attn.q_norm"]))
+    # Q4_0 file: same names; 4-bit matrices as Q4_0, the 8-bit router as Q8_0, small tensors float32;
+    # dequantized, within Q4_0's error of the float32 file
+    rq = GGUFReader(str(q4))
+    types = {t.name: t.tensor_type.name for t in rq.tensors}
+    assert set(types) == set(T)
+    assert types["output.weight"] == types["token_embd.weight"] == types["blk.0.ffn_up_exps.weight"] == "Q4_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.ffn_gate_inp_shexp.weight"] == "Q8_0"
+    assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == types["blk.0.attn_norm.weight"] == "F32"
+    for t in rq.tensors:
+        if t.tensor_type.name == "F32":
+            continue
+        deq = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(T[t.name].shape)
+        ref = T[t.name]
+        tol = np.abs(ref).reshape(-1, 32).max(-1) / (8 if t.tensor_type.name == "Q4_0" else 127)
+        err = np.abs(deq - ref).reshape(-1, 32).max(-1)
+        assert (err <= tol * 1.01 + 1e-6).all(), t.name

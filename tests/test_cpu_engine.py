@@ -1,0 +1,335 @@
+"""The C++ CPU engine (backend="cpu") against the numpy reference and against numpy per kernel.
+
+* whole model, on the checkpoint fixtures of both model families in every format: prefill logits at all
+  positions and 64 greedy decode steps within 1e-3 of the logit range, identical greedy tokens;
+* every kernel family against a direct numpy computation, for every SIMD implementation this CPU can
+  run (portable, avx2, avx512 here): GEMV/GEMM over 4-bit, 8-bit, bf16, f16, f32 weights, the MLX
+  quantizer (byte-exact), the router, GDN recurrent and chunked, attention with long contexts;
+* hypothesis over random small configs x prefill chunk sizes x threads 1/2/3: the result does not
+  depend on the number of threads, and matches the reference;
+* quantize=4 at load on a bf16 checkpoint gives the logits of the MLX 4-bit checkpoint of the same weights.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import qwenmetal as qm
+from qwenmetal import _core
+from qwenmetal import reference as R
+from qwenmetal.config import ModelConfig
+from qwenmetal.cpu_backend import CpuBackend, describe
+from qwenmetal.quant import quantize
+from qwenmetal.testing import cached_checkpoint
+from qwenmetal.weights import QuantizedTensor, Weights
+
+ISAS = list(_core.cpu_isas())
+BF16 = ml_dtypes.bfloat16
+N_DECODE = 64
+
+
+def rel_range_err(got, want) -> float:
+    """max |got - want| relative to the range of `want` (the logit range for logits)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(want.max() - want.min(), 1e-30))
+
+
+def run_greedy(model, ids, n):
+    """Prefill logits of every position, then n greedy steps: (prefill [L,V], decode rows [n,V], tokens)."""
+    s = model.new_session()
+    pre = model.prefill(s, ids, return_logits="all")
+    toks, rows = [int(np.argmax(pre[-1]))], []
+    for _ in range(n):
+        rows.append(model.decode_step(s, toks[-1]))
+        toks.append(int(np.argmax(rows[-1])))
+    return pre, np.stack(rows), toks
+
+
+# ------------------------------------------------------------------------------------------------
+# whole model vs the reference
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_runs():
+    cache = {}
+
+    def get(preset, fmt, ids):
+        key = (preset, fmt, tuple(ids))
+        if key not in cache:
+            m = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="reference")
+            cache[key] = run_greedy(m, ids, N_DECODE)
+        return cache[key]
+    return get
+
+
+PROMPT = [5, 17, 3, 99, 42, 7, 250, 1, 0, 64, 300, 12, 401, 88, 9, 2, 77, 123, 6, 31]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+@pytest.mark.parametrize("fmt", ["mlx-q4", "mlx-q8", "mlx-bf16", "hf-bf16"])
+def test_matches_reference(preset, fmt, reference_runs):
+    want_pre, want_dec, want_toks = reference_runs(preset, fmt, PROMPT)
+    model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="cpu", kv_dtype="float32", threads=2,
+                          prefill_chunk=8)
+    pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
+    assert rel_range_err(pre, want_pre) < 1e-3
+    for j in range(N_DECODE):
+        assert rel_range_err(dec[j], want_dec[j]) < 1e-3, f"decode step {j}"
+    assert toks == want_toks
+
+
+def test_bf16_kv_cache_close_to_reference(reference_runs):
+    want_pre, want_dec, want_toks = reference_runs("tiny", "mlx-q4", PROMPT)
+    model = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="cpu", threads=2)
+    assert model._backend.kv_dtype == "bfloat16"
+    pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
+    assert rel_range_err(pre, want_pre) < 3e-3
+    assert max(rel_range_err(dec[j], want_dec[j]) for j in range(N_DECODE)) < 3e-3
+    assert toks == want_toks
+    # split prefills agree with one prefill at bf16-cache precision
+    s1, s2 = model.new_session(), model.new_session()
+    a = np.concatenate([model.prefill(s1, PROMPT[:7], "all"), model.prefill(s1, PROMPT[7:], "all")])
+    b = model.prefill(s2, PROMPT, "all")
+    assert rel_range_err(a, b) < 2e-3
+
+
+def test_quantize_at_load_matches_mlx_q4():
+    """quantize=4 on the hf-bf16 fixture uses exactly the weights of the mlx-q4 fixture (which is
+    mlx_lm.convert's quantization of the same bf16 weights): same logits. The two files' norm weights
+    differ (MLX stores bf16(1 + w), the HF loader computes 1 + w in float32), so the comparison runs the
+    mlx-q4 linears with the HF norms."""
+    hf_w = qm.Model.load(cached_checkpoint("tiny", "hf-bf16", seed=0), backend="reference").weights
+    hf = CpuBackend(hf_w, quantize=4, kv_dtype="float32", threads=2)
+    q4_w = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="reference").weights
+    mixed = Weights(q4_w.config, {k: (v if isinstance(v, QuantizedTensor) else hf_w.tensors[k])
+                                  for k, v in q4_w.tensors.items()}, "mlx", "")
+    q4 = CpuBackend(mixed, kv_dtype="float32", threads=2)
+    assert hf.engine.owned_weight_nbytes > 0 and q4.engine.owned_weight_nbytes == 0
+    assert hf.engine.weight_nbytes == q4.engine.weight_nbytes
+    ids = np.array(PROMPT)
+    a = hf.forward(hf.new_state(), ids, "all")[1]
+    b = q4.forward(q4.new_state(), ids, "all")[1]
+    np.testing.assert_array_equal(a, b)
+    # and it really is quantized: the dense bf16 model differs at the 4-bit level
+    dense = CpuBackend(hf_w, kv_dtype="float32", threads=2)
+    c = dense.forward(dense.new_state(), ids, "all")[1]
+    assert rel_range_err(a, c) > 1e-3
+    q8 = CpuBackend(hf_w, quantize=8, kv_dtype="float32", threads=1)
+    assert rel_range_err(q8.forward(q8.new_state(), ids, "all")[1], c) < 0.5 * rel_range_err(a, c)   # 8 bits: closer
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa_runs_the_model(isa, reference_runs):
+    want_pre, _, _ = reference_runs("tiny-qwen3-next", "mlx-q4", PROMPT)
+    model = qm.Model.load(cached_checkpoint("tiny-qwen3-next", "mlx-q4", seed=0), backend="cpu",
+                          kv_dtype="float32", threads=2)
+    saved = _core.cpu_isa()
+    _core.cpu_set_isa(isa)
+    try:
+        got = model.prefill(model.new_session(), PROMPT, "all")
+    finally:
+        _core.cpu_set_isa(saved)
+    assert rel_range_err(got, want_pre) < 1e-3
+
+
+def test_auto_backend_is_cpu():
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0))
+    assert m.backend == "cpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels vs numpy, for every SIMD implementation
+# ------------------------------------------------------------------------------------------------
+def _weights(kind, rows, cols, rng, gs=64):
+    w = rng.normal(0, 0.5, size=(rows, cols)).astype(np.float32)
+    if kind == "q4" or kind == "q8":
+        wq, s, b = quantize(w.astype(BF16), 4 if kind == "q4" else 8, gs)
+        t = QuantizedTensor(wq, s, b, 4 if kind == "q4" else 8, gs)
+        return t, t.dequantize()
+    dt = {"bf16": BF16, "f16": np.float16, "f32": np.float32}[kind]
+    a = w.astype(dt)
+    return a, a.astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind, gs", [("q4", 32), ("q4", 64), ("q4", 128), ("q8", 64), ("q8", 32),
+                                      ("bf16", 0), ("f16", 0), ("f32", 0)])
+@pytest.mark.parametrize("M", [1, 3, 4, 9])
+def test_linear_kernels(isa, kind, gs, M):
+    rng = np.random.default_rng(hash((kind, gs, M)) % 2**32)
+    cols = 256 if kind.startswith("q") else 200          # dense: a tail that is not a multiple of 16
+    rows = 37                                            # a tail of row blocks and of 4-row passes
+    t, dense = _weights(kind, rows, cols, rng, gs or 64)
+    x = rng.normal(size=(M, cols)).astype(np.float32)
+    keep = []
+    for threads in (1, 3):
+        y = _core.cpu_linear(describe(t, keep), x, threads, isa)
+        want = x.astype(np.float64) @ dense.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizer_is_byte_exact(bits):
+    rng = np.random.default_rng(bits)
+    w = rng.normal(size=(19, 192)).astype(np.float32)
+    w[3, :64] = 0.0                                      # a group of zeros (bias 0 branch)
+    w[4, 64:128] = -1.0                                  # a constant group
+    wq, s, b = _core.cpu_quantize(w, bits, 64)
+    ewq, es, eb = quantize(w, bits, 64)
+    np.testing.assert_array_equal(wq, ewq)
+    np.testing.assert_array_equal(s, es.view(np.uint16))
+    np.testing.assert_array_equal(b, eb.view(np.uint16))
+
+
+def test_router_topk():
+    rng = np.random.default_rng(0)
+    for E, k in ((16, 4), (8, 8), (256, 8)):
+        logits = rng.normal(size=E).astype(np.float32)
+        logits[3] = logits[5] = logits.max() + 1.0        # exact tie: the lower id first
+        idx, w = _core.cpu_route(logits, k, True)
+        p = R.softmax(logits)
+        want = np.argsort(-p, kind="stable")[:k]
+        assert list(idx) == list(want) and idx[0] == 3 and idx[1] == 5
+        np.testing.assert_allclose(w, p[want] / p[want].sum(), rtol=1e-6)
+        _, w2 = _core.cpu_route(logits, k, False)
+        np.testing.assert_allclose(w2, p[want], rtol=1e-6)
+
+
+def _gdn_inputs(L, dk, dv, rng):
+    q = R.l2norm(rng.normal(size=(L, dk))).astype(np.float32) * np.float32(dk ** -0.5)
+    k = R.l2norm(rng.normal(size=(L, dk))).astype(np.float32)
+    v = rng.normal(size=(L, dv)).astype(np.float32)
+    beta = R.sigmoid(rng.normal(size=L)).astype(np.float32)
+    g = (-np.exp(rng.uniform(-1, 1, size=L)) * R.softplus(rng.normal(size=L))).astype(np.float32)
+    S = rng.normal(0, 0.3, size=(dv, dk)).astype(np.float32)
+    return q, k, v, beta, g, S
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("L, dk, dv", [(1, 16, 16), (7, 8, 12), (64, 32, 32), (150, 128, 128), (130, 24, 40)])
+def test_gdn_recurrent_and_chunked(isa, L, dk, dv):
+    rng = np.random.default_rng(L * 1000 + dk)
+    q, k, v, beta, g, S = _gdn_inputs(L, dk, dv, rng)
+    want_o, want_S = R.gdn_recurrent(q[:, None], k[:, None], v[:, None], beta[:, None], g[:, None], S[None])
+    for chunked in (False, True):
+        st = S.copy()
+        o = _core.cpu_gdn(q, k, v, beta, g, st, chunked, isa)
+        scale = np.abs(want_o).max()
+        np.testing.assert_allclose(o, want_o[:, 0], rtol=0, atol=2e-5 * scale)
+        np.testing.assert_allclose(st, want_S[0], rtol=0, atol=2e-5 * np.abs(want_S).max())
+
+
+def _attention_numpy(q, K, V, pos0):
+    L, nh, hd = q.shape
+    T, nkv, _ = K.shape
+    G = nh // nkv
+    out = np.zeros((L, nh, hd))
+    for i in range(L):
+        for h in range(nh):
+            j = h // G
+            s = (K[: pos0 + i + 1, j].astype(np.float64) @ q[i, h]) / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ V[: pos0 + i + 1, j]
+    return out.reshape(L, nh * hd)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("L, pos0, nh, nkv, hd", [(1, 0, 4, 2, 32), (1, 2500, 8, 2, 64), (1, 4095, 4, 1, 16),
+                                                   (5, 3, 4, 4, 24), (17, 1100, 8, 2, 32)])
+def test_attention(isa, L, pos0, nh, nkv, hd):
+    rng = np.random.default_rng(L + pos0)
+    T = pos0 + L
+    q = rng.normal(size=(L, nh, hd)).astype(np.float32)
+    K = rng.normal(size=(T, nkv, hd)).astype(np.float32)
+    V = rng.normal(size=(T, nkv, hd)).astype(np.float32)
+    want = _attention_numpy(q, K, V, pos0)
+    for threads in (1, 2, 3):
+        got = _core.cpu_attention(q, K, V, pos0, True, threads, isa)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    Kb, Vb = K.astype(BF16).astype(np.float32), V.astype(BF16).astype(np.float32)
+    got = _core.cpu_attention(q, K, V, pos0, False, 2, isa)       # bf16 cache: rounds K and V
+    np.testing.assert_allclose(got, _attention_numpy(q, Kb, Vb, pos0), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# random small configs: thread-count independence and agreement with the reference
+# ------------------------------------------------------------------------------------------------
+@st.composite
+def small_models(draw):
+    kind = draw(st.sampled_from(["qwen3_5_moe_text", "qwen3_next"]))
+    n_layers = draw(st.integers(1, 4))
+    types = draw(st.lists(st.sampled_from(["linear_attention", "full_attention"]), min_size=n_layers,
+                          max_size=n_layers))
+    nkv = draw(st.sampled_from([1, 2]))
+    nk = draw(st.sampled_from([1, 2]))
+    E = draw(st.sampled_from([4, 8]))
+    d = dict(
+        model_type=kind, vocab_size=draw(st.sampled_from([96, 128])),
+        hidden_size=draw(st.sampled_from([48, 64, 128])), num_hidden_layers=n_layers, layer_types=types,
+        num_key_value_heads=nkv, num_attention_heads=nkv * draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([16, 32])),
+        rope_parameters={"rope_type": "default", "rope_theta": draw(st.sampled_from([1e4, 1e7])),
+                         "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5, 1.0]))},
+        attn_output_gate=draw(st.booleans()),
+        linear_num_key_heads=nk, linear_num_value_heads=nk * draw(st.sampled_from([1, 2])),
+        linear_key_head_dim=draw(st.sampled_from([8, 16, 32])),
+        linear_value_head_dim=draw(st.sampled_from([8, 12, 32])),
+        linear_conv_kernel_dim=draw(st.sampled_from([2, 4])),
+        num_experts=E, num_experts_per_tok=draw(st.integers(1, E)),
+        moe_intermediate_size=draw(st.sampled_from([32, 64])),
+        shared_expert_intermediate_size=draw(st.sampled_from([0, 32, 64])),
+        rms_norm_eps=1e-6, tie_word_embeddings=draw(st.booleans()),
+    )
+    if kind == "qwen3_next":
+        d.update(norm_topk_prob=draw(st.booleans()), intermediate_size=64,
+                 mlp_only_layers=sorted(draw(st.sets(st.integers(0, n_layers - 1), max_size=1))),
+                 decoder_sparse_step=1)
+    fmt = draw(st.sampled_from(["f32", "bf16", "q4", "q8"]))
+    chunk = draw(st.sampled_from([1, 3, 16, 512]))
+    n_prompt = draw(st.integers(1, 20))
+    seed = draw(st.integers(0, 2 ** 16))
+    return d, fmt, chunk, n_prompt, seed
+
+
+def _weights_for(d, fmt, seed):
+    cfg = ModelConfig.from_dict(d)
+    params = R.random_params(cfg, seed=seed)
+    tensors = {}
+    for name, a in params.items():
+        small = a.ndim == 1 or name.endswith("conv1d")
+        if small or fmt in ("f32", "bf16"):
+            tensors[name] = a.astype(BF16) if (fmt == "bf16" and not small) else a
+            continue
+        bits = 4 if fmt == "q4" else 8
+        gs = 64 if a.shape[-1] % 64 == 0 else 32 if a.shape[-1] % 32 == 0 else None
+        if gs is None:
+            tensors[name] = a.astype(BF16)
+        else:
+            wq, s, b = quantize(a, bits, gs)
+            tensors[name] = QuantizedTensor(wq, s, b, bits, gs)
+    return Weights(cfg, tensors, "mlx", "")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_models())
+def test_random_configs_thread_independent_and_match_reference(case):
+    d, fmt, chunk, n_prompt, seed = case
+    w = _weights_for(d, fmt, seed)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, w.config.vocab_size, size=n_prompt + 3)
+    ref = R.ReferenceModel(w.config, w.dense_float32())
+    st_ref = ref.new_state()
+    want = ref.forward(st_ref, ids[:n_prompt], logits="all")
+    want_dec = [ref.forward(st_ref, ids[n_prompt + j:n_prompt + j + 1], logits="last") for j in range(3)]
+    outs = []
+    for threads in (1, 2, 3):
+        be = CpuBackend(w, threads=threads, kv_dtype="float32", prefill_chunk=chunk)
+        s = be.new_state()
+        s, pre = be.forward(s, ids[:n_prompt], "all")
+        dec = [be.forward(s, ids[n_prompt + j:n_prompt + j + 1], "last")[1] for j in range(3)]
+        outs.append(np.concatenate([pre, np.stack(dec)]))
+        assert s.position == n_prompt + 3
+    for o in outs[1:]:
+        assert rel_range_err(o, outs[0]) <= 1e-5
+    assert rel_range_err(outs[0], np.concatenate([want, np.stack(want_dec)])) < 1e-3

@@ -1,0 +1,238 @@
+"""model.generate / model.chat: streaming text, stop conditions, logprobs, stats, cancellation, and reply parsing
+(reasoning, Qwen3.5 XML tool calls), on the tiny fixture."""
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import qwenmetal as qm
+from qwenmetal.generation import (ChatStreamParser, StopStringMatcher, parse_assistant, parse_tool_calls,
+                                  prompt_opens_thinking)
+from qwenmetal.sampling import SampleResult
+from qwenmetal.testing import SPECIAL_TOKENS, make_checkpoint
+from qwenmetal.tokenizer import _BYTE_DECODER
+
+IM_END, ENDOFTEXT = SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = qm.Model.load(make_checkpoint(tmp_path_factory.mktemp("g") / "ck", "tiny", "mlx-q4", seed=4),
+                      backend="reference")
+    m.prefix_cache = None
+    return m
+
+
+class Script:
+    """A sampler stand-in that emits a fixed token sequence (then repeats the last one)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.i = list(tokens), 0
+
+    def sample(self, logits, vocab_used=None, **kw):
+        t = self.tokens[min(self.i, len(self.tokens) - 1)]
+        self.i += 1
+        return SampleResult(t)
+
+
+def byte_ids(tok, data: bytes):
+    inv = {b: c for c, b in _BYTE_DECODER.items()}
+    return [tok.token_to_id(inv[b]) for b in data]
+
+
+# ---- stop strings -----------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab<>|x\n", max_size=30), stop=st.lists(st.text(alphabet="ab<>|", min_size=1, max_size=4),
+                                                                     min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_matcher_across_any_split(text, stop, cuts):
+    pieces, prev = [], 0
+    for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
+        pieces.append(text[prev:c])
+        prev = c
+    m = StopStringMatcher(stop)
+    out, hit = "", None
+    for p in pieces:
+        o, hit = m.push(p)
+        out += o
+        if hit is not None:
+            break
+    if hit is None:
+        out += m.flush()
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stop if s in text]
+    if hits:
+        _, i, s = min(hits)                  # the earliest end, then the earliest start
+        assert out == text[:i] and hit == s
+    else:
+        assert out == text and hit is None
+
+
+def test_generate_with_stop_string_and_stop_ids(model):
+    free = list(model.generate("The quick brown fox", max_tokens=20, temperature=0, ignore_eos=True))
+    text = "".join(o.text for o in free)
+    assert free[-1].finish_reason == "length" and len(free) == 20
+    stop = text[7:10]
+    outs = list(model.generate("The quick brown fox", max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))
+    got = "".join(o.text for o in outs)
+    assert got == text[:text.index(stop)] and outs[-1].finish_reason == "stop" and outs[-1].stop == stop
+    assert [o.token for o in outs] == [o.token for o in free[:len(outs)]]
+    # a stop token id ends generation at that token, whose text is not emitted
+    k = 5
+    sid = free[k].token
+    first = next(j for j, o in enumerate(free) if o.token == sid)
+    outs = list(model.generate("The quick brown fox", max_tokens=20, temperature=0, ignore_eos=True,
+                               stop_token_ids=[sid]))
+    assert len(outs) == first + 1 and outs[-1].finish_reason == "stop" and outs[-1].stop == sid
+    assert outs[-1].text == ""
+
+
+def test_eos_ids_and_im_end(model):
+    assert IM_END in model.eos_token_ids and ENDOFTEXT in model.eos_token_ids
+    a = model.tokenizer.encode("ab")
+    outs = list(model.generate("hi", sampler=Script(a + [IM_END, 7, 7]), max_tokens=10))
+    assert [o.token for o in outs] == a + [IM_END] and outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == "ab" and outs[-1].stop == IM_END
+    outs = list(model.generate("hi", sampler=Script(a + [ENDOFTEXT, 7]), max_tokens=10, ignore_eos=True))
+    assert len(outs) == 10 and outs[-1].finish_reason == "length"
+
+
+def test_streaming_never_splits_a_character(model):
+    tok = model.tokenizer
+    data = "🙂中é".encode()
+    ids = byte_ids(tok, data)
+    outs = list(model.generate("x", sampler=Script(ids + [IM_END]), max_tokens=20))
+    texts = [o.text for o in outs]
+    assert texts[:4] == ["", "", "", "🙂"] and texts[4:7] == ["", "", "中"] and texts[7:9] == ["", "é"]
+    assert "".join(texts) == "🙂中é" and not any("\ufffd" in t for t in texts)
+    # cut in the middle of a character by max_tokens: the incomplete end becomes U+FFFD, as decode() gives
+    outs = list(model.generate("x", sampler=Script(ids), max_tokens=2))
+    assert "".join(o.text for o in outs) == tok.decode(ids[:2]) == "\ufffd"
+
+
+def test_length_context_stats_and_logprobs(model):
+    ids = model.tokenizer.encode("Hello there")
+    s = model.new_session(max_context=len(ids) + 3)
+    outs = list(model.generate(ids, max_tokens=50, temperature=0, session=s, ignore_eos=True, logprobs=True,
+                               top_logprobs=3))
+    assert len(outs) == 4 and outs[-1].finish_reason == "context" and s.position == len(ids) + 3
+    st_ = outs[-1].stats
+    for k in ("prompt_tokens", "cached_tokens", "prefill_tokens", "generated_tokens", "prefill_tokens_per_second",
+              "decode_tokens_per_second", "prefill_seconds", "decode_seconds", "time_to_first_token"):
+        assert k in st_
+    assert st_["prompt_tokens"] == len(ids) and st_["generated_tokens"] == 4 and st_["cached_tokens"] == 0
+    # logprobs: log_softmax of the logits a manual prefill/decode gives
+    m = model.new_session()
+    logits = model.prefill(m, ids)
+    V = model.tokenizer.vocab_size
+    for o in outs:
+        x = logits[:V].astype(np.float64)
+        ref = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        assert o.token == int(np.argmax(x)) and o.logprob == pytest.approx(ref[o.token], abs=1e-6)
+        assert [i for i, _ in o.top_logprobs][0] == o.token and len(o.top_logprobs) == 3
+        if o.finish_reason is None:
+            logits = model.decode_step(m, o.token)
+    assert "GenerationOutput(token=" in repr(outs[0])
+
+
+def test_generate_validates_before_running(model):
+    s = model.new_session(max_context=8)
+    model.prefill(s, [1, 2, 3])
+    for kw in (dict(max_tokens=0), dict(stop=[3]), dict(temperature=-1), dict(top_p=2.0), dict(top_logprobs=-1)):
+        with pytest.raises(ValueError):
+            model.generate("abc", session=s, **kw)
+    with pytest.raises(ValueError, match="context overflow"):
+        model.generate(list(range(10)), session=s)
+    assert s.position == 3
+
+
+def test_defaults_come_from_generation_config(model):
+    # generation_config.json: temperature 1.0, top_k 20, top_p 0.95 -> sampled, and seeded
+    a = [o.token for o in model.generate("abc", max_tokens=8, seed=1, ignore_eos=True)]
+    b = [o.token for o in model.generate("abc", max_tokens=8, seed=1, ignore_eos=True)]
+    g = [o.token for o in model.generate("abc", max_tokens=8, temperature=0, ignore_eos=True)]
+    assert a == b and a != g
+
+
+def test_cancel_and_progress(model, capsys):
+    ev = threading.Event()
+    outs = []
+    for o in model.generate("abc", max_tokens=30, temperature=0, ignore_eos=True, cancel=ev, progress=True):
+        outs.append(o)
+        if len(outs) == 3:
+            ev.set()
+    assert len(outs) == 3 and outs[-1].finish_reason is None
+    assert "prefill" in capsys.readouterr().err          # the tqdm bar
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+REPLY = ("I should call the tool.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+         "Berlin\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_parse_assistant_and_tool_calls():
+    r, c, calls = parse_assistant(REPLY, thinking=True, tools=TOOLS)
+    assert r == "I should call the tool." and c == "Let me check."
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Berlin", "days": 3}}]
+    assert parse_tool_calls("<tool_call>\n<function=f>\n<parameter=x>\n[1, 2]\n</parameter>\n<parameter=y>\n007\n"
+                            "</parameter>\n</function>\n</tool_call>") == [{"name": "f", "arguments": {"x": [1, 2], "y": "007"}}]
+    assert parse_assistant("plain answer", thinking=False) == (None, "plain answer", [])
+    assert parse_assistant("still thinking", thinking=True) == ("still thinking", "", [])
+    assert parse_assistant("<think>\nhm\n</think>\n\nyes") == ("hm", "yes", [])
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(REPLY)), max_size=12))
+def test_stream_parser_agrees_with_parse_assistant(cuts):
+    p = ChatStreamParser(thinking=True, tools=TOOLS)
+    fields = {"reasoning_content": "", "content": ""}
+    prev = 0
+    for c in sorted(set(cuts)) + [len(REPLY)]:
+        for f, t in p.feed(REPLY[prev:c]):
+            fields[f] += t
+        prev = c
+    more, calls = p.finish()
+    for f, t in more:
+        fields[f] += t
+    r, c, want = parse_assistant(REPLY, thinking=True, tools=TOOLS)
+    assert fields["reasoning_content"].strip() == r and fields["content"].strip() == c and calls == want
+
+
+def test_chat_end_to_end_with_a_scripted_reply(model):
+    tok = model.tokenizer
+    msgs = [{"role": "user", "content": "Weather in Berlin?"}]
+    r = model.chat(msgs, tools=TOOLS, sampler=Script(tok.encode(REPLY) + [IM_END]), max_tokens=200)
+    assert isinstance(r, qm.ChatResponse) and r.finish_reason == "stop"
+    assert r.reasoning == "I should call the tool." and r.content == "Let me check."
+    assert r.tool_calls == [{"name": "get_weather", "arguments": {"city": "Berlin", "days": 3}}]
+    # the reply goes back into the conversation and renders with the tool result
+    msgs2 = msgs + [r.message, {"role": "tool", "content": '{"temp": 21}'}]
+    text = tok.apply_chat_template(msgs2, tools=TOOLS)
+    assert "<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>" in text
+    assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in text
+    assert str(r) == "Let me check." and "get_weather" in r._repr_markdown_()
+
+
+def test_chat_real_generation_and_stream(model):
+    msgs = [{"role": "user", "content": "Hello!"}]
+    r = model.chat(msgs, max_tokens=6, temperature=0, enable_thinking=False)
+    outs = list(model.chat(msgs, max_tokens=6, temperature=0, enable_thinking=False, stream=True))
+    assert [o.token for o in outs] == r.tokens
+    assert r.reasoning is None and r.content == "".join(o.text for o in outs).strip()
+    ids, head, text = model.chat_prompt(msgs, enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and 0 < head < len(ids)
+    assert r.stats["prompt_tokens"] == len(ids)
+
+
+def test_notebook_reprs(model):
+    html = model._repr_html_()
+    assert "qwenmetal.Model" in html and "Gated DeltaNet" in html and "qwenmetal.ModelConfig" in html
+    s = model.new_session()
+    model.prefill(s, model.tokenizer.encode("hello <world>"))
+    h = s._repr_html_()
+    assert "qwenmetal.Session" in h and "&lt;world&gt;" in h          # escaped
+    assert "Session(position=" in repr(s) and "ModelConfig(" in repr(model.config)

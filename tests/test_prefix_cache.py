@@ -1,0 +1,152 @@
+"""Prefix cache for the hybrid state: multi-turn chat gives identical output with and without it, the prefill it
+skips is measured at the backend, matching is by exact tokens, and the byte budget evicts least recently used
+entries."""
+import numpy as np
+import pytest
+
+import qwenmetal as qm
+from qwenmetal.testing import make_checkpoint
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3-next"])
+def ckpt(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("pc") / "ck", request.param, "mlx-q4", seed=5)
+
+
+class Counting:
+    """Wraps a backend and counts the tokens each forward call runs."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, []
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def forward(self, state, ids, logits):
+        self.calls.append(len(ids))
+        return self.inner.forward(state, ids, logits)
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+
+def load(ckpt, cache):
+    m = qm.Model.load(ckpt, backend="reference")
+    m._backend = Counting(m._backend)
+    m.prefix_cache = cache
+    return m
+
+
+SYSTEM = "You are a helpful assistant. Answer briefly and precisely, in one short sentence."
+TURNS = ["What is the capital of France?", "And of Germany?", "Which one is larger?"]
+
+
+def converse(model, **kw):
+    msgs = [{"role": "system", "content": SYSTEM}]
+    replies = []
+    for t in TURNS:
+        msgs.append({"role": "user", "content": t})
+        calls0 = len(model._backend.calls)
+        r = model.chat(msgs, max_tokens=6, temperature=0, **kw)
+        # every decode step runs one token; the rest is prefill
+        computed = sum(model._backend.calls[calls0:]) - (r.stats["generated_tokens"] - 1)
+        r.ids, r.head, _ = model.chat_prompt(msgs, **kw)       # head: where this turn's messages end
+        replies.append((r, computed))
+        msgs.append(r.message)
+    return replies
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False])
+def test_multi_turn_identical_with_and_without_cache(ckpt, enable_thinking):
+    cached = load(ckpt, qm.PrefixCache(chunk_tokens=16))
+    plain = load(ckpt, None)
+    a = converse(cached, enable_thinking=enable_thinking)
+    b = converse(plain, enable_thinking=enable_thinking)
+    for (ra, computed_a), (rb, computed_b) in zip(a, b):
+        assert ra.tokens == rb.tokens and ra.text == rb.text
+        assert ra.stats["prompt_tokens"] == rb.stats["prompt_tokens"]
+        # what the backend actually prefilled is the prompt minus what the cache supplied
+        assert computed_b == rb.stats["prompt_tokens"] and rb.stats["cached_tokens"] == 0
+        assert computed_a == ra.stats["prompt_tokens"] - ra.stats["cached_tokens"] == ra.stats["prefill_tokens"]
+    # turns 2 and 3 resume at least where the previous turn's messages ended (a chunk boundary inside the
+    # shared start of the assistant header can be a little later), never beyond the common prefix; the
+    # previous reply is prefilled again because the template re-renders it without the think block
+    for (r_prev, _), (r, _) in zip(a, a[1:]):
+        lcp = next(i for i, (x, y) in enumerate(zip(r_prev.ids, r.ids)) if x != y)
+        assert r_prev.head <= r.stats["cached_tokens"] <= lcp and r_prev.head >= len(r_prev.ids) - 16
+    assert sum(c for _, c in a) < 0.6 * sum(c for _, c in b)
+
+
+def test_identical_prompt_needs_no_prefill_and_logits_match(ckpt):
+    m = load(ckpt, qm.PrefixCache())
+    ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    first = list(m.generate(ids, max_tokens=5, temperature=0, logprobs=True))
+    n = len(m._backend.calls)
+    again = list(m.generate(ids, max_tokens=5, temperature=0, logprobs=True))
+    assert again[-1].stats["cached_tokens"] == len(ids) and again[-1].stats["prefill_tokens"] == 0
+    assert m._backend.calls[n:] == [1] * (len(again) - 1)              # decode steps only
+    assert [o.token for o in again] == [o.token for o in first]
+    assert [o.logprob for o in again] == [o.logprob for o in first]
+    # cache=False bypasses it
+    off = list(m.generate(ids, max_tokens=2, temperature=0, cache=False))
+    assert off[-1].stats["cached_tokens"] == 0
+
+
+def test_chunk_boundaries_and_exact_token_matching(ckpt):
+    m = load(ckpt, qm.PrefixCache(chunk_tokens=8))
+    tok = m.tokenizer
+    base = tok.encode("Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 and then some more words here")
+    list(m.generate(base, max_tokens=1, temperature=0))
+    kinds = {k for _, k, _ in m.prefix_cache.entries()}
+    assert "chunk" in kinds and "prompt" in kinds
+    # a prompt that diverges at token d resumes from the last chunk boundary at or before d
+    d = 19
+    other = base[:d] + [t for t in tok.encode(" zebra crossing") if t not in base[d:d + 1]][:3] + base[d + 3:]
+    assert other[:d] == base[:d] and other[d] != base[d]
+    outs = list(m.generate(other, max_tokens=3, temperature=0))
+    assert outs[-1].stats["cached_tokens"] == (d // 8) * 8
+    ref = load(ckpt, None)
+    assert [o.token for o in outs] == [o.token for o in ref.generate(other, max_tokens=3, temperature=0)]
+    # which boundaries are kept: chunk x 1, 2, 4, 8, ... and the last two before the end
+    m2 = load(ckpt, qm.PrefixCache(chunk_tokens=8))
+    list(m2.generate(list(range(3, 103)), max_tokens=1, temperature=0))
+    assert sorted(n for n, k, _ in m2.prefix_cache.entries() if k == "chunk") == [8, 16, 32, 64, 88, 96]
+    # a prompt that differs from a cached one in its first token reuses nothing
+    outs = list(m.generate([base[0] + 1] + base[1:], max_tokens=1, temperature=0))
+    assert outs[-1].stats["cached_tokens"] == 0
+
+
+def test_lru_eviction_by_bytes(ckpt):
+    m = qm.Model.load(ckpt, backend="reference")
+    s = m.new_session()
+    snaps = []
+    for i in range(5):
+        m.prefill(s, [10 + i] * 4)
+        snaps.append((s.tokens, s.snapshot()))
+    one = snaps[-1][1].state.nbytes
+    pc = qm.PrefixCache(max_bytes=int(3.5 * one), chunk_tokens=4)
+    for toks, snap in snaps[:3]:
+        assert pc.put(toks, snap)
+    assert len(pc) == 3
+    assert pc.lookup(snaps[0][0] + (1,)) is not None                   # touch the oldest
+    pc.put(*snaps[3])                                                 # evicts the least recently used (#1)
+    assert pc.nbytes <= pc.max_bytes and pc.evictions >= 1
+    assert pc.lookup(snaps[1][0] + (1,)).tokens == snaps[0][0]       # #1 is gone, #0 (a prefix) remains
+    assert not qm.PrefixCache(max_bytes=10).put(*snaps[0])           # larger than the whole budget
+    pc.clear()
+    assert len(pc) == 0 and "PrefixCache(0 entries" in repr(pc)
+
+
+def test_restored_state_equals_recomputed_state(ckpt):
+    m = qm.Model.load(ckpt, backend="reference")
+    ids = list(range(3, 40))
+    s = m.new_session()
+    m.prefill(s, ids[:16], return_logits="none")
+    pc = qm.PrefixCache()
+    pc.put(s.tokens, s.snapshot())
+    e = pc.lookup(ids)
+    r = m.new_session()
+    r.restore(e.snapshot)
+    a = m.prefill(r, ids[16:])
+    b = m.prefill(s, ids[16:])
+    np.testing.assert_array_equal(a, b)

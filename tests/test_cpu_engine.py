@@ -333,3 +333,105 @@ def test_random_configs_thread_independent_and_match_reference(case):
     for o in outs[1:]:
         assert rel_range_err(o, outs[0]) <= 1e-5
     assert rel_range_err(outs[0], np.concatenate([want, np.stack(want_dec)])) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# activations="int8": the int8-input GEMV for 4-bit group-64 weights
+# ------------------------------------------------------------------------------------------------
+def _int8_gemv_reference(x, t):
+    """What the int8 kernel computes, in float64: per group of 64 inputs x ≈ sx·xq (sx = max|x|/127,
+    xq = round-half-even(x/sx)), y = Σ_g s·sx·Σ q·xq + b·sx·Σ xq: the dequantized weights · the quantized x."""
+    dense = t.dequantize().astype(np.float64)
+    s = np.asarray(t.scales, np.float32).astype(np.float64)
+    b = np.asarray(t.biases, np.float32).astype(np.float64)
+    rows, cols = dense.shape
+    G = cols // 64
+    q = np.rint((dense - np.repeat(b, 64, axis=1)) / np.where(np.repeat(s, 64, axis=1) == 0, 1,
+                                                                np.repeat(s, 64, axis=1)))
+    out = np.zeros((x.shape[0], rows))
+    for m in range(x.shape[0]):
+        xg = x[m].reshape(G, 64)
+        amax = np.abs(xg).max(axis=1).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        xq = np.clip(np.rint(xg * inv[:, None]), -127, 127)
+        sx = (amax / np.float32(127)).astype(np.float64)
+        isum = np.einsum("rgk,gk->rg", q.reshape(rows, G, 64), xq)
+        out[m] = (s * sx[None, :] * isum).sum(1) + (b * (sx * xq.sum(1))[None, :]).sum(1)
+    return out
+
+
+# the VNNI switch only affects the avx512 path: other ISAs run once
+@pytest.mark.parametrize("isa, vnni", [(i, True) for i in ISAS] + [(i, False) for i in ISAS if i == "avx512"])
+@pytest.mark.parametrize("M", [1, 3, 4, 7, 11, 19])
+def test_linear_int8_kernel(isa, vnni, M):
+    """GEMV (M <= 3) and register-tile GEMM (M > 3) on int8 inputs, vs the same math in numpy."""
+    rng = np.random.default_rng(M)
+    rows, cols = 37, 384                                 # 3 blocks of 128; row tails
+    t, dense = _weights("q4", rows, cols, rng, 64)
+    x = rng.normal(size=(M, cols)).astype(np.float32)
+    x[0, 64:128] = 0.0                                   # an all-zero group (sx = 0)
+    x[-1, 5] = 40.0                                      # an outlier
+    keep = []
+    _core.cpu_set_vnni(vnni)
+    try:
+        for threads in (1, 3):
+            y = _core.cpu_linear(describe(t, keep), x, threads, isa, int8=True)
+            exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+            if isa == "avx2" and M >= 16:                 # AVX2 prefill goes through float tiles
+                np.testing.assert_allclose(y, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
+                continue
+            want = _int8_gemv_reference(x, t)
+            np.testing.assert_allclose(y, want, rtol=0, atol=2e-5 * np.abs(want).max())
+            plain = np.abs(x).max(axis=1) < 10               # rows without the outlier: ~1 % error
+            if plain.any():
+                assert np.abs(y - exact)[plain].max() < 2e-2 * np.abs(exact).max()
+    finally:
+        _core.cpu_set_vnni(True)
+
+
+def test_linear_int8_unsupported_shapes_fall_back():
+    """group 32 / 128, 8-bit, K not a multiple of 128: the exact float GEMV."""
+    rng = np.random.default_rng(3)
+    keep = []
+    for kind, gs, cols in [("q4", 32, 256), ("q4", 128, 256), ("q8", 64, 256), ("q4", 64, 192)]:
+        t, dense = _weights(kind, 21, cols, rng, gs)
+        x = rng.normal(size=(1, cols)).astype(np.float32)
+        y = _core.cpu_linear(describe(t, keep), x, 2, "", int8=True)
+        want = x.astype(np.float64) @ dense.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+def test_int8_activations_model(preset, reference_runs):
+    """activations="int8" is opt-in and approximate: on the tiny random fixtures (which amplify the
+    ~0.5 % per-GEMV error of int8 inputs) it stays within 0.2 of the logit range of the reference
+    (observed 0.064), and like the float path it does not depend on the number of threads."""
+    want_pre, _, _ = reference_runs(preset, "mlx-q4", PROMPT)
+    path = cached_checkpoint(preset, "mlx-q4", seed=0)
+    outs = []
+    for threads in (1, 2, 3):
+        m = qm.Model.load(path, backend="cpu", kv_dtype="float32", threads=threads, activations="int8",
+                          prefill_chunk=7)
+        assert m._backend.engine.activations == "int8"
+        s = m.new_session()
+        pre = m.prefill(s, PROMPT, "all")
+        outs.append((pre, m.decode_step(s, 3), m.decode_step(s, 11)))
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            np.testing.assert_array_equal(a, b)
+    assert rel_range_err(outs[0][0], want_pre) < 0.2
+    default = qm.Model.load(path, backend="cpu")
+    assert default._backend.engine.activations == "float"
+    with pytest.raises(ValueError):
+        qm.Model.load(path, backend="cpu", activations="int4")
+
+
+def test_linear_int8_propagates_nan():
+    rng = np.random.default_rng(5)
+    t, _ = _weights("q4", 8, 256, rng, 64)
+    x = rng.normal(size=(1, 256)).astype(np.float32)
+    x[0, 70] = np.nan
+    keep = []
+    for isa in ISAS:
+        y = _core.cpu_linear(describe(t, keep), x, 1, isa, int8=True)
+        assert np.isnan(y).all(), isa

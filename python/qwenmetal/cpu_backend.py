@@ -13,6 +13,10 @@ Options (``Model.load(path, backend="cpu", **options)``):
 * ``prefill_chunk``: tokens per forward chunk (default 512); scratch memory is bounded by it.
 * ``quantize``: ``None``, ``4`` or ``8``: quantize a dense (bf16/f16/f32) checkpoint at load with
   MLX's affine algorithm, group 64 (router and shared-expert gate at 8 bits, as mlx-lm does).
+* ``activations``: ``"float"`` (default, exact fp32 arithmetic on the stored weights) or ``"int8"``:
+  decode GEMVs over 4-bit group-64 weights quantize their input vector to int8 per group of 64
+  (x ≈ sx·xq) and use integer dot products (AVX512-VNNI / AVX2 maddubs) — faster, approximate
+  (docs/cpu.md, "int8 activations"); prefill chunks of more than 3 tokens stay in float.
 
 State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
 the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
@@ -27,6 +31,7 @@ import numpy as np
 from .weights import QuantizedTensor, Weights
 
 KV_DTYPES = ("bfloat16", "float32")
+ACTIVATIONS = ("float", "int8")
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # canonical tensors passed as float32 vectors (everything else is a linear layer)
@@ -113,7 +118,7 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
-                 prefill_chunk: int = 512, quantize: int | None = None):
+                 prefill_chunk: int = 512, quantize: int | None = None, activations: str = "float"):
         core = _core()
         if threads is None:
             threads = core.cpu_physical_cores()
@@ -125,6 +130,8 @@ class CpuBackend:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         if quantize not in (None, 4, 8) or isinstance(quantize, bool):
             raise ValueError(f"quantize must be None, 4 or 8, got {quantize!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         c = weights.config
         keep: list = []
         tensors, small = {}, {}
@@ -138,8 +145,10 @@ class CpuBackend:
         self.kv_dtype = kv_dtype
         self.prefill_chunk = int(prefill_chunk)
         self.quantize = quantize
+        self.activations = activations
         self.engine = core.CpuEngine(config_dict(c), tensors, small, self.threads, kv_dtype == "float32",
-                                     self.prefill_chunk, int(quantize or 0), keep)
+                                     self.prefill_chunk, int(quantize or 0), keep,
+                                     int8_activations=activations == "int8")
         self.impl = _Impl(self.engine)
 
     def new_state(self):
@@ -189,7 +198,7 @@ class CpuBackend:
 
     def __repr__(self) -> str:
         return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "
-                f"quantize={self.quantize}, isa={_core().cpu_isa()!r})")
+                f"quantize={self.quantize}, activations={self.activations!r}, isa={_core().cpu_isa()!r})")
 
 
 def available() -> bool:

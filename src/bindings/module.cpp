@@ -6,4 +6,5 @@ NB_MODULE(_core, m) {
     qwenmetal::bindings::register_quant(m);
     qwenmetal::bindings::register_msl_sim(m);
     qwenmetal::bindings::register_cpu_engine(m);
+    qwenmetal::bindings::register_bench(m);
 }

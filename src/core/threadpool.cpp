@@ -27,20 +27,33 @@ ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads) {
 ThreadPool::~ThreadPool() {
     {
         std::lock_guard<std::mutex> lk(mu_);
-        stop_ = true;
+        stop_.store(true, std::memory_order_release);
         generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::work(int id) {
-    const Fn fn = fn_;
-    void* ctx = ctx_;
+// Run tasks of section `gen` until none is left or the section is over. Its fn/ctx/n are read under
+// the seqlock: if the caller is already publishing a later section, the read is discarded.
+void ThreadPool::work(int id, uint64_t gen) {
+    if (sec_end_.load(std::memory_order_acquire) != gen) return;
+    const Fn fn = fn_.load(std::memory_order_relaxed);
+    void* ctx = ctx_.load(std::memory_order_relaxed);
+    const int64_t n = n_tasks_.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (sec_begin_.load(std::memory_order_relaxed) != gen) return;
+    const uint64_t tag = (gen & 0xffffffffu) << 32;
+    uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
-        int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
-        if (t >= n_tasks_) break;
-        fn(ctx, t, id);
+        if ((t & ~uint64_t(0xffffffffu)) != tag) return;          // another section
+        const int64_t task = static_cast<int64_t>(t & 0xffffffffu);
+        if (task >= n) return;
+        if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+            continue;                                              // t reloaded
+        fn(ctx, task, id);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        t = ticket_.load(std::memory_order_acquire);
     }
 }
 
@@ -69,9 +82,8 @@ void ThreadPool::worker(int id) {
             g = generation_.load(std::memory_order_acquire);
         }
         seen = g;
-        if (stop_) return;
-        work(id);
-        active_.fetch_sub(1, std::memory_order_acq_rel);
+        if (stop_.load(std::memory_order_acquire)) return;
+        work(id, g);
     }
 }
 
@@ -81,23 +93,28 @@ void ThreadPool::run_impl(int64_t n_tasks, Fn fn, void* ctx) {
         for (int64_t t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
         return;
     }
-    fn_ = fn;
-    ctx_ = ctx;
-    n_tasks_ = n_tasks;
-    next_.store(0, std::memory_order_relaxed);
-    active_.store(n_ - 1, std::memory_order_relaxed);
+    // new section (the previous one is complete: every task claimed and done): seqlock-publish
+    // fn/ctx/n, open the ticket, then bump the generation that wakes the workers
+    const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
+    sec_begin_.store(gen, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    fn_.store(fn, std::memory_order_relaxed);
+    ctx_.store(ctx, std::memory_order_relaxed);
+    n_tasks_.store(n_tasks, std::memory_order_relaxed);
+    sec_end_.store(gen, std::memory_order_release);
+    done_.store(0, std::memory_order_release);
+    ticket_.store((gen & 0xffffffffu) << 32, std::memory_order_release);
     {
         std::lock_guard<std::mutex> lk(mu_);
-        generation_.fetch_add(1, std::memory_order_release);
+        generation_.store(gen, std::memory_order_release);
     }
     cv_.notify_all();
-    work(0);
-    // wait for the workers still finishing a task (or not yet woken: they find no task left)
-    for (int spin = 0; active_.load(std::memory_order_acquire) != 0; ++spin) {
+    work(0, gen);
+    // wait for tasks other threads claimed and are still running (not for workers still asleep)
+    for (int spin = 0; done_.load(std::memory_order_acquire) != n_tasks; ++spin) {
         if (spin < 4096) QM_PAUSE();
-        else std::this_thread::yield();     // a worker was descheduled: give it the core
+        else std::this_thread::yield();     // a worker was descheduled mid-task: give it the core
     }
-    fn_ = nullptr;
 }
 
 int physical_cores() {

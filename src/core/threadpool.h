@@ -1,6 +1,10 @@
 // A persistent pool of worker threads. `run(n, fn)` calls fn(task, thread) for every task in
-// [0, n) — tasks are handed out dynamically from an atomic counter, the calling thread works too —
-// and returns when all are done. Kernels make each task write its own outputs with a fixed
+// [0, n) — tasks are handed out dynamically from an atomic ticket (section number | next task), the
+// calling thread works too — and returns when all tasks are done. It does not wait for workers that
+// have not woken up yet (on an oversubscribed machine a descheduled worker would otherwise stall
+// every section): a late worker reads the section's parameters under a seqlock and can only claim a
+// task of that section, by compare-and-swap on the ticket, so it never runs or skips a task of a
+// later section. Kernels make each task write its own outputs with a fixed
 // summation order, so results never depend on the number of threads or on who ran what.
 #pragma once
 #include <atomic>
@@ -35,19 +39,21 @@ public:
 private:
     void run_impl(int64_t n_tasks, Fn fn, void* ctx);
     void worker(int id);
-    void work(int id);
+    void work(int id, uint64_t gen);
 
     int n_;
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::atomic<uint64_t> generation_{0};
-    std::atomic<int64_t> next_{0};
-    std::atomic<int> active_{0};
-    int64_t n_tasks_ = 0;
-    Fn fn_ = nullptr;
-    void* ctx_ = nullptr;
-    bool stop_ = false;
+    std::atomic<uint64_t> ticket_{0};     // (section & 0xffffffff) << 32 | next task
+    std::atomic<int64_t> done_{0};        // tasks of the current section completed
+    // the current section's parameters, published under a seqlock (sec_begin_ / sec_end_ = its number)
+    std::atomic<uint64_t> sec_begin_{0}, sec_end_{0};
+    std::atomic<int64_t> n_tasks_{0};
+    std::atomic<Fn> fn_{nullptr};
+    std::atomic<void*> ctx_{nullptr};
+    std::atomic<bool> stop_{false};
 };
 
 // Physical cores available to this process (hyper-threads counted once), at least 1.

@@ -6,8 +6,10 @@
 // Everything here is single-threaded and writes only its own outputs: the callers (quant, moe, gdn,
 // attention) split work over threads by output rows / heads / experts.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "core/tensor.h"
 
@@ -26,6 +28,15 @@ struct XVec {
     const float* xs64 = nullptr;
     const float* xs128 = nullptr;
     int64_t K = 0;
+    // optional int8 copy of x (activations="int8"): per group of 64 inputs x ≈ sx·xq, xq in [-127, 127],
+    // laid out per block of 2·B inputs (B = bytes per SIMD load: 64 avx512, 32 otherwise) as the even
+    // elements then the odd ones (the order the nibble unpack produces); xqs: sx per group, repeated
+    // Q8E times (avx512: 8, so one 16-float load covers the two groups of a 64-byte weight load)
+    // xqx: per group sx·Σxq, the sum of the quantized x (the bias term uses it, so the int8 GEMV is
+    // exactly the dot product of the dequantized weights with the quantized x)
+    const int8_t* xq = nullptr;
+    const float* xqs = nullptr;
+    const float* xqx = nullptr;
     const float* xs(int gs) const { return gs == 32 ? xs32 : gs == 64 ? xs64 : xs128; }
 };
 
@@ -36,8 +47,9 @@ struct Kernels {
     // from this many input rows on, prefill GEMMs go through dequantized 16-row tiles (gemm_tile)
     // instead of the register-tile kernel (gemm_x); 0 = never (measured per ISA, docs/cpu.md)
     int64_t tile_gemm_min_rows;
-    // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats)
-    void (*xvec_prepare)(const float* x, int64_t K, float* scratch, XVec* out);
+    // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats); int8: also the int8 copy of x
+    // (when K % 128 == 0), which makes gemv use the int8 dot-product kernel for 4-bit g64 weights
+    void (*xvec_prepare)(const float* x, int64_t K, float* scratch, XVec* out, bool int8);
     // y[r] (+)= Σ_k W[r,k]·x[k] for r in [r0, r1); y indexed by absolute row
     void (*gemv)(const WMat& W, const XVec& x, float* y, int64_t r0, int64_t r1, bool accumulate);
     // rows [r0, r0+n) of W as float32 into out [n, W.cols] (row stride ldo)
@@ -60,6 +72,12 @@ struct Kernels {
 };
 
 size_t xvec_floats(int64_t K);
+
+// The int8-activation GEMV on AVX-512 uses VNNI (vpdpbusd) when the CPU has it, else AVX512BW
+// vpmaddubsw + vpmaddwd (same integers, same result). Tests switch it off to check the fallback.
+bool vnni_available();
+void set_vnni(bool on);
+bool vnni_enabled();
 
 // The kernels in use (best for this CPU, or QWENMETAL_ISA=portable|avx2|avx512 to force one).
 const Kernels& kernels();

@@ -19,6 +19,8 @@ struct VT {
     static constexpr int W = 4;
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
+    static constexpr bool Q8_SIMD = false, Q8_GEMM = false;
+    static constexpr int Q8B = 32, Q8E = 1;
     struct V {
         float v[4];
     };
@@ -84,6 +86,8 @@ struct VT {
     static constexpr int W = 4;
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
+    static constexpr bool Q8_SIMD = false, Q8_GEMM = false;
+    static constexpr int Q8B = 32, Q8E = 1;
     using V = float32x4_t;
     static inline V zero() { return vdupq_n_f32(0.f); }
     static inline V set1(float a) { return vdupq_n_f32(a); }
@@ -146,7 +150,9 @@ const Kernels* kernels_neon() { return neon::table(Isa::NEON, "neon"); }
 const Kernels* kernels_neon() { return nullptr; }
 #endif
 
-size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16); }
+// x, sums per 32/64/128, then (16-float aligned) the int8 copy (K bytes), its scales (K/8 floats) and
+// its sums per group (K/64)
+size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16) + size_t(K / 4 + K / 8 + K / 64 + 32); }
 
 const char* isa_name(Isa isa) {
     switch (isa) {
@@ -191,6 +197,23 @@ const Kernels& kernels() {
         g_active.store(k, std::memory_order_release);
     }
     return *k;
+}
+
+namespace {
+std::atomic<bool> g_vnni{true};
+}
+bool vnni_available() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && kernels_avx512() != nullptr;
+#else
+    return false;
+#endif
+}
+void set_vnni(bool on) { g_vnni.store(on, std::memory_order_relaxed); }
+bool vnni_enabled() {
+    static const bool avail = vnni_available();
+    return avail && g_vnni.load(std::memory_order_relaxed);
 }
 
 bool set_isa(Isa isa) {

@@ -10,6 +10,10 @@
 
 namespace qwenmetal::cpu {
 
+// int8 GEMV: prefetch (T0) this far ahead in the weight stream (docs/cpu.md: NTA / 512 B streamed at
+// 6.4 GB/s, T0 / 4 KiB at 12.4 GB/s = the single-core DRAM bandwidth of the test machine)
+constexpr int64_t kQ8Prefetch = 4096;
+
 // ------------------------------------------------------------------------------------------------
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -78,6 +82,50 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
+    // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one group (32 weight bytes) per step
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = false;
+    static constexpr int Q8B = 32, Q8E = 1;
+    static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
+        int64_t r = r0;
+        for (; r + Q8_NR <= r1; r += Q8_NR) q4i8_rows<Q8_NR>(Wm, X, y, r, accumulate);
+        for (; r < r1; ++r) q4i8_rows<1>(Wm, X, y, r, accumulate);
+    }
+    static constexpr int Q8_NR = 1;
+    template <int NR>
+    static inline void q4i8_rows(const WMat& Wm, const XVec& X, float* y, int64_t r, bool accumulate) {
+        const int64_t G = Wm.cols / 64;
+        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+        const uint8_t* wr[NR];
+        const uint16_t* sr[NR];
+        const uint16_t* br[NR];
+        __m256 acc[NR];
+        float bsum[NR];
+        for (int i = 0; i < NR; ++i) {
+            wr[i] = Wm.row(r + i);
+            sr[i] = reinterpret_cast<const uint16_t*>(Wm.srow(r + i));
+            br[i] = reinterpret_cast<const uint16_t*>(Wm.brow(r + i));
+            acc[i] = _mm256_setzero_ps();
+            bsum[i] = 0.f;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const __m256i xe = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g));
+            const __m256i xo = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g + 32));
+            const float sx = X.xqs[g], xs = X.xqx[g];
+            for (int i = 0; i < NR; ++i) {
+                _mm_prefetch(reinterpret_cast<const char*>(wr[i] + 32 * g + kQ8Prefetch), _MM_HINT_T0);
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[i] + 32 * g));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
+                acc[i] = _mm256_fmadd_ps(f, _mm256_set1_ps(bf16_to_f32(sr[i][g]) * sx), acc[i]);
+                bsum[i] += bf16_to_f32(br[i][g]) * xs;
+            }
+        }
+        for (int i = 0; i < NR; ++i) {
+            const float v = reduce(acc[i]) + bsum[i];
+            y[r + i] = accumulate ? y[r + i] + v : v;
+        }
+    }
 };
 #include "cpu/kernels.inc"
 }  // namespace avx2
@@ -143,6 +191,157 @@ struct VT {
     }
     static inline V q8(const uint8_t* p) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+    // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
+    // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true;
+    static constexpr int Q8B = 64, Q8E = 8;
+    // (compiled with avx512vnni enabled; the VNNI=false instantiation uses only AVX512BW instructions
+    // and is the one called on CPUs without VNNI)
+    template <int NR, bool VNNI>
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+    static inline void q4i8_rows_t(const WMat& Wm, const XVec& X, float* y, int64_t r, bool accumulate) {
+        const int64_t G = Wm.cols / 64, P = G / 2;
+        const __m512i m4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+        // vpermw indices: the high word of dword d takes scale word d / 8 (low words are zeroed)
+        const __m512i sidx = _mm512_set_epi32(1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
+                                              0, 0, 0, 0, 0, 0, 0, 0);
+        const uint8_t* wr[NR];
+        const uint16_t* sr[NR];
+        const uint16_t* br[NR];
+        __m512 acc[NR];
+        for (int i = 0; i < NR; ++i) {
+            wr[i] = Wm.row(r + i);
+            sr[i] = reinterpret_cast<const uint16_t*>(Wm.srow(r + i));
+            br[i] = reinterpret_cast<const uint16_t*>(Wm.brow(r + i));
+            acc[i] = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < P; ++p) {
+            const __m512i xe = _mm512_load_si512(X.xq + 128 * p);
+            const __m512i xo = _mm512_load_si512(X.xq + 128 * p + 64);
+            const __m512 sxv = _mm512_load_ps(X.xqs + 16 * p);
+            for (int i = 0; i < NR; ++i) {
+                _mm_prefetch(reinterpret_cast<const char*>(wr[i] + 64 * p + kQ8Prefetch), _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(wr[i] + 64 * p);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i is;
+                if constexpr (VNNI) {
+                    is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
+                    is = _mm512_dpbusd_epi32(is, hi, xo);
+                } else {
+                    is = _mm512_madd_epi16(
+                        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones);
+                }
+                uint32_t sw;
+                std::memcpy(&sw, sr[i] + 2 * p, 4);
+                const __m512 sv = _mm512_castsi512_ps(
+                    _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, sidx, _mm512_set1_epi32(static_cast<int>(sw))));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(sv, sxv), acc[i]);
+            }
+        }
+        for (int i = 0; i < NR; ++i) {       // bias part: Σ b·Σx, 16 groups per step
+            __m512 b = acc[i];
+            for (int64_t g = 0; g < G; g += 16) {
+                const int n = G - g < 16 ? static_cast<int>(G - g) : 16;
+                b = _mm512_fmadd_ps(loadn_bf16(br[i] + g, n), loadn(X.xqx + g, n), b);
+            }
+            const float v = reduce(b);
+            y[r + i] = accumulate ? y[r + i] + v : v;
+        }
+    }
+
+    // int8 register tile (prefill, activations="int8"): NR weight rows x MX input rows; each 64-byte
+    // weight load is unpacked once (and its scale vector built once) for the MX inputs. Used with
+    // NR = 1, MX = 16 (then 8/4/2/1): the ops per (row, input) are the same for any NR (the x loads are
+    // memory operands), and 2 x 8 ran out of zmm registers (spills)
+    template <int NR, int MX, bool VNNI>
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+    static inline void q4i8_block(const WMat& Wm, const XVec* const* X, float* Y, int64_t ldy, int64_t r,
+                                  bool accumulate) {
+        const int64_t G = Wm.cols / 64, P = G / 2;
+        const __m512i m4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+        const __m512i sidx = _mm512_set_epi32(1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16,
+                                              0, 0, 0, 0, 0, 0, 0, 0);
+        const uint8_t* wr[NR];
+        const uint16_t* sr[NR];
+        const uint16_t* br[NR];
+        __m512 acc[NR][MX];
+        for (int i = 0; i < NR; ++i) {
+            wr[i] = Wm.row(r + i);
+            sr[i] = reinterpret_cast<const uint16_t*>(Wm.srow(r + i));
+            br[i] = reinterpret_cast<const uint16_t*>(Wm.brow(r + i));
+            for (int m = 0; m < MX; ++m) acc[i][m] = _mm512_setzero_ps();
+        }
+        for (int64_t p = 0; p < P; ++p) {
+            __m512i lo[NR], hi[NR];
+            __m512 sv[NR];
+            for (int i = 0; i < NR; ++i) {
+                const __m512i v = _mm512_loadu_si512(wr[i] + 64 * p);
+                lo[i] = _mm512_and_si512(v, m4);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                uint32_t sw;
+                std::memcpy(&sw, sr[i] + 2 * p, 4);
+                sv[i] = _mm512_castsi512_ps(
+                    _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, sidx, _mm512_set1_epi32(static_cast<int>(sw))));
+            }
+            for (int m = 0; m < MX; ++m) {
+                const __m512i xe = _mm512_load_si512(X[m]->xq + 128 * p);
+                const __m512i xo = _mm512_load_si512(X[m]->xq + 128 * p + 64);
+                const __m512 sxv = _mm512_load_ps(X[m]->xqs + 16 * p);
+                for (int i = 0; i < NR; ++i) {
+                    __m512i is;
+                    if constexpr (VNNI) {
+                        is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xe);
+                        is = _mm512_dpbusd_epi32(is, hi[i], xo);
+                    } else {
+                        is = _mm512_madd_epi16(
+                            _mm512_add_epi16(_mm512_maddubs_epi16(lo[i], xe), _mm512_maddubs_epi16(hi[i], xo)), ones);
+                    }
+                    acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(sv[i], sxv), acc[i][m]);
+                }
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+            for (int m = 0; m < MX; ++m) {
+                __m512 b = acc[i][m];
+                for (int64_t g = 0; g < G; g += 16) {
+                    const int n = G - g < 16 ? static_cast<int>(G - g) : 16;
+                    b = _mm512_fmadd_ps(loadn_bf16(br[i] + g, n), loadn(X[m]->xqx + g, n), b);
+                }
+                const float v = reduce(b);
+                float* y = Y + m * ldy + r + i;
+                *y = accumulate ? *y + v : v;
+            }
+    }
+    template <int MX, bool VNNI>
+    static void q4i8_mrows(const WMat& Wm, const XVec* const* X, float* Y, int64_t ldy, int64_t r0, int64_t r1,
+                           bool accumulate) {
+        for (int64_t r = r0; r < r1; ++r) q4i8_block<1, MX, VNNI>(Wm, X, Y, ldy, r, accumulate);
+    }
+    template <bool VNNI>
+    static void q4i8_gemm_t(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
+                            int64_t r1, bool accumulate) {
+        int64_t m = 0;
+        for (; m + 16 <= M; m += 16) q4i8_mrows<16, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+        if (M - m >= 8) { q4i8_mrows<8, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 8; }
+        for (; m + 8 <= M; m += 8) q4i8_mrows<8, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+        if (M - m >= 4) { q4i8_mrows<4, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 4; }
+        if (M - m >= 2) { q4i8_mrows<2, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 2; }
+        if (M - m >= 1) q4i8_mrows<1, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+    }
+    static void q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
+                          int64_t r1, bool accumulate) {
+        if (vnni_enabled()) q4i8_gemm_t<true>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+        else q4i8_gemm_t<false>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+    }
+    static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
+        // one row at a time: the weight stream stays sequential, which (with the T0 prefetch 4 KiB
+        // ahead) streams at the single-core DRAM bandwidth; 4 rows per pass (sharing the x loads)
+        // measured 9-10 GB/s vs 12.4 (docs/cpu.md)
+        if (vnni_enabled())
+            for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, true>(Wm, X, y, r, accumulate);
+        else
+            for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, false>(Wm, X, y, r, accumulate);
     }
 };
 #include "cpu/kernels.inc"

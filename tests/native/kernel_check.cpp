@@ -45,8 +45,8 @@ int main() {
             std::vector<XVec> xa(M), xp(M);
             std::vector<const XVec*> pa(M), pp(M);
             for (int i = 0; i < M; ++i) {
-                A->xvec_prepare(x.data() + i * K, K, sa.data() + i * xvec_floats(K), &xa[i]); pa[i] = &xa[i];
-                P->xvec_prepare(x.data() + i * K, K, sp.data() + i * xvec_floats(K), &xp[i]); pp[i] = &xp[i];
+                A->xvec_prepare(x.data() + i * K, K, sa.data() + i * xvec_floats(K), &xa[i], false); pa[i] = &xa[i];
+                P->xvec_prepare(x.data() + i * K, K, sp.data() + i * xvec_floats(K), &xp[i], false); pp[i] = &xp[i];
             }
             if (M == 1) { A->gemv(m, xa[0], ya.data(), 0, R, false); P->gemv(m, xp[0], yp.data(), 0, R, false); }
             else { A->gemm_x(m, pa.data(), M, ya.data(), R, 0, R, false); P->gemm_x(m, pp.data(), M, yp.data(), R, 0, R, false); }

@@ -67,7 +67,7 @@ def _import_llama():
         import llama_cpp
     except ImportError:
         raise SystemExit("llama-cpp-python is not installed: run  bash benchmarks/build_llama_cpp.sh  "
-                         "(a from-source build with this host's SIMD flags and AMX off; see docs/benchmarks.md)")
+                         "(a from-source build with this host's SIMD flags and AMX off; see docs/benchmarks.md)") from None
     return llama_cpp
 
 
@@ -157,7 +157,7 @@ def llama_worker(a) -> dict:
             log(f"  (sequence state save failed: {e}; re-prefilling before each repeat)")
             saved = None
 
-        def rewind():
+        def rewind(saved=saved, ctx=ctx):
             if saved is not None:
                 saved.restore()
             else:

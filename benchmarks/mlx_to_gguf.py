@@ -129,7 +129,7 @@ def tensor_plan(weights) -> list:
 
     c = weights.config
     W = weights.tensors
-    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    nk, nv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
     plan = []
 
     def kind(t):
@@ -195,15 +195,8 @@ def _rows(t, rows):
 # tokenizer
 # ---------------------------------------------------------------------------------------------
 def _bytes_to_unicode() -> dict:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(x) for x in cs)))
+    from qwenmetal.tokenizer import bytes_to_unicode
+    return bytes_to_unicode()
 
 
 def tokenizer_fields(checkpoint: str, vocab_size: int) -> dict:

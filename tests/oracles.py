@@ -169,15 +169,8 @@ def write_tokenizer(out_dir) -> None:
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     # GPT-2 byte order: id == byte value
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_to_char = dict(zip(bs, map(chr, cs)))
+    from qwenmetal.tokenizer import bytes_to_unicode
+    byte_to_char = bytes_to_unicode()
     assert set(byte_to_char.values()) == set(alphabet)
     vocab = {byte_to_char[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))

@@ -31,16 +31,8 @@ def reference_tokenizer():
 
 
 def _bytes_to_unicode() -> dict:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
-        list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    from qwenmetal.tokenizer import bytes_to_unicode
+    return bytes_to_unicode()
 
 
 def build_tokenizer_json(q) -> str:

@@ -73,7 +73,6 @@ def test_bench_quick_json(tmp_path, backend):
     ckpt = Path(m["checkpoint"])
     sizes = _safetensors_sizes(ckpt)
     assert sum(sizes.values()) == m["weights_bytes"]
-    c = ModelConfig.from_file(ckpt)
 
     def total(pred):
         return sum(n for k, n in sizes.items() if pred(k))

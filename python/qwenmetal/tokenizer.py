@@ -16,8 +16,8 @@ import os
 from .errors import CheckpointError
 
 
-def _byte_decoder() -> dict:
-    """The GPT-2 byte-level alphabet, inverted: unicode character -> byte value."""
+def bytes_to_unicode() -> dict:
+    """The GPT-2 byte-level alphabet: byte value -> the unicode character byte-level BPE uses for it."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
         list(range(ord("\u00ae"), ord("\u00ff") + 1))
     cs = bs[:]
@@ -27,7 +27,12 @@ def _byte_decoder() -> dict:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_decoder() -> dict:
+    """The GPT-2 byte-level alphabet, inverted: unicode character -> byte value."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 _BYTE_DECODER = _byte_decoder()

@@ -43,11 +43,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -262,12 +260,8 @@ def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], seed: int 
     if c.hidden_size % 64 or c.moe_intermediate_size % 64 or c.shared_expert_intermediate_size % 64:
         raise ValueError("hidden, moe and shared-expert sizes must be multiples of 64 (4-bit g64)")
     log = log or (lambda s: None)
-    dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise FileExistsError(f"{dest} exists and is not an empty directory")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
-    try:
+    from .testing import building_directory
+    with building_directory(dest) as tmp:
         n_shards = c.num_hidden_layers + 2
         weight_map, overrides, total_size, total_params = {}, {}, 0, 0
         t0 = time.perf_counter()
@@ -296,12 +290,7 @@ def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], seed: int 
                  "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4), encoding="utf-8")
         _write_side_files(tmp, cfg, overrides)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return Path(dest)
 
 
 def _write_side_files(d: Path, cfg: dict, overrides: dict) -> None:

@@ -37,6 +37,7 @@ import copy
 import functools
 import hashlib
 import json
+import contextlib
 import os
 import shutil
 import tempfile
@@ -657,19 +658,27 @@ def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "t
     n_tok = BPE_VOCAB_SIZE + len(_ADDED_TOKENS)
     if c.vocab_size < n_tok:
         raise ValueError(f"vocab_size {c.vocab_size} is smaller than the fixture tokenizer ({n_tok} ids)")
-    dest = Path(dir)
+    with building_directory(dir) as tmp:
+        _write_checkpoint(tmp, cfg, format, int(seed))
+    return Path(dir)
+
+
+@contextlib.contextmanager
+def building_directory(dest: str | os.PathLike):
+    """Yield a temporary sibling of `dest` to fill; on success it is renamed to `dest` (which must be
+    absent or empty), so a half-written directory is never mistaken for a complete one."""
+    dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise FileExistsError(f"{dest} exists and is not an empty directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
     try:
-        _write_checkpoint(tmp, cfg, format, int(seed))
+        yield tmp
         os.chmod(tmp, 0o755)
         os.rename(tmp, dest)          # also replaces an empty directory
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
 
 
 def _cache_root() -> Path:

@@ -11,15 +11,16 @@ from test_session import *  # noqa: F401,F403  (the same contract tests, run wit
 
 
 # (preset, kv_dtype, prefill_chunk): a small chunk so that split prefills also cross chunk boundaries.
-# float32 KV: the contract tests compare split vs joint prefills at 2e-5, and a bf16 cache rounds keys
-# that differ in the last fp32 bit (recurrent vs chunked GDN upstream) to neighbouring bf16 values
-# (test_cpu_engine.py covers the bf16 cache at its own tolerance).
+# float32 KV and float activations: the contract tests compare split vs joint prefills at 2e-5, and
+# both a bf16 cache and integer activations round values that differ in the last fp32 bit (recurrent
+# vs chunked GDN upstream) to neighbouring bf16 / integer values (test_cpu_engine.py covers the
+# default bf16 cache and int16 activations at their own tolerances).
 @pytest.fixture(scope="module", params=[("tiny", "float32", 5), ("tiny-qwen3-next", "float32", 512)],
                 ids=lambda p: f"{p[0]}-{p[1]}-chunk{p[2]}")
 def model(request, tmp_path_factory):
     preset, kv, chunk = request.param
     d = make_checkpoint(tmp_path_factory.mktemp("m") / "ck", config=preset, format="mlx-q4", seed=1)
-    return qm.Model.load(d, backend="cpu", threads=2, kv_dtype=kv, prefill_chunk=chunk)
+    return qm.Model.load(d, backend="cpu", threads=2, kv_dtype=kv, prefill_chunk=chunk, activations="float")
 
 
 def test_backend_is_cpu(model):

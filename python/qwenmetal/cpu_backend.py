@@ -13,10 +13,17 @@ Options (``Model.load(path, backend="cpu", **options)``):
 * ``prefill_chunk``: tokens per forward chunk (default 512); scratch memory is bounded by it.
 * ``quantize``: ``None``, ``4`` or ``8``: quantize a dense (bf16/f16/f32) checkpoint at load with
   MLX's affine algorithm, group 64 (router and shared-expert gate at 8 bits, as mlx-lm does).
-* ``activations``: ``"float"`` (default, exact fp32 arithmetic on the stored weights) or ``"int8"``:
-  decode GEMVs over 4-bit group-64 weights quantize their input vector to int8 per group of 64
-  (x ≈ sx·xq) and use integer dot products (AVX512-VNNI / AVX2 maddubs) — faster, approximate
-  (docs/cpu.md, "int8 activations"); prefill chunks of more than 3 tokens stay in float.
+* ``activations``: how the inputs of the linear layers over 4-bit group-64 weights (every large matrix
+  of the real model) are multiplied (docs/cpu.md, "Integer activations"):
+
+  - ``"int16"``: each input vector is quantized per group of 64 to two int8 planes,
+    x ≈ sx·(xq + xq2/256) (≈ 16-bit fixed point per group, relative error ≤ 2^-16 of the group's
+    max), and multiplied with exact integer dot products (AVX512-VNNI, AMX for prefill, AVX2 maddubs);
+    as accurate as fp32 at the tolerances that matter (1e-5 of the logit range on the fixtures);
+  - ``"int8"``: one plane (x ≈ sx·xq, like llama.cpp's Q8 activations) — faster, approximate;
+  - ``"float"``: fp32 FMAs on the dequantized weights, the reference arithmetic;
+  - ``"auto"`` (default): ``"int16"`` where the CPU has the SIMD integer kernels (AVX2, AVX-512),
+    ``"float"`` elsewhere (the portable and NEON integer paths are scalar).
 
 State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
 the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
@@ -31,7 +38,7 @@ import numpy as np
 from .weights import QuantizedTensor, Weights
 
 KV_DTYPES = ("bfloat16", "float32")
-ACTIVATIONS = ("float", "int8")
+ACTIVATIONS = ("auto", "int16", "int8", "float")
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # canonical tensors passed as float32 vectors (everything else is a linear layer)
@@ -118,7 +125,7 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
-                 prefill_chunk: int = 512, quantize: int | None = None, activations: str = "float"):
+                 prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto"):
         core = _core()
         if threads is None:
             threads = core.cpu_physical_cores()
@@ -132,6 +139,8 @@ class CpuBackend:
             raise ValueError(f"quantize must be None, 4 or 8, got {quantize!r}")
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if activations == "auto":
+            activations = "int16" if core.cpu_isa() in ("avx2", "avx512") else "float"
         c = weights.config
         keep: list = []
         tensors, small = {}, {}
@@ -148,7 +157,7 @@ class CpuBackend:
         self.activations = activations
         self.engine = core.CpuEngine(config_dict(c), tensors, small, self.threads, kv_dtype == "float32",
                                      self.prefill_chunk, int(quantize or 0), keep,
-                                     int8_activations=activations == "int8")
+                                     activations=activations)
         self.impl = _Impl(self.engine)
 
     def new_state(self):

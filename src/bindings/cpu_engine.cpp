@@ -153,7 +153,14 @@ struct IsaScope {
     ~IsaScope() { cpu::set_isa(saved->isa); }
 };
 
-nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, bool int8) {
+const char* const activation_names[3] = {"float", "int8", "int16"};
+int activation_planes(const std::string& a) {
+    for (int i = 0; i < 3; ++i)
+        if (a == activation_names[i]) return i;
+    throw std::invalid_argument("activations must be 'float', 'int8' or 'int16', not '" + a + "'");
+}
+
+nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
     const TensorDesc d = parse_desc(desc);
     const WMat W = wmat_of(d);
     if (static_cast<int64_t>(X.shape(1)) != W.cols) throw std::invalid_argument("X has the wrong width");
@@ -164,7 +171,7 @@ nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std
         IsaScope scope(isa);
         ThreadPool pool(threads);
         cpu::Workspace ws(pool.size());
-        ws.int8 = int8;
+        ws.planes = planes;
         ws.reserve(cpu::linear_thread_floats(W.cols), cpu::linear_xvec_floats(W.cols, M), size_t(M));
         cpu::LinearOut o = {&W, Y.data(), W.rows, false};
         cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
@@ -360,7 +367,7 @@ void register_cpu_engine(nb::module_& m) {
     nb::class_<PyEngine>(m, "CpuEngine", "The C++ CPU engine over one checkpoint's weights.")
         .def("__init__",
              [](PyEngine* self, nb::dict config, nb::dict tensors, nb::dict small, int threads, bool kv_f32,
-                int64_t prefill_chunk, int quantize, nb::object keepalive, bool int8_activations) {
+                int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations) {
                  Config c = parse_config(config);
                  std::map<std::string, TensorDesc> t;
                  for (auto [k, v] : tensors) t[nb::cast<std::string>(k)] = parse_desc(nb::cast<nb::dict>(v));
@@ -374,7 +381,7 @@ void register_cpu_engine(nb::module_& m) {
                  o.kv_f32 = kv_f32;
                  o.prefill_chunk = prefill_chunk;
                  o.quantize = quantize;
-                 o.int8_act = int8_activations;
+                 o.act_planes = activation_planes(activations);
                  std::unique_ptr<Engine> e;
                  {
                      nb::gil_scoped_release release;
@@ -383,7 +390,7 @@ void register_cpu_engine(nb::module_& m) {
                  new (self) PyEngine{std::move(e), keepalive};
              },
              "config"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
-             "keepalive"_a, "int8_activations"_a = false)
+             "keepalive"_a, "activations"_a = "float")
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a,
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
@@ -391,7 +398,7 @@ void register_cpu_engine(nb::module_& m) {
         .def_prop_ro("threads", [](PyEngine& pe) { return pe.engine->threads(); })
         .def_prop_ro("prefill_chunk", [](PyEngine& pe) { return pe.engine->options().prefill_chunk; })
         .def_prop_ro("activations", [](PyEngine& pe) {
-            return std::string(pe.engine->options().int8_act ? "int8" : "float");
+            return std::string(activation_names[pe.engine->options().act_planes]);
         })
         .def_prop_ro("kv_dtype", [](PyEngine& pe) {
             return std::string(pe.engine->options().kv_f32 ? "float32" : "bfloat16");
@@ -417,9 +424,9 @@ void register_cpu_engine(nb::module_& m) {
             }
         throw std::invalid_argument("unknown isa '" + name + "'");
     }, "select the SIMD kernels (tests and benchmarks)");
-    m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "int8"_a = false,
-          "Y = X W^T through the engine's GEMV (<= 3 rows) or tiled GEMM path (tests); int8: GEMV rows on "
-          "int8-quantized inputs (activations='int8').");
+    m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
+          "Y = X W^T through the engine's GEMV (<= 3 rows) or GEMM path (tests); planes 1 / 2: inputs "
+          "quantized per group of 64 to int8 / two int8 planes (activations='int8' / 'int16').");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
           "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");

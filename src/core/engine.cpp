@@ -232,7 +232,7 @@ Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
     if (opt_.threads <= 0) opt_.threads = physical_cores();
     pool_ = std::make_unique<ThreadPool>(opt_.threads);
     ws_.resize(pool_->size());
-    ws_.int8 = opt_.int8_act;
+    ws_.planes = opt_.act_planes;
 
     auto vec = [&](const std::string& name, int64_t n) -> std::vector<float> {
         auto it = small.find(name);

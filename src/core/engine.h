@@ -56,7 +56,7 @@ struct Options {
     bool kv_f32 = false;                // KV cache element type: float32, else bf16
     int64_t prefill_chunk = 512;
     int quantize = 0;                   // 0, 4 or 8: quantize dense linears at load (group 64)
-    bool int8_act = false;              // activations="int8": decode GEMVs on int8-quantized inputs
+    int act_planes = 0;                 // activations: 0 "float", 1 "int8", 2 "int16" (docs/cpu.md)
 };
 
 struct AttnLayer {

@@ -28,15 +28,25 @@ struct XVec {
     const float* xs64 = nullptr;
     const float* xs128 = nullptr;
     int64_t K = 0;
-    // optional int8 copy of x (activations="int8"): per group of 64 inputs x ≈ sx·xq, xq in [-127, 127],
+    // optional integer copy of x (activations="int8" / "int16"): per group of 64 inputs
+    // x ≈ sx·(xq + xq2/256), xq and xq2 in [-127, 127] (int16: two planes, xq2 quantizes the residual
+    // x − sx·xq with step sx/256, ≈ 16-bit fixed point per group; int8: xq only, xq2 = nullptr),
     // laid out per block of 2·B inputs (B = bytes per SIMD load: 64 avx512, 32 otherwise) as the even
     // elements then the odd ones (the order the nibble unpack produces); xqs: sx per group, repeated
     // Q8E times (avx512: 8, so one 16-float load covers the two groups of a 64-byte weight load)
-    // xqx: per group sx·Σxq, the sum of the quantized x (the bias term uses it, so the int8 GEMV is
-    // exactly the dot product of the dequantized weights with the quantized x)
+    // xqx: per group sx·(Σxq + Σxq2/256), the sum of the quantized x (the bias term uses it, so the
+    // integer GEMV is exactly the dot product of the dequantized weights with the quantized x)
+    // xg/xg2: the same planes laid out per group of 64 (64 contiguous bytes: the group's 32 even
+    // elements then its 32 odd ones), 64-byte aligned: the rows of an AMX tile (prefill GEMM);
+    // xsg: sx per group, once
     const int8_t* xq = nullptr;
+    const int8_t* xq2 = nullptr;
     const float* xqs = nullptr;
     const float* xqx = nullptr;
+    const int8_t* xg = nullptr;
+    const int8_t* xg2 = nullptr;
+    const float* xsg = nullptr;
+    int planes = 0;     // 0: float only, 1: int8, 2: int16 (two int8 planes)
     const float* xs(int gs) const { return gs == 32 ? xs32 : gs == 64 ? xs64 : xs128; }
 };
 
@@ -47,9 +57,10 @@ struct Kernels {
     // from this many input rows on, prefill GEMMs go through dequantized 16-row tiles (gemm_tile)
     // instead of the register-tile kernel (gemm_x); 0 = never (measured per ISA, docs/cpu.md)
     int64_t tile_gemm_min_rows;
-    // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats); int8: also the int8 copy of x
-    // (when K % 128 == 0), which makes gemv use the int8 dot-product kernel for 4-bit g64 weights
-    void (*xvec_prepare)(const float* x, int64_t K, float* scratch, XVec* out, bool int8);
+    // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats); planes 1 (int8) / 2 (int16): also
+    // the integer copy of x (when K % 128 == 0), which makes gemv / gemm_x use the integer dot-product
+    // kernels for 4-bit g64 weights
+    void (*xvec_prepare)(const float* x, int64_t K, float* scratch, XVec* out, int planes);
     // y[r] (+)= Σ_k W[r,k]·x[k] for r in [r0, r1); y indexed by absolute row
     void (*gemv)(const WMat& W, const XVec& x, float* y, int64_t r0, int64_t r1, bool accumulate);
     // rows [r0, r0+n) of W as float32 into out [n, W.cols] (row stride ldo)

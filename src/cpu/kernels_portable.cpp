@@ -150,9 +150,9 @@ const Kernels* kernels_neon() { return neon::table(Isa::NEON, "neon"); }
 const Kernels* kernels_neon() { return nullptr; }
 #endif
 
-// x, sums per 32/64/128, then (16-float aligned) the int8 copy (K bytes), its scales (K/8 floats) and
-// its sums per group (K/64)
-size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16) + size_t(K / 4 + K / 8 + K / 64 + 32); }
+// x, sums per 32/64/128, then (16-float aligned) the integer planes xq, xq2, xg, xg2 (K bytes each),
+// the scales (K/8 floats), the sums per group (K/64) and the scales once per group (K/64)
+size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16) + size_t(K + K / 8 + 2 * (K / 64) + 32); }
 
 const char* isa_name(Isa isa) {
     switch (isa) {

@@ -86,45 +86,42 @@ struct VT {
     static constexpr bool Q8_SIMD = true, Q8_GEMM = false;
     static constexpr int Q8B = 32, Q8E = 1;
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
-        int64_t r = r0;
-        for (; r + Q8_NR <= r1; r += Q8_NR) q4i8_rows<Q8_NR>(Wm, X, y, r, accumulate);
-        for (; r < r1; ++r) q4i8_rows<1>(Wm, X, y, r, accumulate);
+        if (X.planes == 2)
+            for (int64_t r = r0; r < r1; ++r) q4i8_rows<2>(Wm, X, y, r, accumulate);
+        else
+            for (int64_t r = r0; r < r1; ++r) q4i8_rows<1>(Wm, X, y, r, accumulate);
     }
-    static constexpr int Q8_NR = 1;
-    template <int NR>
+    // one weight row; PL = 1 (int8) or 2 (int16: the integer is 256·Σq·xq + Σq·xq2)
+    template <int PL>
     static inline void q4i8_rows(const WMat& Wm, const XVec& X, float* y, int64_t r, bool accumulate) {
         const int64_t G = Wm.cols / 64;
         const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-        const uint8_t* wr[NR];
-        const uint16_t* sr[NR];
-        const uint16_t* br[NR];
-        __m256 acc[NR];
-        float bsum[NR];
-        for (int i = 0; i < NR; ++i) {
-            wr[i] = Wm.row(r + i);
-            sr[i] = reinterpret_cast<const uint16_t*>(Wm.srow(r + i));
-            br[i] = reinterpret_cast<const uint16_t*>(Wm.brow(r + i));
-            acc[i] = _mm256_setzero_ps();
-            bsum[i] = 0.f;
-        }
+        const uint8_t* wr = Wm.row(r);
+        const uint16_t* sr = reinterpret_cast<const uint16_t*>(Wm.srow(r));
+        const uint16_t* br = reinterpret_cast<const uint16_t*>(Wm.brow(r));
+        __m256 acc = _mm256_setzero_ps();
+        float bsum = 0.f;
         for (int64_t g = 0; g < G; ++g) {
+            _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * g + kQ8Prefetch), _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            // maddubs: u8 (≤ 15) × s8 (|·| ≤ 127) pairs, ≤ 3810 each, two added ≤ 7620: no int16 saturation
             const __m256i xe = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g));
             const __m256i xo = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g + 32));
-            const float sx = X.xqs[g], xs = X.xqx[g];
-            for (int i = 0; i < NR; ++i) {
-                _mm_prefetch(reinterpret_cast<const char*>(wr[i] + 32 * g + kQ8Prefetch), _MM_HINT_T0);
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[i] + 32 * g));
-                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
-                acc[i] = _mm256_fmadd_ps(f, _mm256_set1_ps(bf16_to_f32(sr[i][g]) * sx), acc[i]);
-                bsum[i] += bf16_to_f32(br[i][g]) * xs;
+            __m256i is = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
+            if constexpr (PL == 2) {
+                const __m256i xe2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq2 + 64 * g));
+                const __m256i xo2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq2 + 64 * g + 32));
+                const __m256i is2 = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe2), _mm256_maddubs_epi16(hi, xo2)), ones);
+                is = _mm256_add_epi32(_mm256_slli_epi32(is, 8), is2);
             }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(bf16_to_f32(sr[g]) * X.xqs[g]), acc);
+            bsum += bf16_to_f32(br[g]) * X.xqx[g];
         }
-        for (int i = 0; i < NR; ++i) {
-            const float v = reduce(acc[i]) + bsum[i];
-            y[r + i] = accumulate ? y[r + i] + v : v;
-        }
+        const float v = reduce(acc) + bsum;
+        y[r] = accumulate ? y[r] + v : v;
     }
 };
 #include "cpu/kernels.inc"
@@ -192,13 +189,28 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     }
+    // acc + Σ lo·xe + hi·xo per int32 lane (4 byte pairs each): vpdpbusd, or the AVX512BW pair
+    // maddubs (u8 ≤ 15 × s8, ≤ 3810 per pair: no int16 saturation) + madd with ones
+    template <bool VNNI>
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+    static inline __m512i dot4(__m512i acc, __m512i lo, __m512i hi, __m512i xe, __m512i xo, __m512i ones) {
+        if constexpr (VNNI) {
+            return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo);
+        } else {
+            return _mm512_add_epi32(
+                acc, _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)),
+                                       ones));
+        }
+    }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
     // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
     static constexpr bool Q8_SIMD = true, Q8_GEMM = true;
     static constexpr int Q8B = 64, Q8E = 8;
     // (compiled with avx512vnni enabled; the VNNI=false instantiation uses only AVX512BW instructions
     // and is the one called on CPUs without VNNI)
-    template <int NR, bool VNNI>
+    // (VNNI: vpdpbusd, else the AVX512BW pair maddubs+madd; PL = 1 (int8) or 2 (int16: the integer is
+    // 256·Σq·xq + Σq·xq2, accumulated in one int32 vector: dpbusd plane 1, shift by 8, dpbusd plane 2))
+    template <int NR, bool VNNI, int PL>
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
     static inline void q4i8_rows_t(const WMat& Wm, const XVec& X, float* y, int64_t r, bool accumulate) {
         const int64_t G = Wm.cols / 64, P = G / 2;
@@ -224,13 +236,11 @@ struct VT {
                 _mm_prefetch(reinterpret_cast<const char*>(wr[i] + 64 * p + kQ8Prefetch), _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(wr[i] + 64 * p);
                 const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                __m512i is;
-                if constexpr (VNNI) {
-                    is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe);
-                    is = _mm512_dpbusd_epi32(is, hi, xo);
-                } else {
-                    is = _mm512_madd_epi16(
-                        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones);
+                __m512i is = dot4<VNNI>(_mm512_setzero_si512(), lo, hi, xe, xo, ones);
+                if constexpr (PL == 2) {
+                    const __m512i xe2 = _mm512_load_si512(X.xq2 + 128 * p);
+                    const __m512i xo2 = _mm512_load_si512(X.xq2 + 128 * p + 64);
+                    is = dot4<VNNI>(_mm512_slli_epi32(is, 8), lo, hi, xe2, xo2, ones);
                 }
                 uint32_t sw;
                 std::memcpy(&sw, sr[i] + 2 * p, 4);
@@ -254,7 +264,7 @@ struct VT {
     // weight load is unpacked once (and its scale vector built once) for the MX inputs. Used with
     // NR = 1, MX = 16 (then 8/4/2/1): the ops per (row, input) are the same for any NR (the x loads are
     // memory operands), and 2 x 8 ran out of zmm registers (spills)
-    template <int NR, int MX, bool VNNI>
+    template <int NR, int MX, bool VNNI, int PL>
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
     static inline void q4i8_block(const WMat& Wm, const XVec* const* X, float* Y, int64_t ldy, int64_t r,
                                   bool accumulate) {
@@ -289,13 +299,11 @@ struct VT {
                 const __m512i xo = _mm512_load_si512(X[m]->xq + 128 * p + 64);
                 const __m512 sxv = _mm512_load_ps(X[m]->xqs + 16 * p);
                 for (int i = 0; i < NR; ++i) {
-                    __m512i is;
-                    if constexpr (VNNI) {
-                        is = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xe);
-                        is = _mm512_dpbusd_epi32(is, hi[i], xo);
-                    } else {
-                        is = _mm512_madd_epi16(
-                            _mm512_add_epi16(_mm512_maddubs_epi16(lo[i], xe), _mm512_maddubs_epi16(hi[i], xo)), ones);
+                    __m512i is = dot4<VNNI>(_mm512_setzero_si512(), lo[i], hi[i], xe, xo, ones);
+                    if constexpr (PL == 2) {
+                        const __m512i xe2 = _mm512_load_si512(X[m]->xq2 + 128 * p);
+                        const __m512i xo2 = _mm512_load_si512(X[m]->xq2 + 128 * p + 64);
+                        is = dot4<VNNI>(_mm512_slli_epi32(is, 8), lo[i], hi[i], xe2, xo2, ones);
                     }
                     acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(sv[i], sxv), acc[i][m]);
                 }
@@ -313,35 +321,44 @@ struct VT {
                 *y = accumulate ? *y + v : v;
             }
     }
-    template <int MX, bool VNNI>
+    template <int MX, bool VNNI, int PL>
     static void q4i8_mrows(const WMat& Wm, const XVec* const* X, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                            bool accumulate) {
-        for (int64_t r = r0; r < r1; ++r) q4i8_block<1, MX, VNNI>(Wm, X, Y, ldy, r, accumulate);
+        for (int64_t r = r0; r < r1; ++r) q4i8_block<1, MX, VNNI, PL>(Wm, X, Y, ldy, r, accumulate);
     }
-    template <bool VNNI>
+    template <bool VNNI, int PL>
     static void q4i8_gemm_t(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
                             int64_t r1, bool accumulate) {
         int64_t m = 0;
-        for (; m + 16 <= M; m += 16) q4i8_mrows<16, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
-        if (M - m >= 8) { q4i8_mrows<8, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 8; }
-        for (; m + 8 <= M; m += 8) q4i8_mrows<8, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
-        if (M - m >= 4) { q4i8_mrows<4, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 4; }
-        if (M - m >= 2) { q4i8_mrows<2, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 2; }
-        if (M - m >= 1) q4i8_mrows<1, VNNI>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+        for (; m + 16 <= M; m += 16) q4i8_mrows<16, VNNI, PL>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+        for (; m + 8 <= M; m += 8) q4i8_mrows<8, VNNI, PL>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
+        if (M - m >= 4) { q4i8_mrows<4, VNNI, PL>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 4; }
+        if (M - m >= 2) { q4i8_mrows<2, VNNI, PL>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate); m += 2; }
+        if (M - m >= 1) q4i8_mrows<1, VNNI, PL>(Wm, X + m, Y + m * ldy, ldy, r0, r1, accumulate);
     }
     static void q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
                           int64_t r1, bool accumulate) {
-        if (vnni_enabled()) q4i8_gemm_t<true>(Wm, X, M, Y, ldy, r0, r1, accumulate);
-        else q4i8_gemm_t<false>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+        const bool two = X[0]->planes == 2;
+        if (vnni_enabled()) {
+            if (two) q4i8_gemm_t<true, 2>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            else q4i8_gemm_t<true, 1>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+        } else {
+            if (two) q4i8_gemm_t<false, 2>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            else q4i8_gemm_t<false, 1>(Wm, X, M, Y, ldy, r0, r1, accumulate);
+        }
     }
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
         // one row at a time: the weight stream stays sequential, which (with the T0 prefetch 4 KiB
         // ahead) streams at the single-core DRAM bandwidth; 4 rows per pass (sharing the x loads)
         // measured 9-10 GB/s vs 12.4 (docs/cpu.md)
-        if (vnni_enabled())
-            for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, true>(Wm, X, y, r, accumulate);
-        else
-            for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, false>(Wm, X, y, r, accumulate);
+        const bool two = X.planes == 2;
+        if (vnni_enabled()) {
+            if (two) for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, true, 2>(Wm, X, y, r, accumulate);
+            else for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, true, 1>(Wm, X, y, r, accumulate);
+        } else {
+            if (two) for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, false, 2>(Wm, X, y, r, accumulate);
+            else for (int64_t r = r0; r < r1; ++r) q4i8_rows_t<1, false, 1>(Wm, X, y, r, accumulate);
+        }
     }
 };
 #include "cpu/kernels.inc"

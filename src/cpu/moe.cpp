@@ -135,7 +135,7 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
         const size_t off = size_t(L) * xvec_floats(H);
         float* base = ws.xvec.data() + off;
         const int64_t nb = (P + 15) / 16;
-        const bool q8 = ws.int8;
+        const int q8 = ws.planes;
         pool.run(nb, [&](int64_t b, int) {
             for (int64_t q = b * 16; q < P && q < (b + 1) * 16; ++q) {
                 kk.xvec_prepare(He + q * I, I, base + q * xvec_floats(I), &ws.xv[L + q], q8);

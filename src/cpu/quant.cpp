@@ -78,7 +78,7 @@ void prepare_xvecs(Workspace& ws, const float* X, int64_t M, int64_t ldx, int64_
                    size_t float_offset) {
     const Kernels& kk = kernels();
     float* base = ws.xvec.data() + float_offset;
-    const bool q8 = ws.int8;
+    const int q8 = ws.planes;
     for (int64_t m = 0; m < M; ++m) {
         kk.xvec_prepare(X + m * ldx, K, base + m * xvec_floats(K), &ws.xv[first + m], q8);
         ws.xvp[first + m] = &ws.xv[first + m];

@@ -42,7 +42,7 @@ struct Workspace {
     FBuf xvec;                                    // prepared GEMV/GEMM inputs (XVec data), shared
     std::vector<XVec> xv;                         // the prepared inputs
     std::vector<const XVec*> xvp;                 // pointers to them (kernels take pointer arrays)
-    bool int8 = false;                            // activations="int8": GEMV inputs get an int8 copy
+    int planes = 0;                               // activations: 0 float, 1 int8, 2 int16 (integer copies of inputs)
     explicit Workspace(int n_threads = 1) { resize(n_threads); }
     void resize(int n_threads) {
         while (static_cast<int>(thread.size()) < n_threads) thread.emplace_back(new FBuf());
@@ -79,7 +79,7 @@ void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XV
                  int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate);
 
 // Prepare M input rows (row stride ldx) into ws.xvec / ws.xv / ws.xvp, starting at XVec index `first`.
-// ws.int8: also the int8 copy of each row (4-bit g64 weights then use the int8 GEMV / GEMM kernels).
+// ws.planes > 0: also the integer copy of each row (4-bit g64 weights then use the integer GEMV / GEMM kernels).
 void prepare_xvecs(Workspace& ws, const float* X, int64_t M, int64_t ldx, int64_t K, int64_t first = 0,
                    size_t float_offset = 0);
 

@@ -688,6 +688,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                   "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
                   "weights_bytes": int(sum(sizes.values()))},
         "backend": backend, "options": options, "threads": threads, "kv_dtype": kv_dtype,
+        "engine": model._backend.info() if hasattr(model._backend, "info") else {},
         "method": {"repeats": repeats, "decode_steps": steps, "warmup": "1 exact-shape prefill; 4 decode steps",
                    "statistic": "median", "prompt": "token i = ((i*2654435761) mod 2^32) mod vocab"},
         "load_seconds": load_s, "busy_before": busy,
@@ -737,6 +738,7 @@ def format_table(res: Mapping[str, Any]) -> str:
     lines = [
         f"qwenmetal bench: backend {res['backend']}, {res['threads']} threads, kv {res['kv_dtype']}"
         + "".join(f", {k}={v}" for k, v in res.get("options", {}).items() if k not in ("threads", "kv_dtype"))
+        + "".join(f", {k} {v}" for k, v in (res.get("engine") or {}).items() if k in ("isa", "activations", "amx"))
         + "; "
         f"{m['layers']} layers ({m['linear_attention_layers']} GDN + {m['full_attention_layers']} attention), "
         f"hidden {m['hidden_size']}, {m['num_experts']} experts top-{m['num_experts_per_tok']}, "

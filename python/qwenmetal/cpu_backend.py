@@ -205,6 +205,13 @@ class CpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
+    def info(self) -> dict:
+        """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX."""
+        core = _core()
+        return {"isa": core.cpu_isa(), "activations": self.activations,
+                "amx": bool(core.cpu_amx()) if hasattr(core, "cpu_amx") else False,
+                "threads": self.threads, "kv_dtype": self.kv_dtype, "prefill_chunk": self.prefill_chunk}
+
     def __repr__(self) -> str:
         return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "
                 f"quantize={self.quantize}, activations={self.activations!r}, isa={_core().cpu_isa()!r})")

@@ -83,7 +83,7 @@ struct VT {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one group (32 weight bytes) per step
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = false;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = false, XQ_SIMD = false;
     static constexpr int Q8B = 32, Q8E = 1;
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
         if (X.planes == 2)
@@ -204,7 +204,59 @@ struct VT {
     }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
     // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true;
+    // one group of 64 inputs -> its int8 plane(s) (kernels.inc xq_prepare: same integers as the scalar
+    // code there): the even / odd elements separated on floats (4 permutes), x·inv rounded to nearest
+    // even by cvtps2dq, the residual (x − sx·q)·256·inv likewise, each narrowed to 16 bytes by vpmovdb.
+    // Writes the 32 even then 32 odd values to `ev`/`od` of plane 1 (and `ev2`/`od2` of plane 2) in the
+    // GEMV layout and to `gq`/`gq2` (64 contiguous bytes) in the AMX layout. Returns false, writing
+    // nothing, if the group holds a NaN or infinity (the scalar code handles those).
+    static inline bool xq_group(const float* x, int planes, float& amax_out, int32_t& sum, int32_t& sum2,
+                                int8_t* ev, int8_t* od, int8_t* ev2, int8_t* od2, int8_t* gq, int8_t* gq2) {
+        const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        __m512 v[4];
+        __m512 am = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m512 a = _mm512_loadu_ps(x + 16 * j);
+            bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_setzero_ps(), _CMP_NEQ_UQ);   // NaN or ±inf
+            am = _mm512_max_ps(am, _mm512_abs_ps(a));
+        }
+        if (bad) return false;
+        const float amax = _mm512_reduce_max_ps(am);
+        amax_out = amax;
+        const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        v[0] = _mm512_permutex2var_ps(_mm512_loadu_ps(x), ie, _mm512_loadu_ps(x + 16));        // even 0..15
+        v[1] = _mm512_permutex2var_ps(_mm512_loadu_ps(x + 32), ie, _mm512_loadu_ps(x + 48));   // even 16..31
+        v[2] = _mm512_permutex2var_ps(_mm512_loadu_ps(x), io, _mm512_loadu_ps(x + 16));        // odd 0..15
+        v[3] = _mm512_permutex2var_ps(_mm512_loadu_ps(x + 32), io, _mm512_loadu_ps(x + 48));   // odd 16..31
+        const __m512 vinv = _mm512_set1_ps(inv), vsx = _mm512_set1_ps(sx), vinv2 = _mm512_set1_ps(256.f * inv);
+        const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+        int8_t* dst1[4] = {ev, ev + 16, od, od + 16};
+        int8_t* dst2[4] = {ev2, ev2 + 16, od2, od2 + 16};
+        for (int j = 0; j < 4; ++j) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], vinv));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
+            s1 = _mm512_add_epi32(s1, q);
+            const __m128i b = _mm512_cvtepi32_epi8(q);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst1[j]), b);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(gq + 16 * j), b);
+            if (planes == 2) {
+                const __m512 r = _mm512_sub_ps(v[j], _mm512_mul_ps(vsx, _mm512_cvtepi32_ps(q)));
+                __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(r, vinv2));
+                q2 = _mm512_max_epi32(_mm512_min_epi32(q2, lim), nlim);
+                s2 = _mm512_add_epi32(s2, q2);
+                const __m128i b2 = _mm512_cvtepi32_epi8(q2);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst2[j]), b2);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(gq2 + 16 * j), b2);
+            }
+        }
+        sum = _mm512_reduce_add_epi32(s1);
+        sum2 = _mm512_reduce_add_epi32(s2);
+        return true;
+    }
     static constexpr int Q8B = 64, Q8E = 8;
     // (compiled with avx512vnni enabled; the VNNI=false instantiation uses only AVX512BW instructions
     // and is the one called on CPUs without VNNI)

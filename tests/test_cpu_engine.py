@@ -387,13 +387,19 @@ def _int_gemv_reference(x, t, planes):
     return out
 
 
-# the VNNI switch only affects the avx512 path: other ISAs run once
-@pytest.mark.parametrize("isa, vnni", [(i, True) for i in ISAS] + [(i, False) for i in ISAS if i == "avx512"])
-@pytest.mark.parametrize("M", [1, 3, 4, 7, 11, 19])
+AMX = _core.cpu_amx_available()
+# the VNNI and AMX switches only affect the avx512 path: other ISAs run once; AMX (prefill GEMMs) with
+# its operand orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
+INT_PATHS = ([(i, True, False, 0) for i in ISAS] + [(i, False, False, 0) for i in ISAS if i == "avx512"]
+             + [(i, True, True, o) for i in ISAS if i == "avx512" and AMX for o in (0, 1, 2)])
+
+
+@pytest.mark.parametrize("isa, vnni, amx, orientation", INT_PATHS)
+@pytest.mark.parametrize("M", [1, 3, 4, 7, 11, 19, 40])
 @pytest.mark.parametrize("planes", [1, 2])
-def test_linear_int_kernels(isa, vnni, M, planes):
-    """GEMV (M <= 3) and GEMM (M > 3) on int8 / int16 inputs, vs the same math in numpy; int16 is also
-    within 1e-4 of the exact product."""
+def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
+    """GEMV (M <= 3) and GEMM (M > 3: AVX-512 register tile or AMX) on int8 / int16 inputs, vs the same
+    math in numpy; int16 is also within 1e-4 of the exact product."""
     rng = np.random.default_rng(M)
     rows, cols = 37, 384                                 # 3 blocks of 128; row tails
     t, dense = _weights("q4", rows, cols, rng, 64)
@@ -402,6 +408,8 @@ def test_linear_int_kernels(isa, vnni, M, planes):
     x[-1, 5] = 40.0                                      # an outlier
     keep = []
     _core.cpu_set_vnni(vnni)
+    _core.cpu_set_amx(amx)
+    _core.cpu_amx_orientation(orientation)
     try:
         for threads in (1, 3):
             y = _core.cpu_linear(describe(t, keep), x, threads, isa, planes=planes)
@@ -418,6 +426,40 @@ def test_linear_int_kernels(isa, vnni, M, planes):
                 assert np.abs(y - exact)[plain].max() < 2e-2 * np.abs(exact).max()
     finally:
         _core.cpu_set_vnni(True)
+        _core.cpu_set_amx(True)
+        _core.cpu_amx_orientation(0)
+
+
+@pytest.mark.parametrize("rows, cols, M", [(100, 2048, 16), (64, 512, 33), (48, 4096, 17)])
+def test_amx_orientations_bit_identical(rows, cols, M):
+    """The AMX kernel's two operand orientations and the row/thread partition give the same bits, and
+    agree with the AVX-512 register tile to fp32 rounding (real widths: K up to 4096, two K chunks).
+    Without AMX (CPU or OS): it must report itself off, and cannot be switched on."""
+    if not AMX:
+        _core.cpu_set_amx(True)
+        assert not _core.cpu_amx()
+        return
+    rng = np.random.default_rng(rows)
+    t, dense = _weights("q4", rows, cols, rng, 64)
+    x = rng.normal(size=(M, cols)).astype(np.float32)
+    keep = []
+    d = describe(t, keep)
+    outs = []
+    try:
+        for o in (1, 2, 0):
+            _core.cpu_amx_orientation(o)
+            for threads in (1, 3):
+                outs.append(_core.cpu_linear(d, x, threads, "avx512", planes=2))
+        _core.cpu_set_amx(False)
+        tile = _core.cpu_linear(d, x, 2, "avx512", planes=2)
+    finally:
+        _core.cpu_set_amx(True)
+        _core.cpu_amx_orientation(0)
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+    np.testing.assert_allclose(outs[0], tile, rtol=0, atol=1e-6 * np.abs(tile).max())
+    exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+    assert np.abs(outs[0] - exact).max() < 1e-4 * np.abs(exact).max()
 
 
 @pytest.mark.parametrize("planes", [1, 2])

@@ -17,6 +17,7 @@
 #include "core/engine.h"
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
+#include "cpu/amx.h"
 #include "cpu/kernels.h"
 #include "cpu/moe.h"
 #include "cpu/quant.h"
@@ -427,6 +428,13 @@ void register_cpu_engine(nb::module_& m) {
     m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
           "Y = X W^T through the engine's GEMV (<= 3 rows) or GEMM path (tests); planes 1 / 2: inputs "
           "quantized per group of 64 to int8 / two int8 planes (activations='int8' / 'int16').");
+    m.def("cpu_amx", [] { return cpu::amx_enabled(); }, "prefill GEMMs use the AMX tile unit (activations int8/int16)");
+    m.def("cpu_amx_available", [] { return cpu::amx_available(); },
+          "the CPU has AMX-INT8/BF16 and the OS granted the tile state (QWENMETAL_AMX=0 turns it off)");
+    m.def("cpu_amx_orientation", [](int o) { cpu::g_amx_orientation = o; }, "orientation"_a,
+          "tests: the AMX kernel's operand orientation, 0 = by its cost model, 1 = weights as B, 2 = weights as A");
+    m.def("cpu_set_amx", [](bool on) { cpu::set_amx(on); }, "on",
+          "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
           "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");

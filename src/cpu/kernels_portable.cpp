@@ -152,7 +152,12 @@ const Kernels* kernels_neon() { return nullptr; }
 
 // x, sums per 32/64/128, then (16-float aligned) the integer planes xq, xq2, xg, xg2 (K bytes each),
 // the scales (K/8 floats), the sums per group (K/64) and the scales once per group (K/64)
-size_t xvec_floats(int64_t K) { return size_t(K + K / 32 + K / 64 + K / 128 + 16) + size_t(K + K / 8 + 2 * (K / 64) + 32); }
+// (rounded up to 16 floats: consecutive XVecs then keep their planes 64-byte aligned at one stride, so
+// the AMX kernel reads 16 of them as one strided tile)
+size_t xvec_floats(int64_t K) {
+    const size_t n = size_t(K + K / 32 + K / 64 + K / 128 + 16) + size_t(K + K / 8 + 2 * (K / 64) + 32);
+    return (n + 15) / 16 * 16;
+}
 
 const char* isa_name(Isa isa) {
     switch (isa) {

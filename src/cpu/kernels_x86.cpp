@@ -4,6 +4,7 @@
 // no AVX instruction can leak into code that runs on an older CPU, unlike per-file -m flags whose
 // inline functions may be merged with the baseline copies by the linker).
 #include "cpu/kernels.h"
+#include "cpu/amx.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -390,6 +391,10 @@ struct VT {
     }
     static void q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
                           int64_t r1, bool accumulate) {
+        if (amx_enabled()) {   // the tile unit where the CPU and the OS allow it (kernels_amx.cpp)
+            q4_gemm_amx(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            return;
+        }
         const bool two = X[0]->planes == 2;
         if (vnni_enabled()) {
             if (two) q4i8_gemm_t<true, 2>(Wm, X, M, Y, ldy, r0, r1, accumulate);

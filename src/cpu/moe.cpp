@@ -6,6 +6,11 @@
 
 namespace qwenmetal::cpu {
 
+// output rows per MoE task (gate/up: rows of I per expert; down: rows of H over all experts): 64 rather
+// than 16 so that a prefill GEMM call covers enough rows for the AMX kernel to reuse its transposed
+// operand (docs/cpu.md); decode still has 8·I/64 gate/up and H/64 down tasks
+constexpr int64_t kMoeRows = 64;
+
 void route_token(const float* logits, int64_t E, int64_t k, bool norm_topk, int32_t* idx, float* wts, float* probs) {
     float mx = logits[0];
     for (int64_t e = 1; e < E; ++e) mx = logits[e] > mx ? logits[e] : mx;
@@ -42,7 +47,7 @@ size_t moe_shared_floats(const MoeDims& d, int64_t L) {
 size_t moe_thread_floats(const MoeDims& d, int64_t L) {
     (void)L;
     const int64_t mx = d.H > d.I ? d.H : d.I;
-    return size_t(2 * kRowBlock * 64 + 2 * mx + 64);
+    return size_t(2 * kMoeRows * 64 + 2 * mx + 64);
 }
 
 // prepared inputs: the L token rows (width H), the L*k SwiGLU rows (width I), the L shared rows (width Is)
@@ -105,29 +110,29 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
 
     // 3. gate/up + SwiGLU: tasks = (expert with tokens) x (16-row block of I); an expert's weights are
     //    read once for all of its tokens
-    const int64_t nb_i = (I + kRowBlock - 1) / kRowBlock;
+    const int64_t nb_i = (I + kMoeRows - 1) / kMoeRows;
     pool.run(n_active * nb_i, [&](int64_t task, int th) {
         const int64_t e = elist[task / nb_i];
-        const int64_t r0 = (task % nb_i) * kRowBlock, r1 = (r0 + kRowBlock < I) ? r0 + kRowBlock : I;
+        const int64_t r0 = (task % nb_i) * kMoeRows, r1 = (r0 + kMoeRows < I) ? r0 + kMoeRows : I;
         const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
         const WMat Wg = w.gate->at(e), Wu = w.up->at(e);
         float* gb = ws.t(th);                           // [up to 64 tokens][16]
-        float* ub = gb + kRowBlock * 64;
+        float* ub = gb + kMoeRows * 64;
         for (int64_t q0 = 0; q0 < ne; q0 += 64) {
             const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
             const XVec* const* X = tok_of_slot + p0 + q0;
             if (nq <= kGemvMaxRows)
                 for (int64_t q = 0; q < nq; ++q) {
-                    kk.gemv(Wg, *X[q], gb + q * kRowBlock - r0, r0, r1, false);
-                    kk.gemv(Wu, *X[q], ub + q * kRowBlock - r0, r0, r1, false);
+                    kk.gemv(Wg, *X[q], gb + q * kMoeRows - r0, r0, r1, false);
+                    kk.gemv(Wu, *X[q], ub + q * kMoeRows - r0, r0, r1, false);
                 }
             else {
-                kk.gemm_x(Wg, X, nq, gb - r0, kRowBlock, r0, r1, false);
-                kk.gemm_x(Wu, X, nq, ub - r0, kRowBlock, r0, r1, false);
+                kk.gemm_x(Wg, X, nq, gb - r0, kMoeRows, r0, r1, false);
+                kk.gemm_x(Wu, X, nq, ub - r0, kMoeRows, r0, r1, false);
             }
             for (int64_t q = 0; q < nq; ++q)
                 for (int64_t r = 0; r < r1 - r0; ++r)
-                    He[(p0 + q0 + q) * I + r0 + r] = silu(gb[q * kRowBlock + r]) * ub[q * kRowBlock + r];
+                    He[(p0 + q0 + q) * I + r0 + r] = silu(gb[q * kMoeRows + r]) * ub[q * kMoeRows + r];
         }
     });
     // prepare the SwiGLU rows and the shared rows as inputs of the down projections
@@ -148,9 +153,9 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
     // 4. down projections x routing weights + gated shared expert, summed into x: tasks own blocks of
     //    16 output rows and loop over every active expert (ascending id), so each (token, row) is
     //    summed by one task in a fixed order
-    const int64_t nb_h = (H + kRowBlock - 1) / kRowBlock;
+    const int64_t nb_h = (H + kMoeRows - 1) / kMoeRows;
     pool.run(nb_h, [&](int64_t task, int th) {
-        const int64_t r0 = task * kRowBlock, r1 = (r0 + kRowBlock < H) ? r0 + kRowBlock : H, n = r1 - r0;
+        const int64_t r0 = task * kMoeRows, r1 = (r0 + kMoeRows < H) ? r0 + kMoeRows : H, n = r1 - r0;
         float* yb = ws.t(th);                           // [up to 64 rows][16]
         for (int64_t a = 0; a < n_active; ++a) {
             const int64_t e = elist[a];
@@ -160,13 +165,13 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
                 const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
                 const XVec* const* X = ws.xvp.data() + L + p0 + q0;
                 if (nq <= kGemvMaxRows)
-                    for (int64_t q = 0; q < nq; ++q) kk.gemv(Wd, *X[q], yb + q * kRowBlock - r0, r0, r1, false);
+                    for (int64_t q = 0; q < nq; ++q) kk.gemv(Wd, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
                 else
-                    kk.gemm_x(Wd, X, nq, yb - r0, kRowBlock, r0, r1, false);
+                    kk.gemm_x(Wd, X, nq, yb - r0, kMoeRows, r0, r1, false);
                 for (int64_t q = 0; q < nq; ++q) {
                     const int64_t p = order[p0 + q0 + q], t = p / k;
                     const float wt = wts[p];
-                    for (int64_t r = 0; r < n; ++r) x[t * H + r0 + r] += wt * yb[q * kRowBlock + r];
+                    for (int64_t r = 0; r < n; ++r) x[t * H + r0 + r] += wt * yb[q * kMoeRows + r];
                 }
             }
         }
@@ -176,11 +181,11 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
                 const XVec* const* X = ws.xvp.data() + L + P + t0;
                 if (nt <= kGemvMaxRows)
                     for (int64_t q = 0; q < nt; ++q)
-                        kk.gemv(*w.shared_down_proj, *X[q], yb + q * kRowBlock - r0, r0, r1, false);
+                        kk.gemv(*w.shared_down_proj, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
                 else
-                    kk.gemm_x(*w.shared_down_proj, X, nt, yb - r0, kRowBlock, r0, r1, false);
+                    kk.gemm_x(*w.shared_down_proj, X, nt, yb - r0, kMoeRows, r0, r1, false);
                 for (int64_t q = 0; q < nt; ++q)
-                    for (int64_t r = 0; r < n; ++r) x[(t0 + q) * H + r0 + r] += sg[t0 + q] * yb[q * kRowBlock + r];
+                    for (int64_t r = 0; r < n; ++r) x[(t0 + q) * H + r0 + r] += sg[t0 + q] * yb[q * kMoeRows + r];
             }
     });
 }

@@ -120,11 +120,14 @@ void linear(ThreadPool& pool, Workspace& ws, const float* X, int64_t M, int64_t 
     // tasks of kRowBlock rows, or of a multiple of it for very tall matrices (the lm_head: ~250 tasks
     // of 976 rows instead of 15520 of 16, fewer atomic hand-outs); the partition does not depend on
     // the thread count, and each row is computed the same way whatever its task
+    // prefill (GEMM) tasks are at least 64 rows: the AMX kernel then reuses each transposed operand
+    // over 4 row blocks (docs/cpu.md)
+    const int64_t unit = M > kGemvMaxRows ? 4 * kRowBlock : kRowBlock;
     int64_t start[9], bs[8];
     start[0] = 0;
     for (int i = 0; i < n; ++i) {
         const int64_t rows = outs[i].W->rows;
-        bs[i] = kRowBlock * std::max<int64_t>(1, (rows + kRowBlock * 256 - 1) / (kRowBlock * 256));
+        bs[i] = unit * std::max<int64_t>(1, (rows + unit * 256 - 1) / (unit * 256));
         start[i + 1] = start[i] + (rows + bs[i] - 1) / bs[i];
     }
     prepare_xvecs(ws, X, M, ldx, outs[0].W->cols);

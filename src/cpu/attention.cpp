@@ -92,7 +92,7 @@ static void attend_range(const Kernels& kk, const float* const* qh, int64_t G, i
                 for (int64_t g = 0; g < G; ++g) s[g * kAttnKeyBlock + t] = kk.dot(qh[g], kr, hd) * scale;
             } else {
                 const uint16_t* kr = static_cast<const uint16_t*>(c.k) + base;
-                for (int64_t g = 0; g < G; ++g) s[g * kAttnKeyBlock + t] = kk.dot_bf16(qh[g], kr, hd) * scale;
+                kk.dot_bf16_heads(qh, G, kr, hd, scale, s + t, kAttnKeyBlock);
             }
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -119,7 +119,7 @@ static void attend_range(const Kernels& kk, const float* const* qh, int64_t G, i
                 for (int64_t g = 0; g < G; ++g) kk.axpy(acc + g * hd, s[g * kAttnKeyBlock + t], vr, hd);
             } else {
                 const uint16_t* vr = static_cast<const uint16_t*>(c.v) + base;
-                for (int64_t g = 0; g < G; ++g) kk.axpy_bf16(acc + g * hd, s[g * kAttnKeyBlock + t], vr, hd);
+                kk.axpy_bf16_heads(acc, hd, G, s + t, kAttnKeyBlock, vr, hd);
             }
         }
     }

@@ -76,6 +76,13 @@ struct Kernels {
     float (*dot_bf16)(const float* a, const uint16_t* b, int64_t n);
     void (*axpy)(float* y, float a, const float* x, int64_t n);          // y += a x
     void (*axpy_bf16)(float* y, float a, const uint16_t* x, int64_t n);
+    // attention over a bf16 cache, G query heads sharing one K / V row (GQA): the row is converted
+    // once for all heads; per head exactly the arithmetic of dot_bf16 / axpy_bf16.
+    // out[g·os] = scale·dot(q[g], k); y[g·ldy + e] += a[g·as]·v[e]
+    void (*dot_bf16_heads)(const float* const* q, int64_t G, const uint16_t* k, int64_t n, float scale, float* out,
+                           int64_t os);
+    void (*axpy_bf16_heads)(float* y, int64_t ldy, int64_t G, const float* a, int64_t as, const uint16_t* v,
+                            int64_t n);
     // one Gated DeltaNet decode step for one value head, state S [dv][dk] (fp32, updated in place):
     // S *= decay; d = (v - S k)·beta; S += d ⊗ k; o = S q
     void (*gdn_step)(float* S, int64_t dv, int64_t dk, const float* q, const float* k, const float* v, float beta,

@@ -209,7 +209,7 @@ class CpuBackend:
         """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX."""
         core = _core()
         return {"isa": core.cpu_isa(), "activations": self.activations,
-                "amx": bool(core.cpu_amx()) if hasattr(core, "cpu_amx") else False,
+                "amx": core.cpu_amx(),
                 "threads": self.threads, "kv_dtype": self.kv_dtype, "prefill_chunk": self.prefill_chunk}
 
     def __repr__(self) -> str:

@@ -106,18 +106,16 @@ struct VT {
             _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * g + kQ8Prefetch), _MM_HINT_T0);
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            // maddubs: u8 (≤ 15) × s8 (|·| ≤ 127) pairs, ≤ 3810 each, two added ≤ 7620: no int16 saturation
-            const __m256i xe = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g));
-            const __m256i xo = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq + 64 * g + 32));
-            __m256i is = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
-            if constexpr (PL == 2) {
-                const __m256i xe2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq2 + 64 * g));
-                const __m256i xo2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(X.xq2 + 64 * g + 32));
-                const __m256i is2 = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe2), _mm256_maddubs_epi16(hi, xo2)), ones);
-                is = _mm256_add_epi32(_mm256_slli_epi32(is, 8), is2);
-            }
+            // Σ lo·x_even + hi·x_odd of one plane per int32 lane; maddubs: u8 (≤ 15) × s8 (|·| ≤ 127)
+            // pairs, ≤ 3810 each, two added ≤ 7620: no int16 saturation
+            const auto dot = [&](const int8_t* xp) {
+                const __m256i xe = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + 64 * g));
+                const __m256i xo = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + 64 * g + 32));
+                return _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)), ones);
+            };
+            __m256i is = dot(X.xq);
+            if constexpr (PL == 2) is = _mm256_add_epi32(_mm256_slli_epi32(is, 8), dot(X.xq2));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(bf16_to_f32(sr[g]) * X.xqs[g]), acc);
             bsum += bf16_to_f32(br[g]) * X.xqx[g];
         }

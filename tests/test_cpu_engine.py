@@ -255,7 +255,9 @@ def _attention_numpy(q, K, V, pos0):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("L, pos0, nh, nkv, hd", [(1, 0, 4, 2, 32), (1, 2500, 8, 2, 64), (1, 4095, 4, 1, 16),
-                                                   (5, 3, 4, 4, 24), (17, 1100, 8, 2, 32)])
+                                                   (5, 3, 4, 4, 24), (17, 1100, 8, 2, 32),
+                                                   (1, 1500, 16, 2, 256), (3, 700, 12, 2, 40),
+                                                   (2, 300, 14, 2, 72)])
 def test_attention(isa, L, pos0, nh, nkv, hd):
     rng = np.random.default_rng(L + pos0)
     T = pos0 + L

@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -214,8 +216,10 @@ nb::object k_gdn(In<float, 2> q, In<float, 2> k, In<float, 2> v, In<float, 1> be
 
 // Causal GQA attention: q [L, nh, hd] (already normalised/rotated), keys/values [T, nkv, hd] float32
 // with T = pos0 + L; the cache is stored as float32 or bf16 (kv_f32). Returns [L, nh*hd].
-nb::object k_attention(In<float, 3> q, In<float, 3> keys, In<float, 3> values, int64_t pos0, bool kv_f32,
-                       int threads, const std::string& isa) {
+// Causal GQA attention of q [L, nh, hd] over keys/values [pos0 + L, nkv, hd]; `repeats` > 1 times the
+// kernel alone (the cache is built once) and returns (output, best seconds) for kernel benchmarks.
+nb::object attention_impl(In<float, 3> q, In<float, 3> keys, In<float, 3> values, int64_t pos0, bool kv_f32,
+                          int threads, const std::string& isa, int repeats, double* best) {
     const int64_t L = q.shape(0), nh = q.shape(1), hd = q.shape(2), T = keys.shape(0), nkv = keys.shape(1);
     if (T != pos0 + L || values.shape(0) != size_t(T) || keys.shape(2) != size_t(hd) || nh % nkv)
         throw std::invalid_argument("attention: inconsistent shapes");
@@ -247,9 +251,28 @@ nb::object k_attention(In<float, 3> q, In<float, 3> keys, In<float, 3> values, i
         cpu::Workspace ws(pool.size());
         ws.reserve(cpu::attention_thread_floats(d), 0);
         std::vector<float> shared(cpu::attention_shared_floats(d, L, T) + 1);
-        cpu::attention(pool, ws, shared.data(), d, q.data(), L, pos0, cv, O.data(), nh * hd);
+        *best = 1e30;
+        for (int r = 0; r < repeats; ++r) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cpu::attention(pool, ws, shared.data(), d, q.data(), L, pos0, cv, O.data(), nh * hd);
+            *best = std::min(*best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
     }
     return nb::cast(O);
+}
+
+nb::object k_attention(In<float, 3> q, In<float, 3> keys, In<float, 3> values, int64_t pos0, bool kv_f32,
+                       int threads, const std::string& isa) {
+    double best;
+    return attention_impl(q, keys, values, pos0, kv_f32, threads, isa, 1, &best);
+}
+
+nb::tuple k_attention_timed(In<float, 3> q, In<float, 3> keys, In<float, 3> values, int64_t pos0, bool kv_f32,
+                            int threads, const std::string& isa, int repeats) {
+    if (repeats < 1) throw std::invalid_argument("attention: repeats must be >= 1");
+    double best;
+    nb::object o = attention_impl(q, keys, values, pos0, kv_f32, threads, isa, repeats, &best);
+    return nb::make_tuple(o, best);
 }
 
 nb::tuple k_route(In<float, 1> logits, int64_t k, bool norm_topk) {
@@ -442,6 +465,9 @@ void register_cpu_engine(nb::module_& m) {
           "Gated delta rule on one head, recurrent or chunked (tests).");
     m.def("cpu_attention", &k_attention, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a, "threads"_a = 1,
           "isa"_a = "", "Causal GQA attention through the engine's kernel (tests).");
+    m.def("cpu_attention_timed", &k_attention_timed, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a,
+          "threads"_a = 1, "isa"_a = "", "repeats"_a = 10,
+          "cpu_attention run `repeats` times on one cache: (output, best seconds) for kernel benchmarks.");
     m.def("cpu_route", &k_route, "logits"_a, "k"_a, "norm_topk"_a, "Router top-k of one token (tests).");
     m.def("cpu_quantize", &k_quantize, "w"_a, "bits"_a, "group_size"_a,
           "MLX affine quantizer of the engine (float32 input; bf16 scales/biases as uint16).");

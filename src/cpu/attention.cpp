@@ -83,45 +83,12 @@ static void attend_range(const Kernels& kk, const float* const* qh, int64_t G, i
         l[g] = 0.f;
         for (int64_t e = 0; e < hd; ++e) acc[g * hd + e] = 0.f;
     }
+    const size_t es = c.f32 ? 4 : 2;
     for (int64_t b0 = t0; b0 < t1; b0 += kAttnKeyBlock) {
         const int64_t nb = (t1 - b0 < kAttnKeyBlock) ? t1 - b0 : kAttnKeyBlock;
-        for (int64_t t = 0; t < nb; ++t) {      // each key row once, for every head of the group
-            const int64_t base = (b0 + t) * row + off;
-            if (c.f32) {
-                const float* kr = static_cast<const float*>(c.k) + base;
-                for (int64_t g = 0; g < G; ++g) s[g * kAttnKeyBlock + t] = kk.dot(qh[g], kr, hd) * scale;
-            } else {
-                const uint16_t* kr = static_cast<const uint16_t*>(c.k) + base;
-                kk.dot_bf16_heads(qh, G, kr, hd, scale, s + t, kAttnKeyBlock);
-            }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-            float* sg = s + g * kAttnKeyBlock;
-            float bm = sg[0];
-            for (int64_t t = 1; t < nb; ++t) bm = sg[t] > bm ? sg[t] : bm;
-            const float mn = m[g] > bm ? m[g] : bm;
-            const float corr = std::exp(m[g] - mn);
-            l[g] *= corr;
-            if (corr != 1.f)
-                for (int64_t e = 0; e < hd; ++e) acc[g * hd + e] *= corr;
-            m[g] = mn;
-            float sum = 0.f;
-            for (int64_t t = 0; t < nb; ++t) {
-                sg[t] = std::exp(sg[t] - mn);
-                sum += sg[t];
-            }
-            l[g] += sum;
-        }
-        for (int64_t t = 0; t < nb; ++t) {      // each value row once, for every head of the group
-            const int64_t base = (b0 + t) * row + off;
-            if (c.f32) {
-                const float* vr = static_cast<const float*>(c.v) + base;
-                for (int64_t g = 0; g < G; ++g) kk.axpy(acc + g * hd, s[g * kAttnKeyBlock + t], vr, hd);
-            } else {
-                const uint16_t* vr = static_cast<const uint16_t*>(c.v) + base;
-                kk.axpy_bf16_heads(acc, hd, G, s + t, kAttnKeyBlock, vr, hd);
-            }
-        }
+        const size_t at = size_t(b0 * row + off) * es;
+        kk.attn_block(qh, G, static_cast<const char*>(c.k) + at, static_cast<const char*>(c.v) + at, c.f32, row, nb,
+                      hd, scale, m, l, acc, s, kAttnKeyBlock);
     }
 }
 

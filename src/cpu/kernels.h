@@ -73,16 +73,13 @@ struct Kernels {
     void (*gemm_x)(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                    bool accumulate);
     float (*dot)(const float* a, const float* b, int64_t n);
-    float (*dot_bf16)(const float* a, const uint16_t* b, int64_t n);
     void (*axpy)(float* y, float a, const float* x, int64_t n);          // y += a x
-    void (*axpy_bf16)(float* y, float a, const uint16_t* x, int64_t n);
-    // attention over a bf16 cache, G query heads sharing one K / V row (GQA): the row is converted
-    // once for all heads; per head exactly the arithmetic of dot_bf16 / axpy_bf16.
-    // out[g·os] = scale·dot(q[g], k); y[g·ldy + e] += a[g·as]·v[e]
-    void (*dot_bf16_heads)(const float* const* q, int64_t G, const uint16_t* k, int64_t n, float scale, float* out,
-                           int64_t os);
-    void (*axpy_bf16_heads)(float* y, int64_t ldy, int64_t G, const float* a, int64_t as, const uint16_t* v,
-                            int64_t n);
+    // attention over one block of nb cached keys / values (rows `ld` elements apart, float32 or bf16)
+    // for the G query heads q[g] that share them (GQA: each row is loaded once per tile of heads):
+    // scores s[g·lds + t] = scale·q[g]·k_t, online-softmax update of the running max m[g], sum l[g]
+    // and unnormalised output acc[g·hd ..], then acc += P·V
+    void (*attn_block)(const float* const* q, int64_t G, const void* k, const void* v, bool f32, int64_t ld,
+                       int64_t nb, int64_t hd, float scale, float* m, float* l, float* acc, float* s, int64_t lds);
     // one Gated DeltaNet decode step for one value head, state S [dv][dk] (fp32, updated in place):
     // S *= decay; d = (v - S k)·beta; S += d ⊗ k; o = S q
     void (*gdn_step)(float* S, int64_t dv, int64_t dk, const float* q, const float* k, const float* v, float beta,

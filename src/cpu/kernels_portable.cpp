@@ -1,6 +1,7 @@
 // Portable instantiation of kernels.inc (plain C++ over 4-float blocks that compilers vectorise for
 // the baseline ISA), the NEON one on arm64, and the run-time choice between all of them.
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -49,6 +50,28 @@ struct VT {
         return r;
     }
     static inline float reduce(V a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+    static inline V add(V a, V b) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] + b.v[i];
+        return r;
+    }
+    static inline V max(V a, V b) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+        return r;
+    }
+    static inline float reduce_max(V a) {
+        const float x = a.v[0] > a.v[1] ? a.v[0] : a.v[1], y = a.v[2] > a.v[3] ? a.v[2] : a.v[3];
+        return x > y ? x : y;
+    }
+    static inline void reduce_w(const V* a, float* out) {
+        for (int i = 0; i < 4; ++i) out[i] = reduce(a[i]);
+    }
+    static inline V exp(V a) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = std::exp(a.v[i]);
+        return r;
+    }
     static inline V load_bf16(const uint16_t* p) {
         return V{{bf16_to_f32(p[0]), bf16_to_f32(p[1]), bf16_to_f32(p[2]), bf16_to_f32(p[3])}};
     }
@@ -106,6 +129,18 @@ struct VT {
     static inline V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
     static inline V mul(V a, V b) { return vmulq_f32(a, b); }
     static inline float reduce(V a) { return vaddvq_f32(a); }
+    static inline V add(V a, V b) { return vaddq_f32(a, b); }
+    static inline V max(V a, V b) { return vmaxq_f32(a, b); }
+    static inline float reduce_max(V a) { return vmaxvq_f32(a); }
+    static inline void reduce_w(const V* a, float* out) {   // pairwise adds: out = (Σa0, Σa1, Σa2, Σa3)
+        vst1q_f32(out, vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])));
+    }
+    static inline V exp(V a) {
+        float t[4];
+        vst1q_f32(t, a);
+        for (float& x : t) x = std::exp(x);
+        return vld1q_f32(t);
+    }
     static inline V load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
     static inline V loadn_bf16(const uint16_t* p, int n) {
         uint16_t t[4] = {0, 0, 0, 0};

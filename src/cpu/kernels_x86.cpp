@@ -45,6 +45,44 @@ struct VT {
     }
     static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static inline float reduce_max(V v) {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    // out[i] = Σ a[i] for 8 vectors: a transposing add tree (17 shuffles + 7 adds instead of 8 reduces)
+    static inline void reduce_w(const V* a, float* out) {
+        V b[4];
+        for (int i = 0; i < 4; ++i)   // 128-bit lane L of b[i]: 4 partial sums of a[2i + L]
+            b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                                 _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+        const V e = _mm256_add_ps(_mm256_unpacklo_ps(b[0], b[1]), _mm256_unpackhi_ps(b[0], b[1]));
+        const V f = _mm256_add_ps(_mm256_unpacklo_ps(b[2], b[3]), _mm256_unpackhi_ps(b[2], b[3]));
+        const V r = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x44), _mm256_shuffle_ps(e, f, 0xEE));
+        // r[4L + i] = Σ a[2i + L]
+        _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    // exp(x) = 2^n·e^f, n = round(x·log2 e), f = x − n·ln 2 (two-part ln 2), e^f by the Cephes
+    // polynomial; x is clamped to [-87, 88] (2^n stays a normal float; softmax never needs less)
+    static inline V exp(V x) {
+        x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.f)), set1(88.f));
+        const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        V f = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+        f = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), f);
+        V p = set1(1.9875691500e-4f);
+        p = fma(p, f, set1(1.3981999507e-3f));
+        p = fma(p, f, set1(8.3334519073e-3f));
+        p = fma(p, f, set1(4.1665795894e-2f));
+        p = fma(p, f, set1(1.6666665459e-1f));
+        p = fma(p, f, set1(5.0000001201e-1f));
+        p = fma(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, set1(1.f)));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
     static inline float reduce(V v) {
         __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -155,6 +193,43 @@ struct VT {
     static inline void storen(float* p, V v, int n) { _mm512_mask_storeu_ps(p, mask(n), v); }
     static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static inline float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+    // out[i] = Σ a[i] for 16 vectors: a transposing add tree (31 shuffles + 15 adds + 1 permute instead
+    // of 16 reduces)
+    static inline void reduce_w(const V* a, float* out) {
+        V b[8], c[4];
+        for (int i = 0; i < 8; ++i)   // b[i] 128-bit lanes 0,1: partial sums of a[2i]; 2,3: of a[2i+1]
+            b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                                 _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+        for (int j = 0; j < 4; ++j)   // c[j] lane L: 4 partial sums of a[4j + L]
+            c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                                 _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+        const V e = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+        const V f = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+        const V r = _mm512_add_ps(_mm512_shuffle_ps(e, f, 0x44), _mm512_shuffle_ps(e, f, 0xEE));
+        // r[4L + m] = Σ a[4m + L]
+        const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, r));
+    }
+    // exp(x) = 2^n·e^f, n = round(x·log2 e), f = x − n·ln 2 (two-part ln 2), e^f by the Cephes
+    // polynomial, 2^n applied by vscalefps (exact, underflows to 0); x ≤ 88 clamped
+    static inline V exp(V x) {
+        x = _mm512_min_ps(_mm512_max_ps(x, set1(-104.f)), set1(88.f));
+        const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        V f = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+        f = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), f);
+        V p = set1(1.9875691500e-4f);
+        p = fma(p, f, set1(1.3981999507e-3f));
+        p = fma(p, f, set1(8.3334519073e-3f));
+        p = fma(p, f, set1(4.1665795894e-2f));
+        p = fma(p, f, set1(1.6666665459e-1f));
+        p = fma(p, f, set1(5.0000001201e-1f));
+        p = fma(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, set1(1.f)));
+        return _mm512_scalef_ps(p, n);
+    }
     static inline float reduce(V v) {
         __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));

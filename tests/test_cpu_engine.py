@@ -273,6 +273,20 @@ def test_attention(isa, L, pos0, nh, nkv, hd):
     np.testing.assert_allclose(got, _attention_numpy(q, Kb, Vb, pos0), rtol=0, atol=1e-5)
 
 
+def test_attention_timed_runs_the_same_kernel():
+    """cpu_attention_timed (benchmarks/attention_kernel.py) times the kernel cpu_attention tests."""
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(1, 8, 64)).astype(np.float32)
+    K = rng.normal(size=(300, 2, 64)).astype(np.float32)
+    V = rng.normal(size=(300, 2, 64)).astype(np.float32)
+    want = _core.cpu_attention(q, K, V, 299, False, 2)
+    got, seconds = _core.cpu_attention_timed(q, K, V, 299, False, 2, "", 3)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < seconds < 10
+    with pytest.raises(ValueError):
+        _core.cpu_attention_timed(q, K, V, 299, False, 2, "", 0)
+
+
 # ------------------------------------------------------------------------------------------------
 # random small configs: thread-count independence and agreement with the reference
 # ------------------------------------------------------------------------------------------------

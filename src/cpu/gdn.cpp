@@ -9,6 +9,7 @@ namespace qwenmetal::cpu {
 
 void gdn_conv_silu(ThreadPool& pool, const float* x, int64_t ldx, int64_t L, int64_t C, int64_t K, const float* wT,
                    float* state, float* out, int64_t ldo) {
+    const Kernels& kk = kernels();
     const int64_t blk = 256, nblk = (C + blk - 1) / blk, S = K - 1;
     pool.run(nblk, [&](int64_t b, int) {
         const int64_t c0 = b * blk, c1 = (c0 + blk < C) ? c0 + blk : C;
@@ -21,7 +22,7 @@ void gdn_conv_silu(ThreadPool& pool, const float* x, int64_t ldx, int64_t L, int
                 const float* w = wT + j * C;
                 for (int64_t c = c0; c < c1; ++c) o[c] += w[c] * src[c];
             }
-            for (int64_t c = c0; c < c1; ++c) o[c] = silu(o[c]);
+            kk.silu_mul(o + c0, nullptr, c1 - c0);
         }
         for (int64_t r = 0; r < S; ++r) {           // new state = last K-1 rows of [state; x]
             const int64_t src = L + r;

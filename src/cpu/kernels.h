@@ -80,6 +80,8 @@ struct Kernels {
     // and unnormalised output acc[g·hd ..], then acc += P·V
     void (*attn_block)(const float* const* q, int64_t G, const void* k, const void* v, bool f32, int64_t ld,
                        int64_t nb, int64_t hd, float scale, float* m, float* l, float* acc, float* s, int64_t lds);
+    // g[i] = silu(g[i])·u[i] (u null: silu alone), vectorised (exp ≤ 2 ulp): SwiGLU, the GDN conv output
+    void (*silu_mul)(float* g, const float* u, int64_t n);
     // one Gated DeltaNet decode step for one value head, state S [dv][dk] (fp32, updated in place):
     // S *= decay; d = (v - S k)·beta; S += d ⊗ k; o = S q
     void (*gdn_step)(float* S, int64_t dv, int64_t dk, const float* q, const float* k, const float* v, float beta,

@@ -55,6 +55,11 @@ struct VT {
         for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] + b.v[i];
         return r;
     }
+    static inline V div(V a, V b) {
+        V r;
+        for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] / b.v[i];
+        return r;
+    }
     static inline V max(V a, V b) {
         V r;
         for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
@@ -130,6 +135,7 @@ struct VT {
     static inline V mul(V a, V b) { return vmulq_f32(a, b); }
     static inline float reduce(V a) { return vaddvq_f32(a); }
     static inline V add(V a, V b) { return vaddq_f32(a, b); }
+    static inline V div(V a, V b) { return vdivq_f32(a, b); }
     static inline V max(V a, V b) { return vmaxq_f32(a, b); }
     static inline float reduce_max(V a) { return vmaxvq_f32(a); }
     static inline void reduce_w(const V* a, float* out) {   // pairwise adds: out = (Σa0, Σa1, Σa2, Σa3)

@@ -46,6 +46,7 @@ struct VT {
     static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static inline V div(V a, V b) { return _mm256_div_ps(a, b); }
     static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
     static inline float reduce_max(V v) {
         __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -194,6 +195,7 @@ struct VT {
     static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static inline V div(V a, V b) { return _mm512_div_ps(a, b); }
     static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
     static inline float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
     // out[i] = Σ a[i] for 16 vectors: a transposing add tree (31 shuffles + 15 adds + 1 permute instead

@@ -99,6 +99,18 @@ def test_default_options_close_to_reference(reference_runs):
     assert rel_range_err(a, b) < 2e-3
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+def test_short_last_chunk_takes_the_decode_path(preset, reference_runs):
+    """A call whose last chunk is decode-sized (<= 3 tokens) after longer chunks runs the MoE decode path
+    with scratch sized for the longer chunks (regression: its per-slot down outputs overran the buffer)."""
+    want_pre, _, _ = reference_runs(preset, "mlx-q4", PROMPT)
+    for chunk in (9, 6, 19):                       # 20 tokens: 9+9+2, 6+6+6+2, 19+1
+        model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend="cpu", threads=2,
+                              kv_dtype="float32", prefill_chunk=chunk, activations="float")
+        for _ in range(3):
+            assert rel_range_err(model.prefill(model.new_session(), PROMPT, "all"), want_pre) < 1e-3
+
+
 def test_int16_split_prefill_close_to_one_prefill():
     """int16 activations with an fp32 cache: a value that differs in the last fp32 bit between the split
     and the joint run (recurrent vs chunked GDN) can round to a neighbouring 16-bit integer, so split

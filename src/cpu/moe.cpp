@@ -40,10 +40,13 @@ void route_token(const float* logits, int64_t E, int64_t k, bool norm_topk, int3
 }
 
 // shared layout (floats): logits L*E | probs E | wts L*k | sg L | hs L*2*Is | idx L*k (int) | pair order
-// L*k (int) | expert start E+1 (int) | He L*k*I (SwiGLU outputs, in expert order)
+// L*k (int) | expert start E+1 (int) | He L*k*I (SwiGLU outputs, in expert order) | decode down outputs
+// (L*k + L)*H for L <= kGemvMaxRows. L is the largest chunk; a call's last chunk may be shorter and take
+// the decode path, so that part is sized for min(L, kGemvMaxRows) tokens whatever L is.
 size_t moe_shared_floats(const MoeDims& d, int64_t L) {
     const int64_t P = L * d.k;
-    const int64_t dec = L <= kGemvMaxRows ? (P + L) * d.H : 0;   // decode: per-slot down outputs
+    // decode (a chunk of <= kGemvMaxRows tokens — also the last chunk of a longer call): per-slot down outputs
+    const int64_t Ld = L < kGemvMaxRows ? L : kGemvMaxRows, dec = (Ld * d.k + Ld) * d.H;
     return size_t(L * d.E + d.E + P + L + 2 * L * d.Is + P + P + d.E + 1 + P * d.I + dec + 64);
 }
 

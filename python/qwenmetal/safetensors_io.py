@@ -49,6 +49,15 @@ class SafetensorsFile:
             self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
+        # Ask for 2 MiB page-cache folios where the kernel can (Linux THP in "madvise" mode, a filesystem
+        # with large folios, e.g. ext4 on 6.x): decode streams the whole map every token, and PMD mappings
+        # cut its TLB misses (docs/cpu.md, "Weights and memory"). Only a hint: pages already cached keep
+        # their size, and other systems have no such advice.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self.size = size
         n = int.from_bytes(self._mmap[:8], "little")
         if n > MAX_HEADER or 8 + n > size:

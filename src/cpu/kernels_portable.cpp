@@ -72,6 +72,7 @@ struct VT {
     static inline void reduce_w(const V* a, float* out) {
         for (int i = 0; i < 4; ++i) out[i] = reduce(a[i]);
     }
+    static constexpr bool EXP_POLY = false;   // vexp: std::exp per lane
     static inline V exp(V a) {
         V r;
         for (int i = 0; i < 4; ++i) r.v[i] = std::exp(a.v[i]);
@@ -141,6 +142,7 @@ struct VT {
     static inline void reduce_w(const V* a, float* out) {   // pairwise adds: out = (Σa0, Σa1, Σa2, Σa3)
         vst1q_f32(out, vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])));
     }
+    static constexpr bool EXP_POLY = false;   // vexp: std::exp per lane
     static inline V exp(V a) {
         float t[4];
         vst1q_f32(t, a);

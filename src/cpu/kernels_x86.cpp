@@ -66,21 +66,11 @@ struct VT {
         // r[4L + i] = Σ a[2i + L]
         _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
-    // exp(x) = 2^n·e^f, n = round(x·log2 e), f = x − n·ln 2 (two-part ln 2), e^f by the Cephes
-    // polynomial; x is clamped to [-87, 88] (2^n stays a normal float; softmax never needs less)
-    static inline V exp(V x) {
-        x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.f)), set1(88.f));
-        const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        V f = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-        f = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), f);
-        V p = set1(1.9875691500e-4f);
-        p = fma(p, f, set1(1.3981999507e-3f));
-        p = fma(p, f, set1(8.3334519073e-3f));
-        p = fma(p, f, set1(4.1665795894e-2f));
-        p = fma(p, f, set1(1.6666665459e-1f));
-        p = fma(p, f, set1(5.0000001201e-1f));
-        p = fma(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, set1(1.f)));
+    // for the exp of kernels.inc (vexp): round to nearest, p·2^n for integral n in [-126, 127]
+    static constexpr bool EXP_POLY = true;
+    static inline V min(V a, V b) { return _mm256_min_ps(a, b); }
+    static inline V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static inline V pow2n(V p, V n) {
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
         return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     }
@@ -215,23 +205,11 @@ struct VT {
         const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, r));
     }
-    // exp(x) = 2^n·e^f, n = round(x·log2 e), f = x − n·ln 2 (two-part ln 2), e^f by the Cephes
-    // polynomial, 2^n applied by vscalefps (exact, underflows to 0); x ≤ 88 clamped
-    static inline V exp(V x) {
-        x = _mm512_min_ps(_mm512_max_ps(x, set1(-104.f)), set1(88.f));
-        const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        V f = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-        f = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), f);
-        V p = set1(1.9875691500e-4f);
-        p = fma(p, f, set1(1.3981999507e-3f));
-        p = fma(p, f, set1(8.3334519073e-3f));
-        p = fma(p, f, set1(4.1665795894e-2f));
-        p = fma(p, f, set1(1.6666665459e-1f));
-        p = fma(p, f, set1(5.0000001201e-1f));
-        p = fma(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, set1(1.f)));
-        return _mm512_scalef_ps(p, n);
-    }
+    // for the exp of kernels.inc (vexp): round to nearest, p·2^n by vscalefps
+    static constexpr bool EXP_POLY = true;
+    static inline V min(V a, V b) { return _mm512_min_ps(a, b); }
+    static inline V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static inline V pow2n(V p, V n) { return _mm512_scalef_ps(p, n); }
     static inline float reduce(V v) {
         __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));

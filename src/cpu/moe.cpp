@@ -124,16 +124,15 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
         const int64_t r0 = (task % nb_i) * RG, r1 = (r0 + RG < I) ? r0 + RG : I;
         const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
         const WMat Wg = w.gate->at(e), Wu = w.up->at(e);
-        float* gb = ws.t(th);                           // [up to 64 tokens][16]
+        float* gb = ws.t(th);                           // [up to 64 tokens][RG]
         float* ub = gb + kMoeRows * 64;
-        const int64_t ldg = dec ? RG : kMoeRows;
         for (int64_t q0 = 0; q0 < ne; q0 += 64) {
             const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
             const XVec* const* X = tok_of_slot + p0 + q0;
             if (nq <= kGemvMaxRows)
                 for (int64_t q = 0; q < nq; ++q) {
-                    kk.gemv(Wg, *X[q], gb + q * ldg - r0, r0, r1, false);
-                    kk.gemv(Wu, *X[q], ub + q * ldg - r0, r0, r1, false);
+                    kk.gemv(Wg, *X[q], gb + q * RG - r0, r0, r1, false);
+                    kk.gemv(Wu, *X[q], ub + q * RG - r0, r0, r1, false);
                 }
             else {
                 kk.gemm_x(Wg, X, nq, gb - r0, kMoeRows, r0, r1, false);
@@ -141,8 +140,8 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
             }
             for (int64_t q = 0; q < nq; ++q) {
                 float* hq = He + (p0 + q0 + q) * I + r0;
-                for (int64_t r = 0; r < r1 - r0; ++r) hq[r] = gb[q * ldg + r];
-                kk.silu_mul(hq, ub + q * ldg, r1 - r0);
+                for (int64_t r = 0; r < r1 - r0; ++r) hq[r] = gb[q * RG + r];
+                kk.silu_mul(hq, ub + q * RG, r1 - r0);
             }
         }
     });
@@ -195,7 +194,7 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
     const int64_t nb_h = (H + kMoeRows - 1) / kMoeRows;
     pool.run(nb_h, [&](int64_t task, int th) {
         const int64_t r0 = task * kMoeRows, r1 = (r0 + kMoeRows < H) ? r0 + kMoeRows : H, n = r1 - r0;
-        float* yb = ws.t(th);                           // [up to 64 rows][16]
+        float* yb = ws.t(th);                           // [up to 64 tokens][kMoeRows]
         for (int64_t a = 0; a < n_active; ++a) {
             const int64_t e = elist[a];
             const int64_t p0 = estart[e], ne = estart[e + 1] - p0;

@@ -21,11 +21,7 @@
 //
 // Simulator-verified, hardware-unverified.
 #include "common.h"
-
-struct NormParams {
-    uint H;     // elements per row
-    float eps;  // added to mean(x^2)
-};
+#include "norm.h"
 
 template <typename T>
 inline float load4_sumsq(device const T* x, uint i, uint H, thread float* v) {
@@ -55,8 +51,8 @@ inline void store_normed(device const T* src, device const T* w, device T* y, ui
 }
 
 template <typename T>
-kernel void rmsnorm(device const T* x [[buffer(0)]], device const T* w [[buffer(1)]], device T* y [[buffer(2)]],
-                    constant NormParams& p [[buffer(3)]], uint row [[threadgroup_position_in_grid]],
+kernel void rmsnorm(constant NormParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
+                    device const T* w [[buffer(2)]], device T* y [[buffer(3)]], uint row [[threadgroup_position_in_grid]],
                     uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]],
                     uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                     uint nsg [[simdgroups_per_threadgroup]]) {
@@ -74,8 +70,9 @@ kernel void rmsnorm(device const T* x [[buffer(0)]], device const T* w [[buffer(
 }
 
 template <typename T>
-kernel void add_rmsnorm(device const T* x [[buffer(0)]], device const T* r [[buffer(1)]], device const T* w [[buffer(2)]],
-                        device T* h [[buffer(3)]], device T* y [[buffer(4)]], constant NormParams& p [[buffer(5)]],
+kernel void add_rmsnorm(constant NormParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
+                        device const T* r [[buffer(2)]], device const T* w [[buffer(3)]], device T* h [[buffer(4)]],
+                        device T* y [[buffer(5)]],
                         uint row [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                         uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
                         uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {

@@ -7,4 +7,5 @@ NB_MODULE(_core, m) {
     qwenmetal::bindings::register_msl_sim(m);
     qwenmetal::bindings::register_cpu_engine(m);
     qwenmetal::bindings::register_bench(m);
+    qwenmetal::bindings::register_gpu(m);
 }

@@ -6,5 +6,6 @@ namespace qwenmetal::bindings {
 void register_quant(nanobind::module_& m);   // quant.cpp: affine dequantizer, build facts
 void register_cpu_engine(nanobind::module_& m);   // cpu_engine.cpp: CpuEngine, CpuState, kernel test hooks
 void register_msl_sim(nanobind::module_& m);   // msl_sim.cpp: the Metal-on-CPU simulator (submodule msl_sim)
+void register_gpu(nanobind::module_& m);   // gpu*.cpp: device interface, SimDevice, host ops, decode graph
 void register_bench(nanobind::module_& m);   // bench.cpp: memory read-bandwidth kernel for `qwenmetal bench`
 }  // namespace qwenmetal::bindings

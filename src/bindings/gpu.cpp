@@ -1,0 +1,154 @@
+// qwenmetal._core.gpu: the GPU device interface (src/gpu/device.h) and the host op functions
+// (src/gpu/ops/) for Python, so that tests drive every kernel through the function that owns it.
+// Families register their ops in src/bindings/gpu_ops_<family>.cpp (submodule gpu.ops).
+#include "bindings/gpu.h"
+
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "bindings/registry.h"
+#include "msl_sim/sim_device.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace qwenmetal::bindings {
+
+using namespace qwenmetal::gpu;
+
+gpu::Buffer wrap_array(Device& dev, nb::ndarray<nb::c_contig, nb::device::cpu> a, const std::string& label) {
+    // keep the numpy array alive as long as the device buffer lives (its deleter takes the GIL)
+    nb::object owner = nb::find(a);
+    auto* held = new nb::object(owner);
+    std::shared_ptr<void> keep(held, [](void* p) {
+        nb::gil_scoped_acquire g;
+        delete static_cast<nb::object*>(p);
+    });
+    return dev.wrap(a.data(), a.nbytes(), label, std::move(keep));
+}
+
+static msl::Schedule schedule_of(const std::string& s) {
+    try {
+        return msl::parse_schedule(s);
+    } catch (const std::exception& e) {
+        throw std::invalid_argument(e.what());
+    }
+}
+
+void register_gpu(nb::module_& m) {
+    nb::module_ g = m.def_submodule("gpu", "GPU device interface (simulator-verified, hardware-unverified)");
+    nb::exception<DeviceError>(g, "DeviceError", PyExc_RuntimeError);
+
+    nb::class_<gpu::Buffer>(g, "Buffer")
+        .def_prop_ro("nbytes", [](const gpu::Buffer& b) { return b.length; })
+        .def_prop_ro("offset", [](const gpu::Buffer& b) { return b.offset; })
+        .def_prop_ro("address", &gpu::Buffer::address)
+        .def_prop_ro("label", [](const gpu::Buffer& b) { return b.alloc ? b.alloc->label() : std::string(); })
+        .def("view", &gpu::Buffer::view, "offset"_a, "nbytes"_a = 0)
+        .def("to_bytes",
+             [](const gpu::Buffer& b) {
+                 if (!b.data()) throw std::invalid_argument("gpu.Buffer.to_bytes: a virtual buffer has no contents");
+                 return nb::bytes(static_cast<const char*>(b.data()), b.length);
+             })
+        .def("write", [](const gpu::Buffer& b, nb::bytes data, uint64_t offset) {
+            if (!b.data()) throw std::invalid_argument("gpu.Buffer.write: a virtual buffer has no contents");
+            if (offset + data.size() > b.length) throw std::invalid_argument("gpu.Buffer.write: past the end");
+            std::memcpy(static_cast<uint8_t*>(b.data()) + offset, data.c_str(), data.size());
+        }, "data"_a, "offset"_a = 0)
+        .def("__repr__", [](const gpu::Buffer& b) {
+            return "gpu.Buffer(" + (b.alloc ? b.alloc->label() : std::string("unset")) + ", offset=" +
+                   std::to_string(b.offset) + ", nbytes=" + std::to_string(b.length) + ")";
+        });
+
+    nb::class_<gpu::CommandBuffer>(g, "CommandBuffer")
+        .def("barrier", &gpu::CommandBuffer::barrier)
+        .def("commit", [](gpu::CommandBuffer& cb) { cb.commit(); })
+        .def("wait", &gpu::CommandBuffer::wait, nb::call_guard<nb::gil_scoped_release>())
+        .def_prop_ro("completed", &gpu::CommandBuffer::completed);
+
+    nb::class_<Encoder>(g, "Encoder")
+        .def(nb::init<Device&, gpu::CommandBuffer&>(), "device"_a, "command_buffer"_a, nb::keep_alive<1, 2>(),
+             nb::keep_alive<1, 3>())
+        .def("barrier", &Encoder::barrier)
+        .def_prop_ro("dispatches", [](const Encoder& e) { return e.stats().dispatches; })
+        .def_prop_ro("levels", [](const Encoder& e) { return e.stats().levels; })
+        .def_prop_ro("bytes_read", [](const Encoder& e) { return e.stats().bytes_read; })
+        .def_prop_ro("bytes_written", [](const Encoder& e) { return e.stats().bytes_written; });
+
+    nb::class_<Device>(g, "Device")
+        .def_prop_ro("info", [](const Device& d) {
+            const DeviceInfo& i = d.info();
+            nb::dict r;
+            r["name"] = i.name;
+            r["family"] = i.family;
+            r["max_buffer_length"] = i.max_buffer_length;
+            r["max_threads_per_threadgroup"] = i.max_threads_per_threadgroup;
+            r["max_threadgroup_memory"] = i.max_threadgroup_memory;
+            r["simd_reductions"] = i.simd_reductions;
+            r["simdgroup_matrix"] = i.simdgroup_matrix;
+            r["executes"] = i.executes;
+            return r;
+        })
+        .def("alloc", &Device::alloc, "nbytes"_a, "label"_a = "")
+        .def("wrap", &wrap_array, "array"_a, "label"_a = "",
+             "A buffer over the array's memory (no copy where the device allows); keeps the array alive.")
+        .def("command_buffer", &Device::command_buffer)
+        .def("has_kernel", &Device::has_kernel)
+        .def("prepare", &Device::prepare)
+        .def("counters", [](const Device& d) {
+            const Counters c = d.counters();
+            nb::dict r;
+            r["command_buffers"] = c.command_buffers;
+            r["host_waits"] = c.host_waits;
+            r["dispatches"] = c.dispatches;
+            r["barriers"] = c.barriers;
+            return r;
+        })
+        .def("reset_counters", &Device::reset_counters);
+
+    nb::class_<SimDevice, Device>(g, "SimDevice")
+        .def("__init__", [](SimDevice* self, bool execute, const std::string& schedule, uint64_t seed, int workers,
+                            bool keep_records) {
+            SimOptions o;
+            o.execute = execute;
+            o.schedule = schedule_of(schedule);
+            o.seed = seed;
+            o.workers = workers;
+            o.keep_records = keep_records;
+            new (self) SimDevice(o);
+        }, "execute"_a = true, "schedule"_a = "forward", "seed"_a = 0, "workers"_a = 0, "keep_records"_a = false)
+        .def("records", [](const SimDevice& d) {
+            nb::list out;
+            for (const msl::DispatchRecord& r : d.records()) {
+                nb::dict e;
+                e["kernel"] = r.kernel;
+                e["level"] = r.level;
+                e["threadgroups"] = nb::make_tuple(r.groups[0], r.groups[1], r.groups[2]);
+                e["threads_per_threadgroup"] =
+                    nb::make_tuple(r.threads_per_group[0], r.threads_per_group[1], r.threads_per_group[2]);
+                e["bytes_read"] = r.bytes_read;
+                e["bytes_written"] = r.bytes_written;
+                e["threadgroup_memory"] = r.tg_memory;
+                e["barriers"] = r.barriers;
+                e["simd_ops"] = r.simd_ops;
+                out.append(e);
+            }
+            return out;
+        });
+
+    nb::module_ ops = g.def_submodule("ops", "host functions of the Metal kernels, one per kernel");
+    register_gpu_ops_norm(ops);
+    register_gpu_ops_quant(ops);
+    register_gpu_ops_gdn(ops);
+    register_gpu_ops_attention(ops);
+    register_gpu_ops_moe(ops);
+    register_gpu_ops_sample(ops);
+    register_gpu_graph(g);
+}
+
+}  // namespace qwenmetal::bindings

@@ -1,0 +1,28 @@
+// Shared by the gpu binding files (gpu.cpp, gpu_ops_<family>.cpp, gpu_graph.cpp).
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <string>
+
+#include "gpu/device.h"
+#include "gpu/encoder.h"
+#include "gpu/ops/common.h"
+
+namespace qwenmetal::bindings {
+
+// a device buffer over a numpy array's memory, keeping the array alive
+gpu::Buffer wrap_array(gpu::Device& dev, nanobind::ndarray<nanobind::c_contig, nanobind::device::cpu> a,
+                       const std::string& label);
+
+// one registration function per kernel family (src/bindings/gpu_ops_<family>.cpp)
+void register_gpu_ops_norm(nanobind::module_& ops);
+void register_gpu_ops_quant(nanobind::module_& ops);
+void register_gpu_ops_gdn(nanobind::module_& ops);
+void register_gpu_ops_attention(nanobind::module_& ops);
+void register_gpu_ops_moe(nanobind::module_& ops);
+void register_gpu_ops_sample(nanobind::module_& ops);
+// the decode graph and the metal-sim backend's engine (gpu_graph.cpp)
+void register_gpu_graph(nanobind::module_& g);
+
+}  // namespace qwenmetal::bindings

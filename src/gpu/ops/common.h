@@ -1,0 +1,39 @@
+// What every host op function (src/gpu/ops/<family>.cpp) shares: the activation type a kernel is
+// instantiated for, the kernel-name suffixes, and the argument checks. A host function checks
+// shapes and dtypes, picks the variant, fills the params struct of metal/<family>.h, computes the
+// grid and encodes one dispatch; tests reach kernels only through these functions.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "gpu/device.h"
+#include "gpu/encoder.h"
+
+namespace qwenmetal::gpu {
+
+// Element type of activations (and of small per-channel weights such as norm gains).
+// F32: exact tests against the float32 reference; BF16: production.
+enum class Act : uint8_t { F32 = 0, BF16 = 1 };
+
+inline const char* act_suffix(Act a) { return a == Act::F32 ? "f32" : "bf16"; }
+inline uint64_t act_size(Act a) { return a == Act::F32 ? 4 : 2; }
+inline Act parse_act(const std::string& s) {
+    if (s == "f32" || s == "float32") return Act::F32;
+    if (s == "bf16" || s == "bfloat16") return Act::BF16;
+    throw std::invalid_argument("activation type must be 'float32' or 'bfloat16', got '" + s + "'");
+}
+
+// `b` must hold at least `bytes` bytes; `what` names the op and the argument in the error
+inline void need(const Buffer& b, uint64_t bytes, const char* op, const char* what) {
+    if (!b.valid()) throw std::invalid_argument(std::string(op) + ": " + what + " is not set");
+    if (b.length < bytes)
+        throw std::invalid_argument(std::string(op) + ": " + what + " holds " + std::to_string(b.length) +
+                                    " bytes, needs " + std::to_string(bytes));
+}
+
+inline void check(bool ok, const char* op, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(std::string(op) + ": " + msg);
+}
+
+}  // namespace qwenmetal::gpu

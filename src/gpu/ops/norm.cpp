@@ -1,0 +1,47 @@
+#include "gpu/ops/norm.h"
+
+#include "metal/norm.h"
+
+namespace qwenmetal::gpu::ops {
+
+namespace {
+// about H / 4 threads (one 4-vector each per step), a multiple of 32
+Dims norm_threads(uint32_t H) {
+    uint32_t t = (H / 4 + 31) / 32 * 32;
+    if (t < 32) t = 32;
+    if (t > NORM_MAX_THREADS) t = NORM_MAX_THREADS;
+    return Dims{t, 1, 1};
+}
+}  // namespace
+
+void rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& w, const Buffer& y, uint32_t rows, uint32_t H,
+             float eps) {
+    const char* op = "rmsnorm";
+    check(rows > 0 && H > 0, op, "rows and H must be positive");
+    const uint64_t es = act_size(t), n = uint64_t(rows) * H * es;
+    need(x, n, op, "x");
+    need(w, H * es, op, "w");
+    need(y, n, op, "y");
+    const NormParams p{H, eps};
+    e.dispatch(std::string("rmsnorm_") + act_suffix(t), Dims{rows, 1, 1}, norm_threads(H),
+               {Arg::params(p), Arg::in(x.view(0, n)), Arg::in(w.view(0, H * es)), Arg::out(y.view(0, n))});
+}
+
+void add_rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& r, const Buffer& w, const Buffer& h,
+                 const Buffer& y, uint32_t rows, uint32_t H, float eps) {
+    const char* op = "add_rmsnorm";
+    check(rows > 0 && H > 0, op, "rows and H must be positive");
+    const uint64_t es = act_size(t), n = uint64_t(rows) * H * es;
+    need(x, n, op, "x");
+    need(r, n, op, "r");
+    need(w, H * es, op, "w");
+    need(h, n, op, "h");
+    need(y, n, op, "y");
+    const NormParams p{H, eps};
+    const bool in_place = h.address() == x.address();
+    e.dispatch(std::string("add_rmsnorm_") + act_suffix(t), Dims{rows, 1, 1}, norm_threads(H),
+               {Arg::params(p), in_place ? Arg::inout(x.view(0, n)) : Arg::in(x.view(0, n)), Arg::in(r.view(0, n)),
+                Arg::in(w.view(0, H * es)), Arg::out(h.view(0, n)), Arg::out(y.view(0, n))});
+}
+
+}  // namespace qwenmetal::gpu::ops

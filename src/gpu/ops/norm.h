@@ -1,0 +1,14 @@
+// Host functions of metal/norm.metal.
+#pragma once
+#include "gpu/ops/common.h"
+
+namespace qwenmetal::gpu::ops {
+
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w          x, y [rows, H]; w [H]
+void rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& w, const Buffer& y, uint32_t rows, uint32_t H,
+             float eps);
+// h = x + r (stored, may alias x); y = rmsnorm(h) * w  x, r, h, y [rows, H]; w [H]
+void add_rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& r, const Buffer& w, const Buffer& h,
+                 const Buffer& y, uint32_t rows, uint32_t H, float eps);
+
+}  // namespace qwenmetal::gpu::ops

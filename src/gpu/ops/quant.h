@@ -1,0 +1,55 @@
+// Host functions of metal/quant.metal, and the device-side description of a weight matrix that
+// every GEMV-like kernel (quant, moe) takes.
+#pragma once
+#include "gpu/ops/common.h"
+
+namespace qwenmetal::gpu {
+
+// Storage format of a linear weight: MLX affine 4/8-bit (uint32 words, lowest bits first, one
+// scale + bias per group of `group_size` inputs of a row) or dense 16/32-bit floats.
+enum class WFormat : uint8_t { Q4 = 0, Q8 = 1, BF16 = 2, F16 = 3, F32 = 4 };
+
+inline bool quantized(WFormat f) { return f == WFormat::Q4 || f == WFormat::Q8; }
+inline uint32_t format_bits(WFormat f) {
+    switch (f) {
+        case WFormat::Q4: return 4;
+        case WFormat::Q8: return 8;
+        case WFormat::F32: return 32;
+        default: return 16;
+    }
+}
+// kernel-name part: "q4", "q8", "bf16", "f16", "f32"
+const char* format_name(WFormat f);
+
+// A [rows, cols] matrix, or a stack of `count` of them (routed experts: [count, rows, cols],
+// contiguous), in device buffers. Quantized: `w` uint32 [count, rows, cols*bits/32], `scales` and
+// `biases` [count, rows, cols/group_size] of bf16 (scales_f32: float32). Dense: `w` [count, rows, cols].
+struct Matrix {
+    WFormat fmt = WFormat::Q4;
+    uint32_t rows = 0, cols = 0, group_size = 0, count = 1;
+    bool scales_f32 = false;
+    Buffer w, scales, biases;
+
+    uint64_t row_bytes() const { return uint64_t(cols) * format_bits(fmt) / 8; }
+    uint64_t srow_bytes() const { return quantized(fmt) ? uint64_t(cols / group_size) * (scales_f32 ? 4 : 2) : 0; }
+    // bytes of one matrix of the stack (weights + scales + biases): what a GEMV over it reads
+    uint64_t matrix_bytes() const { return uint64_t(rows) * (row_bytes() + 2 * srow_bytes()); }
+    // checks the buffers against the shape; throws std::invalid_argument naming `what`
+    void validate(const char* what) const;
+    // "q4_sbf16", "q8_sf32", "bf16", ...: the weight-format part of kernel names
+    std::string variant() const;
+};
+
+namespace ops {
+
+// y[b, :rows] = W x[b, :cols] for b < batch; x [batch, x_stride] (T), y [batch, y_stride] (T, or
+// float with f32_out). Strides default to cols / rows. One dispatch.
+void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch = 1,
+         bool f32_out = false, uint32_t x_stride = 0, uint32_t y_stride = 0);
+
+// y[i, :] = row ids[i] of the table E (dequantized, as T) for i < n; ids uint32 [n] on the device
+// (the decode token slot). One dispatch.
+void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, const Buffer& y);
+
+}  // namespace ops
+}  // namespace qwenmetal::gpu

@@ -1,0 +1,47 @@
+"""Running one host op function (qwenmetal._core.gpu.ops) on the simulator device from a test.
+
+    with run(schedule) as (dev, enc, buf):
+        ops.rmsnorm(enc, "f32", buf(x), buf(w), buf(y), rows, H, 1e-6)
+    # y (a numpy array) now holds the result
+
+``buf(array)`` wraps a C-contiguous numpy array as a device buffer without a copy, so outputs are read
+back from the arrays themselves. The command buffer is committed and waited on when the block exits;
+the simulator's checks (barriers, divergence, uninitialised threadgroup memory, bounds, missing memory
+barriers) raise ``DeviceError`` there. Simulator-verified, hardware-unverified.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+
+from qwenmetal import _core
+
+gpu = _core.gpu
+ops = gpu.ops
+BF16 = ml_dtypes.bfloat16
+SCHEDULES = ["forward", "reverse", "random"]
+ACT = {"f32": np.float32, "bf16": BF16}
+
+
+@contextlib.contextmanager
+def run(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
+    dev = gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records)
+    cb = dev.command_buffer()
+    enc = gpu.Encoder(dev, cb)
+
+    def buf(a: np.ndarray, label: str = ""):
+        if not a.flags.c_contiguous:
+            raise ValueError("buf(): arrays must be C-contiguous (outputs are written in place)")
+        return dev.wrap(a, label)
+
+    yield dev, enc, buf
+    cb.commit()
+    cb.wait()
+
+
+def rel_err(y, ref) -> float:
+    y = np.asarray(y, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))

@@ -817,13 +817,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: prefill 16,64, contexts 16,64, 1 repeat, 4 decode steps, 512 MiB buffer")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--encode-only", action="store_true",
+                   help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
+                        "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s)")
+
+
+def run_encode_only(args: argparse.Namespace) -> dict:
+    """`qwenmetal bench --backend metal-sim --encode-only`: the decode step of the real config, costed."""
+    from .config import ModelConfig
+    from .metal_backend import encode_only_cost
+
+    if args.backend != "metal-sim":
+        raise ValueError("--encode-only needs --backend metal-sim")
+    if args.model:
+        c = ModelConfig.from_file(args.model)
+    else:
+        c = ModelConfig.from_dict(resolve_config(args.config, 40 if args.layers is None and args.config == "real"
+                                                 else args.layers))
+    contexts = _ints(args.contexts) if args.contexts else (4096,)
+    kv = args.kv_dtype or "bfloat16"
+    by_ctx = {str(n): encode_only_cost(c, context=n, kv_dtype=kv) for n in contexts}
+    first = by_ctx[str(contexts[0])]
+    decode = {k: first[k] for k in ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token",
+                                    "floor_bytes", "bytes_vs_floor", "modelled_tok_s")}
+    decode.update(context=contexts[0], level_latency_us=first["level_latency_us"])
+    return {"backend": "metal-sim", "mode": "encode-only", "status": "simulator-verified, hardware-unverified",
+            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
+                       "hidden": c.hidden_size},
+            "decode": decode, "decode_by_context": by_ctx}
+
+
+def format_encode_only(res: Mapping[str, Any]) -> str:
+    c = res["config"]
+    lines = [f"metal-sim encode-only decode step ({res['status']}): {c['layers']} layers, {c['experts']} experts, "
+             f"vocab {c['vocab']}",
+             f"{'context':>8} {'dispatches':>10} {'levels':>7} {'cmdbuf/tok':>10} {'waits/tok':>9} "
+             f"{'MB/token':>9} {'floor MB':>9} {'vs floor':>8}  modelled tok/s"]
+    for ctx, r in res["decode_by_context"].items():
+        tps = ", ".join(f"{chip} {v:.0f}" for chip, v in r["modelled_tok_s"].items())
+        lines.append(f"{ctx:>8} {r['dispatches']:>10} {r['levels']:>7} {r['command_buffers']:>10.2f} "
+                     f"{r['host_waits']:>9.2f} {r['bytes_per_token'] / 1e6:>9.1f} {r['floor_bytes'] / 1e6:>9.1f} "
+                     f"{r['bytes_vs_floor']:>8.3f}  {tps}")
+    lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
+                 "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    return "\n".join(lines)
 
 
 def main_args(args: argparse.Namespace) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
-    res = run(args, log=log)
-    print(format_table(res))
+    if getattr(args, "encode_only", False):
+        res = run_encode_only(args)
+        print(format_encode_only(res))
+    else:
+        res = run(args, log=log)
+        print(format_table(res))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=2)

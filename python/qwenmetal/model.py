@@ -27,6 +27,7 @@ from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
 from .weights import load_weights
 from .cpu_backend import CpuBackend, available as cpu_available
+from .metal_backend import MetalBackend, MetalSimBackend, metal_available, sim_available
 
 PLANNED_BACKENDS = ("cpu", "metal", "metal-sim")
 RETURN_LOGITS = ("last", "all", "none")
@@ -94,9 +95,12 @@ class ReferenceBackend:
 
 
 # name -> factory(weights, **options) returning a backend (see docs/architecture.md)
-BACKENDS = {"reference": ReferenceBackend, **({"cpu": CpuBackend} if cpu_available() else {})}
-# what backend="auto" picks: the first of these that is available
-AUTO_ORDER = ("cpu", "reference")
+BACKENDS = {"reference": ReferenceBackend, **({"cpu": CpuBackend} if cpu_available() else {}),
+            **({"metal-sim": MetalSimBackend} if sim_available() else {}),
+            **({"metal": MetalBackend} if metal_available() else {})}
+# what backend="auto" picks: the first of these that is available (metal only on a Mac with a Metal
+# device; metal-sim never: it is a verification tool, not a fast path)
+AUTO_ORDER = ("metal", "cpu", "reference")
 
 
 def _total_memory() -> int:

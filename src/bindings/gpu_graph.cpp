@@ -1,10 +1,241 @@
-// gpu: the decode graph (src/gpu/forward.cpp) as the engine of the metal-sim / metal backends.
+// gpu: the decode graph (src/gpu/forward.cpp) as the engine of the metal-sim / metal backends
+// (python/qwenmetal/metal_backend.py): GpuEngine, GpuState. Compute releases the GIL.
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "bindings/config.h"
 #include "bindings/gpu.h"
+#include "gpu/model.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace qwenmetal::bindings {
 
-void register_gpu_graph(nb::module_& g) { (void)g; }
+using namespace qwenmetal::gpu;
+
+namespace {
+
+DType dtype_of(const std::string& s) {
+    if (s == "float32") return DType::F32;
+    if (s == "float16") return DType::F16;
+    if (s == "bfloat16") return DType::BF16;
+    throw std::invalid_argument("weights table: unsupported dtype " + s);
+}
+
+Span span_of(nb::handle h) {
+    if (h.is_none()) return Span();
+    nb::tuple t = nb::cast<nb::tuple>(h);
+    return Span{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2])};
+}
+
+// mappings: [(name, address or 0, nbytes)]; tensors: {name: {bits, group_size, dtype, sdtype, shape,
+// data: (mapping, offset, nbytes), scales, biases}}
+WeightTable parse_table(const nb::list& mappings, const nb::dict& tensors) {
+    WeightTable w;
+    for (nb::handle h : mappings) {
+        nb::tuple t = nb::cast<nb::tuple>(h);
+        w.mappings.push_back(Mapping{nb::cast<std::string>(t[0]),
+                                     reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[1])), nb::cast<uint64_t>(t[2])});
+    }
+    for (auto [k, v] : tensors) {
+        nb::dict d = nb::cast<nb::dict>(v);
+        WeightDesc x;
+        x.bits = nb::cast<int>(d["bits"]);
+        x.group_size = nb::cast<int>(d["group_size"]);
+        x.dtype = dtype_of(nb::cast<std::string>(d["dtype"]));
+        x.sdtype = dtype_of(nb::cast<std::string>(d["sdtype"]));
+        for (nb::handle s : nb::cast<nb::list>(d["shape"])) x.shape.push_back(nb::cast<int64_t>(s));
+        x.data = span_of(d["data"]);
+        x.scales = span_of(d["scales"]);
+        x.biases = span_of(d["biases"]);
+        for (const Span* s : {&x.data, &x.scales, &x.biases})
+            if (s->present() && size_t(s->mapping) >= w.mappings.size())
+                throw std::invalid_argument("weights table: tensor '" + nb::cast<std::string>(k) + "' names mapping " +
+                                            std::to_string(s->mapping) + " of " + std::to_string(w.mappings.size()));
+        w.tensors[nb::cast<std::string>(k)] = std::move(x);
+    }
+    return w;
+}
+
+struct PyGpuEngine {
+    std::shared_ptr<GpuModel> model;
+    std::unique_ptr<GpuEngine> engine;
+    nb::object keepalive;     // the numpy arrays (mmap views) the mappings point into
+};
+
+nb::ndarray<nb::numpy, float> new_f32(std::vector<size_t> shape) {
+    size_t n = 1;
+    for (size_t s : shape) n *= s;
+    float* p = new float[n ? n : 1];
+    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<float*>(q); });
+    return nb::ndarray<nb::numpy, float>(p, shape.size(), shape.data(), owner);
+}
+
+template <class T>
+nb::ndarray<nb::numpy, T> copy_out(const void* src, std::vector<size_t> shape) {
+    size_t n = 1;
+    for (size_t s : shape) n *= s;
+    T* p = new T[n ? n : 1];
+    if (n) std::memcpy(p, src, n * sizeof(T));
+    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<T*>(q); });
+    return nb::ndarray<nb::numpy, T>(p, shape.size(), shape.data(), owner);
+}
+
+void need_host(const Buffer& b, const char* what) {
+    if (!b.data()) throw std::invalid_argument(std::string("metal backend: ") + what + " has no host contents (encode-only)");
+}
+
+}  // namespace
+
+void register_gpu_graph(nb::module_& g) {
+    nb::class_<GpuState>(g, "GpuState")
+        .def_prop_ro("position", [](const GpuState& s) { return s.position; })
+        .def_prop_ro("nbytes", &GpuState::nbytes)
+        .def_prop_ro("capacity", &GpuState::capacity)
+        .def("copy", [](const GpuState& s) { return std::make_unique<GpuState>(s); })
+        .def("reset", &GpuState::reset)
+        // costing at a context length without computing it (encode-only states hold no contents)
+        .def("_set_position", [](GpuState& s, int64_t p) {
+            if (p < 0) throw std::invalid_argument("position must be >= 0");
+            s.reserve(p + 1);
+            s.position = p;
+        })
+        // (position, [K, V of each attention layer as u8 [n_kv * position * head_row]], [conv f32], [ssm f32])
+        .def("_export", [](const GpuState& s) {
+            nb::list kv, conv, ssm;
+            const uint64_t hr = s.kv_head_row_bytes(), P = uint64_t(s.position), cap = s.capacity();
+            for (const ops::KVCache& c : s.kv)
+                for (const Buffer* b : {&c.k, &c.v}) {
+                    need_host(*b, "the KV cache");
+                    std::vector<uint8_t> rows(s.kv_heads() * P * hr);
+                    for (uint32_t h = 0; h < s.kv_heads(); ++h)
+                        std::memcpy(rows.data() + h * P * hr, b->as<uint8_t>() + h * cap * hr, P * hr);
+                    kv.append(copy_out<uint8_t>(rows.data(), {rows.size()}));
+                }
+            for (size_t i = 0; i < s.conv.size() / 2; ++i) {
+                need_host(s.conv_in(i), "the conv state");
+                conv.append(copy_out<float>(s.conv_in(i).data(), {size_t(s.conv_in(i).length / 4)}));
+                ssm.append(copy_out<float>(s.ssm_in(i).data(), {size_t(s.ssm_in(i).length / 4)}));
+            }
+            return nb::make_tuple(s.position, kv, conv, ssm);
+        })
+        // the inverse of _export, on a fresh state
+        .def("_import", [](GpuState& s, int64_t position, nb::list kv, nb::list conv, nb::list ssm) {
+            using U8 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+            using F32 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+            if (kv.size() != 2 * s.kv.size() || conv.size() != s.conv.size() / 2 || ssm.size() != s.ssm.size() / 2)
+                throw std::invalid_argument("metal backend: state arrays do not match the model's layers");
+            s.reserve(std::max<int64_t>(position, 1));
+            const uint64_t hr = s.kv_head_row_bytes(), P = uint64_t(position), cap = s.capacity();
+            for (size_t i = 0; i < s.kv.size(); ++i)
+                for (int j = 0; j < 2; ++j) {
+                    U8 a = nb::cast<U8>(kv[2 * i + j]);
+                    const Buffer& dst = j ? s.kv[i].v : s.kv[i].k;
+                    need_host(dst, "the KV cache");
+                    if (a.shape(0) != s.kv_heads() * P * hr)
+                        throw std::invalid_argument("metal backend: KV array of the wrong size");
+                    for (uint32_t h = 0; h < s.kv_heads(); ++h)
+                        std::memcpy(dst.as<uint8_t>() + h * cap * hr, a.data() + h * P * hr, P * hr);
+                }
+            for (size_t i = 0; i < s.conv.size() / 2; ++i) {
+                F32 c = nb::cast<F32>(conv[i]);
+                F32 r = nb::cast<F32>(ssm[i]);
+                if (c.size() * 4 != s.conv_in(i).length || r.size() * 4 != s.ssm_in(i).length)
+                    throw std::invalid_argument("metal backend: GDN state array of the wrong size");
+                need_host(s.conv_in(i), "the conv state");
+                std::memcpy(s.conv_in(i).data(), c.data(), s.conv_in(i).length);
+                std::memcpy(s.ssm_in(i).data(), r.data(), s.ssm_in(i).length);
+            }
+            s.position = position;
+        });
+
+    nb::class_<PyGpuEngine>(g, "GpuEngine")
+        .def("__init__",
+             [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
+                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep) {
+                 Config c = parse_config(config);
+                 WeightTable w = parse_table(mappings, tensors);
+                 GpuOptions o;
+                 o.act = parse_act(act);
+                 o.kv_f32 = kv_f32;
+                 for (auto [k, v] : policy) {
+                     const std::string key = nb::cast<std::string>(k);
+                     if (key == "single_pass_max") o.attn.single_pass_max = nb::cast<uint32_t>(v);
+                     else if (key == "split_max") o.attn.split_max = nb::cast<uint32_t>(v);
+                     else if (key == "split_block") o.attn.split_block = nb::cast<uint32_t>(v);
+                     else if (key == "long_block") o.attn.long_block = nb::cast<uint32_t>(v);
+                     else if (key == "gqa_pack") o.attn.gqa_pack = nb::cast<bool>(v);
+                     else if (key == "kv_block") o.kv_block = nb::cast<uint32_t>(v);
+                     else throw std::invalid_argument("unknown attention policy key '" + key + "'");
+                 }
+                 new (self) PyGpuEngine();
+                 {
+                     nb::gil_scoped_release r;
+                     self->model = std::make_shared<GpuModel>(dev, c, w, o);
+                     self->engine = std::make_unique<GpuEngine>(self->model);
+                 }
+                 self->keepalive = keep;
+             },
+             "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a)
+        .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
+        .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                           const std::string& logits) {
+            int want;
+            if (logits == "none") want = 0;
+            else if (logits == "last") want = 1;
+            else if (logits == "all") want = 2;
+            else throw std::invalid_argument("logits must be 'last', 'all' or 'none', got '" + logits + "'");
+            const int64_t n = int64_t(ids.shape(0));
+            const size_t V = size_t(e.model->config().vocab);
+            nb::object out = nb::none();
+            float* dst = nullptr;
+            if (want) {
+                auto a = want == 2 ? new_f32({size_t(n), V}) : new_f32({V});
+                dst = a.data();
+                out = nb::cast(a);
+            }
+            {
+                nb::gil_scoped_release r;
+                e.engine->forward(s, ids.data(), n, want, dst);
+            }
+            return out;
+        }, "state"_a, "ids"_a, "logits"_a)
+        .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
+                          uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
+                          bool pipelined) {
+            SamplingConfig sc;
+            sc.greedy = greedy;
+            sc.params.temperature = temperature;
+            sc.params.top_k = top_k;
+            sc.params.top_p = top_p;
+            sc.params.min_p = min_p;
+            sc.params.seed = seed;
+            nb::gil_scoped_release r;
+            return e.engine->decode(s, first, n, sc, stop_ids, pipelined);
+        }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
+           "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true)
+        .def("encode_cost", [](PyGpuEngine& e, GpuState& s) {
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->encode_cost(s);
+            }
+            nb::dict d;
+            d["dispatches"] = c.dispatches;
+            d["levels"] = c.levels;
+            d["command_buffers"] = c.command_buffers;
+            d["bytes_read"] = c.bytes_read;
+            d["bytes_written"] = c.bytes_written;
+            return d;
+        }, "state"_a)
+        .def_prop_ro("device", [](PyGpuEngine& e) { return e.model->device_ptr(); })
+        .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })
+        .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); });
+}
 
 }  // namespace qwenmetal::bindings

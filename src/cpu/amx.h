@@ -5,7 +5,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "core/tensor.h"
+#include "cpu/tensor.h"
 #include "cpu/kernels.h"
 
 namespace qwenmetal::cpu {

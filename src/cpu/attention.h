@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "core/threadpool.h"
+#include "cpu/threadpool.h"
 #include "cpu/quant.h"
 
 namespace qwenmetal::cpu {

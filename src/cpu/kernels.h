@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "core/tensor.h"
+#include "cpu/tensor.h"
 
 namespace qwenmetal::cpu {
 

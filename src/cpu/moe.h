@@ -9,8 +9,8 @@
 #pragma once
 #include <cstdint>
 
-#include "core/tensor.h"
-#include "core/threadpool.h"
+#include "cpu/tensor.h"
+#include "cpu/threadpool.h"
 #include "cpu/quant.h"
 
 namespace qwenmetal::cpu {

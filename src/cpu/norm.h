@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "core/threadpool.h"
+#include "cpu/threadpool.h"
 
 namespace qwenmetal::cpu {
 

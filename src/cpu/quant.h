@@ -18,8 +18,8 @@
 #include <memory>
 #include <vector>
 
-#include "core/tensor.h"
-#include "core/threadpool.h"
+#include "cpu/tensor.h"
+#include "cpu/threadpool.h"
 #include "cpu/kernels.h"
 
 namespace qwenmetal::cpu {

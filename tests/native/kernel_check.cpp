@@ -2,7 +2,7 @@
 // Not part of the pytest run (the Python tests cover all x86 tables through qwenmetal._core); this is how
 // the NEON path is checked from an x86 machine:
 //   aarch64-linux-gnu-g++ -std=c++17 -O2 -static -Isrc tests/native/kernel_check.cpp src/cpu/kernels_portable.cpp \
-//       src/cpu/kernels_x86.cpp src/cpu/quant.cpp src/core/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 /tmp/kc
+//       src/cpu/kernels_x86.cpp src/cpu/quant.cpp src/cpu/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 /tmp/kc
 #include <cmath>
 #include <cstdio>
 #include <random>

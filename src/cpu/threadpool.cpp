@@ -1,4 +1,4 @@
-#include "core/threadpool.h"
+#include "cpu/threadpool.h"
 
 #include <chrono>
 #include <fstream>

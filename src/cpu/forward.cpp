@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "core/engine.h"
+#include "cpu/engine.h"
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
 #include "cpu/moe.h"

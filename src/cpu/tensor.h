@@ -1,4 +1,4 @@
-// Weight descriptors shared by the C++ backends: a matrix is either dense (bf16/f16/f32) or MLX
+// Weight descriptors of the CPU engine (pointers into memory it can read): a matrix is either dense (bf16/f16/f32) or MLX
 // affine-quantized (4 or 8 bits, per-group scale and bias). Descriptors point into memory owned
 // elsewhere (the mmap'd checkpoint, kept alive by Python, or buffers the engine owns after
 // quantizing at load); nothing here copies weights.
@@ -13,57 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace qwenmetal {
-
-enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
-
-inline size_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
-
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// round to nearest even (NaN kept quiet)
-inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return uint16_t(u >> 16);
-}
-
-inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
-    if (exp == 0) {
-        if (mant == 0) {
-            u = sign;
-        } else {                       // subnormal: normalise
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400u)) { mant <<= 1; --exp; }
-            mant &= 0x3ffu;
-            u = sign | (exp << 23) | (mant << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (mant << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline float load_scalar(const void* p, DType d, size_t i) {
-    switch (d) {
-        case DType::F32: return static_cast<const float*>(p)[i];
-        case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-        default: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    }
-}
 
 // One [rows, cols] matrix, y = W x. Rows are contiguous: a dense row is `cols` values, a quantized
 // row is cols*bits/32 uint32 words plus cols/group_size scales and biases.

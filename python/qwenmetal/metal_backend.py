@@ -1,0 +1,369 @@
+"""The Metal backends: the C++ decode graph (``src/gpu/``) on a GPU device.
+
+* ``backend="metal"`` (macOS, Apple Silicon): the graph on the real GPU through ``MetalDevice``.
+* ``backend="metal-sim"`` (every platform): the same graph and the same kernels executed by the
+  Metal-on-CPU simulator (``SimDevice``), with its checks on (barriers, divergence, uninitialised
+  threadgroup memory, bounds, missing memory barriers between dispatches). It is slow — a tiny model
+  runs a few tokens per second — and exists to verify the graph in CI.
+
+Everything Metal is **simulator-verified, hardware-unverified** until a Mac has run it
+(docs/mac-first-run.md).
+
+Options (``Model.load(path, backend="metal-sim", **options)``):
+
+* ``dtype``: activation type of every kernel, ``"bfloat16"`` (default, production) or ``"float32"``
+  (exact comparisons with the float32 reference).
+* ``kv_dtype``: KV cache element type, ``"bfloat16"`` (default) or ``"float32"``; ``dtype="float32"``
+  defaults it to ``"float32"``.
+* ``attention``: overrides of the decode-attention policy, e.g. ``{"single_pass_max": 8}`` (tests use
+  it to reach every route on short contexts).
+* metal-sim only: ``schedule`` (``"forward"``, ``"reverse"``, ``"random"``: the order the simulator
+  runs the threads of a threadgroup in) and ``seed``.
+
+Prefill runs token by token through the decode graph (one command buffer per token). Weights are used
+in place: each safetensors file is one device buffer wrapping its memory map, tensors are bound by
+offset (``weight_table``); the stacked projections are built at load (their bytes are reported as
+``copied_bytes``).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .cpu_backend import config_dict
+from .weights import QuantizedTensor, Weights
+
+DTYPES = ("bfloat16", "float32")
+_NP_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+             np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+
+
+def _core():
+    from . import _core
+    return _core
+
+
+# ------------------------------------------------------------------------------------------ weights table
+def _ptr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _root_buffer(a: np.ndarray):
+    """The object whose memory `a` views (an mmap for tensors read from a safetensors file), or None."""
+    b = a
+    while isinstance(b, np.ndarray) and b.base is not None:
+        b = b.base
+    if isinstance(b, memoryview):
+        return b.obj
+    return None
+
+
+class _Table:
+    """Builds the (mappings, tensors) pair the C++ weights table is made from (src/core/weights.h)."""
+
+    def __init__(self):
+        self.mappings: list[tuple[str, int, int]] = []
+        self.tensors: dict[str, dict] = {}
+        self.keep: list = []
+        self._by_id: dict[int, int] = {}
+
+    def span(self, a: np.ndarray, name: str):
+        if not (a.flags.c_contiguous):
+            a = np.ascontiguousarray(a)
+        root = _root_buffer(a)
+        if root is not None and not isinstance(root, (bytes, bytearray)):
+            key = id(root)
+            if key not in self._by_id:
+                base = np.frombuffer(root, np.uint8)
+                self._by_id[key] = len(self.mappings)
+                self.mappings.append((getattr(root, "name", "") or f"mapping {len(self.mappings)}", _ptr(base),
+                                      int(base.nbytes)))
+                self.keep.append(base)
+            m = self._by_id[key]
+            _, base_ptr, size = self.mappings[m]
+            off = _ptr(a) - base_ptr
+            if 0 <= off and off + a.nbytes <= size:
+                self.keep.append(a)
+                return (m, off, int(a.nbytes))
+        # a tensor the loader built (converted, stacked, shifted): a mapping of its own
+        a = np.ascontiguousarray(a)
+        self.keep.append(a)
+        self.mappings.append((name, _ptr(a), int(a.nbytes)))
+        return (len(self.mappings) - 1, 0, int(a.nbytes))
+
+    def add(self, name: str, t) -> None:
+        if isinstance(t, QuantizedTensor):
+            s = t.scales
+            self.tensors[name] = dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_NP_DTYPE[s.dtype],
+                                      shape=list(t.shape), data=self.span(t.weight, name + ".weight"),
+                                      scales=self.span(s, name + ".scales"), biases=self.span(t.biases, name + ".biases"))
+            return
+        a = np.asarray(t)
+        if a.dtype not in _NP_DTYPE:
+            a = a.astype(np.float32)
+        self.tensors[name] = dict(bits=0, group_size=0, dtype=_NP_DTYPE[a.dtype], sdtype="bfloat16", shape=list(a.shape),
+                                  data=self.span(a, name), scales=None, biases=None)
+
+
+def weight_table(weights: Weights):
+    """(mappings, tensors, keep): every canonical tensor as {mapping, offset, dtype, shape, bits, group}.
+    One mapping per safetensors file (the tensors viewing it are bound by offset), one per array the loader
+    had to build; ``keep`` holds the arrays the mappings point into."""
+    t = _Table()
+    for name, v in weights.tensors.items():
+        t.add(name, v)
+    return t.mappings, t.tensors, t.keep
+
+
+def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bits: int = 8):
+    """The weights table of a checkpoint in the MLX 4-bit layout of ``config`` (mlx-community's
+    conversion: every linear at ``bits``/``group_size`` with bf16 scales, the router and
+    shared_expert_gate at ``router_bits``; norms and GDN vectors dense), over virtual mappings: for
+    costing the real model on an encode-only device without its weights. Returns (mappings, tensors,
+    sizes) with sizes = canonical name -> bytes."""
+    c = config
+    tensors: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+    mappings = [("virtual checkpoint", 0, 0)]
+    cursor = [0]
+
+    def span(nbytes: int):
+        off = cursor[0]
+        cursor[0] += (nbytes + 63) // 64 * 64
+        return (0, off, int(nbytes))
+
+    def lin(name, rows, cols, lead=(), b=bits):
+        n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        wb = n * rows * cols * b // 8
+        sb = n * rows * (cols // group_size) * 2
+        tensors[name] = dict(bits=b, group_size=group_size, dtype="float32", sdtype="bfloat16",
+                             shape=[*lead, rows, cols], data=span(wb), scales=span(sb), biases=span(sb))
+        sizes[name] = wb + 2 * sb
+
+    def vec(name, *shape, dtype="bfloat16"):
+        n = int(np.prod(shape, dtype=np.int64)) * (4 if dtype == "float32" else 2)
+        tensors[name] = dict(bits=0, group_size=0, dtype=dtype, sdtype="bfloat16", shape=list(shape), data=span(n),
+                             scales=None, biases=None)
+        sizes[name] = n
+
+    H, V = c.hidden_size, c.vocab_size
+    lin("embed_tokens", V, H)
+    if not c.tie_word_embeddings:
+        lin("lm_head", V, H)
+    vec("norm", H)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        vec(p + "input_layernorm", H)
+        vec(p + "post_attention_layernorm", H)
+        if c.is_full_attention(i):
+            a = p + "self_attn."
+            q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+            lin(a + "q_proj", q_rows, H)
+            lin(a + "k_proj", c.num_key_value_heads * c.head_dim, H)
+            lin(a + "v_proj", c.num_key_value_heads * c.head_dim, H)
+            lin(a + "o_proj", H, c.num_attention_heads * c.head_dim)
+            vec(a + "q_norm", c.head_dim)
+            vec(a + "k_norm", c.head_dim)
+        else:
+            g = p + "linear_attn."
+            lin(g + "in_proj_qkv", c.conv_dim, H)
+            lin(g + "in_proj_z", c.value_dim, H)
+            lin(g + "in_proj_b", c.linear_num_value_heads, H)
+            lin(g + "in_proj_a", c.linear_num_value_heads, H)
+            lin(g + "out_proj", H, c.value_dim)
+            vec(g + "conv1d", c.conv_dim, c.linear_conv_kernel_dim)
+            vec(g + "A_log", c.linear_num_value_heads, dtype="float32")
+            vec(g + "dt_bias", c.linear_num_value_heads)
+            vec(g + "norm", c.linear_value_head_dim)
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            E, inter = c.num_experts, c.moe_intermediate_size
+            lin(m + "gate", E, H, b=router_bits)
+            lin(m + "switch_mlp.gate_proj", inter, H, (E,))
+            lin(m + "switch_mlp.up_proj", inter, H, (E,))
+            lin(m + "switch_mlp.down_proj", H, inter, (E,))
+            if c.shared_expert_intermediate_size:
+                s = c.shared_expert_intermediate_size
+                lin(m + "shared_expert.gate_proj", s, H)
+                lin(m + "shared_expert.up_proj", s, H)
+                lin(m + "shared_expert.down_proj", H, s)
+                lin(m + "shared_expert_gate", 1, H, b=router_bits)
+        else:
+            lin(m + "gate_proj", c.intermediate_size, H)
+            lin(m + "up_proj", c.intermediate_size, H)
+            lin(m + "down_proj", H, c.intermediate_size)
+    mappings[0] = ("virtual checkpoint", 0, cursor[0])
+    return mappings, tensors, sizes
+
+
+# ------------------------------------------------------------------------------------------ backends
+class _GpuBackend:
+    """What metal and metal-sim share: the engine on a device, the state, Session.save/load."""
+
+    name = ""
+
+    def __init__(self, weights: Weights, device, dtype: str = "bfloat16", kv_dtype: str | None = None,
+                 attention: dict | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if kv_dtype is None:
+            kv_dtype = dtype
+        if kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype must be one of {DTYPES}, got {kv_dtype!r}")
+        self.weights = weights
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.attention = dict(attention or {})
+        mappings, tensors, keep = weight_table(weights)
+        self.device = device
+        self.engine = _core().gpu.GpuEngine(device, config_dict(weights.config), mappings, tensors,
+                                            "f32" if dtype == "float32" else "bf16", kv_dtype == "float32",
+                                            self.attention, keep)
+
+    def new_state(self):
+        return self.engine.new_state()
+
+    def forward(self, state, ids: np.ndarray, logits: str):
+        """Run `ids` on `state` in place (all-or-nothing) and return (state, logits)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        return state, self.engine.forward(state, ids, logits)
+
+    def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True) -> list:
+        """Generate up to `n` tokens after input token `first`, sampled on the GPU (argmax when
+        temperature is 0), one command buffer per token with two in flight; stops after a stop id."""
+        return self.engine.decode(state, int(first), int(n), greedy=temperature == 0, temperature=float(temperature),
+                                  top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed),
+                                  stop_ids=[int(t) for t in stop_ids], pipelined=pipelined)
+
+    # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
+    def state_to_arrays(self, state) -> dict:
+        c = self.weights.config
+        position, kv, conv, ssm = state._export()
+        nkv, hd = c.num_key_value_heads, c.head_dim
+        kv_t = np.float32 if self.kv_dtype == "float32" else ml_dtypes.bfloat16
+        out = {"position": np.array([position], dtype=np.int64)}
+        for j, i in enumerate(c.full_attention_layers):
+            for n, a in (("key", kv[2 * j]), ("value", kv[2 * j + 1])):
+                out[f"layers.{i}.{n}"] = a.view(kv_t).reshape(nkv, position, hd).copy()
+        shape = (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
+        for j, i in enumerate(c.linear_attention_layers):
+            out[f"layers.{i}.conv"] = conv[j].reshape(c.linear_conv_kernel_dim - 1, c.conv_dim)
+            out[f"layers.{i}.ssm"] = ssm[j].reshape(shape)
+        return out
+
+    def state_from_arrays(self, arrays: dict):
+        c = self.weights.config
+        position = int(np.asarray(arrays["position"]).reshape(-1)[0])
+        kv_t = np.float32 if self.kv_dtype == "float32" else ml_dtypes.bfloat16
+        kv = []
+        for i in c.full_attention_layers:
+            for n in ("key", "value"):
+                a = np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t))   # [nkv, P, hd]
+                kv.append(a.reshape(-1).view(np.uint8))
+        conv = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.conv"], np.float32).reshape(-1))
+                for i in c.linear_attention_layers]
+        ssm = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.ssm"], np.float32).reshape(-1))
+               for i in c.linear_attention_layers]
+        st = self.new_state()
+        st._import(position, kv, conv, ssm)
+        return st
+
+    def info(self) -> dict:
+        return {"device": dict(self.device.info), "dtype": self.dtype, "kv_dtype": self.kv_dtype,
+                "weight_bytes": self.engine.weight_bytes, "copied_bytes": self.engine.copied_bytes,
+                "status": "simulator-verified, hardware-unverified"}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype!r}, kv_dtype={self.kv_dtype!r}, device={self.device.info['name']!r})"
+
+
+class MetalSimBackend(_GpuBackend):
+    """The Metal graph and kernels executed by the Metal-on-CPU simulator (every platform)."""
+
+    name = "metal-sim"
+
+    def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
+                 attention: dict | None = None, schedule: str = "forward", seed: int = 0):
+        dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
+        self.schedule = schedule
+        super().__init__(weights, dev, dtype, kv_dtype, attention)
+
+
+class MetalBackend(_GpuBackend):
+    """The Metal graph on this Mac's GPU (macOS builds only)."""
+
+    name = "metal"
+
+    def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
+                 attention: dict | None = None):
+        super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention)
+
+
+def sim_available() -> bool:
+    try:
+        return hasattr(_core(), "gpu")
+    except ImportError:
+        return False
+
+
+def metal_available() -> bool:
+    """True on a macOS build with a Metal device."""
+    try:
+        g = _core().gpu
+    except (ImportError, AttributeError):
+        return False
+    if not hasattr(g, "MetalDevice"):
+        return False
+    try:
+        return bool(g.metal_device_available())
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ costing
+def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                     tokens: int = 4, attention: dict | None = None) -> dict:
+    """Encode decode steps of ``config`` (a ModelConfig) on an encode-only simulator device with virtual
+    weights (the MLX 4-bit layout) at ``context`` cached tokens, and report what one step costs:
+    dispatches, dependency levels, command buffers and host waits per token of the pipelined decode loop,
+    bytes per token as declared by the host functions against the floor (weights touched + GDN state + KV)."""
+    from .bench import decode_bytes
+    core = _core()
+    mappings, tensors, sizes = virtual_weight_table(config)
+    dev = core.gpu.SimDevice(execute=False)
+    eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+                             kv_dtype == "float32", dict(attention or {}), [])
+    st = eng.new_state()
+    st_ctx = _at_position(st, context)
+    step = eng.encode_cost(st_ctx)
+    dev.reset_counters()
+    eng.decode(st_ctx, 0, int(tokens), greedy=True)
+    k = dev.counters()
+    floor = decode_bytes(config, sizes, context, kv_element_bytes=4 if kv_dtype == "float32" else 2)
+    moved = int(step["bytes_read"] + step["bytes_written"])
+    return {"dispatches": int(step["dispatches"]), "levels": int(step["levels"]),
+            "command_buffers": k["command_buffers"] / tokens, "host_waits": k["host_waits"] / tokens,
+            "bytes_per_token": moved, "floor_bytes": int(floor["total"]), "bytes_vs_floor": moved / floor["total"],
+            "modelled_tok_s": modelled_tok_s(moved, int(step["levels"])), "level_latency_us": LEVEL_LATENCY_S * 1e6,
+            "floor": floor, "context": int(context)}
+
+
+def _at_position(state, position: int):
+    """An encode-only state whose position is `position` (the KV cache reserved for it)."""
+    state._set_position(int(position))
+    return state
+
+
+# Memory bandwidth of the Max chips (Apple's figures) and the per-level latency of the model below.
+CHIP_BANDWIDTH_GBS = {"M1 Max": 400.0, "M2 Max": 400.0, "M3 Max": 400.0, "M4 Max": 546.0, "M5 Max": 614.0}
+# Calibrated from Lily's published decode on an M5 Max (prior-art A.14 / D.2): 194 tok/s at 256 tokens of
+# context = 5.15 ms per token for about 1.80 GB moved (1.67 GB weights + 126 MB GDN state + KV), which is
+# 2.93 ms at the full 614 GB/s; the other 2.22 ms over Lily's ~555 dependency levels is ~4 us per level.
+# (Assumes Lily's bandwidth-bound kernels stream at the chip's full rate: the latency is an upper estimate.)
+LEVEL_LATENCY_S = 4.0e-6
+
+
+def modelled_tok_s(bytes_per_token: float, levels: int, latency_s: float = LEVEL_LATENCY_S) -> dict:
+    """tokens/s = 1 / (bytes / bandwidth + levels * latency) for each chip of CHIP_BANDWIDTH_GBS."""
+    return {chip: 1.0 / (bytes_per_token / (bw * 1e9) + levels * latency_s) for chip, bw in CHIP_BANDWIDTH_GBS.items()}

@@ -1,0 +1,320 @@
+// GpuModel (weights on the device) and GpuState (one sequence's device state).
+#include <algorithm>
+#include <cstring>
+
+#include "gpu/model.h"
+
+namespace qwenmetal::gpu {
+
+namespace {
+
+WFormat format_of(const WeightDesc& d) {
+    if (d.bits == 4) return WFormat::Q4;
+    if (d.bits == 8) return WFormat::Q8;
+    if (d.bits != 0) throw std::invalid_argument("metal backend: " + std::to_string(d.bits) + "-bit weights are not supported");
+    switch (d.dtype) {
+        case DType::BF16: return WFormat::BF16;
+        case DType::F16: return WFormat::F16;
+        default: return WFormat::F32;
+    }
+}
+
+bool same_layout(const Matrix& a, const Matrix& b) {
+    return a.fmt == b.fmt && a.cols == b.cols && a.group_size == b.group_size && a.scales_f32 == b.scales_f32 &&
+           a.count == 1 && b.count == 1;
+}
+
+void store_act(Act t, float v, uint8_t* dst, size_t i) {
+    if (t == Act::F32) {
+        std::memcpy(dst + 4 * i, &v, 4);
+    } else {
+        const uint16_t h = f32_to_bf16(v);
+        std::memcpy(dst + 2 * i, &h, 2);
+    }
+}
+
+constexpr uint64_t kAlign = 16;   // vector loads of weights / scales
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// GpuModel
+// ------------------------------------------------------------------------------------------------
+Buffer GpuModel::owned(uint64_t bytes, const std::string& label) {
+    Buffer b = dev_->alloc(bytes, label);
+    copied_bytes_ += bytes;
+    return b;
+}
+
+Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& what) {
+    if (!s.present()) throw std::invalid_argument("metal backend: tensor '" + what + "' has no data");
+    const Mapping& mp = w.mappings.at(size_t(s.mapping));
+    if (s.offset + s.nbytes > mp.size)
+        throw std::invalid_argument("metal backend: tensor '" + what + "' lies outside its mapping " + mp.name);
+    weight_bytes_ += s.nbytes;
+    if (s.offset % kAlign == 0) return maps_[size_t(s.mapping)].view(s.offset, s.nbytes);
+    // a tensor whose offset in its file is not 16-byte aligned: one aligned copy
+    Buffer b = owned(s.nbytes, what);
+    if (const uint8_t* src = w.host(s)) std::memcpy(b.data(), src, s.nbytes);
+    return b;
+}
+
+Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
+    const WeightDesc& d = w.get(name);
+    if (d.shape.size() < 2) throw std::invalid_argument("metal backend: '" + name + "' is not a matrix");
+    Matrix m;
+    m.fmt = format_of(d);
+    m.rows = uint32_t(d.rows());
+    m.cols = uint32_t(d.cols());
+    m.count = uint32_t(d.count());
+    m.group_size = uint32_t(d.group_size);
+    m.w = span(w, d.data, name + ".weight");
+    if (quantized(m.fmt)) {
+        if (d.sdtype == DType::F16) {
+            // the kernels read bf16 or f32 scales: f16 ones are widened to f32 once (exact)
+            m.scales_f32 = true;
+            const uint64_t n = d.scales.nbytes / 2;
+            Buffer parts[2] = {owned(n * 4, name + ".scales"), owned(n * 4, name + ".biases")};
+            const Span* src[2] = {&d.scales, &d.biases};
+            for (int i = 0; i < 2; ++i) {
+                const uint8_t* h = w.host(*src[i]);
+                float* out = parts[i].as<float>();
+                if (h && out)
+                    for (uint64_t j = 0; j < n; ++j) out[j] = load_scalar(h, DType::F16, j);
+            }
+            m.scales = parts[0];
+            m.biases = parts[1];
+        } else {
+            m.scales_f32 = d.sdtype == DType::F32;
+            m.scales = span(w, d.scales, name + ".scales");
+            m.biases = span(w, d.biases, name + ".biases");
+        }
+    }
+    m.validate(name.c_str());
+    return m;
+}
+
+Stacked GpuModel::stacked(const WeightTable& w, const std::vector<std::string>& names) {
+    std::vector<Matrix> parts;
+    for (const std::string& n : names) parts.push_back(matrix(w, n));
+    Stacked st;
+    for (const Matrix& p : parts) st.rows += p.rows;
+    bool same = true;
+    for (const Matrix& p : parts) same = same && same_layout(p, parts[0]);
+    if (!same || parts.size() == 1) {
+        st.parts = std::move(parts);
+        return st;
+    }
+    // one matrix: rows concatenated (weights, scales and biases separately)
+    Matrix m = parts[0];
+    m.rows = st.rows;
+    const std::string label = names[0] + "+" + std::to_string(names.size() - 1);
+    m.w = owned(uint64_t(m.rows) * m.row_bytes(), label + ".weight");
+    if (quantized(m.fmt)) {
+        m.scales = owned(uint64_t(m.rows) * m.srow_bytes(), label + ".scales");
+        m.biases = owned(uint64_t(m.rows) * m.srow_bytes(), label + ".biases");
+    }
+    uint64_t wo = 0, so = 0;
+    for (const Matrix& p : parts) {
+        const uint64_t wb = uint64_t(p.rows) * p.row_bytes(), sb = uint64_t(p.rows) * p.srow_bytes();
+        if (m.w.data() && p.w.data()) {
+            std::memcpy(m.w.as<uint8_t>() + wo, p.w.data(), wb);
+            if (sb) {
+                std::memcpy(m.scales.as<uint8_t>() + so, p.scales.data(), sb);
+                std::memcpy(m.biases.as<uint8_t>() + so, p.biases.data(), sb);
+            }
+        }
+        wo += wb;
+        so += sb;
+    }
+    st.parts = {m};
+    return st;
+}
+
+Buffer GpuModel::small(const WeightTable& w, const std::string& name, bool f32, int64_t expect) {
+    const WeightDesc& d = w.get(name);
+    int64_t n = 1;
+    for (int64_t s : d.shape) n *= s;
+    if (d.bits != 0 || n != expect)
+        throw std::invalid_argument("metal backend: '" + name + "' must be a dense tensor of " + std::to_string(expect) +
+                                    " values");
+    const Act t = f32 ? Act::F32 : opt_.act;
+    Buffer b = owned(uint64_t(n) * act_size(t), name);
+    const uint8_t* src = w.host(d.data);
+    if (src && b.data())
+        for (int64_t i = 0; i < n; ++i) store_act(t, load_scalar(src, d.dtype, size_t(i)), b.as<uint8_t>(), size_t(i));
+    return b;
+}
+
+GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt)
+    : dev_(std::move(dev)), cfg_(c), opt_(opt) {
+    cfg_.validate();
+    const bool virt = w.is_virtual();
+    if (virt && dev_->info().executes)
+        throw std::invalid_argument("metal backend: a virtual weights table can only be encoded (encode-only device)");
+    for (const Mapping& mp : w.mappings) {
+        if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
+        else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr));
+    }
+    const int64_t H = c.hidden;
+    embed = matrix(w, "embed_tokens");
+    lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : matrix(w, "lm_head");
+    final_norm = small(w, "norm", false, H);
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+        const std::string p = "layers." + std::to_string(i) + ".";
+        GpuLayer L;
+        L.attention = c.layer_is_attention[size_t(i)] != 0;
+        L.moe = c.layer_is_moe[size_t(i)] != 0;
+        L.input_norm = small(w, p + "input_layernorm", false, H);
+        L.post_norm = small(w, p + "post_attention_layernorm", false, H);
+        if (L.attention) {
+            const std::string a = p + "self_attn.";
+            L.attn_in = stacked(w, {a + "q_proj", a + "k_proj", a + "v_proj"});
+            L.o_proj = matrix(w, a + "o_proj");
+            L.q_norm = small(w, a + "q_norm", false, c.head_dim);
+            L.k_norm = small(w, a + "k_norm", false, c.head_dim);
+        } else {
+            const std::string g = p + "linear_attn.";
+            L.gdn_in = stacked(w, {g + "in_proj_qkv", g + "in_proj_z", g + "in_proj_b", g + "in_proj_a"});
+            L.out_proj = matrix(w, g + "out_proj");
+            L.conv_w = small(w, g + "conv1d", true, c.conv_dim() * c.conv_kernel);
+            L.A_log = small(w, g + "A_log", true, c.nv);
+            L.dt_bias = small(w, g + "dt_bias", true, c.nv);
+            L.gdn_norm = small(w, g + "norm", false, c.dv);
+        }
+        const std::string m = p + "mlp.";
+        if (L.moe) {
+            L.has_shared = w.has(m + "shared_expert.gate_proj");
+            std::vector<std::string> r = {m + "gate"};
+            if (L.has_shared) r.push_back(m + "shared_expert_gate");
+            L.router = stacked(w, r);
+            L.gate = matrix(w, m + "switch_mlp.gate_proj");
+            L.up = matrix(w, m + "switch_mlp.up_proj");
+            L.down = matrix(w, m + "switch_mlp.down_proj");
+            if (L.has_shared) {
+                Stacked gu = stacked(w, {m + "shared_expert.gate_proj", m + "shared_expert.up_proj"});
+                if (gu.parts.size() != 1)
+                    throw std::invalid_argument("metal backend: " + m + "shared_expert gate/up projections differ in format");
+                L.shared_gate_up = gu.parts[0];
+                L.shared_down = matrix(w, m + "shared_expert.down_proj");
+            }
+        } else {
+            Stacked gu = stacked(w, {m + "gate_proj", m + "up_proj"});
+            if (gu.parts.size() != 1)
+                throw std::invalid_argument("metal backend: " + m + "gate/up projections differ in format");
+            L.mlp_gate_up = gu.parts[0];
+            L.mlp_down = matrix(w, m + "down_proj");
+        }
+        layers.push_back(std::move(L));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GpuState
+// ------------------------------------------------------------------------------------------------
+GpuState::GpuState(const GpuModel& m)
+    : m_(m), dev_(m.device()), kv_f32_(m.options().kv_f32), block_(std::max<uint32_t>(1, m.options().kv_block)) {
+    const Config& c = m.config();
+    n_kv_ = uint32_t(c.n_kv_heads);
+    kv_head_row_bytes_ = uint64_t(c.head_dim) * (kv_f32_ ? 4 : 2);
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+        if (c.layer_is_attention[size_t(i)]) {
+            kv.push_back(ops::KVCache{Buffer(), Buffer(), 0, kv_f32_});
+        } else {
+            for (int j = 0; j < 2; ++j) {
+                conv.push_back(dev_.alloc(uint64_t(c.conv_kernel - 1) * c.conv_dim() * 4, "conv state"));
+                ssm.push_back(dev_.alloc(uint64_t(c.nv) * c.dv * c.dk * 4, "recurrent state"));
+            }
+        }
+    }
+    reserve(1);
+}
+
+GpuState::GpuState(const GpuState& o)
+    : position(o.position), kv(o.kv), m_(o.m_), dev_(o.dev_), kv_f32_(o.kv_f32_), capacity_(0), n_kv_(o.n_kv_),
+      block_(o.block_), kv_head_row_bytes_(o.kv_head_row_bytes_) {
+    for (ops::KVCache& k : kv) k = ops::KVCache{Buffer(), Buffer(), 0, kv_f32_};
+    reserve(std::max<int64_t>(o.position, 1));
+    const uint64_t hb = uint64_t(o.position) * kv_head_row_bytes_;
+    for (size_t i = 0; i < kv.size(); ++i)
+        for (int j = 0; j < 2; ++j) {
+            const Buffer& src = j ? o.kv[i].v : o.kv[i].k;
+            const Buffer& dst = j ? kv[i].v : kv[i].k;
+            if (!src.data()) continue;
+            for (uint32_t h = 0; h < n_kv_; ++h)
+                std::memcpy(dst.as<uint8_t>() + h * capacity_ * kv_head_row_bytes_,
+                            src.as<uint8_t>() + h * o.capacity_ * kv_head_row_bytes_, hb);
+        }
+    // the current half of each ping-pong pair becomes this copy's current (index 0)
+    for (size_t i = 0; i < o.conv.size() / 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+            conv.push_back(dev_.alloc(o.conv_in(i).length, "conv state"));
+            ssm.push_back(dev_.alloc(o.ssm_in(i).length, "recurrent state"));
+            if (j == 0 && o.conv_in(i).data()) {
+                std::memcpy(conv.back().data(), o.conv_in(i).data(), o.conv_in(i).length);
+                std::memcpy(ssm.back().data(), o.ssm_in(i).data(), o.ssm_in(i).length);
+            }
+        }
+}
+
+void GpuState::reserve(int64_t tokens) {
+    if (tokens <= int64_t(capacity_)) return;
+    const uint32_t cap = uint32_t((uint64_t(tokens) + block_ - 1) / block_ * block_);
+    std::vector<ops::KVCache> grown;
+    for (size_t i = 0; i < kv.size(); ++i) {   // allocate everything first: strong guarantee
+        ops::KVCache g{dev_.alloc(uint64_t(n_kv_) * cap * kv_head_row_bytes_, "kv.k"),
+                       dev_.alloc(uint64_t(n_kv_) * cap * kv_head_row_bytes_, "kv.v"), cap, kv_f32_};
+        grown.push_back(g);
+    }
+    const uint64_t hb = uint64_t(std::min<int64_t>(position, capacity_)) * kv_head_row_bytes_;
+    for (size_t i = 0; i < kv.size(); ++i)
+        for (int j = 0; j < 2; ++j) {
+            const Buffer& src = j ? kv[i].v : kv[i].k;
+            const Buffer& dst = j ? grown[i].v : grown[i].k;
+            if (!src.valid() || !src.data() || !hb) continue;
+            for (uint32_t h = 0; h < n_kv_; ++h)
+                std::memcpy(dst.as<uint8_t>() + h * cap * kv_head_row_bytes_,
+                            src.as<uint8_t>() + h * capacity_ * kv_head_row_bytes_, hb);
+        }
+    kv = std::move(grown);
+    capacity_ = cap;
+}
+
+void GpuState::reset() {
+    position = 0;
+    cur = 0;
+    for (const Buffer& b : conv)
+        if (b.data()) std::memset(b.data(), 0, b.length);
+    for (const Buffer& b : ssm)
+        if (b.data()) std::memset(b.data(), 0, b.length);
+}
+
+uint64_t GpuState::nbytes() const {
+    uint64_t n = uint64_t(position) * kv_row_bytes() * 2 * kv.size();
+    for (size_t i = 0; i < conv.size() / 2; ++i) n += conv_in(i).length + ssm_in(i).length;
+    return n;
+}
+
+GpuState::Saved GpuState::save() const {
+    Saved s;
+    s.position = position;
+    s.cur = cur;
+    for (size_t i = 0; i < conv.size() / 2; ++i) {
+        const Buffer& c = conv_in(i);
+        const Buffer& r = ssm_in(i);
+        s.conv.emplace_back(c.as<uint8_t>(), c.as<uint8_t>() + (c.data() ? c.length : 0));
+        s.ssm.emplace_back(r.as<uint8_t>(), r.as<uint8_t>() + (r.data() ? r.length : 0));
+    }
+    return s;
+}
+
+void GpuState::restore(const Saved& s) {
+    position = s.position;
+    cur = s.cur;
+    for (size_t i = 0; i < conv.size() / 2; ++i) {
+        if (conv_in(i).data()) std::memcpy(conv_in(i).data(), s.conv[i].data(), s.conv[i].size());
+        if (ssm_in(i).data()) std::memcpy(ssm_in(i).data(), s.ssm[i].data(), s.ssm[i].size());
+    }
+}
+
+}  // namespace qwenmetal::gpu

@@ -1,0 +1,185 @@
+// The Metal backend's model, state and decode graph, over the device interface (gpu/device.h): the
+// same code runs on MetalDevice (Apple) and SimDevice (the simulator, or encode-only costing).
+//
+//   GpuModel   weights on the device: one buffer per checkpoint mapping (wrapped without a copy),
+//              tensors bound by offset; stacked projections built at load; small tensors converted
+//   GpuState   one sequence: KV cache [n_kv, capacity, head_dim] per attention layer (bf16, or f32 for
+//              exact tests), conv [K-1, conv_dim] and recurrent [nv, dv, dk] f32 per GDN layer
+//   GpuEngine  scratch (one named buffer per logical tensor), the decode graph (forward.cpp), the
+//              pipelined decode loop (one command buffer per token, two in flight)
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/weights.h"
+#include "gpu/device.h"
+#include "gpu/encoder.h"
+#include "gpu/ops/attention.h"
+#include "gpu/ops/gdn.h"
+#include "gpu/ops/quant.h"
+#include "gpu/ops/sample.h"
+
+namespace qwenmetal::gpu {
+
+struct GpuOptions {
+    Act act = Act::BF16;              // activation type of every kernel
+    bool kv_f32 = false;              // KV cache element type
+    ops::AttnPolicy attn;             // decode attention routes
+    uint32_t kv_block = 256;          // KV capacity grows in multiples of this
+};
+
+// A projection whose output rows are the concatenation of several checkpoint tensors (GDN
+// [qkv | z | b | a], attention [q+gate | k | v], shared expert [gate | up], [router | shared gate]).
+// Built at load as one Matrix when the parts share format, group size and scale type (rows are
+// concatenated: exact, scales are per row); otherwise one Matrix per part, written to consecutive
+// row ranges of the output (more dispatches in the same dependency level).
+struct Stacked {
+    std::vector<Matrix> parts;
+    uint32_t rows = 0;
+};
+
+struct GpuLayer {
+    bool attention = false, moe = false;
+    Buffer input_norm, post_norm;                // T [H]
+    // full attention
+    Stacked attn_in;                             // [q_rows + 2 kvd, H]
+    Matrix o_proj;                               // [H, nh*hd]
+    Buffer q_norm, k_norm;                       // T [hd]
+    // Gated DeltaNet
+    Stacked gdn_in;                              // [conv_dim + value_dim + 2 nv, H]
+    Matrix out_proj;                             // [H, value_dim]
+    Buffer conv_w, A_log, dt_bias;               // f32 [conv_dim, K], [nv], [nv]
+    Buffer gdn_norm;                             // T [dv]
+    // sparse MoE
+    Stacked router;                              // [E (+1 shared gate), H], f32 logits
+    Matrix gate, up, down;                       // stacks [E, I, H], [E, I, H], [E, H, I]
+    bool has_shared = false;
+    Matrix shared_gate_up;                       // [2 Is, H]
+    Matrix shared_down;                          // [H, Is]
+    // dense MLP
+    Matrix mlp_gate_up, mlp_down;                // [2 I, H], [H, I]
+};
+
+class GpuModel {
+  public:
+    GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt);
+    Device& device() const { return *dev_; }
+    const std::shared_ptr<Device>& device_ptr() const { return dev_; }
+    const Config& config() const { return cfg_; }
+    const GpuOptions& options() const { return opt_; }
+    uint64_t weight_bytes() const { return weight_bytes_; }       // bytes of all weights as bound
+    uint64_t copied_bytes() const { return copied_bytes_; }       // of which copied at load (stacking, alignment)
+
+    Matrix embed, lm_head;
+    Buffer final_norm;                                            // T [H]
+    std::vector<GpuLayer> layers;
+
+  private:
+    Buffer span(const WeightTable& w, const Span& s, const std::string& what);
+    Matrix matrix(const WeightTable& w, const std::string& name);
+    Stacked stacked(const WeightTable& w, const std::vector<std::string>& names);
+    Buffer small(const WeightTable& w, const std::string& name, bool f32, int64_t expect);
+    Buffer owned(uint64_t bytes, const std::string& label);
+
+    std::shared_ptr<Device> dev_;
+    Config cfg_;
+    GpuOptions opt_;
+    std::vector<Buffer> maps_;
+    uint64_t weight_bytes_ = 0, copied_bytes_ = 0;
+};
+
+class GpuState {
+  public:
+    GpuState(const GpuModel& m);
+    GpuState(const GpuState& o);                  // deep copy (device idle)
+    GpuState& operator=(const GpuState&) = delete;
+
+    int64_t position = 0;
+    uint32_t capacity() const { return capacity_; }
+    bool kv_f32() const { return kv_f32_; }
+    // make room for `tokens` KV rows (allocates before anything changes: strong guarantee)
+    void reserve(int64_t tokens);
+    void reset();
+    uint64_t nbytes() const;                      // as stored for the tokens held
+    uint64_t kv_row_bytes() const { return kv_head_row_bytes_ * n_kv_; }      // one token, all KV heads
+    uint64_t kv_head_row_bytes() const { return kv_head_row_bytes_; }
+    uint32_t kv_heads() const { return n_kv_; }
+
+    std::vector<ops::KVCache> kv;                 // per attention layer
+    // per GDN layer, two of each (ping-pong): a step reads the current one and writes the other, so
+    // a step whose result is discarded (the extra pipelined step after a stop token, a failed
+    // command buffer) leaves the state as it was; commit_step() flips
+    std::vector<Buffer> conv, ssm;                // [2 * n_gdn]
+    uint32_t cur = 0;
+    const Buffer& conv_in(size_t i) const { return conv[2 * i + cur]; }
+    const Buffer& conv_next(size_t i) const { return conv[2 * i + 1 - cur]; }
+    const Buffer& ssm_in(size_t i) const { return ssm[2 * i + cur]; }
+    const Buffer& ssm_next(size_t i) const { return ssm[2 * i + 1 - cur]; }
+    void commit_step() { ++position; cur ^= 1u; }
+
+    // backup / restore of the recurrent parts (the KV rows a failed call wrote are past `position`)
+    struct Saved {
+        int64_t position;
+        uint32_t cur;
+        std::vector<std::vector<uint8_t>> conv, ssm;
+    };
+    Saved save() const;
+    void restore(const Saved& s);
+
+  private:
+    const GpuModel& m_;
+    Device& dev_;
+    bool kv_f32_;
+    uint32_t capacity_ = 0, n_kv_ = 0, block_ = 256;
+    uint64_t kv_head_row_bytes_ = 0;
+};
+
+// What a decode step of the graph costs as encoded (encode-only or executed).
+struct StepCost {
+    uint64_t dispatches = 0, levels = 0, command_buffers = 0, host_waits = 0;
+    uint64_t bytes_read = 0, bytes_written = 0;
+};
+
+struct SamplingConfig {
+    bool greedy = true;
+    ops::SampleParams params;
+};
+
+class GpuEngine {
+  public:
+    GpuEngine(std::shared_ptr<GpuModel> m);
+    ~GpuEngine();
+    const GpuModel& model() const { return *m_; }
+    std::unique_ptr<GpuState> new_state() const { return std::make_unique<GpuState>(*m_); }
+
+    // Run `ids` (host token ids) through the decode graph one token at a time (prefill through the
+    // decode graph); logits of the last token (want 1), of every token (want 2) or none (0).
+    // All-or-nothing: on an error the state is restored.
+    void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits);
+
+    // Pipelined decode: `first` is the next input token; generates up to `n` tokens sampled on the
+    // GPU (argmax or the GPU sampler), one command buffer per token with the next one committed
+    // before the previous is waited on; stops after a token in `stop_ids` (the extra in-flight step
+    // is discarded: its state changes are undone). Returns the tokens generated.
+    std::vector<int32_t> decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
+                                const std::vector<int32_t>& stop_ids, bool pipelined = true);
+
+    // Encode (without waiting) one decode step at s.position on a fresh command buffer; what it cost.
+    StepCost encode_cost(GpuState& s);
+
+  private:
+    struct Scratch;
+    void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
+                     const SamplingConfig* sc);
+    bool encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
+
+    std::shared_ptr<GpuModel> m_;
+    std::unique_ptr<Scratch> sc_;
+    std::mutex mu_;
+};
+
+}  // namespace qwenmetal::gpu

@@ -7,7 +7,8 @@ source (line numbers reported):
 
   MSL has no ...        std::  new / delete  throw / try / catch  virtual  double (and long double)
                         printf and friends  goto  thread_local  recursion (a function calling itself,
-                        where the call is visible in its own body)  #include <...> other than <metal_*>
+                        where the call is visible in its own body)  #include <...> other than <metal_*> (outside
+                        `#ifndef __METAL_VERSION__` blocks of the shared headers)
   house rules           every kernel parameter carries an attribute ([[buffer(i)]], ...): the simulator
   (docs/metal.md)       binds arguments through them;  kernel-scope threadgroup variables are arrays
                         (T name[N], also for one value): the simulator tracks reads of never-written
@@ -96,7 +97,13 @@ def lint_source(src: str, path: str = "<source>", house_rules: bool = True) -> l
     for pat, msg in FORBIDDEN:
         for mt in re.finditer(pat, m):
             problems.append((_line(m, mt.start()), msg))
+    # host-only blocks of the shared family headers (`#ifndef __METAL_VERSION__` ... `#endif`, not nested)
+    # may include host headers: Metal's compiler never sees them
+    host_only = [(a.start(), a.end()) for a in re.finditer(r"^\s*#\s*ifndef\s+__METAL_VERSION__\b.*?^\s*#\s*endif",
+                                                          text, re.M | re.S)]
     for mt in re.finditer(r"^\s*#\s*include\s*<([^>]+)>", text, re.M):
+        if any(a <= mt.start() < b for a, b in host_only):
+            continue
         if not mt.group(1).startswith("metal_"):
             problems.append((_line(text, mt.start()), f"#include <{mt.group(1)}>: kernels include only <metal_*> "
                                                       "headers and their own headers"))

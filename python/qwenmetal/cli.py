@@ -8,6 +8,8 @@
     qwenmetal convert --model HF_PATH_OR_ID --out DIR [--q-bits 4]     # as mlx_lm.convert -q
     qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
+    qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
+    qwenmetal selftest [--sim]           # the Metal backend on this machine's device, a report to paste
 
 Every option is described in docs/usage.md (and docs/server.md for `serve`).
 """
@@ -29,7 +31,8 @@ def _add_model_args(p, default_model=None, required=False):
                    help="checkpoint directory or Hugging Face hub id" +
                    (" (default: a generated tiny random-weight checkpoint)" if default_model is None and not required
                     else ""))
-    p.add_argument("--backend", default="auto", help="reference | auto (default: auto)")
+    p.add_argument("--backend", default="auto",
+                   help="auto (default: metal on a Mac, else cpu) | cpu | reference | metal | metal-sim")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) with a hub id")
 
 
@@ -360,6 +363,12 @@ def cmd_bench(args) -> int:
     return main_args(args)
 
 
+def cmd_selftest(args) -> int:
+    from .selftest import main as selftest_main
+
+    return selftest_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwenmetal", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -427,6 +436,10 @@ def main(argv=None) -> int:
     from .bench import add_arguments as _bench_arguments
     _bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("selftest", help="check the Metal backend on this device (kernels, graph); a report to paste")
+    p.add_argument("--sim", action="store_true", help="run on the Metal-on-CPU simulator even on a Mac")
+    p.set_defaults(func=cmd_selftest)
 
     args = parser.parse_args(argv)
     try:

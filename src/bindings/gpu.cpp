@@ -141,6 +141,10 @@ void register_gpu(nb::module_& m) {
             return out;
         });
 
+#ifdef __APPLE__
+    register_metal_device(g);
+#endif
+
     nb::module_ ops = g.def_submodule("ops", "host functions of the Metal kernels, one per kernel");
     register_gpu_ops_norm(ops);
     register_gpu_ops_quant(ops);

@@ -22,6 +22,9 @@ void register_gpu_ops_gdn(nanobind::module_& ops);
 void register_gpu_ops_attention(nanobind::module_& ops);
 void register_gpu_ops_moe(nanobind::module_& ops);
 void register_gpu_ops_sample(nanobind::module_& ops);
+#ifdef __APPLE__
+void register_metal_device(nanobind::module_& g);   // src/bindings/gpu_metal.cpp
+#endif
 // the decode graph and the metal-sim backend's engine (gpu_graph.cpp)
 void register_gpu_graph(nanobind::module_& g);
 

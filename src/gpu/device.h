@@ -126,8 +126,7 @@ struct DeviceInfo {
 // What a device counted since it was made (or reset_counters()).
 struct Counters {
     uint64_t command_buffers = 0;     // committed
-    uint64_t host_waits = 0;          // wait() calls that found the command buffer not yet complete
-    uint64_t waits = 0;               // all wait() calls
+    uint64_t host_waits = 0;          // wait() calls: the host blocking on the GPU
     uint64_t dispatches = 0;
     uint64_t barriers = 0;            // dependency levels closed
 };

@@ -295,7 +295,6 @@ class MetalCommandBuffer : public CommandBuffer {
         {
             std::lock_guard<std::mutex> lk(dev_.counters_mu);
             ++dev_.counters.host_waits;
-            ++dev_.counters.waits;
         }
         @autoreleasepool {
             [cb_ waitUntilCompleted];

@@ -114,6 +114,7 @@ SimDevice::~SimDevice() {
     }
     cv_.notify_all();
     worker_.join();
+    collect();
 }
 
 Buffer SimDevice::alloc(uint64_t bytes, const std::string& label) {
@@ -143,7 +144,10 @@ Buffer SimDevice::wrap(const void* ptr, uint64_t bytes, const std::string& label
                   0, bytes};
 }
 
-std::unique_ptr<CommandBuffer> SimDevice::command_buffer() { return std::make_unique<SimCommandBuffer>(*this); }
+std::unique_ptr<CommandBuffer> SimDevice::command_buffer() {
+    collect();
+    return std::make_unique<SimCommandBuffer>(*this);
+}
 
 void SimDevice::prepare(const std::string& kernel) {
     try {
@@ -161,6 +165,7 @@ Counters SimDevice::counters() const {
 }
 
 void SimDevice::reset_counters() {
+    collect();
     std::lock_guard<std::mutex> lk(mu_);
     counters_ = Counters();
     records_.clear();
@@ -248,6 +253,19 @@ void SimDevice::run_queue() {
             job->error = std::move(error);
         }
         job->cv.notify_all();
+        // The job's buffers may hold host memory owned by Python (numpy arrays kept alive by a deleter
+        // that takes the GIL): the queue thread never drops the last reference. Finished jobs are
+        // released by the threads that call into the device (collect()).
+        std::lock_guard<std::mutex> lk(mu_);
+        finished_.push_back(std::move(job));
+    }
+}
+
+void SimDevice::collect() {
+    std::vector<std::shared_ptr<Job>> done;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        done.swap(finished_);
     }
 }
 

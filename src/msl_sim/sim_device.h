@@ -54,6 +54,7 @@ class SimDevice : public Device {
     struct Job;
     void submit(std::shared_ptr<Job> job);
     void run_queue();
+    void collect();                   // release finished jobs on the calling thread
 
     SimOptions opt_;
     std::shared_ptr<msl::Library> lib_;
@@ -63,6 +64,7 @@ class SimDevice : public Device {
     mutable std::mutex mu_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<Job>> queue_;
+    std::vector<std::shared_ptr<Job>> finished_;
     bool stop_ = false;
     std::thread worker_;
     Counters counters_;

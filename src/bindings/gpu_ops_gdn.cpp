@@ -1,10 +1,45 @@
 // gpu.ops: gdn family (metal/gdn.metal, src/gpu/ops/gdn.cpp).
+#include <nanobind/stl/string.h>
+
+#include <string>
+
 #include "bindings/gpu.h"
+#include "gpu/ops/gdn.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace qwenmetal::bindings {
 
-void register_gpu_ops_gdn(nb::module_& ops) { (void)ops; }
+void register_gpu_ops_gdn(nb::module_& ops) {
+    using gpu::ops::GdnShape;
+    nb::class_<GdnShape>(ops, "GdnShape")
+        .def("__init__", [](GdnShape* self, uint32_t nk, uint32_t nv, uint32_t dk, uint32_t dv,
+                            uint32_t conv_kernel) { new (self) GdnShape{nk, nv, dk, dv, conv_kernel}; },
+             "nk"_a, "nv"_a, "dk"_a, "dv"_a, "conv_kernel"_a)
+        .def_rw("nk", &GdnShape::nk)
+        .def_rw("nv", &GdnShape::nv)
+        .def_rw("dk", &GdnShape::dk)
+        .def_rw("dv", &GdnShape::dv)
+        .def_rw("conv_kernel", &GdnShape::conv_kernel)
+        .def_prop_ro("conv_dim", &GdnShape::conv_dim)
+        .def_prop_ro("value_dim", &GdnShape::value_dim)
+        .def("__repr__", [](const GdnShape& s) {
+            return "GdnShape(nk=" + std::to_string(s.nk) + ", nv=" + std::to_string(s.nv) + ", dk=" +
+                   std::to_string(s.dk) + ", dv=" + std::to_string(s.dv) +
+                   ", conv_kernel=" + std::to_string(s.conv_kernel) + ")";
+        });
+    ops.def("gdn_conv", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& qkv,
+                           const gpu::Buffer& conv_w, const gpu::Buffer& conv_state, const gpu::Buffer& act) {
+        gpu::ops::gdn_conv(e, gpu::parse_act(t), s, qkv, conv_w, conv_state, act);
+    }, "encoder"_a, "dtype"_a, "shape"_a, "qkv"_a, "conv_w"_a, "conv_state"_a, "act"_a);
+    ops.def("gdn_step", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& act,
+                           const gpu::Buffer& z, const gpu::Buffer& b, const gpu::Buffer& a, const gpu::Buffer& A_log,
+                           const gpu::Buffer& dt_bias, const gpu::Buffer& norm_w, float eps,
+                           const gpu::Buffer& state, const gpu::Buffer& y) {
+        gpu::ops::gdn_step(e, gpu::parse_act(t), s, act, z, b, a, A_log, dt_bias, norm_w, eps, state, y);
+    }, "encoder"_a, "dtype"_a, "shape"_a, "act"_a, "z"_a, "b"_a, "a"_a, "A_log"_a, "dt_bias"_a, "norm_w"_a,
+       "eps"_a, "state"_a, "y"_a);
+}
 
 }  // namespace qwenmetal::bindings

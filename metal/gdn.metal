@@ -40,13 +40,15 @@ inline float gdn_softplus(float x) {
 // Thread mapping: one thread per channel, GDN_CONV_THREADS threads per threadgroup, grid
 // ceil(C / GDN_CONV_THREADS) (threads past C return; there is no SIMD-group function or barrier). Tap j
 // of channel c is conv_w[c * K + j] (the canonical [conv_dim, K] layout: K consecutive floats per channel).
-// Step j reads window row j (state row j, or qkv for j = K-1) and writes it to state row j-1, which step
-// j-1 has already read: the shift needs no window copy in registers, and any K >= 2 works. Consecutive
+// Step j reads window row j (state row j, or qkv for j = K-1) and writes it to row j-1 of conv_out, which
+// may be conv_state itself (step j-1 has already read that row) or the other half of a ping-pong pair
+// (the graph's: a discarded step leaves the state intact); no window copy in registers, any K >= 2 works. Consecutive
 // threads read consecutive channels of each state row (coalesced).
 template <typename T>
 kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qkv [[buffer(1)]],
-                     device const float* conv_w [[buffer(2)]], device float* conv_state [[buffer(3)]],
-                     device T* act [[buffer(4)]], uint c [[thread_position_in_grid]]) {
+                     device const float* conv_w [[buffer(2)]], device const float* conv_state [[buffer(3)]],
+                     device float* conv_out [[buffer(4)]], device T* act [[buffer(5)]],
+                     uint c [[thread_position_in_grid]]) {
     if (c >= p.C) {
         return;
     }
@@ -57,7 +59,7 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
         const float x = j < S ? conv_state[ulong(j) * p.C + c] : float(qkv[c]);
         acc += x * w[j];
         if (j > 0) {
-            conv_state[ulong(j - 1u) * p.C + c] = x;
+            conv_out[ulong(j - 1u) * p.C + c] = x;
         }
     }
     act[c] = T(acc * gdn_sigmoid(acc));
@@ -86,7 +88,8 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
                      device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
                      device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
                      device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
-                     device float* state [[buffer(8)]], device T* y [[buffer(9)]],
+                     device const float* state [[buffer(8)]], device float* state_out [[buffer(9)]],
+                     device T* y [[buffer(10)]],
                      uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                      uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
                      uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
@@ -122,10 +125,12 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
     const float decay = exp(g_log);
 
     device const T* vh = act + 2u * key_dim + ulong(h) * dv;
-    device float* Sh = state + ulong(h) * dv * dk;
+    device const float* Sh = state + ulong(h) * dv * dk;
+    device float* Oh = state_out + ulong(h) * dv * dk;   // may be Sh (in place): each row is read, then written
     float oss = 0.0f;
     for (uint r = sg; r < dv; r += nsg) {   // SIMD-group-uniform: r depends on sg only
-        device float* srow = Sh + ulong(r) * dk;
+        device const float* srow = Sh + ulong(r) * dk;
+        device float* orow = Oh + ulong(r) * dk;
         float s[GDN_STEP_MAX_DK_PER_LANE];
         float skv = 0.0f;
         for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
@@ -140,7 +145,7 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
             so += s[j] * qv[j];
             const uint i = lane + j * SIMD_WIDTH;
             if (j < nper && i < dk) {
-                srow[i] = s[j];
+                orow[i] = s[j];
             }
         }
         const float o = simd_sum(so);

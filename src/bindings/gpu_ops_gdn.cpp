@@ -1,4 +1,5 @@
 // gpu.ops: gdn family (metal/gdn.metal, src/gpu/ops/gdn.cpp).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <string>
@@ -30,16 +31,20 @@ void register_gpu_ops_gdn(nb::module_& ops) {
                    ", conv_kernel=" + std::to_string(s.conv_kernel) + ")";
         });
     ops.def("gdn_conv", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& qkv,
-                           const gpu::Buffer& conv_w, const gpu::Buffer& conv_state, const gpu::Buffer& act) {
-        gpu::ops::gdn_conv(e, gpu::parse_act(t), s, qkv, conv_w, conv_state, act);
-    }, "encoder"_a, "dtype"_a, "shape"_a, "qkv"_a, "conv_w"_a, "conv_state"_a, "act"_a);
+                           const gpu::Buffer& conv_w, const gpu::Buffer& conv_state, const gpu::Buffer& act,
+                           std::optional<gpu::Buffer> conv_out) {
+        gpu::ops::gdn_conv(e, gpu::parse_act(t), s, qkv, conv_w, conv_state, conv_out ? *conv_out : conv_state, act);
+    }, "encoder"_a, "dtype"_a, "shape"_a, "qkv"_a, "conv_w"_a, "conv_state"_a, "act"_a, "conv_out"_a = nb::none(),
+       "conv_out: where the shifted window goes (default: conv_state, in place)");
     ops.def("gdn_step", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& act,
                            const gpu::Buffer& z, const gpu::Buffer& b, const gpu::Buffer& a, const gpu::Buffer& A_log,
                            const gpu::Buffer& dt_bias, const gpu::Buffer& norm_w, float eps,
-                           const gpu::Buffer& state, const gpu::Buffer& y) {
-        gpu::ops::gdn_step(e, gpu::parse_act(t), s, act, z, b, a, A_log, dt_bias, norm_w, eps, state, y);
+                           const gpu::Buffer& state, const gpu::Buffer& y, std::optional<gpu::Buffer> state_out) {
+        gpu::ops::gdn_step(e, gpu::parse_act(t), s, act, z, b, a, A_log, dt_bias, norm_w, eps, state,
+                           state_out ? *state_out : state, y);
     }, "encoder"_a, "dtype"_a, "shape"_a, "act"_a, "z"_a, "b"_a, "a"_a, "A_log"_a, "dt_bias"_a, "norm_w"_a,
-       "eps"_a, "state"_a, "y"_a);
+       "eps"_a, "state"_a, "y"_a, "state_out"_a = nb::none(),
+       "state_out: where the updated state goes (default: state, in place)");
 }
 
 }  // namespace qwenmetal::bindings

@@ -34,7 +34,7 @@ def run(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
     def buf(a: np.ndarray, label: str = ""):
         if not a.flags.c_contiguous:
             raise ValueError("buf(): arrays must be C-contiguous (outputs are written in place)")
-        return dev.wrap(a, label)
+        return dev.wrap(a.view(np.uint16) if a.dtype == BF16 else a, label)   # nanobind knows no ml_dtypes
 
     yield dev, enc, buf
     cb.commit()

@@ -6,8 +6,6 @@ kernel stores it). Simulator-verified, hardware-unverified.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,37 +13,11 @@ from hypothesis import strategies as st
 
 from qwenmetal import reference as R
 
-from .gpu_harness import ACT, BF16, SCHEDULES, gpu, ops, rel_err
+from .gpu_harness import ACT, BF16, SCHEDULES, gpu, ops, rel_err, run
 
 F32 = np.float32
 EPS = 1e-6
 PAD = 5          # sentinel elements after every output buffer: the kernels must not write past their range
-
-_DEVICES: dict[tuple[str, int], object] = {}
-
-
-@contextlib.contextmanager
-def run(schedule: str = "forward", seed: int = 0):
-    """As gpu_harness.run, but one SimDevice per (schedule, seed) for the whole module.
-
-    Destroying a SimDevice right after a command buffer completes can deadlock: ~SimDevice joins the queue
-    thread with the GIL held while that thread still drops the finished job's buffers (numpy arrays, which
-    need the GIL). Keeping the devices alive avoids it.
-    """
-    key = (schedule, seed)
-    if key not in _DEVICES:
-        _DEVICES[key] = gpu.SimDevice(schedule=schedule, seed=seed)
-    dev = _DEVICES[key]
-    cb = dev.command_buffer()
-    enc = gpu.Encoder(dev, cb)
-
-    def buf(a: np.ndarray):
-        assert a.flags.c_contiguous
-        return dev.wrap(a.view(np.uint16) if a.dtype == BF16 else a)   # nanobind sees no ml_dtypes types
-
-    yield dev, enc, buf
-    cb.commit()
-    cb.wait()
 
 
 def padded(a: np.ndarray, dtype) -> np.ndarray:
@@ -126,27 +98,36 @@ def state_view(L: Layer) -> np.ndarray:
     return L.state[:s.nv * s.dv * s.dk].reshape(s.nv, s.dv, s.dk)
 
 
-def run_tokens(L: Layer, tokens, schedule: str, seed: int = 0):
+def run_tokens(L: Layer, tokens, schedule: str, seed: int = 0, pingpong: bool = False):
     """Encode conv + step for every token into ONE command buffer (state carried through the device buffers,
-    barriers from the declared access) and return the per-token act and y arrays."""
+    barriers from the declared access) and return the per-token act and y arrays. With `pingpong`, token i
+    reads one half of a pair of state buffers and writes the other (the graph's layout); the final state is
+    copied back into L's arrays."""
     s, T = L.shape, L.T
     n = len(tokens)
     acts = [padded(np.zeros(s.conv_dim), T) for _ in range(n)]
     ys = [padded(np.zeros(s.value_dim), T) for _ in range(n)]
+    halves = [(L.conv_state, L.state)] + ([(L.conv_state.copy(), L.state.copy())] if pingpong else [])
     with run(schedule, seed) as (dev, enc, buf):
-        cw, cs, st_, A, dtb, nw = (buf(L.conv_w), buf(L.conv_state), buf(L.state), buf(L.A_log),
-                                   buf(L.dt_bias), buf(L.norm_w))
-        for (qkv, z, b, a), act, y in zip(tokens, acts, ys):
-            ops.gdn_conv(enc, L.dtype, s, buf(qkv), cw, cs, buf(act))
-            ops.gdn_step(enc, L.dtype, s, buf(act), buf(z), buf(b), buf(a), A, dtb, nw, EPS, st_, buf(y))
+        cw, A, dtb, nw = buf(L.conv_w), buf(L.A_log), buf(L.dt_bias), buf(L.norm_w)
+        hb = [(buf(c), buf(st_)) for c, st_ in halves]
+        for i, ((qkv, z, b, a), act, y) in enumerate(zip(tokens, acts, ys)):
+            (cs, st_), (cs_out, st_out) = hb[i % len(hb)], hb[(i + 1) % len(hb)]
+            ops.gdn_conv(enc, L.dtype, s, buf(qkv), cw, cs, buf(act), conv_out=cs_out)
+            ops.gdn_step(enc, L.dtype, s, buf(act), buf(z), buf(b), buf(a), A, dtb, nw, EPS, st_, buf(y),
+                         state_out=st_out)
+    final = halves[n % len(halves)]
+    if final[0] is not L.conv_state:
+        L.conv_state[:] = final[0]
+        L.state[:] = final[1]
     return acts, ys
 
 
-def check_tokens(L: Layer, tokens, schedule: str, tol_y: float, tol_state: float):
+def check_tokens(L: Layer, tokens, schedule: str, tol_y: float, tol_state: float, pingpong: bool = False):
     s = L.shape
     bf16 = L.dtype == "bf16"
     conv_state0, state0 = conv_state_view(L).copy(), state_view(L).copy()
-    acts, ys = run_tokens(L, tokens, schedule)
+    acts, ys = run_tokens(L, tokens, schedule, pingpong=pingpong)
     cs, S = conv_state0, state0
     for t, ((qkv, z, b, a), act, y) in enumerate(zip(tokens, acts, ys)):
         act_ref, cs = ref_conv(qkv, L.conv_w, cs, bf16)
@@ -179,11 +160,12 @@ def shapes(draw):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @settings(max_examples=20, deadline=None, derandomize=True)
-@given(shape=shapes(), n_tokens=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
-def test_conv_step_f32(schedule, shape, n_tokens, seed):
-    """f32: several consecutive tokens, conv + step chained in one command buffer, both states carried."""
+@given(shape=shapes(), n_tokens=st.integers(1, 3), seed=st.integers(0, 2**31 - 1), pingpong=st.booleans())
+def test_conv_step_f32(schedule, shape, n_tokens, seed, pingpong):
+    """f32: several consecutive tokens, conv + step chained in one command buffer, both states carried
+    (in place, or ping-pong between two halves as the decode graph keeps them)."""
     L = Layer(shape, "f32", seed)
-    check_tokens(L, [L.token() for _ in range(n_tokens)], schedule, tol_y=1e-5, tol_state=1e-5)
+    check_tokens(L, [L.token() for _ in range(n_tokens)], schedule, tol_y=1e-5, tol_state=1e-5, pingpong=pingpong)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)

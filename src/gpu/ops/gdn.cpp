@@ -17,7 +17,7 @@ void check_shape(const GdnShape& s, const char* op) {
 }  // namespace
 
 void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
-              const Buffer& conv_state, const Buffer& act) {
+              const Buffer& conv_state, const Buffer& conv_out, const Buffer& act) {
     const char* op = "gdn_conv";
     check_shape(s, op);
     const uint32_t C = s.conv_dim(), K = s.conv_kernel;
@@ -26,17 +26,23 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
     need(qkv, nx, op, "qkv");
     need(conv_w, nw, op, "conv_w");
     need(conv_state, ns, op, "conv_state");
+    need(conv_out, ns, op, "conv_out");
     need(act, nx, op, "act");
+    const bool same = conv_out.address() == conv_state.address();
+    check(same || conv_out.address() + ns <= conv_state.address() || conv_state.address() + ns <= conv_out.address(),
+          op, "conv_out must be conv_state itself or not overlap it");
     const GdnConvParams p{C, K};
     e.dispatch(std::string("gdn_conv_") + act_suffix(t), Dims{ceil_div(C, GDN_CONV_THREADS), 1, 1},
                Dims{GDN_CONV_THREADS, 1, 1},
                {Arg::params(p), Arg::in(qkv.view(0, nx)), Arg::in(conv_w.view(0, nw)),
-                Arg::inout(conv_state.view(0, ns)), Arg::out(act.view(0, nx))});
+                same ? Arg::inout(conv_state.view(0, ns)) : Arg::in(conv_state.view(0, ns)),
+                same ? Arg::inout(conv_out.view(0, ns), 0, 0) : Arg::out(conv_out.view(0, ns)),
+                Arg::out(act.view(0, nx))});
 }
 
 void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& z, const Buffer& b,
               const Buffer& a, const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps,
-              const Buffer& state, const Buffer& y) {
+              const Buffer& state, const Buffer& state_out, const Buffer& y) {
     const char* op = "gdn_step";
     check_shape(s, op);
     check(s.dk <= GDN_STEP_MAX_DK, op,
@@ -55,14 +61,21 @@ void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buf
     need(dt_bias, nhf, op, "dt_bias");
     need(norm_w, nw, op, "norm_w");
     need(state, nst, op, "state");
+    need(state_out, nst, op, "state_out");
     need(y, nz, op, "y");
+    const bool same = state_out.address() == state.address();
+    check(same || state_out.address() + nst <= state.address() || state.address() + nst <= state_out.address(), op,
+          "state_out must be state itself or not overlap it");
     const GdnStepParams p{s.nk, s.nv, s.dk, s.dv, s.nv / s.nk, float(1.0 / std::sqrt(double(s.dk))),
                           GDN_L2NORM_EPS, eps};
     const uint32_t nsg = s.dv < GDN_STEP_MAX_SIMDGROUPS ? s.dv : GDN_STEP_MAX_SIMDGROUPS;
     e.dispatch(std::string("gdn_step_") + act_suffix(t), Dims{s.nv, 1, 1}, Dims{32 * nsg, 1, 1},
                {Arg::params(p), Arg::in(act.view(0, nact)), Arg::in(z.view(0, nz)), Arg::in(b.view(0, nh)),
                 Arg::in(a.view(0, nh)), Arg::in(A_log.view(0, nhf)), Arg::in(dt_bias.view(0, nhf)),
-                Arg::in(norm_w.view(0, nw)), Arg::inout(state.view(0, nst)), Arg::out(y.view(0, nz))});
+                Arg::in(norm_w.view(0, nw)),
+                same ? Arg::inout(state.view(0, nst)) : Arg::in(state.view(0, nst)),
+                same ? Arg::inout(state_out.view(0, nst), 0, 0) : Arg::out(state_out.view(0, nst)),
+                Arg::out(y.view(0, nz))});
 }
 
 }  // namespace qwenmetal::gpu::ops

@@ -1,0 +1,68 @@
+// attention family: parameters and thread geometry shared by metal/attention.metal and its host
+// functions (src/gpu/ops/attention.cpp). No model dimension is a constant here: the limits below
+// size register and threadgroup arrays (the real model, 16 q / 2 kv heads x 256, is inside them).
+#pragma once
+// Host side: included after <cstdint> (src/gpu/ops/attention.cpp); not included here because
+// tools/msl_lint.py admits only <metal_*> includes in metal/ files, guarded or not.
+
+// attn_prepare_*: q/k RMSNorm + partial RoPE + KV-cache write of one token.
+struct AttnPrepareParams {
+    uint32_t n_heads;      // query heads
+    uint32_t n_kv_heads;   // key/value heads
+    uint32_t head_dim;
+    uint32_t rotary_dim;   // even, <= head_dim; the first rotary_dim dims rotate (rotate-half pairs)
+    uint32_t q_stride;     // proj elements per query head: head_dim, or 2 * head_dim with the output gate
+    uint32_t q_rows;       // n_heads * q_stride: where k starts in proj
+    uint32_t position;     // absolute position of the token = the cache row written
+    uint32_t capacity;     // cache rows per kv head
+    float eps;             // RMSNorm epsilon
+    float rope_theta;      // inv_freq[i] = theta^(-2i / rotary_dim)
+};
+static_assert(sizeof(AttnPrepareParams) == 40, "AttnPrepareParams: 10 x 4 bytes, as the host packs it");
+
+// attn_decode_single_* / attn_decode_partial_*: one threadgroup per (partial, head chunk, kv head).
+struct AttnDecodeParams {
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t group;        // n_heads / n_kv_heads: query heads sharing one kv head
+    uint32_t heads_per_tg; // query heads of a group handled by one threadgroup (1: no GQA packing)
+    uint32_t key_split;    // SIMD-groups per query head, splitting the keys of every tile
+    uint32_t n_keys;       // keys 0 .. n_keys-1 are attended
+    uint32_t capacity;     // cache rows per kv head
+    uint32_t block;        // keys per block
+    uint32_t n_blocks;     // ceil(n_keys / block)
+    uint32_t n_partials;   // threadgroups along grid.x; partial p takes blocks p, p + n_partials, ...
+    uint32_t tile_keys;    // keys per threadgroup-memory tile (ATTN_TILE_FLOATS / head_dim)
+    uint32_t q_stride;     // proj elements per query head (gate at + head_dim)
+    uint32_t output_gate;  // 1: o *= sigmoid(gate)
+    float scale;           // log2(e) / sqrt(head_dim): scores in the exp2 domain
+};
+static_assert(sizeof(AttnDecodeParams) == 60, "AttnDecodeParams: 15 x 4 bytes, as the host packs it");
+
+// attn_decode_combine_*: one threadgroup per query head.
+struct AttnCombineParams {
+    uint32_t n_heads;
+    uint32_t head_dim;
+    uint32_t n_partials;   // partial results per query head in scratch
+    uint32_t q_stride;
+    uint32_t output_gate;
+};
+static_assert(sizeof(AttnCombineParams) == 20, "AttnCombineParams: 5 x 4 bytes, as the host packs it");
+
+// Per lane, a query head's q and output accumulator are ATTN_LANE_ELEMS floats (elements
+// lane + 32 i): head_dim <= 32 * ATTN_LANE_ELEMS.
+#define ATTN_LANE_ELEMS 8u
+#define ATTN_MAX_HEAD_DIM 256u
+// SIMD-groups of a decode threadgroup (heads_per_tg * key_split <= this); also the most query
+// heads one threadgroup packs
+#define ATTN_MAX_SIMDGROUPS 8u
+// floats of each of the K and V tiles in threadgroup memory (2 x 8 KB); the per-SIMD-group
+// accumulators of the final reduction reuse the K tile (ATTN_MAX_SIMDGROUPS * ATTN_MAX_HEAD_DIM)
+#define ATTN_TILE_FLOATS 2048u
+// the two-pass route writes at most this many partial results per query head
+#define ATTN_LONG_MAX_PARTIALS 64u
+// attn_prepare: threads per threadgroup (one element of a head each, looping beyond)
+#define ATTN_PREPARE_MAX_THREADS 256u
+// running maximum before any key: finite (fast math assumes no infinities), exp2 of it is 0
+#define ATTN_NEG_INIT (-1.0e30f)

@@ -1,0 +1,200 @@
+#include "gpu/ops/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "metal/attention.h"
+
+namespace qwenmetal::gpu::ops {
+
+namespace {
+
+uint64_t kv_size(const KVCache& kv) { return kv.f32 ? 4 : 2; }
+const char* kv_suffix(const KVCache& kv) { return kv.f32 ? "kvf32" : "kvbf16"; }
+uint32_t q_stride(const AttnShape& s) { return s.output_gate ? 2 * s.head_dim : s.head_dim; }
+
+void check_heads(const AttnShape& s, const char* op) {
+    check(s.n_heads > 0 && s.n_kv_heads > 0 && s.head_dim > 0, op, "head counts and head_dim must be positive");
+    check(s.n_heads % s.n_kv_heads == 0, op,
+          "n_heads (" + std::to_string(s.n_heads) + ") must be a multiple of n_kv_heads (" +
+              std::to_string(s.n_kv_heads) + ")");
+}
+
+void check_cache(const AttnShape& s, const KVCache& kv, const char* op) {
+    check(kv.capacity > 0, op, "the KV cache capacity must be positive");
+    const uint64_t bytes = uint64_t(s.n_kv_heads) * kv.capacity * s.head_dim * kv_size(kv);
+    need(kv.k, bytes, op, "k cache");
+    need(kv.v, bytes, op, "v cache");
+}
+
+// How the decode kernels split the heads of a GQA group and the keys of a tile (metal/attention.h).
+struct Geometry {
+    uint32_t group, heads_per_tg, chunks, key_split, tile_keys;
+    uint32_t simdgroups() const { return heads_per_tg * key_split; }
+};
+
+Geometry geometry(const AttnShape& s, bool gqa_pack) {
+    Geometry g{};
+    g.group = s.n_heads / s.n_kv_heads;
+    // packing: as few chunks of at most ATTN_MAX_SIMDGROUPS heads as possible, of equal size
+    g.chunks = gqa_pack ? ceil_div(g.group, ATTN_MAX_SIMDGROUPS) : g.group;
+    g.heads_per_tg = gqa_pack ? ceil_div(g.group, g.chunks) : 1;
+    g.tile_keys = ATTN_TILE_FLOATS / s.head_dim;
+    // the remaining SIMD-groups split every tile's keys (no more of them than a tile has keys)
+    g.key_split = std::max(1u, std::min(ATTN_MAX_SIMDGROUPS / g.heads_per_tg, g.tile_keys));
+    return g;
+}
+
+// The pass-1 layout of a route: keys per block, blocks, partial results per head.
+struct Split {
+    uint32_t block, n_blocks, n_partials;
+};
+
+Split split_of(const AttnPolicy& p, const std::string& route, uint32_t n_keys) {
+    if (route == "single") return Split{n_keys, 1, 1};
+    if (route == "split") {
+        const uint32_t nb = ceil_div(n_keys, p.split_block);
+        return Split{p.split_block, nb, nb};
+    }
+    const uint32_t nb = ceil_div(n_keys, p.long_block);
+    return Split{p.long_block, nb, std::min(nb, ATTN_LONG_MAX_PARTIALS)};
+}
+
+uint64_t partial_bytes(const AttnShape& s, uint32_t n_partials) {
+    return uint64_t(s.n_heads) * n_partials * (s.head_dim + 2) * 4;
+}
+
+void check_policy(const AttnPolicy& p, const char* op) {
+    check(p.split_block > 0 && p.long_block > 0, op, "split_block and long_block must be positive");
+}
+
+}  // namespace
+
+std::string AttnPolicy::route(uint32_t n_keys) const {
+    if (n_keys <= single_pass_max) return "single";
+    if (n_keys <= split_max) return "split";
+    return "two_pass";
+}
+
+void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
+                  const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out) {
+    const char* op = "attn_prepare";
+    check_heads(s, op);
+    check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim, op,
+          "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even and at most head_dim");
+    check_cache(s, kv, op);
+    check(position < kv.capacity, op,
+          "position " + std::to_string(position) + " outside a cache of " + std::to_string(kv.capacity) + " rows");
+    const uint64_t es = act_size(t), hd = s.head_dim, kvd = uint64_t(s.n_kv_heads) * hd;
+    const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
+    const uint64_t proj_bytes = (q_rows + 2 * kvd) * es, q_bytes = uint64_t(s.n_heads) * hd * es;
+    need(proj, proj_bytes, op, "proj");
+    need(q_norm_w, hd * es, op, "q_norm_w");
+    need(k_norm_w, hd * es, op, "k_norm_w");
+    need(q_out, q_bytes, op, "q_out");
+
+    AttnPrepareParams p{};
+    p.n_heads = s.n_heads;
+    p.n_kv_heads = s.n_kv_heads;
+    p.head_dim = s.head_dim;
+    p.rotary_dim = s.rotary_dim;
+    p.q_stride = q_stride(s);
+    p.q_rows = uint32_t(q_rows);
+    p.position = position;
+    p.capacity = kv.capacity;
+    p.eps = s.eps;
+    p.rope_theta = s.rope_theta;
+    const uint32_t threads = std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS);
+    const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv);
+    e.dispatch(std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv),
+               Dims{s.n_heads + s.n_kv_heads, 1, 1}, Dims{threads, 1, 1},
+               {Arg::params(p), Arg::in(proj.view(0, proj_bytes), (uint64_t(s.n_heads) * hd + 2 * kvd) * es),
+                Arg::in(q_norm_w.view(0, hd * es)), Arg::in(k_norm_w.view(0, hd * es)),
+                Arg::out(q_out.view(0, q_bytes)), Arg::out(kv.k.view(0, cache_bytes), row_bytes),
+                Arg::out(kv.v.view(0, cache_bytes), row_bytes)});
+}
+
+uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const AttnPolicy& p) {
+    check_policy(p, "attention_scratch_bytes");
+    uint64_t bytes = 0;
+    // each route's partial count grows with n_keys, so its largest reachable n_keys decides
+    if (max_keys > p.single_pass_max && p.split_max > p.single_pass_max)
+        bytes = std::max(bytes, partial_bytes(s, split_of(p, "split", std::min(max_keys, p.split_max)).n_partials));
+    if (max_keys > std::max(p.single_pass_max, p.split_max))
+        bytes = std::max(bytes, partial_bytes(s, split_of(p, "two_pass", max_keys).n_partials));
+    return bytes;
+}
+
+void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
+                      const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
+                      const Buffer& o) {
+    const char* op = "attention_decode";
+    check_heads(s, op);
+    check_policy(pol, op);
+    check(s.head_dim <= ATTN_MAX_HEAD_DIM, op,
+          "head_dim " + std::to_string(s.head_dim) + " above the kernels' " + std::to_string(ATTN_MAX_HEAD_DIM));
+    check_cache(s, kv, op);
+    check(n_keys > 0 && n_keys <= kv.capacity, op,
+          "n_keys " + std::to_string(n_keys) + " outside 1 .. capacity " + std::to_string(kv.capacity));
+    const uint64_t es = act_size(t), hd = s.head_dim, qo_bytes = uint64_t(s.n_heads) * hd * es;
+    const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
+    need(q, qo_bytes, op, "q");
+    need(o, qo_bytes, op, "o");
+    if (s.output_gate) need(proj, q_rows * es, op, "proj");
+    // without the gate the kernel never reads proj: any bound buffer will do
+    const Buffer gate_src = s.output_gate ? proj.view(0, q_rows * es) : q.view(0, qo_bytes);
+    const uint64_t gate_read = s.output_gate ? qo_bytes : 0;
+
+    const Geometry g = geometry(s, pol.gqa_pack);
+    const std::string route = pol.route(n_keys);
+    const Split sp = split_of(pol, route, n_keys);
+
+    AttnDecodeParams p{};
+    p.n_heads = s.n_heads;
+    p.n_kv_heads = s.n_kv_heads;
+    p.head_dim = s.head_dim;
+    p.group = g.group;
+    p.heads_per_tg = g.heads_per_tg;
+    p.key_split = g.key_split;
+    p.n_keys = n_keys;
+    p.capacity = kv.capacity;
+    p.block = sp.block;
+    p.n_blocks = sp.n_blocks;
+    p.n_partials = sp.n_partials;
+    p.tile_keys = g.tile_keys;
+    p.q_stride = q_stride(s);
+    p.output_gate = s.output_gate ? 1 : 0;
+    p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
+
+    const uint64_t cache_bytes = uint64_t(s.n_kv_heads) * kv.capacity * hd * kv_size(kv);
+    // every threadgroup (one per head chunk) reads its kv head's first n_keys rows
+    const uint64_t kv_read = uint64_t(s.n_kv_heads) * n_keys * hd * kv_size(kv) * g.chunks;
+    const Buffer kb = kv.k.view(0, cache_bytes), vb = kv.v.view(0, cache_bytes);
+    const Dims grid{sp.n_partials, g.chunks, s.n_kv_heads}, threads{g.simdgroups() * 32, 1, 1};
+    const std::string tkv = std::string(act_suffix(t)) + "_" + kv_suffix(kv);
+
+    if (route == "single") {
+        e.dispatch("attn_decode_single_" + tkv, grid, threads,
+                   {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(gate_src, gate_read), Arg::in(kb, kv_read),
+                    Arg::in(vb, kv_read), Arg::out(o.view(0, qo_bytes))});
+        return;
+    }
+    const uint64_t sbytes = partial_bytes(s, sp.n_partials);
+    need(scratch, sbytes, op, ("scratch (" + route + " route)").c_str());
+    const Buffer sb = scratch.view(0, sbytes);
+    e.dispatch("attn_decode_partial_" + tkv, grid, threads,
+               {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(kb, kv_read), Arg::in(vb, kv_read),
+                Arg::out(sb)});
+    AttnCombineParams c{};
+    c.n_heads = s.n_heads;
+    c.head_dim = s.head_dim;
+    c.n_partials = sp.n_partials;
+    c.q_stride = q_stride(s);
+    c.output_gate = p.output_gate;
+    e.dispatch(std::string("attn_decode_combine_") + act_suffix(t), Dims{s.n_heads, 1, 1},
+               Dims{ceil_div(hd, 32) * 32, 1, 1},
+               {Arg::params(c), Arg::in(sb), Arg::in(gate_src, gate_read), Arg::out(o.view(0, qo_bytes))});
+}
+
+}  // namespace qwenmetal::gpu::ops

@@ -2,8 +2,13 @@
 // functions (src/gpu/ops/attention.cpp). No model dimension is a constant here: the limits below
 // size register and threadgroup arrays (the real model, 16 q / 2 kv heads x 256, is inside them).
 #pragma once
-// Host side: included after <cstdint> (src/gpu/ops/attention.cpp); not included here because
-// tools/msl_lint.py admits only <metal_*> includes in metal/ files, guarded or not.
+#ifndef __METAL_VERSION__
+#include <cstdint>
+#endif
+
+// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams, 520 bytes of
+// setBytes)
+#define ATTN_MAX_ROTARY_HALF 128u
 
 // attn_prepare_*: q/k RMSNorm + partial RoPE + KV-cache write of one token.
 struct AttnPrepareParams {
@@ -16,9 +21,14 @@ struct AttnPrepareParams {
     uint32_t position;     // absolute position of the token = the cache row written
     uint32_t capacity;     // cache rows per kv head
     float eps;             // RMSNorm epsilon
-    float rope_theta;      // inv_freq[i] = theta^(-2i / rotary_dim)
+    // theta^(-2i / rotary_dim), i < rotary_dim / 2, correctly rounded to float on the host (as the
+    // reference's rope_tables): the angle float(position) * inv_freq[i] then matches it bit for bit
+    // at every position; a kernel-side pow is off by ulps, which at position 1e5 moves the angle by
+    // more than the float32 tolerance of a test.
+    float inv_freq[ATTN_MAX_ROTARY_HALF];
 };
-static_assert(sizeof(AttnPrepareParams) == 40, "AttnPrepareParams: 10 x 4 bytes, as the host packs it");
+static_assert(sizeof(AttnPrepareParams) == 36 + 4 * ATTN_MAX_ROTARY_HALF,
+              "AttnPrepareParams: 9 x 4 bytes + the inv_freq table, as the host packs it");
 
 // attn_decode_single_* / attn_decode_partial_*: one threadgroup per (partial, head chunk, kv head).
 struct AttnDecodeParams {

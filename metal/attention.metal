@@ -59,8 +59,9 @@ inline T attn_gated(float o, device const T* gate, uint d, uint output_gate) {
 // elements tid, tid + threads, ... The sum of squares goes through threadgroup_sum (common.h);
 // a rotating element d < rotary_dim also recomputes its partner d +- rotary_dim / 2 (one more
 // load and multiply) instead of exchanging it through threadgroup memory and a second barrier.
-// inv_freq = theta^(-2i/rotary_dim), angle = float(pos) * inv_freq in float, cos/sin precise:
-// the angle reaches ~1e5 radians at long contexts, where fast sin/cos lose all accuracy.
+// angle = float(pos) * inv_freq[i] in float (the table comes with the params, see attention.h),
+// cos/sin precise: the angle reaches ~1e5 radians at long contexts, where fast sin/cos lose all
+// accuracy.
 template <typename T, typename KV>
 kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device const T* proj [[buffer(1)]],
                          device const T* q_norm_w [[buffer(2)]], device const T* k_norm_w [[buffer(3)]],
@@ -92,8 +93,7 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
             const bool lo = d < half_rot;
             const uint i = lo ? d : d - half_rot;
             const float yp = attn_normed(x, w, lo ? d + half_rot : i, inv);
-            const float inv_freq = precise::pow(p.rope_theta, -float(2 * i) / float(p.rotary_dim));
-            const float ang = float(p.position) * inv_freq;
+            const float ang = float(p.position) * p.inv_freq[i];
             const float c = precise::cos(ang), s = precise::sin(ang);
             y = lo ? y * c - yp * s : y * c + yp * s;
         }

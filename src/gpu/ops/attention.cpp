@@ -81,8 +81,9 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
                   const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out) {
     const char* op = "attn_prepare";
     check_heads(s, op);
-    check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim, op,
-          "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even and at most head_dim");
+    check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim && s.rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF, op,
+          "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even, at most head_dim and at most " +
+              std::to_string(2 * ATTN_MAX_ROTARY_HALF));
     check_cache(s, kv, op);
     check(position < kv.capacity, op,
           "position " + std::to_string(position) + " outside a cache of " + std::to_string(kv.capacity) + " rows");
@@ -104,7 +105,8 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
     p.position = position;
     p.capacity = kv.capacity;
     p.eps = s.eps;
-    p.rope_theta = s.rope_theta;
+    for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
+        p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
     const uint32_t threads = std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS);
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv);
     e.dispatch(std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv),

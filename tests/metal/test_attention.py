@@ -1,0 +1,342 @@
+"""Attention family (metal/attention.metal) through its host functions on the simulator device.
+
+attn_prepare (q/k norm + RoPE + KV write) against the reference's rms_norm / rope; attention_decode on
+every route (single pass, split-K + combine, bounded two-pass; with and without GQA packing) against
+float64 softmax attention on exactly the q, K, V and gate the kernels see; prepare + decode over many
+steps against reference.full_attention; the real model's attention shape once.
+Simulator-verified, hardware-unverified.
+"""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qwenmetal import reference as R
+
+from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
+
+DT = {"f32": "float32", "bf16": "bfloat16"}
+TOL = {"f32": 1e-5, "bf16": 1e-2}
+LONG_MAX_PARTIALS = 64          # metal/attention.h ATTN_LONG_MAX_PARTIALS
+
+
+def shape_kw(nh, nkv, hd, cap, gate, kv):
+    return dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, output_gate=gate, kv_dtype=DT[kv])
+
+
+def partials(route, n, pol):
+    if route == "single":
+        return 1
+    if route == "split":
+        return -(-n // pol.get("split_block", 256))
+    return min(-(-n // pol.get("long_block", 1024)), LONG_MAX_PARTIALS)
+
+
+def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate):
+    """float64 gated attention on the values the kernel reads: q [nh*hd], K/V [nkv, cap, hd]."""
+    G = nh // nkv
+    q64 = np.asarray(q, np.float64).reshape(nkv, G, hd)
+    K64 = np.asarray(K[:, :n], np.float64)
+    V64 = np.asarray(V[:, :n], np.float64)
+    s = np.einsum("jgd,jtd->jgt", q64, K64) / np.sqrt(hd)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("jgt,jtd->jgd", p, V64).reshape(nh, hd)
+    if gate:
+        g = np.asarray(proj[:nh * 2 * hd], np.float64).reshape(nh, 2 * hd)[:, hd:]
+        o = o / (1.0 + np.exp(-g))
+    return o.reshape(-1)
+
+
+def decode_case(rng, t, kv, nh, nkv, hd, n, cap, gate):
+    """q, proj (gate rows), K, V (rows >= n are NaN: never read), scratch and o NaN-filled."""
+    T, KV = ACT[t], ACT[kv]
+    q = (2.0 * rng.standard_normal(nh * hd)).astype(T)
+    proj = rng.standard_normal(nh * (2 if gate else 1) * hd + 2 * nkv * hd).astype(T)
+    K = np.full((nkv, cap, hd), np.nan, KV)
+    V = np.full((nkv, cap, hd), np.nan, KV)
+    K[:, :n] = rng.standard_normal((nkv, n, hd))
+    V[:, :n] = rng.standard_normal((nkv, n, hd))
+    return q, proj, K, V
+
+
+def run_decode(schedule, t, kv, nh, nkv, hd, n, gate, pol, rng, cap=None):
+    cap = cap or n + 3
+    q, proj, K, V = decode_case(rng, t, kv, nh, nkv, hd, n, cap, gate)
+    nbytes = ops.attention_scratch_bytes(nh, nkv, hd, n, **pol)
+    scratch = np.full(max(nbytes // 4, 1), np.nan, np.float32)
+    o = np.full(nh * hd, np.nan, ACT[t])
+    with run(schedule, seed=n) as (dev, enc, buf):
+        ops.attention_decode(enc, DT[t], buf(q), buf(proj), buf(K), buf(V), n, buf(scratch), buf(o),
+                             **shape_kw(nh, nkv, hd, cap, gate, kv), **pol)
+        dispatches = enc.dispatches
+    route = ops.attention_route(n, **pol)
+    assert dispatches == (1 if route == "single" else 2)
+    if route != "single":   # exactly the partials the route promises were written
+        need = nh * partials(route, n, pol) * (hd + 2)
+        assert need * 4 <= nbytes
+        assert not np.isnan(scratch[:need]).any()
+    ref = decode_ref(q, proj, K, V, n, nh, nkv, hd, gate)
+    assert not np.isnan(np.asarray(o, np.float64)).any()
+    err = rel_err(o, ref)
+    assert err < TOL[t], (route, err)
+    return route
+
+
+# ----------------------------------------------------------------------------------------------- routes
+def test_route_and_scratch_bytes():
+    assert ops.attention_route(1) == "single"
+    assert ops.attention_route(1024) == "single"
+    assert ops.attention_route(1025) == "split"
+    assert ops.attention_route(16384) == "split"
+    assert ops.attention_route(16385) == "two_pass"
+    pol = dict(single_pass_max=8, split_max=40, split_block=4, long_block=2)
+    assert [ops.attention_route(n, **pol) for n in (8, 9, 40, 41)] == ["single", "split", "split", "two_pass"]
+    per = 16 * (256 + 2) * 4    # bytes per partial of every head, real model
+    assert ops.attention_scratch_bytes(16, 2, 256, 1024) == 0
+    assert ops.attention_scratch_bytes(16, 2, 256, 1025) == 5 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 16384) == 64 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 17000) == 64 * per
+    # two-pass: bounded whatever the context
+    assert ops.attention_scratch_bytes(16, 2, 256, 262144) == LONG_MAX_PARTIALS * per
+    assert ops.attention_scratch_bytes(4, 1, 16, 10**6, split_max=2048, long_block=1024) == \
+        max(8, LONG_MAX_PARTIALS) * 4 * 18 * 4
+
+
+# thresholds lowered so that small contexts reach every route; n_keys around each switch
+POL = dict(single_pass_max=12, split_max=40, split_block=8, long_block=2)
+N_AROUND = [1, 11, 12, 13, 39, 40, 41, 2 * LONG_MAX_PARTIALS + 3]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("G", [1, 2, 8])
+def test_decode_every_route_f32(schedule, G):
+    rng = np.random.default_rng(G)
+    seen = {run_decode(schedule, "f32", "f32", 2 * G, 2, 32, n, True, POL, rng) for n in N_AROUND}
+    assert seen == {"single", "split", "two_pass"}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("t,kv", [("bf16", "bf16"), ("bf16", "f32"), ("f32", "bf16")])
+def test_decode_every_route_dtypes(schedule, t, kv):
+    rng = np.random.default_rng(7)
+    for n in (12, 13, 41, 200):
+        run_decode(schedule, t, kv, 8, 1, 64, n, True, POL, rng)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_decode_without_gqa_packing(schedule):
+    rng = np.random.default_rng(3)
+    pol = dict(POL, gqa_pack=False)
+    for n in (12, 13, 41, 150):
+        run_decode(schedule, "f32", "f32", 8, 2, 16, n, True, pol, rng)
+        run_decode(schedule, "bf16", "bf16", 6, 3, 16, n, False, pol, rng)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(nkv=st.integers(1, 3), G=st.sampled_from([1, 2, 3, 5, 8, 9, 12]),
+       hd=st.sampled_from([6, 8, 16, 18, 24, 32, 40, 64, 128]), n=st.integers(1, 90),
+       gate=st.booleans(), t=st.sampled_from(["f32", "bf16"]), kv=st.sampled_from(["f32", "bf16"]),
+       spm=st.integers(0, 40), sb=st.integers(1, 16), lb=st.integers(1, 8), extra=st.integers(0, 40),
+       pack=st.booleans(), schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
+def test_decode_hypothesis(nkv, G, hd, n, gate, t, kv, spm, sb, lb, extra, pack, schedule, seed):
+    pol = dict(single_pass_max=spm, split_max=spm + extra, split_block=sb, long_block=lb, gqa_pack=pack)
+    run_decode(schedule, t, kv, G * nkv, nkv, hd, n, gate, pol, np.random.default_rng(seed), cap=n + seed % 5)
+
+
+def test_decode_two_pass_scratch_bounded():
+    """At a context 40x past the partial bound the scratch sized by attention_scratch_bytes still suffices."""
+    pol = dict(single_pass_max=4, split_max=8, split_block=4, long_block=1)
+    n = 40 * LONG_MAX_PARTIALS
+    assert ops.attention_scratch_bytes(3, 1, 8, n, **pol) == LONG_MAX_PARTIALS * 3 * 10 * 4
+    run_decode("random", "f32", "bf16", 3, 1, 8, n, True, pol, np.random.default_rng(1))
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+def prepare_case(rng, t, kv, nh, nkv, hd, cap, gate):
+    T, KV = ACT[t], ACT[kv]
+    proj = (3.0 * rng.standard_normal(nh * (2 if gate else 1) * hd + 2 * nkv * hd)).astype(T)
+    qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    kw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    K = rng.standard_normal((nkv, cap, hd)).astype(KV)
+    V = rng.standard_normal((nkv, cap, hd)).astype(KV)
+    return proj, qw, kw, K, V
+
+
+def prepare_ref(t, proj, qw, kw, nh, nkv, hd, rd, gate, pos, theta, eps):
+    """reference.py's q/k norm + RoPE (float32, or its bf16 mode) of one token: q [nh, hd], k, v [nkv, hd]."""
+    bf16 = t == "bf16"
+    r = R.to_bf16 if bf16 else (lambda a: np.asarray(a, np.float32))
+    f = np.asarray(proj, np.float32)
+    qs = (2 if gate else 1) * hd
+    q = f[:nh * qs].reshape(nh, qs)[:, :hd]
+    k = f[nh * qs:nh * qs + nkv * hd].reshape(nkv, hd)
+    v = f[nh * qs + nkv * hd:].reshape(nkv, hd)
+    qn = R.rms_norm(q, np.asarray(qw, np.float32), eps, bf16=bf16)
+    kn = R.rms_norm(k, np.asarray(kw, np.float32), eps, bf16=bf16)
+    pos_a = np.array([pos])
+    qn = r(R.rope(qn[None], pos_a, rd, theta)[0]) if rd else qn
+    kn = r(R.rope(kn[None], pos_a, rd, theta)[0]) if rd else kn
+    return qn, kn, v
+
+
+def run_prepare(schedule, t, kv, nh, nkv, hd, rd, gate, pos, cap, rng, theta=1e7, eps=1e-6):
+    proj, qw, kw, K, V = prepare_case(rng, t, kv, nh, nkv, hd, cap, gate)
+    K0, V0 = K.copy(), V.copy()
+    qo = np.full(nh * hd, np.nan, ACT[t])
+    with run(schedule, seed=pos) as (dev, enc, buf):
+        ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K), buf(V), buf(qo), n_heads=nh,
+                         n_kv_heads=nkv, head_dim=hd, rotary_dim=rd, capacity=cap, output_gate=gate,
+                         rope_theta=theta, eps=eps, kv_dtype=DT[kv])
+    qn, kn, v = prepare_ref(t, proj, qw, kw, nh, nkv, hd, rd, gate, pos, theta, eps)
+    tol = max(TOL[t], TOL[kv])
+    assert rel_err(qo.reshape(nh, hd), qn) < TOL[t]
+    assert rel_err(K[:, pos], kn) < tol
+    assert rel_err(V[:, pos], v) < tol
+    # no other cache row moved
+    others = np.arange(cap) != pos
+    assert np.array_equal(K[:, others], K0[:, others]) and np.array_equal(V[:, others], V0[:, others])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("t,kv", [("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("bf16", "bf16")])
+def test_prepare(schedule, t, kv):
+    rng = np.random.default_rng(11)
+    run_prepare(schedule, t, kv, 4, 2, 32, 16, True, 5, 9, rng)
+    run_prepare(schedule, t, kv, 3, 1, 24, 24, False, 0, 3, rng)
+
+
+def test_prepare_long_position():
+    """At position 2e5 the angle is ~2e5 rad: the float32 product must match the reference's bit for bit."""
+    run_prepare("forward", "f32", "f32", 2, 1, 16, 12, True, 200_000, 200_001, np.random.default_rng(5))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(nkv=st.integers(1, 3), G=st.sampled_from([1, 2, 3, 8]), hd=st.sampled_from([2, 6, 16, 24, 40, 64, 256, 320]),
+       rot=st.floats(0.0, 1.0), gate=st.booleans(), t=st.sampled_from(["f32", "bf16"]),
+       kv=st.sampled_from(["f32", "bf16"]), pos=st.integers(0, 2000), schedule=st.sampled_from(SCHEDULES),
+       theta=st.sampled_from([1e4, 1e6, 1e7]))
+def test_prepare_hypothesis(nkv, G, hd, rot, gate, t, kv, pos, schedule, theta):
+    rd = 2 * int(rot * min(hd, 256) / 2)
+    run_prepare(schedule, t, kv, G * nkv, nkv, hd, rd, gate, pos, pos + 2, np.random.default_rng(pos),
+                theta=theta)
+
+
+# -------------------------------------------------------------------------------------------- multi-step
+@pytest.mark.parametrize("t,kv,schedule", [("f32", "f32", "forward"), ("f32", "bf16", "reverse"),
+                                           ("bf16", "bf16", "random")])
+def test_multistep_against_full_attention(t, kv, schedule):
+    """L decode steps in one command buffer (prepare at position i, then attend over the i + 1 keys the
+    earlier prepares wrote; the routes change on the way) against reference.full_attention over all L."""
+    nh, nkv, hd, rd, H, L = 6, 2, 16, 8, 24, 30
+    cfg = types.SimpleNamespace(num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, rotary_dim=rd,
+                                rope_theta=1e6, rms_norm_eps=1e-6, attn_output_gate=True)
+    rng = np.random.default_rng(2)
+    T = ACT[t]
+    rnd = lambda *s: np.asarray(rng.standard_normal(s) / np.sqrt(H), np.float32).astype(T).astype(np.float32)
+    p = {"q_proj": rnd(nh * 2 * hd, H) * 3, "k_proj": rnd(nkv * hd, H) * 3, "v_proj": rnd(nkv * hd, H),
+         "o_proj": np.eye(nh * hd, dtype=np.float32),
+         "q_norm": (1 + 0.1 * rng.standard_normal(hd)).astype(T).astype(np.float32),
+         "k_norm": (1 + 0.1 * rng.standard_normal(hd)).astype(T).astype(np.float32)}
+    x = rng.standard_normal((L, H)).astype(T).astype(np.float32)
+    empty = np.zeros((nkv, 0, hd), np.float32)
+    ref, Kref, _ = R.full_attention(x, p, cfg, empty, empty, 0, bf16=t == "bf16")
+
+    W = np.concatenate([p["q_proj"], p["k_proj"], p["v_proj"]])
+    proj = np.ascontiguousarray((x @ W.T).astype(T))                     # [L, q_rows + 2 kv]
+    if t == "bf16":
+        proj = np.ascontiguousarray(np.concatenate([R.to_bf16(x @ w.T) for w in (p["q_proj"], p["k_proj"], p["v_proj"])],
+                                                   axis=1).astype(T))
+    cap = L + 2
+    K = np.zeros((nkv, cap, hd), ACT[kv])
+    V = np.zeros((nkv, cap, hd), ACT[kv])
+    qo = np.zeros(nh * hd, T)
+    o = np.full((L, nh * hd), np.nan, T)
+    qw, kw = p["q_norm"].astype(T), p["k_norm"].astype(T)
+    pol = dict(single_pass_max=7, split_max=18, split_block=3, long_block=2)
+    nbytes = ops.attention_scratch_bytes(nh, nkv, hd, L, **pol)
+    scratch = np.zeros(nbytes // 4, np.float32)
+    kw_shape = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, output_gate=True, kv_dtype=DT[kv])
+    with run(schedule) as (dev, enc, buf):
+        bproj, bK, bV, bq, bo, bs = buf(proj), buf(K), buf(V), buf(qo), buf(o), buf(scratch)
+        row_p, row_o = proj.shape[1] * proj.itemsize, nh * hd * o.itemsize
+        for i in range(L):
+            pi = bproj.view(i * row_p, row_p)
+            ops.attn_prepare(enc, DT[t], pi, buf(qw), buf(kw), i, bK, bV, bq, rotary_dim=rd, rope_theta=1e6,
+                             eps=1e-6, **kw_shape)
+            ops.attention_decode(enc, DT[t], bq, pi, bK, bV, i + 1, bs, bo.view(i * row_o, row_o), **kw_shape,
+                                 **pol)
+    assert {ops.attention_route(i + 1, **pol) for i in range(L)} == {"single", "split", "two_pass"}
+    tol = max(TOL[t], TOL[kv])
+    assert rel_err(K[:, :L], Kref) < tol
+    assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+
+
+# ------------------------------------------------------------------------------------------- real shape
+@pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16")])
+def test_real_model_shape(t, kv):
+    """Qwen3.6 full attention: 16 q / 2 kv heads x 256, rotary 64, theta 1e7, output gate; token at
+    position 599 (600 keys, default policy: single pass), then the split route at the same context."""
+    nh, nkv, hd, rd, pos = 16, 2, 256, 64, 599
+    cap = 640
+    rng = np.random.default_rng(600)
+    proj, qw, kw, K, V = prepare_case(rng, t, kv, nh, nkv, hd, cap, True)
+    qo = np.zeros(nh * hd, ACT[t])
+    outs = []
+    for pol in ({}, dict(single_pass_max=256)):
+        o = np.full(nh * hd, np.nan, ACT[t])
+        nbytes = ops.attention_scratch_bytes(nh, nkv, hd, pos + 1, **pol)
+        scratch = np.zeros(max(nbytes // 4, 1), np.float32)
+        with run("random") as (dev, enc, buf):
+            ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K), buf(V), buf(qo), n_heads=nh,
+                             n_kv_heads=nkv, head_dim=hd, rotary_dim=rd, capacity=cap, rope_theta=1e7, eps=1e-6,
+                             kv_dtype=DT[kv])
+            ops.attention_decode(enc, DT[t], buf(qo), buf(proj), buf(K), buf(V), pos + 1, buf(scratch), buf(o),
+                                 n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype=DT[kv], **pol)
+        outs.append(o)
+    qn, kn, v = prepare_ref(t, proj, qw, kw, nh, nkv, hd, rd, True, pos, 1e7, 1e-6)
+    assert rel_err(qo.reshape(nh, hd), qn) < TOL[t]
+    assert rel_err(K[:, pos], kn) < TOL[kv]
+    ref = decode_ref(qo, proj, K, V, pos + 1, nh, nkv, hd, True)
+    for o in outs:
+        assert rel_err(o, ref) < TOL[t]
+
+
+# ----------------------------------------------------------------------------------------- argument checks
+def test_argument_checks():
+    nh, nkv, hd, cap = 4, 2, 16, 8
+    f = lambda *s: np.zeros(s, np.float32)
+    proj, qw, q, o = f(nh * 2 * hd + 2 * nkv * hd), f(hd), f(nh * hd), f(nh * hd)
+    K, V, scratch = f(nkv, cap, hd), f(nkv, cap, hd), f(4)
+    kws = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32")
+    with run() as (dev, enc, buf):
+        def prep(**over):
+            a = dict(proj=buf(proj), position=3, k_cache=buf(K), q_out=buf(q), rotary_dim=8, **kws)
+            a.update(over)
+            ops.attn_prepare(enc, "float32", a.pop("proj"), buf(qw), buf(qw), a.pop("position"), a.pop("k_cache"),
+                             buf(V), a.pop("q_out"), **a)
+
+        def dec(**over):
+            a = dict(proj=buf(proj), n_keys=5, scratch=buf(scratch), o=buf(o), **kws)
+            a.update(over)
+            ops.attention_decode(enc, "float32", buf(q), a.pop("proj"), buf(K), buf(V), a.pop("n_keys"),
+                                 a.pop("scratch"), a.pop("o"), **a)
+
+        for bad in (dict(proj=buf(proj[:-1])), dict(position=cap), dict(k_cache=buf(K[:1])),
+                    dict(q_out=buf(q[:-1])), dict(rotary_dim=7), dict(rotary_dim=18), dict(n_heads=3),
+                    dict(capacity=cap + 1)):
+            with pytest.raises(ValueError):
+                prep(**bad)
+        for bad in (dict(n_keys=0), dict(n_keys=cap + 1), dict(o=buf(o[:-1])), dict(proj=buf(proj[:nh * hd])),
+                    dict(single_pass_max=2), dict(single_pass_max=2, scratch=None), dict(n_heads=5),
+                    dict(head_dim=512, capacity=1), dict(split_block=0)):
+            with pytest.raises(ValueError):
+                dec(**bad)
+        dec(scratch=None)                         # the single-pass route needs no scratch
+        dec(output_gate=False, proj=buf(proj[:1]))  # nor proj without the output gate
+        with pytest.raises(ValueError):
+            ops.attention_scratch_bytes(nh, nkv, hd, 10, long_block=0)

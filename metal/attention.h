@@ -6,7 +6,7 @@
 #include <cstdint>
 #endif
 
-// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams, 520 bytes of
+// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 548 bytes of
 // setBytes)
 #define ATTN_MAX_ROTARY_HALF 128u
 

@@ -1,162 +1,110 @@
-// Affine-quantized matrix-vector products (MLX format): the decode-time projections.
+// Matrix-vector products with quantized or dense weights (the decode-time projections and the
+// lm_head), and the embedding gather.
 //
-// Format (docs/model.md): W[N, K] is stored row-major as uint32 words, 32/BITS values per word,
-// lowest bits first; each row has K / group_size groups with one scale and one bias each
-// (activation dtype), and w = scale * q + bias with q unsigned.
+// Weight formats (metal/quant_dot.h): MLX affine 4- and 8-bit (uint32 words, lowest bits first; one
+// scale and one bias per group of group_size inputs of a row, w = scale * q + bias, scales/biases
+// bfloat or float: a template argument of their own, independent of the activation type), or dense
+// bfloat / half / float. Activations T: float (exact tests) or bfloat (production). Accumulation is
+// float throughout; the output is rounded once on store.
 //
-// Thread mapping (as MLX's qmv_fast): a threadgroup is 2 SIMD-groups of 32 lanes; each SIMD-group
-// computes QMV_ROWS = 4 consecutive output rows, so a threadgroup covers 8 rows and the grid is
-// (ceil(N / 8), number of input vectors, 1). Per step a lane takes one 8-byte word pair (uint2)
-// of each of its 4 rows: 16 values at 4 bits, 8 at 8 bits, so the 32 lanes of a SIMD-group read
-// 256 contiguous bytes of a row per step (512 inputs at 4 bits, 256 at 8 bits) and K needs no
-// multiple-of-512 rule (lanes past K idle). The lane's slice of x is loaded once per step as
-// vectors, converted to float registers and reused for all 4 rows. Per group the dot product is
-// factored: sum(w*x) = scale * sum(q*x) + bias * sum(x), with sum(x) computed once per step and
-// shared by the rows. At 4 bits the nibbles are never shifted: x is pre-scaled by 1, 1/16,
-// 1/256, 1/4096 and multiplied by the masked halfword (q << 4i exactly cancels; MLX's trick).
-// Accumulation is float; one simd_sum per row at the end, lane 0 stores.
+//   qmv_<w>_<T>            y[b, :N] = W x[b, :K]                 for b = grid.y (a batch of vectors)
+//   qmv_<w>_bf16_f32out    the same with float output (logits: the lm_head, the router)
+//   embed_<w>_<T>          y[i, :K] = row ids[i] of W, dequantized to T
+// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()).
 //
-// Variants:
-//   qmv{4,8}_{f32,bf16,f16}         y[N] (activation dtype) = W x       (grid.y: batch of vectors)
-//   qmv{4,8}_{bf16,f16}_f32out      the same with float output (logits: keeps the lm_head exact)
-//   gather_qmv{4,8}_{f32,bf16,f16}  stacked expert matrices W[E, N, K]; slot s (grid.y) uses
-//                                   expert ids[s] and input x + s * x_stride (x_stride 0: all
-//                                   slots share one x, as gate/up do in decode), writes y[s, N]
+// Buffers: params first, then the weight (w, scales, biases; a dense weight binds w in the scales
+// and biases slots, unused), then inputs, then outputs.
 //
 // Simulator-verified, hardware-unverified.
 #include "common.h"
+#include "quant.h"
+#include "quant_dot.h"
 
-struct QmvParams {
-    uint K;           // input features, a multiple of group_size
-    uint N;           // output rows
-    uint group_size;  // 32, 64 or 128
-    uint x_stride;    // elements between the input vectors of consecutive grid.y (0: shared x)
-    uint y_stride;    // elements between consecutive output vectors (usually N)
-};
-
-enum : uint { QMV_ROWS = 4, QMV_SIMDGROUPS = 2 };
-
-// sum_i q_i * xs_i over 16 nibbles (two words), xs pre-scaled by 1, 1/16, 1/256, 1/4096 per nibble
-// position inside each 16-bit half
-inline float qdot4(uint2 q, thread const float* xs) {
-    float acc = 0.0f;
-    for (int wd = 0; wd < 2; ++wd) {
-        const uint word = q[wd];
-        for (int h = 0; h < 2; ++h) {
-            const uint u = (word >> (16 * h)) & 0xFFFFu;
-            thread const float* x4 = xs + 8 * wd + 4 * h;
-            acc += x4[0] * float(u & 0x000Fu) + x4[1] * float(u & 0x00F0u) + x4[2] * float(u & 0x0F00u) +
-                   x4[3] * float(u & 0xF000u);
-        }
-    }
-    return acc;
-}
-
-// sum_i q_i * x_i over 8 bytes (two words)
-inline float qdot8(uint2 q, thread const float* x) {
-    float acc = 0.0f;
-    for (int wd = 0; wd < 2; ++wd) {
-        const uint word = q[wd];
-        for (int b = 0; b < 4; ++b) {
-            acc += x[4 * wd + b] * float((word >> (8 * b)) & 0xFFu);
-        }
-    }
-    return acc;
-}
-
-// The 4 rows row0 .. row0+3 of y = W x for one SIMD-group (see the header for the mapping).
-// w / scales / biases point at row 0 of this matrix, x at this input vector, y at this output.
-template <typename T, typename O, int BITS>
-inline void qmv_simdgroup(device const uint32_t* w, device const T* scales, device const T* biases,
-                          device const T* x, device O* y, uint K, uint N, uint group_size, uint row0, uint lane) {
-    const int VALS = BITS == 4 ? 16 : 8;  // inputs per lane per step: one uint2 of weights
-    const uint STEP = 32 * VALS;
-    const uint words_per_row = K * BITS / 32;
-    const uint groups_per_row = K / group_size;
-    device const uint2* w2 = (device const uint2*)w;
-    device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
-
-    uint rows[QMV_ROWS];
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        rows[r] = min(row0 + r, N - 1);  // rows past N re-read the last row and are not stored
-    }
-    float acc[QMV_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-
-    for (uint k0 = lane * VALS; k0 < K; k0 += STEP) {
-        float xs[16];
-        float xsum = 0.0f;
-        for (int i = 0; i < VALS; i += 4) {
-            const vec<T, 4> v = x4[(k0 + i) / 4];
-            for (int j = 0; j < 4; ++j) {
-                const float f = float(v[j]);
-                xsum += f;
-                xs[i + j] = BITS == 4 ? f * (j == 0 ? 1.0f : j == 1 ? 0.0625f : j == 2 ? 0.00390625f : 0.000244140625f) : f;
-            }
-        }
-        const uint g = k0 / group_size;
-        for (uint r = 0; r < QMV_ROWS; ++r) {
-            const uint2 q = w2[(rows[r] * words_per_row + k0 * BITS / 32) / 2];
-            const float d = BITS == 4 ? qdot4(q, xs) : qdot8(q, xs);
-            const uint si = rows[r] * groups_per_row + g;
-            acc[r] += float(scales[si]) * d + float(biases[si]) * xsum;
-        }
-    }
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        const float total = simd_sum(acc[r]);
-        if (lane == 0 && row0 + r < N) {
-            y[row0 + r] = O(total);
-        }
-    }
-}
-
-// y[b] = W x[b]  for b = grid.y; scales/biases [N, K/group_size]; w [N, K*BITS/32]
-template <typename T, typename O, int BITS>
-kernel void qmv(device const uint32_t* w [[buffer(0)]], device const T* scales [[buffer(1)]],
-                device const T* biases [[buffer(2)]], device const T* x [[buffer(3)]], device O* y [[buffer(4)]],
-                constant QmvParams& p [[buffer(5)]], uint3 tgid [[threadgroup_position_in_grid]],
+// qmv. Why one kernel per format and not dequantize + GEMV: decode is bound by weight bytes, so each
+// weight is read once, straight from its packed form, and multiplied in registers.
+//
+// Thread mapping (MLX's qmv_fast): a threadgroup is QMV_SIMDGROUPS = 2 SIMD-groups of 32 lanes; each
+// SIMD-group computes QMV_ROWS = 4 consecutive output rows, so a threadgroup covers 8 rows and the
+// grid is (ceil(N / 8), batch, 1) x (32, 2, 1). Per step a lane loads one 8-byte word pair of each of
+// its 4 rows (16 weights at 4 bits, 8 at 8 bits; dense: two 4-vectors, 8 weights), so the 32 lanes
+// read 256 contiguous bytes of a row per step (dense bf16: 512), and its slice of x once for all 4
+// rows. Per group the product is factored, sum(w x) = scale sum(q x) + bias sum(x), sum(x) shared by
+// the rows; at 4 bits nibbles are masked, never shifted (x pre-scaled). One simd_sum per row at the
+// end; lane 0 stores. Rows past N re-read row N - 1 and are not stored; a SIMD-group whose first row
+// is past N returns as a whole (SIMD-group-uniform; no barriers in this kernel).
+template <int FMT, typename S, typename T, typename O>
+kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                device const T* x [[buffer(4)]], device O* y [[buffer(5)]], uint3 tgid [[threadgroup_position_in_grid]],
                 uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
-    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
-    if (row0 >= p.N) {
-        return;  // SIMD-group-uniform: the whole SIMD-group leaves (no barriers in this kernel)
-    }
-    qmv_simdgroup<T, O, BITS>(w, scales, biases, x + tgid.y * p.x_stride, y + tgid.y * p.y_stride, p.K, p.N,
-                              p.group_size, row0, lane);
-}
-
-// Stacked experts: w [E, N, K*BITS/32], scales/biases [E, N, K/group_size], ids [slots] (uint),
-// x [slots, K] (x_stride = K) or [K] (x_stride = 0), y [slots, N]; grid (ceil(N/8), slots, 1).
-// The expert index comes from device memory, so the router's top-k can stay on the GPU.
-template <typename T, int BITS>
-kernel void gather_qmv(device const uint32_t* w [[buffer(0)]], device const T* scales [[buffer(1)]],
-                       device const T* biases [[buffer(2)]], device const T* x [[buffer(3)]], device T* y [[buffer(4)]],
-                       device const uint* ids [[buffer(5)]], constant QmvParams& p [[buffer(6)]],
-                       uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
-                       uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
     if (row0 >= p.N) {
         return;
     }
-    const uint slot = tgid.y;
-    const ulong e = ids[slot];
-    const ulong w_per_expert = ulong(p.N) * (p.K * BITS / 32);
-    const ulong s_per_expert = ulong(p.N) * (p.K / p.group_size);
-    qmv_simdgroup<T, T, BITS>(w + e * w_per_expert, scales + e * s_per_expert, biases + e * s_per_expert,
-                              x + slot * p.x_stride, y + slot * p.y_stride, p.K, p.N, p.group_size, row0, lane);
+    device const WV* wv = (device const WV*)w;
+    device const vec<T, 4>* x4 = (device const vec<T, 4>*)(x + ulong(tgid.y) * p.x_stride);
+    float out[QMV_ROWS];
+    rows_dot<FMT, S, T>(wv, scales, biases, x4, p.K, p.group_size, row0, p.N, lane, out);
+    device O* yb = y + ulong(tgid.y) * p.y_stride;
+    if (lane == 0) {
+        for (uint r = 0; r < QMV_ROWS && row0 + r < p.N; ++r) {
+            yb[row0 + r] = O(out[r]);
+        }
+    }
 }
 
-INSTANTIATE_KERNEL("qmv4_f32", qmv, float, float, 4)
-INSTANTIATE_KERNEL("qmv4_bf16", qmv, bfloat, bfloat, 4)
-INSTANTIATE_KERNEL("qmv4_f16", qmv, half, half, 4)
-INSTANTIATE_KERNEL("qmv8_f32", qmv, float, float, 8)
-INSTANTIATE_KERNEL("qmv8_bf16", qmv, bfloat, bfloat, 8)
-INSTANTIATE_KERNEL("qmv8_f16", qmv, half, half, 8)
-INSTANTIATE_KERNEL("qmv4_bf16_f32out", qmv, bfloat, float, 4)
-INSTANTIATE_KERNEL("qmv4_f16_f32out", qmv, half, float, 4)
-INSTANTIATE_KERNEL("qmv8_bf16_f32out", qmv, bfloat, float, 8)
-INSTANTIATE_KERNEL("qmv8_f16_f32out", qmv, half, float, 8)
-INSTANTIATE_KERNEL("gather_qmv4_f32", gather_qmv, float, 4)
-INSTANTIATE_KERNEL("gather_qmv4_bf16", gather_qmv, bfloat, 4)
-INSTANTIATE_KERNEL("gather_qmv4_f16", gather_qmv, half, 4)
-INSTANTIATE_KERNEL("gather_qmv8_f32", gather_qmv, float, 8)
-INSTANTIATE_KERNEL("gather_qmv8_bf16", gather_qmv, bfloat, 8)
-INSTANTIATE_KERNEL("gather_qmv8_f16", gather_qmv, half, 8)
+// embed: the token embedding gather (the decode token id stays on the device). One threadgroup per
+// id (grid (n, 1, 1)); each thread dequantizes VALS consecutive values of the row per step (one word
+// pair at 4/8 bits, two 4-vectors dense) and walks the row in steps of threads * VALS. An id past the
+// table's rows yields a zero row (no out-of-bounds read; the host cannot check device-side ids).
+template <int FMT, typename S, typename T>
+kernel void embed(constant EmbedParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                  device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                  device const uint* ids [[buffer(4)]], device T* y [[buffer(5)]],
+                  uint i [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                  uint nthreads [[threads_per_threadgroup]]) {
+    typedef WDot<FMT, S, T> D;
+    typedef typename D::wvec WV;
+    const uint id = ids[i];
+    device T* yr = y + ulong(i) * p.K;
+    if (id >= p.rows) {
+        for (uint k = tid; k < p.K; k += nthreads) {
+            yr[k] = T(0.0f);
+        }
+        return;
+    }
+    device const WV* wr = (device const WV*)w + ulong(id) * D::units_per_row(p.K);
+    const ulong so = ulong(id) * D::scales_per_row(p.K, p.group_size);
+    for (uint k = tid * D::VALS; k < p.K; k += nthreads * D::VALS) {
+        float v[D::VALS];
+        D::dequant(wr, scales + so, biases + so, k, p.group_size, v);
+        for (uint j = 0; j < D::VALS; ++j) {
+            yr[k + j] = T(v[j]);
+        }
+    }
+}
+
+// ---- instantiations: only what the decode graph uses ----------------------------------------------
+// quantized weights x {bf16, f32} scales x {f32, bf16 activations, bf16 activations with float output}
+#define QMV_QUANT(fmtname, FMT, sname, S)                                                         \
+    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_f32", qmv, FMT, S, float, float)               \
+    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_bf16", qmv, FMT, S, bfloat, bfloat)            \
+    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_bf16_f32out", qmv, FMT, S, bfloat, float)      \
+    INSTANTIATE_KERNEL("embed_" fmtname "_s" sname "_f32", embed, FMT, S, float)                  \
+    INSTANTIATE_KERNEL("embed_" fmtname "_s" sname "_bf16", embed, FMT, S, bfloat)
+// dense weights of type W
+#define QMV_DENSE(wname, W)                                                                       \
+    INSTANTIATE_KERNEL("qmv_" wname "_f32", qmv, WFMT_DENSE, W, float, float)                     \
+    INSTANTIATE_KERNEL("qmv_" wname "_bf16", qmv, WFMT_DENSE, W, bfloat, bfloat)                  \
+    INSTANTIATE_KERNEL("qmv_" wname "_bf16_f32out", qmv, WFMT_DENSE, W, bfloat, float)            \
+    INSTANTIATE_KERNEL("embed_" wname "_f32", embed, WFMT_DENSE, W, float)                        \
+    INSTANTIATE_KERNEL("embed_" wname "_bf16", embed, WFMT_DENSE, W, bfloat)
+
+QMV_QUANT("q4", WFMT_Q4, "bf16", bfloat)
+QMV_QUANT("q4", WFMT_Q4, "f32", float)
+QMV_QUANT("q8", WFMT_Q8, "bf16", bfloat)
+QMV_QUANT("q8", WFMT_Q8, "f32", float)
+QMV_DENSE("bf16", bfloat)
+QMV_DENSE("f16", half)
+QMV_DENSE("f32", float)

@@ -25,9 +25,10 @@ def test_info_and_builtin_library():
     assert info["simd_width"] == 32 and info["max_threads_per_threadgroup"] == 1024
     assert info["max_threadgroup_memory"] == 32768
     builtin = sim.builtin_library()
-    for name in ("qmv4_f32", "qmv8_bf16", "qmv4_bf16_f32out", "gather_qmv4_bf16", "rmsnorm_bf16", "add_rmsnorm_f32"):
+    for name in ("qmv_q4_sbf16_f32", "qmv_q8_sbf16_bf16", "qmv_q4_sbf16_bf16_f32out", "qmv_bf16_bf16", "embed_q4_sbf16_bf16",
+                 "moe_topk_f32", "moe_gate_up_q4_sbf16_bf16", "moe_down_q4_sbf16_bf16", "rmsnorm_bf16", "add_rmsnorm_f32"):
         assert name in builtin.kernels
-    k = builtin.kernel_info("qmv4_f32")
+    k = builtin.kernel_info("qmv_q4_sbf16_f32")
     assert k["file"] == "metal/quant.metal" and k["line"] > 0 and k["checked"]
 
 
@@ -282,18 +283,19 @@ def test_encode_only_with_virtual_buffers():
     x = np.ones((1, H), ml_dtypes.bfloat16)
     w = np.ones(H, ml_dtypes.bfloat16)
     y = np.zeros((1, H), ml_dtypes.bfloat16)
-    lib.dispatch("rmsnorm_bf16", 1, 512, [x, w, y], sim.pack("If", H, 1e-6))  # one real run: tg memory seen
+    # params bind first ([[buffer(0)]]): buffers start at index 1
+    lib.dispatch("rmsnorm_bf16", 1, 512, [None, x, w, y], {0: sim.pack("If", H, 1e-6)})  # one real run: tg memory seen
     cb = sim.CommandBuffer(execute=False)
     hb = sim.VirtualBuffer(H * 2, "h")
     nb = sim.VirtualBuffer(H * 2, "normed")
-    cb.dispatch(lib, "rmsnorm_bf16", 1, 512, [hb, sim.VirtualBuffer(H * 2), nb], sim.pack("If", H, 1e-6),
-                reads={0: H * 2, 1: H * 2}, writes={2: H * 2})
+    cb.dispatch(lib, "rmsnorm_bf16", 1, 512, [None, hb, sim.VirtualBuffer(H * 2), nb], {0: sim.pack("If", H, 1e-6)},
+                reads={1: H * 2, 2: H * 2}, writes={3: H * 2})
     cb.barrier()
     wq, sc = sim.VirtualBuffer(V * H // 2, "lm_head.weight"), sim.VirtualBuffer(V * H // 64 * 2)
     logits = sim.VirtualBuffer(V * 4, "logits")
-    cb.dispatch(lib, "qmv4_bf16_f32out", (V // 8, 1), (32, 2), [wq, sc, sc, nb, logits],
-                sim.pack("IIIII", H, V, 64, H, V),
-                reads={0: True, 1: True, 2: True, 3: True}, writes={4: True})
+    cb.dispatch(lib, "qmv_q4_sbf16_bf16_f32out", (V // 8, 1), (32, 2), [None, wq, sc, sc, nb, logits],
+                {0: sim.pack("IIIII", H, V, 64, H, V)},
+                reads={1: True, 2: True, 3: True, 4: True}, writes={5: True})
     c = cb.counters()
     assert not c["executed"] and c["num_dispatches"] == 2 and c["levels"] == 2
     norm, head = c["dispatches"]
@@ -303,4 +305,23 @@ def test_encode_only_with_virtual_buffers():
     assert head["bytes_read"] == V * H // 2 + 2 * (V * H // 64 * 2) + H * 2 + 20  # + the setBytes params
     assert head["bytes_written"] == V * 4
     with pytest.raises(sim.MetalSimError, match="virtual buffer"):
-        sim.CommandBuffer().dispatch(lib, "rmsnorm_bf16", 1, 512, [hb, hb, nb], sim.pack("If", H, 1e-6))
+        sim.CommandBuffer().dispatch(lib, "rmsnorm_bf16", 1, 512, [None, hb, hb, nb], {0: sim.pack("If", H, 1e-6)})
+
+
+def test_runtime_compiled_quant_matches_builtin():
+    """The product path (kernels linked into _core) and sim.compile of the same source (metal/quant.metal with
+    its headers quant.h and quant_dot.h) agree."""
+    from qwenmetal import quant
+    lib = sim.builtin_library()
+    rt = sim.compile(sim.kernel_path("quant.metal"))
+    rng = np.random.default_rng(5)
+    N, K = 24, 320
+    wq, s, b = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), 4, 64, scale_dtype=np.float32)
+    wd = quant.dequantize(wq, s, b, 4, 64).astype(np.float64)
+    x = rng.standard_normal(K).astype(np.float32)
+    y1, y2 = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    params = {0: sim.pack("IIIII", K, N, 64, K, N)}
+    lib.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, y1], params)
+    rt.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, y2], params, schedule="reverse")
+    np.testing.assert_array_equal(y1, y2)
+    assert float(np.abs(y1 - wd @ x).max() / np.abs(wd @ x).max()) <= 1e-5

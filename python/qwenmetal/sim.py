@@ -3,9 +3,9 @@
     from qwenmetal import sim
     lib = sim.builtin_library()                 # metal/*.metal, compiled into qwenmetal._core at build time
     lib = sim.compile("my_kernels.metal")       # or MSL source text: built now with the system C++ compiler
-    counters = lib.dispatch("qmv4_f32", threadgroups=(N // 8, 1), threads_per_threadgroup=(32, 2),
-                            buffers=[w, scales, biases, x, y], params=sim.pack("IIIII", K, N, 64, K, N),
-                            schedule="random", seed=3)
+    counters = lib.dispatch("qmv_q4_sbf16_f32", threadgroups=(N // 8, 1), threads_per_threadgroup=(32, 2),
+                            buffers=[None, w, scales, biases, x, y],          # params bind first: buffer(0)
+                            params={0: sim.pack("IIIII", K, N, 64, K, N)}, schedule="random", seed=3)
 
 ``buffers`` are numpy arrays bound to ``[[buffer(0)]], [[buffer(1)]], ...`` in order and written in place
 (``None`` leaves an index unbound); ``params`` is a ``setBytes`` blob (``bytes``, e.g. from :func:`pack`, or

@@ -1,10 +1,36 @@
 // gpu.ops: moe family (metal/moe.metal, src/gpu/ops/moe.cpp).
+#include <nanobind/stl/string.h>
+
 #include "bindings/gpu.h"
+#include "gpu/ops/moe.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace qwenmetal::bindings {
 
-void register_gpu_ops_moe(nb::module_& ops) { (void)ops; }
+void register_gpu_ops_moe(nb::module_& ops) {
+    ops.def("moe_topk", [](gpu::Encoder& e, const gpu::Buffer& logits, uint32_t n_experts, uint32_t k, bool norm,
+                           const gpu::Buffer& ids, const gpu::Buffer& weights) {
+        gpu::ops::moe_topk(e, logits, n_experts, k, norm, ids, weights);
+    }, "encoder"_a, "logits"_a, "n_experts"_a, "k"_a, "norm"_a, "ids"_a, "weights"_a);
+    ops.def("moe_gate_up", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate, const gpu::Matrix& up,
+                              const gpu::Matrix* shared_gate_up, const gpu::Buffer& x, const gpu::Buffer& ids,
+                              uint32_t k, const gpu::Buffer& act) {
+        gpu::ops::moe_gate_up(e, gpu::parse_act(t), gate, up, shared_gate_up, x, ids, k, act);
+    }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "shared_gate_up"_a.none(), "x"_a, "ids"_a, "k"_a, "act"_a);
+    ops.def("moe_down", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& down,
+                           const gpu::Matrix* shared_down, const gpu::Buffer& act, const gpu::Buffer& ids,
+                           const gpu::Buffer& weights, const gpu::Buffer* logits, uint32_t n_experts, uint32_t k,
+                           const gpu::Buffer& x) {
+        gpu::ops::moe_down(e, gpu::parse_act(t), down, shared_down, act, ids, weights,
+                           logits ? *logits : gpu::Buffer{}, n_experts, k, x);
+    }, "encoder"_a, "dtype"_a, "down"_a, "shared_down"_a.none(), "act"_a, "ids"_a, "weights"_a, "logits"_a.none(),
+       "n_experts"_a, "k"_a, "x"_a);
+    ops.def("mlp_gate_up", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate_up,
+                              const gpu::Buffer& x, const gpu::Buffer& act) {
+        gpu::ops::mlp_gate_up(e, gpu::parse_act(t), gate_up, x, act);
+    }, "encoder"_a, "dtype"_a, "gate_up"_a, "x"_a, "act"_a);
+}
 
 }  // namespace qwenmetal::bindings

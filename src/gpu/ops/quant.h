@@ -1,6 +1,9 @@
 // Host functions of metal/quant.metal, and the device-side description of a weight matrix that
 // every GEMV-like kernel (quant, moe) takes.
 #pragma once
+#include <string>
+#include <vector>
+
 #include "gpu/ops/common.h"
 
 namespace qwenmetal::gpu {
@@ -39,6 +42,12 @@ struct Matrix {
     // "q4_sbf16", "q8_sf32", "bf16", ...: the weight-format part of kernel names
     std::string variant() const;
 };
+
+// Appends the three kernel arguments of M (w, scales, biases: views over the whole stack), declaring
+// `rows_read` rows as read (e.g. k * rows for the k selected experts of a stack: the costing counts
+// the bytes really touched). A dense matrix binds its w view in the scales and biases slots too,
+// declared unread.
+void matrix_args(std::vector<Arg>& args, const Matrix& M, uint64_t rows_read);
 
 namespace ops {
 

@@ -1,0 +1,52 @@
+// moe family: parameters and limits shared by metal/moe.metal and its host functions
+// (src/gpu/ops/moe.cpp). The GEMV geometry (QMV_ROWS, QMV_SIMDGROUPS) is quant's (metal/quant.h).
+#pragma once
+// Host side: uint32_t comes from <cstdint>, included first by src/gpu/ops/common.h (msl_lint
+// admits no non-Metal #include in kernel headers, guarded or not).
+
+// moe_topk: softmax over n_experts router logits, top-k, optional renormalisation
+struct MoeTopkParams {
+    uint32_t n_experts;   // logits read: [0, n_experts)
+    uint32_t k;           // experts chosen, 1 .. min(n_experts, MOE_MAX_TOPK)
+    uint32_t norm;        // 1: weights renormalised to sum 1 (norm_topk_prob)
+};
+static_assert(sizeof(MoeTopkParams) == 12, "MoeTopkParams: 3 x 4 bytes, as the host packs it");
+
+// moe_gate_up: act[s] = silu(gate_e x) * up_e x for the k routed slots, slot k the shared expert
+struct MoeGateUpParams {
+    uint32_t K;                  // input features (hidden size)
+    uint32_t inter;              // rows of one routed expert's gate (= up)
+    uint32_t group_size;         // routed experts' quantization group (dense: unused)
+    uint32_t count;              // experts in the stacks (ids are clamped to count - 1)
+    uint32_t k;                  // routed slots
+    uint32_t shared_inter;       // rows of the shared expert's gate (its [gate | up] matrix has twice as many); 0: none
+    uint32_t shared_group_size;
+    uint32_t act_stride;         // elements between act rows: max(inter, shared_inter)
+};
+static_assert(sizeof(MoeGateUpParams) == 32, "MoeGateUpParams: 8 x 4 bytes, as the host packs it");
+
+// moe_down: x[:H] += sum_s w_s down_{ids[s]} act[s] + sigmoid(shared logit) shared_down act[k]
+struct MoeDownParams {
+    uint32_t H;                  // output rows (hidden size)
+    uint32_t inter;              // columns of one routed expert's down projection
+    uint32_t group_size;
+    uint32_t count;              // experts in the stack (ids are clamped to count - 1)
+    uint32_t k;
+    uint32_t shared_inter;       // columns of the shared down projection; 0: no shared expert
+    uint32_t shared_group_size;
+    uint32_t act_stride;
+};
+static_assert(sizeof(MoeDownParams) == 32, "MoeDownParams: 8 x 4 bytes, as the host packs it");
+
+// mlp_gate_up: act = silu(gate x) * up x over one stacked [gate | up] matrix
+struct MlpGateUpParams {
+    uint32_t K;                  // input features
+    uint32_t inter;              // gate rows (the matrix has 2 * inter)
+    uint32_t group_size;
+};
+static_assert(sizeof(MlpGateUpParams) == 12, "MlpGateUpParams: 3 x 4 bytes, as the host packs it");
+
+// moe_topk runs as one SIMD-group; each lane owns experts lane, lane + 32, ... in threadgroup memory
+#define MOE_TOPK_THREADS 32u
+#define MOE_MAX_EXPERTS 1024u
+#define MOE_MAX_TOPK 32u

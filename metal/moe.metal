@@ -1,0 +1,245 @@
+// The sparse MoE block of one decode token, and the dense SwiGLU MLP, after the router GEMV (qmv with
+// float output over the stacked [router rows | shared_expert_gate row], metal/quant.metal):
+//
+//   moe_topk_f32        logits[0, E) -> softmax (float) -> top-k (ties: lower expert index first)
+//                       -> renormalised (optional): ids uint [k], weights float [k]
+//   moe_gate_up_<w>_<T> act[s, :inter] = silu(gate_{ids[s]} x) * up_{ids[s]} x for s < k, and
+//                       act[k, :shared_inter] for the shared expert (its stacked [gate | up] matrix)
+//   moe_down_<w>_<T>    x[:H] += sum_s weights[s] down_{ids[s]} act[s]
+//                                + sigmoid(logits[E]) shared_down act[k]     (in place: the residual add)
+//   mlp_gate_up_<w>_<T> act[:inter] = silu(gate x) * up x over one stacked [gate | up] matrix
+// <w> as in quant.metal (q4_sbf16, ..., bf16, f16, f32); the shared expert has the routed experts'
+// format (its group size may differ).
+//
+// Every projection runs metal/quant_dot.h's rows_dot: exactly qmv's inner loop and thread mapping
+// (2 SIMD-groups x 4 rows, one word pair per lane per row and step). Float throughout; the SwiGLU
+// product and the updated residual are rounded to T once, on store (the MLX bf16 graph rounds gate,
+// up and each expert's output to bf16 as well; we do not, see docs/metal-moe.md).
+//
+// Simulator-verified, hardware-unverified.
+#include "common.h"
+#include "moe.h"
+#include "quant.h"
+#include "quant_dot.h"
+
+// Router top-k. Why on the GPU: the expert ids then never visit the host, so gate/up and down can be
+// encoded in the same command buffer right after the router GEMV.
+//
+// Thread mapping: one threadgroup of one SIMD-group (32 threads); lane l owns experts l, l + 32, ...
+// and keeps their probabilities in threadgroup memory that only it reads (no barriers). The max and
+// the sum of the softmax are simd_max / simd_sum; p_e = exp(l_e - max) / sum, as the float32
+// reference computes it. Top-k is k rounds of a SIMD-group argmax over the experts ranked below the
+// previous pick in the order (probability descending, index ascending): each lane scans its experts
+// in ascending order (strict > keeps the lower index), simd_max gives the value, simd_min over the
+// lanes holding it the lowest index. Lane j keeps the pick of round j; the renormalising sum adds
+// the picks in order 0 .. k-1; lanes j < k store. k <= 32, n_experts <= MOE_MAX_EXPERTS.
+kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
+                         device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+    threadgroup float probs[MOE_MAX_EXPERTS];
+    const uint n = p.n_experts;
+    float m = logits[0];
+    for (uint e = lane; e < n; e += SIMD_WIDTH) {
+        m = max(m, logits[e]);
+    }
+    m = simd_max(m);
+    float s = 0.0f;
+    for (uint e = lane; e < n; e += SIMD_WIDTH) {
+        const float v = exp(logits[e] - m);
+        probs[e] = v;
+        s += v;
+    }
+    s = simd_sum(s);
+    for (uint e = lane; e < n; e += SIMD_WIDTH) {
+        probs[e] = probs[e] / s;
+    }
+    float prev_v = 2.0f;  // above every probability: round 0 may take any expert
+    uint prev_i = 0;
+    float mine_v = 0.0f, total = 0.0f;
+    uint mine_i = 0;
+    for (uint j = 0; j < p.k; ++j) {
+        float bv = -1.0f;  // below every probability
+        uint bi = 0xFFFFFFFFu;
+        for (uint e = lane; e < n; e += SIMD_WIDTH) {
+            const float v = probs[e];
+            const bool below = v < prev_v || (v == prev_v && e > prev_i);
+            if (below && v > bv) {
+                bv = v;
+                bi = e;
+            }
+        }
+        const float best = simd_max(bv);
+        const uint best_i = simd_min(bv == best ? bi : 0xFFFFFFFFu);
+        prev_v = best;
+        prev_i = best_i;
+        total += best;
+        if (lane == j) {
+            mine_v = best;
+            mine_i = best_i;
+        }
+    }
+    if (lane < p.k) {
+        ids[lane] = mine_i;
+        weights[lane] = p.norm != 0 ? mine_v / total : mine_v;
+    }
+}
+
+// 4 outputs act[row0 .. row0+3] = silu(g) * u of one SIMD-group: rows_dot over the gate rows, then
+// over the up rows (qmv's loop twice; x is re-read from cache, weights once).
+template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
+inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K, uint gsz, uint row0, uint nrows,
+                        uint lane, device T* act) {
+    float g[QMV_ROWS], u[QMV_ROWS];
+    rows_dot<FMT, S, T>(gw, gs_, gb, x4, K, gsz, row0, nrows, lane, g);
+    rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, row0, nrows, lane, u);
+    if (lane == 0) {
+        for (uint r = 0; r < QMV_ROWS && row0 + r < nrows; ++r) {
+            const float silu = g[r] / (1.0f + exp(-g[r]));
+            act[row0 + r] = T(silu * u[r]);
+        }
+    }
+}
+
+// Routed gate/up + SwiGLU for the k slots and the shared expert, one dispatch. Why fused: gate, up
+// and the SwiGLU of all 9 experts of a token in one dispatch (Lily's moe_gather_gemv_q4_gate_up),
+// the expert index read from device memory; only the gate/up rows of the chosen experts are read.
+//
+// Thread mapping: grid (ceil(act_stride / 8), k + 1 with a shared expert else k, 1) x (32, 2, 1);
+// grid.y is the slot (slot k: the shared expert, its gate rows 0 .. shared_inter-1 and up rows
+// shared_inter .. of its stacked matrix), grid.x a block of 8 outputs, 4 per SIMD-group. A
+// SIMD-group whose first output is past the slot's rows returns as a whole.
+// Buffers: 0 params, 1-3 gate stack (w, scales, biases) [count, inter, K], 4-6 up stack, 7-9 the
+// shared [gate | up] matrix [2 shared_inter, K] (without one: any buffer, unused), 10 x [K],
+// 11 ids uint [k], 12 act [k (+1), act_stride].
+template <int FMT, typename S, typename T>
+kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
+                        device const S* gsc [[buffer(2)]], device const S* gbi [[buffer(3)]],
+                        device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
+                        device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
+                        device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
+                        device const T* x [[buffer(10)]], device const uint* ids [[buffer(11)]],
+                        device T* act [[buffer(12)]], uint3 tgid [[threadgroup_position_in_grid]],
+                        uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    const uint slot = tgid.y;
+    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
+    device T* arow = act + ulong(slot) * p.act_stride;
+    if (slot < p.k) {
+        if (row0 >= p.inter) {
+            return;
+        }
+        const ulong e = min(ids[slot], p.count - 1u);
+        const ulong wo = e * matrix_units<FMT, S, T>(p.inter, p.K);
+        const ulong so = e * matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
+        swiglu_rows<FMT, S, T>((device const WV*)gw + wo, gsc + so, gbi + so, (device const WV*)uw + wo, usc + so,
+                               ubi + so, x4, p.K, p.group_size, row0, p.inter, lane, arow);
+    } else {
+        if (row0 >= p.shared_inter) {
+            return;
+        }
+        const ulong wo = matrix_units<FMT, S, T>(p.shared_inter, p.K);
+        const ulong so = matrix_scales<FMT, S, T>(p.shared_inter, p.K, p.shared_group_size);
+        device const WV* sw = (device const WV*)shw;
+        swiglu_rows<FMT, S, T>(sw, shsc, shbi, sw + wo, shsc + so, shbi + so, x4, p.K, p.shared_group_size, row0,
+                               p.shared_inter, lane, arow);
+    }
+}
+
+// Routed down projections weighted by the routing weights + the gated shared expert + the residual
+// add, one dispatch. Why fused: the k + 1 down projections, their weighted sum and the add into the
+// residual stream never round-trip through memory (Lily's moe_gather_gemv_q4_down_combine, plus
+// the residual add), and the sum is taken in a fixed order (slots 0 .. k-1, then the shared expert:
+// deterministic whatever the schedule).
+//
+// Thread mapping: grid (ceil(H / 8), 1, 1) x (32, 2, 1); each SIMD-group owns 4 output rows and runs
+// rows_dot once per slot over that slot's expert rows and act row (inter = 512 at 4 bits: one step,
+// every lane busy), adding weights[s] * result; then the shared expert times sigmoid(its logit);
+// lane 0 adds the total to x and stores (each row is read and written by one thread only).
+// Buffers: 0 params, 1-3 down stack [count, H, inter], 4-6 shared down [H, shared_inter] (without
+// one: any buffer, unused), 7 act [k (+1), act_stride], 8 ids uint [k], 9 weights float [k],
+// 10 the shared-gate logit float [1] (the router GEMV's row n_experts), 11 x [H] (read and written).
+template <int FMT, typename S, typename T>
+kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw [[buffer(1)]],
+                     device const S* dsc [[buffer(2)]], device const S* dbi [[buffer(3)]],
+                     device const uint32_t* shw [[buffer(4)]], device const S* shsc [[buffer(5)]],
+                     device const S* shbi [[buffer(6)]], device const T* act [[buffer(7)]],
+                     device const uint* ids [[buffer(8)]], device const float* weights [[buffer(9)]],
+                     device const float* shared_logit [[buffer(10)]], device T* x [[buffer(11)]],
+                     uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    if (row0 >= p.H) {
+        return;
+    }
+    const ulong wpe = matrix_units<FMT, S, T>(p.H, p.inter);
+    const ulong spe = matrix_scales<FMT, S, T>(p.H, p.inter, p.group_size);
+    device const WV* dv = (device const WV*)dw;
+    float total[QMV_ROWS];
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        total[r] = 0.0f;
+    }
+    for (uint s = 0; s < p.k; ++s) {
+        const ulong e = min(ids[s], p.count - 1u);
+        const float ws = weights[s];
+        device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(s) * p.act_stride);
+        float d[QMV_ROWS];
+        rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, row0, p.H, lane, d);
+        for (uint r = 0; r < QMV_ROWS; ++r) {
+            total[r] += ws * d[r];
+        }
+    }
+    if (p.shared_inter != 0) {
+        device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(p.k) * p.act_stride);
+        float d[QMV_ROWS];
+        rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size, row0, p.H,
+                            lane, d);
+        const float gate = 1.0f / (1.0f + exp(-shared_logit[0]));
+        for (uint r = 0; r < QMV_ROWS; ++r) {
+            total[r] += gate * d[r];
+        }
+    }
+    if (lane == 0) {
+        for (uint r = 0; r < QMV_ROWS && row0 + r < p.H; ++r) {
+            x[row0 + r] = T(float(x[row0 + r]) + total[r]);
+        }
+    }
+}
+
+// Dense SwiGLU MLP gate/up (qwen3_next layers without experts): the shared-expert path of
+// moe_gate_up on its own. Grid (ceil(inter / 8), 1, 1) x (32, 2, 1), 4 outputs per SIMD-group.
+// Buffers: 0 params, 1-3 the [gate | up] matrix [2 inter, K], 4 x [K], 5 act [inter].
+template <int FMT, typename S, typename T>
+kernel void mlp_gate_up(constant MlpGateUpParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                        device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                        device const T* x [[buffer(4)]], device T* act [[buffer(5)]],
+                        uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    if (row0 >= p.inter) {
+        return;
+    }
+    const ulong wo = matrix_units<FMT, S, T>(p.inter, p.K);
+    const ulong so = matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
+    device const WV* wv = (device const WV*)w;
+    swiglu_rows<FMT, S, T>(wv, scales, biases, wv + wo, scales + so, biases + so, (device const vec<T, 4>*)x, p.K,
+                           p.group_size, row0, p.inter, lane, act);
+}
+
+#define MOE_KERNELS(wname, FMT, S)                                                                 \
+    INSTANTIATE_KERNEL("moe_gate_up_" wname "_f32", moe_gate_up, FMT, S, float)                    \
+    INSTANTIATE_KERNEL("moe_gate_up_" wname "_bf16", moe_gate_up, FMT, S, bfloat)                  \
+    INSTANTIATE_KERNEL("moe_down_" wname "_f32", moe_down, FMT, S, float)                          \
+    INSTANTIATE_KERNEL("moe_down_" wname "_bf16", moe_down, FMT, S, bfloat)                        \
+    INSTANTIATE_KERNEL("mlp_gate_up_" wname "_f32", mlp_gate_up, FMT, S, float)                    \
+    INSTANTIATE_KERNEL("mlp_gate_up_" wname "_bf16", mlp_gate_up, FMT, S, bfloat)
+
+MOE_KERNELS("q4_sbf16", WFMT_Q4, bfloat)
+MOE_KERNELS("q4_sf32", WFMT_Q4, float)
+MOE_KERNELS("q8_sbf16", WFMT_Q8, bfloat)
+MOE_KERNELS("q8_sf32", WFMT_Q8, float)
+MOE_KERNELS("bf16", WFMT_DENSE, bfloat)
+MOE_KERNELS("f16", WFMT_DENSE, half)
+MOE_KERNELS("f32", WFMT_DENSE, float)

@@ -1,0 +1,37 @@
+// quant family: parameters and thread geometry shared by metal/quant.metal, metal/moe.metal (through
+// metal/quant_dot.h) and their host functions (src/gpu/ops/quant.cpp, src/gpu/ops/moe.cpp).
+#pragma once
+// Host side: uint32_t comes from <cstdint>, included first by src/gpu/ops/common.h (msl_lint
+// admits no non-Metal #include in kernel headers, guarded or not).
+
+// qmv: y[b, :N] = W x[b, :K] for b = grid.y
+struct QmvParams {
+    uint32_t K;           // input features (columns of W)
+    uint32_t N;           // output rows
+    uint32_t group_size;  // quantized: 32, 64 or 128; dense: unused
+    uint32_t x_stride;    // elements between consecutive input vectors (grid.y), a multiple of 4
+    uint32_t y_stride;    // elements between consecutive output vectors
+};
+static_assert(sizeof(QmvParams) == 20, "QmvParams: 5 x 4 bytes, as the host packs it");
+
+// embed: y[i, :K] = row ids[i] of the table, dequantized, for i = threadgroup
+struct EmbedParams {
+    uint32_t K;           // columns of the table (the hidden size)
+    uint32_t rows;        // rows of the table (ids >= rows produce a zero row)
+    uint32_t group_size;
+};
+static_assert(sizeof(EmbedParams) == 12, "EmbedParams: 3 x 4 bytes, as the host packs it");
+
+// GEMV mapping (MLX's qmv_fast): QMV_ROWS consecutive output rows per SIMD-group, QMV_SIMDGROUPS
+// SIMD-groups (of 32 lanes) per threadgroup, so a threadgroup covers QMV_ROWS * QMV_SIMDGROUPS rows.
+#define QMV_LANES 32u
+#define QMV_ROWS 4u
+#define QMV_SIMDGROUPS 2u
+#define QMV_TG_ROWS (QMV_ROWS * QMV_SIMDGROUPS)
+// inputs a lane takes per step (one 8-byte word pair at 4 and 8 bits; two 4-vectors dense). The
+// weight's columns must be a multiple of this (quantized: implied by the group size).
+#define QMV_VALS_Q4 16u
+#define QMV_VALS_Q8 8u
+#define QMV_VALS_DENSE 8u
+// embed: threads per threadgroup, at most (each dequantizes QMV_VALS_* consecutive values per step)
+#define EMBED_MAX_THREADS 256u

@@ -1,0 +1,214 @@
+// Row dot products and row dequantization of a weight matrix, per storage format: the inner loops of
+// every GEMV-like kernel (metal/quant.metal: qmv, embed; metal/moe.metal: the expert and MLP
+// projections). One copy, included by both kernel files, so the MoE kernels run exactly qmv's loop.
+//
+// Formats (template argument FMT; S the scale/bias type for quantized weights, the element type for
+// dense ones; T the activation type):
+//   WFMT_Q4, WFMT_Q8  MLX affine: uint32 words of 8 (4-bit) or 4 (8-bit) values, lowest bits first;
+//                     per group of `gs` consecutive inputs of a row one scale and one bias (S),
+//                     w = scale * q + bias
+//   WFMT_DENSE        S[rows, K] (bfloat, half or float)
+//
+// Each format is a WDot<FMT, S, T> with
+//   wvec               the unit a lane loads per step (uint2 quantized, vec<S, 4> dense)
+//   VALS               inputs per lane per step (16 at 4 bits, 8 at 8 bits, 8 dense)
+//   units_per_row(K)   wvec units per row;  scales_per_row(K, gs): scales per row (0 dense)
+//   load_x(x4, k, xs)  the lane's VALS inputs x[k, k + VALS) into float registers (at 4 bits
+//                      pre-scaled by 1, 1/16, 1/256, 1/4096 by position); returns their sum
+//   dot(row..., k, ...)  this step's part of the row's dot product, in float
+//   dequant(row..., k, out)  the VALS weights w[k, k + VALS) of a row, in float
+//
+// Pointers are template parameters here (deduced: `const device uint2*`, ... on a GPU; the
+// simulator's checked pointers in the simulator), because this header is included as it is while
+// the kernel files themselves are rewritten for the simulator: the kernels do the casts to wvec /
+// vec<T, 4>, this header only indexes. Simulator-verified, hardware-unverified.
+#pragma once
+#include "common.h"
+#include "quant.h"
+
+enum : int { WFMT_Q4 = 0, WFMT_Q8 = 1, WFMT_DENSE = 2 };
+
+template <int FMT, typename S, typename T>
+struct WDot;
+
+// the lane's `n` (a multiple of 4) inputs starting at x[k] (k a multiple of 4); x4 = x as vec<T, 4>
+template <typename T, typename XP>
+inline float load_x_plain(XP x4, uint k, uint n, thread float* xs) {
+    float sum = 0.0f;
+    for (uint i = 0; i < n / 4u; ++i) {
+        const vec<T, 4> v = x4[k / 4u + i];
+        for (int j = 0; j < 4; ++j) {
+            xs[4u * i + uint(j)] = float(v[j]);
+            sum += float(v[j]);
+        }
+    }
+    return sum;
+}
+
+template <typename S, typename T>
+struct WDot<WFMT_Q4, S, T> {
+    typedef uint2 wvec;
+    enum : uint { VALS = QMV_VALS_Q4 };
+    static uint units_per_row(uint K) { return K / 16u; }
+    static uint scales_per_row(uint K, uint gs) { return K / gs; }
+
+    // x pre-scaled by 1, 1/16, 1/256, 1/4096 by position inside each 16-bit half of a word, so the
+    // masked (never shifted) nibble times it is q * x exactly: (q << 4i) * (x / 16^i) is exact in float
+    template <typename XP>
+    static float load_x(XP x4, uint k, thread float* xs) {
+        float sum = 0.0f;
+        for (uint i = 0; i < 4u; ++i) {
+            const vec<T, 4> v = x4[k / 4u + i];
+            const float a = float(v[0]), b = float(v[1]), c = float(v[2]), d = float(v[3]);
+            sum += a + b + c + d;
+            xs[4u * i] = a;
+            xs[4u * i + 1u] = b * 0.0625f;
+            xs[4u * i + 2u] = c * 0.00390625f;
+            xs[4u * i + 3u] = d * 0.000244140625f;
+        }
+        return sum;
+    }
+
+    // sum over the group: scale * sum(q * x) + bias * sum(x)
+    template <typename WP, typename SP>
+    static float dot(WP wrow, SP srow, SP brow, uint k, uint gs, thread const float* xs, float xsum) {
+        const uint2 q = wrow[k / 16u];
+        float acc = 0.0f;
+        for (int wd = 0; wd < 2; ++wd) {
+            const uint word = q[wd];
+            for (int h = 0; h < 2; ++h) {
+                const uint u = (word >> (16 * h)) & 0xFFFFu;
+                thread const float* x4 = xs + 8 * wd + 4 * h;
+                acc += x4[0] * float(u & 0x000Fu) + x4[1] * float(u & 0x00F0u) + x4[2] * float(u & 0x0F00u) +
+                       x4[3] * float(u & 0xF000u);
+            }
+        }
+        const uint g = k / gs;
+        return float(srow[g]) * acc + float(brow[g]) * xsum;
+    }
+
+    template <typename WP, typename SP>
+    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, thread float* out) {
+        const uint2 q = wrow[k / 16u];
+        const uint g = k / gs;
+        const float s = float(srow[g]), b = float(brow[g]);
+        for (uint i = 0; i < 16u; ++i) {
+            out[i] = s * float((q[i / 8u] >> (4u * (i % 8u))) & 0xFu) + b;
+        }
+    }
+};
+
+template <typename S, typename T>
+struct WDot<WFMT_Q8, S, T> {
+    typedef uint2 wvec;
+    enum : uint { VALS = QMV_VALS_Q8 };
+    static uint units_per_row(uint K) { return K / 8u; }
+    static uint scales_per_row(uint K, uint gs) { return K / gs; }
+
+    template <typename XP>
+    static float load_x(XP x4, uint k, thread float* xs) {
+        return load_x_plain<T>(x4, k, VALS, xs);
+    }
+
+    template <typename WP, typename SP>
+    static float dot(WP wrow, SP srow, SP brow, uint k, uint gs, thread const float* xs, float xsum) {
+        const uint2 q = wrow[k / 8u];
+        float acc = 0.0f;
+        for (int wd = 0; wd < 2; ++wd) {
+            const uint word = q[wd];
+            for (int b = 0; b < 4; ++b) {
+                acc += xs[4 * wd + b] * float((word >> (8 * b)) & 0xFFu);
+            }
+        }
+        const uint g = k / gs;
+        return float(srow[g]) * acc + float(brow[g]) * xsum;
+    }
+
+    template <typename WP, typename SP>
+    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, thread float* out) {
+        const uint2 q = wrow[k / 8u];
+        const uint g = k / gs;
+        const float s = float(srow[g]), b = float(brow[g]);
+        for (uint i = 0; i < 8u; ++i) {
+            out[i] = s * float((q[i / 4u] >> (8u * (i % 4u))) & 0xFFu) + b;
+        }
+    }
+};
+
+template <typename S, typename T>
+struct WDot<WFMT_DENSE, S, T> {
+    typedef vec<S, 4> wvec;
+    enum : uint { VALS = QMV_VALS_DENSE };
+    static uint units_per_row(uint K) { return K / 4u; }
+    static uint scales_per_row(uint, uint) { return 0u; }
+
+    template <typename XP>
+    static float load_x(XP x4, uint k, thread float* xs) {
+        return load_x_plain<T>(x4, k, VALS, xs);
+    }
+
+    template <typename WP, typename SP>
+    static float dot(WP wrow, SP, SP, uint k, uint, thread const float* xs, float) {
+        float acc = 0.0f;
+        for (uint i = 0; i < 2u; ++i) {
+            const vec<S, 4> w = wrow[k / 4u + i];
+            for (int j = 0; j < 4; ++j) {
+                acc += xs[4u * i + uint(j)] * float(w[j]);
+            }
+        }
+        return acc;
+    }
+
+    template <typename WP, typename SP>
+    static void dequant(WP wrow, SP, SP, uint k, uint, thread float* out) {
+        for (uint i = 0; i < 2u; ++i) {
+            const vec<S, 4> w = wrow[k / 4u + i];
+            for (int j = 0; j < 4; ++j) {
+                out[4u * i + uint(j)] = float(w[j]);
+            }
+        }
+    }
+};
+
+// The qmv_fast inner loop: rows row0 .. row0 + QMV_ROWS - 1 (clamped to nrows - 1: rows past the end
+// re-read the last row; the caller does not store them) of one matrix (w as wvec, scales and biases
+// at its row 0) times x[0, K) (x4 = x as vec<T, 4>), for one SIMD-group. Per step each lane loads
+// one wvec of each of its rows and its VALS inputs once for all rows; after the loop one simd_sum
+// per row, so every lane of the SIMD-group receives out[0 .. QMV_ROWS). K is a multiple of VALS;
+// lanes past K idle. Call from SIMD-group-uniform control flow.
+template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
+inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
+                     thread float* out) {
+    typedef WDot<FMT, S, T> D;
+    const uint upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
+    ulong wo[QMV_ROWS], so[QMV_ROWS];
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        const ulong row = min(row0 + r, nrows - 1u);
+        wo[r] = row * upr;
+        so[r] = row * spr;
+    }
+    float acc[QMV_ROWS];
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        acc[r] = 0.0f;
+    }
+    for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
+        float xs[D::VALS];
+        const float xsum = D::load_x(x4, k, xs);
+        for (uint r = 0; r < QMV_ROWS; ++r) {
+            acc[r] += D::dot(w + wo[r], scales + so[r], biases + so[r], k, gs, xs, xsum);
+        }
+    }
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        out[r] = simd_sum(acc[r]);
+    }
+}
+
+// wvec units / scales of one matrix [rows, K] of a stack (the stride between experts)
+template <int FMT, typename S, typename T>
+inline ulong matrix_units(uint rows, uint K) {
+    return ulong(rows) * WDot<FMT, S, T>::units_per_row(K);
+}
+template <int FMT, typename S, typename T>
+inline ulong matrix_scales(uint rows, uint K, uint gs) {
+    return ulong(rows) * WDot<FMT, S, T>::scales_per_row(K, gs);
+}

@@ -1,0 +1,145 @@
+#include "gpu/ops/moe.h"
+
+#include <algorithm>
+
+#include "metal/moe.h"
+#include "metal/quant.h"
+
+namespace qwenmetal::gpu::ops {
+
+namespace {
+
+// `b` has the format and scale type of `a` (one kernel instantiation serves both)
+void same_format(const Matrix& a, const Matrix& b, const char* op, const char* what) {
+    check(a.variant() == b.variant(), op,
+          std::string(what) + " must have the format of the routed experts (" + a.variant() + "), got " + b.variant());
+}
+
+const Dims kGemvThreads{QMV_LANES, QMV_SIMDGROUPS, 1};
+
+}  // namespace
+
+void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, bool norm, const Buffer& ids,
+              const Buffer& weights) {
+    const char* op = "moe_topk";
+    check(n_experts >= 1 && n_experts <= MOE_MAX_EXPERTS, op,
+          "n_experts must be in [1, " + std::to_string(MOE_MAX_EXPERTS) + "], got " + std::to_string(n_experts));
+    check(k >= 1 && k <= n_experts && k <= MOE_MAX_TOPK, op,
+          "k must be in [1, min(n_experts, " + std::to_string(MOE_MAX_TOPK) + ")], got " + std::to_string(k));
+    need(logits, uint64_t(n_experts) * 4, op, "logits");
+    need(ids, uint64_t(k) * 4, op, "ids");
+    need(weights, uint64_t(k) * 4, op, "weights");
+    const MoeTopkParams p{n_experts, k, norm ? 1u : 0u};
+    e.dispatch("moe_topk_f32", Dims{1, 1, 1}, Dims{MOE_TOPK_THREADS, 1, 1},
+               {Arg::params(p), Arg::in(logits.view(0, uint64_t(n_experts) * 4)), Arg::out(ids.view(0, uint64_t(k) * 4)),
+                Arg::out(weights.view(0, uint64_t(k) * 4))});
+}
+
+void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
+                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act) {
+    const char* op = "moe_gate_up";
+    gate.validate("moe_gate_up: gate");
+    up.validate("moe_gate_up: up");
+    same_format(gate, up, op, "up");
+    check(up.rows == gate.rows && up.cols == gate.cols && up.count == gate.count && up.group_size == gate.group_size,
+          op, "gate and up stacks must have the same shape");
+    check(k >= 1 && k <= gate.count, op,
+          "k must be in [1, experts in the stack = " + std::to_string(gate.count) + "], got " + std::to_string(k));
+    const uint32_t H = gate.cols, inter = gate.rows;
+    uint32_t shared_inter = 0, shared_gs = 0;
+    if (shared_gate_up) {
+        const Matrix& s = *shared_gate_up;
+        s.validate("moe_gate_up: shared_gate_up");
+        same_format(gate, s, op, "shared_gate_up");
+        check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
+              "shared_gate_up must be one [2 * shared_inter, H] matrix");
+        shared_inter = s.rows / 2;
+        shared_gs = quantized(s.fmt) ? s.group_size : 0;
+    }
+    const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_gate_up ? 1 : 0);
+    const uint64_t es = act_size(t), an = uint64_t(slots) * stride * es;
+    need(x, uint64_t(H) * es, op, "x");
+    need(ids, uint64_t(k) * 4, op, "ids");
+    need(act, an, op, "act");
+    check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
+    const MoeGateUpParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k, shared_inter,
+                            shared_gs, stride};
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, gate, uint64_t(k) * inter);  // only the k chosen experts' rows are read
+    matrix_args(args, up, uint64_t(k) * inter);
+    if (shared_gate_up) {
+        matrix_args(args, *shared_gate_up, shared_gate_up->rows);
+    } else {  // unused slots: bind the gate stack again, declared unread
+        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+    }
+    args.push_back(Arg::in(x.view(0, uint64_t(H) * es)));
+    args.push_back(Arg::in(ids.view(0, uint64_t(k) * 4)));
+    args.push_back(Arg::out(act.view(0, an), (uint64_t(k) * inter + shared_inter) * es));
+    e.dispatch("moe_gate_up_" + gate.variant() + "_" + act_suffix(t), Dims{ceil_div(stride, QMV_TG_ROWS), slots, 1},
+               kGemvThreads, args);
+}
+
+void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, const Buffer& act,
+              const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t n_experts, uint32_t k,
+              const Buffer& x) {
+    const char* op = "moe_down";
+    down.validate("moe_down: down");
+    check(k >= 1 && k <= down.count, op,
+          "k must be in [1, experts in the stack = " + std::to_string(down.count) + "], got " + std::to_string(k));
+    const uint32_t H = down.rows, inter = down.cols;
+    uint32_t shared_inter = 0, shared_gs = 0;
+    if (shared_down) {
+        const Matrix& s = *shared_down;
+        s.validate("moe_down: shared_down");
+        same_format(down, s, op, "shared_down");
+        check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
+        shared_inter = s.cols;
+        shared_gs = quantized(s.fmt) ? s.group_size : 0;
+        need(logits, (uint64_t(n_experts) + 1) * 4, op, "logits (n_experts + 1 with a shared expert)");
+    }
+    const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_down ? 1 : 0);
+    const uint64_t es = act_size(t), an = uint64_t(slots) * stride * es, xn = uint64_t(H) * es;
+    need(act, an, op, "act");
+    check(act.offset % (4 * es) == 0, op, "act offset must be 4-element aligned");
+    need(ids, uint64_t(k) * 4, op, "ids");
+    need(weights, uint64_t(k) * 4, op, "weights");
+    need(x, xn, op, "x");
+    const MoeDownParams p{H, inter, quantized(down.fmt) ? down.group_size : 0, down.count, k, shared_inter,
+                          shared_gs, stride};
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, down, uint64_t(k) * H);  // only the k chosen experts' rows are read
+    if (shared_down) {
+        matrix_args(args, *shared_down, H);
+    } else {
+        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+    }
+    const Buffer wv = weights.view(0, uint64_t(k) * 4);
+    args.push_back(Arg::in(act.view(0, an), (uint64_t(k) * inter + shared_inter) * es));
+    args.push_back(Arg::in(ids.view(0, uint64_t(k) * 4)));
+    args.push_back(Arg::in(wv));
+    // the shared-gate logit alone (logits[n_experts]); without a shared expert a stand-in, unread
+    args.push_back(shared_down ? Arg::in(logits.view(uint64_t(n_experts) * 4, 4)) : Arg::in(wv, 0));
+    args.push_back(Arg::inout(x.view(0, xn)));
+    e.dispatch("moe_down_" + down.variant() + "_" + act_suffix(t), Dims{ceil_div(H, QMV_TG_ROWS), 1, 1},
+               kGemvThreads, args);
+}
+
+void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, const Buffer& act) {
+    const char* op = "mlp_gate_up";
+    gate_up.validate("mlp_gate_up: gate_up");
+    check(gate_up.count == 1 && gate_up.rows % 2 == 0, op, "gate_up must be one [2 * inter, K] matrix");
+    const uint32_t K = gate_up.cols, inter = gate_up.rows / 2;
+    const uint64_t es = act_size(t);
+    need(x, uint64_t(K) * es, op, "x");
+    need(act, uint64_t(inter) * es, op, "act");
+    check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
+    const MlpGateUpParams p{K, inter, quantized(gate_up.fmt) ? gate_up.group_size : 0};
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, gate_up, gate_up.rows);
+    args.push_back(Arg::in(x.view(0, uint64_t(K) * es)));
+    args.push_back(Arg::out(act.view(0, uint64_t(inter) * es)));
+    e.dispatch("mlp_gate_up_" + gate_up.variant() + "_" + act_suffix(t), Dims{ceil_div(inter, QMV_TG_ROWS), 1, 1},
+               kGemvThreads, args);
+}
+
+}  // namespace ops

@@ -1,0 +1,119 @@
+#include "gpu/ops/quant.h"
+
+#include "metal/quant.h"
+
+namespace qwenmetal::gpu {
+
+const char* format_name(WFormat f) {
+    switch (f) {
+        case WFormat::Q4: return "q4";
+        case WFormat::Q8: return "q8";
+        case WFormat::BF16: return "bf16";
+        case WFormat::F16: return "f16";
+        case WFormat::F32: return "f32";
+    }
+    return "?";
+}
+
+namespace {
+[[noreturn]] void bad(const char* what, const std::string& msg) {
+    throw std::invalid_argument(std::string(what) + ": " + msg);
+}
+}  // namespace
+
+void Matrix::validate(const char* what) const {
+    if (rows == 0 || cols == 0 || count == 0)
+        bad(what, "rows, cols and count must be positive (got " + std::to_string(rows) + " x " +
+                      std::to_string(cols) + ", count " + std::to_string(count) + ")");
+    const uint64_t n = uint64_t(count) * rows;
+    if (quantized(fmt)) {
+        if (group_size != 32 && group_size != 64 && group_size != 128)
+            bad(what, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+        if (cols % group_size)
+            bad(what, "cols " + std::to_string(cols) + " is not a multiple of group_size " + std::to_string(group_size));
+        need(scales, n * srow_bytes(), what, "scales");
+        need(biases, n * srow_bytes(), what, "biases");
+        const uint64_t sa = scales_f32 ? 4 : 2;
+        if (scales.offset % sa || biases.offset % sa) bad(what, "scales/biases offsets must be element-aligned");
+    } else if (cols % QMV_VALS_DENSE) {
+        bad(what, "dense weights need cols a multiple of " + std::to_string(QMV_VALS_DENSE) + ", got " +
+                      std::to_string(cols));
+    }
+    need(w, n * row_bytes(), what, "w");
+    if (w.offset % 16) bad(what, "w offset must be a multiple of 16 bytes (vector loads)");
+}
+
+std::string Matrix::variant() const {
+    if (!quantized(fmt)) return format_name(fmt);
+    return std::string(format_name(fmt)) + (scales_f32 ? "_sf32" : "_sbf16");
+}
+
+void matrix_args(std::vector<Arg>& args, const Matrix& M, uint64_t rows_read) {
+    const uint64_t n = uint64_t(M.count) * M.rows, r = rows_read;
+    const Buffer wv = M.w.view(0, n * M.row_bytes());
+    args.push_back(Arg::in(wv, r * M.row_bytes()));
+    if (quantized(M.fmt)) {
+        args.push_back(Arg::in(M.scales.view(0, n * M.srow_bytes()), r * M.srow_bytes()));
+        args.push_back(Arg::in(M.biases.view(0, n * M.srow_bytes()), r * M.srow_bytes()));
+    } else {
+        args.push_back(Arg::in(wv, 0));
+        args.push_back(Arg::in(wv, 0));
+    }
+}
+
+namespace ops {
+
+namespace {
+uint32_t vals_per_lane(WFormat f) {
+    return f == WFormat::Q4 ? QMV_VALS_Q4 : f == WFormat::Q8 ? QMV_VALS_Q8 : QMV_VALS_DENSE;
+}
+}  // namespace
+
+void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch, bool f32_out,
+         uint32_t x_stride, uint32_t y_stride) {
+    const char* op = "qmv";
+    W.validate("qmv: W");
+    check(W.count == 1, op, "W must be one matrix (count 1), got a stack of " + std::to_string(W.count));
+    check(batch > 0, op, "batch must be positive");
+    const uint32_t xs = x_stride ? x_stride : W.cols, ys = y_stride ? y_stride : W.rows;
+    check(xs >= W.cols, op, "x_stride " + std::to_string(xs) + " < cols " + std::to_string(W.cols));
+    check(ys >= W.rows, op, "y_stride " + std::to_string(ys) + " < rows " + std::to_string(W.rows));
+    check(xs % 4 == 0, op, "x_stride must be a multiple of 4 (vector loads)");
+    const bool f32o = f32_out && t != Act::F32;  // float activations already give float output
+    const uint64_t es = act_size(t), os = f32_out ? 4 : es;
+    const uint64_t xn = (uint64_t(batch - 1) * xs + W.cols) * es, yn = (uint64_t(batch - 1) * ys + W.rows) * os;
+    need(x, xn, op, "x");
+    need(y, yn, op, "y");
+    check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
+    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys};
+    const std::string kernel = "qmv_" + W.variant() + "_" + act_suffix(t) + (f32o ? "_f32out" : "");
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, W, W.rows);
+    args.push_back(Arg::in(x.view(0, xn), uint64_t(batch) * W.cols * es));
+    args.push_back(Arg::out(y.view(0, yn), uint64_t(batch) * W.rows * os));
+    e.dispatch(kernel, Dims{ceil_div(W.rows, QMV_TG_ROWS), batch, 1}, Dims{QMV_LANES, QMV_SIMDGROUPS, 1}, args);
+}
+
+void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, const Buffer& y) {
+    const char* op = "embed";
+    E.validate("embed: E");
+    check(E.count == 1, op, "E must be one table (count 1)");
+    check(n > 0, op, "n must be positive");
+    const uint64_t es = act_size(t), yn = uint64_t(n) * E.cols * es;
+    need(ids, uint64_t(n) * 4, op, "ids");
+    need(y, yn, op, "y");
+    // threads: one per VALS values of a row (a multiple of 32, at most EMBED_MAX_THREADS)
+    const uint32_t per = ceil_div(E.cols, vals_per_lane(E.fmt));
+    uint32_t threads = (per + 31) / 32 * 32;
+    if (threads > EMBED_MAX_THREADS) threads = EMBED_MAX_THREADS;
+    const EmbedParams p{E.cols, E.rows, quantized(E.fmt) ? E.group_size : 0};
+    // n ids touch at most n rows of the table
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, E, n < E.rows ? n : E.rows);
+    args.push_back(Arg::in(ids.view(0, uint64_t(n) * 4)));
+    args.push_back(Arg::out(y.view(0, yn)));
+    e.dispatch("embed_" + E.variant() + "_" + act_suffix(t), Dims{n, 1, 1}, Dims{threads, 1, 1}, args);
+}
+
+}  // namespace ops
+}  // namespace qwenmetal::gpu

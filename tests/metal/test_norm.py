@@ -1,0 +1,101 @@
+"""norm family (metal/norm.metal through gpu.ops.rmsnorm / gpu.ops.add_rmsnorm) against numpy, on the simulator
+device under the forward, reverse and random schedules. Simulator-verified, hardware-unverified.
+
+Float within 1e-5 relative, bfloat16 within 1e-2; references in float64 from the values as stored.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
+from .wmat import raw
+
+HYP = settings(max_examples=50, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+TOL = {"f32": 1e-5, "bf16": 1e-2}
+
+
+def rms_ref(h, w, eps):
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(H=st.integers(1, 600), rows=st.integers(1, 3), dtype=st.sampled_from(["f32", "bf16"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_rmsnorm(schedule, H, rows, dtype, seed):
+    rng = np.random.default_rng(seed)
+    dt = ACT[dtype]
+    x = (rng.standard_normal((rows, H)) * rng.uniform(0.1, 10)).astype(dt)
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(dt)
+    y = np.zeros((rows, H), dt)
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.rmsnorm(enc, dtype, buf(x), buf(w), buf(y), rows, H, 1e-6)
+    assert rel_err(y, rms_ref(x, w, 1e-6)) <= TOL[dtype]
+    rec = dev.records()[0]
+    assert rec["kernel"] == f"rmsnorm_{dtype}" and rec["threadgroup_memory"] == 128 and rec["barriers"] == rows
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(H=st.integers(1, 600), rows=st.integers(1, 3), dtype=st.sampled_from(["f32", "bf16"]),
+       in_place=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_add_rmsnorm(schedule, H, rows, dtype, in_place, seed):
+    rng = np.random.default_rng(seed)
+    dt = ACT[dtype]
+    x = rng.standard_normal((rows, H)).astype(dt)
+    r = rng.standard_normal((rows, H)).astype(dt)
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(dt)
+    h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dt)  # the residual stream, rounded as stored
+    x_in = x.copy()
+    h = x if in_place else np.zeros_like(x)
+    y = np.zeros((rows, H), dt)
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        ops.add_rmsnorm(enc, dtype, buf(x), buf(r), buf(w), buf(h), buf(y), rows, H, 1e-6)
+    np.testing.assert_array_equal(h.view(np.uint8), h_ref.view(np.uint8))
+    if not in_place:
+        np.testing.assert_array_equal(x.view(np.uint8), x_in.view(np.uint8))
+    assert rel_err(y, rms_ref(h_ref, w, 1e-6)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_norms_model_shape(dtype):
+    """hidden 2048 (512 threads, one 4-vector each), rmsnorm then add_rmsnorm in one command buffer."""
+    rng = np.random.default_rng(7)
+    dt = ACT[dtype]
+    H = 2048
+    x = rng.standard_normal((2, H)).astype(dt)
+    r = rng.standard_normal((2, H)).astype(dt)
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(dt)
+    y1, y2, h = np.zeros_like(x), np.zeros_like(x), np.zeros_like(x)
+    with run("random", seed=1, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        xb = buf(x)
+        ops.rmsnorm(enc, dtype, xb, buf(w), buf(y1), 2, H, 1e-6)
+        ops.add_rmsnorm(enc, dtype, xb, buf(r), buf(w), buf(h), buf(y2), 2, H, 1e-6)
+    assert rel_err(y1, rms_ref(x, w, 1e-6)) <= TOL[dtype]
+    h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dt)
+    assert rel_err(y2, rms_ref(h_ref, w, 1e-6)) <= TOL[dtype]
+    assert [rec["threads_per_threadgroup"] for rec in dev.records()] == [(512, 1, 1)] * 2
+
+
+def test_norm_argument_checks():
+    x = np.zeros((2, 64), np.float32)
+    w = np.ones(64, np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        with pytest.raises(ValueError, match="x holds"):
+            ops.rmsnorm(enc, "f32", buf(x[:1]), buf(w), buf(x), 2, 64, 1e-6)
+        with pytest.raises(ValueError, match="w holds"):
+            ops.rmsnorm(enc, "f32", buf(x), buf(w[:32]), buf(x), 2, 64, 1e-6)
+        with pytest.raises(ValueError, match="r holds"):
+            ops.add_rmsnorm(enc, "f32", buf(x), buf(x[:1]), buf(w), buf(x), buf(x), 2, 64, 1e-6)
+        with pytest.raises(ValueError, match="positive"):
+            ops.rmsnorm(enc, "f32", buf(x), buf(w), buf(x), 0, 64, 1e-6)
+        with pytest.raises(ValueError, match="activation type"):
+            ops.rmsnorm(enc, "f16", buf(x), buf(w), buf(x), 2, 64, 1e-6)
+        assert enc.dispatches == 0

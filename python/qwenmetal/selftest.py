@@ -88,9 +88,17 @@ def _run(report: Report, name: str, fn, *args, needs_simd: bool = True):
 
 # ------------------------------------------------------------------------------------------ checks
 def compile_gate(dev) -> tuple:
+    """Every kernel family compiled by the device's compiler (Apple's, from the embedded sources, on a Mac)
+    and every kernel made into a pipeline."""
     from . import sim
-    names = sim.builtin_library().kernels()
     bad = []
+    if hasattr(dev, "compile_all"):
+        for r in dev.compile_all():
+            if not r["ok"]:
+                bad.append(f"{r['origin']}: {r['log']}")
+        if bad:
+            return None, "; ".join(bad), False
+    names = sim.builtin_library().kernels()
     for n in names:
         try:
             dev.prepare(n)

@@ -247,12 +247,6 @@ void SimDevice::run_queue() {
                 error = e.what();
             }
         }
-        // Release what the job holds (buffers that may keep host objects alive, the completion
-        // handler) before it is marked done: once wait() returns, the owner may destroy the device and
-        // join this thread while holding a lock those destructors take (Python's GIL: a deadlock).
-        job->steps.clear();
-        job->steps.shrink_to_fit();
-        job->on_complete = nullptr;
         {
             std::lock_guard<std::mutex> lk(job->mu);
             job->done = true;

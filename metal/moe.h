@@ -22,8 +22,12 @@ struct MoeGateUpParams {
     uint32_t shared_inter;       // rows of the shared expert's gate (its [gate | up] matrix has twice as many); 0: none
     uint32_t shared_group_size;
     uint32_t act_stride;         // elements between act rows: max(inter, shared_inter)
+    uint32_t n_experts;          // router logits (fused top-k)
+    uint32_t topk;               // MOE_TOPK_FUSED | MOE_TOPK_NORM, or 0: ids read from device memory
 };
-static_assert(sizeof(MoeGateUpParams) == 32, "MoeGateUpParams: 8 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeGateUpParams) == 40, "MoeGateUpParams: 10 x 4 bytes, as the host packs it");
+#define MOE_TOPK_FUSED 1u
+#define MOE_TOPK_NORM 2u
 
 // moe_down: x[:H] += sum_s w_s down_{ids[s]} act[s] + sigmoid(shared logit) shared_down act[k]
 struct MoeDownParams {

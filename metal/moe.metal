@@ -22,48 +22,45 @@
 #include "quant.h"
 #include "quant_dot.h"
 
-// Router top-k. Why on the GPU: the expert ids then never visit the host, so gate/up and down can be
-// encoded in the same command buffer right after the router GEMV.
-//
-// Thread mapping: one threadgroup of one SIMD-group (32 threads); lane l owns experts l, l + 32, ...
-// and keeps their probabilities in threadgroup memory that only it reads (no barriers). The max and
-// the sum of the softmax are simd_max / simd_sum; p_e = exp(l_e - max) / sum, as the float32
-// reference computes it. Top-k is k rounds of a SIMD-group argmax over the experts ranked below the
-// previous pick in the order (probability descending, index ascending): each lane scans its experts
-// in ascending order (strict > keeps the lower index), simd_max gives the value, simd_min over the
-// lanes holding it the lowest index. Lane j keeps the pick of round j; the renormalising sum adds
-// the picks in order 0 .. k-1; lanes j < k store. k <= 32, n_experts <= MOE_MAX_EXPERTS.
-kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
-                         device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
-                         uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float probs[MOE_MAX_EXPERTS];
-    const uint n = p.n_experts;
+// Router top-k for one SIMD-group: softmax over logits[0, n) in float, then k rounds of a SIMD-group
+// argmax over the experts ranked below the previous pick in the order (probability descending, index
+// ascending); lane j < k receives pick j (`id`, and its probability, renormalised over the k picks in
+// order 0 .. k-1 when `norm`). Lane l keeps the probabilities of experts l, l + 32, ... in registers.
+// The max and the sum of the softmax are simd_max / simd_sum; p_e = exp(l_e - max) / sum, as the
+// float32 reference computes it; in each round every lane scans its experts in ascending order (strict
+// > keeps the lower index), simd_max gives the value, simd_min over the lanes holding it the lowest
+// index. k <= 32, n <= MOE_MAX_EXPERTS. Call from SIMD-group-uniform control flow.
+inline void route_topk(device const float* logits, uint n, uint k, bool norm, uint lane, thread uint& id,
+                       thread float& weight) {
+    float probs[MOE_MAX_EXPERTS / SIMD_WIDTH];
+    const uint per = (n + SIMD_WIDTH - 1u) / SIMD_WIDTH;
     float m = logits[0];
     for (uint e = lane; e < n; e += SIMD_WIDTH) {
         m = max(m, logits[e]);
     }
     m = simd_max(m);
     float s = 0.0f;
-    for (uint e = lane; e < n; e += SIMD_WIDTH) {
-        const float v = exp(logits[e] - m);
-        probs[e] = v;
-        s += v;
+    for (uint j = 0; j < per; ++j) {
+        const uint e = lane + j * SIMD_WIDTH;
+        probs[j] = e < n ? exp(logits[e] - m) : 0.0f;
+        s += probs[j];
     }
     s = simd_sum(s);
-    for (uint e = lane; e < n; e += SIMD_WIDTH) {
-        probs[e] = probs[e] / s;
+    for (uint j = 0; j < per; ++j) {
+        probs[j] = probs[j] / s;
     }
     float prev_v = 2.0f;  // above every probability: round 0 may take any expert
     uint prev_i = 0;
     float mine_v = 0.0f, total = 0.0f;
     uint mine_i = 0;
-    for (uint j = 0; j < p.k; ++j) {
+    for (uint r = 0; r < k; ++r) {
         float bv = -1.0f;  // below every probability
         uint bi = 0xFFFFFFFFu;
-        for (uint e = lane; e < n; e += SIMD_WIDTH) {
-            const float v = probs[e];
+        for (uint j = 0; j < per; ++j) {
+            const uint e = lane + j * SIMD_WIDTH;
+            const float v = probs[j];
             const bool below = v < prev_v || (v == prev_v && e > prev_i);
-            if (below && v > bv) {
+            if (e < n && below && v > bv) {
                 bv = v;
                 bi = e;
             }
@@ -73,14 +70,28 @@ kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const f
         prev_v = best;
         prev_i = best_i;
         total += best;
-        if (lane == j) {
+        if (lane == r) {
             mine_v = best;
             mine_i = best_i;
         }
     }
+    id = mine_i;
+    weight = norm ? mine_v / total : mine_v;
+}
+
+// Router top-k on its own (one SIMD-group). Why on the GPU: the expert ids then never visit the host,
+// so gate/up and down can be encoded in the same command buffer right after the router GEMV. The
+// decode graph fuses it into moe_gate_up instead (one dependency level fewer); this kernel is the
+// same function, tested on its own.
+kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
+                         device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+    uint id;
+    float w;
+    route_topk(logits, p.n_experts, p.k, p.norm != 0, lane, id, w);
     if (lane < p.k) {
-        ids[lane] = mine_i;
-        weights[lane] = p.norm != 0 ? mine_v / total : mine_v;
+        ids[lane] = id;
+        weights[lane] = w;
     }
 }
 
@@ -104,21 +115,28 @@ inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K
 // and the SwiGLU of all 9 experts of a token in one dispatch (Lily's moe_gather_gemv_q4_gate_up),
 // the expert index read from device memory; only the gate/up rows of the chosen experts are read.
 //
+// With p.topk (MOE_TOPK_FUSED), the router top-k is fused in: every SIMD-group of a routed slot runs
+// route_topk on the router logits itself (256 floats from cache, a few hundred flops) and takes its
+// slot's pick with simd_shuffle, so the top-k costs no dependency level; SIMD-group 0 of threadgroup
+// (0, 0) stores the ids and weights for moe_down. Without it, ids come from device memory (moe_topk).
+//
 // Thread mapping: grid (ceil(act_stride / 8), k + 1 with a shared expert else k, 1) x (32, 2, 1);
 // grid.y is the slot (slot k: the shared expert, its gate rows 0 .. shared_inter-1 and up rows
 // shared_inter .. of its stacked matrix), grid.x a block of 8 outputs, 4 per SIMD-group. A
 // SIMD-group whose first output is past the slot's rows returns as a whole.
 // Buffers: 0 params, 1-3 gate stack (w, scales, biases) [count, inter, K], 4-6 up stack, 7-9 the
 // shared [gate | up] matrix [2 shared_inter, K] (without one: any buffer, unused), 10 x [K],
-// 11 ids uint [k], 12 act [k (+1), act_stride].
+// 11 router logits float [n_experts] (fused top-k only), 12 ids uint [k] (read; written with the fused
+// top-k), 13 act [k (+1), act_stride], 14 routing weights float [k] (written with the fused top-k).
 template <int FMT, typename S, typename T>
 kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
                         device const S* gsc [[buffer(2)]], device const S* gbi [[buffer(3)]],
                         device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
                         device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
                         device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
-                        device const T* x [[buffer(10)]], device const uint* ids [[buffer(11)]],
-                        device T* act [[buffer(12)]], uint3 tgid [[threadgroup_position_in_grid]],
+                        device const T* x [[buffer(10)]], device const float* logits [[buffer(11)]],
+                        device uint* ids [[buffer(12)]], device T* act [[buffer(13)]],
+                        device float* weights [[buffer(14)]], uint3 tgid [[threadgroup_position_in_grid]],
                         uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint slot = tgid.y;
@@ -126,10 +144,23 @@ kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const 
     device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
     device T* arow = act + ulong(slot) * p.act_stride;
     if (slot < p.k) {
+        uint expert;
+        if ((p.topk & MOE_TOPK_FUSED) != 0u) {
+            uint id;
+            float w;
+            route_topk(logits, p.n_experts, p.k, (p.topk & MOE_TOPK_NORM) != 0u, lane, id, w);
+            if (tgid.x == 0u && slot == 0u && sg == 0u && lane < p.k) {
+                ids[lane] = id;
+                weights[lane] = w;
+            }
+            expert = simd_shuffle(id, ushort(slot));
+        } else {
+            expert = ids[slot];
+        }
         if (row0 >= p.inter) {
             return;
         }
-        const ulong e = min(ids[slot], p.count - 1u);
+        const ulong e = min(expert, p.count - 1u);
         const ulong wo = e * matrix_units<FMT, S, T>(p.inter, p.K);
         const ulong so = e * matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
         swiglu_rows<FMT, S, T>((device const WV*)gw + wo, gsc + so, gbi + so, (device const WV*)uw + wo, usc + so,

@@ -11,8 +11,16 @@ struct QmvParams {
     uint32_t group_size;  // quantized: 32, 64 or 128; dense: unused
     uint32_t x_stride;    // elements between consecutive input vectors (grid.y), a multiple of 4
     uint32_t y_stride;    // elements between consecutive output vectors
+    uint32_t flags;       // QMV_NORM | QMV_NORM_OUT | QMV_ADD
+    float eps;            // QMV_NORM: added to mean(x^2)
 };
-static_assert(sizeof(QmvParams) == 20, "QmvParams: 5 x 4 bytes, as the host packs it");
+static_assert(sizeof(QmvParams) == 28, "QmvParams: 7 x 4 bytes, as the host packs it");
+// qmv fusions (flags): the input is rmsnorm(x) * g (QMV_NORM; with QMV_NORM_OUT threadgroup 0 also
+// stores that normalised input to xn, for the next kernels that read it), and the output is added to r
+// (QMV_ADD: y = r + W x, r may be y itself: the residual add in place)
+#define QMV_NORM 1u
+#define QMV_NORM_OUT 2u
+#define QMV_ADD 4u
 
 // embed: y[i, :K] = row ids[i] of the table, dequantized, for i = threadgroup
 struct EmbedParams {

@@ -32,24 +32,45 @@
 // the rows; at 4 bits nibbles are masked, never shifted (x pre-scaled). One simd_sum per row at the
 // end; lane 0 stores. Rows past N re-read row N - 1 and are not stored; a SIMD-group whose first row
 // is past N returns as a whole (SIMD-group-uniform; no barriers in this kernel).
+//
+// Fusions (p.flags, uniform over the dispatch). QMV_NORM: the input is rmsnorm(x) * g -- every
+// SIMD-group computes the statistics of its x itself (K more reads from cache) and scales the inputs
+// as it loads them, so the RMSNorm before a projection costs no dispatch and no dependency level
+// (the next layer's input norm, the post-attention norm before the router, the final norm before the
+// lm_head). QMV_NORM_OUT: SIMD-group 0 of threadgroup 0 also stores the normalised input to xn (read
+// by the MoE kernels of the next level). QMV_ADD: y = r + W x, the residual add of an output
+// projection (r may be y: in place, each row read and written by the same lane).
 template <int FMT, typename S, typename T, typename O>
 kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
                 device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
-                device const T* x [[buffer(4)]], device O* y [[buffer(5)]], uint3 tgid [[threadgroup_position_in_grid]],
+                device const T* x [[buffer(4)]], device const T* g [[buffer(5)]], device const O* r [[buffer(6)]],
+                device O* y [[buffer(7)]], device T* xn [[buffer(8)]], uint3 tgid [[threadgroup_position_in_grid]],
                 uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    const bool norm = (p.flags & QMV_NORM) != 0u;
+    device const T* xb = x + ulong(tgid.y) * p.x_stride;
+    const float inv = norm ? rms_inv<T>(xb, p.K, p.eps, lane) : 1.0f;
+    if ((p.flags & QMV_NORM_OUT) != 0u && tgid.x == 0u && sg == 0u) {
+        device T* xnb = xn + ulong(tgid.y) * p.x_stride;
+        for (uint k = lane; k < p.K; k += SIMD_WIDTH) {
+            xnb[k] = T(float(xb[k]) * inv * float(g[k]));
+        }
+    }
     if (row0 >= p.N) {
         return;
     }
     device const WV* wv = (device const WV*)w;
-    device const vec<T, 4>* x4 = (device const vec<T, 4>*)(x + ulong(tgid.y) * p.x_stride);
+    device const vec<T, 4>* x4 = (device const vec<T, 4>*)xb;
+    device const vec<T, 4>* g4 = (device const vec<T, 4>*)g;
     float out[QMV_ROWS];
-    rows_dot<FMT, S, T>(wv, scales, biases, x4, p.K, p.group_size, row0, p.N, lane, out);
+    rows_dot<FMT, S, T>(wv, scales, biases, x4, g4, inv, norm, p.K, p.group_size, row0, p.N, lane, out);
     device O* yb = y + ulong(tgid.y) * p.y_stride;
+    device const O* rb = r + ulong(tgid.y) * p.y_stride;
+    const bool add = (p.flags & QMV_ADD) != 0u;
     if (lane == 0) {
-        for (uint r = 0; r < QMV_ROWS && row0 + r < p.N; ++r) {
-            yb[row0 + r] = O(out[r]);
+        for (uint i = 0; i < QMV_ROWS && row0 + i < p.N; ++i) {
+            yb[row0 + i] = O(add ? out[i] + float(rb[row0 + i]) : out[i]);
         }
     }
 }

@@ -13,7 +13,8 @@
 //   wvec               the unit a lane loads per step (uint2 quantized, vec<S, 4> dense)
 //   VALS               inputs per lane per step (16 at 4 bits, 8 at 8 bits, 8 dense)
 //   units_per_row(K)   wvec units per row;  scales_per_row(K, gs): scales per row (0 dense)
-//   load_x(x4, k, xs)  the lane's VALS inputs x[k, k + VALS) into float registers (at 4 bits
+//   load_x(x4, g4, inv, norm, k, xs)  the lane's VALS inputs x[k, k + VALS) (times inv * g with a fused
+//                      RMSNorm) into float registers (at 4 bits
 //                      pre-scaled by 1, 1/16, 1/256, 1/4096 by position); returns their sum
 //   dot(row..., k, ...)  this step's part of the row's dot product, in float
 //   dequant(row..., k, out)  the VALS weights w[k, k + VALS) of a row, in float
@@ -31,15 +32,29 @@ enum : int { WFMT_Q4 = 0, WFMT_Q8 = 1, WFMT_DENSE = 2 };
 template <int FMT, typename S, typename T>
 struct WDot;
 
+// Four inputs x[k .. k+3] (k a multiple of 4) as float; with `norm`, times inv * g[k .. k+3] (the
+// RMSNorm of the input fused into the GEMV: inv = rsqrt(mean(x^2) + eps), g the norm's gain)
+template <typename T, typename XP>
+inline vec<float, 4> load4(XP x4, XP g4, float inv, bool norm, uint k) {
+    const vec<T, 4> v = x4[k / 4u];
+    vec<float, 4> f = vec<float, 4>(float(v[0]), float(v[1]), float(v[2]), float(v[3]));
+    if (norm) {
+        const vec<T, 4> g = g4[k / 4u];
+        f = vec<float, 4>(f[0] * inv * float(g[0]), f[1] * inv * float(g[1]), f[2] * inv * float(g[2]),
+                          f[3] * inv * float(g[3]));
+    }
+    return f;
+}
+
 // the lane's `n` (a multiple of 4) inputs starting at x[k] (k a multiple of 4); x4 = x as vec<T, 4>
 template <typename T, typename XP>
-inline float load_x_plain(XP x4, uint k, uint n, thread float* xs) {
+inline float load_x_plain(XP x4, XP g4, float inv, bool norm, uint k, uint n, thread float* xs) {
     float sum = 0.0f;
     for (uint i = 0; i < n / 4u; ++i) {
-        const vec<T, 4> v = x4[k / 4u + i];
+        const vec<float, 4> v = load4<T>(x4, g4, inv, norm, k + 4u * i);
         for (int j = 0; j < 4; ++j) {
-            xs[4u * i + uint(j)] = float(v[j]);
-            sum += float(v[j]);
+            xs[4u * i + uint(j)] = v[j];
+            sum += v[j];
         }
     }
     return sum;
@@ -55,11 +70,11 @@ struct WDot<WFMT_Q4, S, T> {
     // x pre-scaled by 1, 1/16, 1/256, 1/4096 by position inside each 16-bit half of a word, so the
     // masked (never shifted) nibble times it is q * x exactly: (q << 4i) * (x / 16^i) is exact in float
     template <typename XP>
-    static float load_x(XP x4, uint k, thread float* xs) {
+    static float load_x(XP x4, XP g4, float inv, bool norm, uint k, thread float* xs) {
         float sum = 0.0f;
         for (uint i = 0; i < 4u; ++i) {
-            const vec<T, 4> v = x4[k / 4u + i];
-            const float a = float(v[0]), b = float(v[1]), c = float(v[2]), d = float(v[3]);
+            const vec<float, 4> v = load4<T>(x4, g4, inv, norm, k + 4u * i);
+            const float a = v[0], b = v[1], c = v[2], d = v[3];
             sum += a + b + c + d;
             xs[4u * i] = a;
             xs[4u * i + 1u] = b * 0.0625f;
@@ -106,8 +121,8 @@ struct WDot<WFMT_Q8, S, T> {
     static uint scales_per_row(uint K, uint gs) { return K / gs; }
 
     template <typename XP>
-    static float load_x(XP x4, uint k, thread float* xs) {
-        return load_x_plain<T>(x4, k, VALS, xs);
+    static float load_x(XP x4, XP g4, float inv, bool norm, uint k, thread float* xs) {
+        return load_x_plain<T>(x4, g4, inv, norm, k, VALS, xs);
     }
 
     template <typename WP, typename SP>
@@ -143,8 +158,8 @@ struct WDot<WFMT_DENSE, S, T> {
     static uint scales_per_row(uint, uint) { return 0u; }
 
     template <typename XP>
-    static float load_x(XP x4, uint k, thread float* xs) {
-        return load_x_plain<T>(x4, k, VALS, xs);
+    static float load_x(XP x4, XP g4, float inv, bool norm, uint k, thread float* xs) {
+        return load_x_plain<T>(x4, g4, inv, norm, k, VALS, xs);
     }
 
     template <typename WP, typename SP>
@@ -176,9 +191,10 @@ struct WDot<WFMT_DENSE, S, T> {
 // one wvec of each of its rows and its VALS inputs once for all rows; after the loop one simd_sum
 // per row, so every lane of the SIMD-group receives out[0 .. QMV_ROWS). K is a multiple of VALS;
 // lanes past K idle. Call from SIMD-group-uniform control flow.
+// With `norm`, the input is rmsnorm(x) * g: every input is multiplied by inv * g[k] as it is loaded.
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
-inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
-                     thread float* out) {
+inline void rows_dot(WP w, SP scales, SP biases, XP x4, XP g4, float inv, bool norm, uint K, uint gs, uint row0,
+                     uint nrows, uint lane, thread float* out) {
     typedef WDot<FMT, S, T> D;
     const uint upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
     ulong wo[QMV_ROWS], so[QMV_ROWS];
@@ -193,7 +209,7 @@ inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint ro
     }
     for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
         float xs[D::VALS];
-        const float xsum = D::load_x(x4, k, xs);
+        const float xsum = D::load_x(x4, g4, inv, norm, k, xs);
         for (uint r = 0; r < QMV_ROWS; ++r) {
             acc[r] += D::dot(w + wo[r], scales + so[r], biases + so[r], k, gs, xs, xsum);
         }
@@ -201,6 +217,24 @@ inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint ro
     for (uint r = 0; r < QMV_ROWS; ++r) {
         out[r] = simd_sum(acc[r]);
     }
+}
+
+template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
+inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
+                     thread float* out) {
+    rows_dot<FMT, S, T>(w, scales, biases, x4, x4, 1.0f, false, K, gs, row0, nrows, lane, out);
+}
+
+// inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an
+// RMSNorm fused into a GEMV; x is read once more per SIMD-group (K values, from cache).
+template <typename T, typename XP>
+inline float rms_inv(XP x, uint K, float eps, uint lane) {
+    float ss = 0.0f;
+    for (uint k = lane; k < K; k += SIMD_WIDTH) {
+        const float v = float(x[k]);
+        ss += v * v;
+    }
+    return rsqrt(simd_sum(ss) / float(K) + eps);
 }
 
 // wvec units / scales of one matrix [rows, K] of a stack (the stride between experts)

@@ -16,9 +16,16 @@ void register_gpu_ops_moe(nb::module_& ops) {
     }, "encoder"_a, "logits"_a, "n_experts"_a, "k"_a, "norm"_a, "ids"_a, "weights"_a);
     ops.def("moe_gate_up", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate, const gpu::Matrix& up,
                               const gpu::Matrix* shared_gate_up, const gpu::Buffer& x, const gpu::Buffer& ids,
-                              uint32_t k, const gpu::Buffer& act) {
-        gpu::ops::moe_gate_up(e, gpu::parse_act(t), gate, up, shared_gate_up, x, ids, k, act);
-    }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "shared_gate_up"_a.none(), "x"_a, "ids"_a, "k"_a, "act"_a);
+                              uint32_t k, const gpu::Buffer& act, const gpu::Buffer* logits, uint32_t n_experts,
+                              bool norm, const gpu::Buffer* weights) {
+        if (bool(logits) != bool(weights))
+            throw std::invalid_argument("moe_gate_up: the fused top-k needs both logits and weights");
+        gpu::ops::MoeRouting r;
+        if (logits) r = gpu::ops::MoeRouting{*logits, n_experts, norm, *weights};
+        gpu::ops::moe_gate_up(e, gpu::parse_act(t), gate, up, shared_gate_up, x, ids, k, act, logits ? &r : nullptr);
+    }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "shared_gate_up"_a.none(), "x"_a, "ids"_a, "k"_a, "act"_a,
+       "logits"_a.none() = nb::none(), "n_experts"_a = 0, "norm"_a = true, "weights"_a.none() = nb::none(),
+       "With logits and weights the router top-k is fused in: ids and weights are written, not read.");
     ops.def("moe_down", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& down,
                            const gpu::Matrix* shared_down, const gpu::Buffer& act, const gpu::Buffer& ids,
                            const gpu::Buffer& weights, const gpu::Buffer* logits, uint32_t n_experts, uint32_t k,

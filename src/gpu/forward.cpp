@@ -4,16 +4,19 @@
 // memory barriers where a dispatch reads what an earlier one of its level wrote.
 //
 //   x  = embed(tokens[in])                         the input token is read on the GPU
-//   xn = rmsnorm(x)
 //   for each layer:
-//       proj = W_in xn                             stacked [q+gate | k | v] or [qkv | z | b | a]
+//       proj = W_in rmsnorm(x)                     stacked [q+gate | k | v] or [qkv | z | b | a]; the
+//                                                  input norm is fused into the GEMV
 //       mix  = attention(proj) | gdn(proj)
-//       o    = W_out mix
-//       x, xn = x + o, rmsnorm(x + o)              add_rmsnorm (post-attention norm)
-//       x   += moe(xn) | mlp(xn)                   fused into moe_down; the MLP's into the next norm
-//       xn   = rmsnorm(x)                          the next layer's input norm (or the final norm)
-//   logits = lm_head xn (float)
+//       x   += W_out mix                           the residual add is fused into the GEMV
+//       router = W_r rmsnorm(x), xn = rmsnorm(x)   post-attention norm fused into the router GEMV
+//       x   += moe(xn)                             top-k fused into gate/up; residual into down
+//           | mlp(rmsnorm(x))                      (dense layers: norm, gate/up, down + residual)
+//   logits = lm_head rmsnorm(x) (float)            the final norm fused into the GEMV
 //   tokens[out] = argmax(logits) | sample(logits)  read by the next step, and by the host (4 bytes)
+//
+// Dependency levels per token: GDN layer 7 (in-proj, conv, step, out-proj, router, gate/up, down),
+// attention layer 8 or 9 (prepare, attention in 1 or 2 passes); embed, lm_head and argmax 4.
 #include <algorithm>
 #include <cstring>
 
@@ -34,14 +37,31 @@ ops::GdnShape gdn_shape(const Config& c) {
     return ops::GdnShape{uint32_t(c.nk), uint32_t(c.nv), uint32_t(c.dk), uint32_t(c.dv), uint32_t(c.conv_kernel)};
 }
 
-// y[:st.rows] = st x: one qmv per part, into consecutive row ranges of y
-void stacked_qmv(Encoder& e, Act t, const Stacked& st, const Buffer& x, const Buffer& y, bool f32_out = false) {
+// y[:st.rows] = st x: one qmv per part, into consecutive row ranges of y (each part normalises its
+// input itself when the RMSNorm is fused; only the first stores the normalised input)
+void stacked_qmv(Encoder& e, Act t, const Stacked& st, const Buffer& x, const Buffer& y, bool f32_out,
+                 const ops::QmvFusion& fuse) {
     const uint64_t es = f32_out ? 4 : act_size(t);
     uint64_t row = 0;
+    ops::QmvFusion f = fuse;
     for (const Matrix& m : st.parts) {
-        ops::qmv(e, t, m, x, y.view(row * es, uint64_t(m.rows) * es), 1, f32_out);
+        ops::qmv(e, t, m, x, y.view(row * es, uint64_t(m.rows) * es), 1, f32_out, 0, 0, f);
+        f.xn = nullptr;
         row += m.rows;
     }
+}
+
+ops::QmvFusion normed(const Buffer& w, float eps, const Buffer* xn = nullptr) {
+    ops::QmvFusion f;
+    f.norm_w = &w;
+    f.eps = eps;
+    f.xn = xn;
+    return f;
+}
+ops::QmvFusion residual(const Buffer& r) {
+    ops::QmvFusion f;
+    f.residual = &r;
+    return f;
 }
 }  // namespace
 
@@ -54,7 +74,6 @@ struct GpuEngine::Scratch {
     Buffer q;              // T [nh * hd]        attention queries after norm + RoPE
     Buffer attn_part;      // f32                attention partial results (split-K / two-pass routes)
     Buffer mix;            // T [max(value_dim, nh * hd)]  block output before the out projection
-    Buffer o;              // T [H]              out projection / dense-MLP down projection
     Buffer router;         // f32 [E + 1]        router logits (+ the shared-expert gate logit)
     Buffer topk_ids;       // u32 [k]
     Buffer topk_w;         // f32 [k]
@@ -88,7 +107,6 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m) : m_(std::move(m)), sc_(std::m
     s.attn_part = d.alloc(std::max<uint64_t>(ops::attention_scratch_bytes(attn_shape(c), uint32_t(max_keys),
                                                                           m_->options().attn), 16), "attn_part");
     s.mix = d.alloc(std::max<uint64_t>(c.value_dim(), nhd) * es, "mix");
-    s.o = d.alloc(c.hidden * es, "o");
     s.router = d.alloc((c.n_experts + 1) * 4, "router");
     s.topk_ids = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_ids");
     s.topk_w = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_w");
@@ -101,8 +119,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m) : m_(std::move(m)), sc_(std::m
 
 GpuEngine::~GpuEngine() = default;
 
-// Returns true when the block's output is left in `o` for the next norm to add (dense MLP).
-bool GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
@@ -115,56 +132,48 @@ bool GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
         const ops::AttnShape as = attn_shape(c);
         size_t ai = 0;
         for (size_t j = 0; j < li; ++j) ai += m_->layers[j].attention ? 1 : 0;
-        stacked_qmv(e, t, L.attn_in, s.xn, s.proj);                                   // proj = [q+gate | k | v]
+        stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
         ops::attn_prepare(e, t, as, s.proj, L.q_norm, L.k_norm, uint32_t(position), st.kv[ai], s.q);
         ops::attention_decode(e, t, as, m_->options().attn, s.q, s.proj, st.kv[ai], uint32_t(position + 1),
                               s.attn_part, s.mix);                                      // mix = gated attention
-        ops::qmv(e, t, L.o_proj, s.mix, s.o);
+        ops::qmv(e, t, L.o_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));           // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----
         const ops::GdnShape gs = gdn_shape(c);
         size_t gi = 0;
         for (size_t j = 0; j < li; ++j) gi += m_->layers[j].attention ? 0 : 1;
         const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
-        stacked_qmv(e, t, L.gdn_in, s.xn, s.proj);                                    // proj = [qkv | z | b | a]
+        stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));    // proj = [qkv | z | b | a]
         ops::gdn_conv(e, t, gs, s.proj.view(0, cd * es), L.conv_w, st.conv_in(gi), st.conv_next(gi), s.conv_act);
         ops::gdn_step(e, t, gs, s.conv_act, s.proj.view(cd * es, vd * es), s.proj.view((cd + vd) * es, nv * es),
                       s.proj.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps,
                       st.ssm_in(gi), st.ssm_next(gi), s.mix);                           // mix = gated-normed output
-        ops::qmv(e, t, L.out_proj, s.mix, s.o);
+        ops::qmv(e, t, L.out_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));         // x += out_proj(mix)
     }
-    ops::add_rmsnorm(e, t, s.x, s.o, L.post_norm, s.x, s.xn, 1, H, c.eps);             // x += o; xn = norm(x)
 
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
-        stacked_qmv(e, t, L.router, s.xn, s.router, true);                             // router logits (f32)
-        ops::moe_topk(e, s.router, E, k, c.norm_topk, s.topk_ids, s.topk_w);
+        stacked_qmv(e, t, L.router, s.x, s.router, true, normed(L.post_norm, c.eps, &s.xn));   // logits, xn
+        const ops::MoeRouting route{s.router, E, c.norm_topk, s.topk_w};
         ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, s.xn, s.topk_ids, k,
-                         s.moe_act);
+                         s.moe_act, &route);                                            // top-k + SwiGLU
         ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, s.moe_act, s.topk_ids, s.topk_w,
                       s.router, E, k, s.x);                                             // x += moe(xn)
     } else {
+        ops::rmsnorm(e, t, s.x, L.post_norm, s.xn, 1, H, c.eps);
         ops::mlp_gate_up(e, t, L.mlp_gate_up, s.xn, s.mlp_act);
-        ops::qmv(e, t, L.mlp_down, s.mlp_act, s.o);                                    // o: added by the next norm
+        ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));     // x += mlp(xn)
     }
-    return !L.moe;
 }
 
 void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot,
                             const SamplingConfig* sc) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
-    const uint32_t H = uint32_t(c.hidden);
     Scratch& s = *sc_;
     ops::embed(e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);                // x = embed(token)
-    ops::rmsnorm(e, t, s.x, m_->layers[0].input_norm, s.xn, 1, H, c.eps);
-    for (size_t li = 0; li < m_->layers.size(); ++li) {
-        const bool pending = encode_layer(e, st, li, position);
-        const Buffer& next_norm = li + 1 < m_->layers.size() ? m_->layers[li + 1].input_norm : m_->final_norm;
-        if (pending) ops::add_rmsnorm(e, t, s.x, s.o, next_norm, s.x, s.xn, 1, H, c.eps);   // x += o; next norm
-        else ops::rmsnorm(e, t, s.x, next_norm, s.xn, 1, H, c.eps);                         // next input norm
-    }
-    ops::qmv(e, t, m_->lm_head, s.xn, s.logits, 1, true);                              // logits (f32)
+    for (size_t li = 0; li < m_->layers.size(); ++li) encode_layer(e, st, li, position);
+    ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0, normed(m_->final_norm, c.eps));   // logits (f32)
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
         if (sc->greedy) ops::argmax(e, s.logits, uint32_t(c.vocab), tok, s.sample);

@@ -175,7 +175,7 @@ class GpuEngine {
     struct Scratch;
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc);
-    bool encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
 
     std::shared_ptr<GpuModel> m_;
     std::unique_ptr<Scratch> sc_;

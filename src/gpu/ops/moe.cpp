@@ -36,7 +36,7 @@ void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, 
 }
 
 void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
-                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act) {
+                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRouting* route) {
     const char* op = "moe_gate_up";
     gate.validate("moe_gate_up: gate");
     up.validate("moe_gate_up: up");
@@ -62,8 +62,17 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
     need(ids, uint64_t(k) * 4, op, "ids");
     need(act, an, op, "act");
     check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
+    uint32_t topk = 0;
+    if (route) {
+        check(route->n_experts >= k && route->n_experts <= MOE_MAX_EXPERTS && k <= MOE_MAX_TOPK, op,
+              "fused top-k needs k <= min(n_experts, " + std::to_string(MOE_MAX_TOPK) + ") and n_experts <= " +
+                  std::to_string(MOE_MAX_EXPERTS));
+        need(route->logits, uint64_t(route->n_experts) * 4, op, "route.logits");
+        need(route->weights, uint64_t(k) * 4, op, "route.weights");
+        topk = MOE_TOPK_FUSED | (route->norm ? MOE_TOPK_NORM : 0u);
+    }
     const MoeGateUpParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k, shared_inter,
-                            shared_gs, stride};
+                            shared_gs, stride, route ? route->n_experts : 0u, topk};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, gate, uint64_t(k) * inter);  // only the k chosen experts' rows are read
     matrix_args(args, up, uint64_t(k) * inter);
@@ -72,9 +81,12 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
     } else {  // unused slots: bind the gate stack again, declared unread
         for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
     }
-    args.push_back(Arg::in(x.view(0, uint64_t(H) * es)));
-    args.push_back(Arg::in(ids.view(0, uint64_t(k) * 4)));
-    args.push_back(Arg::out(act.view(0, an), (uint64_t(k) * inter + shared_inter) * es));
+    const Buffer xv = x.view(0, uint64_t(H) * es), av = act.view(0, an);
+    args.push_back(Arg::in(xv));
+    args.push_back(route ? Arg::in(route->logits.view(0, uint64_t(route->n_experts) * 4)) : Arg::in(xv, 0));
+    args.push_back(route ? Arg::out(ids.view(0, uint64_t(k) * 4)) : Arg::in(ids.view(0, uint64_t(k) * 4)));
+    args.push_back(Arg::out(av, (uint64_t(k) * inter + shared_inter) * es));
+    args.push_back(route ? Arg::out(route->weights.view(0, uint64_t(k) * 4)) : Arg::in(av, 0));
     e.dispatch("moe_gate_up_" + gate.variant() + "_" + act_suffix(t), Dims{ceil_div(stride, QMV_TG_ROWS), slots, 1},
                kGemvThreads, args);
 }

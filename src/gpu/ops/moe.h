@@ -15,8 +15,16 @@ void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, 
 // stacks) and, when shared_gate_up is given (rows = 2 * shared_inter: [gate | up]), slot k for the
 // shared expert (its row length shared_inter; act's row stride is max(inter, shared_inter)).
 // x [H] (T); act [(k + 1), stride] (T). One dispatch.
+// With `route`, the router top-k is fused in (moe_topk's function run by every SIMD-group of a routed
+// slot on route->logits): ids and route->weights are then written, for moe_down, instead of read.
+struct MoeRouting {
+    Buffer logits;            // f32 [n_experts (+1)]: the router GEMV's output
+    uint32_t n_experts = 0;
+    bool norm = true;         // renormalise the k weights (norm_topk_prob)
+    Buffer weights;           // f32 [k] (written)
+};
 void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
-                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act);
+                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRouting* route = nullptr);
 
 // x[:H] += sum_s weights[s] * down_{ids[s]} act[s]  (+ sigmoid(logits[n_experts]) * shared_down act[k]
 // when shared_down is given; that logit is the shared_expert_gate row of the router GEMV), summed in a

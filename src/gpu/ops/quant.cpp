@@ -70,7 +70,7 @@ uint32_t vals_per_lane(WFormat f) {
 }  // namespace
 
 void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch, bool f32_out,
-         uint32_t x_stride, uint32_t y_stride) {
+         uint32_t x_stride, uint32_t y_stride, const QmvFusion& fuse) {
     const char* op = "qmv";
     W.validate("qmv: W");
     check(W.count == 1, op, "W must be one matrix (count 1), got a stack of " + std::to_string(W.count));
@@ -85,12 +85,39 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
     need(x, xn, op, "x");
     need(y, yn, op, "y");
     check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
-    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys};
+    uint32_t flags = 0;
+    if (fuse.norm_w) {
+        need(*fuse.norm_w, uint64_t(W.cols) * es, op, "norm_w");
+        check(fuse.norm_w->offset % (4 * es) == 0, op, "norm_w offset must be 4-element aligned");
+        flags |= QMV_NORM;
+        if (fuse.xn) {
+            need(*fuse.xn, xn, op, "xn");
+            flags |= QMV_NORM_OUT;
+        }
+    } else {
+        check(!fuse.xn, op, "xn needs norm_w");
+    }
+    if (fuse.residual) {
+        need(*fuse.residual, yn, op, "residual");
+        const bool same = fuse.residual->address() == y.address();
+        check(same || fuse.residual->address() + yn <= y.address() || y.address() + yn <= fuse.residual->address(), op,
+              "residual must be y itself or not overlap it");
+        flags |= QMV_ADD;
+    }
+    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps};
     const std::string kernel = "qmv_" + W.variant() + "_" + act_suffix(t) + (f32o ? "_f32out" : "");
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, W, W.rows);
-    args.push_back(Arg::in(x.view(0, xn), uint64_t(batch) * W.cols * es));
-    args.push_back(Arg::out(y.view(0, yn), uint64_t(batch) * W.rows * os));
+    // unused slots bind a buffer the dispatch binds anyway, declared as not accessed
+    const Buffer xv = x.view(0, xn), yv = y.view(0, yn);
+    args.push_back(Arg::in(xv, uint64_t(batch) * W.cols * es));
+    args.push_back(fuse.norm_w ? Arg::in(fuse.norm_w->view(0, uint64_t(W.cols) * es)) : Arg::in(xv, 0));
+    const bool in_place = fuse.residual && fuse.residual->address() == y.address();
+    if (fuse.residual && !in_place) args.push_back(Arg::in(fuse.residual->view(0, yn), uint64_t(batch) * W.rows * os));
+    else args.push_back(Arg::in(yv, 0));
+    args.push_back(in_place ? Arg::inout(yv, uint64_t(batch) * W.rows * os, uint64_t(batch) * W.rows * os)
+                            : Arg::out(yv, uint64_t(batch) * W.rows * os));
+    args.push_back(fuse.xn ? Arg::out(fuse.xn->view(0, xn), uint64_t(batch) * W.cols * es) : Arg::in(xv, 0));
     e.dispatch(kernel, Dims{ceil_div(W.rows, QMV_TG_ROWS), batch, 1}, Dims{QMV_LANES, QMV_SIMDGROUPS, 1}, args);
 }
 

@@ -51,10 +51,21 @@ void matrix_args(std::vector<Arg>& args, const Matrix& M, uint64_t rows_read);
 
 namespace ops {
 
+// What a qmv dispatch may fuse around the product (metal/quant.h QMV_*):
+//   norm_w      the input is rmsnorm(x) * norm_w (T [cols]; eps) -- the RMSNorm before a projection
+//   xn          ... and that normalised input is stored there too (T, like x), for later kernels
+//   residual    y = residual + W x (like y; may be y itself: the residual add in place)
+struct QmvFusion {
+    const Buffer* norm_w = nullptr;
+    float eps = 0.0f;
+    const Buffer* xn = nullptr;
+    const Buffer* residual = nullptr;
+};
+
 // y[b, :rows] = W x[b, :cols] for b < batch; x [batch, x_stride] (T), y [batch, y_stride] (T, or
 // float with f32_out). Strides default to cols / rows. One dispatch.
 void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch = 1,
-         bool f32_out = false, uint32_t x_stride = 0, uint32_t y_stride = 0);
+         bool f32_out = false, uint32_t x_stride = 0, uint32_t y_stride = 0, const QmvFusion& fuse = QmvFusion());
 
 // y[i, :] = row ids[i] of the table E (dequantized, as T) for i < n; ids uint32 [n] on the device
 // (the decode token slot). One dispatch.

@@ -324,3 +324,39 @@ def test_moe_argument_checks():
         with pytest.raises(ValueError, match="act holds"):
             ops.mlp_gate_up(enc, "f32", S, buf(x), buf(act[0, :8]))
         assert enc.dispatches == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(E=st.integers(1, 70), k=st.integers(1, 8), norm=st.booleans(), ties=st.booleans(), inter=st.integers(1, 20),
+       shared=st.integers(0, 12), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_gate_up_fused_topk(schedule, E, k, norm, ties, inter, shared, dtype, seed):
+    """The router top-k fused into gate/up: the same ids and weights as moe_topk (written for moe_down) and
+    every slot's SwiGLU computed with its expert."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    H = 64
+    logits = (rng.integers(-3, 3, E + 1) if ties else rng.standard_normal(E + 1)).astype(np.float32)
+    gate = make(rng, "q4_sbf16", (E, inter, H), 32)
+    up = make(rng, "q4_sbf16", (E, inter, H), 32)
+    sh = make(rng, "q4_sbf16", (2 * shared, H), 32) if shared else None
+    x = rng.standard_normal(H).astype(ACT[dtype])
+    act = np.full((k + (1 if shared else 0), max(inter, shared)), 7, ACT[dtype])
+    ids, w = np.full(k, 99, np.uint32), np.full(k, 7, np.float32)
+    want_ids, want_w = np.full(k, 99, np.uint32), np.full(k, 7, np.float32)
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        lb = buf(logits)
+        ops.moe_topk(enc, lb, E, k, norm, buf(want_ids), buf(want_w))
+        ops.moe_gate_up(enc, dtype, gate.device(buf, gpu), up.device(buf, gpu), sh.device(buf, gpu) if sh else None,
+                        buf(x), buf(ids), k, buf(act), logits=lb, n_experts=E, norm=norm, weights=buf(w))
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(w, want_w)
+    xf = x.astype(np.float64)
+    for s in range(k):
+        ref, bound = gate_up_ref(gate.ref[ids[s]], up.ref[ids[s]], xf)
+        assert_close(act[s, :inter], ref, bound, dtype, f"slot {s}")
+    if shared:
+        ref, bound = gate_up_ref(sh.ref[:shared], sh.ref[shared:], xf)
+        assert_close(act[k, :shared], ref, bound, dtype, "shared")

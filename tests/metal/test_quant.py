@@ -202,3 +202,61 @@ def test_matrix_descriptor():
         D = gpu.Matrix("bf16", 4, 8, buf(np.zeros(32, np.uint16)))
         assert D.variant == "bf16" and D.group_size == 0 and D.row_bytes == 16
         assert quant.SUPPORTED_GROUP_SIZES == (32, 64, 128)
+
+
+# ------------------------------------------------------------------------------------------ qmv fusions
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(FORMATS), dtype=st.sampled_from(["f32", "bf16"]), f32_out=st.booleans(),
+       n=st.integers(1, 4), N=st.integers(1, 40), batch=st.integers(1, 2), norm=st.booleans(), xn_out=st.booleans(),
+       add=st.sampled_from([None, "separate", "in_place"]), seed=st.integers(0, 2**31 - 1))
+def test_qmv_fusions(schedule, fmt, dtype, f32_out, n, N, batch, norm, xn_out, add, seed):
+    """y = [r +] W (rmsnorm(x) * g | x), optionally storing rmsnorm(x) * g to xn: the input norm and the
+    residual add fused into the GEMV, against the separate numpy steps."""
+    rng = np.random.default_rng(seed)
+    gs = 32
+    K = cols_for(fmt, gs, n)
+    hm = make(rng, fmt, (N, K), gs)
+    x = (3 * rng.standard_normal((batch, K))).astype(ACT[dtype])
+    g = rng.uniform(0.5, 1.5, K).astype(ACT[dtype])
+    out_dt = np.float32 if f32_out else ACT[dtype]
+    r = rng.standard_normal((batch, N)).astype(out_dt)
+    y = r.copy() if add == "in_place" else np.full((batch, N), 7, out_dt)
+    xn = np.full((batch, K), 7, ACT[dtype])
+    xf = x.astype(np.float64)
+    xin = xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6) * g.astype(np.float64) if norm else xf
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        yb = buf(y)
+        kw = {}
+        if norm:
+            kw.update(norm_w=buf(g), eps=1e-6)
+            if xn_out:
+                kw["xn"] = buf(xn)
+        if add:
+            kw["residual"] = yb if add == "in_place" else buf(r)
+        ops.qmv(enc, dtype, hm.device(buf, gpu), buf(x), yb, batch, f32_out, **kw)
+    ref = xin @ hm.ref.T + (r.astype(np.float64) if add else 0)
+    bound = np.abs(xin) @ np.abs(hm.ref).T + (np.abs(r.astype(np.float64)) if add else 0)
+    assert_close(y, ref, bound, "f32" if f32_out else dtype)
+    if norm and xn_out:
+        assert_close(xn, xin, np.abs(xin), dtype)
+    else:
+        assert (xn.astype(np.float32) == 7).all()
+
+
+def test_qmv_fusion_argument_checks():
+    rng = np.random.default_rng(0)
+    hm = make(rng, "q4_sbf16", (16, 64), 32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        W = hm.device(buf, gpu)
+        x, y = np.zeros(64, np.float32), np.zeros(32, np.float32)
+        with pytest.raises(ValueError, match="norm_w"):
+            ops.qmv(enc, "f32", W, buf(x), buf(y), norm_w=buf(np.zeros(8, np.float32)))
+        with pytest.raises(ValueError, match="xn needs norm_w"):
+            ops.qmv(enc, "f32", W, buf(x), buf(y), xn=buf(np.zeros(64, np.float32)))
+        yb = buf(y)
+        with pytest.raises(ValueError, match="overlap"):
+            ops.qmv(enc, "f32", W, buf(x), yb.view(0, 64), residual=yb.view(4, 64))

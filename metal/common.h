@@ -22,6 +22,13 @@ using namespace metal;
 
 enum : uint { SIMD_WIDTH = 32 };
 
+// v rounded to the activation type T and back: where the bfloat build rounds as MLX's bf16 graph does
+// (the reference's bfloat16 mode); the identity for T = float, so the float build is unchanged.
+template <typename T>
+inline float rnd(float v) {
+    return float(T(v));
+}
+
 // Sum of one float per thread over the whole threadgroup; every thread receives the total.
 // One simd_sum per SIMD-group, one threadgroup barrier, then every SIMD-group reduces the
 // partial sums itself (a second simd_sum) instead of a second barrier + broadcast.

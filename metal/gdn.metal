@@ -62,7 +62,8 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
             conv_out[ulong(j - 1u) * p.C + c] = x;
         }
     }
-    act[c] = T(acc * gdn_sigmoid(acc));
+    const float xr = rnd<T>(acc);                 // as the bf16 graph: conv output rounded, then MLX's silu
+    act[c] = T(xr * rnd<T>(gdn_sigmoid(xr)));     // (sigmoid rounded, product rounded); float: x * sigmoid(x)
 }
 
 // One token of the gated delta rule for one value head, fused with the q/k l2norm, the gates and the
@@ -112,15 +113,28 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
         qss += qv[j] * qv[j];
         kss += kv[j] * kv[j];
     }
-    const float qinv = rsqrt(simd_sum(qss) + p.l2_eps);
-    const float kinv = rsqrt(simd_sum(kss) + p.l2_eps);
-    for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-        qv[j] = qv[j] * qinv * p.q_scale;
-        kv[j] = kv[j] * kinv;
+    const float qsum = simd_sum(qss), ksum = simd_sum(kss);
+    if (sizeof(T) == 2) {
+        // the bf16 graph (MLX normalize_qk): n = T(x rsqrt(mean(x^2) + eps / dk)) = T(sqrt(dk) l2norm(x)),
+        // then q = T(n T(1/dk)), k = T(n T(dk^-1/2)) (MLX casts the Python float factors to bf16)
+        const float fdk = float(dk);
+        const float qn = rsqrt(qsum / fdk + p.l2_eps / fdk), kn = rsqrt(ksum / fdk + p.l2_eps / fdk);
+        const float qf = rnd<T>(1.0f / fdk), kf = rnd<T>(p.q_scale);
+        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+            qv[j] = rnd<T>(rnd<T>(qv[j] * qn) * qf);
+            kv[j] = rnd<T>(rnd<T>(kv[j] * kn) * kf);
+        }
+    } else {
+        const float qinv = rsqrt(qsum + p.l2_eps);
+        const float kinv = rsqrt(ksum + p.l2_eps);
+        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+            qv[j] = qv[j] * qinv * p.q_scale;
+            kv[j] = kv[j] * kinv;
+        }
     }
 
     // gates (float, from the T-rounded projections)
-    const float beta = gdn_sigmoid(float(b[h]));
+    const float beta = rnd<T>(gdn_sigmoid(float(b[h])));
     const float g_log = -exp(A_log[h]) * gdn_softplus(float(a[h]) + dt_bias[h]);
     const float decay = exp(g_log);
 
@@ -148,7 +162,7 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
                 orow[i] = s[j];
             }
         }
-        const float o = simd_sum(so);
+        const float o = rnd<T>(simd_sum(so));   // the recurrence output, rounded as the bf16 graph does
         if (lane == 0) {
             o_tg[r] = o;
         }
@@ -162,7 +176,8 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
     device T* yh = y + ulong(h) * dv;
     for (uint i = tid; i < dv; i += nthreads) {
         const float zi = float(zh[i]);
-        yh[i] = T(o_tg[i] * inv * float(norm_w[i]) * (zi * gdn_sigmoid(zi)));
+        // bf16 graph: n = T(w T(o inv)), y = T(n silu_f32(z)); float: o inv w silu(z)
+        yh[i] = T(rnd<T>(float(norm_w[i]) * rnd<T>(o_tg[i] * inv)) * (zi * gdn_sigmoid(zi)));
     }
 }
 

@@ -30,6 +30,7 @@
 // float32 reference computes it; in each round every lane scans its experts in ascending order (strict
 // > keeps the lower index), simd_max gives the value, simd_min over the lanes holding it the lowest
 // index. k <= 32, n <= MOE_MAX_EXPERTS. Call from SIMD-group-uniform control flow.
+template <typename T>
 inline void route_topk(device const float* logits, uint n, uint k, bool norm, uint lane, thread uint& id,
                        thread float& weight) {
     float probs[MOE_MAX_EXPERTS / SIMD_WIDTH];
@@ -69,14 +70,14 @@ inline void route_topk(device const float* logits, uint n, uint k, bool norm, ui
         const uint best_i = simd_min(bv == best ? bi : 0xFFFFFFFFu);
         prev_v = best;
         prev_i = best_i;
-        total += best;
+        total += rnd<T>(best);   // the bf16 graph: the selected probabilities rounded, their sum rounded
         if (lane == r) {
-            mine_v = best;
+            mine_v = rnd<T>(best);
             mine_i = best_i;
         }
     }
     id = mine_i;
-    weight = norm ? mine_v / total : mine_v;
+    weight = norm ? rnd<T>(mine_v / rnd<T>(total)) : mine_v;
 }
 
 // Router top-k on its own (one SIMD-group). Why on the GPU: the expert ids then never visit the host,
@@ -88,7 +89,7 @@ kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const f
                          uint lane [[thread_index_in_simdgroup]]) {
     uint id;
     float w;
-    route_topk(logits, p.n_experts, p.k, p.norm != 0, lane, id, w);
+    route_topk<float>(logits, p.n_experts, p.k, p.norm != 0, lane, id, w);
     if (lane < p.k) {
         ids[lane] = id;
         weights[lane] = w;
@@ -105,8 +106,10 @@ inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K
     rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, row0, nrows, lane, u);
     if (lane == 0) {
         for (uint r = 0; r < QMV_ROWS && row0 + r < nrows; ++r) {
-            const float silu = g[r] / (1.0f + exp(-g[r]));
-            act[row0 + r] = T(silu * u[r]);
+            // as the bf16 graph: gate and up rounded, silu = T(g * T(sigmoid(g))), the product rounded
+            const float gr = rnd<T>(g[r]);
+            const float silu = rnd<T>(gr * rnd<T>(1.0f / (1.0f + exp(-gr))));
+            act[row0 + r] = T(silu * rnd<T>(u[r]));
         }
     }
 }
@@ -148,7 +151,7 @@ kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const 
         if ((p.topk & MOE_TOPK_FUSED) != 0u) {
             uint id;
             float w;
-            route_topk(logits, p.n_experts, p.k, (p.topk & MOE_TOPK_NORM) != 0u, lane, id, w);
+            route_topk<T>(logits, p.n_experts, p.k, (p.topk & MOE_TOPK_NORM) != 0u, lane, id, w);
             if (tgid.x == 0u && slot == 0u && sg == 0u && lane < p.k) {
                 ids[lane] = id;
                 weights[lane] = w;
@@ -218,17 +221,20 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
         float d[QMV_ROWS];
         rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, row0, p.H, lane, d);
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            total[r] += ws * d[r];
+            total[r] += rnd<T>(ws * rnd<T>(d[r]));   // bf16 graph: expert output and weighted output rounded
         }
+    }
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        total[r] = rnd<T>(total[r]);                 // ... the sum over the k experts rounded once
     }
     if (p.shared_inter != 0) {
         device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(p.k) * p.act_stride);
         float d[QMV_ROWS];
         rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size, row0, p.H,
                             lane, d);
-        const float gate = 1.0f / (1.0f + exp(-shared_logit[0]));
+        const float gate = rnd<T>(1.0f / (1.0f + exp(-shared_logit[0])));
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            total[r] += gate * d[r];
+            total[r] = rnd<T>(total[r] + rnd<T>(gate * rnd<T>(d[r])));   // routed + gated shared, rounded
         }
     }
     if (lane == 0) {

@@ -46,7 +46,7 @@ inline float load4_sumsq(device const T* x, uint i, uint H, thread float* v) {
 template <typename T>
 inline void store_normed(device const T* src, device const T* w, device T* y, uint i, uint H, float inv) {
     for (uint j = 0; j < 4 && i + j < H; ++j) {
-        y[i + j] = T(float(src[i + j]) * inv * float(w[i + j]));
+        y[i + j] = T(rnd<T>(float(src[i + j]) * inv) * float(w[i + j]));   // as MLX: w * T(x * inv)
     }
 }
 

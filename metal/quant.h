@@ -11,7 +11,7 @@ struct QmvParams {
     uint32_t group_size;  // quantized: 32, 64 or 128; dense: unused
     uint32_t x_stride;    // elements between consecutive input vectors (grid.y), a multiple of 4
     uint32_t y_stride;    // elements between consecutive output vectors
-    uint32_t flags;       // QMV_NORM | QMV_NORM_OUT | QMV_ADD
+    uint32_t flags;       // QMV_NORM | QMV_NORM_OUT | QMV_ADD | QMV_ROUND
     float eps;            // QMV_NORM: added to mean(x^2)
 };
 static_assert(sizeof(QmvParams) == 28, "QmvParams: 7 x 4 bytes, as the host packs it");
@@ -21,6 +21,8 @@ static_assert(sizeof(QmvParams) == 28, "QmvParams: 7 x 4 bytes, as the host pack
 #define QMV_NORM 1u
 #define QMV_NORM_OUT 2u
 #define QMV_ADD 4u
+// with float output: store the product rounded to the activation type (QMV_ROUND)
+#define QMV_ROUND 8u
 
 // embed: y[i, :K] = row ids[i] of the table, dequantized, for i = threadgroup
 struct EmbedParams {

@@ -39,7 +39,8 @@
 // (the next layer's input norm, the post-attention norm before the router, the final norm before the
 // lm_head). QMV_NORM_OUT: SIMD-group 0 of threadgroup 0 also stores the normalised input to xn (read
 // by the MoE kernels of the next level). QMV_ADD: y = r + W x, the residual add of an output
-// projection (r may be y: in place, each row read and written by the same lane).
+// projection (r may be y: in place, each row read and written by the same lane). QMV_ROUND: a float
+// output holds the product rounded to T (the bfloat build's router logits, as the bf16 graph has them).
 template <int FMT, typename S, typename T, typename O>
 kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
                 device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
@@ -54,7 +55,7 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
     if ((p.flags & QMV_NORM_OUT) != 0u && tgid.x == 0u && sg == 0u) {
         device T* xnb = xn + ulong(tgid.y) * p.x_stride;
         for (uint k = lane; k < p.K; k += SIMD_WIDTH) {
-            xnb[k] = T(float(xb[k]) * inv * float(g[k]));
+            xnb[k] = T(rnd<T>(float(xb[k]) * inv) * float(g[k]));
         }
     }
     if (row0 >= p.N) {
@@ -67,10 +68,12 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
     rows_dot<FMT, S, T>(wv, scales, biases, x4, g4, inv, norm, p.K, p.group_size, row0, p.N, lane, out);
     device O* yb = y + ulong(tgid.y) * p.y_stride;
     device const O* rb = r + ulong(tgid.y) * p.y_stride;
-    const bool add = (p.flags & QMV_ADD) != 0u;
+    const bool add = (p.flags & QMV_ADD) != 0u, round = (p.flags & QMV_ROUND) != 0u;
     if (lane == 0) {
         for (uint i = 0; i < QMV_ROWS && row0 + i < p.N; ++i) {
-            yb[row0 + i] = O(add ? out[i] + float(rb[row0 + i]) : out[i]);
+            // the product is rounded to T before a residual add (the bf16 graph adds two bf16 values)
+            const float v = add || round ? rnd<T>(out[i]) : out[i];
+            yb[row0 + i] = O(add ? v + float(rb[row0 + i]) : v);
         }
     }
 }

@@ -38,10 +38,10 @@ template <typename T, typename XP>
 inline vec<float, 4> load4(XP x4, XP g4, float inv, bool norm, uint k) {
     const vec<T, 4> v = x4[k / 4u];
     vec<float, 4> f = vec<float, 4>(float(v[0]), float(v[1]), float(v[2]), float(v[3]));
-    if (norm) {
+    if (norm) {  // as the RMSNorm kernel rounds: g * T(x * inv), rounded to T
         const vec<T, 4> g = g4[k / 4u];
-        f = vec<float, 4>(f[0] * inv * float(g[0]), f[1] * inv * float(g[1]), f[2] * inv * float(g[2]),
-                          f[3] * inv * float(g[3]));
+        f = vec<float, 4>(rnd<T>(rnd<T>(f[0] * inv) * float(g[0])), rnd<T>(rnd<T>(f[1] * inv) * float(g[1])),
+                          rnd<T>(rnd<T>(f[2] * inv) * float(g[2])), rnd<T>(rnd<T>(f[3] * inv) * float(g[3])));
     }
     return f;
 }

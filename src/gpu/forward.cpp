@@ -153,7 +153,9 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
 
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
-        stacked_qmv(e, t, L.router, s.x, s.router, true, normed(L.post_norm, c.eps, &s.xn));   // logits, xn
+        ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
+        rf.round = true;                                                                // bf16 logits, as MLX
+        stacked_qmv(e, t, L.router, s.x, s.router, true, rf);                          // router logits, xn
         const ops::MoeRouting route{s.router, E, c.norm_topk, s.topk_w};
         ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, s.xn, s.topk_ids, k,
                          s.moe_act, &route);                                            // top-k + SwiGLU

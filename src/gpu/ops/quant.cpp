@@ -104,6 +104,7 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
               "residual must be y itself or not overlap it");
         flags |= QMV_ADD;
     }
+    if (fuse.round) flags |= QMV_ROUND;
     const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps};
     const std::string kernel = "qmv_" + W.variant() + "_" + act_suffix(t) + (f32o ? "_f32out" : "");
     std::vector<Arg> args{Arg::params(p)};

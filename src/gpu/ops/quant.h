@@ -54,12 +54,15 @@ namespace ops {
 // What a qmv dispatch may fuse around the product (metal/quant.h QMV_*):
 //   norm_w      the input is rmsnorm(x) * norm_w (T [cols]; eps) -- the RMSNorm before a projection
 //   xn          ... and that normalised input is stored there too (T, like x), for later kernels
-//   residual    y = residual + W x (like y; may be y itself: the residual add in place)
+//   residual    y = residual + W x (like y; may be y itself: the residual add in place); the product is
+//               rounded to the activation type first, as the bf16 graph adds two bf16 values
+//   round       a float output holds the product rounded to the activation type
 struct QmvFusion {
     const Buffer* norm_w = nullptr;
     float eps = 0.0f;
     const Buffer* xn = nullptr;
     const Buffer* residual = nullptr;
+    bool round = false;       // float output holding the product rounded to the activation type
 };
 
 // y[b, :rows] = W x[b, :cols] for b < batch; x [batch, x_stride] (T), y [batch, y_stride] (T, or

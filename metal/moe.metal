@@ -12,9 +12,9 @@
 // format (its group size may differ).
 //
 // Every projection runs metal/quant_dot.h's rows_dot: exactly qmv's inner loop and thread mapping
-// (2 SIMD-groups x 4 rows, one word pair per lane per row and step). Float throughout; the SwiGLU
-// product and the updated residual are rounded to T once, on store (the MLX bf16 graph rounds gate,
-// up and each expert's output to bf16 as well; we do not, see docs/metal-moe.md).
+// (2 SIMD-groups x 4 rows, one word pair per lane per row and step). Float accumulation; the bfloat
+// build rounds where MLX's bf16 graph rounds (gate, up, SwiGLU, each expert's output, the weighted
+// terms and sums: rnd<T>, the identity for float; docs/metal.md "Rounding").
 //
 // Simulator-verified, hardware-unverified.
 #include "common.h"

@@ -1,12 +1,13 @@
 // RMSNorm, and the residual add fused with it.
 //
-//   rmsnorm_{f32,bf16,f16}:      y = x * rsqrt(mean(x^2) + eps) * w
-//   add_rmsnorm_{f32,bf16,f16}:  h = x + r   (stored: the residual stream)
-//                                y = h * rsqrt(mean(h^2) + eps) * w
+//   rmsnorm_{f32,bf16}:      y = T(w * T(x * rsqrt(mean(x^2) + eps)))
+//   add_rmsnorm_{f32,bf16}:  h = x + r   (stored: the residual stream)
+//                            y = T(w * T(h * rsqrt(mean(h^2) + eps)))
 // w is the multiplicative gain as the canonical weights store it (1 + w for Qwen's
-// zero-centred norms is folded in at load). Everything is computed in float and rounded once
-// on store (HF's form); add_rmsnorm normalises h as stored (rounded to T), exactly what a
-// separate add followed by rmsnorm would see, and may run in place (h == x).
+// zero-centred norms is folded in at load). Statistics in float; the bfloat build rounds as
+// MLX's mx.fast.rms_norm does (x * inv, then the product with w), the float build computes
+// x * inv * w; add_rmsnorm normalises h as stored (rounded to T), exactly what a separate add
+// followed by rmsnorm would see, and may run in place (h == x).
 //
 // Why fused: after every attention / MoE branch the decoder adds the branch output to the
 // residual stream and normalises it for the next block; one kernel reads x and r once and
@@ -94,7 +95,5 @@ kernel void add_rmsnorm(constant NormParams& p [[buffer(0)]], device const T* x 
 
 INSTANTIATE_KERNEL("rmsnorm_f32", rmsnorm, float)
 INSTANTIATE_KERNEL("rmsnorm_bf16", rmsnorm, bfloat)
-INSTANTIATE_KERNEL("rmsnorm_f16", rmsnorm, half)
 INSTANTIATE_KERNEL("add_rmsnorm_f32", add_rmsnorm, float)
 INSTANTIATE_KERNEL("add_rmsnorm_bf16", add_rmsnorm, bfloat)
-INSTANTIATE_KERNEL("add_rmsnorm_f16", add_rmsnorm, half)

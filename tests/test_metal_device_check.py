@@ -9,7 +9,7 @@ autorelease/dealloc, object <-> C pointer casts without __bridge). The decls mus
 device.mm does not use; on macOS their enum values are compared with the SDK's.
 
 What this does not prove (run time, Apple's headers beyond the enum values, shader compilation) is in
-docs/metal-device.md. clang >= 15 is needed: with CI=true a missing clang fails these tests, elsewhere
+docs/metal.md. clang >= 15 is needed: with CI=true a missing clang fails these tests, elsewhere
 they are skipped.
 """
 import importlib.util

@@ -14,7 +14,7 @@ for which it refuses ``-fobjc-arc``; with -fsyntax-only no runtime library or he
 on Apple targets. This catches what the compiler front end sees: selectors that do not exist or have the
 wrong arity, messages sent to the wrong protocol, argument and return type mismatches, block signatures,
 ARC violations (retain/release/autorelease, casts between object and C pointers without __bridge), and
-plain C++ errors. It proves nothing about run time or about Apple's real headers (docs/metal-device.md).
+plain C++ errors. It proves nothing about run time or about Apple's real headers (docs/metal.md).
 
 The nanobind registration (src/bindings/gpu_metal.cpp, Apple-only) is checked as C++ with
 -DQWENMETAL_CHECK_METAL_BINDINGS when nanobind's headers are importable.

@@ -11,8 +11,9 @@ Everything Metal is **simulator-verified, hardware-unverified** until a Mac has 
 
 Options (``Model.load(path, backend="metal-sim", **options)``):
 
-* ``dtype``: activation type of every kernel, ``"bfloat16"`` (default, production) or ``"float32"``
-  (exact comparisons with the float32 reference).
+* ``dtype``: activation type of every kernel, ``"bfloat16"`` (production; the default of ``metal``) or
+  ``"float32"`` (exact against the float32 reference; the default of ``metal-sim``, a verification backend:
+  its tokens are the CPU backend's). The bfloat build rounds where MLX's bf16 graph rounds.
 * ``kv_dtype``: KV cache element type, ``"bfloat16"`` (default) or ``"float32"``; ``dtype="float32"``
   defaults it to ``"float32"``.
 * ``attention``: overrides of the decode-attention policy, e.g. ``{"single_pass_max": 8}`` (tests use
@@ -283,7 +284,7 @@ class MetalSimBackend(_GpuBackend):
 
     name = "metal-sim"
 
-    def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
+    def __init__(self, weights: Weights, dtype: str = "float32", kv_dtype: str | None = None,
                  attention: dict | None = None, schedule: str = "forward", seed: int = 0):
         dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
         self.schedule = schedule

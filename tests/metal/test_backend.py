@@ -70,7 +70,7 @@ def test_float_build_matches_reference(preset, fmt, reference_runs):
 def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
     """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions."""
     ref_model, (want_pre, want_dec, want_toks) = reference_runs(preset, "mlx-q4", "bfloat16")
-    model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend="metal-sim")
+    model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend="metal-sim", dtype="bfloat16")
     s = model.new_session()
     got = [model.prefill(s, PROMPT, return_logits="last")]
     for t in want_toks[:N_DECODE - 1]:
@@ -180,6 +180,7 @@ def test_session_contract(sim_model, tmp_path):
 
 
 def test_demo_checkpoint_generates_the_cpu_tokens():
+    """Default options on both (metal-sim: the float build)."""
     path = cached_checkpoint("tiny", "mlx-q4", seed=0)
     toks = {}
     for backend in ("cpu", "metal-sim"):

@@ -60,7 +60,7 @@ def philox4x32_10(ctr, key):
 
 
 def gpu_uniform(seed: int, position: int) -> float:
-    """The u the GPU sampler draws for (seed, position) (docs/metal-sample.md)."""
+    """The u the GPU sampler draws for (seed, position) (docs/metal.md)."""
     out = philox4x32_10((position & 0xFFFFFFFF, position >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))
     return (out[0] >> 8) * 2.0 ** -24
 

@@ -2,7 +2,7 @@
 // uses, written from Apple's Foundation documentation, for the Linux type check only
 // (tools/metal_device_check.py: clang -fsyntax-only -x objective-c++ -fobjc-arc
 // -fobjc-runtime=macosx-14.0 -I src/metal/decls). Never on an Apple build's include path: there
-// <Foundation/Foundation.h> is the SDK's. What this check cannot prove is in docs/metal-device.md.
+// <Foundation/Foundation.h> is the SDK's. What this check cannot prove is in docs/metal.md.
 #pragma once
 #include <stddef.h>
 

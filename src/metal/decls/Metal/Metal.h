@@ -3,7 +3,7 @@
 // values), for the Linux type check only (tools/metal_device_check.py). Never on an Apple build's
 // include path. tests/test_metal_device_check.py checks that every selector declared here is used by
 // device.mm, and on macOS that the enum values equal the SDK's. What this cannot prove is in
-// docs/metal-device.md.
+// docs/metal.md.
 #pragma once
 #import <Foundation/Foundation.h>
 

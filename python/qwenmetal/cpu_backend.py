@@ -35,6 +35,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .session_io import gdn_state_arrays, gdn_state_vectors
 from .weights import QuantizedTensor, Weights
 
 KV_DTYPES = ("bfloat16", "float32")
@@ -180,11 +181,7 @@ class CpuBackend:
                 if a.dtype == np.uint16:
                     a = a.view(ml_dtypes.bfloat16)
                 out[f"layers.{i}.{n}"] = np.ascontiguousarray(a.reshape(position, nkv, hd).transpose(1, 0, 2))
-        K1, cd = c.linear_conv_kernel_dim - 1, c.conv_dim
-        shape = (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
-        for j, i in enumerate(c.linear_attention_layers):
-            out[f"layers.{i}.conv"] = conv[j].reshape(K1, cd)
-            out[f"layers.{i}.ssm"] = ssm[j].reshape(shape)
+        out.update(gdn_state_arrays(c, conv, ssm))
         return out
 
     def state_from_arrays(self, arrays: dict):
@@ -197,10 +194,7 @@ class CpuBackend:
                 a = np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t)        # [nkv, P, hd]
                 a = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, -1)
                 kv.append(a.reshape(-1).view(np.uint8))
-        conv = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.conv"], np.float32).reshape(-1))
-                for i in c.linear_attention_layers]
-        ssm = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.ssm"], np.float32).reshape(-1))
-               for i in c.linear_attention_layers]
+        conv, ssm = gdn_state_vectors(c, arrays)
         st = self.new_state()
         st._import(position, kv, conv, ssm)
         return st

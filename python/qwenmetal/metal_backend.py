@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from .cpu_backend import config_dict
+from .session_io import gdn_state_arrays, gdn_state_vectors
 from .weights import QuantizedTensor, Weights
 
 DTYPES = ("bfloat16", "float32")
@@ -247,10 +248,7 @@ class _GpuBackend:
         for j, i in enumerate(c.full_attention_layers):
             for n, a in (("key", kv[2 * j]), ("value", kv[2 * j + 1])):
                 out[f"layers.{i}.{n}"] = a.view(kv_t).reshape(nkv, position, hd).copy()
-        shape = (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
-        for j, i in enumerate(c.linear_attention_layers):
-            out[f"layers.{i}.conv"] = conv[j].reshape(c.linear_conv_kernel_dim - 1, c.conv_dim)
-            out[f"layers.{i}.ssm"] = ssm[j].reshape(shape)
+        out.update(gdn_state_arrays(c, conv, ssm))
         return out
 
     def state_from_arrays(self, arrays: dict):
@@ -262,10 +260,7 @@ class _GpuBackend:
             for n in ("key", "value"):
                 a = np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t))   # [nkv, P, hd]
                 kv.append(a.reshape(-1).view(np.uint8))
-        conv = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.conv"], np.float32).reshape(-1))
-                for i in c.linear_attention_layers]
-        ssm = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.ssm"], np.float32).reshape(-1))
-               for i in c.linear_attention_layers]
+        conv, ssm = gdn_state_vectors(c, arrays)
         st = self.new_state()
         st._import(position, kv, conv, ssm)
         return st

@@ -82,6 +82,26 @@ def expected_shapes(config) -> dict:
     return out
 
 
+def gdn_state_arrays(config, conv, ssm) -> dict:
+    """The GDN layers' `layers.{i}.conv` / `.ssm` arrays of the layout from flat float32 vectors (one per GDN
+    layer, in layer order), as the C++ backends export them."""
+    c = config
+    shape = (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
+    out = {}
+    for j, i in enumerate(c.linear_attention_layers):
+        out[f"layers.{i}.conv"] = conv[j].reshape(c.linear_conv_kernel_dim - 1, c.conv_dim)
+        out[f"layers.{i}.ssm"] = ssm[j].reshape(shape)
+    return out
+
+
+def gdn_state_vectors(config, arrays: dict) -> tuple[list, list]:
+    """The inverse of gdn_state_arrays: contiguous flat float32 (conv, ssm) vectors per GDN layer."""
+    layers = config.linear_attention_layers
+    conv = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.conv"], np.float32).reshape(-1)) for i in layers]
+    ssm = [np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.ssm"], np.float32).reshape(-1)) for i in layers]
+    return conv, ssm
+
+
 def _dtype_name(a: np.ndarray) -> str:
     return "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/config.h"
+#include "bindings/forward_call.h"
 #include "bindings/registry.h"
 #include "cpu/engine.h"
 #include "cpu/attention.h"
@@ -28,6 +29,7 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 using namespace qwenmetal;
+using qwenmetal::bindings::new_array;
 
 namespace {
 
@@ -82,34 +84,10 @@ struct PyEngine {
     nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
 };
 
-nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
-    size_t n = 1;
-    for (size_t s : shape) n *= s;
-    float* p = new float[n ? n : 1];
-    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<float*>(q); });
-    return nb::ndarray<nb::numpy, float>(p, shape.size(), shape.data(), owner);
-}
-
 nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits) {
-    int want;
-    if (logits == "none") want = 0;
-    else if (logits == "last") want = 1;
-    else if (logits == "all") want = 2;
-    else throw std::invalid_argument("logits must be 'last', 'all' or 'none', got '" + logits + "'");
     const int64_t n = static_cast<int64_t>(ids.shape(0));
-    const size_t V = static_cast<size_t>(pe.engine->config().vocab);
-    nb::object out = nb::none();
-    float* dst = nullptr;
-    if (want) {
-        auto arr = want == 2 ? new_array({size_t(n), V}) : new_array({V});
-        dst = arr.data();
-        out = nb::cast(arr);
-    }
-    {
-        nb::gil_scoped_release release;
-        pe.engine->forward(s, ids.data(), n, want, dst);
-    }
-    return out;
+    return bindings::forward_call(n, size_t(pe.engine->config().vocab), logits,
+                                  [&](int want, float* dst) { pe.engine->forward(s, ids.data(), n, want, dst); });
 }
 
 // ---- kernel entry points for tests ----------------------------------------------------------------

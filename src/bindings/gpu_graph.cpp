@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "bindings/config.h"
+#include "bindings/forward_call.h"
 #include "bindings/gpu.h"
 #include "gpu/model.h"
 
@@ -67,14 +68,6 @@ struct PyGpuEngine {
     std::unique_ptr<GpuEngine> engine;
     nb::object keepalive;     // the numpy arrays (mmap views) the mappings point into
 };
-
-nb::ndarray<nb::numpy, float> new_f32(std::vector<size_t> shape) {
-    size_t n = 1;
-    for (size_t s : shape) n *= s;
-    float* p = new float[n ? n : 1];
-    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<float*>(q); });
-    return nb::ndarray<nb::numpy, float>(p, shape.size(), shape.data(), owner);
-}
 
 template <class T>
 nb::ndarray<nb::numpy, T> copy_out(const void* src, std::vector<size_t> shape) {
@@ -185,25 +178,9 @@ void register_gpu_graph(nb::module_& g) {
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits) {
-            int want;
-            if (logits == "none") want = 0;
-            else if (logits == "last") want = 1;
-            else if (logits == "all") want = 2;
-            else throw std::invalid_argument("logits must be 'last', 'all' or 'none', got '" + logits + "'");
             const int64_t n = int64_t(ids.shape(0));
-            const size_t V = size_t(e.model->config().vocab);
-            nb::object out = nb::none();
-            float* dst = nullptr;
-            if (want) {
-                auto a = want == 2 ? new_f32({size_t(n), V}) : new_f32({V});
-                dst = a.data();
-                out = nb::cast(a);
-            }
-            {
-                nb::gil_scoped_release r;
-                e.engine->forward(s, ids.data(), n, want, dst);
-            }
-            return out;
+            return forward_call(n, size_t(e.model->config().vocab), logits,
+                                [&](int want, float* dst) { e.engine->forward(s, ids.data(), n, want, dst); });
         }, "state"_a, "ids"_a, "logits"_a)
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,

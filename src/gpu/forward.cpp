@@ -97,14 +97,14 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m) : m_(std::move(m)), sc_(std::m
         else any_mlp = true;
     }
     const uint64_t nhd = uint64_t(c.n_heads) * c.head_dim;
-    const uint64_t max_keys = uint64_t(c.n_layers) > 0 ? 1u << 20 : 0;   // partials are bounded per route
     Scratch& s = *sc_;
     s.x = d.alloc(c.hidden * es, "x");
     s.xn = d.alloc(c.hidden * es, "xn");
     s.proj = d.alloc(in_rows * es, "proj");
     s.conv_act = d.alloc(std::max<int64_t>(c.conv_dim(), 1) * es, "conv_act");
     s.q = d.alloc(nhd * es, "q");
-    s.attn_part = d.alloc(std::max<uint64_t>(ops::attention_scratch_bytes(attn_shape(c), uint32_t(max_keys),
+    // the partials of every route are bounded (the two-pass route's count is capped): size for any context
+    s.attn_part = d.alloc(std::max<uint64_t>(ops::attention_scratch_bytes(attn_shape(c), UINT32_MAX,
                                                                           m_->options().attn), 16), "attn_part");
     s.mix = d.alloc(std::max<uint64_t>(c.value_dim(), nhd) * es, "mix");
     s.router = d.alloc((c.n_experts + 1) * 4, "router");

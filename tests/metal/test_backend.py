@@ -21,24 +21,10 @@ import pytest
 import qwenmetal as qm
 from qwenmetal.testing import cached_checkpoint
 
+from model_runs import rel_range_err, run_greedy
+
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 1]
 N_DECODE = 64
-
-
-def rel_range_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(want.max() - want.min(), 1e-30))
-
-
-def greedy_rows(model, ids, n):
-    """Logits of every prompt position, then n greedy steps: (prefill [L,V], decode [n,V], tokens)."""
-    s = model.new_session()
-    pre = model.prefill(s, ids, return_logits="all")
-    toks, rows = [int(np.argmax(pre[-1]))], []
-    for _ in range(n):
-        rows.append(model.decode_step(s, toks[-1]))
-        toks.append(int(np.argmax(rows[-1])))
-    return pre, np.stack(rows), toks
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +35,7 @@ def reference_runs():
         key = (preset, fmt, dtype)
         if key not in cache:
             m = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="reference", dtype=dtype)
-            cache[key] = (m, greedy_rows(m, PROMPT, N_DECODE))
+            cache[key] = (m, run_greedy(m, PROMPT, N_DECODE))
         return cache[key]
     return get
 
@@ -59,7 +45,7 @@ def reference_runs():
 def test_float_build_matches_reference(preset, fmt, reference_runs):
     _, (want_pre, want_dec, want_toks) = reference_runs(preset, fmt)
     model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="metal-sim", dtype="float32")
-    pre, dec, toks = greedy_rows(model, PROMPT, N_DECODE)
+    pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
     assert rel_range_err(pre, want_pre) < 1e-4
     for j in range(N_DECODE):
         assert rel_range_err(dec[j], want_dec[j]) < 1e-4, f"decode step {j}"
@@ -89,7 +75,7 @@ def test_attention_routes_in_graph(reference_runs):
     routes = {"single_pass_max": 6, "split_max": 24, "split_block": 4, "long_block": 8}
     model = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="metal-sim", dtype="float32",
                           attention=routes)
-    pre, dec, toks = greedy_rows(model, PROMPT, N_DECODE)
+    pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
     assert rel_range_err(pre, want_pre) < 1e-4
     assert max(rel_range_err(d, w) for d, w in zip(dec, want_dec)) < 1e-4
     assert toks == want_toks

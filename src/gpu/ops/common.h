@@ -36,4 +36,14 @@ inline void check(bool ok, const char* op, const std::string& msg) {
     if (!ok) throw std::invalid_argument(std::string(op) + ": " + msg);
 }
 
+// An output that may be its input (in place) or another buffer, but never a partial overlap of the
+// first `bytes` of each; returns true for in place.
+inline bool same_or_disjoint(const Buffer& out, const Buffer& in, uint64_t bytes, const char* op, const char* what,
+                             const char* of) {
+    const bool same = out.address() == in.address();
+    check(same || out.address() + bytes <= in.address() || in.address() + bytes <= out.address(), op,
+          std::string(what) + " must be " + of + " itself or not overlap it");
+    return same;
+}
+
 }  // namespace qwenmetal::gpu

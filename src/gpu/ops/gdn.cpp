@@ -28,9 +28,7 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
     need(conv_state, ns, op, "conv_state");
     need(conv_out, ns, op, "conv_out");
     need(act, nx, op, "act");
-    const bool same = conv_out.address() == conv_state.address();
-    check(same || conv_out.address() + ns <= conv_state.address() || conv_state.address() + ns <= conv_out.address(),
-          op, "conv_out must be conv_state itself or not overlap it");
+    const bool same = same_or_disjoint(conv_out, conv_state, ns, op, "conv_out", "conv_state");
     const GdnConvParams p{C, K};
     e.dispatch(std::string("gdn_conv_") + act_suffix(t), Dims{ceil_div(C, GDN_CONV_THREADS), 1, 1},
                Dims{GDN_CONV_THREADS, 1, 1},
@@ -63,9 +61,7 @@ void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buf
     need(state, nst, op, "state");
     need(state_out, nst, op, "state_out");
     need(y, nz, op, "y");
-    const bool same = state_out.address() == state.address();
-    check(same || state_out.address() + nst <= state.address() || state.address() + nst <= state_out.address(), op,
-          "state_out must be state itself or not overlap it");
+    const bool same = same_or_disjoint(state_out, state, nst, op, "state_out", "state");
     const GdnStepParams p{s.nk, s.nv, s.dk, s.dv, s.nv / s.nk, float(1.0 / std::sqrt(double(s.dk))),
                           GDN_L2NORM_EPS, eps};
     const uint32_t nsg = s.dv < GDN_STEP_MAX_SIMDGROUPS ? s.dv : GDN_STEP_MAX_SIMDGROUPS;

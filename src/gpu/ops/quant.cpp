@@ -99,9 +99,7 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
     }
     if (fuse.residual) {
         need(*fuse.residual, yn, op, "residual");
-        const bool same = fuse.residual->address() == y.address();
-        check(same || fuse.residual->address() + yn <= y.address() || y.address() + yn <= fuse.residual->address(), op,
-              "residual must be y itself or not overlap it");
+        same_or_disjoint(*fuse.residual, y, yn, op, "residual", "y");
         flags |= QMV_ADD;
     }
     if (fuse.round) flags |= QMV_ROUND;

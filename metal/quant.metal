@@ -65,7 +65,7 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
     device const vec<T, 4>* x4 = (device const vec<T, 4>*)xb;
     device const vec<T, 4>* g4 = (device const vec<T, 4>*)g;
     float out[QMV_ROWS];
-    rows_dot<FMT, S, T>(wv, scales, biases, x4, g4, inv, norm, p.K, p.group_size, row0, p.N, lane, out);
+    rows_dot_norm<FMT, S, T>(wv, scales, biases, x4, g4, inv, norm, p.K, p.group_size, row0, p.N, lane, out);
     device O* yb = y + ulong(tgid.y) * p.y_stride;
     device const O* rb = r + ulong(tgid.y) * p.y_stride;
     const bool add = (p.flags & QMV_ADD) != 0u, round = (p.flags & QMV_ROUND) != 0u;
@@ -109,26 +109,42 @@ kernel void embed(constant EmbedParams& p [[buffer(0)]], device const uint32_t* 
     }
 }
 
-// ---- instantiations: only what the decode graph uses ----------------------------------------------
+// ---- instantiations: only what the decode graph uses (written out: the embedded-source table
+// reads the host names literally) ----------------------------------------------------------------
 // quantized weights x {bf16, f32} scales x {f32, bf16 activations, bf16 activations with float output}
-#define QMV_QUANT(fmtname, FMT, sname, S)                                                         \
-    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_f32", qmv, FMT, S, float, float)               \
-    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_bf16", qmv, FMT, S, bfloat, bfloat)            \
-    INSTANTIATE_KERNEL("qmv_" fmtname "_s" sname "_bf16_f32out", qmv, FMT, S, bfloat, float)      \
-    INSTANTIATE_KERNEL("embed_" fmtname "_s" sname "_f32", embed, FMT, S, float)                  \
-    INSTANTIATE_KERNEL("embed_" fmtname "_s" sname "_bf16", embed, FMT, S, bfloat)
+INSTANTIATE_KERNEL("qmv_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float)
+INSTANTIATE_KERNEL("qmv_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("embed_q4_sbf16_f32", embed, WFMT_Q4, bfloat, float)
+INSTANTIATE_KERNEL("embed_q4_sbf16_bf16", embed, WFMT_Q4, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q4_sf32_f32", qmv, WFMT_Q4, float, float, float)
+INSTANTIATE_KERNEL("qmv_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float)
+INSTANTIATE_KERNEL("embed_q4_sf32_f32", embed, WFMT_Q4, float, float)
+INSTANTIATE_KERNEL("embed_q4_sf32_bf16", embed, WFMT_Q4, float, bfloat)
+INSTANTIATE_KERNEL("qmv_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float)
+INSTANTIATE_KERNEL("qmv_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("embed_q8_sbf16_f32", embed, WFMT_Q8, bfloat, float)
+INSTANTIATE_KERNEL("embed_q8_sbf16_bf16", embed, WFMT_Q8, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q8_sf32_f32", qmv, WFMT_Q8, float, float, float)
+INSTANTIATE_KERNEL("qmv_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float)
+INSTANTIATE_KERNEL("embed_q8_sf32_f32", embed, WFMT_Q8, float, float)
+INSTANTIATE_KERNEL("embed_q8_sf32_bf16", embed, WFMT_Q8, float, bfloat)
 // dense weights of type W
-#define QMV_DENSE(wname, W)                                                                       \
-    INSTANTIATE_KERNEL("qmv_" wname "_f32", qmv, WFMT_DENSE, W, float, float)                     \
-    INSTANTIATE_KERNEL("qmv_" wname "_bf16", qmv, WFMT_DENSE, W, bfloat, bfloat)                  \
-    INSTANTIATE_KERNEL("qmv_" wname "_bf16_f32out", qmv, WFMT_DENSE, W, bfloat, float)            \
-    INSTANTIATE_KERNEL("embed_" wname "_f32", embed, WFMT_DENSE, W, float)                        \
-    INSTANTIATE_KERNEL("embed_" wname "_bf16", embed, WFMT_DENSE, W, bfloat)
-
-QMV_QUANT("q4", WFMT_Q4, "bf16", bfloat)
-QMV_QUANT("q4", WFMT_Q4, "f32", float)
-QMV_QUANT("q8", WFMT_Q8, "bf16", bfloat)
-QMV_QUANT("q8", WFMT_Q8, "f32", float)
-QMV_DENSE("bf16", bfloat)
-QMV_DENSE("f16", half)
-QMV_DENSE("f32", float)
+INSTANTIATE_KERNEL("qmv_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float)
+INSTANTIATE_KERNEL("qmv_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("embed_bf16_f32", embed, WFMT_DENSE, bfloat, float)
+INSTANTIATE_KERNEL("embed_bf16_bf16", embed, WFMT_DENSE, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_f16_f32", qmv, WFMT_DENSE, half, float, float)
+INSTANTIATE_KERNEL("qmv_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float)
+INSTANTIATE_KERNEL("embed_f16_f32", embed, WFMT_DENSE, half, float)
+INSTANTIATE_KERNEL("embed_f16_bf16", embed, WFMT_DENSE, half, bfloat)
+INSTANTIATE_KERNEL("qmv_f32_f32", qmv, WFMT_DENSE, float, float, float)
+INSTANTIATE_KERNEL("qmv_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float)
+INSTANTIATE_KERNEL("embed_f32_f32", embed, WFMT_DENSE, float, float)
+INSTANTIATE_KERNEL("embed_f32_bf16", embed, WFMT_DENSE, float, bfloat)

@@ -32,18 +32,21 @@ enum : int { WFMT_Q4 = 0, WFMT_Q8 = 1, WFMT_DENSE = 2 };
 template <int FMT, typename S, typename T>
 struct WDot;
 
-// Four inputs x[k .. k+3] (k a multiple of 4) as float; with `norm`, times inv * g[k .. k+3] (the
-// RMSNorm of the input fused into the GEMV: inv = rsqrt(mean(x^2) + eps), g the norm's gain)
+// Four inputs x[k .. k+3] (k a multiple of 4) as float into f[0..3]; with `norm`, as the RMSNorm fused
+// into the GEMV gives them: g * T(x * inv) rounded to T, inv = rsqrt(mean(x^2) + eps), g the norm's gain
+// (no vector constructors here: this header is not rewritten for the address-space check)
 template <typename T, typename XP>
-inline vec<float, 4> load4(XP x4, XP g4, float inv, bool norm, uint k) {
+inline void load4(XP x4, XP g4, float inv, bool norm, uint k, thread float* f) {
     const vec<T, 4> v = x4[k / 4u];
-    vec<float, 4> f = vec<float, 4>(float(v[0]), float(v[1]), float(v[2]), float(v[3]));
-    if (norm) {  // as the RMSNorm kernel rounds: g * T(x * inv), rounded to T
-        const vec<T, 4> g = g4[k / 4u];
-        f = vec<float, 4>(rnd<T>(rnd<T>(f[0] * inv) * float(g[0])), rnd<T>(rnd<T>(f[1] * inv) * float(g[1])),
-                          rnd<T>(rnd<T>(f[2] * inv) * float(g[2])), rnd<T>(rnd<T>(f[3] * inv) * float(g[3])));
+    for (int j = 0; j < 4; ++j) {
+        f[j] = float(v[j]);
     }
-    return f;
+    if (norm) {
+        const vec<T, 4> g = g4[k / 4u];
+        for (int j = 0; j < 4; ++j) {
+            f[j] = rnd<T>(rnd<T>(f[j] * inv) * float(g[j]));
+        }
+    }
 }
 
 // the lane's `n` (a multiple of 4) inputs starting at x[k] (k a multiple of 4); x4 = x as vec<T, 4>
@@ -51,10 +54,9 @@ template <typename T, typename XP>
 inline float load_x_plain(XP x4, XP g4, float inv, bool norm, uint k, uint n, thread float* xs) {
     float sum = 0.0f;
     for (uint i = 0; i < n / 4u; ++i) {
-        const vec<float, 4> v = load4<T>(x4, g4, inv, norm, k + 4u * i);
-        for (int j = 0; j < 4; ++j) {
-            xs[4u * i + uint(j)] = v[j];
-            sum += v[j];
+        load4<T>(x4, g4, inv, norm, k + 4u * i, xs + 4u * i);
+        for (uint j = 0; j < 4u; ++j) {
+            sum += xs[4u * i + j];
         }
     }
     return sum;
@@ -73,7 +75,8 @@ struct WDot<WFMT_Q4, S, T> {
     static float load_x(XP x4, XP g4, float inv, bool norm, uint k, thread float* xs) {
         float sum = 0.0f;
         for (uint i = 0; i < 4u; ++i) {
-            const vec<float, 4> v = load4<T>(x4, g4, inv, norm, k + 4u * i);
+            float v[4];
+            load4<T>(x4, g4, inv, norm, k + 4u * i, v);
             const float a = v[0], b = v[1], c = v[2], d = v[3];
             sum += a + b + c + d;
             xs[4u * i] = a;
@@ -191,10 +194,11 @@ struct WDot<WFMT_DENSE, S, T> {
 // one wvec of each of its rows and its VALS inputs once for all rows; after the loop one simd_sum
 // per row, so every lane of the SIMD-group receives out[0 .. QMV_ROWS). K is a multiple of VALS;
 // lanes past K idle. Call from SIMD-group-uniform control flow.
-// With `norm`, the input is rmsnorm(x) * g: every input is multiplied by inv * g[k] as it is loaded.
+// rows_dot_norm: with `norm`, the input is rmsnorm(x) * g: every input is multiplied by inv * g[k] as
+// it is loaded (rows_dot below: the plain product).
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
-inline void rows_dot(WP w, SP scales, SP biases, XP x4, XP g4, float inv, bool norm, uint K, uint gs, uint row0,
-                     uint nrows, uint lane, thread float* out) {
+inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, XP g4, float inv, bool norm, uint K, uint gs,
+                          uint row0, uint nrows, uint lane, thread float* out) {
     typedef WDot<FMT, S, T> D;
     const uint upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
     ulong wo[QMV_ROWS], so[QMV_ROWS];
@@ -222,7 +226,7 @@ inline void rows_dot(WP w, SP scales, SP biases, XP x4, XP g4, float inv, bool n
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
 inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
                      thread float* out) {
-    rows_dot<FMT, S, T>(w, scales, biases, x4, x4, 1.0f, false, K, gs, row0, nrows, lane, out);
+    rows_dot_norm<FMT, S, T>(w, scales, biases, x4, x4, 1.0f, false, K, gs, row0, nrows, lane, out);
 }
 
 // inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an

@@ -114,7 +114,8 @@ def test_flattened_source_preprocesses_like_the_original(path, tmp_path):
     want = _preprocess(cxx, path, [stub, METAL])
     got = _preprocess(cxx, flat, [stub])  # no -I metal: nothing left to include from there
     assert got == want
-    assert "host_name" in got  # INSTANTIATE_KERNEL took common.h's Metal form
+    if "INSTANTIATE_KERNEL" in path.read_text():
+        assert "host_name" in got  # INSTANTIATE_KERNEL took common.h's Metal form
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)

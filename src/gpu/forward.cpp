@@ -283,7 +283,6 @@ StepCost GpuEngine::encode_cost(GpuState& st) {
     r.bytes_read = e.stats().bytes_read;
     r.bytes_written = e.stats().bytes_written;
     r.command_buffers = k.command_buffers;
-    r.host_waits = 0;
     return r;
 }
 

@@ -140,7 +140,7 @@ class GpuState {
 
 // What a decode step of the graph costs as encoded (encode-only or executed).
 struct StepCost {
-    uint64_t dispatches = 0, levels = 0, command_buffers = 0, host_waits = 0;
+    uint64_t dispatches = 0, levels = 0, command_buffers = 0;
     uint64_t bytes_read = 0, bytes_written = 0;
 };
 

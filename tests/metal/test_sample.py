@@ -30,9 +30,8 @@ H_TOKEN, H_U, H_MAX, H_ARGMAX, H_NTOPK, H_NKEPT, H_MASS, H_PATH = range(8)
 # to a probability ratio (min-p, relative) are not compared; the GPU's float32 errors are ~1e-6
 TOL = 5e-6
 
-# One device per (schedule, seed) for the whole module: destroying a SimDevice while its queue thread
-# still drops the last job (whose buffers release numpy arrays under the GIL) can deadlock, so devices
-# are not created and destroyed per call.
+# One device per (schedule, seed) for the whole module (thousands of draws: a device per call would
+# mostly measure device set-up).
 _DEVICES: dict = {}
 
 

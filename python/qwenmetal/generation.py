@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .sampling import SampleResult
+
 FINISH_REASONS = ("stop", "length", "context")
 
 
@@ -184,11 +186,16 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
     matcher = StopStringMatcher(stop)
     generated: list = []
     context = list(s.tokens)
+    gpu = _GpuDecode(model, s, sampler, stop_ids, vocab_used, max_tokens) \
+        if _gpu_decodable(model, sampler, stop, want_logprobs, top_n) else None
     for n in range(max_tokens):
         if cancel is not None and cancel.is_set():
             return
-        r = sampler.sample(logits, vocab_used, context=context, generated=generated, logprobs=want_logprobs,
-                           top_logprobs=top_n)
+        if gpu is not None and n > 0:     # sampled on the GPU by the pipelined decode loop
+            r = SampleResult(gpu.next(n), None, None)
+        else:
+            r = sampler.sample(logits, vocab_used, context=context, generated=generated, logprobs=want_logprobs,
+                               top_logprobs=top_n)
         t = r.token
         generated.append(t)
         context.append(t)
@@ -213,15 +220,61 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
                 text += more + ("" if hit is not None else matcher.flush())
         lp, top = r.logprob, r.top_logprobs
         if reason is None:
-            logits = model.decode_step(s, t)
+            if gpu is not None:
+                gpu.feed(t)               # the GPU loop consumes t as its next input
+            else:
+                logits = model.decode_step(s, t)
             yield GenerationOutput(t, text, n, logprob=lp, top_logprobs=top)
             continue
         t2 = time.perf_counter()
-        if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
+        if gpu is not None:
+            logits = None                 # the GPU path reads no logits back: nothing to cache with the turn
+        if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes and logits is not None:
             pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
         yield GenerationOutput(t, text, n, reason, _stats(n_prompt, cached, len(generated), t0, t1, t2, reason),
                                lp, top, hit)
         return
+
+
+def _gpu_decodable(model, sampler, stop, want_logprobs, top_n) -> bool:
+    """Whether the backend's pipelined GPU decode loop can generate for these options: a Metal backend, and
+    nothing the GPU does not do (penalties, logprobs) or that is decided on text (stop strings: the loop
+    runs ahead of the text by up to a chunk)."""
+    return (hasattr(model._backend, "decode") and not want_logprobs and not top_n and not stop
+            and sampler.repetition_penalty == 1.0 and not sampler.presence_penalty
+            and not sampler.frequency_penalty)
+
+
+class _GpuDecode:
+    """Tokens from the backend's pipelined decode loop (one command buffer per token, two in flight, GPU
+    sampling), CHUNK at a time; the session's tokens follow the state after every call. Seeded sampling
+    reproduces on the same backend (the GPU's RNG is Philox keyed by (seed, position), not the host
+    Sampler's stream); greedy decoding is the host path's."""
+
+    CHUNK = 32
+
+    def __init__(self, model, s, sampler, stop_ids, vocab_used, max_tokens):
+        self.be, self.s, self.sampler = model._backend, s, sampler
+        self.stop_ids, self.vocab = [int(t) for t in stop_ids], int(vocab_used or 0)
+        self.max_tokens = max_tokens
+        seed = sampler.seed if sampler.seed is not None else int(sampler.rng.integers(0, 2**63 - 1))
+        self.seed = int(seed)
+        self.pending: list = []
+        self.fed = None
+
+    def feed(self, t: int) -> None:
+        self.fed = int(t)
+
+    def next(self, n: int) -> int:
+        if not self.pending:
+            s, sp = self.s, self.sampler
+            budget = min(self.CHUNK, self.max_tokens - n, s.max_context - s.position)
+            out = self.be.decode(s._state, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
+                                 top_p=sp.top_p, min_p=sp.min_p, seed=self.seed, stop_ids=self.stop_ids,
+                                 vocab=self.vocab)
+            s._tokens.extend([self.fed] + [int(t) for t in out[:-1]])   # the inputs the state consumed
+            self.pending = [int(t) for t in out]
+        return self.pending.pop(0)
 
 
 def _keep_boundary(k: int, last_k: int) -> bool:

@@ -231,12 +231,14 @@ class _GpuBackend:
         return state, self.engine.forward(state, ids, logits)
 
     def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True) -> list:
+               min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0) -> list:
         """Generate up to `n` tokens after input token `first`, sampled on the GPU (argmax when
-        temperature is 0), one command buffer per token with two in flight; stops after a stop id."""
+        temperature is 0) among logits [0, vocab) (0: all), one command buffer per token with two in
+        flight; stops after a stop id. The state advances by the inputs consumed: `first` and every
+        generated token but the last."""
         return self.engine.decode(state, int(first), int(n), greedy=temperature == 0, temperature=float(temperature),
                                   top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed),
-                                  stop_ids=[int(t) for t in stop_ids], pipelined=pipelined)
+                                  stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab))
 
     # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
     def state_to_arrays(self, state) -> dict:

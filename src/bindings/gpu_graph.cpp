@@ -184,9 +184,10 @@ void register_gpu_graph(nb::module_& g) {
         }, "state"_a, "ids"_a, "logits"_a)
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
-                          bool pipelined) {
+                          bool pipelined, uint32_t vocab) {
             SamplingConfig sc;
             sc.greedy = greedy;
+            sc.vocab = vocab;
             sc.params.temperature = temperature;
             sc.params.top_k = top_k;
             sc.params.top_p = top_p;
@@ -195,7 +196,8 @@ void register_gpu_graph(nb::module_& g) {
             nb::gil_scoped_release r;
             return e.engine->decode(s, first, n, sc, stop_ids, pipelined);
         }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
-           "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true)
+           "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true,
+           "vocab"_a = 0)
         .def("encode_cost", [](PyGpuEngine& e, GpuState& s) {
             StepCost c;
             {

@@ -178,11 +178,12 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
     ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0, normed(m_->final_norm, c.eps));   // logits (f32)
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
-        if (sc->greedy) ops::argmax(e, s.logits, uint32_t(c.vocab), tok, s.sample);
+        const uint32_t V = sc->vocab && sc->vocab < c.vocab ? sc->vocab : uint32_t(c.vocab);
+        if (sc->greedy) ops::argmax(e, s.logits, V, tok, s.sample);
         else {
             ops::SampleParams p = sc->params;
             p.position = uint64_t(position);
-            ops::sample(e, s.logits, uint32_t(c.vocab), p, tok, s.sample);
+            ops::sample(e, s.logits, V, p, tok, s.sample);
         }
     }
 }
@@ -238,30 +239,37 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
         cb->commit();
         return cb;
     };
-    // the ping-pong halves alternate with the step's parity, so step i + 1 can be encoded before
-    // step i is committed to the state: it reads what step i writes
-    std::unique_ptr<CommandBuffer> cur = encode(0), next;
-    for (int64_t i = 0; i < n; ++i) {
-        st.cur ^= 1u;                                  // step i + 1 reads step i's output half
-        if (pipelined && i + 1 < n) next = encode(i + 1);   // committed before step i is waited on
-        st.cur ^= 1u;
-        try {
-            cur->wait();
-        } catch (...) {
-            if (next) next->wait();
-            throw;
+    // all-or-nothing: an error part-way (a failed command buffer) restores the state of the call's start
+    const GpuState::Saved saved = st.save();
+    try {
+        // the ping-pong halves alternate with the step's parity, so step i + 1 can be encoded before
+        // step i is committed to the state: it reads what step i writes
+        std::unique_ptr<CommandBuffer> cur = encode(0), next;
+        for (int64_t i = 0; i < n; ++i) {
+            st.cur ^= 1u;                                  // step i + 1 reads step i's output half
+            if (pipelined && i + 1 < n) next = encode(i + 1);   // committed before step i is waited on
+            st.cur ^= 1u;
+            try {
+                cur->wait();
+            } catch (...) {
+                if (next) next->wait();
+                throw;
+            }
+            st.commit_step();                              // step i is now the state
+            uint32_t tok = 0;
+            if (sc_->tokens.data()) std::memcpy(&tok, sc_->tokens.as<uint8_t>() + ((i + 1) % kSlots) * 4, 4);
+            out.push_back(int32_t(tok));
+            const bool stop = std::find(stop_ids.begin(), stop_ids.end(), int32_t(tok)) != stop_ids.end();
+            if (stop || i + 1 == n) {
+                if (next) next->wait();                    // discarded: its halves are never made current
+                break;
+            }
+            if (!pipelined) next = encode(i + 1);
+            cur = std::move(next);
         }
-        st.commit_step();                              // step i is now the state
-        uint32_t tok = 0;
-        if (sc_->tokens.data()) std::memcpy(&tok, sc_->tokens.as<uint8_t>() + ((i + 1) % kSlots) * 4, 4);
-        out.push_back(int32_t(tok));
-        const bool stop = std::find(stop_ids.begin(), stop_ids.end(), int32_t(tok)) != stop_ids.end();
-        if (stop || i + 1 == n) {
-            if (next) next->wait();                    // discarded: its halves are never made current
-            break;
-        }
-        if (!pipelined) next = encode(i + 1);
-        cur = std::move(next);
+    } catch (...) {
+        st.restore(saved);
+        throw;
     }
     return out;
 }

@@ -147,6 +147,7 @@ struct StepCost {
 struct SamplingConfig {
     bool greedy = true;
     ops::SampleParams params;
+    uint32_t vocab = 0;               // choose among logits [0, vocab) (the tokenizer's ids); 0: all
 };
 
 class GpuEngine {

@@ -173,3 +173,26 @@ def test_demo_checkpoint_generates_the_cpu_tokens():
         m = qm.Model.load(path, backend=backend)
         toks[backend] = [o.token for o in m.generate("The quick brown fox", max_tokens=16, temperature=0.0)]
     assert toks["metal-sim"] == toks["cpu"]
+
+
+def test_generate_takes_the_pipelined_gpu_path(sim_model):
+    """Model.generate on a Metal backend decodes with the GPU loop (one command buffer per token) when nothing
+    needs the host (penalties, logprobs, stop strings): the same greedy tokens and the same session as the
+    host path (logprobs=True forces it)."""
+    m = sim_model
+    dev = m._backend.device
+    runs = {}
+    for host in (False, True):
+        s = m.new_session()
+        dev.reset_counters()
+        outs = list(m.generate(PROMPT, max_tokens=40, temperature=0.0, session=s, cache=False, logprobs=host))
+        k = dev.counters()
+        runs[host] = ([o.token for o in outs], list(s.tokens), s.position, k)
+    gpu, host = runs[False], runs[True]
+    assert gpu[0] == host[0] and gpu[1] == host[1] and gpu[2] == host[2]
+    assert gpu[2] == len(PROMPT) + 39              # the last token is sampled, not consumed
+    # GPU path: one command buffer per prompt token and per decoded token, read back 4 bytes at a time
+    assert gpu[3]["command_buffers"] == len(PROMPT) + 39
+    seeded = [[o.token for o in m.generate(PROMPT, max_tokens=12, temperature=1.2, top_p=0.9, seed=5, cache=False)]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]

@@ -5,13 +5,19 @@
     # y (a numpy array) now holds the result
 
 ``buf(array)`` wraps a C-contiguous numpy array as a device buffer without a copy, so outputs are read
-back from the arrays themselves. The command buffer is committed and waited on when the block exits;
+back from the arrays themselves.
+
+The device is the simulator (``gpu.SimDevice``, under the given schedule) unless ``QWENMETAL_TEST_DEVICE=metal``
+selects the Mac's GPU (``gpu.MetalDevice``; schedules do not apply, and the simulator-only checks -- dispatch
+records -- are skipped where a test guards them with ``SIM``): the same kernel checks on real hardware
+(docs/mac-first-run.md). The command buffer is committed and waited on when the block exits;
 the simulator's checks (barriers, divergence, uninitialised threadgroup memory, bounds, missing memory
 barriers) raise ``DeviceError`` there. Simulator-verified, hardware-unverified.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import ml_dtypes
 import numpy as np
@@ -23,11 +29,23 @@ ops = gpu.ops
 BF16 = ml_dtypes.bfloat16
 SCHEDULES = ["forward", "reverse", "random"]
 ACT = {"f32": np.float32, "bf16": BF16}
+DEVICE = os.environ.get("QWENMETAL_TEST_DEVICE", "sim")
+if DEVICE not in ("sim", "metal"):
+    raise ValueError(f"QWENMETAL_TEST_DEVICE must be 'sim' or 'metal', got {DEVICE!r}")
+SIM = DEVICE == "sim"
+# the whole-graph tests' backend
+BACKEND = "metal-sim" if SIM else "metal"
+
+
+def make_device(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
+    if SIM:
+        return gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records)
+    return gpu.MetalDevice()
 
 
 @contextlib.contextmanager
 def run(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
-    dev = gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records)
+    dev = make_device(schedule, seed, keep_records)
     cb = dev.command_buffer()
     enc = gpu.Encoder(dev, cb)
 

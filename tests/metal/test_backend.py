@@ -1,4 +1,4 @@
-"""backend="metal-sim": the Metal decode graph (src/gpu/forward.cpp) and every kernel it calls, executed by the
+"""backend="metal-sim" (or "metal" with QWENMETAL_TEST_DEVICE=metal on a Mac): the Metal decode graph (src/gpu/forward.cpp) and every kernel it calls, executed by the
 simulator, against the numpy reference and the CPU backend. Simulator-verified, hardware-unverified.
 
 * float build (dtype="float32", float KV) on every fixture format of both architectures: logits of the
@@ -23,6 +23,8 @@ from qwenmetal.testing import cached_checkpoint
 
 from model_runs import rel_range_err, run_greedy
 
+from .gpu_harness import BACKEND
+
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 1]
 N_DECODE = 64
 
@@ -44,7 +46,7 @@ def reference_runs():
 @pytest.mark.parametrize("fmt", ["mlx-q4", "mlx-q8", "mlx-bf16", "hf-bf16"])
 def test_float_build_matches_reference(preset, fmt, reference_runs):
     _, (want_pre, want_dec, want_toks) = reference_runs(preset, fmt)
-    model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="metal-sim", dtype="float32")
+    model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend=BACKEND, dtype="float32")
     pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
     assert rel_range_err(pre, want_pre) < 1e-4
     for j in range(N_DECODE):
@@ -56,7 +58,7 @@ def test_float_build_matches_reference(preset, fmt, reference_runs):
 def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
     """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions."""
     ref_model, (want_pre, want_dec, want_toks) = reference_runs(preset, "mlx-q4", "bfloat16")
-    model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend="metal-sim", dtype="bfloat16")
+    model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend=BACKEND, dtype="bfloat16")
     s = model.new_session()
     got = [model.prefill(s, PROMPT, return_logits="last")]
     for t in want_toks[:N_DECODE - 1]:
@@ -73,7 +75,7 @@ def test_attention_routes_in_graph(reference_runs):
     """Thresholds lowered so that a 72-token run goes through single-pass, split-K and two-pass attention."""
     _, (want_pre, want_dec, want_toks) = reference_runs("tiny", "mlx-q4")
     routes = {"single_pass_max": 6, "split_max": 24, "split_block": 4, "long_block": 8}
-    model = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="metal-sim", dtype="float32",
+    model = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend=BACKEND, dtype="float32",
                           attention=routes)
     pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
     assert rel_range_err(pre, want_pre) < 1e-4
@@ -83,7 +85,7 @@ def test_attention_routes_in_graph(reference_runs):
 
 @pytest.fixture(scope="module")
 def sim_model():
-    return qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="metal-sim", dtype="float32")
+    return qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend=BACKEND, dtype="float32")
 
 
 def test_pipelined_decode(sim_model):
@@ -169,10 +171,10 @@ def test_demo_checkpoint_generates_the_cpu_tokens():
     """Default options on both (metal-sim: the float build)."""
     path = cached_checkpoint("tiny", "mlx-q4", seed=0)
     toks = {}
-    for backend in ("cpu", "metal-sim"):
-        m = qm.Model.load(path, backend=backend)
+    for backend in ("cpu", BACKEND):
+        m = qm.Model.load(path, backend=backend, **({"dtype": "float32"} if backend == "metal" else {}))
         toks[backend] = [o.token for o in m.generate("The quick brown fox", max_tokens=16, temperature=0.0)]
-    assert toks["metal-sim"] == toks["cpu"]
+    assert toks[BACKEND] == toks["cpu"]
 
 
 def test_generate_takes_the_pipelined_gpu_path(sim_model):

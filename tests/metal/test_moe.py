@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from qwenmetal import reference
 
-from .gpu_harness import ACT, BF16, SCHEDULES, gpu, ops, rel_err, run
+from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
 from .wmat import FORMATS, assert_close, cols_for, make, raw
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True,
@@ -158,7 +158,7 @@ def test_moe_gate_up(schedule, fmt, dtype, gs, ng, E, k, inter, shared, shared_g
         ref, bound = gate_up_ref(sh.ref[:shared], sh.ref[shared:], xf, dtype)
         assert_close(act[k, :shared], ref, bound, tol(dtype), "shared")
         assert (act[k, shared:].astype(np.float32) == 7).all()
-    assert dev.records()[0]["kernel"] == f"moe_gate_up_{fmt}_{dtype}"
+    assert not SIM or dev.records()[0]["kernel"] == f"moe_gate_up_{fmt}_{dtype}"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -208,7 +208,7 @@ def test_moe_down(schedule, fmt, dtype, gs, ng, sng, E, k, H, n_experts, seed):
     y, bound = down_ref([down.ref[ids[s]] for s in range(k)], [a[s, :inter] for s in range(k)], w, dtype,
                         (sh.ref, a[k, :shared], logits[n_experts]) if shared else None)
     assert_close(x, x0 + y, np.abs(x0) + bound, tol(dtype))
-    assert dev.records()[0]["kernel"] == f"moe_down_{fmt}_{dtype}"
+    assert not SIM or dev.records()[0]["kernel"] == f"moe_down_{fmt}_{dtype}"
 
 
 # ------------------------------------------------------------------------------------------ model shape
@@ -241,9 +241,9 @@ def test_moe_block_model_shape():
         read_gate_up = enc.bytes_read
         ops.moe_down(enc, "bf16", down.device(buf, gpu), sdown.device(buf, gpu), ab, ib, wb, lb, E, k, buf(x))
         assert enc.levels == 4  # each step reads what the previous one wrote: one barrier between each
-    recs = dev.records()
-    assert [r["kernel"] for r in recs] == ["qmv_q8_sbf16_bf16_f32out", "moe_topk_f32", "moe_gate_up_q4_sbf16_bf16",
-                                           "moe_down_q4_sbf16_bf16"]
+    recs = dev.records() if SIM else None
+    assert not SIM or [r["kernel"] for r in recs] == ["qmv_q8_sbf16_bf16_f32out", "moe_topk_f32",
+                                                      "moe_gate_up_q4_sbf16_bf16", "moe_down_q4_sbf16_bf16"]
     # router: float logits of exactly these weights; top-k from those logits
     xf = xn.astype(np.float64)
     assert rel_err(logits, router.ref @ xf) <= 1e-5
@@ -252,7 +252,7 @@ def test_moe_block_model_shape():
     np.testing.assert_allclose(w, ref_w, rtol=1e-6)
     # gate/up of the chosen experts and the shared one
     row_bytes = H // 2 + 2 * (H // 64) * 2
-    assert recs[2]["bytes_read"] == 2 * k * I * row_bytes + 2 * I * row_bytes + H * 2 + k * 4  
+    assert not SIM or recs[2]["bytes_read"] == 2 * k * I * row_bytes + 2 * I * row_bytes + H * 2 + k * 4
     Wg = {int(e): gate.ref_of(e) for e in ids}  # the chosen experts' weights only
     Wu = {int(e): up.ref_of(e) for e in ids}
     Wd = {int(e): down.ref_of(e) for e in ids}
@@ -263,7 +263,7 @@ def test_moe_block_model_shape():
     a = act.astype(np.float64)
     y, bound = down_ref([Wd[int(e)] for e in ids], list(a[:k]), w, "bf16", (sdown.ref, a[k], logits[E]))
     assert_close(x, x0 + y, np.abs(x0) + bound, "bf16x4")
-    assert recs[3]["bytes_read"] == k * H * (I // 2 + 2 * (I // 64) * 2) + H * (I // 2 + 2 * (I // 64) * 2) + \
+    assert not SIM or recs[3]["bytes_read"] == k * H * (I // 2 + 2 * (I // 64) * 2) + H * (I // 2 + 2 * (I // 64) * 2) + \
         (k + 1) * I * 2 + k * 8 + 4 + H * 2
     assert read_gate_up < gate.w.nbytes  # 8 of 256 experts: far less than the stack
 

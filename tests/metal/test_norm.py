@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
+from .gpu_harness import ACT, SCHEDULES, SIM, ops, rel_err, run
 from .wmat import raw
 
 HYP = settings(max_examples=50, deadline=None, derandomize=True,
@@ -35,8 +35,9 @@ def test_rmsnorm(schedule, H, rows, dtype, seed):
         buf = raw(b)
         ops.rmsnorm(enc, dtype, buf(x), buf(w), buf(y), rows, H, 1e-6)
     assert rel_err(y, rms_ref(x, w, 1e-6)) <= TOL[dtype]
-    rec = dev.records()[0]
-    assert rec["kernel"] == f"rmsnorm_{dtype}" and rec["threadgroup_memory"] == 128 and rec["barriers"] == rows
+    if SIM:
+        rec = dev.records()[0]
+        assert rec["kernel"] == f"rmsnorm_{dtype}" and rec["threadgroup_memory"] == 128 and rec["barriers"] == rows
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -80,7 +81,7 @@ def test_norms_model_shape(dtype):
     assert rel_err(y1, rms_ref(x, w, 1e-6)) <= TOL[dtype]
     h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dt)
     assert rel_err(y2, rms_ref(h_ref, w, 1e-6)) <= TOL[dtype]
-    assert [rec["threads_per_threadgroup"] for rec in dev.records()] == [(512, 1, 1)] * 2
+    assert not SIM or [rec["threads_per_threadgroup"] for rec in dev.records()] == [(512, 1, 1)] * 2
 
 
 def test_norm_argument_checks():

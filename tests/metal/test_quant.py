@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from qwenmetal import quant
 
-from .gpu_harness import ACT, BF16, SCHEDULES, gpu, ops, rel_err, run
+from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
 from .wmat import FORMATS, assert_close, cols_for, make, raw
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True,
@@ -42,7 +42,7 @@ def test_qmv(schedule, fmt, dtype, f32_out, gs, n, N, batch, pad, seed):
     assert_close(y[:, :N], ref, np.abs(xf) @ np.abs(hm.ref).T, "f32" if f32_out else dtype)
     assert (y[:, N:].astype(np.float32) == 7).all()  # the stride padding is not written
     suffix = "_f32out" if f32_out and dtype == "bf16" else ""
-    assert dev.records()[0]["kernel"] == f"qmv_{fmt}_{dtype}{suffix}"
+    assert not SIM or dev.records()[0]["kernel"] == f"qmv_{fmt}_{dtype}{suffix}"
 
 
 @pytest.mark.parametrize("fmt,N,K", [("q4_sbf16", 2048, 2048), ("q8_sbf16", 257, 2048)])

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_harness import SCHEDULES, gpu, ops  # noqa: E402
+from gpu_harness import SCHEDULES, gpu, make_device, ops  # noqa: E402
 
 from qwenmetal.sampling import Sampler  # noqa: E402
 
@@ -38,7 +38,7 @@ _DEVICES: dict = {}
 def device(schedule: str, seed: int = 0):
     key = (schedule, seed)
     if key not in _DEVICES:
-        _DEVICES[key] = gpu.SimDevice(schedule=schedule, seed=seed)
+        _DEVICES[key] = make_device(schedule, seed)
     return _DEVICES[key]
 
 

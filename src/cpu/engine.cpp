@@ -29,10 +29,12 @@ State::Buf State::alloc(size_t bytes) {
 }
 
 State::State(const Config& c, bool kv_f32) : kv_f32_(kv_f32) {
-    for (int64_t i = 0; i < c.n_layers; ++i) (c.layer_is_attention[i] ? n_attn_ : n_gdn_) += 1;
-    kv_row_bytes_ = c.n_kv_heads * c.head_dim * (kv_f32 ? 4 : 2);
-    conv_floats_ = (c.conv_kernel - 1) * c.conv_dim();
-    ssm_floats_ = c.nv * c.dv * c.dk;
+    const StateLayout L = StateLayout::of(c);
+    n_attn_ = L.n_attention;
+    n_gdn_ = L.n_gdn;
+    kv_row_bytes_ = L.kv_row_bytes(kv_f32);
+    conv_floats_ = L.conv_floats;
+    ssm_floats_ = L.ssm_floats;
     for (int64_t i = 0; i < 2 * n_attn_; ++i) kv_.emplace_back(alloc(0).release());
     for (int64_t i = 0; i < n_gdn_; ++i) {
         conv_.emplace_back(reinterpret_cast<float*>(alloc(conv_floats_ * 4).release()));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/state_layout.h"
 #include "cpu/tensor.h"
 #include "cpu/threadpool.h"
 #include "cpu/quant.h"

@@ -214,18 +214,13 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
 // ------------------------------------------------------------------------------------------------
 GpuState::GpuState(const GpuModel& m)
     : m_(m), dev_(m.device()), kv_f32_(m.options().kv_f32), block_(std::max<uint32_t>(1, m.options().kv_block)) {
-    const Config& c = m.config();
-    n_kv_ = uint32_t(c.n_kv_heads);
-    kv_head_row_bytes_ = uint64_t(c.head_dim) * (kv_f32_ ? 4 : 2);
-    for (int64_t i = 0; i < c.n_layers; ++i) {
-        if (c.layer_is_attention[size_t(i)]) {
-            kv.push_back(ops::KVCache{Buffer(), Buffer(), 0, kv_f32_});
-        } else {
-            for (int j = 0; j < 2; ++j) {
-                conv.push_back(dev_.alloc(uint64_t(c.conv_kernel - 1) * c.conv_dim() * 4, "conv state"));
-                ssm.push_back(dev_.alloc(uint64_t(c.nv) * c.dv * c.dk * 4, "recurrent state"));
-            }
-        }
+    const StateLayout L = StateLayout::of(m.config());
+    n_kv_ = uint32_t(L.kv_heads);
+    kv_head_row_bytes_ = uint64_t(L.kv_row_bytes(kv_f32_) / L.kv_heads);
+    for (int64_t i = 0; i < L.n_attention; ++i) kv.push_back(ops::KVCache{Buffer(), Buffer(), 0, kv_f32_});
+    for (int64_t i = 0; i < 2 * L.n_gdn; ++i) {            // two halves per layer (ping-pong)
+        conv.push_back(dev_.alloc(uint64_t(L.conv_floats) * 4, "conv state"));
+        ssm.push_back(dev_.alloc(uint64_t(L.ssm_floats) * 4, "recurrent state"));
     }
     reserve(1);
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/state_layout.h"
 #include "core/weights.h"
 #include "gpu/device.h"
 #include "gpu/encoder.h"

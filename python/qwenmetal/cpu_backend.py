@@ -1,10 +1,11 @@
 """The C++ CPU backend (``backend="cpu"``): a thin wrapper over ``qwenmetal._core.CpuEngine``.
 
-The loader (`weights.py`) has already mapped and checked every tensor. This module only describes
-each canonical tensor to C++ — a pointer into the memory-mapped file plus dtype, shape and strides —
-and keeps the numpy views alive for as long as the engine lives, so the weights are used in place:
-nothing is copied at load and resident memory grows only as pages are touched. Small tensors (norm
-weights, conv taps, ``A_log``, ``dt_bias``) are handed over as float32 copies.
+The loader (`weights.py`) has already mapped and checked every tensor. This module only hands C++ the
+weights table (`weights_table.weight_table`: each linear tensor as a span of one of the checkpoint's file
+mappings, as the Metal backend gets it) and keeps the numpy views alive for as long as the engine lives,
+so the weights are used in place: nothing is copied at load and resident memory grows only as pages are
+touched. Small tensors (norm weights, conv taps, ``A_log``, ``dt_bias``) are handed over as float32
+copies. (``describe`` gives the pointer descriptor of one tensor, for the kernel test hooks.)
 
 Options (``Model.load(path, backend="cpu", **options)``):
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from .session_io import gdn_state_arrays, gdn_state_vectors
 from .weights import QuantizedTensor, Weights
+from .weights_table import weight_table
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
@@ -143,20 +145,24 @@ class CpuBackend:
         if activations == "auto":
             activations = "int16" if core.cpu_isa() in ("avx2", "avx512") else "float"
         c = weights.config
-        keep: list = []
-        tensors, small = {}, {}
+        linear, small = {}, {}
         for name, t in weights.tensors.items():
             if name.endswith(_SMALL_SUFFIXES) or name == "norm":
                 small[name] = np.ascontiguousarray(np.asarray(t, np.float32).reshape(-1))
+            elif isinstance(t, QuantizedTensor) and t.scales.dtype == np.dtype(np.float16):
+                # the engine reads bf16 or float32 scales: float16 ones are widened once (exact)
+                linear[name] = QuantizedTensor(t.weight, t.scales.astype(np.float32), t.biases.astype(np.float32),
+                                               t.bits, t.group_size)
             else:
-                tensors[name] = describe(t, keep)
+                linear[name] = t
+        mappings, tensors, keep = weight_table(weights, linear)
         self.weights = weights
         self.threads = int(threads)
         self.kv_dtype = kv_dtype
         self.prefill_chunk = int(prefill_chunk)
         self.quantize = quantize
         self.activations = activations
-        self.engine = core.CpuEngine(config_dict(c), tensors, small, self.threads, kv_dtype == "float32",
+        self.engine = core.CpuEngine(config_dict(c), mappings, tensors, small, self.threads, kv_dtype == "float32",
                                      self.prefill_chunk, int(quantize or 0), keep,
                                      activations=activations)
         self.impl = _Impl(self.engine)

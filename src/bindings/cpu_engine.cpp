@@ -18,6 +18,7 @@
 #include "bindings/config.h"
 #include "bindings/forward_call.h"
 #include "bindings/registry.h"
+#include "bindings/weights_table.h"
 #include "cpu/engine.h"
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
@@ -62,6 +63,32 @@ TensorDesc parse_desc(const nb::dict& d) {
     t.stride = nb::cast<size_t>(d["stride"]);
     t.sstride = nb::cast<size_t>(d["sstride"]);
     if (t.shape.size() < 2) throw std::invalid_argument("a linear tensor needs at least 2 dimensions");
+    return t;
+}
+
+// A linear tensor of the weights table as the CPU engine's pointer descriptor (the engine reads the
+// mappings in place; a stack's matrices are contiguous, so the strides are the bytes of one matrix).
+TensorDesc desc_of(const WeightTable& w, const std::string& name, const WeightDesc& d) {
+    TensorDesc t;
+    t.bits = d.bits;
+    t.dtype = d.dtype;
+    t.sdtype = d.sdtype;
+    t.group_size = d.group_size;
+    t.shape = d.shape;
+    if (t.shape.size() < 2) throw std::invalid_argument("cpu engine: '" + name + "' is not a matrix");
+    t.data = w.host(d.data);
+    if (!t.data) throw std::invalid_argument("cpu engine: '" + name + "' has no data (a virtual weights table)");
+    if (d.bits) {
+        if (d.sdtype == DType::F16)
+            throw std::invalid_argument("cpu engine: '" + name + "': float16 scales (cpu_backend widens them first)");
+        t.scales = w.host(d.scales);
+        t.biases = w.host(d.biases);
+    }
+    const int64_t n = d.count();
+    if (n > 1) {
+        t.stride = size_t(d.data.nbytes / uint64_t(n));
+        t.sstride = d.bits ? size_t(d.scales.nbytes / uint64_t(n)) : 0;
+    }
     return t;
 }
 
@@ -339,11 +366,12 @@ void register_cpu_engine(nb::module_& m) {
 
     nb::class_<PyEngine>(m, "CpuEngine", "The C++ CPU engine over one checkpoint's weights.")
         .def("__init__",
-             [](PyEngine* self, nb::dict config, nb::dict tensors, nb::dict small, int threads, bool kv_f32,
-                int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations) {
+             [](PyEngine* self, nb::dict config, nb::list mappings, nb::dict tensors, nb::dict small, int threads,
+                bool kv_f32, int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations) {
                  Config c = parse_config(config);
+                 const WeightTable w = bindings::parse_table(mappings, tensors);
                  std::map<std::string, TensorDesc> t;
-                 for (auto [k, v] : tensors) t[nb::cast<std::string>(k)] = parse_desc(nb::cast<nb::dict>(v));
+                 for (const auto& [name, d] : w.tensors) t[name] = desc_of(w, name, d);
                  std::map<std::string, std::vector<float>> s;
                  for (auto [k, v] : small) {
                      auto a = nb::cast<In<float, 1>>(v);
@@ -362,7 +390,7 @@ void register_cpu_engine(nb::module_& m) {
                  }
                  new (self) PyEngine{std::move(e), keepalive};
              },
-             "config"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
+             "config"_a, "mappings"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
              "keepalive"_a, "activations"_a = "float")
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a,

@@ -10,6 +10,7 @@
 #include "bindings/config.h"
 #include "bindings/forward_call.h"
 #include "bindings/gpu.h"
+#include "bindings/weights_table.h"
 #include "gpu/model.h"
 
 namespace nb = nanobind;
@@ -20,48 +21,6 @@ namespace qwenmetal::bindings {
 using namespace qwenmetal::gpu;
 
 namespace {
-
-DType dtype_of(const std::string& s) {
-    if (s == "float32") return DType::F32;
-    if (s == "float16") return DType::F16;
-    if (s == "bfloat16") return DType::BF16;
-    throw std::invalid_argument("weights table: unsupported dtype " + s);
-}
-
-Span span_of(nb::handle h) {
-    if (h.is_none()) return Span();
-    nb::tuple t = nb::cast<nb::tuple>(h);
-    return Span{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2])};
-}
-
-// mappings: [(name, address or 0, nbytes)]; tensors: {name: {bits, group_size, dtype, sdtype, shape,
-// data: (mapping, offset, nbytes), scales, biases}}
-WeightTable parse_table(const nb::list& mappings, const nb::dict& tensors) {
-    WeightTable w;
-    for (nb::handle h : mappings) {
-        nb::tuple t = nb::cast<nb::tuple>(h);
-        w.mappings.push_back(Mapping{nb::cast<std::string>(t[0]),
-                                     reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[1])), nb::cast<uint64_t>(t[2])});
-    }
-    for (auto [k, v] : tensors) {
-        nb::dict d = nb::cast<nb::dict>(v);
-        WeightDesc x;
-        x.bits = nb::cast<int>(d["bits"]);
-        x.group_size = nb::cast<int>(d["group_size"]);
-        x.dtype = dtype_of(nb::cast<std::string>(d["dtype"]));
-        x.sdtype = dtype_of(nb::cast<std::string>(d["sdtype"]));
-        for (nb::handle s : nb::cast<nb::list>(d["shape"])) x.shape.push_back(nb::cast<int64_t>(s));
-        x.data = span_of(d["data"]);
-        x.scales = span_of(d["scales"]);
-        x.biases = span_of(d["biases"]);
-        for (const Span* s : {&x.data, &x.scales, &x.biases})
-            if (s->present() && size_t(s->mapping) >= w.mappings.size())
-                throw std::invalid_argument("weights table: tensor '" + nb::cast<std::string>(k) + "' names mapping " +
-                                            std::to_string(s->mapping) + " of " + std::to_string(w.mappings.size()));
-        w.tensors[nb::cast<std::string>(k)] = std::move(x);
-    }
-    return w;
-}
 
 struct PyGpuEngine {
     std::shared_ptr<GpuModel> model;

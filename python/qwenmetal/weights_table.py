@@ -1,0 +1,170 @@
+"""The weights table (src/core/weights.h) from Python: every canonical tensor as a span of one of the
+checkpoint's file mappings -- {mapping, offset, dtype, shape, bits, group} -- for the C++ engines.
+
+``weight_table(weights)`` describes the loaded tensors in place: one mapping per safetensors file (the
+tensors viewing it are bound by offset), one per array the loader had to build (shifted norms, split
+projections, stacked experts). ``virtual_weight_table(config)`` describes a checkpoint in the MLX 4-bit
+layout from the config alone, over a virtual mapping, for costing the real model without its weights.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .weights import QuantizedTensor, Weights
+
+_NP_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+             np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _root_buffer(a: np.ndarray):
+    """The object whose memory `a` views (an mmap for tensors read from a safetensors file), or None."""
+    b = a
+    while isinstance(b, np.ndarray) and b.base is not None:
+        b = b.base
+    if isinstance(b, memoryview):
+        return b.obj
+    return None
+
+
+class _Table:
+    """Builds the (mappings, tensors) pair the C++ weights table is made from (src/core/weights.h)."""
+
+    def __init__(self):
+        self.mappings: list[tuple[str, int, int]] = []
+        self.tensors: dict[str, dict] = {}
+        self.keep: list = []
+        self._by_id: dict[int, int] = {}
+
+    def span(self, a: np.ndarray, name: str):
+        if not (a.flags.c_contiguous):
+            a = np.ascontiguousarray(a)
+        root = _root_buffer(a)
+        if root is not None and not isinstance(root, (bytes, bytearray)):
+            key = id(root)
+            if key not in self._by_id:
+                base = np.frombuffer(root, np.uint8)
+                self._by_id[key] = len(self.mappings)
+                self.mappings.append((getattr(root, "name", "") or f"mapping {len(self.mappings)}", _ptr(base),
+                                      int(base.nbytes)))
+                self.keep.append(base)
+            m = self._by_id[key]
+            _, base_ptr, size = self.mappings[m]
+            off = _ptr(a) - base_ptr
+            if 0 <= off and off + a.nbytes <= size:
+                self.keep.append(a)
+                return (m, off, int(a.nbytes))
+        # a tensor the loader built (converted, stacked, shifted): a mapping of its own
+        a = np.ascontiguousarray(a)
+        self.keep.append(a)
+        self.mappings.append((name, _ptr(a), int(a.nbytes)))
+        return (len(self.mappings) - 1, 0, int(a.nbytes))
+
+    def add(self, name: str, t) -> None:
+        if isinstance(t, QuantizedTensor):
+            s = t.scales
+            self.tensors[name] = dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_NP_DTYPE[s.dtype],
+                                      shape=list(t.shape), data=self.span(t.weight, name + ".weight"),
+                                      scales=self.span(s, name + ".scales"), biases=self.span(t.biases, name + ".biases"))
+            return
+        a = np.asarray(t)
+        if a.dtype not in _NP_DTYPE:
+            a = a.astype(np.float32)
+        self.tensors[name] = dict(bits=0, group_size=0, dtype=_NP_DTYPE[a.dtype], sdtype="bfloat16", shape=list(a.shape),
+                                  data=self.span(a, name), scales=None, biases=None)
+
+
+def weight_table(weights: Weights, tensors: dict | None = None):
+    """(mappings, tensors, keep): every canonical tensor (or those of `tensors`, name -> tensor) as
+    {mapping, offset, dtype, shape, bits, group}. One mapping per safetensors file (the tensors viewing it
+    are bound by offset), one per array the loader had to build; ``keep`` holds the arrays the mappings
+    point into."""
+    t = _Table()
+    for name, v in (weights.tensors if tensors is None else tensors).items():
+        t.add(name, v)
+    return t.mappings, t.tensors, t.keep
+
+
+def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bits: int = 8):
+    """The weights table of a checkpoint in the MLX 4-bit layout of ``config`` (mlx-community's
+    conversion: every linear at ``bits``/``group_size`` with bf16 scales, the router and
+    shared_expert_gate at ``router_bits``; norms and GDN vectors dense), over virtual mappings: for
+    costing the real model on an encode-only device without its weights. Returns (mappings, tensors,
+    sizes) with sizes = canonical name -> bytes."""
+    c = config
+    tensors: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+    mappings = [("virtual checkpoint", 0, 0)]
+    cursor = [0]
+
+    def span(nbytes: int):
+        off = cursor[0]
+        cursor[0] += (nbytes + 63) // 64 * 64
+        return (0, off, int(nbytes))
+
+    def lin(name, rows, cols, lead=(), b=bits):
+        n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        wb = n * rows * cols * b // 8
+        sb = n * rows * (cols // group_size) * 2
+        tensors[name] = dict(bits=b, group_size=group_size, dtype="float32", sdtype="bfloat16",
+                             shape=[*lead, rows, cols], data=span(wb), scales=span(sb), biases=span(sb))
+        sizes[name] = wb + 2 * sb
+
+    def vec(name, *shape, dtype="bfloat16"):
+        n = int(np.prod(shape, dtype=np.int64)) * (4 if dtype == "float32" else 2)
+        tensors[name] = dict(bits=0, group_size=0, dtype=dtype, sdtype="bfloat16", shape=list(shape), data=span(n),
+                             scales=None, biases=None)
+        sizes[name] = n
+
+    H, V = c.hidden_size, c.vocab_size
+    lin("embed_tokens", V, H)
+    if not c.tie_word_embeddings:
+        lin("lm_head", V, H)
+    vec("norm", H)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        vec(p + "input_layernorm", H)
+        vec(p + "post_attention_layernorm", H)
+        if c.is_full_attention(i):
+            a = p + "self_attn."
+            q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+            lin(a + "q_proj", q_rows, H)
+            lin(a + "k_proj", c.num_key_value_heads * c.head_dim, H)
+            lin(a + "v_proj", c.num_key_value_heads * c.head_dim, H)
+            lin(a + "o_proj", H, c.num_attention_heads * c.head_dim)
+            vec(a + "q_norm", c.head_dim)
+            vec(a + "k_norm", c.head_dim)
+        else:
+            g = p + "linear_attn."
+            lin(g + "in_proj_qkv", c.conv_dim, H)
+            lin(g + "in_proj_z", c.value_dim, H)
+            lin(g + "in_proj_b", c.linear_num_value_heads, H)
+            lin(g + "in_proj_a", c.linear_num_value_heads, H)
+            lin(g + "out_proj", H, c.value_dim)
+            vec(g + "conv1d", c.conv_dim, c.linear_conv_kernel_dim)
+            vec(g + "A_log", c.linear_num_value_heads, dtype="float32")
+            vec(g + "dt_bias", c.linear_num_value_heads)
+            vec(g + "norm", c.linear_value_head_dim)
+        m = p + "mlp."
+        if c.is_moe_layer(i):
+            E, inter = c.num_experts, c.moe_intermediate_size
+            lin(m + "gate", E, H, b=router_bits)
+            lin(m + "switch_mlp.gate_proj", inter, H, (E,))
+            lin(m + "switch_mlp.up_proj", inter, H, (E,))
+            lin(m + "switch_mlp.down_proj", H, inter, (E,))
+            if c.shared_expert_intermediate_size:
+                s = c.shared_expert_intermediate_size
+                lin(m + "shared_expert.gate_proj", s, H)
+                lin(m + "shared_expert.up_proj", s, H)
+                lin(m + "shared_expert.down_proj", H, s)
+                lin(m + "shared_expert_gate", 1, H, b=router_bits)
+        else:
+            lin(m + "gate_proj", c.intermediate_size, H)
+            lin(m + "up_proj", c.intermediate_size, H)
+            lin(m + "down_proj", H, c.intermediate_size)
+    mappings[0] = ("virtual checkpoint", 0, cursor[0])
+    return mappings, tensors, sizes

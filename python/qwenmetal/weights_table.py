@@ -41,8 +41,18 @@ class _Table:
         self._by_id: dict[int, int] = {}
 
     def span(self, a: np.ndarray, name: str):
-        if not (a.flags.c_contiguous):
-            a = np.ascontiguousarray(a)
+        """((mapping, offset, nbytes), stride) of `a`: stride is the bytes between the matrices of a stack
+        whose matrices are each C-contiguous but not adjacent (HF's fused experts viewed as gate / up: used
+        in place), else 0 (contiguous; anything else is copied into a mapping of its own)."""
+        it = a.itemsize
+        stride = 0
+        if not a.flags.c_contiguous:
+            if a.ndim == 3 and a.shape[0] > 1 and a.strides[-1] == it and a.strides[-2] == a.shape[-1] * it \
+                    and a.strides[0] >= a.shape[-2] * a.shape[-1] * it:
+                stride = int(a.strides[0])
+            else:
+                a = np.ascontiguousarray(a)
+        extent = (a.shape[0] - 1) * stride + a[0].nbytes if stride else a.nbytes
         root = _root_buffer(a)
         if root is not None and not isinstance(root, (bytes, bytearray)):
             key = id(root)
@@ -55,32 +65,37 @@ class _Table:
             m = self._by_id[key]
             _, base_ptr, size = self.mappings[m]
             off = _ptr(a) - base_ptr
-            if 0 <= off and off + a.nbytes <= size:
+            if 0 <= off and off + extent <= size:
                 self.keep.append(a)
-                return (m, off, int(a.nbytes))
+                return (m, off, int(extent)), stride
         # a tensor the loader built (converted, stacked, shifted): a mapping of its own
         a = np.ascontiguousarray(a)
         self.keep.append(a)
         self.mappings.append((name, _ptr(a), int(a.nbytes)))
-        return (len(self.mappings) - 1, 0, int(a.nbytes))
+        return (len(self.mappings) - 1, 0, int(a.nbytes)), 0
 
     def add(self, name: str, t) -> None:
         if isinstance(t, QuantizedTensor):
             s = t.scales
+            (w, ws), (sc, ss), (bi, bs) = (self.span(t.weight, name + ".weight"), self.span(s, name + ".scales"),
+                                           self.span(t.biases, name + ".biases"))
+            if ss != bs:   # scales and biases share one stride in the table
+                (sc, ss), (bi, bs) = self.span(np.ascontiguousarray(s), name + ".scales"), \
+                    self.span(np.ascontiguousarray(t.biases), name + ".biases")
             self.tensors[name] = dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_NP_DTYPE[s.dtype],
-                                      shape=list(t.shape), data=self.span(t.weight, name + ".weight"),
-                                      scales=self.span(s, name + ".scales"), biases=self.span(t.biases, name + ".biases"))
+                                      shape=list(t.shape), data=w, scales=sc, biases=bi, stride=ws, sstride=ss)
             return
         a = np.asarray(t)
         if a.dtype not in _NP_DTYPE:
             a = a.astype(np.float32)
+        data, stride = self.span(a, name)
         self.tensors[name] = dict(bits=0, group_size=0, dtype=_NP_DTYPE[a.dtype], sdtype="bfloat16", shape=list(a.shape),
-                                  data=self.span(a, name), scales=None, biases=None)
+                                  data=data, scales=None, biases=None, stride=stride, sstride=0)
 
 
 def weight_table(weights: Weights, tensors: dict | None = None):
     """(mappings, tensors, keep): every canonical tensor (or those of `tensors`, name -> tensor) as
-    {mapping, offset, dtype, shape, bits, group}. One mapping per safetensors file (the tensors viewing it
+    {mapping, offset, dtype, shape, bits, group} (plus the stride between the matrices of a strided stack). One mapping per safetensors file (the tensors viewing it
     are bound by offset), one per array the loader had to build; ``keep`` holds the arrays the mappings
     point into."""
     t = _Table()

@@ -67,7 +67,7 @@ TensorDesc parse_desc(const nb::dict& d) {
 }
 
 // A linear tensor of the weights table as the CPU engine's pointer descriptor (the engine reads the
-// mappings in place; a stack's matrices are contiguous, so the strides are the bytes of one matrix).
+// mappings in place; a stack's strides are the table's, or the bytes of one matrix when contiguous).
 TensorDesc desc_of(const WeightTable& w, const std::string& name, const WeightDesc& d) {
     TensorDesc t;
     t.bits = d.bits;
@@ -86,8 +86,8 @@ TensorDesc desc_of(const WeightTable& w, const std::string& name, const WeightDe
     }
     const int64_t n = d.count();
     if (n > 1) {
-        t.stride = size_t(d.data.nbytes / uint64_t(n));
-        t.sstride = d.bits ? size_t(d.scales.nbytes / uint64_t(n)) : 0;
+        t.stride = d.stride ? size_t(d.stride) : size_t(d.data.nbytes / uint64_t(n));
+        t.sstride = d.bits ? (d.sstride ? size_t(d.sstride) : size_t(d.scales.nbytes / uint64_t(n))) : 0;
     }
     return t;
 }

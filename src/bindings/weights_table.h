@@ -45,6 +45,8 @@ inline WeightTable parse_table(const nanobind::list& mappings, const nanobind::d
         x.data = span_of(d["data"]);
         x.scales = span_of(d["scales"]);
         x.biases = span_of(d["biases"]);
+        if (d.contains("stride")) x.stride = nanobind::cast<uint64_t>(d["stride"]);
+        if (d.contains("sstride")) x.sstride = nanobind::cast<uint64_t>(d["sstride"]);
         const std::string name = nanobind::cast<std::string>(k);
         for (const Span* s : {&x.data, &x.scales, &x.biases}) {
             if (!s->present()) continue;

@@ -39,6 +39,9 @@ struct WeightDesc {
     DType sdtype = DType::BF16;
     std::vector<int64_t> shape;
     Span data, scales, biases;
+    // bytes between consecutive matrices of a stack whose matrices are not adjacent (HF's fused experts
+    // viewed as gate / up); 0: contiguous
+    uint64_t stride = 0, sstride = 0;
 
     int64_t rows() const { return shape.size() >= 2 ? shape[shape.size() - 2] : 1; }
     int64_t cols() const { return shape.empty() ? 0 : shape.back(); }

@@ -59,6 +59,20 @@ Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& wh
     return b;
 }
 
+// A stack whose matrices are not adjacent in their file (HF's fused experts viewed as gate / up): the
+// kernels index experts by matrix size, so the matrices are gathered into one buffer, once.
+Buffer GpuModel::gathered(const WeightTable& w, const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
+                          const std::string& what) {
+    if (!s.present()) throw std::invalid_argument("metal backend: tensor '" + what + "' has no data");
+    if ((count - 1) * stride + matrix_bytes > s.nbytes)
+        throw std::invalid_argument("metal backend: tensor '" + what + "': stride past its span");
+    weight_bytes_ += count * matrix_bytes;
+    Buffer b = owned(count * matrix_bytes, what);
+    if (const uint8_t* src = w.host(s))
+        for (uint64_t e = 0; e < count; ++e) std::memcpy(b.as<uint8_t>() + e * matrix_bytes, src + e * stride, matrix_bytes);
+    return b;
+}
+
 Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
     const WeightDesc& d = w.get(name);
     if (d.shape.size() < 2) throw std::invalid_argument("metal backend: '" + name + "' is not a matrix");
@@ -68,9 +82,13 @@ Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
     m.cols = uint32_t(d.cols());
     m.count = uint32_t(d.count());
     m.group_size = uint32_t(d.group_size);
-    m.w = span(w, d.data, name + ".weight");
+    const uint64_t wmat = uint64_t(m.rows) * m.row_bytes(), smat = uint64_t(m.rows) * m.srow_bytes();
+    const bool strided = m.count > 1 && d.stride && d.stride != wmat;
+    m.w = strided ? gathered(w, d.data, d.stride, m.count, wmat, name + ".weight") : span(w, d.data, name + ".weight");
     if (quantized(m.fmt)) {
         if (d.sdtype == DType::F16) {
+            if (m.count > 1 && d.sstride && d.sstride != smat)
+                throw std::invalid_argument("metal backend: '" + name + "': float16 scales of a strided stack");
             // the kernels read bf16 or f32 scales: f16 ones are widened to f32 once (exact)
             m.scales_f32 = true;
             const uint64_t n = d.scales.nbytes / 2;
@@ -86,8 +104,13 @@ Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
             m.biases = parts[1];
         } else {
             m.scales_f32 = d.sdtype == DType::F32;
-            m.scales = span(w, d.scales, name + ".scales");
-            m.biases = span(w, d.biases, name + ".biases");
+            if (m.count > 1 && d.sstride && d.sstride != smat) {
+                m.scales = gathered(w, d.scales, d.sstride, m.count, smat, name + ".scales");
+                m.biases = gathered(w, d.biases, d.sstride, m.count, smat, name + ".biases");
+            } else {
+                m.scales = span(w, d.scales, name + ".scales");
+                m.biases = span(w, d.biases, name + ".biases");
+            }
         }
     }
     m.validate(name.c_str());

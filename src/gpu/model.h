@@ -81,6 +81,8 @@ class GpuModel {
 
   private:
     Buffer span(const WeightTable& w, const Span& s, const std::string& what);
+    Buffer gathered(const WeightTable& w, const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
+                    const std::string& what);
     Matrix matrix(const WeightTable& w, const std::string& name);
     Stacked stacked(const WeightTable& w, const std::vector<std::string>& names);
     Buffer small(const WeightTable& w, const std::string& name, bool f32, int64_t expect);

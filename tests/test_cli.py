@@ -85,6 +85,16 @@ def test_generate_command(tmp_path):
     assert r.stdout == want + "\n"
     r = run(["generate", "--model", str(d), "--prompt", "x", "--temperature", "-1"], tmp_path)
     assert r.returncode == 2 and "temperature" in r.stderr
+    r = run(["generate", "--model", str(d), "--prompt", "x", "--system", "be brief"] + ref, tmp_path)
+    assert r.returncode == 2 and "--system needs --chat" in r.stderr
+
+
+def test_stop_escapes():
+    """`--stop "\\n\\n"` (as the README writes it) is a blank line; other backslashes are kept."""
+    from qwenmetal.cli import unescape_stop
+    assert unescape_stop("\\n\\n") == "\n\n"
+    assert unescape_stop("a\\tb\\r\\\\") == "a\tb\r\\"
+    assert unescape_stop("\\d+ é") == "\\d+ é"
 
 
 def test_chat_command(tmp_path):

@@ -143,6 +143,10 @@ def test_generate_validates_before_running(model):
             model.generate("abc", session=s, **kw)
     with pytest.raises(ValueError, match="context overflow"):
         model.generate(list(range(10)), session=s)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.generate("abc", session=s, stop=["x", ""])
+    with pytest.raises(ValueError, match="either a sampler or sampling options.*temperature"):
+        model.generate("abc", session=s, sampler=qm.Sampler(temperature=0.5), temperature=0.7)
     assert s.position == 3
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -48,16 +49,25 @@ def _add_sampling_args(p, max_tokens=256):
     g.add_argument("--frequency-penalty", type=float, default=None, help="0 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop string (repeatable); matched across tokens, not printed")
+                   help="stop string (repeatable; \\n \\t \\r \\\\ escapes); matched across tokens, not printed")
     g.add_argument("--cache-bytes", type=float, default=None, metavar="BYTES",
                    help="prefix cache budget in bytes (0 disables it; default: 10%% of memory, at most 8 GiB)")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape_stop(text: str) -> str:
+    """`--stop` values as a shell passes them: \\n, \\t, \\r and \\\\ become newline, tab, return and a
+    backslash (so `--stop "\\n\\n"` stops at a blank line); any other backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 def _sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                seed=args.seed, stop=args.stop)
+                seed=args.seed, stop=[unescape_stop(x) for x in args.stop] if args.stop else None)
 
 
 def _load(args, quiet: bool = False):
@@ -168,6 +178,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (a system message is part of the chat template)")
     model = _load(args)
     prompt = args.prompt
     if prompt is None or prompt == "-":

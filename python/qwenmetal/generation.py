@@ -112,11 +112,20 @@ def generate(model, prompt, *, max_tokens: int = 256, sampler=None, temperature=
     stop = [s for s in (stop or [])]
     if not all(isinstance(s, str) for s in stop):
         raise ValueError("stop must be a string or a list of strings")
+    if any(s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty (an empty one would stop before any text)")
     if stop and tok is None:
         raise ValueError("stop strings need a tokenizer")
     top_logprobs = int(top_logprobs or 0)
     if top_logprobs < 0:
         raise ValueError("top_logprobs must be >= 0")
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty, seed=seed)
+    if sampler is not None:
+        given = sorted(k for k, v in knobs.items() if v is not None)
+        if given:
+            raise ValueError(f"pass either a sampler or sampling options, not both (got sampler and {', '.join(given)})")
     if sampler is None:
         sampler = Sampler.from_generation_config(
             model.generation_config, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

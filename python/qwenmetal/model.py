@@ -331,7 +331,7 @@ class Model:
         """Stream `GenerationOutput`s for `prompt` (text, encoded without a chat template, or token ids).
 
         Sampling parameters left as None come from generation_config.json (greedy when temperature is
-        0; `sampler=` a `qm.Sampler` overrides them all). Stops at an eos id (config.json,
+        0; or `sampler=` a `qm.Sampler` instead of them: passing both is an error). Stops at an eos id (config.json,
         generation_config.json, the tokenizer's eos, `<|im_end|>`; `ignore_eos` disables them), an id in
         `stop_token_ids`, a `stop` string (matched across tokens, not emitted), after `max_tokens`, or
         when the session is full. With `session`, continues it (the prompt is appended; the last sampled

@@ -278,10 +278,10 @@ class _GpuDecode:
         if not self.pending:
             s, sp = self.s, self.sampler
             budget = min(self.CHUNK, self.max_tokens - n, s.max_context - s.position)
+            # the session's tokens follow the state inside the call (an interrupt cannot separate them)
             out = self.be.decode(s._state, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
                                  top_p=sp.top_p, min_p=sp.min_p, seed=self.seed, stop_ids=self.stop_ids,
-                                 vocab=self.vocab)
-            s._tokens.extend([self.fed] + [int(t) for t in out[:-1]])   # the inputs the state consumed
+                                 vocab=self.vocab, consumed=s._tokens)
             self.pending = [int(t) for t in out]
         return self.pending.pop(0)
 

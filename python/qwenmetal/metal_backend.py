@@ -77,14 +77,16 @@ class _GpuBackend:
         return state, self.engine.forward(state, ids, logits)
 
     def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0) -> list:
+               min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0,
+               consumed: list | None = None) -> list:
         """Generate up to `n` tokens after input token `first`, sampled on the GPU (argmax when
         temperature is 0) among logits [0, vocab) (0: all), one command buffer per token with two in
         flight; stops after a stop id. The state advances by the inputs consumed: `first` and every
-        generated token but the last."""
+        generated token but the last -- appended to `consumed` (a session's token list) inside the call."""
         return self.engine.decode(state, int(first), int(n), greedy=temperature == 0, temperature=float(temperature),
                                   top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed),
-                                  stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab))
+                                  stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab),
+                                  consumed=consumed)
 
     # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
     def state_to_arrays(self, state) -> dict:
@@ -179,10 +181,10 @@ def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv
     eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                              kv_dtype == "float32", dict(attention or {}), [])
     st = eng.new_state()
-    st_ctx = _at_position(st, context)
-    step = eng.encode_cost(st_ctx)
+    st._set_position(int(context))          # an encode-only state: the KV cache reserved, nothing computed
+    step = eng.encode_cost(st)
     dev.reset_counters()
-    eng.decode(st_ctx, 0, int(tokens), greedy=True)
+    eng.decode(st, 0, int(tokens), greedy=True)
     k = dev.counters()
     floor = decode_bytes(config, sizes, context, kv_element_bytes=4 if kv_dtype == "float32" else 2)
     moved = int(step["bytes_read"] + step["bytes_written"])
@@ -191,12 +193,6 @@ def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv
             "bytes_per_token": moved, "floor_bytes": int(floor["total"]), "bytes_vs_floor": moved / floor["total"],
             "modelled_tok_s": modelled_tok_s(moved, int(step["levels"])), "level_latency_us": LEVEL_LATENCY_S * 1e6,
             "floor": floor, "context": int(context)}
-
-
-def _at_position(state, position: int):
-    """An encode-only state whose position is `position` (the KV cache reserved for it)."""
-    state._set_position(int(position))
-    return state
 
 
 # Memory bandwidth of the Max chips (Apple's figures) and the per-level latency of the model below.

@@ -143,7 +143,7 @@ void register_gpu_graph(nb::module_& g) {
         }, "state"_a, "ids"_a, "logits"_a)
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
-                          bool pipelined, uint32_t vocab) {
+                          bool pipelined, uint32_t vocab, nb::object consumed) {
             SamplingConfig sc;
             sc.greedy = greedy;
             sc.vocab = vocab;
@@ -152,11 +152,23 @@ void register_gpu_graph(nb::module_& g) {
             sc.params.top_p = top_p;
             sc.params.min_p = min_p;
             sc.params.seed = seed;
-            nb::gil_scoped_release r;
-            return e.engine->decode(s, first, n, sc, stop_ids, pipelined);
+            std::vector<int32_t> out;
+            {
+                nb::gil_scoped_release r;
+                out = e.engine->decode(s, first, n, sc, stop_ids, pipelined);
+            }
+            // the inputs the state consumed (first and every token but the last) are appended to
+            // `consumed` (a session's token list) before control returns to Python, so no interrupt can
+            // land between the state advancing and its tokens following it
+            if (!consumed.is_none() && !out.empty()) {
+                nb::list l = nb::cast<nb::list>(consumed);
+                l.append(first);
+                for (size_t i = 0; i + 1 < out.size(); ++i) l.append(out[i]);
+            }
+            return out;
         }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
            "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true,
-           "vocab"_a = 0)
+           "vocab"_a = 0, "consumed"_a = nb::none())
         .def("encode_cost", [](PyGpuEngine& e, GpuState& s) {
             StepCost c;
             {

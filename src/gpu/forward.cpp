@@ -130,8 +130,7 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
     if (L.attention) {
         // ---- gated full attention ----
         const ops::AttnShape as = attn_shape(c);
-        size_t ai = 0;
-        for (size_t j = 0; j < li; ++j) ai += m_->layers[j].attention ? 1 : 0;
+        const size_t ai = L.state_index;
         stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
         ops::attn_prepare(e, t, as, s.proj, L.q_norm, L.k_norm, uint32_t(position), st.kv[ai], s.q);
         ops::attention_decode(e, t, as, m_->options().attn, s.q, s.proj, st.kv[ai], uint32_t(position + 1),
@@ -140,8 +139,7 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
     } else {
         // ---- Gated DeltaNet ----
         const ops::GdnShape gs = gdn_shape(c);
-        size_t gi = 0;
-        for (size_t j = 0; j < li; ++j) gi += m_->layers[j].attention ? 0 : 1;
+        const size_t gi = L.state_index;
         const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
         stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));    // proj = [qkv | z | b | a]
         ops::gdn_conv(e, t, gs, s.proj.view(0, cd * es), L.conv_w, st.conv_in(gi), st.conv_next(gi), s.conv_act);

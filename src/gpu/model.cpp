@@ -180,6 +180,7 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
         else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr));
     }
     const int64_t H = c.hidden;
+    int64_t n_attention = 0, n_gdn = 0;
     embed = matrix(w, "embed_tokens");
     lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : matrix(w, "lm_head");
     final_norm = small(w, "norm", false, H);
@@ -188,6 +189,7 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
         GpuLayer L;
         L.attention = c.layer_is_attention[size_t(i)] != 0;
         L.moe = c.layer_is_moe[size_t(i)] != 0;
+        L.state_index = uint32_t(L.attention ? n_attention++ : n_gdn++);
         L.input_norm = small(w, p + "input_layernorm", false, H);
         L.post_norm = small(w, p + "post_attention_layernorm", false, H);
         if (L.attention) {

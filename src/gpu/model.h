@@ -45,6 +45,7 @@ struct Stacked {
 
 struct GpuLayer {
     bool attention = false, moe = false;
+    uint32_t state_index = 0;                    // among the attention layers (KV cache) or the GDN layers
     Buffer input_norm, post_norm;                // T [H]
     // full attention
     Stacked attn_in;                             // [q_rows + 2 kvd, H]

@@ -25,6 +25,7 @@ from .errors import CheckpointError
 from .generation import ChatResponse, GenerationOutput
 from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
+from .transcripts import TranscriptStore
 from .weights import load_weights
 from .cpu_backend import CpuBackend, available as cpu_available
 from .metal_backend import MetalBackend, MetalSimBackend, metal_available, sim_available
@@ -207,6 +208,7 @@ class Model:
         self.path = path
         self.generation_config = _read_json(os.path.join(path, "generation_config.json"))
         self.prefix_cache: PrefixCache | None = PrefixCache()
+        self.transcripts: TranscriptStore | None = TranscriptStore()
         self._identity = None
 
     @classmethod
@@ -348,24 +350,12 @@ class Model:
                         skip_special_tokens=skip_special_tokens, progress=progress, cancel=cancel)
 
     def chat_prompt(self, messages, *, tools=None, enable_thinking: bool | None = None, **template_kwargs):
-        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.path}: no tokenizer.json, so chat is not available")
-        tk = self.tokenizer
-        text = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                      enable_thinking=enable_thinking, **template_kwargs)
-        ids = tk.encode(text)
-        head = 0
-        try:
-            base = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=False,
-                                          enable_thinking=enable_thinking, **template_kwargs)
-            if text.startswith(base):
-                b = tk.encode(base)
-                if ids[:len(b)] == b:
-                    head = len(b)
-        except Exception:  # a template may refuse to render without the generation prompt
-            head = 0
-        return ids, head, text
+        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`: the
+        transcript of the longest answered prefix of the conversation plus the rendering of the rest, or
+        the template's rendering (see `qwenmetal.transcripts`)."""
+        from .transcripts import chat_prompt
+        p = chat_prompt(self, messages, tools=tools, enable_thinking=enable_thinking, **template_kwargs)
+        return p.ids, p.head, p.text
 
     def chat(self, messages, *, tools=None, enable_thinking: bool | None = None, stream: bool = False,
              chat_template_kwargs: dict | None = None, **generate_kwargs):
@@ -378,8 +368,10 @@ class Model:
         """
         from .generation import parse_assistant, prompt_opens_thinking
 
-        ids, head, text = self.chat_prompt(messages, tools=tools, enable_thinking=enable_thinking,
-                                           **(chat_template_kwargs or {}))
+        from .transcripts import chat_prompt, remember_reply
+
+        p = chat_prompt(self, messages, tools=tools, enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+        ids, head, text = p.ids, p.head, p.text
         points = (head,) if head else ()
         gen = self.generate(ids, cache_points=points, **generate_kwargs)
         if stream:
@@ -394,7 +386,9 @@ class Model:
             last = out
         full = "".join(pieces)
         reasoning, content, calls = parse_assistant(full, thinking=prompt_opens_thinking(text), tools=tools)
-        return ChatResponse(full, content, reasoning, calls, last.finish_reason, last.stats, toks, lps or None)
+        r = ChatResponse(full, content, reasoning, calls, last.finish_reason, last.stats, toks, lps or None)
+        remember_reply(self, p, r.message, toks)
+        return r
 
     def __repr__(self) -> str:
         return (f"Model(backend={self.backend!r}, path={self.path!r}, layout={self.weights.layout!r}, "

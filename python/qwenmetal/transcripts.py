@@ -1,0 +1,270 @@
+"""Chat transcripts: the next turn's prompt continues what the model read and generated, token for token.
+
+Re-rendering a conversation with the chat template does not give back the tokens of the previous turn: with
+thinking on, Qwen's templates drop the reasoning of replies before the last user message; content is
+trimmed; and encoding text can give other tokens than the ones the model sampled. So the prefix cache's
+snapshot at the end of a turn (prompt + reply) is not a prefix of the next prompt, and every turn would
+prefill the previous reply again. Instead, every reply that ended on an end-of-turn token is kept as a
+*transcript*: the exact token ids of its prompt and of the reply, including the end token, keyed by the
+conversation up to and including that reply. The next prompt is
+
+    transcript of the longest such prefix of the messages + the template's rendering of what follows it
+
+so the previous turn's snapshot is a prefix of it and only the new messages are prefilled. The rendering of
+what follows is found generically: the history before the last reused reply must render identically on its
+own and inside the whole conversation, and the text after that reply's end token (``<|im_end|>``) is what
+is encoded. When anything does not line up (no transcript, a template that renders the history
+differently), the prompt is the plain rendering, as before.
+
+The key is the conversation *normalised*: assistant ``reasoning_content`` is dropped (OpenAI clients
+usually drop it; the transcript holds the reasoning as generated), ``None`` content and empty fields are
+dropped, text parts are joined and tool-call arguments given as JSON strings are parsed -- together with
+the tools and the template options. Transcripts are bounded (entries and tokens, least recently used out).
+
+Behaviour: with thinking on, the reasoning of earlier replies stays in the context, as Qwen3.6's
+``preserve_thinking`` does (for the plain rendering ``preserve_thinking=True`` is passed to templates that
+know it, so the reasoning sent back in the history renders as generated). Pass
+``chat_template_kwargs={"preserve_thinking": False}`` for the template's own rendering of the history
+(earlier reasoning dropped, each turn re-reads the previous reply), or set ``model.transcripts = None`` to
+keep no transcripts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_MAX_ENTRIES = 4096
+DEFAULT_MAX_TOKENS = 1 << 23                 # 32 MiB of int32 ids
+PRESERVE_THINKING = "preserve_thinking"
+_DROPPED = ("reasoning_content", "reasoning")
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return content if isinstance(content, str) else str(content)
+
+
+def normalize_message(m: dict) -> dict:
+    """The part of a message that names it in a transcript key (see the module docstring)."""
+    out = {}
+    for k, v in m.items():
+        if k in _DROPPED or v is None or v == [] or v == {}:
+            continue
+        if k == "content":
+            v = _text(v)
+        elif k == "tool_calls":
+            calls = []
+            for c in v:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                    except json.JSONDecodeError:
+                        args = fn["arguments"]
+                    fn["arguments"] = args
+                c["function"] = fn
+                c.pop("type", None)
+                calls.append(c)
+            v = calls
+        out[k] = v
+    out.setdefault("content", "")
+    return out
+
+
+def _digest(obj) -> bytes:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).digest()
+
+
+def conversation_keys(messages: Sequence[dict], tools=None, template_kwargs: dict | None = None) -> list:
+    """Hex keys of every prefix of `messages`: ``keys[i]`` names ``messages[:i + 1]`` with `tools` and
+    `template_kwargs` (a chained hash, so all prefixes cost one pass)."""
+    kw = {k: v for k, v in (template_kwargs or {}).items() if k != PRESERVE_THINKING and v is not None}
+    h = _digest({"tools": tools, "template_kwargs": kw}).hex()
+    keys = []
+    for m in messages:
+        h = next_key(h, m)
+        keys.append(h)
+    return keys
+
+
+def next_key(key: str, message: dict) -> str:
+    """The key of a conversation (named `key`) followed by `message`."""
+    return hashlib.sha256(bytes.fromhex(key) + _digest(normalize_message(message))).hexdigest()
+
+
+class TranscriptStore:
+    """Transcripts (token ids of prompt + reply, ending on the reply's end token) by conversation key.
+
+    Bounded by ``max_entries`` and ``max_tokens`` (least recently used evicted); thread-safe.
+    ``model.transcripts`` is one of these (``None``: keep none)."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_tokens: int = DEFAULT_MAX_TOKENS):
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError(f"max_entries and max_tokens must be >= 1, got {max_entries} and {max_tokens}")
+        self.max_entries, self.max_tokens = int(max_entries), int(max_tokens)
+        self._entries: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def total_tokens(self) -> int:
+        return self._tokens
+
+    def put(self, key: str, tokens: Sequence[int]) -> None:
+        """Keep `tokens` under `key` (replacing an older transcript of it)."""
+        arr = np.asarray(tokens, dtype=np.int32).copy()
+        if arr.ndim != 1 or arr.size == 0 or arr.size > self.max_tokens:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= old.size
+            self._entries[key] = arr
+            self._tokens += arr.size
+            while len(self._entries) > self.max_entries or self._tokens > self.max_tokens:
+                _, e = self._entries.popitem(last=False)
+                self._tokens -= e.size
+
+    def get(self, key: str) -> list | None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            self._entries.move_to_end(key)
+            return e.tolist()
+
+    def longest(self, keys: Sequence[str], messages: Sequence[dict]) -> tuple:
+        """``(k, tokens)`` for the longest prefix ``messages[:k]`` ending in an assistant reply that has a
+        transcript (`keys` from :func:`conversation_keys`), or ``(0, None)``."""
+        for k in range(len(messages), 0, -1):
+            if messages[k - 1].get("role") == "assistant":
+                t = self.get(keys[k - 1])
+                if t is not None:
+                    return k, t
+        return 0, None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
+
+    def __repr__(self) -> str:
+        return f"TranscriptStore({len(self)} transcripts, {self._tokens} tokens)"
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation: ``ids`` (with the generation prompt), ``head`` (how many of them hold the
+    conversation itself; 0 if unknown), ``text`` (the template's rendering), ``reused`` (how many leading
+    ids are a transcript of an earlier reply; 0 for a plain rendering) and ``keys`` (the conversation keys
+    of the messages, for :func:`remember_reply`)."""
+
+    ids: list = field(repr=False)
+    head: int
+    text: str = field(repr=False)
+    reused: int = 0
+    keys: list = field(default_factory=list, repr=False)
+
+
+def _render(tk, messages, tools, kwargs, generation_prompt: bool) -> str:
+    return tk.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def _stripped(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k not in _DROPPED} if m.get("role") == "assistant" else m
+
+
+def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
+                **template_kwargs) -> ChatPrompt:
+    """The prompt for answering `messages`: a transcript of the longest answered prefix plus the rendering of
+    the rest when they line up, else the plain rendering (module docstring)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
+    tk = model.tokenizer
+    messages = list(messages)
+    kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
+    preserve = kwargs.get(PRESERVE_THINKING)
+    store = getattr(model, "transcripts", None)
+    keys = conversation_keys(messages, tools, kwargs) if store is not None and preserve is not False else []
+    if preserve is None and PRESERVE_THINKING in (tk.chat_template or ""):
+        kwargs[PRESERVE_THINKING] = True          # what follows a transcript, or a plain history, as generated
+    if keys:
+        k, tokens = store.longest(keys, messages)
+        if tokens is not None:
+            p = _continue(model, messages, k, tokens, tools, kwargs, keys)
+            if p is not None:
+                return p
+    return _plain(tk, messages, tools, kwargs, keys)
+
+
+def _plain(tk, messages, tools, kwargs, keys) -> ChatPrompt:
+    text = _render(tk, messages, tools, kwargs, True)
+    ids = tk.encode(text)
+    head = 0
+    try:
+        base = _render(tk, messages, tools, kwargs, False)
+        if text.startswith(base):
+            b = tk.encode(base)
+            if ids[:len(b)] == b:
+                head = len(b)
+    except Exception:  # a template may refuse to render without the generation prompt
+        head = 0
+    return ChatPrompt(ids, head, text, 0, keys)
+
+
+def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt | None:
+    """transcript + the rendering of what follows ``messages[:k]``, or None when they do not line up."""
+    tk = model.tokenizer
+    end_text = tk.decode([transcript[-1]])
+    if not end_text:
+        return None
+    msgs = [_stripped(m) for m in messages[:k]] + list(messages[k:])
+    try:
+        text = _render(tk, msgs, tools, kwargs, True)
+        before = _render(tk, msgs[:k - 1], tools, kwargs, False)     # the history before the reused reply
+    except Exception:  # the template refuses a part of the conversation: render it plainly
+        return None
+    if not text.startswith(before):
+        return None
+    pos = text.find(end_text, len(before))
+    if pos < 0:
+        return None
+    cut = pos + len(end_text)                     # the reused reply ends here, with its end token
+    rest = tk.encode(text[cut:])
+    ids = list(transcript) + rest
+    head = 0
+    try:
+        base = _render(tk, msgs, tools, kwargs, False)
+        if text.startswith(base) and len(base) >= cut:
+            b = tk.encode(base[cut:])
+            if rest[:len(b)] == b:
+                head = len(transcript) + len(b)
+    except Exception:
+        head = 0
+    return ChatPrompt(ids, head, text, len(transcript), keys)
+
+
+def remember_reply(model, prompt: ChatPrompt, reply: dict, tokens: Sequence[int]) -> str | None:
+    """Keep the transcript of a reply: `prompt` was answered with the generated `tokens`, appended to the
+    conversation as `reply` (the assistant message). Kept only when the reply ended on one of the model's
+    end ids (its last token) and transcripts are on for the prompt. Returns the transcript's key, or None."""
+    store = getattr(model, "transcripts", None)
+    if store is None or not prompt.keys or not tokens or int(tokens[-1]) not in model.eos_token_ids:
+        return None
+    key = next_key(prompt.keys[-1], reply)
+    store.put(key, list(prompt.ids) + [int(t) for t in tokens])
+    return key

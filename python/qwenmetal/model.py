@@ -177,9 +177,14 @@ class Session:
     @classmethod
     def load(cls, path, model: "Model", max_context: int | None = None) -> "Session":
         """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
-        (config.json or weight files differ) or the file is malformed."""
+        (config.json or weight files differ) or the file is malformed. A session holding a conversation
+        (`Model.chat_session`, the chat command's /save) also goes into the model's prefix cache with its
+        transcript, so `model.chat` on its ``metadata["messages"]`` plus a new message prefills only that."""
         from .session_io import load_session
-        return load_session(path, model, max_context)
+        from .transcripts import resume_conversation
+        s = load_session(path, model, max_context)
+        resume_conversation(model, s)
+        return s
 
     def __repr__(self) -> str:
         return (f"Session(position={self.position}, max_context={self.max_context}, "
@@ -356,6 +361,26 @@ class Model:
         from .transcripts import chat_prompt
         p = chat_prompt(self, messages, tools=tools, enable_thinking=enable_thinking, **template_kwargs)
         return p.ids, p.head, p.text
+
+    def use_disk_cache(self, directory, max_bytes: int | None = None) -> None:
+        """Keep the state at the end of every chat turn that has a transcript in `directory` as well (a
+        session file per turn, at most `max_bytes`, default 4 GiB, least recently used removed), and read
+        the ones already there, so a new process -- a restarted server -- continues those conversations
+        without prefilling them. See `qwenmetal.prefix_cache.DiskTier`."""
+        from .transcripts import restore_from_disk
+        if self.prefix_cache is None:
+            raise ValueError("the prefix cache is off (model.prefix_cache is None): nothing to keep on disk")
+        self.prefix_cache.attach_disk(self, directory, max_bytes)
+        restore_from_disk(self)
+
+    def chat_session(self, messages, *, tools=None, enable_thinking: bool | None = None,
+                     chat_template_kwargs: dict | None = None) -> Session:
+        """A new session holding the conversation `messages` as the model read and wrote it (the transcript
+        of its last reply, else its rendering), with the messages in ``metadata``: `Session.save` it, and
+        `Session.load` continues it. Uses the prefix cache, so after `chat` it prefills at most one token."""
+        from .transcripts import conversation_session
+        return conversation_session(self, messages, tools=tools, enable_thinking=enable_thinking,
+                                    **(chat_template_kwargs or {}))
 
     def chat(self, messages, *, tools=None, enable_thinking: bool | None = None, stream: bool = False,
              chat_template_kwargs: dict | None = None, **generate_kwargs):

@@ -266,5 +266,81 @@ def remember_reply(model, prompt: ChatPrompt, reply: dict, tokens: Sequence[int]
     if store is None or not prompt.keys or not tokens or int(tokens[-1]) not in model.eos_token_ids:
         return None
     key = next_key(prompt.keys[-1], reply)
-    store.put(key, list(prompt.ids) + [int(t) for t in tokens])
+    transcript = list(prompt.ids) + [int(t) for t in tokens]
+    store.put(key, transcript)
+    pc = model.prefix_cache
+    if pc is not None and pc.disk is not None:    # the turn's snapshot (its end token not fed) with its transcript
+        pc.persist(transcript[:-1], transcript={"key": key, "end": transcript[-1]})
     return key
+
+
+def restore_from_disk(model) -> int:
+    """Put the transcripts written beside the prefix cache's disk tier into ``model.transcripts`` (a new
+    process continues the conversations of an earlier one). Returns how many."""
+    pc, store = model.prefix_cache, getattr(model, "transcripts", None)
+    if pc is None or pc.disk is None or store is None:
+        return 0
+    n = 0
+    for tokens, md in pc.disk.entries():
+        t = md.get("transcript") if isinstance(md, dict) else None
+        if isinstance(t, dict) and isinstance(t.get("key"), str) and isinstance(t.get("end"), int):
+            store.put(t["key"], list(tokens) + [t["end"]])
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------
+# saved conversations
+# ---------------------------------------------------------------------------------------------------
+def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
+                         **template_kwargs):
+    """A `Session` holding the conversation `messages` (ending with a reply): its transcript when it has one,
+    else its rendering without a generation prompt. Resumes from the prefix cache and prefills the rest.
+    ``session.metadata`` holds the messages and how they were rendered, which `resume_conversation` reads
+    back (`Session.save` writes it)."""
+    tk = model.tokenizer
+    if tk is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
+    messages = list(messages)
+    if not messages:
+        raise ValueError("messages is empty: there is no conversation to hold")
+    kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
+    store = getattr(model, "transcripts", None)
+    ids = None
+    if store is not None and kwargs.get(PRESERVE_THINKING) is not False and messages[-1].get("role") == "assistant":
+        ids = store.get(conversation_keys(messages, tools, kwargs)[-1])
+    transcript = ids is not None
+    if ids is None:
+        if kwargs.get(PRESERVE_THINKING) is None and PRESERVE_THINKING in (tk.chat_template or ""):
+            kwargs[PRESERVE_THINKING] = True
+        ids = tk.encode(_render(tk, messages, tools, kwargs, False))
+    s = model.new_session()
+    pc = model.prefix_cache
+    e = pc.lookup(ids, need_logits=False) if pc is not None else None
+    if e is not None:
+        s.restore(e.snapshot)
+    if s.position < len(ids):
+        model.prefill(s, ids[s.position:], return_logits="none")
+    user_kwargs = {k: v for k, v in dict(template_kwargs, enable_thinking=enable_thinking).items() if v is not None}
+    s.metadata = {"messages": messages,
+                  "chat": {"tools": tools, "template_kwargs": user_kwargs, "transcript": transcript}}
+    return s
+
+
+def resume_conversation(model, session) -> list | None:
+    """For a session holding a conversation (`conversation_session`'s metadata): put its state in the
+    model's prefix cache and, if it holds a transcript, the transcript in ``model.transcripts``, so a chat
+    that continues the conversation prefills only the new messages. Returns the messages, or None when
+    the session holds no conversation."""
+    md = session.metadata or {}
+    messages = md.get("messages")
+    if not isinstance(messages, list) or not messages or not session.tokens:
+        return None
+    chat = md.get("chat") if isinstance(md.get("chat"), dict) else {}
+    if model.prefix_cache is not None:
+        model.prefix_cache.put(session.tokens, session.snapshot(), kind="loaded")
+    store = getattr(model, "transcripts", None)
+    if store is not None and chat.get("transcript") is True and messages[-1].get("role") == "assistant":
+        kw = chat.get("template_kwargs") if isinstance(chat.get("template_kwargs"), dict) else {}
+        store.put(conversation_keys(messages, chat.get("tools"), kw)[-1], session.tokens)
+    return messages

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,15 @@ class PrefixCache:
 
 
 # ---------------------------------------------------------------------------------------------------
+_LIVE_TIERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for tier in list(_LIVE_TIERS):
+        tier.flush()
+
+
 class DiskTier:
     """Prefix-cache entries as session files (`qwenmetal.session_io`'s format, written atomically) in
     ``directory/<model identity>/``, at most ``max_bytes`` of them (least recently used removed first).
@@ -275,12 +285,12 @@ class DiskTier:
     # ---- writes ----------------------------------------------------------------------------------------
     def save(self, tokens, snapshot, metadata: dict | None = None) -> None:
         """Queue writing `snapshot` (the state after exactly `tokens`) with `metadata`."""
+        self._queue.put((tuple(int(t) for t in tokens), snapshot, dict(metadata or {})))
         with self._lock:
-            if self._thread is None:
+            if self._thread is None:              # the writer runs while there is work, then ends
+                _LIVE_TIERS.add(self)
                 self._thread = threading.Thread(target=self._work, name="qwenmetal-prompt-cache", daemon=True)
                 self._thread.start()
-                atexit.register(self.flush)
-        self._queue.put((tuple(int(t) for t in tokens), snapshot, dict(metadata or {})))
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""
@@ -288,7 +298,12 @@ class DiskTier:
 
     def _work(self) -> None:
         while True:
-            tokens, snap, md = self._queue.get()
+            with self._lock:
+                try:
+                    tokens, snap, md = self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread = None
+                    return
             try:
                 self._write(tokens, snap, md)
             except Exception:  # noqa: BLE001 - a full disk or a backend without state export: no entry

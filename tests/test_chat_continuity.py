@@ -10,7 +10,10 @@ model's reply ends, which is what the transcripts rely on.
 
 QWENMETAL_CHAT_TURNS=40 runs a longer chat (default: 10 turns on cpu, 5 on the reference backend).
 """
+import io
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -266,3 +269,79 @@ def test_disk_tier_is_bounded_and_skips_unreadable_files(ckpt, tmp_path):
     assert tier.nbytes <= tier.max_bytes and len(list(tier.directory.glob("*.safetensors"))) == 2
     with pytest.raises(ValueError, match="disk cache size must be a positive number of bytes"):
         model.prefix_cache.attach_disk(model, d, max_bytes=0)
+
+
+# ---- the chat command and the server ------------------------------------------------------------------
+@pytest.fixture
+def steered(monkeypatch):
+    """Replies of the CLI and the server end on <|im_end|> after 4 tokens (their sampler comes from
+    Sampler.from_generation_config)."""
+    monkeypatch.setattr(Sampler, "from_generation_config", classmethod(lambda cls, g=None, **kw: Ending(4)))
+
+
+def chat_command(ckpt, monkeypatch, capsys, script: str) -> str:
+    from qwenmetal.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    assert main(["chat", "--model", str(ckpt), "--backend", "cpu", "--max-tokens", "16"]) == 0
+    return capsys.readouterr().out
+
+
+def test_chat_command_save_load_continues_cached(ckpt, tmp_path, monkeypatch, capsys, steered):
+    f = tmp_path / "conv.safetensors"
+    out = chat_command(ckpt, monkeypatch, capsys, f"Hello\nHow are you?\n/stats\n/save {f}\n/exit\n")
+    prompt, cached = map(int, re.search(r"prompt (\d+) tokens \((\d+) cached\)", out).groups())
+    saved = int(re.search(r"\(saved 4 messages, (\d+) tokens", out).group(1))
+    assert cached > 0 and saved == prompt + 4 + 1        # the second turn's prompt + its reply (4 + end token)
+    out = chat_command(ckpt, monkeypatch, capsys, f"/load {f}\nAnd now?\n/stats\n/exit\n")
+    assert f"(loaded 4 messages, {saved} tokens)" in out
+    prompt, cached = map(int, re.search(r"prompt (\d+) tokens \((\d+) cached\)", out).groups())
+    assert cached == saved < prompt                      # a new process: everything up to the last turn cached
+
+
+def test_a_restarted_server_continues_conversations_cached(ckpt, tmp_path, steered, require):
+    require("starlette")
+    require("httpx")
+    from starlette.testclient import TestClient
+
+    from qwenmetal.server import create_app
+
+    def server():
+        m = load(ckpt)
+        m.use_disk_cache(tmp_path / "prompt-cache")
+        return m, TestClient(create_app(m, model_name="tiny"))     # `with` runs its lifespan (the worker)
+
+    def ask(client, msgs, stream=False):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 16, "stream": stream,
+                                                      "stream_options": {"include_usage": True}})
+        assert r.status_code == 200, r.text
+        if not stream:
+            body = r.json()
+            return body["choices"][0]["message"], body["usage"]
+        msg, usage = {"role": "assistant", "content": ""}, None
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage
+                for ch in ev["choices"]:
+                    msg["content"] += ch["delta"].get("content") or ""
+        return msg, usage
+
+    model, app = server()
+    msgs, usages = [], []
+    with app as client:
+        for i, stream in enumerate([False, True, False]):
+            msgs.append({"role": "user", "content": f"Question {i}?"})
+            msg, usage = ask(client, msgs, stream)
+            msgs.append({"role": "assistant", "content": msg["content"]})      # reasoning dropped, as clients do
+            usages.append(usage)
+    for prev, u in zip(usages, usages[1:]):     # non-streamed and streamed replies: the whole turn reused
+        assert u["prompt_tokens_details"]["cached_tokens"] == prev["prompt_tokens"] + prev["completion_tokens"] - 1
+    model.prefix_cache.disk.flush()
+
+    _, app2 = server()                          # a restart: a new model and app on the same cache directory
+    msgs.append({"role": "user", "content": "And now?"})
+    with app2 as client:
+        _, u = ask(client, msgs)
+    last = usages[-1]
+    assert u["prompt_tokens_details"]["cached_tokens"] == last["prompt_tokens"] + last["completion_tokens"] - 1

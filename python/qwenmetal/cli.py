@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from .paths import cache_dir
+
 DEMO_PROMPT = "The quick brown fox"
 REAL_MODEL = "mlx-community/Qwen3.6-35B-A3B-4bit"
 
@@ -213,21 +215,9 @@ _CHAT_HELP = """commands:
   /exit, /quit   leave (also Ctrl-D)"""
 
 
-def _conversation_session(model, messages):
-    """A session holding exactly the rendered conversation (prefix cache first, then prefill the rest)."""
-    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    ids = model.tokenizer.encode(text)
-    s = model.new_session()
-    e = model.prefix_cache.lookup(ids, need_logits=False) if model.prefix_cache is not None else None
-    if e is not None:
-        s.restore(e.snapshot)
-    if s.position < len(ids):
-        model.prefill(s, ids[s.position:], return_logits="none")
-    return s
-
-
 def cmd_chat(args) -> int:
     from .generation import ChatStreamParser, parse_assistant, prompt_opens_thinking
+    from .transcripts import chat_prompt, remember_reply
     import qwenmetal as qm
 
     model = _load(args)
@@ -275,8 +265,8 @@ def cmd_chat(args) -> int:
                     print("(nothing to save yet)")
                     continue
                 try:
-                    s = _conversation_session(model, history)
-                    s.save(arg, metadata={"messages": history})
+                    s = model.chat_session(history, enable_thinking=think)
+                    s.save(arg)
                 except (ValueError, OSError, NotImplementedError) as e:
                     print(f"error: {e}")
                     continue
@@ -294,22 +284,22 @@ def cmd_chat(args) -> int:
                 if not isinstance(msgs, list):
                     print(f"error: {arg} holds no conversation")
                     continue
-                history = msgs
-                if model.prefix_cache is not None:
-                    model.prefix_cache.put(s.tokens, s.snapshot(), kind="loaded")
+                history = msgs                    # Session.load put its state and transcript in the caches
                 print(f"(loaded {len(history)} messages, {s.position} tokens)")
             else:
                 print(f"unknown command {cmd}; /help lists them")
             continue
         history.append({"role": "user", "content": line})
-        ids, head, text = model.chat_prompt(history, enable_thinking=think)
+        prompt = chat_prompt(model, history, enable_thinking=think)
+        ids, head, text = prompt.ids, prompt.head, prompt.text
         thinking = prompt_opens_thinking(text)
         parser = ChatStreamParser(thinking, parse_tools=False)
-        pieces = []
+        pieces, tokens, finished = [], [], False
         mode = None
         try:
             for out in model.generate(ids, cache_points=(head,) if head else (), **_sampling_kwargs(args)):
                 pieces.append(out.text)
+                tokens.append(out.token)
                 for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
                     if field_ == "reasoning_content":
                         if args.hide_thinking:
@@ -323,7 +313,7 @@ def cmd_chat(args) -> int:
                     sys.stdout.write(t)
                     sys.stdout.flush()
                 if out.finish_reason:
-                    last_stats = out.stats
+                    last_stats, finished = out.stats, True
         except KeyboardInterrupt:
             print("\n(interrupted)")
         if mode == "r":
@@ -332,6 +322,8 @@ def cmd_chat(args) -> int:
         sys.stdout.flush()
         _, content, _ = parse_assistant("".join(pieces), thinking=thinking)
         history.append({"role": "assistant", "content": content})
+        if finished:
+            remember_reply(model, prompt, history[-1], tokens)
         if last_stats and args.verbose:
             print(_stats_line(last_stats), file=sys.stderr)
     return 0
@@ -347,6 +339,8 @@ def cmd_serve(args) -> int:
     from .server import serve
     api_key = args.api_key or os.environ.get("QWENMETAL_API_KEY") or None
     model = _load(args)
+    if args.cache_dir is not None:
+        model.use_disk_cache(args.cache_dir, None if args.cache_dir_bytes is None else int(args.cache_dir_bytes))
     name = args.served_model_name or (args.model if not os.path.isdir(args.model)
                                       else os.path.basename(os.path.normpath(args.model)))
     print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
@@ -430,6 +424,11 @@ def main(argv=None) -> int:
                    help="max_tokens when a chat request sets none (default: up to the context limit)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
     p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
+    p.add_argument("--cache-dir", nargs="?", const=str(cache_dir("prompt-cache")), default=None, metavar="DIR",
+                   help="also keep chat turns' states on disk in DIR (default DIR: "
+                        f"{cache_dir('prompt-cache')}), so a restarted server continues conversations cached")
+    p.add_argument("--cache-dir-bytes", type=float, default=None, metavar="BYTES",
+                   help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 

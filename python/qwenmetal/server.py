@@ -395,9 +395,11 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         if "enable_thinking" in body:
             enable_thinking = _bool(body, "enable_thinking", None)
         from .generation import ChatStreamParser, parse_assistant, prompt_opens_thinking
+        from .transcripts import chat_prompt, remember_reply
         try:
-            ids, head, text = await run_in_threadpool(
-                model.chat_prompt, msgs, tools=tools, enable_thinking=enable_thinking, **ctk)
+            prompt = await run_in_threadpool(chat_prompt, model, msgs, tools=tools, enable_thinking=enable_thinking,
+                                             **ctk)
+            ids, head, text = prompt.ids, prompt.head, prompt.text
         except APIError:
             raise
         except Exception as e:  # template errors (jinja2 TemplateError and friends)
@@ -415,6 +417,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
 
         async def stream_body(job):
             parser = ChatStreamParser(thinking, tools, parse_tools=bool(tools))
+            msg, tokens = {"role": "assistant", "content": ""}, []     # the message as the client rebuilds it
             try:
                 yield _sse(chunk({"role": "assistant", "content": ""}))
                 while True:
@@ -433,16 +436,20 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                     if out.finish_reason is not None:
                         more, calls = parser.finish()
                         deltas += more
+                    tokens.append(out.token)
                     for i, (f, t) in enumerate(deltas):
+                        msg[f] = msg.get(f, "") + t
                         yield _sse(chunk({f: t}, lp=lp if i == 0 else None))
                     if not deltas and lp is not None:
                         yield _sse(chunk({}, lp=lp))
                     if out.finish_reason is not None:
                         if calls:
-                            yield _sse(chunk({"tool_calls": [
-                                {"index": k, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                            msg["tool_calls"] = [
+                                {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                                for k, c in enumerate(calls)]}))
+                                for c in calls]
+                            yield _sse(chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(msg["tool_calls"])]}))
+                        remember_reply(model, prompt, msg, tokens)
                         yield _sse(chunk({}, _finish(out.finish_reason, bool(calls))))
                         if include_usage:
                             yield _sse({"id": cid, "object": "chat.completion.chunk", "created": now, "model": name,
@@ -466,6 +473,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                                       "function": {"name": c["name"],
                                                    "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                                      for c in calls]
+            remember_reply(model, prompt, msg, [o.token for o in outs])
             lp = {"content": [logprob_entry(o.token, o.logprob, o.top_logprobs) for o in outs]} if want_lp else None
             return {"id": cid, "object": "chat.completion", "created": now, "model": name,
                     "choices": [{"index": 0, "message": msg, "logprobs": lp,

@@ -17,8 +17,8 @@ is encoded. When anything does not line up (no transcript, a template that rende
 differently), the prompt is the plain rendering, as before.
 
 The key is the conversation *normalised*: assistant ``reasoning_content`` is dropped (OpenAI clients
-usually drop it; the transcript holds the reasoning as generated), ``None`` content and empty fields are
-dropped, text parts are joined and tool-call arguments given as JSON strings are parsed -- together with
+usually drop it; the transcript holds the reasoning as generated), ``None`` and empty fields are dropped,
+content is stripped (text parts joined) and tool-call arguments given as JSON strings are parsed -- together with
 the tools and the template options. Transcripts are bounded (entries and tokens, least recently used out).
 
 Behaviour: with thinking on, the reasoning of earlier replies stays in the context, as Qwen3.6's
@@ -60,7 +60,7 @@ def normalize_message(m: dict) -> dict:
         if k in _DROPPED or v is None or v == [] or v == {}:
             continue
         if k == "content":
-            v = _text(v)
+            v = _text(v).strip()                  # templates trim it; streamed content may keep a newline
         elif k == "tool_calls":
             calls = []
             for c in v:

@@ -196,9 +196,11 @@ class DiskTier:
     ``directory/<model identity>/``, at most ``max_bytes`` of them (least recently used removed first).
 
     Writes run on a background thread (``flush()`` waits for them; they are flushed at exit); the index of
-    the files' token sequences is read when the tier is made and refreshed when a lookup finds nothing, so
-    files written by another process are found too. A file that cannot be read (removed by another process,
+    the files' token sequences is read when the tier is made and refreshed when a lookup finds nothing (at
+    most every ``RESCAN_SECONDS``), so files written by another process are found too. A file that cannot be read (removed by another process,
     truncated, of another model) is skipped, never an error."""
+
+    RESCAN_SECONDS = 2.0                           # a lookup that misses re-reads the directory at most this often
 
     def __init__(self, model, directory: str | os.PathLike, max_bytes: int = DEFAULT_DISK_BYTES):
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
@@ -226,6 +228,7 @@ class DiskTier:
         from .session_io import read_header
 
         with self._lock:
+            self._scanned = time.monotonic()
             names = {p.name for p in self.directory.glob("*.safetensors")}
             for gone in set(self._index) - names:
                 del self._index[gone]
@@ -265,8 +268,8 @@ class DiskTier:
         tokens = tuple(tokens)
         with self._lock:
             name = self._longest(tokens, longer_than, allow_equal)
-            if name is None:
-                self.scan()
+            if name is None and time.monotonic() - self._scanned > self.RESCAN_SECONDS:
+                self.scan()                        # files another process wrote meanwhile
                 name = self._longest(tokens, longer_than, allow_equal)
             while name is not None:
                 path = self.directory / name

@@ -162,6 +162,17 @@ def test_a_template_that_renders_the_history_differently_falls_back(ckpt):
     assert text.startswith("3<|im_start|>") and ids == tk.encode(text)
 
 
+def test_a_reply_that_spells_its_end_token_falls_back(ckpt):
+    model = load(ckpt)
+    tk = model.tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a <|im_end|> b"}]
+    transcript = tk.encode(tk.apply_chat_template(msgs[:1])) + tk.encode("a <|im_end|>")
+    model.transcripts.put(conversation_keys(msgs)[-1], transcript)
+    nxt = msgs + [{"role": "user", "content": "and?"}]
+    ids, _, text = model.chat_prompt(nxt)
+    assert ids == tk.encode(text) and ids[:len(transcript)] != transcript
+
+
 def test_conversation_keys_normalise_what_clients_send_back(ckpt):
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     a = [{"role": "user", "content": "hi"},

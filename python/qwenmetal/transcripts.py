@@ -230,8 +230,8 @@ def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt
     """transcript + the rendering of what follows ``messages[:k]``, or None when they do not line up."""
     tk = model.tokenizer
     end_text = tk.decode([transcript[-1]])
-    if not end_text:
-        return None
+    if not end_text or end_text in repr(normalize_message(messages[k - 1])):
+        return None                               # (a reply that spells its end token would be cut short)
     msgs = [_stripped(m) for m in messages[:k]] + list(messages[k:])
     try:
         text = _render(tk, msgs, tools, kwargs, True)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
-from qwenmetal.sampling import Sampler
+from qwenmetal.sampling import SampleResult, Sampler
 from qwenmetal.testing import ENDOFTEXT, IM_END, SPECIAL_TOKENS, make_checkpoint
 from qwenmetal.transcripts import TranscriptStore, conversation_keys, normalize_message
 
@@ -100,6 +100,44 @@ def test_every_turn_reuses_the_whole_previous_turn(ckpt, backend, enable_thinkin
         # all of it comes from the cache but the end token (sampled, never fed back)
         assert st["cached_tokens"] >= len(seen) - 1
         assert st["cached_tokens"] / st["prompt_tokens"] >= (len(seen) - 1) / len(ids)
+
+
+class Script:
+    """Emits fixed tokens (a reply with a tool call, say)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.i = list(tokens), 0
+
+    def sample(self, logits, vocab_used=None, **kw):
+        self.i += 1
+        return SampleResult(self.tokens[min(self.i - 1, len(self.tokens) - 1)])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False], ids=["thinking", "no-thinking"])
+def test_tool_calls_and_results_continue_the_transcript(ckpt, enable_thinking):
+    model = load(ckpt)
+    tk = model.tokenizer
+    call = ("Checking.\n</think>\n\n" if enable_thinking is None else "") + \
+        "Let me look.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>\n</function>\n</tool_call>"
+    msgs = [{"role": "user", "content": "Weather in Berlin?"}]
+    prev = None
+    for step in range(3):
+        if step == 0:
+            sampler = Script(tk.encode(call) + [IM_END])
+        else:
+            msgs.append({"role": "tool", "content": '{"t": 21}'} if step == 1 else {"role": "user", "content": "Thanks"})
+            sampler = Ending(5, 2 if enable_thinking is None else None)
+        r = model.chat(msgs, tools=TOOLS, enable_thinking=enable_thinking, sampler=sampler, max_tokens=64)
+        if step == 0:
+            assert r.tool_calls == [{"name": "get_weather", "arguments": {"city": "Berlin"}}]
+        else:
+            assert r.stats["cached_tokens"] == prev - 1
+        prev = r.stats["prompt_tokens"] + r.stats["generated_tokens"]
+        msgs.append(r.message)
 
 
 def contains(seq, sub) -> bool:

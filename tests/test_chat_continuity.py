@@ -261,6 +261,28 @@ def test_saved_conversation_continues_cached(ckpt, tmp_path):
     assert again.tokens == r.tokens and again.stats["prompt_tokens"] == r.stats["prompt_tokens"]
 
 
+def test_saved_conversation_without_transcript_continues_from_its_rendering(ckpt, tmp_path):
+    model = load(ckpt)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = model.chat(msgs, sampler=Ending(100), max_tokens=6)            # ends by length: no transcript
+    msgs.append(r.message)
+    s = model.chat_session(msgs)
+    assert s.metadata["chat"]["transcript"] is False
+    assert list(s.tokens) == model.tokenizer.encode(model.tokenizer.apply_chat_template(msgs, add_generation_prompt=False))
+    s.save(tmp_path / "chat.safetensors")
+    fresh = load(ckpt)
+    loaded = qm.Session.load(tmp_path / "chat.safetensors", fresh)
+    assert len(fresh.transcripts) == 0 and len(fresh.prefix_cache) == 1
+    r = fresh.chat(loaded.metadata["messages"] + [{"role": "user", "content": "and?"}], sampler=Ending(3), max_tokens=8)
+    assert r.stats["cached_tokens"] == loaded.position
+    n = len(fresh.prefix_cache)
+    plain = fresh.new_session()                                     # a session without a conversation
+    fresh.prefill(plain, [1, 2, 3], return_logits="none")
+    plain.save(tmp_path / "plain.safetensors", metadata={"note": 1})
+    qm.Session.load(tmp_path / "plain.safetensors", fresh)
+    assert len(fresh.prefix_cache) == n                             # is not put into the caches
+
+
 def test_a_new_process_on_the_same_disk_cache_continues(ckpt, tmp_path):
     model = load(ckpt)
     model.use_disk_cache(tmp_path / "prompt-cache")

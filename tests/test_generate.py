@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import qwenmetal as qm
-from qwenmetal.generation import (ChatStreamParser, StopStringMatcher, parse_assistant, parse_tool_calls,
-                                  prompt_opens_thinking)
+from qwenmetal.chat import ChatStreamParser, parse_assistant, parse_tool_calls, prompt_opens_thinking
+from qwenmetal.generation import StopStringMatcher
 from qwenmetal.sampling import SampleResult
 from qwenmetal.testing import SPECIAL_TOKENS, make_checkpoint
 from qwenmetal.tokenizer import _BYTE_DECODER
@@ -218,7 +218,7 @@ def test_chat_end_to_end_with_a_scripted_reply(model):
     text = tok.apply_chat_template(msgs2, tools=TOOLS)
     assert "<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>" in text
     assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in text
-    assert str(r) == "Let me check." and "get_weather" in r._repr_markdown_()
+    assert str(r) == "Let me check." and "get\\_weather" in r._repr_markdown_()
 
 
 def test_chat_real_generation_and_stream(model):

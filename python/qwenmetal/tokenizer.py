@@ -184,12 +184,17 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # ---- chat ---------------------------------------------------------------------------
+    def require_chat_template(self) -> None:
+        """Raise ValueError if the checkpoint ships no chat template."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.directory}: the checkpoint has no chat template (no chat_template.jinja, and "
+                             f"no chat_template in tokenizer_config.json)")
+
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None,
                             tokenize: bool = False, **kwargs):
         """Render `messages` with the checkpoint's template (extra kwargs such as
         ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``."""
-        if self.chat_template is None:
-            raise ValueError(f"{self.directory}: the checkpoint has no chat template")
+        self.require_chat_template()
         if kwargs.get("enable_thinking", 0) is None:
             kwargs.pop("enable_thinking")          # None: the template's default
         messages = _normalize_messages(messages)

@@ -15,16 +15,20 @@ import html
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from .errors import InputError
 from .generation import GenerationOutput
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .options import GenerationOptions
 
 #: roles a message may have ("developer" is OpenAI's newer name for "system" and is rendered as one)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def validate_messages(messages) -> list:
+def validate_messages(messages: object) -> list[dict]:
     """`messages` checked and normalised for the chat template: a non-empty list of objects, each with a
     ``role`` in `ROLES`; ``content`` a string, None (made "") or a list of ``{"type": "text", "text": str}``
     parts; ``tool_calls`` (if present) a list of ``{"function": {"name": str, "arguments": str | object}}``;
@@ -70,7 +74,7 @@ def validate_messages(messages) -> list:
     return out
 
 
-def validate_tools(tools) -> list | None:
+def validate_tools(tools: object) -> list | None:
     """`tools` as the chat template takes them: None, or a list of objects (OpenAI function specs)."""
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(f"tools must be a list of objects, got {_brief(tools)}", "tools")
@@ -104,7 +108,8 @@ class ChatTurn:
         """``cache_points`` for `Model.generate`."""
         return (self.cache_point,) if self.cache_point else ()
 
-    def generate(self, model, options=None, **generate_kwargs) -> Iterator[GenerationOutput]:
+    def generate(self, model: "Model", options: "GenerationOptions | None" = None,
+                 **generate_kwargs) -> Iterator[GenerationOutput]:
         """`Model.generate` on the prompt, with the history's cache point."""
         return model.generate(self.prompt_ids, cache_points=self.cache_points, options=options, **generate_kwargs)
 
@@ -128,14 +133,15 @@ class ChatTurn:
                             [o.token for o in outs], lps or None)
 
 
-def check_chat_support(model) -> None:
+def check_chat_support(model: "Model") -> None:
     """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
     if model.tokenizer is None:
         raise InputError(f"{model.path}: no tokenizer.json, so chat is not available")
     model.tokenizer.require_chat_template()
 
 
-def chat_turn(model, messages, *, tools=None, enable_thinking: bool | None = None,
+def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = None,
+              enable_thinking: bool | None = None,
               template_kwargs: dict | None = None) -> ChatTurn:
     """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
     template (``enable_thinking`` and `template_kwargs` go to the template) and find the cache point of the
@@ -168,7 +174,7 @@ def _param_types(tools, name) -> dict:
     return {}
 
 
-def parse_tool_calls(text: str, tools=None) -> list:
+def parse_tool_calls(text: str, tools: list | None = None) -> list:
     """Tool calls in Qwen3.5/3.6's XML format (``<tool_call><function=NAME><parameter=ARG>VALUE``...) as
     ``[{"name": ..., "arguments": {...}}]``. Values are JSON-decoded unless the tool's schema says
     ``string`` (or they are not valid JSON)."""
@@ -232,6 +238,7 @@ class ChatResponse:
 
     @property
     def message(self) -> dict:
+        """The reply as an assistant message, to append to the conversation for the next turn."""
         m = {"role": "assistant", "content": self.content}
         if self.reasoning:
             m["reasoning_content"] = self.reasoning
@@ -275,7 +282,7 @@ class ChatStreamParser:
     ``(remaining deltas, tool_calls)``.
     """
 
-    def __init__(self, thinking: bool = False, tools=None, parse_tools: bool = True):
+    def __init__(self, thinking: bool = False, tools: list | None = None, parse_tools: bool = True):
         self.mode = "reasoning" if thinking else "content"
         self.tools = tools
         self.parse_tools = parse_tools
@@ -294,6 +301,7 @@ class ChatStreamParser:
         out.append((field_, text))
 
     def feed(self, text: str) -> list:
+        """The ``(field, text)`` deltas that `text` (the next piece of the reply) decides."""
         out: list = []
         if self._tool_text is not None:
             self._tool_text += text
@@ -329,6 +337,7 @@ class ChatStreamParser:
             return out
 
     def finish(self) -> tuple:
+        """At the end of the reply: ``(the remaining deltas, tool_calls)``."""
         out: list = []
         if self._buf:
             self._emit("reasoning_content" if self.mode == "reasoning" else "content", self._buf, out)

@@ -9,11 +9,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from .sampling import SampleResult
+
+if TYPE_CHECKING:
+    from .model import Model, Session
+    from .options import GenerationOptions
+    from .sampling import Sampler
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -53,7 +58,8 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
 
-    def push(self, delta: str):
+    def push(self, delta: str) -> tuple[str, str | None]:
+        """Add `delta`: ``(text now safe to emit, the stop string matched or None)``."""
         if not self.stops:
             return delta, None
         self._pending += delta
@@ -77,6 +83,7 @@ class StopStringMatcher:
         return out, None
 
     def flush(self) -> str:
+        """The held-back text, at the end of the generation."""
         out, self._pending = self._pending, ""
         return out
 
@@ -88,7 +95,8 @@ def _progress_bar(total: int, enabled: bool | None):
     return tqdm(total=total, unit="tok", desc="prefill", leave=False)
 
 
-def generate(model, prompt, options=None, *, sampler=None, session=None, cache: bool = True,
+def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOptions | None" = None, *,
+             sampler: "Sampler | None" = None, session: "Session | None" = None, cache: bool = True,
              cache_points: Sequence[int] = (), progress: bool | None = None,
              cancel: threading.Event | None = None) -> Iterator[GenerationOutput]:
     """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).

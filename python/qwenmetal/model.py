@@ -69,6 +69,7 @@ class SessionSnapshot:
 
     @property
     def position(self) -> int:
+        """The session position the snapshot was taken at."""
         return self.state.position
 
 
@@ -89,6 +90,7 @@ class Session:
 
     @property
     def tokens(self) -> tuple:
+        """Every token the session has processed, in order."""
         return tuple(self._tokens)
 
     @property
@@ -101,9 +103,11 @@ class Session:
         return Session(self._model, self._state.copy(), self._tokens, self.max_context)
 
     def snapshot(self) -> SessionSnapshot:
+        """An immutable copy of the state, for `restore` (cheap to keep: the prefix cache holds these)."""
         return SessionSnapshot(id(self._model), self._state.copy(), tuple(self._tokens))
 
     def restore(self, snap: SessionSnapshot) -> None:
+        """Go back to `snap` (taken from a session of the same model)."""
         if not isinstance(snap, SessionSnapshot):
             raise TypeError(f"restore() takes a SessionSnapshot, got {type(snap).__name__}")
         if snap.model_id != id(self._model):
@@ -112,6 +116,7 @@ class Session:
         self._tokens = list(snap.tokens)
 
     def reset(self) -> None:
+        """Back to position 0 (an empty state)."""
         self._state = self._model._backend.new_state()
         self._tokens = []
 
@@ -179,6 +184,7 @@ class Model:
 
     @property
     def backend(self) -> str:
+        """The backend's name ("reference", "cpu", "metal", "metal-sim"; see `qwenmetal.backends`)."""
         return self._backend.name
 
     @property
@@ -206,6 +212,7 @@ class Model:
         return self._identity
 
     def new_session(self, max_context: int | None = None) -> Session:
+        """An empty session; `max_context` (1..max_position_embeddings, default: all of it) caps its length."""
         if max_context is not None and not (0 < max_context <= self.config.max_position_embeddings):
             raise ValueError(f"max_context must be in 1..{self.config.max_position_embeddings}")
         return Session(self, self._backend.new_state(), max_context=max_context)

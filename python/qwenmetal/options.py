@@ -10,6 +10,7 @@ invalid value raises `qwenmetal.errors.InputError` (a ValueError) naming the opt
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import numbers
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class GenerationOptions:
         return dataclasses.replace(options, **given) if given else options
 
     @classmethod
-    def from_cli_args(cls, args) -> "GenerationOptions":
+    def from_cli_args(cls, args: argparse.Namespace) -> "GenerationOptions":
         """The options of a parsed ``qwenmetal generate`` / ``chat`` command line (see `cli`)."""
         from .cli import unescape_stop
         return cls.build(max_tokens=args.max_tokens, **{k: getattr(args, k) for k in SAMPLING_KEYS},

@@ -4,8 +4,13 @@ against, meant for small checkpoints."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .reference import ReferenceState
+    from .weights import Weights
 
 
 class ReferenceBackend:
@@ -13,7 +18,7 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, weights, dtype="float32", gdn_mode="chunked", chunk_size=64):
+    def __init__(self, weights: Weights, dtype: str = "float32", gdn_mode: str = "chunked", chunk_size: int = 64):
         from .reference import ReferenceModel
 
         need = weights.dense_float32_nbytes()
@@ -29,20 +34,22 @@ class ReferenceBackend:
         self.impl = ReferenceModel(weights.config, weights.dense_float32(), dtype=dtype)
         self.dtype, self.gdn_mode, self.chunk_size = dtype, gdn_mode, int(chunk_size)
 
-    def new_state(self):
+    def new_state(self) -> ReferenceState:
+        """A zeroed state (position 0)."""
         return self.impl.new_state()
 
-    def forward(self, state, ids: np.ndarray, logits: str):
+    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str) -> tuple:
         """Run `ids` on a copy of `state`; returns (new_state, logits)."""
         new = state.copy()
         out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
         return new, out
 
-    def state_to_arrays(self, state) -> dict:
+    def state_to_arrays(self, state: ReferenceState) -> dict:
         """The backend-independent state layout of Session.save (see docs/architecture.md)."""
         return state.to_arrays()
 
-    def state_from_arrays(self, arrays: dict):
+    def state_from_arrays(self, arrays: dict) -> ReferenceState:
+        """The inverse of `state_to_arrays`."""
         from .reference import ReferenceState
         return ReferenceState.from_arrays(arrays)
 

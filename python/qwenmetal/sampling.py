@@ -39,7 +39,7 @@ def _number(name: str, v) -> float:
     return float(v)
 
 
-def check_sampling(name: str, value):
+def check_sampling(name: str, value: object) -> float | int | None:
     """The one check of a sampling parameter (``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``): returns it normalised
     (float, or int for ``top_k``; ``seed`` an int or None) or raises `InputError` (a ValueError) naming it."""
@@ -68,6 +68,8 @@ def check_sampling(name: str, value):
 
 @dataclass
 class SampleResult:
+    """One sampled token, with its log-probability and the alternatives when they were asked for."""
+
     token: int
     logprob: float | None = None                          # of `token` under the raw model distribution
     top_logprobs: list | None = None                      # [(id, logprob)] most likely first
@@ -98,6 +100,7 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the most likely token, no randomness."""
         return self.temperature == 0.0
 
     def __repr__(self) -> str:

@@ -31,9 +31,9 @@ BAD = [
     ("stop_token_ids", 5, "stop_token_ids must be a list of integers"),
     ("stop_token_ids", [1, -1], "stop_token_ids must be an integer >= 0"),
     ("stop_token_ids", ["7"], "stop_token_ids must be an integer"),
-    ("ignore_eos", "yes", "ignore_eos must be True or False"), ("logprobs", 1, "logprobs must be True or False"),
+    ("ignore_eos", "yes", "ignore_eos must be a boolean"), ("logprobs", 1, "logprobs must be a boolean"),
     ("top_logprobs", -1, "top_logprobs must be an integer >= 0"),
-    ("skip_special_tokens", 0, "skip_special_tokens must be True or False"),
+    ("skip_special_tokens", 0, "skip_special_tokens must be a boolean"),
 ]
 
 

@@ -70,7 +70,7 @@ class GenerationOptions:
         put("stop_token_ids", tuple(_count("stop_token_ids", i, 0) for i in ids))
         for k in ("ignore_eos", "logprobs", "skip_special_tokens"):
             if not isinstance(getattr(self, k), bool):
-                raise InputError(f"{k} must be True or False, got {getattr(self, k)!r}", k)
+                raise InputError(f"{k} must be a boolean, got {getattr(self, k)!r}", k)
         put("top_logprobs", _count("top_logprobs", self.top_logprobs, 0))
 
     @classmethod

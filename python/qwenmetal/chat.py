@@ -136,7 +136,7 @@ class ChatTurn:
 def check_chat_support(model: "Model") -> None:
     """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
     if model.tokenizer is None:
-        raise InputError(f"{model.path}: no tokenizer.json, so chat is not available")
+        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
     model.tokenizer.require_chat_template()
 
 

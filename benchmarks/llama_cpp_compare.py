@@ -265,7 +265,8 @@ def _reference_logits(ckpt: Path, ids: np.ndarray, n_decode: int, roundtrip: boo
     """qwenmetal's numpy reference: logits of every prompt position, then n_decode greedy steps (or the
     given decode tokens)."""
     import qwenmetal as qm
-    from qwenmetal.model import Model, ReferenceBackend
+    from qwenmetal.model import Model
+    from qwenmetal.reference_backend import ReferenceBackend
 
     model = qm.Model.load(str(ckpt), backend="reference")
     if roundtrip:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _backends():
-    from qwenmetal.model import BACKENDS
+    from qwenmetal.backends import BACKENDS
     return [b for b in ("reference", "cpu") if b in BACKENDS]
 
 

@@ -352,8 +352,10 @@ def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], layout: st
                      progress: bool = False) -> Path:
     """Write the random checkpoint of config.json dict `cfg` in `layout` (one of :data:`LAYOUTS`) at
     `dest` (absent or an empty directory), plus `files` (name -> text: tokenizer, generation config,
-    ...). Weights are streamed into shards of at most `max_shard_bytes`; the directory appears atomically.
-    Returns `dest`. Same arguments -> byte-identical files."""
+    ...; as in ``mlx_lm.convert``, a ``generation_config.json`` among them sets an MLX config.json's
+    ``eos_token_id``). Weights are streamed into shards of at most `max_shard_bytes` (more than one:
+    ``model-0000i-of-0000n.safetensors`` and an index, in save_pretrained's / mlx-lm's naming); the
+    directory appears atomically. Returns `dest`. Same arguments -> byte-identical files."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
     cfg = json.loads(json.dumps(dict(cfg)))

@@ -534,8 +534,8 @@ def main(argv=None) -> int:
                 json.dump(res, f, indent=2)
         return 0
     if a.validate_only:
-        from qwenmetal.bench import cache_root
-        rows = validate(a.threads, cache_root())
+        from qwenmetal.paths import cache_dir
+        rows = validate(a.threads, cache_dir("bench"))
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump({"validation": rows}, f, indent=2)

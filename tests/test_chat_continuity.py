@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
+from qwenmetal.options import GenerationOptions
 from qwenmetal.sampling import SampleResult, Sampler
 from qwenmetal.testing import ENDOFTEXT, IM_END, SPECIAL_TOKENS, make_checkpoint
 from qwenmetal.transcripts import TranscriptStore, conversation_keys, normalize_message
@@ -346,8 +347,8 @@ def test_disk_tier_is_bounded_and_skips_unreadable_files(ckpt, tmp_path):
 @pytest.fixture
 def steered(monkeypatch):
     """Replies of the CLI and the server end on <|im_end|> after 4 tokens (their sampler comes from
-    Sampler.from_generation_config)."""
-    monkeypatch.setattr(Sampler, "from_generation_config", classmethod(lambda cls, g=None, **kw: Ending(4)))
+    GenerationOptions.sampler)."""
+    monkeypatch.setattr(GenerationOptions, "sampler", lambda self, generation_config=None: Ending(4))
 
 
 def chat_command(ckpt, monkeypatch, capsys, script: str) -> str:

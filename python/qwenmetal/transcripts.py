@@ -192,8 +192,8 @@ def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking:
                 **template_kwargs) -> ChatPrompt:
     """The prompt for answering `messages`: a transcript of the longest answered prefix plus the rendering of
     the rest when they line up, else the plain rendering (module docstring)."""
-    if model.tokenizer is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
+    from .chat import check_chat_support
+    check_chat_support(model)
     tk = model.tokenizer
     messages = list(messages)
     kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
@@ -258,15 +258,17 @@ def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt
     return ChatPrompt(ids, head, text, len(transcript), keys)
 
 
-def remember_reply(model, prompt: ChatPrompt, reply: dict, tokens: Sequence[int]) -> str | None:
-    """Keep the transcript of a reply: `prompt` was answered with the generated `tokens`, appended to the
-    conversation as `reply` (the assistant message). Kept only when the reply ended on one of the model's
-    end ids (its last token) and transcripts are on for the prompt. Returns the transcript's key, or None."""
+def remember_reply(model, prompt_ids: Sequence[int], keys: Sequence[str], reply: dict,
+                   tokens: Sequence[int]) -> str | None:
+    """Keep the transcript of a reply: the prompt `prompt_ids` (of the conversation named by `keys`, a
+    `ChatPrompt`'s) was answered with the generated `tokens`, appended to the conversation as `reply` (the
+    assistant message). Kept only when the reply ended on one of the model's end ids (its last token) and
+    transcripts are on for the prompt (`keys` not empty). Returns the transcript's key, or None."""
     store = getattr(model, "transcripts", None)
-    if store is None or not prompt.keys or not tokens or int(tokens[-1]) not in model.eos_token_ids:
+    if store is None or not keys or not tokens or int(tokens[-1]) not in model.eos_token_ids:
         return None
-    key = next_key(prompt.keys[-1], reply)
-    transcript = list(prompt.ids) + [int(t) for t in tokens]
+    key = next_key(keys[-1], reply)
+    transcript = [int(t) for t in prompt_ids] + [int(t) for t in tokens]
     store.put(key, transcript)
     pc = model.prefix_cache
     if pc is not None and pc.disk is not None:    # the turn's snapshot (its end token not fed) with its transcript
@@ -298,9 +300,9 @@ def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_
     else its rendering without a generation prompt. Resumes from the prefix cache and prefills the rest.
     ``session.metadata`` holds the messages and how they were rendered, which `resume_conversation` reads
     back (`Session.save` writes it)."""
+    from .chat import check_chat_support
+    check_chat_support(model)
     tk = model.tokenizer
-    if tk is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
     messages = list(messages)
     if not messages:
         raise ValueError("messages is empty: there is no conversation to hold")

@@ -170,6 +170,20 @@ def test_preserve_thinking_false_renders_the_template_and_keeps_no_transcripts(c
             assert r.stats["cached_tokens"] < len(prev_ids) + len(prev.tokens) - 1
 
 
+def test_a_streamed_chat_keeps_its_transcript_when_consumed(ckpt):
+    model = load(ckpt)
+    msgs = [{"role": "user", "content": "hi"}]
+    outs = model.chat(msgs, sampler=Ending(3), max_tokens=8, stream=True)
+    first = next(outs)
+    assert len(model.transcripts) == 0 and first.finish_reason is None
+    rest = list(outs)
+    assert len(model.transcripts) == 1 and rest[-1].token == IM_END
+    r = model.chat(msgs, sampler=Ending(3), max_tokens=8)            # the same reply, as a response
+    nxt = msgs + [r.message, {"role": "user", "content": "and?"}]
+    ids, _, _ = model.chat_prompt(nxt)
+    assert ids[:r.stats["prompt_tokens"] + len(r.tokens)] == model.chat_prompt(msgs)[0] + r.tokens
+
+
 def test_replies_that_do_not_end_on_their_end_token_have_no_transcript(ckpt):
     model = load(ckpt)
     msgs = [{"role": "user", "content": "hi"}]

@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, MemoryError, FileExistsError) as e:
+    except (ValueError, MemoryError, OSError) as e:   # OSError names the path (e.g. --cache-dir)
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
 

@@ -193,12 +193,22 @@ def test_replies_that_do_not_end_on_their_end_token_have_no_transcript(ckpt):
     r = model.chat(msgs, max_tokens=8, sampler=Ending(3, end=other), stop_token_ids=[other])
     assert r.finish_reason == "stop" and len(model.transcripts) == 0      # ended by another stop id
     # an end id the template does not write after a reply: the transcript does not line up, so the next
-    # prompt is the plain rendering
+    # prompt is the plain rendering ...
     r = model.chat(msgs, max_tokens=8, sampler=Ending(3, end=ENDOFTEXT))
     assert r.tokens[-1] == ENDOFTEXT and len(model.transcripts) == 1
     nxt = msgs + [r.message, {"role": "user", "content": "and?"}]
     ids, _, text = model.chat_prompt(nxt)
     assert ids == model.tokenizer.encode(text)
+    # ... or, when an earlier reply has a transcript that lines up, that transcript + the rendering of the rest
+    good = model.chat(nxt, max_tokens=8, sampler=Ending(3))
+    later = nxt + [good.message, {"role": "user", "content": "more"}]
+    bad = model.chat(later, max_tokens=8, sampler=Ending(3, end=ENDOFTEXT))
+    last = later + [bad.message, {"role": "user", "content": "end"}]
+    ids, _, text = model.chat_prompt(last)
+    seen = model.chat_prompt(nxt)[0] + good.tokens
+    assert ids[:len(seen)] == seen and ids != model.tokenizer.encode(text)
+    r = model.chat(last, max_tokens=4, sampler=Ending(2))
+    assert r.stats["cached_tokens"] >= len(seen) - 1
 
 
 def test_a_template_that_renders_the_history_differently_falls_back(ckpt):

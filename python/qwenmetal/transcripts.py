@@ -13,8 +13,9 @@ conversation up to and including that reply. The next prompt is
 so the previous turn's snapshot is a prefix of it and only the new messages are prefilled. The rendering of
 what follows is found generically: the history before the last reused reply must render identically on its
 own and inside the whole conversation, and the text after that reply's end token (``<|im_end|>``) is what
-is encoded. When anything does not line up (no transcript, a template that renders the history
-differently), the prompt is the plain rendering, as before.
+is encoded. A transcript that does not line up (its reply ended on another end id than the template
+writes, say) gives way to the transcript of an earlier reply (the four longest are tried); when none does
+(no transcript, a template that renders the history differently), the prompt is the plain rendering.
 
 The key is the conversation *normalised*: assistant ``reasoning_content`` is dropped (OpenAI clients
 usually drop it; the transcript holds the reasoning as generated), ``None`` and empty fields are dropped,
@@ -35,7 +36,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -146,15 +147,18 @@ class TranscriptStore:
             self._entries.move_to_end(key)
             return e.tolist()
 
-    def longest(self, keys: Sequence[str], messages: Sequence[dict]) -> tuple:
-        """``(k, tokens)`` for the longest prefix ``messages[:k]`` ending in an assistant reply that has a
-        transcript (`keys` from :func:`conversation_keys`), or ``(0, None)``."""
+    def candidates(self, keys: Sequence[str], messages: Sequence[dict], limit: int = 4) -> Iterator[tuple]:
+        """``(k, tokens)`` for the prefixes ``messages[:k]`` ending in an assistant reply that have a
+        transcript (`keys` from :func:`conversation_keys`), longest first, at most `limit` of them."""
+        n = 0
         for k in range(len(messages), 0, -1):
+            if n == limit:
+                return
             if messages[k - 1].get("role") == "assistant":
                 t = self.get(keys[k - 1])
                 if t is not None:
-                    return k, t
-        return 0, None
+                    n += 1
+                    yield k, t
 
     def clear(self) -> None:
         with self._lock:
@@ -190,8 +194,8 @@ def _stripped(m: dict) -> dict:
 
 def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
                 **template_kwargs) -> ChatPrompt:
-    """The prompt for answering `messages`: a transcript of the longest answered prefix plus the rendering of
-    the rest when they line up, else the plain rendering (module docstring)."""
+    """The prompt for answering `messages`: the transcript of the longest answered prefix that lines up with
+    the rendering of the rest, plus that rendering; else the plain rendering (module docstring)."""
     from .chat import check_chat_support
     check_chat_support(model)
     tk = model.tokenizer
@@ -202,12 +206,10 @@ def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking:
     keys = conversation_keys(messages, tools, kwargs) if store is not None and preserve is not False else []
     if preserve is None and PRESERVE_THINKING in (tk.chat_template or ""):
         kwargs[PRESERVE_THINKING] = True          # what follows a transcript, or a plain history, as generated
-    if keys:
-        k, tokens = store.longest(keys, messages)
-        if tokens is not None:
-            p = _continue(model, messages, k, tokens, tools, kwargs, keys)
-            if p is not None:
-                return p
+    for k, tokens in (store.candidates(keys, messages) if keys else ()):
+        p = _continue(model, messages, k, tokens, tools, kwargs, keys)
+        if p is not None:                         # else an earlier reply's transcript may still line up
+            return p
     return _plain(tk, messages, tools, kwargs, keys)
 
 

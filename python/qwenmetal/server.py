@@ -440,6 +440,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
@@ -466,12 +467,15 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             raise APIError(413, f"request body of {cl} bytes exceeds the limit of {max_request_bytes}",
                            code="request_too_large")
         chunks, n = [], 0
-        async for c in request.stream():
-            n += len(c)
-            if n > max_request_bytes:
-                raise APIError(413, f"request body exceeds the limit of {max_request_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(c)
+        try:
+            async for c in request.stream():
+                n += len(c)
+                if n > max_request_bytes:
+                    raise APIError(413, f"request body exceeds the limit of {max_request_bytes} bytes",
+                                   code="request_too_large")
+                chunks.append(c)
+        except ClientDisconnect:              # the client left before sending the whole body
+            raise APIError(400, "the request body was cut short", code="incomplete_body") from None
         try:
             body = json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

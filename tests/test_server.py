@@ -10,6 +10,7 @@ left never runs, a full queue answers 503 + Retry-After, the time limit, the def
 graceful shutdown (the running request finishes, the queued one gets 503; past the graceful timeout the
 generation is cancelled). The soak test is tests/test_server_soak.py.
 """
+import contextlib
 import json
 import os
 import socket
@@ -41,19 +42,16 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("srv") / "ck", "tiny", "mlx-q4", seed=3)
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    require("starlette")
-    require("uvicorn")
-    httpx = require("httpx")
+@contextlib.contextmanager
+def spawned_server(args, log):
+    """``qwenmetal serve ARGS`` on 127.0.0.1 and a free port, as a subprocess writing to `log`; yields
+    (process, base url) once /health answers, and stops the process on exit."""
+    import httpx
+
     port = _free_port()
-    log = tmp_path_factory.mktemp("srvlog") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal.cli", "serve", "--model", str(ckpt),
-                                 "--port", str(port), "--api-key", API_KEY, "--served-model-name", NAME,
-                                 "--max-request-bytes", str(MAX_BODY), "--log-level", "warning",
-                                 "--backend", "reference"],
+        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal.cli", "serve", "--port", str(port), *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -67,15 +65,27 @@ def server(ckpt, tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start:\n{log.read_text()}")
             time.sleep(0.2)
-        yield base
+        yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
     assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    require("starlette")
+    require("uvicorn")
+    require("httpx")
+    with spawned_server(["--model", str(ckpt), "--api-key", API_KEY, "--served-model-name", NAME,
+                         "--max-request-bytes", str(MAX_BODY), "--log-level", "warning", "--backend", "reference"],
+                        tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -531,8 +541,7 @@ def test_shutdown_cancels_what_outlives_the_graceful_timeout(live):
     _until(lambda: c.steps >= 2, "request A running")
     t0 = time.monotonic()
     srv.should_exit = True
-    _until(lambda: not any(t.name == "qwenmetal-generate" and t.is_alive() for t in threading.enumerate()),
-           "the generation worker to stop", timeout=15)
+    assert srv.config.app.state.queue.join(15), "the generation worker did not stop"
     assert time.monotonic() - t0 < 5
     assert c.steps < LONG["max_tokens"]
     a.close()

@@ -2,11 +2,14 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /health``. One model per server; generations run one at a
-time on a worker thread, in arrival order (a bounded queue; a full queue answers 503). A client that
-disconnects cancels its generation (queued or running) and the server goes on serving. Errors are
-OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. The prefix cache
-makes follow-up turns cheap; ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
-came from it. Documented in docs/server.md.
+time on a worker thread, in arrival order (`GenerationQueue`: bounded, a full queue answers 503 with
+``Retry-After``). A client that disconnects cancels its generation within one decode step (a queued one
+is dropped unrun) and the server goes on serving; a generation past the time limit ends with what it made;
+shutdown fails queued requests and lets the running one finish for a grace period. Both endpoints share
+one submit/stream/collect path (`respond`, with a `_Render` per endpoint). Errors are OpenAI-style:
+``{"error": {"message", "type", "param", "code"}}``. The prefix cache makes follow-up turns cheap;
+``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens came from it. Documented in
+docs/server.md.
 """
 from __future__ import annotations
 

@@ -469,7 +469,7 @@ def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
     assert h["timed_out"] == 1 and h["cancelled"] == 0 and h["completed"] == 0
 
 
-def test_chat_without_max_tokens_gets_the_default_budget(live):
+def test_chat_without_max_tokens_gets_the_default_budget(live, capsys):
     import openai
 
     from qwenmetal.cli import main
@@ -484,6 +484,8 @@ def test_chat_without_max_tokens_gets_the_default_budget(live):
     assert r.usage.completion_tokens == 16                # OpenAI's default for /v1/completions
     with pytest.raises(SystemExit, match="0"):
         main(["serve", "--help"])
+    assert f"sets none (default {DEFAULT_CHAT_MAX_TOKENS}; 0: up to the context limit)" in " ".join(
+        capsys.readouterr().out.split())                 # the CLI's default is the same
 
 
 def test_default_max_tokens_option(live):

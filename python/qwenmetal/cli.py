@@ -432,8 +432,8 @@ def main(argv=None) -> int:
     p.add_argument("--default-max-tokens", type=int, default=srv.DEFAULT_CHAT_MAX_TOKENS,
                    help=f"max_tokens when a chat request sets none (default {srv.DEFAULT_CHAT_MAX_TOKENS}; "
                    "0: up to the context limit)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting beyond this get 503 with Retry-After")
+    p.add_argument("--max-queue", type=int, default=srv.DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond this get 503 with Retry-After (default {srv.DEFAULT_MAX_QUEUE})")
     p.add_argument("--request-timeout", type=float, default=srv.DEFAULT_REQUEST_TIMEOUT,
                    help="seconds a generation may run; then it ends with finish_reason 'length' and what it "
                    f"generated (default {srv.DEFAULT_REQUEST_TIMEOUT:g}; 0: no limit)")

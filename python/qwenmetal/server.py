@@ -24,6 +24,7 @@ import time
 import uuid
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_QUEUE = 64                  # requests that may wait for the one generation slot
 DEFAULT_CHAT_MAX_TOKENS = 2048          # a chat request without max_tokens; /v1/completions defaults to 16
 DEFAULT_REQUEST_TIMEOUT = 600.0         # seconds a generation may run
 DEFAULT_GRACEFUL_TIMEOUT = 5.0          # seconds in-flight requests get to finish on shutdown
@@ -84,7 +85,7 @@ class GenerationQueue:
     its request ends with what it generated (reason ``"time_limit"``). `close` refuses new requests and
     fails the waiting ones with 503 ``shutting_down``; the running one goes on until it ends."""
 
-    def __init__(self, max_waiting: int = 64, time_limit: float | None = None):
+    def __init__(self, max_waiting: int = DEFAULT_MAX_QUEUE, time_limit: float | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_waiting}")
         if time_limit is not None and not time_limit > 0:
@@ -435,7 +436,7 @@ class _CompletionRender(_Render):
 # ---------------------------------------------------------------------------------------------------
 def create_app(model, *, model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = 64,
+               default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
     """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
     of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
@@ -719,7 +720,7 @@ def uvicorn_server(app, host: str = "127.0.0.1", port: int = 8000, *, log_level:
 
 def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = 64,
+          default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
           graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info") -> None:
     """Serve `model` with uvicorn until interrupted (options as for `create_app` and `uvicorn_server`)."""

@@ -54,7 +54,7 @@ class APIError(Exception):
 # the request queue: one generation at a time
 # ---------------------------------------------------------------------------------------------------
 class _Job:
-    """One request's generation: `make()` starts it on the worker; its events go to `out` on the event loop:
+    """One request's generation: `make(cancel)` starts it on the worker; its events go to `out` on the event loop:
     ``("out", GenerationOutput)`` per token, then ``("end", reason, stats)`` (reason None: cancelled) or
     ``("error", exception)``."""
 
@@ -167,22 +167,26 @@ class GenerationQueue:
             finally:
                 it.close()
         except Exception as e:  # noqa: BLE001 - reported to the client as a 500
-            self.counts["failed"] += 1
+            self._count("failed")
             job.push("error", e)
             return
         finally:
             if timer is not None:
                 timer.cancel()
         if last is not None and last.finish_reason is not None:
-            self.counts["completed"] += 1
+            self._count("completed")
             job.push("end", last.finish_reason, last.stats)
         elif job.timed_out:
-            self.counts["timed_out"] += 1
+            self._count("timed_out")
             job.push("end", "time_limit", {"prompt_tokens": job.n_prompt, "generated_tokens": n,
                                            "cached_tokens": None})
         else:
-            self.counts["cancelled"] += 1
+            self._count("cancelled")
             job.push("end", None, None)
+
+    def _count(self, key: str) -> None:
+        with self._cond:
+            self.counts[key] += 1
 
     def status(self) -> dict:
         with self._cond:

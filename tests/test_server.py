@@ -382,7 +382,7 @@ LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "tempera
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_stops_the_generation_within_one_decode_step(live, stream):
-    base, c, _ = live(delay=0.05)
+    base, c, _ = live(delay=0.1)
     s = _raw(base, "/v1/completions", dict(LONG, stream=stream))
     if stream:
         got = b""
@@ -444,7 +444,7 @@ def test_a_full_queue_answers_503_with_retry_after(live):
 def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
     import openai
 
-    base, c, _ = live(delay=0.05, request_timeout=0.5)
+    base, c, _ = live(delay=0.1, request_timeout=1.0)
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
     t0 = time.monotonic()
     args = dict(model=NAME, prompt="Once upon a time", max_tokens=400, temperature=0,
@@ -459,11 +459,13 @@ def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
         r = client.completions.create(**args)
         text, usage = r.choices[0].text, r.usage
         assert r.choices[0].finish_reason == "length"
-    assert time.monotonic() - t0 < 5
-    # the tokens made in 0.5 s (at 50 ms a step), their text, and no claim about cached tokens
-    assert 1 <= usage.completion_tokens < 20 and usage.prompt_tokens_details is None
-    want = "".join(o.text for o in c._generate("Once upon a time", max_tokens=usage.completion_tokens,
-                                                 temperature=0, ignore_eos=True))
+    assert time.monotonic() - t0 < 10
+    # at most the steps that fit in 1 s (each sleeps 0.1 s; fewer on a loaded machine), their text, and no
+    # claim about cached tokens
+    n = usage.completion_tokens
+    assert n <= 11 and c.steps <= 11 and usage.prompt_tokens_details is None
+    want = "".join(o.text for o in c._generate("Once upon a time", max_tokens=n, temperature=0,
+                                                 ignore_eos=True)) if n else ""
     assert text == want
     h = _health(base)
     assert h["timed_out"] == 1 and h["cancelled"] == 0 and h["completed"] == 0

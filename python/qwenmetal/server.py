@@ -23,6 +23,11 @@ import threading
 import time
 import uuid
 
+from .chat import chat_turn, validate_messages
+from .errors import InputError
+from .options import GenerationOptions
+from .sampling import SAMPLING_KEYS
+
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_QUEUE = 64                  # requests that may wait for the one generation slot
 DEFAULT_CHAT_MAX_TOKENS = 2048          # a chat request without max_tokens; /v1/completions defaults to 16
@@ -220,30 +225,34 @@ def _bool(body, name, default=False):
     return v
 
 
-def _sampling(body) -> dict:
-    top_k = _num(body, "top_k", -1, None, integer=True)
-    if top_k == -1:
-        top_k = 0
-    seed = _num(body, "seed", integer=True)
-    return dict(temperature=_num(body, "temperature", 0.0, 2.0), top_p=_num(body, "top_p", 0.0, 1.0, lo_open=True),
-                top_k=top_k, min_p=_num(body, "min_p", 0.0, 1.0),
-                presence_penalty=_num(body, "presence_penalty", -2.0, 2.0),
-                frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0),
-                repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, lo_open=True),
-                seed=None if seed is None else seed & 0xFFFFFFFFFFFFFFFF)
+#: request fields that are `GenerationOptions` fields of the same name (max_tokens: see max_tokens_of)
+_OPTION_FIELDS = SAMPLING_KEYS + ("stop", "stop_token_ids", "ignore_eos")
+#: OpenAI's documented ranges where they are narrower than qwenmetal's own checks
+_API_RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 
 
-def _stop(body) -> list:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise APIError(400, "'stop' must be a string or a list of strings", "stop", "invalid_value")
-    if len(v) > MAX_STOP_STRINGS:
+def _bad_input(e: InputError) -> APIError:
+    return APIError(400, str(e), e.param, e.code)
+
+
+def _options(body, max_tokens: int) -> GenerationOptions:
+    """The request's sampling and stopping options, checked by `GenerationOptions` (a 400 naming the field)."""
+    kw = {k: body.get(k) for k in _OPTION_FIELDS}
+    if kw["top_k"] == -1:                     # vLLM's "off"
+        kw["top_k"] = 0
+    if isinstance(kw["seed"], int) and not isinstance(kw["seed"], bool):
+        kw["seed"] &= 0xFFFFFFFFFFFFFFFF      # any JSON integer seeds the generator
+    if isinstance(kw["stop"], list) and len(kw["stop"]) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop", "invalid_value")
-    return [s for s in v if s]
+    try:
+        opts = GenerationOptions.build(max_tokens=max_tokens, **kw)
+    except InputError as e:
+        raise _bad_input(e) from None
+    for k, (lo, hi) in _API_RANGES.items():
+        v = getattr(opts, k)
+        if v is not None and not lo <= v <= hi:
+            raise APIError(400, f"'{k}' must be in [{lo}, {hi}], got {v!r}", k, "invalid_value")
+    return opts
 
 
 def _check_n(body):
@@ -255,34 +264,11 @@ def _check_n(body):
         raise APIError(400, "only best_of=1 is supported", "best_of", "unsupported_value")
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def _messages(body) -> list:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise APIError(400, f"messages[{i}] must be an object with a role in {list(_ROLES)}",
-                           f"messages[{i}]", "invalid_value")
-        c = m.get("content")
-        if c is not None and not isinstance(c, (str, list)):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of parts",
-                           f"messages[{i}].content", "invalid_value")
-        if isinstance(c, list):
-            for p in c:
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content", "unsupported_value")
-        m = dict(m)
-        if m["role"] == "developer":
-            m["role"] = "system"
-        if m.get("content") is None:
-            m["content"] = ""
-        out.append(m)
-    return out
+    try:
+        return validate_messages(body.get("messages"))
+    except InputError as e:
+        raise _bad_input(e) from None
 
 
 def _usage(stats) -> dict:
@@ -337,12 +323,10 @@ class _Render:
 class _ChatRender(_Render):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model_name, tok, thinking: bool, tools, logprobs: bool):
-        from .generation import ChatStreamParser
-
+    def __init__(self, model_name, tok, turn, logprobs: bool):
         super().__init__("chatcmpl-", model_name)
-        self.tok, self.thinking, self.tools, self.logprobs = tok, thinking, tools, logprobs
-        self.parser = ChatStreamParser(thinking, tools, parse_tools=bool(tools))
+        self.tok, self.turn, self.logprobs = tok, turn, logprobs     # turn: chat.chat_turn's result
+        self.parser = turn.stream_parser()
 
     def chunk(self, delta, finish=None, lp=None) -> dict:
         return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": lp,
@@ -375,13 +359,7 @@ class _ChatRender(_Render):
         return chunks + [self.chunk({}, _finish(reason, bool(calls)))]
 
     def body(self, outs, reason, usage) -> dict:
-        from .generation import parse_assistant
-
-        full = "".join(o.text for o in outs)
-        reasoning, content, calls = parse_assistant(full, thinking=self.thinking, tools=self.tools)
-        if not self.tools:
-            calls = []
-            _, content, _ = parse_assistant(full, thinking=self.thinking, tools=None)
+        reasoning, content, calls = self.turn.parse("".join(o.text for o in outs))
         msg = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -574,22 +552,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return JSONResponse(render.body(outs, reason, _usage(stats)))
 
     def gen_kwargs_of(body, n_prompt, default_max):
-        kw = _sampling(body)
-        kw.update(max_tokens=max_tokens_of(body, n_prompt, default_max), stop=_stop(body),
-                  ignore_eos=_bool(body, "ignore_eos"))
-        sti = body.get("stop_token_ids")
-        if sti is not None:
-            if not isinstance(sti, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in sti):
-                raise APIError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids", "invalid_value")
-            kw["stop_token_ids"] = sti
-        try:                                  # the sampler's own checks (ranges, types)
-            from .sampling import Sampler
-            Sampler.from_generation_config(model.generation_config, **{k: kw[k] for k in (
-                "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "seed")})
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        return kw
+        return {"options": _options(body, max_tokens_of(body, n_prompt, default_max))}
 
     # ---- endpoints ------------------------------------------------------------------------------
     async def health(request):
@@ -614,8 +577,6 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         if top_n and not want_lp:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise APIError(400, "'tools' must be a list of objects", "tools", "invalid_value")
         if body.get("tool_choice") == "none":
             tools = None
         rf = body.get("response_format")
@@ -629,20 +590,19 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         enable_thinking = ctk.pop("enable_thinking", None)
         if "enable_thinking" in body:
             enable_thinking = _bool(body, "enable_thinking", None)
-        from .generation import prompt_opens_thinking
         try:
-            ids, head, text = await run_in_threadpool(
-                model.chat_prompt, msgs, tools=tools, enable_thinking=enable_thinking, **ctk)
-        except APIError:
-            raise
+            turn = await run_in_threadpool(chat_turn, model, msgs, tools=tools, enable_thinking=enable_thinking,
+                                           template_kwargs=ctk)
+        except InputError as e:
+            raise _bad_input(e) from None
         except Exception as e:  # template errors (jinja2 TemplateError and friends)
             raise APIError(400, f"cannot render the conversation with the chat template: {e}", "messages",
                            "invalid_value") from None
-        kw = gen_kwargs_of(body, len(ids), default_max_tokens)
+        kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens)
         kw.update(logprobs=want_lp, top_logprobs=top_n)
-        thinking = prompt_opens_thinking(text)
-        render = _ChatRender(name, tok, thinking, tools, want_lp)
-        return await respond(request, make_job(kw, ids, (head,) if head else ()), render, stream, include_usage)
+        render = _ChatRender(name, tok, turn, want_lp)
+        return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points), render, stream,
+                             include_usage)
 
     async def completions(request):
         body = await read_json(request)

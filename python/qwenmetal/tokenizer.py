@@ -12,6 +12,7 @@ import copy
 import datetime
 import json
 import os
+from typing import Sequence
 
 from .errors import CheckpointError
 
@@ -75,6 +76,8 @@ def _raise_exception(msg):
 
 
 class Tokenizer:
+    """A checkpoint's tokenizer (tokenizer.json through HF ``tokenizers``) and chat template."""
+
     def __init__(self, directory: str | os.PathLike):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
@@ -126,10 +129,12 @@ class Tokenizer:
         """Number of ids the tokenizer defines (≤ the model's padded vocab)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str):
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` (a vocabulary string, e.g. ``"<|im_end|>"``), or None."""
         return self._tok.token_to_id(token)
 
-    def id_to_token(self, i: int):
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary string of id `i`, or None."""
         return self._tok.id_to_token(int(i))
 
     def _token_setting(self, name):
@@ -139,11 +144,13 @@ class Tokenizer:
         return v
 
     @property
-    def eos_token(self):
+    def eos_token(self) -> str | None:
+        """tokenizer_config.json's ``eos_token``."""
         return self._token_setting("eos_token")
 
     @property
-    def eos_token_id(self):
+    def eos_token_id(self) -> int | None:
+        """The id of `eos_token`."""
         t = self.eos_token
         return None if t is None else self.token_to_id(t)
 
@@ -154,7 +161,8 @@ class Tokenizer:
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (invalid UTF-8 becomes U+FFFD)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -184,12 +192,17 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # ---- chat ---------------------------------------------------------------------------
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None,
-                            tokenize: bool = False, **kwargs):
+    def require_chat_template(self) -> None:
+        """Raise ValueError if the checkpoint ships no chat template."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.directory}: the checkpoint has no chat template (no chat_template.jinja, and "
+                             f"no chat_template in tokenizer_config.json)")
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tools: list | None = None, tokenize: bool = False, **kwargs) -> str | list:
         """Render `messages` with the checkpoint's template (extra kwargs such as
         ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``."""
-        if self.chat_template is None:
-            raise ValueError(f"{self.directory}: the checkpoint has no chat template")
+        self.require_chat_template()
         if kwargs.get("enable_thinking", 0) is None:
             kwargs.pop("enable_thinking")          # None: the template's default
         messages = _normalize_messages(messages)
@@ -230,6 +243,7 @@ class StreamDecoder:
         self._emitted = ""
 
     def add(self, token_id: int) -> str:
+        """The text `token_id` completes ("" while a character is incomplete)."""
         t = self.tokenizer
         i = int(token_id)
         if self.skip_special_tokens and i in t.special_ids:
@@ -253,7 +267,7 @@ class StreamDecoder:
         return new
 
 
-def load_tokenizer(directory):
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None if it ships no tokenizer.json."""
     if not os.path.exists(os.path.join(os.fspath(directory), "tokenizer.json")):
         return None

@@ -475,6 +475,11 @@ def main(argv=None) -> int:
     except (ValueError, MemoryError, FileExistsError) as e:
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # Ctrl-C in any command: one line, no traceback, 128 + SIGINT
+        if sys.stdout.isatty():
+            print(flush=True)          # end a partly written line of output
+        print("qwenmetal: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ from qwenmetal.testing import cached_checkpoint
 @pytest.fixture()
 def ck(tmp_path, monkeypatch):
     """A private copy of the tiny checkpoint and a private hash cache."""
+    src = cached_checkpoint("tiny", "mlx-q4")
     monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "ck"
-    shutil.copytree(cached_checkpoint("tiny", "mlx-q4"), d)
+    shutil.copytree(src, d)
     return d
 
 

@@ -274,10 +274,16 @@ def _with_header(f, header: str, data: bytes) -> None:
 def test_malformed_header_entries(tmp_path, entry, msg):
     """Found by tests/test_fuzz.py on the earlier parser: each used to raise TypeError/OverflowError or pass."""
     from qwenmetal.safetensors_io import SafetensorsFile
+    import tracemalloc
     f = tmp_path / "m.safetensors"
     _with_header(f, '{"x": ' + entry + "}", b"\0" * 8)
-    with pytest.raises(CheckpointError, match=rf"{f}: .*{msg}"):
-        SafetensorsFile(f)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=rf"{f}: .*{msg}"):
+            SafetensorsFile(f)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20      # refused before allocating what it claims
+    finally:
+        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("index, msg", [

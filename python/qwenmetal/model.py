@@ -138,7 +138,10 @@ class Session:
         """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
         (config.json or weight files differ) or the file is malformed."""
         from .session_io import load_session
-        return load_session(path, model, max_context)
+        state, tokens, max_context, metadata = load_session(path, model, max_context)
+        s = cls(model, state, tokens, max_context=max_context)
+        s.metadata = metadata
+        return s
 
     def __repr__(self) -> str:
         return (f"Session(position={self.position}, max_context={self.max_context}, "
@@ -211,8 +214,10 @@ class Model:
 
     @property
     def identity(self) -> dict:
-        """What names this checkpoint (hash of config.json + weight file names and sizes); sessions
-        saved with `Session.save` carry it and refuse to load into another model."""
+        """What names this checkpoint (hash of config.json + the weight files' names, sizes and full
+        SHA-256, cached by `qwenmetal.session_io`); sessions saved with `Session.save` carry it and refuse
+        to load into another model. Raises CheckpointError if a weight file changed since loading."""
+        self.weights.check_unchanged()
         if self._identity is None:
             from .session_io import model_identity
             self._identity = model_identity(self.path)

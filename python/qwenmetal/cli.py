@@ -349,8 +349,9 @@ def cmd_serve(args) -> int:
     print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
-          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-          max_queue=args.max_queue, log_level=args.log_level)
+          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
+          max_queue=args.max_queue, request_timeout=args.request_timeout or None,
+          graceful_timeout=args.graceful_timeout, log_level=args.log_level)
     return 0
 
 
@@ -415,6 +416,7 @@ def main(argv=None) -> int:
     _add_sampling_args(p, max_tokens=4096)
     p.set_defaults(func=cmd_chat)
 
+    from . import server as srv                # stdlib-only at import; starlette/uvicorn load on use
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
     _add_model_args(p, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -422,10 +424,19 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set QWENMETAL_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --model value "
                    "for a hub id, the directory name for a path)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="max_tokens when a chat request sets none (default: up to the context limit)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    p.add_argument("--max-request-bytes", type=int, default=srv.DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--default-max-tokens", type=int, default=srv.DEFAULT_CHAT_MAX_TOKENS,
+                   help=f"max_tokens when a chat request sets none (default {srv.DEFAULT_CHAT_MAX_TOKENS}; "
+                   "0: up to the context limit)")
+    p.add_argument("--max-queue", type=int, default=srv.DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond this get 503 with Retry-After (default {srv.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--request-timeout", type=float, default=srv.DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds a generation may run; then it ends with finish_reason 'length' and what it "
+                   f"generated (default {srv.DEFAULT_REQUEST_TIMEOUT:g}; 0: no limit)")
+    p.add_argument("--graceful-timeout", type=float, default=srv.DEFAULT_GRACEFUL_TIMEOUT,
+                   help="on shutdown, seconds in-flight requests get to finish before they are cancelled "
+                   f"(default {srv.DEFAULT_GRACEFUL_TIMEOUT:g})")
     p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
     p.add_argument("--cache-dir", nargs="?", const=str(cache_dir("prompt-cache")), default=None, metavar="DIR",
                    help="also keep chat turns' states on disk in DIR (default DIR: "
@@ -461,6 +472,11 @@ def main(argv=None) -> int:
     except (ValueError, MemoryError, OSError) as e:   # OSError names the path (e.g. --cache-dir)
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # Ctrl-C in any command: one line, no traceback, 128 + SIGINT
+        if sys.stdout.isatty():
+            print(flush=True)          # end a partly written line of output
+        print("qwenmetal: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

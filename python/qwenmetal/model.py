@@ -9,7 +9,9 @@
 A `Session` holds one sequence's state (KV cache of the attention layers, conv and recurrent
 state of the Gated DeltaNet layers, the position and the tokens). Calls are all-or-nothing: an
 invalid token, empty input or context overflow raises ValueError before anything changes, and an
-exception during compute (including KeyboardInterrupt) leaves the session as it was.
+exception during compute (including KeyboardInterrupt, which the C++ engines check for between chunks
+and tokens) leaves the session as it was: state and tokens always advance together (docs/api.md,
+"Interrupts").
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import CheckpointError
 from .generation import GenerationOutput
+from .interrupts import sigint_deferred
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
@@ -113,13 +116,17 @@ class Session:
             raise TypeError(f"restore() takes a SessionSnapshot, got {type(snap).__name__}")
         if snap.model_id != id(self._model):
             raise ValueError("this snapshot was taken from a session of another model")
-        self._state = snap.state.copy()
-        self._tokens = list(snap.tokens)
+        state, tokens = snap.state.copy(), list(snap.tokens)
+        with sigint_deferred():
+            self._state = state
+            self._tokens = tokens
 
     def reset(self) -> None:
         """Back to position 0 (an empty state)."""
-        self._state = self._model._backend.new_state()
-        self._tokens = []
+        state = self._model._backend.new_state()
+        with sigint_deferred():
+            self._state = state
+            self._tokens = []
 
     def save(self, path, metadata: dict | None = None) -> None:
         """Write the state, tokens and position to `path` (a safetensors file with a JSON header naming
@@ -135,7 +142,9 @@ class Session:
         transcript, so `model.chat` on its ``metadata["messages"]`` plus a new message prefills only that."""
         from .session_io import load_session
         from .transcripts import resume_conversation
-        s = load_session(path, model, max_context)
+        state, tokens, max_context, metadata = load_session(path, model, max_context)
+        s = cls(model, state, tokens, max_context=max_context)
+        s.metadata = metadata
         resume_conversation(model, s)
         return s
 
@@ -211,8 +220,10 @@ class Model:
 
     @property
     def identity(self) -> dict:
-        """What names this checkpoint (hash of config.json + weight file names and sizes); sessions
-        saved with `Session.save` carry it and refuse to load into another model."""
+        """What names this checkpoint (hash of config.json + the weight files' names, sizes and full
+        SHA-256, cached by `qwenmetal.session_io`); sessions saved with `Session.save` carry it and refuse
+        to load into another model. Raises CheckpointError if a weight file changed since loading."""
+        self.weights.check_unchanged()
         if self._identity is None:
             from .session_io import model_identity
             self._identity = model_identity(self.path)
@@ -232,9 +243,8 @@ class Model:
         if return_logits not in RETURN_LOGITS:
             raise ValueError(f"return_logits must be one of {RETURN_LOGITS}, got {return_logits!r}")
         ids = self._check_ids(token_ids, session)
-        state, out = self._backend.forward(session._state, ids, return_logits)
-        session._state = state
-        session._tokens.extend(int(i) for i in ids)
+        # the backend commits the state and the session's tokens together (an interrupt lands before or after)
+        _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
         return out
 
     def decode_step(self, session: Session, token_id) -> np.ndarray:

@@ -284,7 +284,7 @@ class DiskTier:
             while name is not None:
                 path = self.directory / name
                 try:
-                    s = load_session(path, self.model)
+                    loaded = load_session(path, self.model)
                     os.utime(path)                 # recently used
                 except (OSError, ValueError):      # removed meanwhile, or not readable after all
                     self._index.pop(name, None)
@@ -292,7 +292,7 @@ class DiskTier:
                     name = self._longest(tokens, longer_than, allow_equal)
                     continue
                 self.loads += 1
-                return SessionSnapshot(id(self.model), s._state, s.tokens)
+                return SessionSnapshot(id(self.model), loaded.state, tuple(loaded.tokens))
             return None
 
     # ---- writes ----------------------------------------------------------------------------------------

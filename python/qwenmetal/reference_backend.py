@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .interrupts import sigint_deferred
+
 if TYPE_CHECKING:
     from .reference import ReferenceState
     from .weights import Weights
@@ -38,11 +40,18 @@ class ReferenceBackend:
         """A zeroed state (position 0)."""
         return self.impl.new_state()
 
-    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str) -> tuple:
-        """Run `ids` on a copy of `state`; returns (new_state, logits)."""
+    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None = None) -> tuple:
+        """Run `ids` after `state` and return (state, logits): computed on a copy, then committed to
+        `state` together with `consumed` (a session's token list, extended by `ids`) in one step that a
+        Ctrl-C cannot split, so an error or interrupt leaves both unchanged."""
         new = state.copy()
         out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
-        return new, out
+        add = [int(i) for i in ids]
+        with sigint_deferred():
+            vars(state).update(vars(new))
+            if consumed is not None:
+                consumed.extend(add)
+        return state, out
 
     def state_to_arrays(self, state: ReferenceState) -> dict:
         """The backend-independent state layout of Session.save (see docs/architecture.md)."""

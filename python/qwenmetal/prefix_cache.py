@@ -205,10 +205,10 @@ class DiskTier:
     """Prefix-cache entries as session files (`qwenmetal.session_io`'s format, written atomically) in
     ``directory/<model identity>/``, at most ``max_bytes`` of them (least recently used removed first).
 
-    Writes run on a background thread (``flush()`` waits for them; they are flushed at exit); the index of
+    Writes run on a background thread (``flush()`` waits for them; they are flushed at exit). The index of
     the files' token sequences is read when the tier is made and refreshed when a lookup finds nothing (at
-    most every ``RESCAN_SECONDS``), so files written by another process are found too. A file that cannot be read (removed by another process,
-    truncated, of another model) is skipped, never an error."""
+    most every ``RESCAN_SECONDS``), so files written by another process are found too. A file that cannot
+    be read (removed by another process, truncated, of another model) is skipped, never an error."""
 
     RESCAN_SECONDS = 2.0                           # a lookup that misses re-reads the directory at most this often
 
@@ -233,9 +233,7 @@ class DiskTier:
     # ---- index -----------------------------------------------------------------------------------------
     def scan(self) -> None:
         """Index the files not indexed yet (and forget removed ones)."""
-        from safetensors import safe_open
-
-        from .session_io import read_header
+        from .session_io import read_tokens
 
         with self._lock:
             self._scanned = time.monotonic()
@@ -245,14 +243,12 @@ class DiskTier:
             for name in sorted(names - set(self._index) - self._skipped):
                 path = self.directory / name
                 try:
-                    md = read_header(path).get("metadata") or {}
-                    with safe_open(os.fspath(path), framework="np") as f:
-                        tokens = tuple(int(t) for t in f.get_tensor("tokens"))
-                except Exception:  # noqa: BLE001 - unreadable or half-removed: not a cache entry
+                    tokens, header = read_tokens(path)
+                except (OSError, ValueError):      # unreadable or half-removed: not a cache entry
                     self._skipped.add(name)
                     continue
                 if tokens:
-                    self._index[name] = (tokens, md)
+                    self._index[name] = (tuple(tokens), header.get("metadata") or {})
 
     def entries(self) -> list:
         """``(tokens, metadata)`` of every file, as indexed."""

@@ -173,19 +173,26 @@ class TranscriptStore:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A rendered conversation: ``ids`` (with the generation prompt), ``head`` (how many of them hold the
-    conversation itself; 0 if unknown), ``text`` (the template's rendering), ``reused`` (how many leading
-    ids are a transcript of an earlier reply; 0 for a plain rendering) and ``keys`` (the conversation keys
-    of the messages, for :func:`remember_reply`)."""
+    conversation itself; 0 if unknown), ``text`` (the template's rendering) and ``keys`` (the conversation
+    keys of the messages, for :func:`remember_reply`; empty when transcripts are off)."""
 
     ids: list = field(repr=False)
     head: int
     text: str = field(repr=False)
-    reused: int = 0
     keys: list = field(default_factory=list, repr=False)
 
 
 def _render(tk, messages, tools, kwargs, generation_prompt: bool) -> str:
     return tk.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def _template_kwargs(tk, template_kwargs: dict, enable_thinking) -> dict:
+    """What the template is rendered with: `template_kwargs`, ``enable_thinking`` and, for a template that
+    knows it and unless the caller set it, ``preserve_thinking=True`` (history renders as generated)."""
+    kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
+    if kwargs.get(PRESERVE_THINKING) is None and PRESERVE_THINKING in (tk.chat_template or ""):
+        kwargs[PRESERVE_THINKING] = True
+    return kwargs
 
 
 def _stripped(m: dict) -> dict:
@@ -200,12 +207,10 @@ def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking:
     check_chat_support(model)
     tk = model.tokenizer
     messages = list(messages)
-    kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
-    preserve = kwargs.get(PRESERVE_THINKING)
+    kwargs = _template_kwargs(tk, template_kwargs, enable_thinking)
     store = getattr(model, "transcripts", None)
-    keys = conversation_keys(messages, tools, kwargs) if store is not None and preserve is not False else []
-    if preserve is None and PRESERVE_THINKING in (tk.chat_template or ""):
-        kwargs[PRESERVE_THINKING] = True          # what follows a transcript, or a plain history, as generated
+    on = store is not None and template_kwargs.get(PRESERVE_THINKING) is not False
+    keys = conversation_keys(messages, tools, kwargs) if on else []
     for k, tokens in (store.candidates(keys, messages) if keys else ()):
         p = _continue(model, messages, k, tokens, tools, kwargs, keys)
         if p is not None:                         # else an earlier reply's transcript may still line up
@@ -225,7 +230,7 @@ def _plain(tk, messages, tools, kwargs, keys) -> ChatPrompt:
                 head = len(b)
     except Exception:  # a template may refuse to render without the generation prompt
         head = 0
-    return ChatPrompt(ids, head, text, 0, keys)
+    return ChatPrompt(ids, head, text, keys)
 
 
 def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt | None:
@@ -257,7 +262,7 @@ def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt
                 head = len(transcript) + len(b)
     except Exception:
         head = 0
-    return ChatPrompt(ids, head, text, len(transcript), keys)
+    return ChatPrompt(ids, head, text, keys)
 
 
 def remember_reply(model, prompt_ids: Sequence[int], keys: Sequence[str], reply: dict,
@@ -308,15 +313,14 @@ def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_
     messages = list(messages)
     if not messages:
         raise ValueError("messages is empty: there is no conversation to hold")
-    kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
+    kwargs = _template_kwargs(tk, template_kwargs, enable_thinking)
     store = getattr(model, "transcripts", None)
     ids = None
-    if store is not None and kwargs.get(PRESERVE_THINKING) is not False and messages[-1].get("role") == "assistant":
+    if store is not None and template_kwargs.get(PRESERVE_THINKING) is not False \
+            and messages[-1].get("role") == "assistant":
         ids = store.get(conversation_keys(messages, tools, kwargs)[-1])
     transcript = ids is not None
     if ids is None:
-        if kwargs.get(PRESERVE_THINKING) is None and PRESERVE_THINKING in (tk.chat_template or ""):
-            kwargs[PRESERVE_THINKING] = True
         ids = tk.encode(_render(tk, messages, tools, kwargs, False))
     s = model.new_session()
     pc = model.prefix_cache
@@ -331,15 +335,14 @@ def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_
     return s
 
 
-def resume_conversation(model, session) -> list | None:
+def resume_conversation(model, session) -> None:
     """For a session holding a conversation (`conversation_session`'s metadata): put its state in the
     model's prefix cache and, if it holds a transcript, the transcript in ``model.transcripts``, so a chat
-    that continues the conversation prefills only the new messages. Returns the messages, or None when
-    the session holds no conversation."""
+    that continues the conversation prefills only the new messages. Other sessions are left alone."""
     md = session.metadata or {}
     messages = md.get("messages")
     if not isinstance(messages, list) or not messages or not session.tokens:
-        return None
+        return
     chat = md.get("chat") if isinstance(md.get("chat"), dict) else {}
     if model.prefix_cache is not None:
         model.prefix_cache.put(session.tokens, session.snapshot(), kind="loaded")
@@ -347,4 +350,3 @@ def resume_conversation(model, session) -> list | None:
     if store is not None and chat.get("transcript") is True and messages[-1].get("role") == "assistant":
         kw = chat.get("template_kwargs") if isinstance(chat.get("template_kwargs"), dict) else {}
         store.put(conversation_keys(messages, chat.get("tools"), kw)[-1], session.tokens)
-    return messages

@@ -19,10 +19,15 @@ if [ ! -f "$bdir/build.ninja" ]; then
         -Dnanobind_DIR="$(python3 -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi
 cmake --build "$bdir" -j"${QWENMETAL_BUILD_JOBS:-2}" --target _core
+# updated in place (a run of the previous build may be importing from it): links refreshed, dangling
+# ones dropped, the module replaced by a rename (a new inode; never rewritten under a live mapping)
 pkg="$bdir/pkg/qwenmetal"
-rm -rf "$bdir/pkg"
 mkdir -p "$pkg"
 for f in "$root"/python/qwenmetal/*.py "$root"/python/qwenmetal/py.typed; do
-    ln -s "$f" "$pkg/"
+    ln -sfn "$f" "$pkg/"
 done
-cp -f "$bdir"/_core*.so "$pkg/"
+find "$pkg" -xtype l -delete
+for so in "$bdir"/_core*.so; do
+    cp -f "$so" "$pkg/.tmp.$(basename "$so")"
+    mv -f "$pkg/.tmp.$(basename "$so")" "$pkg/$(basename "$so")"
+done

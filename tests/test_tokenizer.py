@@ -7,6 +7,7 @@ import unicodedata
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from qwenmetal.errors import CheckpointError
 from qwenmetal.testing import CHAT_TEMPLATE, cached_checkpoint
 from qwenmetal.tokenizer import Tokenizer
 
@@ -71,8 +72,7 @@ def test_chat_template_features(tiny):
     assert "<|im_start|>user\n<tool_response>\ndone\n</tool_response><|im_end|>" in t
     ids = tiny.apply_chat_template(msgs, tokenize=True)
     assert ids[0] == tiny.token_to_id("<|im_start|>") and ids == tiny.encode(tiny.apply_chat_template(msgs))
-    from jinja2.exceptions import TemplateError
-    with pytest.raises(TemplateError):
+    with pytest.raises(ValueError, match="the chat template cannot render this conversation"):
         tiny.apply_chat_template([{"role": "wizard", "content": "x"}])
 
 
@@ -81,8 +81,7 @@ def test_template_is_sandboxed(tmp_path):
     d = tmp_path / "ck"
     shutil.copytree(cached_checkpoint("tiny", "mlx-q4"), d)
     (d / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    from jinja2.exceptions import SecurityError
-    with pytest.raises(SecurityError):
+    with pytest.raises(CheckpointError, match="the chat template does something the sandbox forbids"):
         Tokenizer(d).apply_chat_template([{"role": "user", "content": "x"}])
     assert CHAT_TEMPLATE
 

@@ -165,9 +165,8 @@ def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = 
     """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
     template (``enable_thinking`` and `template_kwargs` go to the template; the prompt continues the
     transcript of the longest answered prefix, `Model.chat_prompt`) and find the cache point of the
-    history. Raises ValueError for invalid messages or a checkpoint without tokenizer.json
-    or chat template (`check_chat_support`);
-    a template that refuses the conversation raises its own error (jinja2's TemplateError)."""
+    history. Raises ValueError for invalid messages or a checkpoint without tokenizer.json or chat
+    template (`check_chat_support`), and for a conversation the template refuses."""
     msgs = validate_messages(messages)
     tools = validate_tools(tools)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):

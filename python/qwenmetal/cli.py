@@ -216,8 +216,6 @@ _CHAT_HELP = """commands:
 
 
 def cmd_chat(args) -> int:
-    from jinja2.exceptions import TemplateError
-
     from .chat import chat_turn, check_chat_support, validate_messages
     import qwenmetal as qm
 
@@ -292,7 +290,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         try:
             turn = chat_turn(model, history, enable_thinking=think)
-        except (ValueError, TemplateError) as e:  # the template may refuse a conversation
+        except ValueError as e:  # invalid messages, or a conversation the template refuses
             history.pop()
             print(f"error: {e}")
             continue

@@ -173,7 +173,12 @@ class Model:
         self.tokenizer = tokenizer
         self._backend = backend
         self.path = path
-        self.generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        gc_path = os.path.join(path, "generation_config.json")
+        self.generation_config = _read_json(gc_path)
+        try:                                    # its sampling values are what unset options become
+            GenerationOptions().with_defaults(self.generation_config)
+        except ValueError as e:
+            raise CheckpointError(f"{gc_path}: {e}") from None
         self.prefix_cache: PrefixCache | None = PrefixCache()
         self.transcripts: TranscriptStore | None = TranscriptStore()
         self._identity = None

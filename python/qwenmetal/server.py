@@ -608,9 +608,8 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                                            template_kwargs=ctk)
         except InputError as e:
             raise _bad_input(e) from None
-        except Exception as e:  # template errors (jinja2 TemplateError and friends)
-            raise APIError(400, f"cannot render the conversation with the chat template: {e}", "messages",
-                           "invalid_value") from None
+        except ValueError as e:  # a conversation the chat template refuses
+            raise APIError(400, str(e), "messages", "invalid_value") from None
         kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens)
         kw.update(logprobs=want_lp, top_logprobs=top_n)
         render = _ChatRender(name, tok, turn, want_lp, model)

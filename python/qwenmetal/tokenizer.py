@@ -201,11 +201,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                             tools: list | None = None, tokenize: bool = False, **kwargs) -> str | list:
         """Render `messages` with the checkpoint's template (extra kwargs such as
-        ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``."""
+        ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``. A conversation the
+        template refuses (its ``raise_exception``) raises ValueError; a malformed or unsafe template CheckpointError."""
         self.require_chat_template()
         if kwargs.get("enable_thinking", 0) is None:
             kwargs.pop("enable_thinking")          # None: the template's default
         messages = _normalize_messages(messages)
+        from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -214,11 +216,19 @@ class Tokenizer:
                 json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
-            self._template = env.from_string(self.chat_template)
-        text = self._template.render(messages=list(messages), tools=tools,
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._token_setting("bos_token") or "",
-                                     eos_token=self.eos_token or "", **kwargs)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise CheckpointError(f"{self.directory}: the chat template is malformed: {e}") from None
+        try:
+            text = self._template.render(messages=list(messages), tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._token_setting("bos_token") or "",
+                                         eos_token=self.eos_token or "", **kwargs)
+        except SecurityError as e:    # the template reached for what the sandbox forbids: not the user's input
+            raise CheckpointError(f"{self.directory}: the chat template does something the sandbox forbids: {e}") from None
+        except TemplateError as e:    # raise_exception() in the template, or an undefined it cannot use
+            raise ValueError(f"the chat template cannot render this conversation: {e}") from None
         return self.encode(text) if tokenize else text
 
     def __repr__(self) -> str:

@@ -289,6 +289,15 @@ def test_logits_must_be_one_dimensional():
     assert Sampler()([0.0, 3.0, 1.0]) == 1                   # any 1-D sequence of numbers
 
 
+def test_logits_are_taken_as_float32():
+    """Logits are float32 (what every backend returns): float64 input gives the token of its float32
+    rounding, so a difference below float32 precision is a tie (the lower id wins)."""
+    x = np.array([0.0, 1.0, 1.0 + 1e-12], np.float64)
+    assert Sampler()(x) == 1 and Sampler()(x.astype(np.float32)) == 1
+    assert Sampler(temperature=1.0, top_k=1, seed=0)(x) == 1
+    assert Sampler()([0, 5, 2]) == 1                         # integers too
+
+
 def test_generation_config_defaults_and_overrides():
     g = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1]}
     s = Sampler.from_generation_config(g)

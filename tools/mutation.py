@@ -49,11 +49,23 @@ TARGETS: dict[str, list[str]] = {
 
 @dataclass
 class Outcome:
-    """One mutmut run: counts by status, the surviving mutants' names and their diffs."""
-    counts: dict[str, int]
-    survivors: list[str]
+    """One mutmut run: the status of every mutant it ran, the survivors' diffs, and the documented
+    equivalents it skipped (with their diffs, to check that the entries still describe them)."""
+    status: dict[str, str]
     diffs: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for v in self.status.values():
+            out[v] = out.get(v, 0) + 1
+        return out
+
+    @property
+    def survivors(self) -> list[str]:
+        return sorted(k for k, v in self.status.items() if v == "survived")
 
 
 def mutmut_env() -> dict:
@@ -107,26 +119,49 @@ def _mutmut(dest: Path, *args: str, check: bool = True) -> str:
     return r.stdout
 
 
-def run(dest: Path, modules: list[str], max_children: int = 1, names: list[str] | None = None) -> Outcome:
+def mutant_names(modules: list[str]) -> list[str]:
+    """Every mutant mutmut makes of ``modules``, by mutmut's own generator and naming (what ``mutmut run``
+    creates from the same source)."""
+    from mutmut.mutation.file_mutation import mutate_file_contents
+    from mutmut.utils.format_utils import get_mutant_name
+
+    out = []
+    for m in modules:
+        rel = Path("src") / "qwenmetal" / f"{m}.py"
+        code = (ROOT / "python" / "qwenmetal" / f"{m}.py").read_text(encoding="utf-8")
+        out += [get_mutant_name(rel, n) for n in mutate_file_contents(str(rel), code).mutant_names]
+    return out
+
+
+def run(dest: Path, modules: list[str], max_children: int = 1, names: list[str] | None = None,
+        skip_equivalent: bool = False) -> Outcome:
     """Stage ``modules`` in ``dest`` and run mutmut there: all their mutants, or only ``names`` (mutmut's
-    names, ``*`` wildcards allowed, e.g. ``qwenmetal.sampling.xǁSamplerǁ_draw__mutmut_*``)."""
+    names, ``*`` wildcards allowed, e.g. ``qwenmetal.sampling.xǁSamplerǁ_draw__mutmut_*``). With
+    ``skip_equivalent`` the mutants documented as equivalent are not run (they survive by definition and
+    cost a full test run each); their diffs are still read, so a stale entry is found."""
+    every = mutant_names(modules)
+    chosen = [k for k in every if not names or any(fnmatch.fnmatchcase(k, n) for n in names)]
+    if not chosen:
+        raise ValueError(f"no mutant of {modules} matches {names}")
+    equivalent = load_equivalent() if skip_equivalent else {}
+    skipped = [k for k in chosen if k in equivalent]
+    todo = [k for k in chosen if k not in equivalent]
     stage(dest, modules)
     t0 = time.monotonic()
-    _mutmut(dest, "run", "--max-children", str(max_children), *(names or []))
+    _mutmut(dest, "run", "--max-children", str(max_children), *(todo if names or skipped else []))
     seconds = time.monotonic() - t0
-    counts: dict[str, int] = {}
     status: dict[str, str] = {}
     for line in _mutmut(dest, "results", "--all", "true").splitlines():
         m = re.fullmatch(r"\s*(\S+): (.+)", line)
         if m:
             status[m.group(1)] = m.group(2).strip()
-    if names:
-        status = {k: v for k, v in status.items() if any(fnmatch.fnmatchcase(k, n) for n in names)}
-    for v in status.values():
-        counts[v] = counts.get(v, 0) + 1
-    survivors = sorted(k for k, v in status.items() if v == "survived")
-    diffs = {k: _mutmut(dest, "show", k) for k in survivors}
-    return Outcome(counts, survivors, diffs, seconds)
+    if sorted(status) != sorted(every):
+        raise RuntimeError(f"mutmut made other mutants than mutant_names() lists: "
+                           f"{sorted(set(status) ^ set(every))[:10]}")
+    status = {k: status[k] for k in todo}
+    out = Outcome(status, skipped=skipped, seconds=seconds)
+    out.diffs = {k: _mutmut(dest, "show", k) for k in out.survivors + skipped}
+    return out
 
 
 def mutated_line(diff: str) -> str:
@@ -151,9 +186,10 @@ def load_equivalent(path: Path = EQUIVALENT_FILE) -> dict[str, tuple[str, str]]:
 
 
 def unexplained(outcome: Outcome, equivalent: dict[str, tuple[str, str]]) -> list[str]:
-    """Survivors that the equivalence list does not explain (absent, or listed with another mutated line)."""
+    """Survivors that the equivalence list does not explain (absent, or listed with another mutated line),
+    and skipped equivalents whose entry no longer describes the mutant of that name."""
     bad = []
-    for name in outcome.survivors:
+    for name in outcome.survivors + outcome.skipped:
         entry = equivalent.get(name)
         if entry is None or entry[0] != mutated_line(outcome.diffs[name]):
             bad.append(name)
@@ -166,14 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=ROOT / "build" / "mutation", help="staging directory (rebuilt)")
     ap.add_argument("--max-children", type=int, default=1, help="mutmut workers (default 1)")
     ap.add_argument("--only", action="append", metavar="NAME", help="only these mutants (wildcards allowed)")
+    ap.add_argument("--skip-equivalent", action="store_true",
+                    help="do not run the mutants documented as equivalent (their entries are still checked)")
     a = ap.parse_args(argv)
     modules = a.modules or list(TARGETS)
-    out = run(a.dir, modules, a.max_children, a.only)
+    out = run(a.dir, modules, a.max_children, a.only, a.skip_equivalent)
     total = sum(out.counts.values())
     killed = out.counts.get("killed", 0)
-    print(f"{', '.join(modules)}: {total} mutants in {out.seconds:.0f} s: "
+    print(f"{', '.join(modules)}: {total} mutants run in {out.seconds:.0f} s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(out.counts.items()))
-          + (f"; score {100 * killed / total:.1f} %" if total else ""))
+          + (f"; score {100 * killed / total:.1f} %" if total else "")
+          + (f"; {len(out.skipped)} documented equivalents not run" if out.skipped else ""))
     bad = unexplained(out, load_equivalent())
     for name in bad:
         print(f"\nsurvived, not in {EQUIVALENT_FILE.relative_to(ROOT)}: {name}\n{out.diffs[name]}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama-cpp-python (the llama.cpp CPU peer for benchmarks/llama_cpp_compare.py) from source with the
-# fastest flags that run safely on this host, into a wheel cached under ~/.cache/qwenmetal/wheels, and
-# install it. It is an optional benchmark tool, never a runtime or test dependency of qwenmetal.
+# fastest flags that run safely on this host, into a wheel cached under <cache>/wheels (the cache rule of
+# docs/usage.md, "Cache directory"), and install it. It is an optional benchmark tool, never a runtime or
+# test dependency of qwenmetal.
 #
 # Why not `pip install llama-cpp-python`: its default build is -march=native, which on CPUs with AMX
 # (Sapphire Rapids and newer) crashes in ggml_backend_amx_mul_mat on quantized weights; the crash can be
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
-CACHE="${QWENMETAL_CACHE:-$HOME/.cache/qwenmetal}"
+CACHE="${QWENMETAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qwenmetal}"   # qwenmetal.paths.cache_dir's rule
 WHEELS="$CACHE/wheels"
 SDIST_DIR="$CACHE/sdist"
 mkdir -p "$WHEELS" "$SDIST_DIR"

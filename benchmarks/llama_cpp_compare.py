@@ -265,7 +265,8 @@ def _reference_logits(ckpt: Path, ids: np.ndarray, n_decode: int, roundtrip: boo
     """qwenmetal's numpy reference: logits of every prompt position, then n_decode greedy steps (or the
     given decode tokens)."""
     import qwenmetal as qm
-    from qwenmetal.model import Model, ReferenceBackend
+    from qwenmetal.model import Model
+    from qwenmetal.reference_backend import ReferenceBackend
 
     model = qm.Model.load(str(ckpt), backend="reference")
     if roundtrip:
@@ -533,8 +534,8 @@ def main(argv=None) -> int:
                 json.dump(res, f, indent=2)
         return 0
     if a.validate_only:
-        from qwenmetal.bench import cache_root
-        rows = validate(a.threads, cache_root())
+        from qwenmetal.paths import cache_dir
+        rows = validate(a.threads, cache_dir("bench"))
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump({"validation": rows}, f, indent=2)

@@ -240,6 +240,7 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, qtype: str = 
     """Write `out` (a GGUF file) from the checkpoint directory. qtype: "q4_0" or "f32"."""
     gguf = _gguf()
     from qwenmetal.config import ModelConfig
+    from qwenmetal.fileio import atomic_file
     from qwenmetal.weights import load_weights
 
     if qtype not in ("q4_0", "f32"):
@@ -261,78 +262,77 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, qtype: str = 
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_type("model")
-    w.add_name(f"qwenmetal random {c.num_hidden_layers}-layer")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_dimension_sections(sections)
-    w.add_rope_freq_base(float(c.rope_theta))
-    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    w.add_expert_count(c.num_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "q4_0" else gguf.LlamaFileType.ALL_F32))
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    w.add_ssm_state_size(c.linear_key_head_dim)
-    w.add_ssm_group_count(c.linear_num_key_heads)
-    w.add_ssm_time_step_rank(c.linear_num_value_heads)
-    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    # newer keys, written by name (older gguf packages lack the helpers)
-    w.add_array(f"{ARCH}.attention.recurrent_layers",
-                [not c.is_full_attention(i) for i in range(c.num_hidden_layers)])
-    w.add_uint32(f"{ARCH}.full_attention_interval", int(text.get("full_attention_interval", 4)))
-    w.add_rope_dimension_count(c.rotary_dim)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tok = tokenizer_fields(checkpoint, c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["token_type"])
-    if tok["merges"]:
-        w.add_token_merges(tok["merges"])
-    if c.eos_token_ids:
-        w.add_eos_token_id(int(c.eos_token_ids[0]))
-    w.add_add_bos_token(False)
+    with atomic_file(out) as tmp:             # a failure leaves neither `out` nor a partial file
+        w = gguf.GGUFWriter(str(tmp), ARCH)
+        w.add_type("model")
+        w.add_name(f"qwenmetal random {c.num_hidden_layers}-layer")
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_rope_dimension_sections(sections)
+        w.add_rope_freq_base(float(c.rope_theta))
+        w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "q4_0" else gguf.LlamaFileType.ALL_F32))
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+        w.add_ssm_state_size(c.linear_key_head_dim)
+        w.add_ssm_group_count(c.linear_num_key_heads)
+        w.add_ssm_time_step_rank(c.linear_num_value_heads)
+        w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+        # newer keys, written by name (older gguf packages lack the helpers)
+        w.add_array(f"{ARCH}.attention.recurrent_layers",
+                    [not c.is_full_attention(i) for i in range(c.num_hidden_layers)])
+        w.add_uint32(f"{ARCH}.full_attention_interval", int(text.get("full_attention_interval", 4)))
+        w.add_rope_dimension_count(c.rotary_dim)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        tok = tokenizer_fields(checkpoint, c.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen35")
+        w.add_token_list(tok["tokens"])
+        w.add_token_types(tok["token_type"])
+        if tok["merges"]:
+            w.add_token_merges(tok["merges"])
+        if c.eos_token_ids:
+            w.add_eos_token_id(int(c.eos_token_ids[0]))
+        w.add_add_bos_token(False)
 
-    gtype = {"q4": GT.Q4_0, "q8": GT.Q8_0, "f32": GT.F32}
-    for name, src in plan:
-        k = "f32" if qtype == "f32" else src.kind
-        w.add_tensor_info(name, src.shape, np.dtype(np.float32), _nbytes(src.shape, k, qtype), raw_dtype=gtype[k])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    t0 = time.perf_counter()
-    total = 0
-    for j, (name, src) in enumerate(plan):
-        k = "f32" if qtype == "f32" else src.kind
-        lead = src.shape[0]
-        per_row = int(np.prod(src.shape[1:])) if len(src.shape) > 1 else 1
-        step = max(1, (1 << 24) // per_row) if len(src.shape) > 1 else lead    # ~16M elements at a time
-        if k == "f32":
-            data = np.concatenate([src.rows(r0, min(lead, r0 + step)) for r0 in range(0, lead, step)]) \
-                if len(src.shape) > 1 else src.rows(0, lead)
-            data = np.ascontiguousarray(data, dtype=np.float32).reshape(src.shape)
-        else:
-            qfn, bs = QTYPES["q4_0" if k == "q4" else "q8_0"]
-            data = np.empty(src.shape[:-1] + (src.shape[-1] // 32 * bs,), np.uint8)
-            for r0 in range(0, lead, step):
-                r1 = min(lead, r0 + step)
-                data[r0:r1] = qfn(src.rows(r0, r1))
-        w.write_tensor_data(data)
-        total += data.nbytes
-        if log and (data.nbytes > 64 << 20 or j == len(plan) - 1):
-            log(f"  {name}: {data.nbytes / 2**20:.0f} MiB ({total / 2**30:.2f} GiB, {time.perf_counter() - t0:.0f} s)")
-        del data
-    w.close()
-    os.replace(tmp, out)
+        gtype = {"q4": GT.Q4_0, "q8": GT.Q8_0, "f32": GT.F32}
+        for name, src in plan:
+            k = "f32" if qtype == "f32" else src.kind
+            w.add_tensor_info(name, src.shape, np.dtype(np.float32), _nbytes(src.shape, k, qtype), raw_dtype=gtype[k])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        t0 = time.perf_counter()
+        total = 0
+        for j, (name, src) in enumerate(plan):
+            k = "f32" if qtype == "f32" else src.kind
+            lead = src.shape[0]
+            per_row = int(np.prod(src.shape[1:])) if len(src.shape) > 1 else 1
+            step = max(1, (1 << 24) // per_row) if len(src.shape) > 1 else lead    # ~16M elements at a time
+            if k == "f32":
+                data = np.concatenate([src.rows(r0, min(lead, r0 + step)) for r0 in range(0, lead, step)]) \
+                    if len(src.shape) > 1 else src.rows(0, lead)
+                data = np.ascontiguousarray(data, dtype=np.float32).reshape(src.shape)
+            else:
+                qfn, bs = QTYPES["q4_0" if k == "q4" else "q8_0"]
+                data = np.empty(src.shape[:-1] + (src.shape[-1] // 32 * bs,), np.uint8)
+                for r0 in range(0, lead, step):
+                    r1 = min(lead, r0 + step)
+                    data[r0:r1] = qfn(src.rows(r0, r1))
+            w.write_tensor_data(data)
+            total += data.nbytes
+            if log and (data.nbytes > 64 << 20 or j == len(plan) - 1):
+                log(f"  {name}: {data.nbytes / 2**20:.0f} MiB ({total / 2**30:.2f} GiB, {time.perf_counter() - t0:.0f} s)")
+            del data
+        w.close()
     return out
 
 

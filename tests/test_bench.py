@@ -1,6 +1,6 @@
-"""`qwenmetal bench` (python/qwenmetal/bench.py): the smoke run on a tiny config, its JSON schema, the
-bytes-per-token arithmetic against the checkpoint's tensor sizes, the streaming checkpoint generator
-against the fixture writer's layout, and the GGUF writer of benchmarks/ (read back with the `gguf`
+"""`qwenmetal bench` (python/qwenmetal/bench/): the smoke run on a tiny config, its JSON schema, the
+bytes-per-token arithmetic against the checkpoint's tensor sizes, the benchmark checkpoint (the fixture
+writer's bytes, cached, atomic), and the GGUF writer of benchmarks/ (read back with the `gguf`
 package; skipped where it is not installed). No timing assertions."""
 import json
 import os
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _backends():
-    from qwenmetal.model import BACKENDS
+    from qwenmetal.backends import BACKENDS
     return [b for b in ("reference", "cpu") if b in BACKENDS]
 
 
@@ -123,36 +123,54 @@ def test_real_width_bytes_budget():
     assert bench.decode_bytes(c, sizes, 4096)["kv_cache"] == 2 * 2048 * 4097
 
 
-def test_streaming_generator_matches_fixture_layout(tmp_path):
-    """The sharded writer produces what make_checkpoint (and mlx_lm.convert -q) produce: same tensor
-    names, shapes and dtypes, same quantization block, and qwenmetal loads it."""
-    from safetensors import safe_open
+def _digests(d: Path) -> dict:
+    import hashlib
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())}
 
+
+def test_bench_checkpoint_is_the_fixture_writers(tmp_path, monkeypatch):
+    """ensure_checkpoint writes, through the one random-checkpoint writer, exactly make_checkpoint's
+    mlx-q4 files (the layout mlx_lm.convert -q writes, checked in test_fixtures.py), caches them under
+    paths.cache_dir("bench"), reuses them untouched, and qwenmetal loads them."""
     import qwenmetal as qm
     from qwenmetal.testing import make_checkpoint
 
-    ours = bench.write_checkpoint(tmp_path / "ours", bench.resolve_config("tiny"), seed=1)
-    ref = make_checkpoint(tmp_path / "ref", "tiny", "mlx-q4", seed=1)
-
-    def layout(d):
-        out = {}
-        for f in d.glob("*.safetensors"):
-            with safe_open(str(f), "np") as fh:
-                for k in fh.keys():
-                    t = fh.get_slice(k)
-                    out[k] = (t.get_dtype(), tuple(t.get_shape()))
-        return out
-
-    assert layout(ours) == layout(ref)
-    assert len(list(ours.glob("model-*-of-*.safetensors"))) == 4 + 2
-    qa = json.loads((ours / "config.json").read_text())["quantization"]
-    qb = json.loads((ref / "config.json").read_text())["quantization"]
-    assert qa == qb
+    monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
+    cfg = bench.resolve_config("tiny")
+    ours = bench.ensure_checkpoint(cfg, seed=1)
+    assert ours.parent == tmp_path / "cache" / "bench" and ours.name.startswith("bench-L4-mlx-q4-seed1-")
+    ref = make_checkpoint(tmp_path / "ref", cfg, "mlx-q4", seed=1)
+    assert _digests(ours) == _digests(ref)
+    mtime = (ours / "model.safetensors").stat().st_mtime_ns
+    assert bench.ensure_checkpoint(cfg, seed=1) == ours
+    assert (ours / "model.safetensors").stat().st_mtime_ns == mtime
+    assert bench.ensure_checkpoint(bench.resolve_config("tiny", layers=2), seed=1) != ours
     index = json.loads((ours / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(_safetensors_sizes(ours).values())
     m = qm.Model.load(str(ours), backend="reference")
     logits = m.prefill(m.new_session(), bench.synthetic_prompt(8, m.config.vocab_size))
     assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_bench_checkpoint_failure_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails in the generating child (here: the third tensor) raises in the parent and
+    leaves no directory, complete or partial, in the cache; the next call generates it."""
+    from qwenmetal.bench import checkpoint as ck
+
+    monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
+    original = ck._BUILD_CHILD
+    failing = ("import qwenmetal.convert as c; w = c.SafetensorsWriter.write; n = [0]\n"
+               "def write(self, k, a):\n"
+               "    n[0] += 1\n"
+               "    if n[0] == 3: raise OSError(28, 'No space left on device')\n"
+               "    w(self, k, a)\n"
+               "c.SafetensorsWriter.write = write\n" + ck._BUILD_CHILD.replace("; ", "\n"))
+    monkeypatch.setattr(ck, "_BUILD_CHILD", failing)
+    with pytest.raises(RuntimeError, match="generating the benchmark checkpoint .* failed"):
+        bench.ensure_checkpoint(bench.resolve_config("tiny"), seed=3)
+    assert list((tmp_path / "cache" / "bench").iterdir()) == []
+    monkeypatch.setattr(ck, "_BUILD_CHILD", original)
+    assert (bench.ensure_checkpoint(bench.resolve_config("tiny"), seed=3) / "config.json").is_file()
 
 
 def test_synthetic_prompt_and_digest():
@@ -190,7 +208,8 @@ def test_gguf_writer_layout(gguf_mod, tmp_path):
 
     from qwenmetal.weights import load_weights, to_float32
 
-    ckpt = bench.write_checkpoint(tmp_path / "ck", bench.resolve_config("tiny"), seed=2)
+    from qwenmetal.testing import make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "ck", bench.resolve_config("tiny"), "mlx-q4", seed=2)
     c = ModelConfig.from_file(ckpt)
     W = load_weights(str(ckpt), c).tensors
     f32 = gguf_mod.convert(ckpt, tmp_path / "m.f32.gguf", "f32", log=None)

@@ -112,3 +112,53 @@ def test_chat_command(tmp_path):
     import qwenmetal as qm
     s = qm.Session.load(save, qm.Model.load(d, backend="reference"))
     assert [m["role"] for m in s.metadata["messages"]] == ["system", "user", "assistant"]
+
+
+def test_chat_names_the_missing_file(tmp_path):
+    """A checkpoint without tokenizer.json is not 'no chat template': each error names its real cause."""
+    import json
+    d = _ckpt(tmp_path)
+    notok = tmp_path / "notok"
+    shutil.copytree(d, notok)
+    (notok / "tokenizer.json").unlink()
+    r = run(["chat", "--model", str(notok), "--backend", "reference"], tmp_path, stdin="hi\n")
+    assert r.returncode == 2 and "no tokenizer.json" in r.stderr and "chat template" not in r.stderr, r.stderr
+    r = run(["generate", "--model", str(notok), "--backend", "reference", "--chat", "--prompt", "hi"], tmp_path)
+    assert r.returncode == 2 and "no tokenizer.json" in r.stderr, r.stderr
+    notpl = tmp_path / "notpl"
+    shutil.copytree(d, notpl)
+    for f in notpl.glob("chat_template.jinja"):
+        f.unlink()
+    cfg = json.loads((notpl / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (notpl / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = run(["chat", "--model", str(notpl), "--backend", "reference"], tmp_path, stdin="hi\n")
+    assert r.returncode == 2 and "no chat template (no chat_template.jinja" in r.stderr, r.stderr
+
+
+def test_refused_conversation_and_bad_generation_config_are_one_line_errors(tmp_path):
+    """A conversation the chat template refuses, and a generation_config.json value qwenmetal cannot use,
+    are reported in one line naming the cause (not a traceback, not a failure later on a worker thread)."""
+    import json
+    d = _ckpt(tmp_path)
+    tpl = tmp_path / "tpl"
+    shutil.copytree(d, tpl)
+    (tpl / "chat_template.jinja").write_text("{{ raise_exception('only pirates may talk here') }}")
+    r = run(["generate", "--model", str(tpl), "--backend", "reference", "--chat", "--prompt", "hi"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "chat template cannot render this conversation: only pirates may talk here" in r.stderr, r.stderr
+    gc = tmp_path / "gc"
+    shutil.copytree(d, gc)
+    (gc / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    r = run(["generate", "--model", str(gc), "--backend", "reference", "--prompt", "hi"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "generation_config.json: temperature" in r.stderr, r.stderr
+
+
+def test_backend_help_lists_every_backend(tmp_path):
+    from qwenmetal.backends import ALL_BACKENDS, BACKENDS
+    r = run(["generate", "--help"], tmp_path)
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert all(b in text for b in ALL_BACKENDS) and "available here:" in text
+    assert set(BACKENDS) <= set(ALL_BACKENDS) and {"reference", "cpu", "metal", "metal-sim"} <= set(ALL_BACKENDS)

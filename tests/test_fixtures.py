@@ -104,12 +104,111 @@ def test_make_checkpoint_is_deterministic_and_atomic(tmp_path):
 def test_cached_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
     p = cached_checkpoint("tiny", "mlx-q4", seed=0)
-    assert p.parent == tmp_path / "cache" and (p / "config.json").is_file()
+    assert p.parent == tmp_path / "cache" / "fixtures" and (p / "config.json").is_file()
     mtime = (p / "model.safetensors").stat().st_mtime_ns
     assert cached_checkpoint("tiny", "mlx-q4", seed=0) == p
     assert (p / "model.safetensors").stat().st_mtime_ns == mtime
     assert cached_checkpoint("tiny", "mlx-q4", seed=1) != p
     assert file_digests(p) == file_digests(make_checkpoint(tmp_path / "fresh", "tiny", "mlx-q4", seed=0))
+
+
+class _DiskFull(OSError):
+    pass
+
+
+def _fail_on_write(monkeypatch, n):
+    """Make the n-th tensor written by the streaming safetensors writer fail like a full disk."""
+    from qwenmetal import convert
+    real, count = convert.SafetensorsWriter.write, [0]
+
+    def write(self, name, a):
+        count[0] += 1
+        if count[0] == n:
+            raise _DiskFull(28, "No space left on device")
+        real(self, name, a)
+    monkeypatch.setattr(convert.SafetensorsWriter, "write", write)
+
+
+@pytest.mark.parametrize("fmt", ["hf-bf16", "mlx-q4"])
+@pytest.mark.parametrize("exc", [_DiskFull, KeyboardInterrupt])
+def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, fmt, exc):
+    """An error in the middle of the weights (a full disk, Ctrl-C) leaves neither the checkpoint nor a
+    partial sibling; a complete checkpoint already there is refused and left byte for byte as it was."""
+    done = make_checkpoint(tmp_path / "done", "tiny", fmt, seed=1)
+    before = file_digests(done)
+    if exc is _DiskFull:
+        _fail_on_write(monkeypatch, 5)
+    else:
+        from qwenmetal import convert
+        real = convert.SafetensorsWriter.write
+
+        def interrupted(self, name, a):
+            if name.endswith("down_proj.weight") or name.endswith("down_proj"):
+                raise KeyboardInterrupt
+            real(self, name, a)
+        monkeypatch.setattr(convert.SafetensorsWriter, "write", interrupted)
+    with pytest.raises(exc, match="^$" if exc is KeyboardInterrupt else "cannot write .*new.*No space left"):
+        make_checkpoint(tmp_path / "new", "tiny", fmt, seed=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done"]
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError, match="done exists and is not an empty directory"):
+        make_checkpoint(done, "tiny", fmt, seed=2)
+    assert file_digests(done) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done"]
+
+
+def test_cached_checkpoint_failure_leaves_no_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
+    _fail_on_write(monkeypatch, 2)
+    with pytest.raises(OSError, match="No space left"):
+        cached_checkpoint("tiny-text", "mlx-q8", seed=9)
+    assert list((tmp_path / "cache" / "fixtures").iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path / "cache"))
+    p = cached_checkpoint("tiny-text", "mlx-q8", seed=9)
+    assert [q.name for q in (tmp_path / "cache" / "fixtures").iterdir()] == [p.name]
+
+
+def test_sharded_streaming_write_is_the_same_model(tmp_path):
+    """With a small shard limit the writer streams into several files (+ an index) holding exactly the
+    tensors of the single-file checkpoint, and the loader reads them as the same weights."""
+    from qwenmetal.weights import load_weights
+
+    one = make_checkpoint(tmp_path / "one", "tiny", "mlx-q4", seed=2)
+    many = make_checkpoint(tmp_path / "many", "tiny", "mlx-q4", seed=2, max_shard_bytes=100_000)
+    shards = sorted(many.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 3 and not (many / "model.safetensors").exists()
+    _, a = raw_tensors(one / "model.safetensors")
+    b = {}
+    for f in shards:
+        b.update(raw_tensors(f)[1])
+    assert a == b
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in shards}
+    c = ModelConfig.from_file(one)
+    wa, wb = load_weights(one, c).tensors, load_weights(many, c).tensors
+    assert wa.keys() == wb.keys()
+    hf = make_checkpoint(tmp_path / "hf", "tiny", "hf-bf16", seed=2, max_shard_bytes=100_000)
+    assert len(list(hf.glob("model-*-of-*.safetensors"))) > 3 and (hf / "model.safetensors.index.json").is_file()
+
+
+def test_random_params_share_the_writers_generator():
+    """reference.random_params and the fixtures draw from the one generator: with the fixture scales the
+    canonical float32 draws round to exactly the checkpoint's bf16 tensors."""
+    from qwenmetal import checkpoint_writer as cw
+
+    c = ModelConfig.from_dict(PRESETS["tiny-text"])
+    p = cw.canonical_params(c, seed=4)
+    hf = hf_tensors("tiny-text", seed=4)
+    np.testing.assert_array_equal(p["layers.0.linear_attn.in_proj_qkv"].astype(BF16),
+                                  hf["model.layers.0.linear_attn.in_proj_qkv.weight"])
+    np.testing.assert_array_equal(p["layers.1.mlp.switch_mlp.up_proj"].astype(BF16),
+                                  hf["model.layers.1.mlp.experts.gate_up_proj"][:, 64:])
+    np.testing.assert_array_equal((p["layers.3.self_attn.q_norm"] - 1).astype(BF16),
+                                  hf["model.layers.3.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(p["layers.0.linear_attn.A_log"], hf["model.layers.0.linear_attn.A_log"])
+    with pytest.raises(ValueError, match="unknown init 'huge'"):
+        cw.text_specs(c, "huge")
 
 
 def test_same_logical_model_in_every_format():

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import qwenmetal as qm
-from qwenmetal.generation import (ChatStreamParser, StopStringMatcher, parse_assistant, parse_tool_calls,
-                                  prompt_opens_thinking)
+from qwenmetal.chat import ChatStreamParser, parse_assistant, parse_tool_calls, prompt_opens_thinking
+from qwenmetal.generation import StopStringMatcher
 from qwenmetal.sampling import SampleResult
 from qwenmetal.testing import SPECIAL_TOKENS, make_checkpoint
 from qwenmetal.tokenizer import _BYTE_DECODER
@@ -139,7 +139,8 @@ def test_generate_validates_before_running(model):
     s = model.new_session(max_context=8)
     model.prefill(s, [1, 2, 3])
     for kw in (dict(max_tokens=0), dict(stop=[3]), dict(temperature=-1), dict(top_p=2.0), dict(top_logprobs=-1)):
-        with pytest.raises(ValueError):
+        (name, _), = kw.items()
+        with pytest.raises(ValueError, match=f"^{name} must"):
             model.generate("abc", session=s, **kw)
     with pytest.raises(ValueError, match="context overflow"):
         model.generate(list(range(10)), session=s)
@@ -218,7 +219,7 @@ def test_chat_end_to_end_with_a_scripted_reply(model):
     text = tok.apply_chat_template(msgs2, tools=TOOLS)
     assert "<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>" in text
     assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in text
-    assert str(r) == "Let me check." and "get_weather" in r._repr_markdown_()
+    assert str(r) == "Let me check." and "get\\_weather" in r._repr_markdown_()
 
 
 def test_chat_real_generation_and_stream(model):
@@ -240,3 +241,34 @@ def test_notebook_reprs(model):
     h = s._repr_html_()
     assert "qwenmetal.Session" in h and "&lt;world&gt;" in h          # escaped
     assert "Session(position=" in repr(s) and "ModelConfig(" in repr(model.config)
+
+
+def test_markdown_repr_escapes_model_text():
+    """Generated text shows as written in a notebook: no HTML, links, emphasis or headings from the model."""
+    evil = "<img src=x onerror=alert(1)> **bold** [link](http://e.vil) # head\n<script>x</script> a & b `c` \\"
+    r = qm.ChatResponse(text="", content=evil, reasoning="<b>think</b> _x_", tool_calls=[
+        {"name": "f<i>", "arguments": {"q": "*y*"}}], finish_reason="stop",
+        stats={"prompt_tokens": 1, "cached_tokens": 0, "generated_tokens": 2}, tokens=[])
+    md = r._repr_markdown_()
+    for raw in ("<img", "<script", "<b>", "<i>", "**bold**", "[link](", "_x_", "*y*", "`c`", " & "):
+        assert raw not in md, raw
+    assert "&lt;img src\\=x" in md and "\\*\\*bold\\*\\*" in md and "\\[link\\]" in md and "a &amp; b" in md
+    assert md.startswith("> &lt;b&gt;think") and "<small>1 prompt tokens" in md     # our own markup stays
+    from qwenmetal.chat import markdown_escape
+    assert markdown_escape("plain text 123\nline two") == "plain text 123\nline two"
+
+
+def test_one_chat_turn_parses_tool_calls_only_when_tools_are_offered(model):
+    from qwenmetal.chat import chat_turn
+    msgs = [{"role": "user", "content": "Weather in Berlin?"}]
+    with_tools = chat_turn(model, msgs, tools=TOOLS)
+    plain = chat_turn(model, msgs)
+    assert with_tools.parse(REPLY)[2] and plain.parse(REPLY)[2] == []
+    assert "<tool_call>" in plain.parse(REPLY)[1]
+    for turn in (with_tools, plain):           # the streamed split is the same as the whole-text one
+        p = turn.stream_parser()
+        deltas = p.feed(REPLY)
+        more, calls = p.finish()
+        content = "".join(t for f, t in deltas + more if f == "content").strip()
+        assert (content, calls) == turn.parse(REPLY)[1:]
+    assert 0 < plain.cache_point < len(plain.prompt_ids) and plain.cache_points == (plain.cache_point,)

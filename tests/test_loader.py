@@ -209,7 +209,7 @@ def test_truncated_file_and_bad_header(ckpts, tmp_path):
         qm.Model.load(d, backend="reference")
     n = int.from_bytes(data[:8], "little")
     f.write_bytes(data[:8] + b"{" * n + data[8 + n:])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: header is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: header: invalid JSON"):
         qm.Model.load(d, backend="reference")
     f.write_bytes((10 ** 12).to_bytes(8, "little") + data[8:])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: bad header length"):
@@ -252,3 +252,81 @@ def test_core_dequantize_matches_numpy():
             np.testing.assert_array_equal(got, ref)
     with pytest.raises(ValueError, match="group_size"):
         _core.dequantize_affine(q, s.astype(np.float32), b.astype(np.float32), 8, 48)
+
+
+def _with_header(f, header: str, data: bytes) -> None:
+    hb = header.encode()
+    f.write_bytes(len(hb).to_bytes(8, "little") + hb + data)
+
+
+@pytest.mark.parametrize("entry, msg", [
+    ('{"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}', r"unsupported dtype \['F32'\]"),
+    ('{"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}', "malformed shape"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8]}', "malformed shape"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}', "malformed shape"),
+    ('{"dtype": "F32", "shape": [18446744073709551617], "data_offsets": [0, 8]}', "needs 73786976294838206468"),
+    ('{"dtype": "F32", "shape": [1099511627776], "data_offsets": [0, 4398046511104]}', "data ends at byte"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "x": {"dtype": "F32", "shape": [2], '
+     '"data_offsets": [0, 8]}', "duplicate key 'x'"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": [1]', "'__metadata__' must map"),
+    ('{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "__metadata__": {"a": 1}', "'__metadata__' must map"),
+])
+def test_malformed_header_entries(tmp_path, entry, msg):
+    """Found by tests/test_fuzz.py on the earlier parser: each used to raise TypeError/OverflowError or pass."""
+    from qwenmetal.safetensors_io import SafetensorsFile
+    import tracemalloc
+    f = tmp_path / "m.safetensors"
+    _with_header(f, '{"x": ' + entry + "}", b"\0" * 8)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=rf"{f}: .*{msg}"):
+            SafetensorsFile(f)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20      # refused before allocating what it claims
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("index, msg", [
+    ({"weight_map": {"a": 3}}, "'weight_map' must map tensor names to file names"),
+    ({"weight_map": {"a": ["x"]}}, "'weight_map' must map"),
+    ({"weight_map": []}, "'weight_map' must map"),
+    ([1], "'weight_map' must map"),
+    ({"weight_map": {"a": ".."}}, "shard name '..' must be a plain file name"),
+    ({"weight_map": {"a": "config.json"}}, r"config\.json: bad header length|config\.json: .*header"),
+])
+def test_malformed_index(ckpts, tmp_path, index, msg):
+    d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=msg):
+        TensorSource(d)
+    (d / "model.safetensors.index.json").write_bytes(b"\x80{}")
+    with pytest.raises(CheckpointError, match=r"index\.json: invalid JSON: 'utf-8' codec"):
+        TensorSource(d)
+
+
+@pytest.mark.parametrize("edit, msg", [
+    ({"rope_parameters": [1]}, "'rope_parameters' must be an object"),
+    ({"rope_parameters": {"rope_theta": None}}, "'rope_theta' must be a number"),
+    ({"partial_rotary_factor": "x", "rope_parameters": None}, "'partial_rotary_factor' must be a number"),
+    ({"head_dim": "8"}, "'head_dim' must be a non-negative integer"),
+    ({"num_hidden_layers": 10**12, "layer_types": None}, "more than 65536"),
+    ({"layer_types": "linear_attention"}, "layer_types must list"),
+    ({"attn_output_gate": "false"}, "'attn_output_gate' must be true or false"),
+    ({"rms_norm_eps": [1e-6]}, "'rms_norm_eps' must be a number"),
+])
+def test_config_field_types(edit, msg):
+    cfg = json.loads(json.dumps(PRESETS["tiny"]))
+    t = cfg["text_config"] if "text_config" in cfg else cfg
+    t.update(edit)
+    with pytest.raises(CheckpointError, match=msg):
+        ModelConfig.from_dict(cfg)
+
+
+def test_config_file_errors(tmp_path):
+    f = tmp_path / "config.json"
+    for text, msg in ((b"\xff", "invalid JSON: 'utf-8' codec"), (b"[" * 100000, "nested too deeply"),
+                      (b'{"a": 1, "a": 2}', "duplicate key 'a'"), (b'{"a": NaN}', "NaN is not valid JSON"),
+                      (b"1" * 5000, "invalid JSON: Exceeds the limit")):
+        f.write_bytes(text)
+        with pytest.raises(CheckpointError, match=rf"{f}: .*{msg}"):
+            ModelConfig.from_file(f)

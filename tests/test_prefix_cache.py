@@ -152,9 +152,9 @@ class Counting:
     def new_state(self):
         return self.inner.new_state()
 
-    def forward(self, state, ids, logits):
+    def forward(self, state, ids, logits, consumed=None):
         self.calls.append(len(ids))
-        return self.inner.forward(state, ids, logits)
+        return self.inner.forward(state, ids, logits, consumed)
 
     def __getattr__(self, k):
         return getattr(self.inner, k)

@@ -3,7 +3,14 @@
 Covers chat and text completions (streaming and not), stop strings, the error responses, a client that
 disconnects mid-stream (its generation is cancelled, the server keeps serving), two concurrent clients
 (queued one at a time, both answered correctly) and `cached_tokens` on a second chat turn.
+
+Then load and abuse against an in-process server whose model sleeps per decode step and counts its steps:
+a disconnect (streaming or not) stops the generation within one decode step, a queued request whose client
+left never runs, a full queue answers 503 + Retry-After, the time limit, the default max_tokens, and
+graceful shutdown (the running request finishes, the queued one gets 503; past the graceful timeout the
+generation is cancelled). The soak test is tests/test_server_soak.py.
 """
+import contextlib
 import json
 import os
 import socket
@@ -35,19 +42,16 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("srv") / "ck", "tiny", "mlx-q4", seed=3)
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    require("starlette")
-    require("uvicorn")
-    httpx = require("httpx")
+@contextlib.contextmanager
+def spawned_server(args, log):
+    """``qwenmetal serve ARGS`` on 127.0.0.1 and a free port, as a subprocess writing to `log`; yields
+    (process, base url) once /health answers, and stops the process on exit."""
+    import httpx
+
     port = _free_port()
-    log = tmp_path_factory.mktemp("srvlog") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal.cli", "serve", "--model", str(ckpt),
-                                 "--port", str(port), "--api-key", API_KEY, "--served-model-name", NAME,
-                                 "--max-request-bytes", str(MAX_BODY), "--log-level", "warning",
-                                 "--backend", "reference"],
+        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal.cli", "serve", "--port", str(port), *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -61,15 +65,27 @@ def server(ckpt, tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start:\n{log.read_text()}")
             time.sleep(0.2)
-        yield base
+        yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
     assert proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    require("starlette")
+    require("uvicorn")
+    require("httpx")
+    with spawned_server(["--model", str(ckpt), "--api-key", API_KEY, "--served-model-name", NAME,
+                         "--max-request-bytes", str(MAX_BODY), "--log-level", "warning", "--backend", "reference"],
+                        tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +292,260 @@ def test_second_chat_turn_reports_cached_tokens(client, local):
     ids1, head1, _ = local.chat_prompt(msgs)
     assert len(ids1) == r1.usage.prompt_tokens and 0 < head1 < len(ids1)
     assert cached == head1 and r2.usage.prompt_tokens > cached
+
+
+# ---------------------------------------------------------------------------------------------------
+# load and abuse: an in-process uvicorn server (a thread, loopback, free port) whose model is slowed down
+# per decode step and counts its steps, so "stops within one decode step" can be counted
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_model():
+    from qwenmetal.testing import cached_checkpoint
+
+    m = qm.Model.load(cached_checkpoint("tiny"), backend="cpu")
+    m.prefix_cache = None
+    return m
+
+
+class _Counted:
+    """Wraps a model's decode_step (sleeping `delay` per step) and generate, counting calls."""
+
+    def __init__(self, model, delay):
+        self.model, self.delay, self.steps, self.generations = model, delay, 0, 0
+        self._decode, self._generate = model.decode_step, model.generate
+
+    def decode_step(self, s, t):
+        self.steps += 1
+        time.sleep(self.delay)
+        return self._decode(s, t)
+
+    def generate(self, *a, **kw):
+        self.generations += 1
+        return self._generate(*a, **kw)
+
+
+@pytest.fixture
+def live(cpu_model, monkeypatch):
+    """live(delay=..., graceful_timeout=..., **create_app options) -> (base url, counter, uvicorn server)."""
+    require("uvicorn")
+    from qwenmetal.server import create_app, uvicorn_server
+
+    started = []
+
+    def start(delay=0.0, graceful_timeout=5.0, **opts):
+        c = _Counted(cpu_model, delay)
+        monkeypatch.setattr(cpu_model, "decode_step", c.decode_step)
+        monkeypatch.setattr(cpu_model, "generate", c.generate)
+        port = _free_port()
+        srv = uvicorn_server(create_app(cpu_model, model_name=NAME, **opts), "127.0.0.1", port,
+                             log_level="warning", graceful_timeout=graceful_timeout)
+        th = threading.Thread(target=srv.run, daemon=True)
+        th.start()
+        started.append((srv, th))
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}", c, srv
+
+    yield start
+    for srv, th in started:
+        srv.should_exit = True
+        th.join(30)
+        assert not th.is_alive(), "the server did not shut down"
+
+
+def _raw(base, path, body) -> socket.socket:
+    """Send a POST with a raw socket and return the socket (the caller reads and hangs up)."""
+    host, port = base.rsplit("//", 1)[1].split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _health(base) -> dict:
+    import httpx
+    return httpx.get(base + "/health", timeout=10).json()
+
+
+def _until(pred, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_stops_the_generation_within_one_decode_step(live, stream):
+    base, c, _ = live(delay=0.1)
+    s = _raw(base, "/v1/completions", dict(LONG, stream=stream))
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 4:         # the headers and a few tokens arrived
+            got += s.recv(65536)
+    else:
+        _until(lambda: c.steps >= 4, "a few decode steps")
+    at_close = c.steps
+    s.close()
+    _until(lambda: _health(base)["cancelled"] == 1 and not _health(base)["running"], "the cancellation")
+    # the step running when the client left may finish; no further step starts
+    assert c.steps - at_close <= 1, (at_close, c.steps)
+    h = _health(base)
+    assert h["completed"] == 0 and h["failed"] == 0 and c.steps < LONG["max_tokens"]
+
+
+def test_a_queued_request_whose_client_left_never_runs(live):
+    import httpx
+
+    base, c, _ = live(delay=0.05)
+    a = _raw(base, "/v1/completions", dict(LONG, stream=True))
+    _until(lambda: c.steps >= 2, "request A running")
+    b = _raw(base, "/v1/completions", dict(LONG, max_tokens=5))
+    _until(lambda: _health(base)["queued"] == 1, "request B queued")
+    b.close()
+    _until(lambda: _health(base)["queued"] == 0, "request B dropped")
+    h = _health(base)
+    assert h["running"] and h["cancelled"] == 1          # dropped while A still runs
+    a.close()
+    _until(lambda: _health(base)["cancelled"] == 2 and not _health(base)["running"], "request A cancelled")
+    assert c.generations == 1                            # B's generation was never started
+    r = httpx.post(base + "/v1/completions", json=dict(LONG, max_tokens=3), timeout=30).json()
+    assert r["usage"]["completion_tokens"] == 3 and c.generations == 2
+
+
+def test_a_full_queue_answers_503_with_retry_after(live):
+    import httpx
+    import openai
+
+    base, c, _ = live(delay=0.05, max_queue=1)
+    a = _raw(base, "/v1/completions", dict(LONG, stream=True))
+    _until(lambda: c.steps >= 1, "request A running")
+    b = _raw(base, "/v1/completions", dict(LONG, max_tokens=2))
+    _until(lambda: _health(base)["queued"] == 1, "request B queued")
+    r = httpx.post(base + "/v1/completions", json=dict(LONG, max_tokens=2), timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "server_busy" and r.json()["error"]["type"] == "server_error"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(openai.InternalServerError, match="busy") as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503
+    assert _health(base)["rejected"] == 2 and _health(base)["max_queued"] == 1
+    a.close()
+    b.recv(65536)                                        # B runs once A is cancelled, and is answered
+    b.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
+    import openai
+
+    base, c, _ = live(delay=0.1, request_timeout=1.0)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
+    t0 = time.monotonic()
+    args = dict(model=NAME, prompt="Once upon a time", max_tokens=400, temperature=0,
+                extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        assert finish == ["length"]
+    else:
+        r = client.completions.create(**args)
+        text, usage = r.choices[0].text, r.usage
+        assert r.choices[0].finish_reason == "length"
+    assert time.monotonic() - t0 < 10
+    # at most the steps that fit in 1 s (each sleeps 0.1 s; fewer on a loaded machine), their text, and no
+    # claim about cached tokens
+    n = usage.completion_tokens
+    assert n <= 11 and c.steps <= 11 and usage.prompt_tokens_details is None
+    want = "".join(o.text for o in c._generate("Once upon a time", max_tokens=n, temperature=0,
+                                                 ignore_eos=True)) if n else ""
+    assert text == want
+    h = _health(base)
+    assert h["timed_out"] == 1 and h["cancelled"] == 0 and h["completed"] == 0
+
+
+def test_chat_without_max_tokens_gets_the_default_budget(live, capsys):
+    import openai
+
+    from qwenmetal.cli import main
+    from qwenmetal.server import DEFAULT_CHAT_MAX_TOKENS
+
+    base, _, _ = live()
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=NAME, messages=MSGS, temperature=0, extra_body={"ignore_eos": True})
+    # not the whole context (4096 - prompt): the documented default
+    assert r.usage.completion_tokens == DEFAULT_CHAT_MAX_TOKENS == 2048 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=NAME, prompt="x", temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16                # OpenAI's default for /v1/completions
+    with pytest.raises(SystemExit, match="0"):
+        main(["serve", "--help"])
+    assert f"sets none (default {DEFAULT_CHAT_MAX_TOKENS}; 0: up to the context limit)" in " ".join(
+        capsys.readouterr().out.split())                 # the CLI's default is the same
+
+
+def test_default_max_tokens_option(live):
+    import openai
+
+    base, _, _ = live(default_max_tokens=3)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=NAME, messages=MSGS, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+def test_bad_server_options_raise(cpu_model):
+    from qwenmetal.server import create_app
+
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        create_app(cpu_model, default_max_tokens=0)
+    with pytest.raises(ValueError, match="request_timeout"):
+        create_app(cpu_model, request_timeout=-1)
+    with pytest.raises(ValueError, match="max_queue"):
+        create_app(cpu_model, max_queue=-1)
+
+
+def test_shutdown_finishes_the_running_request_and_fails_the_queued_one(live):
+    import httpx
+
+    base, c, srv = live(delay=0.02, graceful_timeout=10)
+    res = {}
+
+    def run_a():
+        res["a"] = httpx.post(base + "/v1/completions", json=dict(LONG, max_tokens=40), timeout=30).json()
+
+    ta = threading.Thread(target=run_a)
+    ta.start()
+    _until(lambda: c.steps >= 2, "request A running")
+    b = _raw(base, "/v1/completions", dict(LONG, max_tokens=5))
+    _until(lambda: _health(base)["queued"] == 1, "request B queued")
+    srv.should_exit = True
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        part = b.recv(65536)
+        assert part, reply
+        reply += part
+    assert reply.startswith(b"HTTP/1.1 503") and b'"shutting_down"' in reply
+    ta.join(30)
+    assert res["a"]["choices"][0]["finish_reason"] == "length" and res["a"]["usage"]["completion_tokens"] == 40
+    assert c.generations == 1
+
+
+def test_shutdown_cancels_what_outlives_the_graceful_timeout(live):
+    base, c, srv = live(delay=0.05, graceful_timeout=0.5)
+    a = _raw(base, "/v1/completions", dict(LONG, stream=True))
+    _until(lambda: c.steps >= 2, "request A running")
+    t0 = time.monotonic()
+    srv.should_exit = True
+    assert srv.config.app.state.queue.join(15), "the generation worker did not stop"
+    assert time.monotonic() - t0 < 5
+    assert c.steps < LONG["max_tokens"]
+    a.close()

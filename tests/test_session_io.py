@@ -131,3 +131,46 @@ def test_malformed_files(model, tmp_path):
         qm.Session.load(tmp_path / "v99.safetensors", model)
     with pytest.raises(ValueError, match="JSON"):
         s.save(tmp_path / "x.safetensors", metadata={"f": object()})
+
+
+@pytest.mark.parametrize("edit, msg", [
+    ({"position": None}, "'position' must be an integer >= 0"),
+    ({"position": "3"}, "'position' must be an integer >= 0"),
+    ({"position": True}, "'position' must be an integer >= 0"),
+    ({"max_context": 0}, "'max_context' must be an integer >= 1"),
+    ({"model": ["x"]}, "'model' must name the model's identity"),
+    ({"model": {"identity": 5}}, "'model' must name"),
+    ({"metadata": [1]}, "'metadata' must be an object"),
+    ({"format": None}, "not a qwenmetal session file"),
+    ({"position": 4}, r"tensor 'tokens' must be int64 \[4\]"),
+])
+def test_malformed_header_fields(model, tmp_path, edit, msg):
+    """Found by tests/test_fuzz.py on the earlier loader: these raised KeyError/TypeError/AttributeError."""
+    from qwenmetal.safetensors_io import SafetensorsFile, SafetensorsWriter
+    s = model.new_session()
+    model.prefill(s, [1, 2, 3])
+    p = tmp_path / "s.safetensors"
+    s.save(p)
+    sf = SafetensorsFile(p)
+    h = json.loads(sf.metadata[HEADER_KEY])
+    h.update(edit)
+    arrays = {k: np.array(sf.get(k)) for k in sf.keys()}
+    q = tmp_path / "bad.safetensors"
+    with SafetensorsWriter(q, {k: (v.dtype, v.shape) for k, v in arrays.items()},
+                           metadata={HEADER_KEY: json.dumps(h)}) as out:
+        for k, v in arrays.items():
+            out.write(k, v)
+    with pytest.raises(ValueError, match=rf"{q}.*{msg}"):
+        qm.Session.load(q, model)
+
+
+def test_old_identity_scheme_is_refused(model, tmp_path):
+    s = model.new_session()
+    p = tmp_path / "s.safetensors"
+    s.save(p)
+    from safetensors.numpy import load_file, save_file
+    h = read_header(p)
+    del h["model"]["scheme"]
+    save_file(load_file(str(p)), str(tmp_path / "old.safetensors"), metadata={HEADER_KEY: json.dumps(h)})
+    with pytest.raises(ValueError, match="older qwenmetal whose model identity sampled the weight files"):
+        qm.Session.load(tmp_path / "old.safetensors", model)

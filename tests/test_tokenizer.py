@@ -7,6 +7,7 @@ import unicodedata
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from qwenmetal.errors import CheckpointError
 from qwenmetal.testing import CHAT_TEMPLATE, cached_checkpoint
 from qwenmetal.tokenizer import Tokenizer
 
@@ -71,8 +72,7 @@ def test_chat_template_features(tiny):
     assert "<|im_start|>user\n<tool_response>\ndone\n</tool_response><|im_end|>" in t
     ids = tiny.apply_chat_template(msgs, tokenize=True)
     assert ids[0] == tiny.token_to_id("<|im_start|>") and ids == tiny.encode(tiny.apply_chat_template(msgs))
-    from jinja2.exceptions import TemplateError
-    with pytest.raises(TemplateError):
+    with pytest.raises(ValueError, match="the chat template cannot render this conversation"):
         tiny.apply_chat_template([{"role": "wizard", "content": "x"}])
 
 
@@ -81,8 +81,7 @@ def test_template_is_sandboxed(tmp_path):
     d = tmp_path / "ck"
     shutil.copytree(cached_checkpoint("tiny", "mlx-q4"), d)
     (d / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    from jinja2.exceptions import SecurityError
-    with pytest.raises(SecurityError):
+    with pytest.raises(CheckpointError, match="the chat template does something the sandbox forbids"):
         Tokenizer(d).apply_chat_template([{"role": "user", "content": "x"}])
     assert CHAT_TEMPLATE
 
@@ -157,3 +156,32 @@ def test_real_vocabulary_chat_template(real):
     assert ids[:1] == [248045] and ids[-len(tail):] == tail == [248068, 271, 248069, 271]
     assert ids == ref.encode(tok.apply_chat_template(msgs, enable_thinking=False))
     assert 248068 in ids and 248069 in ids
+
+
+# ---- ours vs tokenizers' own DecodeStream -----------------------------------------------------------
+def _decode_stream(tok, ids, skip):
+    from tokenizers.decoders import DecodeStream
+    d = DecodeStream(skip_special_tokens=skip)
+    return [d.step(tok._tok, i) or "" for i in ids]
+
+
+def _lead_byte_id(tok):
+    from qwenmetal.tokenizer import bytes_to_unicode
+    return tok.token_to_id(bytes_to_unicode()[0xF0])       # the first byte of a 4-byte character, alone
+
+
+@pytest.mark.parametrize("vocab", ["tiny", "real"])
+def test_decode_stream_agrees_but_drops_a_trailing_partial_character(vocab, request):
+    """Why the stream decoder is ours, not `tokenizers.decoders.DecodeStream`: on well-formed text both give
+    `decode(ids)` (DecodeStream sometimes emits a space one token later), but DecodeStream has no flush, so a
+    generation that ends inside a character (max_tokens, a stop id) loses those bytes, where `decode` and ours
+    give U+FFFD. Switch to DecodeStream if this test starts failing because it gained a flush."""
+    tok = request.getfixturevalue("tiny") if vocab == "tiny" else request.getfixturevalue("real")[0]
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        for skip in (False, True):
+            assert "".join(_decode_stream(tok, ids, skip)) == "".join(stream(tok, ids, skip)) == \
+                tok.decode(ids, skip_special_tokens=skip)
+    ids = tok.encode("ok ") + [_lead_byte_id(tok)]
+    assert tok.decode(ids) == "ok \ufffd" == "".join(stream(tok, ids))
+    assert "".join(_decode_stream(tok, ids, False)) == "ok "

@@ -146,6 +146,8 @@ def run(dest: Path, modules: list[str], max_children: int = 1, names: list[str] 
     equivalent = load_equivalent() if skip_equivalent else {}
     skipped = [k for k in chosen if k in equivalent]
     todo = [k for k in chosen if k not in equivalent]
+    if not todo:
+        raise ValueError(f"every mutant of {modules} matching {names} is a documented equivalent: nothing to run")
     stage(dest, modules)
     t0 = time.monotonic()
     _mutmut(dest, "run", "--max-children", str(max_children), *(todo if names or skipped else []))

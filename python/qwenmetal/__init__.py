@@ -6,13 +6,15 @@
     logits = model.prefill(s, ids)
 """
 from .config import ModelConfig, QuantizationConfig
-from .errors import CheckpointError
-from .generation import ChatResponse
+from .chat import ChatResponse
+from .errors import CheckpointError, InputError
 from .model import GenerationOutput, Model, Session, SessionSnapshot
+from .options import GenerationOptions
 from .prefix_cache import PrefixCache
 from .sampling import Sampler
 
 __version__ = "0.1.0"
 
 __all__ = ["Model", "Session", "SessionSnapshot", "GenerationOutput", "ModelConfig", "QuantizationConfig",
-           "CheckpointError", "Sampler", "PrefixCache", "ChatResponse", "__version__"]
+           "CheckpointError", "InputError", "Sampler", "GenerationOptions", "PrefixCache", "ChatResponse",
+           "__version__"]

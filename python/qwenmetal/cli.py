@@ -32,22 +32,27 @@ def _add_model_args(p, default_model=None, required=False):
                    help="checkpoint directory or Hugging Face hub id" +
                    (" (default: a generated tiny random-weight checkpoint)" if default_model is None and not required
                     else ""))
+    from .backends import ALL_BACKENDS, BACKENDS
     p.add_argument("--backend", default="auto",
-                   help="auto (default: metal on a Mac, else cpu) | cpu | reference | metal | metal-sim")
+                   help=f"auto (default: metal on a Mac, else cpu) | {' | '.join(ALL_BACKENDS)} "
+                        f"(available here: {', '.join(BACKENDS)})")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) with a hub id")
 
 
+#: what each sampling flag's neutral value is (the flags are qm.GenerationOptions' sampling fields)
+_SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",
+                  "repetition_penalty": "1 = off", "presence_penalty": "0 = off", "frequency_penalty": "0 = off",
+                  "seed": "same seed, same tokens"}
+
+
 def _add_sampling_args(p, max_tokens=256):
+    """The flags of `GenerationOptions.from_cli_args`: --max-tokens, one per sampling parameter, --stop."""
+    from .sampling import SAMPLING_KEYS
     g = p.add_argument_group("sampling (unset values come from generation_config.json)")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None, help="0 = off")
-    g.add_argument("--top-p", type=float, default=None, help="1 = off")
-    g.add_argument("--min-p", type=float, default=None, help="0 = off")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off")
-    g.add_argument("--presence-penalty", type=float, default=None, help="0 = off")
-    g.add_argument("--frequency-penalty", type=float, default=None, help="0 = off")
-    g.add_argument("--seed", type=int, default=None)
+    for k in SAMPLING_KEYS:
+        g.add_argument("--" + k.replace("_", "-"), type=int if k in ("top_k", "seed") else float, default=None,
+                       help=_SAMPLING_HELP[k])
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable; \\n \\t \\r \\\\ escapes); matched across tokens, not printed")
     g.add_argument("--cache-bytes", type=float, default=None, metavar="BYTES",
@@ -61,13 +66,6 @@ def unescape_stop(text: str) -> str:
     """`--stop` values as a shell passes them: \\n, \\t, \\r and \\\\ become newline, tab, return and a
     backslash (so `--stop "\\n\\n"` stops at a blank line); any other backslash stays as it is."""
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
-
-
-def _sampling_kwargs(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                seed=args.seed, stop=[unescape_stop(x) for x in args.stop] if args.stop else None)
 
 
 def _load(args, quiet: bool = False):
@@ -178,20 +176,22 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from .chat import chat_turn
+    from .options import GenerationOptions
+
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (a system message is part of the chat template)")
+    opts = GenerationOptions.from_cli_args(args)           # checked before the model loads
     model = _load(args)
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    kw = _sampling_kwargs(args)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": prompt}]
-        ids, head, _ = model.chat_prompt(msgs, enable_thinking=False if args.no_thinking else None)
-        gen = model.generate(ids, cache_points=(head,) if head else (), ignore_eos=args.ignore_eos, **kw)
+        gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None).generate(model, opts)
     else:
-        gen = model.generate(prompt, ignore_eos=args.ignore_eos, **kw)
+        gen = model.generate(prompt, options=opts)
     stats = None
     for out in gen:
         sys.stdout.write(out.text)
@@ -227,13 +227,12 @@ def _conversation_session(model, messages):
 
 
 def cmd_chat(args) -> int:
-    from .generation import ChatStreamParser, parse_assistant, prompt_opens_thinking
+    from .chat import chat_turn, check_chat_support, validate_messages
     import qwenmetal as qm
 
+    opts = qm.GenerationOptions.from_cli_args(args)        # checked before the model loads
     model = _load(args)
-    if model.tokenizer is None or model.tokenizer.chat_template is None:
-        print("qwenmetal: error: this checkpoint has no chat template", file=sys.stderr)
-        return 2
+    check_chat_support(model)                               # ValueError naming the missing file
     tty = sys.stdout.isatty()
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
     base = [{"role": "system", "content": args.system}] if args.system else []
@@ -290,11 +289,11 @@ def cmd_chat(args) -> int:
                 except (ValueError, OSError, NotImplementedError) as e:
                     print(f"error: {e}")
                     continue
-                msgs = s.metadata.get("messages")
-                if not isinstance(msgs, list):
-                    print(f"error: {arg} holds no conversation")
+                try:
+                    history = validate_messages(s.metadata.get("messages"))
+                except ValueError as e:
+                    print(f"error: {arg} holds no conversation ({e})")
                     continue
-                history = msgs
                 if model.prefix_cache is not None:
                     model.prefix_cache.put(s.tokens, s.snapshot(), kind="loaded")
                 print(f"(loaded {len(history)} messages, {s.position} tokens)")
@@ -302,13 +301,17 @@ def cmd_chat(args) -> int:
                 print(f"unknown command {cmd}; /help lists them")
             continue
         history.append({"role": "user", "content": line})
-        ids, head, text = model.chat_prompt(history, enable_thinking=think)
-        thinking = prompt_opens_thinking(text)
-        parser = ChatStreamParser(thinking, parse_tools=False)
+        try:
+            turn = chat_turn(model, history, enable_thinking=think)
+        except ValueError as e:  # invalid messages, or a conversation the template refuses
+            history.pop()
+            print(f"error: {e}")
+            continue
+        parser = turn.stream_parser()
         pieces = []
         mode = None
         try:
-            for out in model.generate(ids, cache_points=(head,) if head else (), **_sampling_kwargs(args)):
+            for out in turn.generate(model, opts):
                 pieces.append(out.text)
                 for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
                     if field_ == "reasoning_content":
@@ -330,7 +333,7 @@ def cmd_chat(args) -> int:
             sys.stdout.write(reset)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        _, content, _ = parse_assistant("".join(pieces), thinking=thinking)
+        _, content, _ = turn.parse("".join(pieces))
         history.append({"role": "assistant", "content": content})
         if last_stats and args.verbose:
             print(_stats_line(last_stats), file=sys.stderr)
@@ -352,8 +355,9 @@ def cmd_serve(args) -> int:
     print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
-          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-          max_queue=args.max_queue, log_level=args.log_level)
+          max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
+          max_queue=args.max_queue, request_timeout=args.request_timeout or None,
+          graceful_timeout=args.graceful_timeout, log_level=args.log_level)
     return 0
 
 
@@ -418,6 +422,7 @@ def main(argv=None) -> int:
     _add_sampling_args(p, max_tokens=4096)
     p.set_defaults(func=cmd_chat)
 
+    from . import server as srv                # stdlib-only at import; starlette/uvicorn load on use
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
     _add_model_args(p, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -425,10 +430,19 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set QWENMETAL_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --model value "
                    "for a hub id, the directory name for a path)")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="max_tokens when a chat request sets none (default: up to the context limit)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503")
+    p.add_argument("--max-request-bytes", type=int, default=srv.DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--default-max-tokens", type=int, default=srv.DEFAULT_CHAT_MAX_TOKENS,
+                   help=f"max_tokens when a chat request sets none (default {srv.DEFAULT_CHAT_MAX_TOKENS}; "
+                   "0: up to the context limit)")
+    p.add_argument("--max-queue", type=int, default=srv.DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond this get 503 with Retry-After (default {srv.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--request-timeout", type=float, default=srv.DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds a generation may run; then it ends with finish_reason 'length' and what it "
+                   f"generated (default {srv.DEFAULT_REQUEST_TIMEOUT:g}; 0: no limit)")
+    p.add_argument("--graceful-timeout", type=float, default=srv.DEFAULT_GRACEFUL_TIMEOUT,
+                   help="on shutdown, seconds in-flight requests get to finish before they are cancelled "
+                   f"(default {srv.DEFAULT_GRACEFUL_TIMEOUT:g})")
     p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -459,6 +473,11 @@ def main(argv=None) -> int:
     except (ValueError, MemoryError, FileExistsError) as e:
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # Ctrl-C in any command: one line, no traceback, 128 + SIGINT
+        if sys.stdout.isatty():
+            print(flush=True)          # end a partly written line of output
+        print("qwenmetal: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,15 +10,23 @@ Every dimension comes from the file; nothing about the 35B model is a constant h
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import CheckpointError
+from .fileio import parse_json
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LINEAR, FULL = "linear_attention", "full_attention"
+MAX_LAYERS = 1 << 16          # a sanity bound (real models have < 200), so a bad count cannot hang the parser
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _positive_int(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise CheckpointError(f"{what} must be a positive integer, got {v!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -47,19 +55,24 @@ class QuantizationConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantizationConfig":
+        if not isinstance(d, Mapping):
+            raise CheckpointError(f"quantization block must be an object, got {d!r}")
         mode = d.get("mode", "affine")
         if mode != "affine":
             raise CheckpointError(f"quantization mode {mode!r} is not supported (only 'affine')")
-        try:
-            default = QuantSpec(int(d["bits"]), int(d["group_size"]), mode)
-        except KeyError as e:
-            raise CheckpointError(f"quantization block lacks {e.args[0]!r}") from None
+        for key in ("bits", "group_size"):
+            if key not in d:
+                raise CheckpointError(f"quantization block lacks {key!r}")
+        default = QuantSpec(_positive_int(d["bits"], "quantization field 'bits'"),
+                            _positive_int(d["group_size"], "quantization field 'group_size'"), mode)
         overrides = {}
         for k, v in d.items():
             if isinstance(v, Mapping):
-                overrides[k] = QuantSpec(int(v.get("bits", default.bits)),
-                                         int(v.get("group_size", default.group_size)),
-                                         v.get("mode", mode))
+                if v.get("mode", mode) != "affine":
+                    raise CheckpointError(f"quantization mode {v.get('mode')!r} for {k!r} is not supported")
+                overrides[k] = QuantSpec(_positive_int(v.get("bits", default.bits), f"quantization {k!r} 'bits'"),
+                                         _positive_int(v.get("group_size", default.group_size),
+                                                       f"quantization {k!r} 'group_size'"), mode)
         return cls(default, overrides)
 
 
@@ -182,12 +195,15 @@ class ModelConfig:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
+            with open(path, "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: invalid JSON: {e}") from None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config.json")
+        d = parse_json(data, path, CheckpointError)
         try:
             return cls.from_dict(d)
         except CheckpointError as e:
@@ -201,9 +217,13 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-        t = dict(d.get("text_config") or {}) if model_type == "qwen3_5_moe" else dict(d)
-        if model_type == "qwen3_5_moe" and not t:
-            raise CheckpointError("model_type 'qwen3_5_moe' needs a 'text_config' block")
+        if model_type == "qwen3_5_moe":
+            t = d.get("text_config")
+            if not isinstance(t, Mapping) or not t:
+                raise CheckpointError("model_type 'qwen3_5_moe' needs a 'text_config' block (an object)")
+            t = dict(t)
+        else:
+            t = dict(d)
 
         def req(key):
             if key not in t:
@@ -216,26 +236,50 @@ class ModelConfig:
                 raise CheckpointError(f"config field {key!r} must be a non-negative integer, got {v!r}")
             return v
 
+        def number(key, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise CheckpointError(f"config field {key!r} must be a number, got {value!r}")
+            return float(value)
+
+        def flag(key, v):
+            if not isinstance(v, bool):
+                raise CheckpointError(f"config field {key!r} must be true or false, got {v!r}")
+            return v
+
+        def int_list(key):
+            v = t.get(key) or []
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise CheckpointError(f"config field {key!r} must be a list of integers, got {v!r}")
+            return tuple(v)
+
         n_layers = integer("num_hidden_layers")
+        if n_layers > MAX_LAYERS:
+            raise CheckpointError(f"config field 'num_hidden_layers' is {n_layers}, more than {MAX_LAYERS}")
         layer_types = t.get("layer_types")
         if layer_types is None:
             interval = integer("full_attention_interval", 4)
             if interval == 0:
                 raise CheckpointError("full_attention_interval must be positive")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
-        layer_types = tuple(layer_types)
-        if len(layer_types) != n_layers or any(x not in (LINEAR, FULL) for x in layer_types):
+        if (not isinstance(layer_types, list) or len(layer_types) != n_layers
+                or any(x not in (LINEAR, FULL) for x in layer_types)):
             raise CheckpointError(
-                f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {list(layer_types)!r}")
+                f"layer_types must list {n_layers} entries of {LINEAR!r}/{FULL!r}, got {layer_types!r:.200}")
+        layer_types = tuple(layer_types)
 
         rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise CheckpointError(f"config field 'rope_parameters' must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise CheckpointError(f"rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
-        prf = float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))
+        rope_theta = number("rope_theta", rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+        prf = number("partial_rotary_factor", rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))
+        if not 0 < prf <= 1:
+            raise CheckpointError(f"config field 'partial_rotary_factor' must be in (0, 1], got {prf}")
 
-        hd = t.get("head_dim") or req("hidden_size") // integer("num_attention_heads")
+        hd = integer("head_dim") if t.get("head_dim") is not None else \
+            integer("hidden_size") // max(integer("num_attention_heads"), 1)
         # eos: text_config's, the top level's, both.
         eos = []
         for src in (t, d):
@@ -245,6 +289,8 @@ class ModelConfig:
                     eos.append(x)
 
         qblock = d.get("quantization") or d.get("quantization_config")
+        if qblock is not None and not isinstance(qblock, Mapping):
+            raise CheckpointError(f"config field 'quantization' must be an object, got {qblock!r}")
         if qblock is not None and model_type != "qwen3_5_moe" and "quantization" not in d:
             # HF-style quantization_config of another method (e.g. bitsandbytes) is not ours
             if "bits" not in qblock:
@@ -261,7 +307,7 @@ class ModelConfig:
             num_attention_heads=integer("num_attention_heads"),
             num_key_value_heads=integer("num_key_value_heads"),
             head_dim=int(hd),
-            attn_output_gate=bool(t.get("attn_output_gate", True)),
+            attn_output_gate=flag("attn_output_gate", t.get("attn_output_gate", True)),
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
             linear_num_key_heads=integer("linear_num_key_heads"),
@@ -273,12 +319,12 @@ class ModelConfig:
             num_experts_per_tok=integer("num_experts_per_tok"),
             moe_intermediate_size=integer("moe_intermediate_size"),
             shared_expert_intermediate_size=integer("shared_expert_intermediate_size"),
-            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            norm_topk_prob=flag("norm_topk_prob", t.get("norm_topk_prob", True)),
             intermediate_size=integer("intermediate_size", 0) if is_next else 0,
-            mlp_only_layers=tuple(t.get("mlp_only_layers") or ()) if is_next else (),
+            mlp_only_layers=int_list("mlp_only_layers") if is_next else (),
             decoder_sparse_step=integer("decoder_sparse_step", 1) if is_next else 1,
-            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
+            rms_norm_eps=number("rms_norm_eps", t.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=flag("tie_word_embeddings", t.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
             max_position_embeddings=integer("max_position_embeddings", 262144),
             eos_token_ids=tuple(eos),
             quantization=quant,

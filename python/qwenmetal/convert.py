@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -37,7 +36,9 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .fileio import atomic_dir, check_free_dir
 from .quant import quantize
+from .safetensors_io import SafetensorsWriter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_SHARD_BYTES = 5 << 30                    # mlx-lm's MAX_FILE_SIZE_GB = 5
@@ -271,79 +272,6 @@ def mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None) -> str:
     return json.dumps(dict(sorted(cfg.items())), indent=4)
 
 
-# ---- streaming safetensors writer ----------------------------------------------------------------------
-_ST_NAMES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BF16: "BF16",
-             np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
-             np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
-             np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
-# the safetensors writer lays tensors out by dtype (this order) then by name
-_ST_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "I8", "U8", "BOOL")
-
-
-class SafetensorsWriter:
-    """Writes a safetensors file tensor by tensor, in any order, byte-identical to what
-    ``safetensors.numpy.save_file`` writes for the same tensors (layout: by dtype, then name; compact JSON
-    header padded with spaces to a multiple of 8)."""
-
-    def __init__(self, path, specs: Mapping[str, tuple], metadata: dict | None = None):
-        self.path = os.fspath(path)
-        names = {}
-        for k, (dt, shape) in specs.items():
-            dt = np.dtype(dt)
-            if dt not in _ST_NAMES:
-                raise ValueError(f"{k}: dtype {dt} cannot be written")
-            names[k] = (_ST_NAMES[dt], dt, tuple(int(d) for d in shape))
-        order = sorted(names, key=lambda k: (_ST_ORDER.index(names[k][0]), k))
-        header: dict = {}
-        if metadata:
-            header["__metadata__"] = dict(sorted(metadata.items()))
-        self._where = {}
-        off = 0
-        for k in order:
-            st, dt, shape = names[k]
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            header[k] = {"dtype": st, "shape": list(shape), "data_offsets": [off, off + n]}
-            self._where[k] = (dt, shape, off, n)
-            off += n
-        hb = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        hb += b" " * ((8 - len(hb) % 8) % 8)
-        self._base = 8 + len(hb)
-        self._f = open(self.path, "wb")
-        self._f.write(len(hb).to_bytes(8, "little") + hb)
-        self._f.truncate(self._base + off)
-        self._left = set(self._where)
-
-    def write(self, name: str, a: np.ndarray) -> None:
-        dt, shape, off, n = self._where[name]
-        a = np.asarray(a)
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")
-        if a.dtype != dt or a.shape != shape:
-            raise ValueError(f"{name}: got {a.dtype}{a.shape}, announced {dt}{shape}")
-        self._f.seek(self._base + off)
-        self._f.write(memoryview(a.reshape(-1).view(np.uint8)))
-        self._left.discard(name)
-
-    def close(self) -> None:
-        if self._f is None:
-            return
-        self._f.close()
-        self._f = None
-        if self._left:
-            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self._left)[:5]}")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is not None and self._f is not None:
-            self._f.close()
-            self._f = None
-            return False
-        self.close()
-        return False
-
-
 def _shard(w: Mapping[str, Lazy], max_bytes: int) -> list:
     def key(k):           # layer index as a number, so shards follow the model's order
         parts = k.split(".")
@@ -404,8 +332,7 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
 
     src = Path(resolve_checkpoint(src, revision))
     dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"{dst} exists and is not an empty directory")
+    check_free_dir(dst)                     # before any work
     cfg_text = (src / "config.json").read_text(encoding="utf-8")
     cfg = json.loads(cfg_text)
     if "quantization" in cfg or "quantization_config" in cfg:
@@ -417,16 +344,9 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     w, quant = mlx_build(hf, cfg, q_bits, q_group_size)
     gen_path = src / "generation_config.json"
     gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
+    with atomic_dir(dst) as tmp:            # only writes inside: an OSError here is about dst
         write_mlx_checkpoint(tmp, w, quant, cfg_text, gen, max_shard_bytes, progress)
         for fn in COPIED_FILES:
             if (src / fn).exists():
                 shutil.copyfile(src / fn, tmp / fn)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst

@@ -28,8 +28,11 @@ Options (``Model.load(path, backend="cpu", **options)``):
 
 State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
 the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
-before touching the state, so an error leaves it unchanged, and the GIL is released during compute
-(a KeyboardInterrupt is delivered when the call returns, after a complete step).
+before touching the state, so an error leaves it unchanged, and the GIL is released during compute.
+A call from the main thread runs Python's signal handlers between prefill chunks: a Ctrl-C raises
+KeyboardInterrupt there and the engine first restores the state of the call's start (the GDN states
+are saved at the start of a multi-chunk call; the KV cache is append-only). A single-chunk call runs
+to its end, then the interrupt is delivered with the session advanced by it.
 """
 from __future__ import annotations
 
@@ -118,8 +121,8 @@ class _Impl:
     def __init__(self, engine):
         self.engine = engine
 
-    def forward(self, state, ids, logits):
-        return self.engine.forward(state, ids, logits)
+    def forward(self, state, ids, logits, consumed=None):
+        return self.engine.forward(state, ids, logits, consumed)
 
 
 class CpuBackend:
@@ -170,10 +173,11 @@ class CpuBackend:
     def new_state(self):
         return self.engine.new_state()
 
-    def forward(self, state, ids: np.ndarray, logits: str):
-        """Run `ids` on `state` in place (all-or-nothing) and return (state, logits)."""
+    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+        """Run `ids` on `state` in place (all-or-nothing) and return (state, logits); `ids` are appended to
+        `consumed` (a session's token list) inside the engine call, together with the state's advance."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = self.impl.forward(state, ids, logits)
+        out = self.impl.forward(state, ids, logits, consumed)
         return state, out
 
     # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------

@@ -1,21 +1,24 @@
 """Text generation on top of the two primitive calls (``Model.prefill`` / ``Model.decode_step``).
 
 ``generate()`` here is what ``Model.generate`` runs: prefix-cache lookup, chunked prefill with snapshots,
-sampling, streaming detokenization, stop conditions and statistics. ``ChatResponse`` and
-:func:`parse_assistant` turn a chat reply into reasoning, content and tool calls (Qwen3.5/3.6 format).
+sampling, streaming detokenization, stop conditions and statistics. Its options come as one
+`qwenmetal.options.GenerationOptions`; chat turns (rendering, parsing replies) are in `qwenmetal.chat`.
 """
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from .sampling import SampleResult
+
+if TYPE_CHECKING:
+    from .model import Model, Session
+    from .options import GenerationOptions
+    from .sampling import Sampler
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -55,7 +58,8 @@ class StopStringMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
 
-    def push(self, delta: str):
+    def push(self, delta: str) -> tuple[str, str | None]:
+        """Add `delta`: ``(text now safe to emit, the stop string matched or None)``."""
         if not self.stops:
             return delta, None
         self._pending += delta
@@ -79,6 +83,7 @@ class StopStringMatcher:
         return out, None
 
     def flush(self) -> str:
+        """The held-back text, at the end of the generation."""
         out, self._pending = self._pending, ""
         return out
 
@@ -90,57 +95,40 @@ def _progress_bar(total: int, enabled: bool | None):
     return tqdm(total=total, unit="tok", desc="prefill", leave=False)
 
 
-def generate(model, prompt, *, max_tokens: int = 256, sampler=None, temperature=None, top_k=None, top_p=None,
-             min_p=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None, seed=None,
-             stop=None, stop_token_ids=None, ignore_eos: bool = False, logprobs: bool = False,
-             top_logprobs: int = 0, session=None, cache: bool = True, cache_points: Sequence[int] = (),
-             skip_special_tokens: bool = True, progress: bool | None = None,
+def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOptions | None" = None, *,
+             sampler: "Sampler | None" = None, session: "Session | None" = None, cache: bool = True,
+             cache_points: Sequence[int] = (), progress: bool | None = None,
              cancel: threading.Event | None = None) -> Iterator[GenerationOutput]:
-    from .sampling import Sampler
+    """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).
+    Everything is checked before the first output (and before any work)."""
+    from .errors import InputError
+    from .options import GenerationOptions
 
+    o = GenerationOptions.build(options)
     tok = model.tokenizer
     if isinstance(prompt, str):
         if tok is None:
-            raise ValueError(f"{model.path}: no tokenizer.json, so prompts must be token ids")
+            raise InputError(f"{model.path}: no tokenizer.json, so prompts must be token ids", "prompt")
         ids = tok.encode(prompt)
     else:
         ids = [int(i) for i in prompt] if not isinstance(prompt, np.ndarray) else prompt.tolist()
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if isinstance(stop, str):
-        stop = [stop]
-    stop = [s for s in (stop or [])]
-    if not all(isinstance(s, str) for s in stop):
-        raise ValueError("stop must be a string or a list of strings")
-    if any(s == "" for s in stop):
-        raise ValueError("stop strings must be non-empty (an empty one would stop before any text)")
-    if stop and tok is None:
-        raise ValueError("stop strings need a tokenizer")
-    top_logprobs = int(top_logprobs or 0)
-    if top_logprobs < 0:
-        raise ValueError("top_logprobs must be >= 0")
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                 frequency_penalty=frequency_penalty, seed=seed)
-    if sampler is not None:
-        given = sorted(k for k, v in knobs.items() if v is not None)
-        if given:
-            raise ValueError(f"pass either a sampler or sampling options, not both (got sampler and {', '.join(given)})")
+    if o.stop and tok is None:
+        raise InputError(f"{model.path}: no tokenizer.json, so stop strings cannot be matched", "stop")
+    if sampler is not None and o.sampling:
+        raise ValueError(f"pass either a sampler or sampling options, not both (got sampler and "
+                         f"{', '.join(sorted(o.sampling))})")
     if sampler is None:
-        sampler = Sampler.from_generation_config(
-            model.generation_config, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed)
+        sampler = o.sampler(model.generation_config)
     s = session if session is not None else model.new_session()
     model._check_session(s)
     model._check_ids(ids, s)                       # validates ids and the context limit, before any work
     vocab_used = tok.vocab_size if tok is not None else model.config.vocab_size
     vocab_used = min(vocab_used, model.config.vocab_size)
-    stop_ids = set() if ignore_eos else set(model.eos_token_ids)
-    stop_ids |= {int(t) for t in (stop_token_ids or ())}
+    stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
+    stop_ids |= set(o.stop_token_ids)
     pc = model.prefix_cache if cache else None
-    return _run(model, s, ids, max_tokens, sampler, stop, stop_ids, logprobs, top_logprobs, pc, cache_points,
-                skip_special_tokens, progress, cancel, vocab_used)
+    return _run(model, s, ids, o.max_tokens, sampler, list(o.stop), stop_ids, o.logprobs, o.top_logprobs, pc,
+                cache_points, o.skip_special_tokens, progress, cancel, vocab_used)
 
 
 def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
@@ -304,191 +292,3 @@ def _stats(n_prompt, cached, n_gen, t0, t1, t2, reason) -> dict:
             "prefill_tokens_per_second": computed / max(t1 - t0, 1e-9) if computed else float("nan"),
             "decode_tokens_per_second": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else float("nan"),
             "time_to_first_token": t1 - t0}
-
-
-# ---------------------------------------------------------------------------------------------------
-# chat replies
-# ---------------------------------------------------------------------------------------------------
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
-
-
-def _param_types(tools, name) -> dict:
-    for t in tools or ():
-        fn = t.get("function", t) if isinstance(t, dict) else None
-        if isinstance(fn, dict) and fn.get("name") == name:
-            props = (fn.get("parameters") or {}).get("properties") or {}
-            return {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
-    return {}
-
-
-def parse_tool_calls(text: str, tools=None) -> list:
-    """Tool calls in Qwen3.5/3.6's XML format (``<tool_call><function=NAME><parameter=ARG>VALUE``...) as
-    ``[{"name": ..., "arguments": {...}}]``. Values are JSON-decoded unless the tool's schema says
-    ``string`` (or they are not valid JSON)."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        for name, body in _FUNCTION.findall(block):
-            types = _param_types(tools, name.strip())
-            args = {}
-            for key, value in _PARAM.findall(body):
-                key = key.strip()
-                if types.get(key) == "string":
-                    args[key] = value
-                    continue
-                try:
-                    args[key] = json.loads(value)
-                except (json.JSONDecodeError, ValueError):
-                    args[key] = value
-            calls.append({"name": name.strip(), "arguments": args})
-    return calls
-
-
-def parse_assistant(text: str, *, thinking: bool = False, tools=None) -> tuple:
-    """Split a generated reply into ``(reasoning, content, tool_calls)``. ``thinking``: the prompt ended
-    inside a ``<think>`` block (Qwen3.5/3.6 with thinking on), so the reply starts with reasoning."""
-    reasoning = None
-    content = text
-    if "</think>" in text:
-        r, _, content = text.partition("</think>")
-        reasoning = r.split("<think>", 1)[-1].strip()
-    elif thinking:
-        reasoning, content = text.strip(), ""
-    calls = parse_tool_calls(content, tools) if "<tool_call>" in content else []
-    if calls:
-        content = content.split("<tool_call>", 1)[0]
-    return reasoning, content.strip(), calls
-
-
-def prompt_opens_thinking(prompt_text: str) -> bool:
-    """The rendered prompt leaves the model inside a think block (it ends with an unclosed ``<think>``)."""
-    i = prompt_text.rfind("<think>")
-    return i >= 0 and "</think>" not in prompt_text[i:]
-
-
-@dataclass
-class ChatResponse:
-    """The reply of :meth:`Model.chat`: ``content`` (the answer), ``reasoning`` (the think block, if any),
-    ``tool_calls`` (``[{"name", "arguments"}]``), ``text`` (everything generated), ``finish_reason``,
-    ``stats``, ``tokens`` and ``message`` (an assistant message to append to the conversation)."""
-
-    text: str
-    content: str
-    reasoning: str | None
-    tool_calls: list
-    finish_reason: str
-    stats: dict
-    tokens: list = field(repr=False)
-    logprobs: list | None = field(default=None, repr=False)
-
-    @property
-    def message(self) -> dict:
-        m = {"role": "assistant", "content": self.content}
-        if self.reasoning:
-            m["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            m["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                               for c in self.tool_calls]
-        return m
-
-    def __str__(self) -> str:
-        return self.content
-
-    def _repr_markdown_(self) -> str:
-        parts = []
-        if self.reasoning:
-            parts.append("> " + self.reasoning.replace("\n", "\n> "))
-        parts.append(self.content)
-        for c in self.tool_calls:
-            parts.append(f"`{c['name']}({json.dumps(c['arguments'], ensure_ascii=False)})`")
-        s = self.stats
-        parts.append(f"<small>{s['prompt_tokens']} prompt tokens ({s['cached_tokens']} cached), "
-                     f"{s['generated_tokens']} generated, finish: {self.finish_reason}</small>")
-        return "\n\n".join(parts)
-
-
-class ChatStreamParser:
-    """Splits streamed reply text into reasoning and content deltas, and collects tool calls.
-
-    ``feed(text)`` returns ``[(field, text), ...]`` with field ``"reasoning_content"`` or ``"content"``;
-    text that may be the start of ``</think>`` or ``<tool_call>`` is held until decided. From the first
-    ``<tool_call>`` on, text is kept back and parsed by ``finish()``, which returns
-    ``(remaining deltas, tool_calls)``.
-    """
-
-    def __init__(self, thinking: bool = False, tools=None, parse_tools: bool = True):
-        self.mode = "reasoning" if thinking else "content"
-        self.tools = tools
-        self.parse_tools = parse_tools
-        self._buf = ""
-        self._tool_text = None
-        self._content_started = False
-
-    def _emit(self, field_, text, out):
-        if not text:
-            return
-        if field_ == "content" and not self._content_started:
-            text = text.lstrip("\n")              # the "\n\n" after </think>
-            if not text:
-                return
-            self._content_started = True
-        out.append((field_, text))
-
-    def feed(self, text: str) -> list:
-        out: list = []
-        if self._tool_text is not None:
-            self._tool_text += text
-            return out
-        self._buf += text
-        while True:
-            if self.mode == "reasoning":
-                if self._buf.startswith("<think>"):
-                    self._buf = self._buf[len("<think>"):]
-                i = self._buf.find("</think>")
-                if i >= 0:
-                    self._emit("reasoning_content", self._buf[:i], out)
-                    self._buf = self._buf[i + len("</think>"):]
-                    self.mode = "content"
-                    continue
-                keep = _partial_suffix(self._buf, ("</think>", "<think>"))
-                self._emit("reasoning_content", self._buf[:len(self._buf) - keep], out)
-                self._buf = self._buf[len(self._buf) - keep:]
-                return out
-            tags = ("<tool_call>", "<think>") if self.parse_tools else ("<think>",)
-            if self._buf.startswith("<think>") and not self._content_started:
-                self.mode = "reasoning"
-                continue
-            i = self._buf.find("<tool_call>") if self.parse_tools else -1
-            if i >= 0:
-                self._emit("content", self._buf[:i].rstrip(), out)
-                self._tool_text = self._buf[i:]
-                self._buf = ""
-                return out
-            keep = _partial_suffix(self._buf, tags)
-            self._emit("content", self._buf[:len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
-
-    def finish(self) -> tuple:
-        out: list = []
-        if self._buf:
-            self._emit("reasoning_content" if self.mode == "reasoning" else "content", self._buf, out)
-            self._buf = ""
-        calls = []
-        if self._tool_text is not None:
-            calls = parse_tool_calls(self._tool_text, self.tools)
-            if not calls:                         # not a well-formed call: give the text back as content
-                self._emit("content", self._tool_text, out)
-        return out, calls
-
-
-def _partial_suffix(s: str, tags) -> int:
-    """Length of the longest suffix of `s` that is a proper prefix of one of `tags`."""
-    best = 0
-    for t in tags:
-        for k in range(min(len(t) - 1, len(s)), best, -1):
-            if s.endswith(t[:k]):
-                best = k
-                break
-    return best

@@ -71,10 +71,11 @@ class _GpuBackend:
     def new_state(self):
         return self.engine.new_state()
 
-    def forward(self, state, ids: np.ndarray, logits: str):
-        """Run `ids` on `state` in place (all-or-nothing) and return (state, logits)."""
+    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+        """Run `ids` on `state` in place (all-or-nothing; a Ctrl-C between tokens restores it) and return
+        (state, logits); `ids` are appended to `consumed` (a session's token list) inside the call."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        return state, self.engine.forward(state, ids, logits)
+        return state, self.engine.forward(state, ids, logits, consumed)
 
     def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0,
@@ -82,7 +83,8 @@ class _GpuBackend:
         """Generate up to `n` tokens after input token `first`, sampled on the GPU (argmax when
         temperature is 0) among logits [0, vocab) (0: all), one command buffer per token with two in
         flight; stops after a stop id. The state advances by the inputs consumed: `first` and every
-        generated token but the last -- appended to `consumed` (a session's token list) inside the call."""
+        generated token but the last -- appended to `consumed` (a session's token list) inside the call.
+        All-or-nothing: an error, or a Ctrl-C (checked between steps), restores the state of the start."""
         return self.engine.decode(state, int(first), int(n), greedy=temperature == 0, temperature=float(temperature),
                                   top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed),
                                   stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab),

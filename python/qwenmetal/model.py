@@ -9,27 +9,34 @@
 A `Session` holds one sequence's state (KV cache of the attention layers, conv and recurrent
 state of the Gated DeltaNet layers, the position and the tokens). Calls are all-or-nothing: an
 invalid token, empty input or context overflow raises ValueError before anything changes, and an
-exception during compute (including KeyboardInterrupt) leaves the session as it was.
+exception during compute (including KeyboardInterrupt, which the C++ engines check for between chunks
+and tokens) leaves the session as it was: state and tokens always advance together (docs/api.md,
+"Interrupts").
 """
 from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .generation import ChatResponse, GenerationOutput
+from .generation import GenerationOutput
+from .interrupts import sigint_deferred
+from .options import GenerationOptions
 from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
 from .weights import load_weights
-from .cpu_backend import CpuBackend, available as cpu_available
-from .metal_backend import MetalBackend, MetalSimBackend, metal_available, sim_available
+from .backends import backend_factory
 
-PLANNED_BACKENDS = ("cpu", "metal", "metal-sim")
+if TYPE_CHECKING:
+    from .chat import ChatResponse
+    from .sampling import Sampler
+
 RETURN_LOGITS = ("last", "all", "none")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -55,62 +62,6 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = Non
 
 
 # ---------------------------------------------------------------------------------------------
-class ReferenceBackend:
-    """numpy reference (`qwenmetal.reference`): float32 on dequantized weights."""
-
-    name = "reference"
-
-    def __init__(self, weights, dtype="float32", gdn_mode="chunked", chunk_size=64):
-        from .reference import ReferenceModel
-
-        need = weights.dense_float32_nbytes()
-        total = _total_memory()
-        if total and need > 0.75 * total:
-            raise MemoryError(
-                f"the reference backend dequantizes every weight to float32: {need / 2**30:.1f} GiB, more than "
-                f"this machine can hold ({total / 2**30:.1f} GiB). It is meant for small checkpoints.")
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-        if gdn_mode not in ("chunked", "recurrent"):
-            raise ValueError(f"gdn_mode must be 'chunked' or 'recurrent', got {gdn_mode!r}")
-        self.impl = ReferenceModel(weights.config, weights.dense_float32(), dtype=dtype)
-        self.dtype, self.gdn_mode, self.chunk_size = dtype, gdn_mode, int(chunk_size)
-
-    def new_state(self):
-        return self.impl.new_state()
-
-    def forward(self, state, ids: np.ndarray, logits: str):
-        """Run `ids` on a copy of `state`; returns (new_state, logits)."""
-        new = state.copy()
-        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
-        return new, out
-
-    def state_to_arrays(self, state) -> dict:
-        """The backend-independent state layout of Session.save (see docs/architecture.md)."""
-        return state.to_arrays()
-
-    def state_from_arrays(self, arrays: dict):
-        from .reference import ReferenceState
-        return ReferenceState.from_arrays(arrays)
-
-
-# name -> factory(weights, **options) returning a backend (see docs/architecture.md)
-BACKENDS = {"reference": ReferenceBackend, **({"cpu": CpuBackend} if cpu_available() else {}),
-            **({"metal-sim": MetalSimBackend} if sim_available() else {}),
-            **({"metal": MetalBackend} if metal_available() else {})}
-# what backend="auto" picks: the first of these that is available (metal only on a Mac with a Metal
-# device; metal-sim never: it is a verification tool, not a fast path)
-AUTO_ORDER = ("metal", "cpu", "reference")
-
-
-def _total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SessionSnapshot:
     """An immutable copy of a session's state, for `Session.restore`."""
@@ -121,6 +72,7 @@ class SessionSnapshot:
 
     @property
     def position(self) -> int:
+        """The session position the snapshot was taken at."""
         return self.state.position
 
 
@@ -141,6 +93,7 @@ class Session:
 
     @property
     def tokens(self) -> tuple:
+        """Every token the session has processed, in order."""
         return tuple(self._tokens)
 
     @property
@@ -153,19 +106,26 @@ class Session:
         return Session(self._model, self._state.copy(), self._tokens, self.max_context)
 
     def snapshot(self) -> SessionSnapshot:
+        """An immutable copy of the state, for `restore` (cheap to keep: the prefix cache holds these)."""
         return SessionSnapshot(id(self._model), self._state.copy(), tuple(self._tokens))
 
     def restore(self, snap: SessionSnapshot) -> None:
+        """Go back to `snap` (taken from a session of the same model)."""
         if not isinstance(snap, SessionSnapshot):
             raise TypeError(f"restore() takes a SessionSnapshot, got {type(snap).__name__}")
         if snap.model_id != id(self._model):
             raise ValueError("this snapshot was taken from a session of another model")
-        self._state = snap.state.copy()
-        self._tokens = list(snap.tokens)
+        state, tokens = snap.state.copy(), list(snap.tokens)
+        with sigint_deferred():
+            self._state = state
+            self._tokens = tokens
 
     def reset(self) -> None:
-        self._state = self._model._backend.new_state()
-        self._tokens = []
+        """Back to position 0 (an empty state)."""
+        state = self._model._backend.new_state()
+        with sigint_deferred():
+            self._state = state
+            self._tokens = []
 
     def save(self, path, metadata: dict | None = None) -> None:
         """Write the state, tokens and position to `path` (a safetensors file with a JSON header naming
@@ -178,7 +138,10 @@ class Session:
         """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
         (config.json or weight files differ) or the file is malformed."""
         from .session_io import load_session
-        return load_session(path, model, max_context)
+        state, tokens, max_context, metadata = load_session(path, model, max_context)
+        s = cls(model, state, tokens, max_context=max_context)
+        s.metadata = metadata
+        return s
 
     def __repr__(self) -> str:
         return (f"Session(position={self.position}, max_context={self.max_context}, "
@@ -205,7 +168,12 @@ class Model:
         self.tokenizer = tokenizer
         self._backend = backend
         self.path = path
-        self.generation_config = _read_json(os.path.join(path, "generation_config.json"))
+        gc_path = os.path.join(path, "generation_config.json")
+        self.generation_config = _read_json(gc_path)
+        try:                                    # its sampling values are what unset options become
+            GenerationOptions().with_defaults(self.generation_config)
+        except ValueError as e:
+            raise CheckpointError(f"{gc_path}: {e}") from None
         self.prefix_cache: PrefixCache | None = PrefixCache()
         self._identity = None
 
@@ -221,21 +189,17 @@ class Model:
         rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
         default 64).
         """
-        if backend == "auto":
-            backend = next(b for b in AUTO_ORDER if b in BACKENDS)
-        if backend not in BACKENDS:
-            if backend in PLANNED_BACKENDS:
-                raise ValueError(f"backend {backend!r} is not available in this build; available: {tuple(BACKENDS)}")
-            raise ValueError(f"unknown backend {backend!r}; available: {tuple(BACKENDS)}")
+        factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)
         config = ModelConfig.from_file(path)
         weights = load_weights(path, config)
         tokenizer = load_tokenizer(path)
-        impl = BACKENDS[backend](weights, **options)
+        impl = factory(weights, **options)
         return cls(config, weights, tokenizer, impl, path)
 
     @property
     def backend(self) -> str:
+        """The backend's name ("reference", "cpu", "metal", "metal-sim"; see `qwenmetal.backends`)."""
         return self._backend.name
 
     @property
@@ -255,14 +219,17 @@ class Model:
 
     @property
     def identity(self) -> dict:
-        """What names this checkpoint (hash of config.json + weight file names and sizes); sessions
-        saved with `Session.save` carry it and refuse to load into another model."""
+        """What names this checkpoint (hash of config.json + the weight files' names, sizes and full
+        SHA-256, cached by `qwenmetal.session_io`); sessions saved with `Session.save` carry it and refuse
+        to load into another model. Raises CheckpointError if a weight file changed since loading."""
+        self.weights.check_unchanged()
         if self._identity is None:
             from .session_io import model_identity
             self._identity = model_identity(self.path)
         return self._identity
 
     def new_session(self, max_context: int | None = None) -> Session:
+        """An empty session; `max_context` (1..max_position_embeddings, default: all of it) caps its length."""
         if max_context is not None and not (0 < max_context <= self.config.max_position_embeddings):
             raise ValueError(f"max_context must be in 1..{self.config.max_position_embeddings}")
         return Session(self, self._backend.new_state(), max_context=max_context)
@@ -275,9 +242,8 @@ class Model:
         if return_logits not in RETURN_LOGITS:
             raise ValueError(f"return_logits must be one of {RETURN_LOGITS}, got {return_logits!r}")
         ids = self._check_ids(token_ids, session)
-        state, out = self._backend.forward(session._state, ids, return_logits)
-        session._state = state
-        session._tokens.extend(int(i) for i in ids)
+        # the backend commits the state and the session's tokens together (an interrupt lands before or after)
+        _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
         return out
 
     def decode_step(self, session: Session, token_id) -> np.ndarray:
@@ -319,38 +285,48 @@ class Model:
         return arr.astype(np.int64)
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                 frequency_penalty: float | None = None, seed: int | None = None, sampler=None,
-                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                 ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                 session: Session | None = None, cache: bool = True, cache_points: Sequence[int] = (),
-                 skip_special_tokens: bool = True, progress: bool | None = None,
-                 cancel=None) -> Iterator[GenerationOutput]:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, *,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
+                 logprobs: bool | None = None, top_logprobs: int | None = None,
+                 skip_special_tokens: bool | None = None, options: GenerationOptions | None = None,
+                 sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
+                 cache_points: Sequence[int] = (), progress: bool | None = None,
+                 cancel: threading.Event | None = None) -> Iterator[GenerationOutput]:
         """Stream `GenerationOutput`s for `prompt` (text, encoded without a chat template, or token ids).
 
-        Sampling parameters left as None come from generation_config.json (greedy when temperature is
-        0; or `sampler=` a `qm.Sampler` instead of them: passing both is an error). Stops at an eos id (config.json,
-        generation_config.json, the tokenizer's eos, `<|im_end|>`; `ignore_eos` disables them), an id in
-        `stop_token_ids`, a `stop` string (matched across tokens, not emitted), after `max_tokens`, or
-        when the session is full. With `session`, continues it (the prompt is appended; the last sampled
-        token is not fed back); otherwise uses a new session and the prefix cache (`cache=False` to
-        bypass). The last output has `finish_reason` and `stats`. Arguments are checked before the
-        first output: invalid ones raise ValueError. See docs/usage.md.
+        The sampling and stopping options (max_tokens, default 256, temperature ... skip_special_tokens) are
+        the fields of `qm.GenerationOptions`: pass them as keywords, or `options=` one (keywords given too
+        replace its fields). Sampling parameters left unset come from generation_config.json (greedy when
+        temperature is 0); or `sampler=` a `qm.Sampler` instead of them (passing both is an error). Stops
+        at an eos id (config.json, generation_config.json, the tokenizer's eos, `<|im_end|>`; `ignore_eos`
+        disables them), an id in `stop_token_ids`, a `stop` string (matched across tokens, not emitted),
+        after `max_tokens`, or when the session is full. With `session`, continues it (the prompt is
+        appended; the last sampled token is not fed back); otherwise uses a new session and the prefix
+        cache (`cache=False` to bypass; `cache_points`: prompt lengths to keep a snapshot at). `cancel`: an
+        Event that ends the generation (no final output). The last output has `finish_reason` and `stats`.
+        Arguments are checked before the first output: invalid ones raise ValueError naming them.
+        See docs/usage.md.
         """
         from .generation import generate
-        return generate(self, prompt, max_tokens=max_tokens, sampler=sampler, temperature=temperature,
-                        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
-                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-                        top_logprobs=top_logprobs, session=session, cache=cache, cache_points=cache_points,
-                        skip_special_tokens=skip_special_tokens, progress=progress, cancel=cancel)
+        opts = GenerationOptions.build(
+            options, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+            skip_special_tokens=skip_special_tokens)
+        return generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
+                        cache_points=cache_points, progress=progress, cancel=cancel)
 
-    def chat_prompt(self, messages, *, tools=None, enable_thinking: bool | None = None, **template_kwargs):
-        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.path}: no tokenizer.json, so chat is not available")
+    def chat_prompt(self, messages: Sequence[dict], *, tools: list | None = None,
+                    enable_thinking: bool | None = None, **template_kwargs) -> tuple[list, int, str]:
+        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`, rendered as
+        given (`Model.chat` checks them first; see `qwenmetal.chat.chat_turn`)."""
+        from .chat import check_chat_support
+        check_chat_support(self)
         tk = self.tokenizer
         text = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                       enable_thinking=enable_thinking, **template_kwargs)
@@ -367,34 +343,24 @@ class Model:
             head = 0
         return ids, head, text
 
-    def chat(self, messages, *, tools=None, enable_thinking: bool | None = None, stream: bool = False,
-             chat_template_kwargs: dict | None = None, **generate_kwargs):
+    def chat(self, messages: Sequence[dict], *, tools: list | None = None, enable_thinking: bool | None = None,
+             stream: bool = False, chat_template_kwargs: dict | None = None,
+             options: GenerationOptions | None = None, **generate_kwargs) -> ChatResponse | Iterator[GenerationOutput]:
         """Answer a conversation (OpenAI-style message dicts) with the checkpoint's chat template.
 
-        Returns a `ChatResponse` (content, reasoning, tool_calls, finish_reason, stats, `.message` to
-        append to the history), or with `stream=True` the `GenerationOutput` iterator. Uses the prefix
-        cache: the state where the messages end is kept, so the next turn prefills only what is new.
-        Other keyword arguments go to `generate` (max_tokens, temperature, stop, seed, ...).
+        The messages are checked as the server checks them (`qwenmetal.chat.validate_messages`: ValueError
+        naming ``messages[i]``). Returns a `ChatResponse` (content, reasoning, tool_calls -- parsed when
+        `tools` are offered --, finish_reason, stats, `.message` to append to the history), or with
+        `stream=True` the `GenerationOutput` iterator. Uses the prefix cache: the state where the messages
+        end is kept, so the next turn prefills only what is new. `options` and the other keyword arguments
+        are `generate`'s (max_tokens, temperature, stop, seed, sampler, ...).
         """
-        from .generation import parse_assistant, prompt_opens_thinking
+        from .chat import chat_turn
 
-        ids, head, text = self.chat_prompt(messages, tools=tools, enable_thinking=enable_thinking,
-                                           **(chat_template_kwargs or {}))
-        points = (head,) if head else ()
-        gen = self.generate(ids, cache_points=points, **generate_kwargs)
-        if stream:
-            return gen
-        pieces, toks, lps = [], [], []
-        last = None
-        for out in gen:
-            pieces.append(out.text)
-            toks.append(out.token)
-            if out.logprob is not None:
-                lps.append(out.logprob)
-            last = out
-        full = "".join(pieces)
-        reasoning, content, calls = parse_assistant(full, thinking=prompt_opens_thinking(text), tools=tools)
-        return ChatResponse(full, content, reasoning, calls, last.finish_reason, last.stats, toks, lps or None)
+        turn = chat_turn(self, messages, tools=tools, enable_thinking=enable_thinking,
+                         template_kwargs=chat_template_kwargs)
+        gen = turn.generate(self, options, **generate_kwargs)
+        return gen if stream else turn.response(gen)
 
     def __repr__(self) -> str:
         return (f"Model(backend={self.backend!r}, path={self.path!r}, layout={self.weights.layout!r}, "

@@ -22,8 +22,12 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .model import SessionSnapshot
 
 DEFAULT_CHUNK_TOKENS = 2048
 
@@ -40,6 +44,8 @@ def default_max_bytes() -> int:
 
 @dataclass
 class CacheEntry:
+    """One cached state: the session after exactly `tokens`, and (kind "prompt"/"turn") the next logits."""
+
     tokens: tuple
     snapshot: object = field(repr=False)          # a SessionSnapshot
     logits: np.ndarray | None = field(default=None, repr=False)   # next-token logits after `tokens`
@@ -47,6 +53,7 @@ class CacheEntry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the snapshot and the logits."""
         return int(self.snapshot.state.nbytes) + (0 if self.logits is None else int(self.logits.nbytes))
 
 
@@ -74,6 +81,7 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by all entries."""
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
 
@@ -82,7 +90,7 @@ class PrefixCache:
         with self._lock:
             return [(len(e.tokens), e.kind, e.nbytes) for e in self._entries.values()]
 
-    def lookup(self, tokens, need_logits: bool = True) -> CacheEntry | None:
+    def lookup(self, tokens: Sequence[int], need_logits: bool = True) -> CacheEntry | None:
         """The longest entry whose tokens are a prefix of ``tokens``: shorter than ``tokens``, or equal
         to it when the entry holds the next-token logits (and ``need_logits``). Marks it recently used."""
         tokens = tuple(int(t) for t in tokens)
@@ -106,7 +114,8 @@ class PrefixCache:
             return best
 
     # ---- updates -------------------------------------------------------------------------------
-    def put(self, tokens, snapshot, logits: np.ndarray | None = None, kind: str = "prompt") -> bool:
+    def put(self, tokens: Sequence[int], snapshot: SessionSnapshot, logits: np.ndarray | None = None,
+            kind: str = "prompt") -> bool:
         """Store ``snapshot`` (its state must be the state after exactly ``tokens``). An existing entry
         for the same tokens is kept (and gains the logits if it had none). Returns False if the entry
         alone exceeds the budget."""
@@ -136,6 +145,7 @@ class PrefixCache:
             self.evictions += 1
 
     def clear(self) -> None:
+        """Drop every entry."""
         with self._lock:
             self._entries.clear()
 

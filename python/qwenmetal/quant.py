@@ -30,6 +30,7 @@ SUPPORTED_BITS = (2, 4, 8)            # power-of-two widths: plain uint32 packin
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _EPS = np.float32(1e-7)
+_CHUNK_ELEMENTS = 1 << 22           # quantize() works on ~4M weights (16 MB of float32) at a time
 
 
 def _check_bits(bits: int) -> int:
@@ -101,6 +102,21 @@ def quantize(w: np.ndarray, bits: int, group_size: int, scale_dtype=ml_dtypes.bf
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"scale_dtype must be float32/bfloat16/float16, got {out_dtype}")
 
+    lead, n_groups = w.shape[:-1], n_in // group_size
+    rows = w.reshape(-1, n_in)
+    wq = np.empty((rows.shape[0], n_in * bits // 32), np.uint32)
+    scales = np.empty((rows.shape[0], n_groups), out_dtype)
+    biases = np.empty_like(scales)
+    step = max(1, _CHUNK_ELEMENTS // n_in)         # rows at a time: bounded temporaries for any size
+    for r0 in range(0, rows.shape[0], step):
+        r1 = min(rows.shape[0], r0 + step)
+        wq[r0:r1], scales[r0:r1], biases[r0:r1] = _quantize_rows(rows[r0:r1], bits, group_size, out_dtype)
+    return wq.reshape(*lead, -1), scales.reshape(*lead, n_groups), biases.reshape(*lead, n_groups)
+
+
+def _quantize_rows(w: np.ndarray, bits: int, group_size: int, out_dtype) -> tuple:
+    """:func:`quantize` of the rows ``w[r, in]`` (groups never cross rows, so chunks of rows are exact)."""
+    n_in = w.shape[-1]
     wf = w.astype(np.float32).reshape(-1, n_in // group_size, group_size)
     if not np.isfinite(wf).all():
         raise ValueError("quantize needs finite values")
@@ -118,11 +134,7 @@ def quantize(w: np.ndarray, bits: int, group_size: int, scale_dtype=ml_dtypes.bf
 
     q = np.rint((wf - bias[..., None]) / scale[..., None])
     q = np.clip(q, np.float32(0), n_bins).astype(np.uint32)
-    lead = w.shape[:-1]
-    wq = pack(q.reshape(*lead, n_in), bits)
-    scales = scale.reshape(*lead, n_in // group_size).astype(out_dtype)
-    biases = bias.reshape(*lead, n_in // group_size).astype(out_dtype)
-    return wq, scales, biases
+    return pack(q.reshape(-1, n_in), bits), scale.astype(out_dtype), bias.astype(out_dtype)
 
 
 def dequantize(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,

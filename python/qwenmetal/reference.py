@@ -639,75 +639,16 @@ class ReferenceModel:
 # random parameters for tests
 # ---------------------------------------------------------------------------------------------
 def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict:
-    """Random parameters with the canonical names and shapes for ``config``, at realistic scales.
+    """Random parameters with the canonical names and shapes for ``config``, as ``dtype``.
 
-    Input-side linear weights ~ N(0, s) with s = 1/sqrt(fan_in) clipped to [0.02, 0.1]; the projections
-    that write into the residual stream (``o_proj``, ``out_proj``, every ``down_proj``) ~ N(0, 0.02);
-    embeddings ~ N(0, 0.5). Each layer then adds a modest update to a residual stream that dominates, as in
-    a trained pre-norm model; with larger output projections a random 4-layer model is chaotic (a 0.4 %
-    input perturbation grows to ~10 % in the logits), which would make bf16-vs-fp32 comparisons meaningless.
-    Shifted norm weights and ``linear_attn.norm`` ~ 1 + N(0, 0.1); conv taps ~ N(0, 0.3);
-    ``A_log = log(U(1, 8))``; ``dt_bias ~ U(-1, 1)``; router ~ N(0, 0.3) so that routing is not uniform;
-    ``shared_expert_gate`` ~ N(0, 0.1). Arrays are returned as ``dtype``.
+    Drawn by the random checkpoint writer (:func:`qwenmetal.checkpoint_writer.canonical_params`, the one
+    source of random weights: same per-name generator and tensor list as every fixture checkpoint) with
+    its ``"reference"`` scales: input-side projections ~ N(0, clip(1/sqrt(fan_in), 0.02, 0.1)), the
+    residual-writing ones (``o_proj``, ``out_proj``, every ``down_proj``) ~ N(0, 0.02), embeddings ~
+    N(0, 0.5), so that each layer adds a modest update to a residual stream that dominates, as in a
+    trained pre-norm model (see ``checkpoint_writer.INITS`` for why); shifted norm weights and
+    ``linear_attn.norm`` ~ 1 + N(0, 0.1); conv taps ~ N(0, 0.3); ``A_log = log(U(1, 8))``; ``dt_bias ~
+    U(-1, 1)``; router ~ N(0, 0.3) so that routing is not uniform; ``shared_expert_gate`` ~ N(0, 0.1).
     """
-    c = config
-    rng = np.random.default_rng(seed)
-    H = c.hidden_size
-    P: dict = {}
-
-    def lin(out_dim, in_dim, *lead, scale=None):
-        s = scale if scale is not None else min(0.1, max(0.02, 1.0 / np.sqrt(in_dim)))
-        return rng.normal(0.0, s, size=(*lead, out_dim, in_dim))
-
-    def normw(n):
-        return 1.0 + rng.normal(0.0, 0.1, size=(n,))
-
-    OUT = 0.02                                   # std of the residual-writing projections
-    P["embed_tokens"] = rng.normal(0.0, 0.5, size=(c.vocab_size, H))
-    if not c.tie_word_embeddings:
-        P["lm_head"] = lin(c.vocab_size, H)
-    P["norm"] = normw(H)
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    for i in range(c.num_hidden_layers):
-        pre = f"layers.{i}."
-        P[pre + "input_layernorm"] = normw(H)
-        P[pre + "post_attention_layernorm"] = normw(H)
-        if c.is_full_attention(i):
-            a = pre + "self_attn."
-            P[a + "q_proj"] = lin(nh * hd * (2 if c.attn_output_gate else 1), H)
-            P[a + "k_proj"] = lin(nkv * hd, H)
-            P[a + "v_proj"] = lin(nkv * hd, H)
-            P[a + "o_proj"] = lin(H, nh * hd, scale=OUT)
-            P[a + "q_norm"] = normw(hd)
-            P[a + "k_norm"] = normw(hd)
-        else:
-            a = pre + "linear_attn."
-            nv = c.linear_num_value_heads
-            P[a + "in_proj_qkv"] = lin(c.conv_dim, H)
-            P[a + "in_proj_z"] = lin(c.value_dim, H)
-            P[a + "in_proj_b"] = lin(nv, H)
-            P[a + "in_proj_a"] = lin(nv, H)
-            P[a + "conv1d"] = rng.normal(0.0, 0.3, size=(c.conv_dim, c.linear_conv_kernel_dim))
-            P[a + "dt_bias"] = rng.uniform(-1.0, 1.0, size=(nv,))
-            P[a + "A_log"] = np.log(rng.uniform(1.0, 8.0, size=(nv,)))
-            P[a + "norm"] = normw(c.linear_value_head_dim)
-            P[a + "out_proj"] = lin(H, c.value_dim, scale=OUT)
-        m = pre + "mlp."
-        if c.is_moe_layer(i):
-            E, I = c.num_experts, c.moe_intermediate_size
-            P[m + "gate"] = lin(E, H, scale=0.3)
-            P[m + "switch_mlp.gate_proj"] = lin(I, H, E)
-            P[m + "switch_mlp.up_proj"] = lin(I, H, E)
-            P[m + "switch_mlp.down_proj"] = lin(H, I, E, scale=OUT)
-            Is = c.shared_expert_intermediate_size
-            if Is > 0:
-                P[m + "shared_expert.gate_proj"] = lin(Is, H)
-                P[m + "shared_expert.up_proj"] = lin(Is, H)
-                P[m + "shared_expert.down_proj"] = lin(H, Is, scale=OUT)
-                P[m + "shared_expert_gate"] = lin(1, H, scale=0.1)
-        else:
-            I = c.intermediate_size
-            P[m + "gate_proj"] = lin(I, H)
-            P[m + "up_proj"] = lin(I, H)
-            P[m + "down_proj"] = lin(H, I, scale=OUT)
-    return {k: np.asarray(v).astype(dtype) for k, v in P.items()}
+    from .checkpoint_writer import canonical_params
+    return {k: v.astype(dtype) for k, v in canonical_params(config, seed, "reference").items()}

@@ -24,13 +24,52 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import InputError
+
+#: the sampling parameters (each is checked by `check_sampling`)
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed")
 #: generation_config.json keys that give sampling defaults
-GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                          "frequency_penalty")
+GENERATION_CONFIG_KEYS = SAMPLING_KEYS[:-1]
+
+
+def _number(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+        raise InputError(f"{name} must be a finite number, got {v!r}", name)
+    return float(v)
+
+
+def check_sampling(name: str, value: object) -> float | int | None:
+    """The one check of a sampling parameter (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``): returns it normalised
+    (float, or int for ``top_k``; ``seed`` an int or None) or raises `InputError` (a ValueError) naming it."""
+    if name == "seed":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise InputError(f"seed must be an integer or None, got {value!r}", name)
+        return None if value is None else int(value)
+    if name == "top_k":
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) and not (
+                isinstance(value, float) and value.is_integer()):
+            raise InputError(f"top_k must be an integer, got {value!r}", name)
+        if value < 0:
+            raise InputError(f"top_k must be >= 0 (0 = off), got {int(value)}", name)
+        return int(value)
+    v = _number(name, value)
+    if name == "temperature" and v < 0.0:
+        raise InputError(f"temperature must be >= 0, got {v}", name)
+    if name == "top_p" and not (0.0 < v <= 1.0):
+        raise InputError(f"top_p must be in (0, 1], got {v}", name)
+    if name == "min_p" and not (0.0 <= v <= 1.0):
+        raise InputError(f"min_p must be in [0, 1], got {v}", name)
+    if name == "repetition_penalty" and v <= 0.0:
+        raise InputError(f"repetition_penalty must be > 0 (1 = off), got {v}", name)
+    return v
 
 
 @dataclass
 class SampleResult:
+    """One sampled token, with its log-probability and the alternatives when they were asked for."""
+
     token: int
     logprob: float | None = None                          # of `token` under the raw model distribution
     top_logprobs: list | None = None                      # [(id, logprob)] most likely first
@@ -42,54 +81,26 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  seed: int | None = None):
-        def num(name, v):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
-            return float(v)
-
-        temperature, top_p, min_p = num("temperature", temperature), num("top_p", top_p), num("min_p", min_p)
-        repetition_penalty = num("repetition_penalty", repetition_penalty)
-        presence_penalty = num("presence_penalty", presence_penalty)
-        frequency_penalty = num("frequency_penalty", frequency_penalty)
-        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) and not (
-                isinstance(top_k, float) and top_k.is_integer()):
-            raise ValueError(f"top_k must be an integer, got {top_k!r}")
-        top_k = int(top_k)
-        if temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not (0.0 < top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not (0.0 <= min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-        if repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
-        self.repetition_penalty = repetition_penalty
-        self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.temperature = check_sampling("temperature", temperature)
+        self.top_k = check_sampling("top_k", top_k)
+        self.top_p = check_sampling("top_p", top_p)
+        self.min_p = check_sampling("min_p", min_p)
+        self.repetition_penalty = check_sampling("repetition_penalty", repetition_penalty)
+        self.presence_penalty = check_sampling("presence_penalty", presence_penalty)
+        self.frequency_penalty = check_sampling("frequency_penalty", frequency_penalty)
+        self.seed = check_sampling("seed", seed)
+        self.rng = np.random.default_rng(self.seed)
 
     @classmethod
     def from_generation_config(cls, generation_config: dict | None, **overrides) -> "Sampler":
         """Defaults from a checkpoint's generation_config.json (``do_sample: false`` means greedy), with
-        ``overrides`` (``None`` values ignored) on top."""
-        g = generation_config or {}
-        kw = {}
-        for k in GENERATION_CONFIG_KEYS:
-            v = g.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                kw[k] = v
-        if g.get("do_sample") is False:
-            kw["temperature"] = 0.0
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)
+        ``overrides`` (``None`` values ignored) on top: ``GenerationOptions(**overrides).sampler(...)``."""
+        from .options import GenerationOptions
+        return GenerationOptions(**overrides).sampler(generation_config)
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the most likely token, no randomness."""
         return self.temperature == 0.0
 
     def __repr__(self) -> str:

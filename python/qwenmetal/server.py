@@ -2,123 +2,201 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /health``. One model per server; generations run one at a
-time on a worker thread, in arrival order (a bounded queue; a full queue answers 503). A client that
-disconnects cancels its generation (queued or running) and the server goes on serving. Errors are
-OpenAI-style: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status. The prefix cache
-makes follow-up turns cheap; ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens
-came from it. Documented in docs/server.md.
+time on a worker thread, in arrival order (`GenerationQueue`: bounded, a full queue answers 503 with
+``Retry-After``). A client that disconnects cancels its generation within one decode step (a queued one
+is dropped unrun) and the server goes on serving; a generation past the time limit ends with what it made;
+shutdown fails queued requests and lets the running one finish for a grace period. Both endpoints share
+one submit/stream/collect path (`respond`, with a `_Render` per endpoint). Errors are OpenAI-style:
+``{"error": {"message", "type", "param", "code"}}``. The prefix cache makes follow-up turns cheap;
+``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens came from it. Documented in
+docs/server.md.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
 import os
-import queue
 import threading
 import time
 import uuid
 
+from .chat import chat_turn, validate_messages
+from .errors import InputError
+from .options import GenerationOptions
+from .sampling import SAMPLING_KEYS
+
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_QUEUE = 64                  # requests that may wait for the one generation slot
+DEFAULT_CHAT_MAX_TOKENS = 2048          # a chat request without max_tokens; /v1/completions defaults to 16
+DEFAULT_REQUEST_TIMEOUT = 600.0         # seconds a generation may run
+DEFAULT_GRACEFUL_TIMEOUT = 5.0          # seconds in-flight requests get to finish on shutdown
+SHUTDOWN_JOIN_SECONDS = 10.0            # how long shutdown waits for the worker after cancelling
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
 class APIError(Exception):
+    """An OpenAI-style error response: ``{"error": {"message", "type", "param", "code"}}`` with `status`."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def payload(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self):
         from starlette.responses import JSONResponse
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
 
 
 # ---------------------------------------------------------------------------------------------------
-# the generation worker
+# the request queue: one generation at a time
 # ---------------------------------------------------------------------------------------------------
 class _Job:
-    def __init__(self, make, loop):
-        self.make = make                      # () -> iterator of GenerationOutput (runs on the worker)
-        self.loop = loop
-        self.out: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
+    """One request's generation: `make(cancel)` starts it on the worker; its events go to `out` on the event loop:
+    ``("out", GenerationOutput)`` per token, then ``("end", reason, stats)`` (reason None: cancelled) or
+    ``("error", exception)``."""
 
-    def push(self, item):
+    def __init__(self, make, n_prompt: int):
+        self.make = make                      # (cancel: threading.Event) -> iterator of GenerationOutput
+        self.n_prompt = n_prompt
+        self.loop = asyncio.get_running_loop()
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()       # set: stop at the next decode step / prefill chunk
+        self.timed_out = False
+
+    def push(self, *event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.out.put_nowait, event)
         except RuntimeError:                  # the event loop is gone (server shutting down)
             self.cancel.set()
 
+    def expire(self) -> None:
+        self.timed_out = True
+        self.cancel.set()
 
-class Engine:
-    """Runs generations for one model, one at a time, in submission order."""
 
-    def __init__(self, model, max_queue: int = 64):
-        self.model = model
-        self.max_queue = max_queue
-        self._q: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.waiting = 0
-        self.running = False
-        self.completed = self.cancelled = self.failed = 0
+class GenerationQueue:
+    """The server's request queue: generations run one at a time on one worker thread, first come first
+    served. At most `max_waiting` requests wait; `submit` refuses more with 503 and ``Retry-After``. A
+    waiting request that is cancelled (its client left) is dropped at once; a running one stops at its next
+    decode step (or prefill chunk). A running generation that outlives `time_limit` seconds is stopped and
+    its request ends with what it generated (reason ``"time_limit"``). `close` refuses new requests and
+    fails the waiting ones with 503 ``shutting_down``; the running one goes on until it ends."""
+
+    def __init__(self, max_waiting: int = DEFAULT_MAX_QUEUE, time_limit: float | None = None):
+        if max_waiting < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_waiting}")
+        if time_limit is not None and not time_limit > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds (or None for no limit), got {time_limit}")
+        self.max_waiting = max_waiting
+        self.time_limit = time_limit
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._running: _Job | None = None
+        self._closed = False
+        self.counts = dict.fromkeys(("completed", "cancelled", "timed_out", "failed", "rejected"), 0)
+        self.max_queued = 0
         self._thread = threading.Thread(target=self._work, name="qwenmetal-generate", daemon=True)
         self._thread.start()
 
     def submit(self, job: _Job) -> None:
-        with self._lock:
-            if self.waiting >= self.max_queue:
-                raise APIError(503, f"the server is busy ({self.waiting} requests queued); retry later",
-                               code="server_busy", type="server_error")
-            self.waiting += 1
-        self._q.put(job)
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+            if len(self._waiting) >= self.max_waiting:
+                self.counts["rejected"] += 1
+                raise APIError(503, f"the server is busy ({len(self._waiting)} requests queued); retry later",
+                               code="server_busy", type="server_error", headers={"Retry-After": "1"})
+            self._waiting.append(job)
+            self.max_queued = max(self.max_queued, len(self._waiting))
+            self._cond.notify()
 
-    def stop(self) -> None:
-        self._q.put(None)
+    def cancel(self, job: _Job) -> None:
+        """The client is gone: drop `job` if it waits, stop it at its next step if it runs (no-op once done)."""
+        with self._cond:
+            job.cancel.set()
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.counts["cancelled"] += 1
+                job.push("end", None, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            err = APIError(503, "the server is shutting down", code="shutting_down", type="server_error")
+            while self._waiting:
+                self._waiting.popleft().push("error", err)
+            self._cond.notify()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker to finish (after `close`); whether it did within `timeout`."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _work(self) -> None:
         while True:
-            job = self._q.get()
-            if job is None:
-                return
-            with self._lock:
-                self.waiting -= 1
-                self.running = True
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                job = self._running = self._waiting.popleft()
             try:
-                if job.cancel.is_set():
-                    self.cancelled += 1
-                    continue
-                it = job.make()
-                finished = False
-                try:
-                    for out in it:
-                        job.push(("out", out))
-                        if out.finish_reason is not None:
-                            finished = True
-                        if job.cancel.is_set():
-                            break
-                finally:
-                    close = getattr(it, "close", None)
-                    if close is not None:
-                        close()
-                if finished:
-                    self.completed += 1
-                else:
-                    self.cancelled += 1
-                job.push(("end", None))
-            except Exception as e:  # noqa: BLE001 - reported to the client as a 500
-                self.failed += 1
-                job.push(("error", e))
+                self._run(job)
             finally:
-                with self._lock:
-                    self.running = False
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: _Job) -> None:
+        timer = None
+        if self.time_limit is not None:
+            timer = threading.Timer(self.time_limit, job.expire)
+            timer.daemon = True
+            timer.start()
+        last, n = None, 0
+        try:
+            it = job.make(job.cancel)
+            try:
+                for last in it:
+                    n += 1
+                    job.push("out", last)
+                    if last.finish_reason is not None or job.cancel.is_set():
+                        break
+            finally:
+                it.close()
+        except Exception as e:  # noqa: BLE001 - reported to the client as a 500
+            self._count("failed")
+            job.push("error", e)
+            return
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if last is not None and last.finish_reason is not None:
+            self._count("completed")
+            job.push("end", last.finish_reason, last.stats)
+        elif job.timed_out:
+            self._count("timed_out")
+            job.push("end", "time_limit", {"prompt_tokens": job.n_prompt, "generated_tokens": n,
+                                           "cached_tokens": None})
+        else:
+            self._count("cancelled")
+            job.push("end", None, None)
+
+    def _count(self, key: str) -> None:
+        with self._cond:
+            self.counts[key] += 1
 
     def status(self) -> dict:
-        return {"queued": self.waiting, "running": self.running, "completed": self.completed,
-                "cancelled": self.cancelled, "failed": self.failed}
+        with self._cond:
+            return {"queued": len(self._waiting), "running": self._running is not None, **self.counts,
+                    "max_queued": self.max_queued}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,30 +225,34 @@ def _bool(body, name, default=False):
     return v
 
 
-def _sampling(body) -> dict:
-    top_k = _num(body, "top_k", -1, None, integer=True)
-    if top_k == -1:
-        top_k = 0
-    seed = _num(body, "seed", integer=True)
-    return dict(temperature=_num(body, "temperature", 0.0, 2.0), top_p=_num(body, "top_p", 0.0, 1.0, lo_open=True),
-                top_k=top_k, min_p=_num(body, "min_p", 0.0, 1.0),
-                presence_penalty=_num(body, "presence_penalty", -2.0, 2.0),
-                frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0),
-                repetition_penalty=_num(body, "repetition_penalty", 0.0, 10.0, lo_open=True),
-                seed=None if seed is None else seed & 0xFFFFFFFFFFFFFFFF)
+#: request fields that are `GenerationOptions` fields of the same name (max_tokens: see max_tokens_of)
+_OPTION_FIELDS = SAMPLING_KEYS + ("stop", "stop_token_ids", "ignore_eos")
+#: OpenAI's documented ranges where they are narrower than qwenmetal's own checks
+_API_RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 
 
-def _stop(body) -> list:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise APIError(400, "'stop' must be a string or a list of strings", "stop", "invalid_value")
-    if len(v) > MAX_STOP_STRINGS:
+def _bad_input(e: InputError) -> APIError:
+    return APIError(400, str(e), e.param, e.code)
+
+
+def _options(body, max_tokens: int) -> GenerationOptions:
+    """The request's sampling and stopping options, checked by `GenerationOptions` (a 400 naming the field)."""
+    kw = {k: body.get(k) for k in _OPTION_FIELDS}
+    if kw["top_k"] == -1:                     # vLLM's "off"
+        kw["top_k"] = 0
+    if isinstance(kw["seed"], int) and not isinstance(kw["seed"], bool):
+        kw["seed"] &= 0xFFFFFFFFFFFFFFFF      # any JSON integer seeds the generator
+    if isinstance(kw["stop"], list) and len(kw["stop"]) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop", "invalid_value")
-    return [s for s in v if s]
+    try:
+        opts = GenerationOptions.build(max_tokens=max_tokens, **kw)
+    except InputError as e:
+        raise _bad_input(e) from None
+    for k, (lo, hi) in _API_RANGES.items():
+        v = getattr(opts, k)
+        if v is not None and not lo <= v <= hi:
+            raise APIError(400, f"'{k}' must be in [{lo}, {hi}], got {v!r}", k, "invalid_value")
+    return opts
 
 
 def _check_n(body):
@@ -182,40 +264,19 @@ def _check_n(body):
         raise APIError(400, "only best_of=1 is supported", "best_of", "unsupported_value")
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def _messages(body) -> list:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise APIError(400, f"messages[{i}] must be an object with a role in {list(_ROLES)}",
-                           f"messages[{i}]", "invalid_value")
-        c = m.get("content")
-        if c is not None and not isinstance(c, (str, list)):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of parts",
-                           f"messages[{i}].content", "invalid_value")
-        if isinstance(c, list):
-            for p in c:
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content", "unsupported_value")
-        m = dict(m)
-        if m["role"] == "developer":
-            m["role"] = "system"
-        if m.get("content") is None:
-            m["content"] = ""
-        out.append(m)
-    return out
+    try:
+        return validate_messages(body.get("messages"))
+    except InputError as e:
+        raise _bad_input(e) from None
 
 
 def _usage(stats) -> dict:
-    return {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
-            "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"],
-            "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}}
+    u = {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
+         "total_tokens": stats["prompt_tokens"] + stats["generated_tokens"]}
+    if stats["cached_tokens"] is not None:            # unknown for a generation stopped by the time limit
+        u["prompt_tokens_details"] = {"cached_tokens": stats["cached_tokens"]}
+    return u
 
 
 def _finish(reason, tool_calls=False):
@@ -228,21 +289,151 @@ def _sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
+def _token_str(tok, i: int) -> str:
+    return tok.token_bytes(i).decode("utf-8", "replace") if tok is not None else str(i)
+
+
+def _tool_calls(calls, indexed: bool) -> list:
+    return [{**({"index": k} if indexed else {}), "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for k, c in enumerate(calls)]
+
+
+class _Render:
+    """How one endpoint writes a generation as OpenAI JSON. `respond` drives it the same way for both
+    endpoints: ``start`` / ``step(out)`` per token / ``finish(reason)`` give the streamed chunks,
+    ``body(outs, reason, usage)`` the collected response."""
+
+    chunk_object = ""
+
+    def __init__(self, id_prefix: str, model_name: str):
+        self.id, self.created, self.model = id_prefix + uuid.uuid4().hex, int(time.time()), model_name
+
+    def envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.envelope(self.chunk_object, [], usage=usage)
+
+    def start(self) -> list:
+        return []
+
+
+class _ChatRender(_Render):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model_name, tok, turn, logprobs: bool):
+        super().__init__("chatcmpl-", model_name)
+        self.tok, self.turn, self.logprobs = tok, turn, logprobs     # turn: chat.chat_turn's result
+        self.parser = turn.stream_parser()
+
+    def chunk(self, delta, finish=None, lp=None) -> dict:
+        return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": lp,
+                                                  "finish_reason": finish}])
+
+    def entry(self, out) -> dict:
+        def one(i, v):
+            b = self.tok.token_bytes(i) if self.tok is not None else b""
+            return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
+        e = one(out.token, out.logprob)
+        e["top_logprobs"] = [one(i, v) for i, v in (out.top_logprobs or [])]
+        return e
+
+    def start(self) -> list:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def step(self, out) -> list:
+        lp = {"content": [self.entry(out)]} if self.logprobs and out.logprob is not None else None
+        deltas = self.parser.feed(out.text)
+        chunks = [self.chunk({f: t}, lp=lp if i == 0 else None) for i, (f, t) in enumerate(deltas)]
+        if not deltas and lp is not None:
+            chunks.append(self.chunk({}, lp=lp))
+        return chunks
+
+    def finish(self, reason) -> list:
+        deltas, calls = self.parser.finish()
+        chunks = [self.chunk({f: t}) for f, t in deltas]
+        if calls:
+            chunks.append(self.chunk({"tool_calls": _tool_calls(calls, indexed=True)}))
+        return chunks + [self.chunk({}, _finish(reason, bool(calls)))]
+
+    def body(self, outs, reason, usage) -> dict:
+        reasoning, content, calls = self.turn.parse("".join(o.text for o in outs))
+        msg = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, indexed=False)
+        lp = {"content": [self.entry(o) for o in outs]} if self.logprobs else None
+        return self.envelope("chat.completion", [{"index": 0, "message": msg, "logprobs": lp,
+                                                  "finish_reason": _finish(reason, bool(calls))}], usage=usage)
+
+
+class _CompletionRender(_Render):
+    chunk_object = "text_completion"
+
+    def __init__(self, model_name, tok, prompt_text: str, n_logprobs: int | None):
+        super().__init__("cmpl-", model_name)
+        self.tok, self.prompt_text, self.n_lp = tok, prompt_text, n_logprobs
+        self.offset = len(prompt_text)        # text_offset of the next streamed token
+
+    def chunk(self, text, finish=None, lp=None) -> dict:
+        return self.envelope(self.chunk_object, [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}])
+
+    def logprobs_of(self, outs, off: int):
+        if self.n_lp is None:
+            return None
+        toks, lps, tops, offs = [], [], [], []
+        for o in outs:
+            toks.append(_token_str(self.tok, o.token) if self.tok is not None else "")
+            lps.append(o.logprob)
+            tops.append({_token_str(self.tok, i): v for i, v in (o.top_logprobs or [])})
+            offs.append(off)
+            off += len(o.text)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def start(self) -> list:
+        return [self.chunk(self.prompt_text)] if self.prompt_text else []
+
+    def step(self, out) -> list:
+        if not out.text and self.n_lp is None:
+            return []
+        c = self.chunk(out.text, lp=self.logprobs_of([out], self.offset))
+        self.offset += len(out.text)
+        return [c]
+
+    def finish(self, reason) -> list:
+        return [self.chunk("", _finish(reason))]
+
+    def body(self, outs, reason, usage) -> dict:
+        return self.envelope("text_completion", [{
+            "index": 0, "text": self.prompt_text + "".join(o.text for o in outs),
+            "logprobs": self.logprobs_of(outs, len(self.prompt_text)), "finish_reason": _finish(reason)}],
+            usage=usage)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the app
 # ---------------------------------------------------------------------------------------------------
 def create_app(model, *, model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, default_max_tokens: int | None = None,
-               max_queue: int = 64):
-    """The Starlette application serving `model` (a loaded `qm.Model`)."""
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+    """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
+    of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
+    requests may wait; `request_timeout`: seconds a generation may run (None: no limit). See docs/server.md."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 1):
+        raise ValueError(f"default_max_tokens must be >= 1 (or None for the context limit), got {default_max_tokens!r}")
     name = model_name or os.path.basename(os.path.normpath(str(model.path))) or "qwenmetal"
-    engine = Engine(model, max_queue=max_queue)
+    queue = GenerationQueue(max_queue, request_timeout)
     created = int(time.time())
     tok = model.tokenizer
 
@@ -262,12 +453,15 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             raise APIError(413, f"request body of {cl} bytes exceeds the limit of {max_request_bytes}",
                            code="request_too_large")
         chunks, n = [], 0
-        async for c in request.stream():
-            n += len(c)
-            if n > max_request_bytes:
-                raise APIError(413, f"request body exceeds the limit of {max_request_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(c)
+        try:
+            async for c in request.stream():
+                n += len(c)
+                if n > max_request_bytes:
+                    raise APIError(413, f"request body exceeds the limit of {max_request_bytes} bytes",
+                                   code="request_too_large")
+                chunks.append(c)
+        except ClientDisconnect:              # the client left before sending the whole body
+            raise APIError(400, "the request body was cut short", code="incomplete_body") from None
         try:
             body = json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -292,73 +486,77 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             mt = key_default if key_default is not None else limit - n_prompt
         return max(1, min(mt, limit - n_prompt))
 
-    def logprob_entry(t, lp, top):
-        def one(i, v):
-            b = tok.token_bytes(i) if tok is not None else b""
-            return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
-        e = one(t, lp)
-        e["top_logprobs"] = [one(i, v) for i, v in (top or [])]
-        return e
+    def make_job(gen_kwargs, ids, cache_points=()) -> _Job:
+        return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel, **gen_kwargs),
+                    len(ids))
 
-    async def run(request, job, stream_body, collect):
-        """Submit `job`; stream with `stream_body(job)` or wait and `collect(outputs)`."""
-        engine.submit(job)
-        if stream_body is not None:
-            return StreamingResponse(stream_body(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outs = []
+    async def events(request, job):
+        """`job`'s events up to its end. The client is watched the whole time (queued or running): its
+        disconnect cancels the job at once, as does leaving this generator early."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            queue.cancel(job)
+
+        watcher = asyncio.ensure_future(watch())
         try:
             while True:
-                try:
-                    kind, val = await asyncio.wait_for(job.out.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    continue
-                if kind == "out":
-                    outs.append(val)
-                elif kind == "error":
-                    raise APIError(500, f"generation failed: {type(val).__name__}: {val}", type="server_error")
-                else:
-                    break
+                event = await job.out.get()
+                if event[0] == "error":
+                    e = event[1]
+                    raise e if isinstance(e, APIError) else APIError(
+                        500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+                yield event
+                if event[0] == "end":
+                    return
         finally:
-            job.cancel.set()                  # no-op once finished; stops it if we leave early
-        if not outs or outs[-1].finish_reason is None:
-            raise APIError(500, "generation ended without a result", type="server_error")
-        return JSONResponse(collect(outs))
+            watcher.cancel()
+            queue.cancel(job)
 
-    def make_job(gen_kwargs, ids, cache_points=()):
-        loop = asyncio.get_running_loop()
-        holder = {}
+    async def sse(request, job, render, include_usage):
+        try:
+            for c in render.start():
+                yield _sse(c)
+            async with contextlib.aclosing(events(request, job)) as evs:
+                async for kind, *val in evs:
+                    if kind == "out":
+                        for c in render.step(val[0]):
+                            yield _sse(c)
+                    elif val[0] is not None:
+                        for c in render.finish(val[0]):
+                            yield _sse(c)
+                        if include_usage:
+                            yield _sse(render.usage_chunk(_usage(val[1])))
+                        yield "data: [DONE]\n\n"
+        except APIError as e:                 # after the 200 header: an error event ends the stream
+            yield _sse(e.payload())
+        finally:
+            queue.cancel(job)
 
-        def make():
-            return model.generate(ids, cache_points=cache_points, cancel=holder["job"].cancel, **gen_kwargs)
-
-        job = _Job(make, loop)
-        holder["job"] = job
-        return job
+    async def respond(request, job: _Job, render: _Render, stream: bool, include_usage: bool):
+        """The one path of both endpoints: queue `job`, then stream its chunks or collect its body."""
+        queue.submit(job)
+        if stream:
+            return StreamingResponse(sse(request, job, render, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outs, end = [], None
+        async with contextlib.aclosing(events(request, job)) as evs:
+            async for event in evs:
+                if event[0] == "out":
+                    outs.append(event[1])
+                else:
+                    end = event
+        _, reason, stats = end
+        if reason is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(render.body(outs, reason, _usage(stats)))
 
     def gen_kwargs_of(body, n_prompt, default_max):
-        kw = _sampling(body)
-        kw.update(max_tokens=max_tokens_of(body, n_prompt, default_max), stop=_stop(body),
-                  ignore_eos=_bool(body, "ignore_eos"))
-        sti = body.get("stop_token_ids")
-        if sti is not None:
-            if not isinstance(sti, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in sti):
-                raise APIError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids", "invalid_value")
-            kw["stop_token_ids"] = sti
-        try:                                  # the sampler's own checks (ranges, types)
-            from .sampling import Sampler
-            Sampler.from_generation_config(model.generation_config, **{k: kw[k] for k in (
-                "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "seed")})
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-        return kw
+        return {"options": _options(body, max_tokens_of(body, n_prompt, default_max))}
 
     # ---- endpoints ------------------------------------------------------------------------------
     async def health(request):
-        return JSONResponse({"status": "ok", "model": name, **engine.status()})
+        return JSONResponse({"status": "ok", "model": name, **queue.status()})
 
     async def models(request):
         check_key(request)
@@ -379,8 +577,6 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         if top_n and not want_lp:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise APIError(400, "'tools' must be a list of objects", "tools", "invalid_value")
         if body.get("tool_choice") == "none":
             tools = None
         rf = body.get("response_format")
@@ -394,85 +590,18 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         enable_thinking = ctk.pop("enable_thinking", None)
         if "enable_thinking" in body:
             enable_thinking = _bool(body, "enable_thinking", None)
-        from .generation import ChatStreamParser, parse_assistant, prompt_opens_thinking
         try:
-            ids, head, text = await run_in_threadpool(
-                model.chat_prompt, msgs, tools=tools, enable_thinking=enable_thinking, **ctk)
-        except APIError:
-            raise
-        except Exception as e:  # template errors (jinja2 TemplateError and friends)
-            raise APIError(400, f"cannot render the conversation with the chat template: {e}", "messages",
-                           "invalid_value") from None
-        kw = gen_kwargs_of(body, len(ids), default_max_tokens)
+            turn = await run_in_threadpool(chat_turn, model, msgs, tools=tools, enable_thinking=enable_thinking,
+                                           template_kwargs=ctk)
+        except InputError as e:
+            raise _bad_input(e) from None
+        except ValueError as e:  # a conversation the chat template refuses
+            raise APIError(400, str(e), "messages", "invalid_value") from None
+        kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens)
         kw.update(logprobs=want_lp, top_logprobs=top_n)
-        thinking = prompt_opens_thinking(text)
-        job = make_job(kw, ids, (head,) if head else ())
-        cid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-
-        def chunk(delta, finish=None, lp=None):
-            return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-        async def stream_body(job):
-            parser = ChatStreamParser(thinking, tools, parse_tools=bool(tools))
-            try:
-                yield _sse(chunk({"role": "assistant", "content": ""}))
-                while True:
-                    kind, val = await job.out.get()
-                    if kind == "error":
-                        yield _sse({"error": {"message": f"generation failed: {val}", "type": "server_error",
-                                              "param": None, "code": None}})
-                        break
-                    if kind == "end":
-                        break
-                    out = val
-                    lp = {"content": [logprob_entry(out.token, out.logprob, out.top_logprobs)]} \
-                        if want_lp and out.logprob is not None else None
-                    deltas = parser.feed(out.text)
-                    calls = []
-                    if out.finish_reason is not None:
-                        more, calls = parser.finish()
-                        deltas += more
-                    for i, (f, t) in enumerate(deltas):
-                        yield _sse(chunk({f: t}, lp=lp if i == 0 else None))
-                    if not deltas and lp is not None:
-                        yield _sse(chunk({}, lp=lp))
-                    if out.finish_reason is not None:
-                        if calls:
-                            yield _sse(chunk({"tool_calls": [
-                                {"index": k, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                                for k, c in enumerate(calls)]}))
-                        yield _sse(chunk({}, _finish(out.finish_reason, bool(calls))))
-                        if include_usage:
-                            yield _sse({"id": cid, "object": "chat.completion.chunk", "created": now, "model": name,
-                                        "choices": [], "usage": _usage(out.stats)})
-                        yield "data: [DONE]\n\n"
-            finally:
-                job.cancel.set()
-
-        def collect(outs):
-            last = outs[-1]
-            full = "".join(o.text for o in outs)
-            reasoning, content, calls = parse_assistant(full, thinking=thinking, tools=tools)
-            if not tools:
-                calls = []
-                _, content, _ = parse_assistant(full, thinking=thinking, tools=None)
-            msg = {"role": "assistant", "content": content}
-            if reasoning is not None:
-                msg["reasoning_content"] = reasoning
-            if calls:
-                msg["tool_calls"] = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                                      "function": {"name": c["name"],
-                                                   "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                                     for c in calls]
-            lp = {"content": [logprob_entry(o.token, o.logprob, o.top_logprobs) for o in outs]} if want_lp else None
-            return {"id": cid, "object": "chat.completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "message": msg, "logprobs": lp,
-                                 "finish_reason": _finish(last.finish_reason, bool(calls))}],
-                    "usage": _usage(last.stats)}
-
-        return await run(request, job, stream_body if stream else None, collect)
+        render = _ChatRender(name, tok, turn, want_lp)
+        return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points), render, stream,
+                             include_usage)
 
     async def completions(request):
         body = await read_json(request)
@@ -503,61 +632,9 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         n_lp = None if n_lp is None else _num(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
         kw = gen_kwargs_of(body, len(ids), 16)
         kw.update(logprobs=n_lp is not None, top_logprobs=n_lp or 0)
-        job = make_job(kw, ids)
-        cid, now = "cmpl-" + uuid.uuid4().hex, int(time.time())
         prompt_text = (p if isinstance(p, str) else tok.decode(ids)) if echo and tok is not None else ""
-
-        def lp_of(outs):
-            if n_lp is None:
-                return None
-            toks, lps, tops, offs = [], [], [], []
-            off = len(prompt_text)
-            for o in outs:
-                b = tok.token_bytes(o.token) if tok is not None else b""
-                toks.append(b.decode("utf-8", "replace"))
-                lps.append(o.logprob)
-                tops.append({(tok.token_bytes(i).decode("utf-8", "replace") if tok is not None else str(i)): v
-                             for i, v in (o.top_logprobs or [])})
-                offs.append(off)
-                off += len(o.text)
-            return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
-        def chunk(text, finish=None, lp=None):
-            return {"id": cid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
-
-        async def stream_body(job):
-            try:
-                if prompt_text:
-                    yield _sse(chunk(prompt_text))
-                while True:
-                    kind, val = await job.out.get()
-                    if kind == "error":
-                        yield _sse({"error": {"message": f"generation failed: {val}", "type": "server_error",
-                                              "param": None, "code": None}})
-                        break
-                    if kind == "end":
-                        break
-                    out = val
-                    fin = None if out.finish_reason is None else _finish(out.finish_reason)
-                    if out.text or fin or n_lp is not None:
-                        yield _sse(chunk(out.text, fin, lp_of([out])))
-                    if fin is not None:
-                        if include_usage:
-                            yield _sse({"id": cid, "object": "text_completion", "created": now, "model": name,
-                                        "choices": [], "usage": _usage(out.stats)})
-                        yield "data: [DONE]\n\n"
-            finally:
-                job.cancel.set()
-
-        def collect(outs):
-            last = outs[-1]
-            return {"id": cid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "text": prompt_text + "".join(o.text for o in outs),
-                                 "logprobs": lp_of(outs), "finish_reason": _finish(last.finish_reason)}],
-                    "usage": _usage(last.stats)}
-
-        return await run(request, job, stream_body if stream else None, collect)
+        return await respond(request, make_job(kw, ids), _CompletionRender(name, tok, prompt_text, n_lp), stream,
+                             include_usage)
 
     async def api_error(request, exc: APIError):
         return exc.response()
@@ -573,24 +650,43 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        engine.stop()
+        queue.close()                         # waiting requests get 503 shutting_down
+        await run_in_threadpool(queue.join, SHUTDOWN_JOIN_SECONDS)
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
-    app.state.engine = engine
+    app.state.queue = queue
     app.state.model_name = name
     return app
 
 
-def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
-          api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          default_max_tokens: int | None = None, max_queue: int = 64, log_level: str = "info") -> None:
-    """Serve `model` with uvicorn until interrupted."""
+def uvicorn_server(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+                   graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT):
+    """A ``uvicorn.Server`` for `app` (from `create_app`). On shutdown (SIGINT/SIGTERM or
+    ``should_exit``) it first closes the request queue, so waiting requests get 503 ``shutting_down`` at
+    once; in-flight ones may finish for `graceful_timeout` seconds, after which uvicorn cancels them (and
+    so their generations, at the next decode step)."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.queue.close()
+            await super().shutdown(sockets)
+
+    return _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                  timeout_graceful_shutdown=graceful_timeout))
+
+
+def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
+          api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
+          request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+          graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info") -> None:
+    """Serve `model` with uvicorn until interrupted (options as for `create_app` and `uvicorn_server`)."""
     app = create_app(model, model_name=model_name, api_key=api_key, max_request_bytes=max_request_bytes,
-                     default_max_tokens=default_max_tokens, max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+                     default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout)
+    uvicorn_server(app, host, port, log_level=log_level, graceful_timeout=graceful_timeout).run()

@@ -4,7 +4,8 @@ The file is a safetensors file (``safetensors.numpy.save_file``) whose ``__metad
 header under the key ``"qwenmetal.session"``::
 
     {"format": "qwenmetal-session", "version": 1,
-     "model": {"identity": sha256, "model_type": ..., "config_sha256": ..., "weights": [[file, bytes], ...]},
+     "model": {"identity": sha256, "scheme": "sha256-full", "model_type": ..., "config_sha256": ...,
+               "weights": [[file, bytes, sha256], ...]},
      "position": P, "max_context": N, "layers": {"attention": [...], "linear_attention": [...]},
      "metadata": {...user data...}}
 
@@ -19,53 +20,85 @@ returns):
   (the last K-1 pre-conv rows, oldest first)
 * ``state.layers.{i}.ssm``: float32 [linear_num_value_heads, linear_value_head_dim, linear_key_head_dim]
 
-The model identity is the SHA-256 of config.json's bytes and of the names, sizes and a digest of the first
-and last 64 KiB of each of the checkpoint's ``*.safetensors`` files -- independent of the backend, so a
-session saved on one backend loads on another for the same checkpoint, and a session of another
-checkpoint (another config, or other weights) is refused.
+The model identity is the SHA-256 of config.json's bytes and of the name, size and full SHA-256 of each of
+the checkpoint's ``*.safetensors`` files -- independent of the backend, so a session saved on one backend
+loads on another for the same checkpoint, and a session of another checkpoint (another config, or weights
+that differ in any byte) is refused. Hashing a file streams it once (``hashlib.file_digest``); the digest
+is cached under ``qwenmetal.paths.cache_dir("hashes")``, keyed by the file's real path, device, inode,
+size, mtime and ctime (ctime changes on every write and cannot be set back by ``os.utime``), so later
+saves and loads cost a ``stat`` per file. A digest is not cached while the file's ctime is within
+`RACY_SECONDS` of the hash (timestamps are coarse: a write in the same tick would keep the key), nor if
+the file changed while it was hashed. A corrupt or mismatching cache entry is ignored and rewritten.
+
+`save_session` writes atomically (`qwenmetal.fileio.atomic_file`): the file appears complete or not at
+all, an existing file is replaced only on success, and errors name the user's path. `load_session` reads
+the file with the strict parser of `qwenmetal.safetensors_io` and checks every header field and array
+against the model before the backend sees them; any malformed file gives ValueError.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import tempfile
+import time
+from typing import NamedTuple
 
 import numpy as np
 
+from .errors import CheckpointError
+from .fileio import atomic_file, parse_json
+from .paths import cache_dir
+from .safetensors_io import SafetensorsFile, SafetensorsWriter, file_stamp
+
 FORMAT, VERSION, HEADER_KEY = "qwenmetal-session", 1, "qwenmetal.session"
+IDENTITY_SCHEME = "sha256-full"       # how model.identity is computed; files of older schemes are refused
+RACY_SECONDS = 2.0
 
 
-SAMPLE_BYTES = 1 << 16
+def _hash_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _file_sample_digest(fn: str) -> str:
-    """SHA-256 of a file's first and last 64 KiB: cheap (two reads), and it tells apart checkpoints of the
-    same architecture whose weights differ."""
-    h = hashlib.sha256()
-    size = os.path.getsize(fn)
-    with open(fn, "rb") as f:
-        h.update(f.read(SAMPLE_BYTES))
-        if size > SAMPLE_BYTES:
-            f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
-            h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, from the hash cache when the file is unchanged since it was hashed
+    (same real path, device, inode, size, mtime and ctime)."""
+    real = os.path.realpath(path)
+    before = file_stamp(os.stat(real))
+    key = json.dumps([real, *before])
+    entry = cache_dir("hashes") / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+    try:
+        cached = parse_json(entry.read_bytes(), str(entry))
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass                      # absent, unreadable or corrupt: hash again and rewrite it
+    digest = _hash_file(real)
+    settled = time.time_ns() - before.ctime_ns > RACY_SECONDS * 1e9
+    if settled and file_stamp(os.stat(real)) == before:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(entry) as tmp:
+                tmp.write_text(json.dumps({"key": key, "sha256": digest}), encoding="utf-8")
+        except OSError:
+            pass                  # a read-only cache only costs the next hash
+    return digest
 
 
 def model_identity(path: str) -> dict:
-    """What names a checkpoint: config.json's hash and its weight files' names, sizes and a digest of their
-    first and last 64 KiB."""
+    """What names a checkpoint: config.json's hash and its weight files' names, sizes and full SHA-256."""
     with open(os.path.join(path, "config.json"), "rb") as f:
         cfg = f.read()
-    weights = sorted([fn, os.path.getsize(os.path.join(path, fn)), _file_sample_digest(os.path.join(path, fn))]
+    weights = sorted([fn, os.path.getsize(os.path.join(path, fn)), file_sha256(os.path.join(path, fn))]
                      for fn in os.listdir(path) if fn.endswith(".safetensors"))
     config_sha = hashlib.sha256(cfg).hexdigest()
     ident = hashlib.sha256(json.dumps({"config": config_sha, "weights": weights}).encode()).hexdigest()
     try:
         mt = json.loads(cfg).get("model_type")
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):
         mt = None
-    return {"identity": ident, "model_type": mt, "config_sha256": config_sha, "weights": weights}
+    return {"identity": ident, "scheme": IDENTITY_SCHEME, "model_type": mt, "config_sha256": config_sha,
+            "weights": weights}
 
 
 def expected_shapes(config) -> dict:
@@ -121,9 +154,17 @@ def check_state_arrays(arrays: dict, config, position: int, where: str) -> None:
         raise ValueError(f"{where}: state position {int(arrays['position'][0])} != header position {position}")
 
 
-def save_session(session, path, metadata: dict | None = None) -> None:
-    from safetensors.numpy import save_file
+class LoadedSession(NamedTuple):
+    """What `load_session` read: `Session.load` builds the session from it."""
 
+    state: object
+    tokens: list
+    max_context: int
+    metadata: dict
+
+
+def save_session(session, path, metadata: dict | None = None) -> None:
+    """Write `session` to `path` atomically (format in the module docstring)."""
     model = session._model
     backend = model._backend
     if not hasattr(backend, "state_to_arrays"):
@@ -136,78 +177,79 @@ def save_session(session, path, metadata: dict | None = None) -> None:
               "layers": {"attention": list(c.full_attention_layers), "linear_attention": list(c.linear_attention_layers)},
               "saved_by_backend": backend.name, "metadata": metadata or {}}
     try:
-        json.dumps(header)
-    except TypeError as e:
+        text = json.dumps(header, allow_nan=False)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
     tensors = {"tokens": np.asarray(session.tokens, dtype=np.int64).reshape(-1)}
     tensors.update({f"state.{k}": np.ascontiguousarray(v) for k, v in arrays.items()})
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".session.", suffix=".partial", dir=d)
-    os.close(fd)
+    with atomic_file(path) as tmp:
+        with SafetensorsWriter(tmp, {k: (v.dtype, v.shape) for k, v in tensors.items()},
+                               metadata={HEADER_KEY: text}) as out:
+            for k, v in tensors.items():
+                out.write(k, v)
+
+
+def _open(path: str) -> tuple[SafetensorsFile, dict]:
     try:
-        save_file(tensors, tmp, metadata={HEADER_KEY: json.dumps(header)})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        sf = SafetensorsFile(path)
+    except CheckpointError as e:
+        raise ValueError(f"not a qwenmetal session file: {e}") from None
+    if HEADER_KEY not in sf.metadata:
+        raise ValueError(f"{path}: not a qwenmetal session file (no {HEADER_KEY!r} header)")
+    header = parse_json(sf.metadata[HEADER_KEY], f"{path}: session header")
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a qwenmetal session file")
+    if header.get("version") != VERSION:
+        raise ValueError(f"{path}: session format version {header.get('version')!r} is not supported "
+                         f"(this is {VERSION})")
+    model = header.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("identity"), str):
+        raise ValueError(f"{path}: session header field 'model' must name the model's identity")
+    for key, lo in (("position", 0), ("max_context", 1)):
+        v = header.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{path}: session header field {key!r} must be an integer >= {lo}, got {v!r}")
+    if not isinstance(header.get("metadata", {}), dict):
+        raise ValueError(f"{path}: session header field 'metadata' must be an object")
+    return sf, header
 
 
 def read_header(path) -> dict:
     """The JSON header of a saved session (without loading the state)."""
-    from safetensors import safe_open
+    return _open(os.fspath(path))[1]
 
+
+def load_session(path, model, max_context: int | None = None) -> LoadedSession:
+    """Read and check a session file for `model`; the backend restores the state only from checked arrays."""
     path = os.fspath(path)
-    try:
-        with safe_open(path, framework="np") as f:
-            md = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a qwenmetal session file ({e})") from None
-    try:
-        header = json.loads(md[HEADER_KEY])
-    except (KeyError, json.JSONDecodeError):
-        raise ValueError(f"{path}: not a qwenmetal session file (no {HEADER_KEY!r} header)") from None
-    if header.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a qwenmetal session file")
-    if header.get("version") != VERSION:
-        raise ValueError(f"{path}: session format version {header.get('version')} is not supported (this is {VERSION})")
-    return header
-
-
-def load_session(path, model, max_context: int | None = None):
-    from safetensors.numpy import load_file
-
-    from .model import Session
-
-    path = os.fspath(path)
-    header = read_header(path)
-    mine, theirs = model.identity, header.get("model") or {}
-    if theirs.get("identity") != mine["identity"]:
+    sf, header = _open(path)
+    mine, theirs = model.identity, header["model"]
+    if theirs.get("scheme") != mine["scheme"]:
+        raise ValueError(f"{path}: this session was saved by an older qwenmetal whose model identity "
+                         f"sampled the weight files instead of hashing them; it cannot be verified "
+                         f"against {model.path}")
+    if theirs["identity"] != mine["identity"]:
         why = "config.json differs" if theirs.get("config_sha256") != mine["config_sha256"] else "weight files differ"
         raise ValueError(f"{path}: this session was saved from another model ({theirs.get('model_type')}, "
-                         f"identity {str(theirs.get('identity'))[:12]}…; {why}) than {model.path} "
+                         f"identity {theirs['identity'][:12]}…; {why}) than {model.path} "
                          f"(identity {mine['identity'][:12]}…)")
     backend = model._backend
     if not hasattr(backend, "state_from_arrays"):
         raise NotImplementedError(f"backend {backend.name!r} does not implement state_from_arrays")
-    t = load_file(path)
-    position = int(header["position"])
-    tokens = t.pop("tokens", None)
-    if tokens is None or tokens.shape != (position,):
-        raise ValueError(f"{path}: tokens do not match the header position {position}")
-    arrays = {k[len("state."):]: v for k, v in t.items() if k.startswith("state.")}
+    position = header["position"]
+    if "tokens" not in sf or sf.shape("tokens") != (position,) or sf.dtype_name("tokens") != "I64":
+        raise ValueError(f"{path}: tensor 'tokens' must be int64 [{position}] (the header position)")
+    tokens = np.array(sf.get("tokens"))
+    arrays = {k[len("state."):]: np.array(sf.get(k)) for k in sf.keys() if k.startswith("state.")}
     check_state_arrays(arrays, model.config, position, path)
     V = model.config.vocab_size
     if position and (tokens.min() < 0 or tokens.max() >= V):
         raise ValueError(f"{path}: token ids outside the vocabulary")
-    mc = max_context if max_context is not None else header.get("max_context")
-    mc = min(int(mc or model.config.max_position_embeddings), model.config.max_position_embeddings)
+    mc = max_context if max_context is not None else header["max_context"]
+    mc = min(int(mc), model.config.max_position_embeddings)
     if position > mc:
         raise ValueError(f"{path}: {position} tokens do not fit max_context {mc}")
     state = backend.state_from_arrays(arrays)
     if state.position != position:
         raise ValueError(f"{path}: backend restored position {state.position}, expected {position}")
-    s = Session(model, state, [int(x) for x in tokens], max_context=mc)
-    s.metadata = header.get("metadata") or {}
-    return s
+    return LoadedSession(state, [int(x) for x in tokens], mc, header.get("metadata", {}))

@@ -130,9 +130,8 @@ def _compiler_id(cxx: str) -> str:
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("QWENMETAL_CACHE")
-    root = Path(base) if base else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwenmetal"
-    root = root / "msl"
+    from .paths import cache_dir
+    root = cache_dir("msl")
     try:
         root.mkdir(parents=True, exist_ok=True)
         return root
@@ -176,8 +175,8 @@ def compile(source: str | os.PathLike, *, checked: bool = True, defines: Mapping
     """Compile a Metal kernel file (a path) or MSL source text into a :class:`Library`, now.
 
     The source is rewritten by mslpp (line numbers kept), compiled as C++17 by the system compiler against
-    the shim headers into a plugin .so, cached under ``~/.cache/qwenmetal/msl/<hash>/`` (``$QWENMETAL_CACHE``
-    overrides the root) and loaded. ``checked`` (default) bounds-checks device and threadgroup accesses and
+    the shim headers into a plugin .so, cached under ``paths.cache_dir("msl")/<hash>/`` (the one cache rule, docs/usage.md)
+    and loaded. ``checked`` (default) bounds-checks device and threadgroup accesses and
     reports reads of never-written threadgroup memory. ``#include "x.h"`` finds the source's directory,
     ``include_dirs`` and the project's ``metal/`` headers.
     """

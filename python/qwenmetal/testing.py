@@ -24,10 +24,12 @@ Every format also gets ``tokenizer.json`` (a byte-level BPE trained here on a bu
 Qwen pre-tokenizer and the real special tokens), ``tokenizer_config.json`` (with the chat template and
 ``added_tokens_decoder``), ``chat_template.jinja`` and ``generation_config.json``.
 
-The weights are drawn from ``seed`` per tensor name, in float32, then rounded to bf16: the same seed is the
-same logical model in every format (mlx-q4 is the quantization of exactly the hf-bf16 weights).
-Same arguments -> byte-identical files. The directory appears atomically (written to a temporary
-sibling, then renamed), so a half-written one is never mistaken for a checkpoint.
+The weights and the writing are :mod:`qwenmetal.checkpoint_writer`'s (the one random-checkpoint writer,
+also behind the benchmark's real-width checkpoint and ``reference.random_params``): drawn from ``seed``
+per tensor name, in float32, then rounded to bf16, so the same seed is the same logical model in every
+format (mlx-q4 is the quantization of exactly the hf-bf16 weights); streamed shard by shard. Same
+arguments -> byte-identical files. The directory appears atomically (``fileio.atomic_dir``), so a
+half-written one is never mistaken for a checkpoint and an error leaves nothing behind.
 
 Verified against the real tools in ``tests/test_fixtures.py``.
 """
@@ -37,25 +39,22 @@ import copy
 import functools
 import hashlib
 import json
-import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-import ml_dtypes
 import numpy as np
 
+from . import checkpoint_writer as _writer
 from . import convert as _convert
 from .config import ModelConfig
+from .paths import cache_dir
 
 __all__ = ["PRESETS", "FORMATS", "SPECIAL_TOKENS", "BPE_VOCAB_SIZE", "CHAT_TEMPLATE",
-           "make_checkpoint", "cached_checkpoint", "hf_tensors", "mlx_tensors", "build_tokenizer",
-           "wrap_text_config"]
+           "make_checkpoint", "cached_checkpoint", "checkpoint_key", "hf_tensors", "mlx_tensors",
+           "build_tokenizer", "wrap_text_config"]
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-FORMATS = ("hf-bf16", "mlx-bf16", "mlx-q4", "mlx-q8")
+FORMATS = _writer.LAYOUTS
 FIXTURE_VERSION = 1          # bump when generated content changes (invalidates cached_checkpoint)
 
 # --------------------------------------------------------------------------------------------------
@@ -407,301 +406,83 @@ def _resolve_config(config: str | Mapping[str, Any]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# weights
+# weights and writing: qwenmetal.checkpoint_writer (the one random-checkpoint writer)
 # --------------------------------------------------------------------------------------------------
-def _rng(seed: int, name: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"qwenmetal-fixture/{int(seed)}/{name}".encode()).digest()
-    return np.random.default_rng(np.frombuffer(digest[:16], dtype="<u4").astype(np.uint64))
-
-
-def _normal(seed, name, shape, std, mean=0.0):
-    return (_rng(seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean))
-
-
-def _uniform(seed, name, shape, lo, hi):
-    return _rng(seed, name).uniform(lo, hi, size=shape).astype(np.float32)
-
-
-def _bf16(a):
-    return np.asarray(a, np.float32).astype(BF16)
-
-
-def _logical_text_weights(c: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Text-model tensors by logical name (Qwen3.5 naming, no prefix), float32 -> bf16 (A_log float32)."""
-    H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    nv, dv, K = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
-    E, I, S = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    W, PROJ = {}, 0.04
-
-    def proj(name, shape, std=PROJ):
-        W[name] = _bf16(_normal(seed, name, shape, std))
-
-    def zc_norm(name, n):            # zero-centred RMSNorm weight (applied as 1 + w)
-        W[name] = _bf16(_normal(seed, name, (n,), 0.1))
-
-    proj("embed_tokens.weight", (c.vocab_size, H), 0.05)
-    zc_norm("norm.weight", H)
-    if not c.tie_word_embeddings:
-        proj("lm_head.weight", (c.vocab_size, H), 0.05)
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        zc_norm(p + "input_layernorm.weight", H)
-        zc_norm(p + "post_attention_layernorm.weight", H)
-        if c.is_full_attention(i):
-            a = p + "self_attn."
-            proj(a + "q_proj.weight", (nh * hd * 2, H))          # per head: [query | output gate]
-            proj(a + "k_proj.weight", (nkv * hd, H))
-            proj(a + "v_proj.weight", (nkv * hd, H))
-            proj(a + "o_proj.weight", (H, nh * hd))
-            zc_norm(a + "q_norm.weight", hd)
-            zc_norm(a + "k_norm.weight", hd)
-        else:
-            g = p + "linear_attn."
-            proj(g + "in_proj_qkv.weight", (c.conv_dim, H))
-            proj(g + "in_proj_z.weight", (c.value_dim, H))
-            proj(g + "in_proj_b.weight", (nv, H))
-            proj(g + "in_proj_a.weight", (nv, H))
-            W[g + "conv1d.weight"] = _bf16(_normal(seed, g + "conv1d.weight", (c.conv_dim, 1, K), 0.3))
-            W[g + "dt_bias"] = _bf16(_uniform(seed, g + "dt_bias", (nv,), 0.0, 1.0))
-            W[g + "A_log"] = np.log(_uniform(seed, g + "A_log", (nv,), 1.0, 16.0)).astype(np.float32)
-            W[g + "norm.weight"] = _bf16(_normal(seed, g + "norm.weight", (dv,), 0.1, mean=1.0))
-            proj(g + "out_proj.weight", (H, c.value_dim))
-        m = p + "mlp."
-        if c.is_moe_layer(i):
-            proj(m + "gate.weight", (E, H), 0.1)
-            proj(m + "experts.gate_up_proj", (E, 2 * I, H))      # rows [:I] gate, [I:] up
-            proj(m + "experts.down_proj", (E, H, I))
-            proj(m + "shared_expert.gate_proj.weight", (S, H))
-            proj(m + "shared_expert.up_proj.weight", (S, H))
-            proj(m + "shared_expert.down_proj.weight", (H, S))
-            proj(m + "shared_expert_gate.weight", (1, H), 0.05)
-        else:
-            proj(m + "gate_proj.weight", (c.intermediate_size, H))
-            proj(m + "up_proj.weight", (c.intermediate_size, H))
-            proj(m + "down_proj.weight", (H, c.intermediate_size))
-    return W
-
-
-def _fuse_qwen3_next_gdn(W: dict, prefix: str, c: ModelConfig) -> None:
-    """Replace in_proj_{qkv,z,b,a} by Qwen3-Next's fused in_proj_qkvz / in_proj_ba, grouped per k-head:
-    k-head g holds [q_g | k_g | v_{g*r..g*r+r-1} | z_{same}] and [b_{same} | a_{same}], r = nv / nk."""
-    nk, dk, nv, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim
-    r, H = nv // nk, c.hidden_size
-    qkv = W.pop(prefix + "in_proj_qkv.weight")
-    q = qkv[:nk * dk].reshape(nk, dk, H)
-    k = qkv[nk * dk:2 * nk * dk].reshape(nk, dk, H)
-    v = qkv[2 * nk * dk:].reshape(nk, r * dv, H)
-    z = W.pop(prefix + "in_proj_z.weight").reshape(nk, r * dv, H)
-    W[prefix + "in_proj_qkvz.weight"] = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
-    b = W.pop(prefix + "in_proj_b.weight").reshape(nk, r, H)
-    a = W.pop(prefix + "in_proj_a.weight").reshape(nk, r, H)
-    W[prefix + "in_proj_ba.weight"] = np.concatenate([b, a], axis=1).reshape(-1, H)
-
-
-def _vision_weights(vc: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
-    """``model.visual.*`` of Qwen3_5MoeVisionModel (the engine ignores them; real checkpoints have them)."""
-    h, inter, m = vc["hidden_size"], vc["intermediate_size"], vc.get("spatial_merge_size", 2)
-    ps, tps, ch = vc.get("patch_size", 16), vc.get("temporal_patch_size", 2), vc.get("in_channels", 3)
-    W = {}
-
-    def t(name, shape, std=0.02, mean=0.0):
-        W["model.visual." + name] = _bf16(_normal(seed, "visual." + name, shape, std, mean))
-
-    t("patch_embed.proj.weight", (h, ch, tps, ps, ps))
-    t("patch_embed.proj.bias", (h,))
-    t("pos_embed.weight", (vc["num_position_embeddings"], h))
-    for i in range(vc["depth"]):
-        b = f"blocks.{i}."
-        for n in ("norm1", "norm2"):
-            t(b + n + ".weight", (h,), 0.1, 1.0)
-            t(b + n + ".bias", (h,))
-        t(b + "attn.qkv.weight", (3 * h, h))
-        t(b + "attn.qkv.bias", (3 * h,))
-        t(b + "attn.proj.weight", (h, h))
-        t(b + "attn.proj.bias", (h,))
-        t(b + "mlp.linear_fc1.weight", (inter, h))
-        t(b + "mlp.linear_fc1.bias", (inter,))
-        t(b + "mlp.linear_fc2.weight", (h, inter))
-        t(b + "mlp.linear_fc2.bias", (h,))
-    merged = h * m * m
-    t("merger.norm.weight", (h,), 0.1, 1.0)
-    t("merger.norm.bias", (h,))
-    t("merger.linear_fc1.weight", (merged, merged))
-    t("merger.linear_fc1.bias", (merged,))
-    t("merger.linear_fc2.weight", (vc["out_hidden_size"], merged))
-    t("merger.linear_fc2.bias", (vc["out_hidden_size"],))
-    return W
-
-
-def _check_supported(cfg: dict, c: ModelConfig) -> None:
-    text = cfg.get("text_config", cfg) if cfg["model_type"] == "qwen3_5_moe" else cfg
-    if text.get("attention_bias"):
-        raise ValueError("attention_bias=true is not supported by the fixtures")
-    if not c.attn_output_gate:
-        raise ValueError("attn_output_gate=false is not supported (these models always gate attention)")
-    if c.num_experts and c.shared_expert_intermediate_size <= 0:
-        raise ValueError("MoE layers need shared_expert_intermediate_size > 0")
-
-
 def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
     """The tensors of the ``hf-bf16`` checkpoint, by file key (see the module docstring)."""
-    cfg = _resolve_config(config)
-    c = ModelConfig.from_dict(cfg)
-    _check_supported(cfg, c)
-    fam = _family(cfg)
-    W = _logical_text_weights(c, seed)
-    if fam == "qwen3_next":
-        for i in c.linear_attention_layers:
-            _fuse_qwen3_next_gdn(W, f"layers.{i}.linear_attn.", c)
-        for i in range(c.num_hidden_layers):
-            if not c.is_moe_layer(i):
-                continue
-            m, I = f"layers.{i}.mlp.", c.moe_intermediate_size
-            gate_up, down = W.pop(m + "experts.gate_up_proj"), W.pop(m + "experts.down_proj")
-            for e in range(c.num_experts):
-                W[f"{m}experts.{e}.gate_proj.weight"] = np.ascontiguousarray(gate_up[e, :I])
-                W[f"{m}experts.{e}.up_proj.weight"] = np.ascontiguousarray(gate_up[e, I:])
-                W[f"{m}experts.{e}.down_proj.weight"] = np.ascontiguousarray(down[e])
-    prefix = "model.language_model." if cfg["model_type"] == "qwen3_5_moe" else "model."
-    out = {("lm_head.weight" if k == "lm_head.weight" else prefix + k): v for k, v in W.items()}
-    if cfg["model_type"] == "qwen3_5_moe" and cfg.get("vision_config"):
-        out.update(_vision_weights(cfg["vision_config"], seed))
-    return out
-
-
-# ---- HF -> MLX, as mlx_lm.convert does it (the product code: qwenmetal.convert) ---------------------
-def _mlx_sanitize(hf: dict[str, np.ndarray], cfg: dict, c: ModelConfig) -> dict[str, np.ndarray]:
-    """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors."""
-    return _convert.materialize(_convert.mlx_sanitize({k: _convert.lazy(v) for k, v in hf.items()}, cfg, c))
-
-
-def _mlx_quantize(w: dict, cfg: dict, c: ModelConfig, bits: int, group_size: int):
-    """``mlx_lm.utils.quantize_model`` with the model's ``quant_predicate``. Returns (tensors, overrides)."""
-    q, overrides = _convert.mlx_quantize({k: _convert.lazy(v) for k, v in w.items()}, cfg, c, bits, group_size)
-    return _convert.materialize(q), overrides
+    return _writer.hf_tensors(_resolve_config(config), seed)
 
 
 def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
                 seed: int = 0) -> dict[str, np.ndarray]:
     """The tensors of an MLX-format checkpoint (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``), by file key."""
-    return _mlx_build(_resolve_config(config), format, seed)[0]
-
-
-def _mlx_build(cfg: dict, format: str, seed: int):
-    if format not in ("mlx-q4", "mlx-q8", "mlx-bf16"):
-        raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
-    hf = {k: _convert.lazy(v) for k, v in hf_tensors(cfg, seed).items()}
-    bits = {"mlx-q4": 4, "mlx-q8": 8, "mlx-bf16": None}[format]
-    w, quant = _convert.mlx_build(hf, cfg, bits, 64)
-    return _convert.materialize(w), quant
-
-
-_total_parameters = _convert.total_parameters
-
-
-# --------------------------------------------------------------------------------------------------
-# writing
-# --------------------------------------------------------------------------------------------------
-def _hf_config_text(cfg: dict) -> str:
-    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+    return _writer.mlx_tensors(_resolve_config(config), format, seed)
 
 
 wrap_text_config = _convert.wrap_text_config
-_mlx_config_text = _convert.mlx_config_text
 
 
-def _save_safetensors(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
-    from safetensors.numpy import save_file
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": fmt})
-    os.chmod(path, 0o644)           # the writer creates it owner-only
-
-
-_MLX_README = _convert.MLX_README
-
-
-def _write_checkpoint(d: Path, cfg: dict, format: str, seed: int) -> None:
+def _side_files(cfg: dict) -> dict[str, str]:
+    """The non-weight files every fixture format ships: generation config, tokenizer, chat template."""
     fam = _family(cfg)
-    gen = _generation_config()
-    hf_cfg_text = _hf_config_text(cfg)
-    if format == "hf-bf16":
-        _save_safetensors(d / "model.safetensors", hf_tensors(cfg, seed), "pt")
-        (d / "config.json").write_text(hf_cfg_text, encoding="utf-8")
-    else:
-        w, quant = _mlx_build(cfg, format, seed)
-        _save_safetensors(d / "model.safetensors", w, "mlx")
-        index = {"metadata": {"total_size": int(sum(v.nbytes for v in w.values())),
-                              "total_parameters": int(_total_parameters(w, quant))},
-                 "weight_map": {k: "model.safetensors" for k in sorted(w)}}
-        (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=4), encoding="utf-8")
-        (d / "config.json").write_text(_mlx_config_text(hf_cfg_text, gen, quant), encoding="utf-8")
-        (d / "README.md").write_text(_MLX_README, encoding="utf-8")
-    (d / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    (d / "tokenizer.json").write_text(_tokenizer_json(fam), encoding="utf-8")
-    (d / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(fam), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    return {
+        "generation_config.json": json.dumps(_generation_config(), indent=2, sort_keys=True) + "\n",
+        "tokenizer.json": _tokenizer_json(fam),
+        "tokenizer_config.json": json.dumps(_tokenizer_config(fam), indent=2, ensure_ascii=False) + "\n",
+        "chat_template.jinja": CHAT_TEMPLATE,
+    }
 
 
 def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
-                    seed: int = 0) -> Path:
+                    seed: int = 0, *, max_shard_bytes: int = _convert.MAX_SHARD_BYTES,
+                    progress: bool = False) -> Path:
     """Write a complete checkpoint directory at ``dir`` and return its path.
 
     ``config``: a :data:`PRESETS` name or a config.json dict (same schema as a real config.json);
-    ``format``: one of :data:`FORMATS`. ``dir`` must not exist or be an empty directory. The checkpoint is
-    built in a temporary sibling directory and renamed into place.
+    ``format``: one of :data:`FORMATS`. ``dir`` must not exist or be an empty directory. The weights are
+    streamed into safetensors shards of at most ``max_shard_bytes`` (mlx-lm's 5 GiB by default); the
+    checkpoint is built in a temporary sibling directory and renamed into place (nothing is left behind
+    on an error). ``progress``: a tqdm bar of the bytes written.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
     cfg = _resolve_config(config)
     c = ModelConfig.from_dict(cfg)
-    _check_supported(cfg, c)
+    _writer.check_supported(cfg, c)
     n_tok = BPE_VOCAB_SIZE + len(_ADDED_TOKENS)
     if c.vocab_size < n_tok:
         raise ValueError(f"vocab_size {c.vocab_size} is smaller than the fixture tokenizer ({n_tok} ids)")
-    with building_directory(dir) as tmp:
-        _write_checkpoint(tmp, cfg, format, int(seed))
-    return Path(dir)
+    return _writer.write_checkpoint(dir, cfg, format, int(seed), files=_side_files(cfg),
+                                    max_shard_bytes=max_shard_bytes, progress=progress)
 
 
-@contextlib.contextmanager
-def building_directory(dest: str | os.PathLike):
-    """Yield a temporary sibling of `dest` to fill; on success it is renamed to `dest` (which must be
-    absent or empty), so a half-written directory is never mistaken for a complete one."""
-    dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise FileExistsError(f"{dest} exists and is not an empty directory")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, dest)          # also replaces an empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _cache_root() -> Path:
-    env = os.environ.get("QWENMETAL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "qwenmetal" / "fixtures"
-
-
-def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4", seed: int = 0) -> Path:
-    """``make_checkpoint`` once per (config, format, seed, generator version) under a cache directory
-    (``$QWENMETAL_CACHE`` if set, else ``~/.cache/qwenmetal/fixtures``) and return its path."""
+def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int) -> str:
+    """A short hash of everything a generated checkpoint's bytes depend on (config, format, seed, the
+    generator's version, numpy and tokenizers): the cache key of :func:`cached_checkpoint`."""
     import tokenizers
 
+    key = json.dumps({"config": _resolve_config(config), "format": format, "seed": int(seed),
+                      "version": FIXTURE_VERSION, "numpy": np.__version__,
+                      "tokenizers": tokenizers.__version__}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4", seed: int = 0, *,
+                      cache: str = "fixtures", name: str | None = None,
+                      build: Callable[[Path, dict, str, int], Path] | None = None) -> Path:
+    """``make_checkpoint`` once per :func:`checkpoint_key` under ``paths.cache_dir(cache)`` and return
+    its path (``<name>-<format>-seed<seed>-<key>``; ``name`` defaults to the preset name or model_type).
+    ``build(dest, cfg, format, seed)`` writes a missing one (default :func:`make_checkpoint`); a
+    checkpoint another process finished first is used as it is."""
     cfg = _resolve_config(preset)
-    key = json.dumps({"config": cfg, "format": format, "seed": int(seed), "version": FIXTURE_VERSION,
-                      "numpy": np.__version__, "tokenizers": tokenizers.__version__}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = preset if isinstance(preset, str) else cfg.get("model_type", "custom")
-    dest = _cache_root() / f"{name}-{format}-seed{int(seed)}-{digest}"
+    if name is None:
+        name = preset if isinstance(preset, str) else cfg.get("model_type", "custom")
+    dest = cache_dir(cache) / f"{name}-{format}-seed{int(seed)}-{checkpoint_key(cfg, format, seed)}"
     if (dest / "config.json").is_file():
         return dest
     try:
-        return make_checkpoint(dest, cfg, format, seed)
-    except (FileExistsError, OSError):
+        return (build or make_checkpoint)(dest, cfg, format, int(seed))
+    except OSError:
         if (dest / "config.json").is_file():          # built concurrently by someone else
             return dest
         raise

@@ -12,6 +12,7 @@ import copy
 import datetime
 import json
 import os
+from typing import Sequence
 
 from .errors import CheckpointError
 
@@ -75,6 +76,8 @@ def _raise_exception(msg):
 
 
 class Tokenizer:
+    """A checkpoint's tokenizer (tokenizer.json through HF ``tokenizers``) and chat template."""
+
     def __init__(self, directory: str | os.PathLike):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as HFTokenizer
@@ -126,10 +129,12 @@ class Tokenizer:
         """Number of ids the tokenizer defines (≤ the model's padded vocab)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str):
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` (a vocabulary string, e.g. ``"<|im_end|>"``), or None."""
         return self._tok.token_to_id(token)
 
-    def id_to_token(self, i: int):
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary string of id `i`, or None."""
         return self._tok.id_to_token(int(i))
 
     def _token_setting(self, name):
@@ -139,11 +144,13 @@ class Tokenizer:
         return v
 
     @property
-    def eos_token(self):
+    def eos_token(self) -> str | None:
+        """tokenizer_config.json's ``eos_token``."""
         return self._token_setting("eos_token")
 
     @property
-    def eos_token_id(self):
+    def eos_token_id(self) -> int | None:
+        """The id of `eos_token`."""
         t = self.eos_token
         return None if t is None else self.token_to_id(t)
 
@@ -154,7 +161,8 @@ class Tokenizer:
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (invalid UTF-8 becomes U+FFFD)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -184,15 +192,22 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     # ---- chat ---------------------------------------------------------------------------
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None,
-                            tokenize: bool = False, **kwargs):
-        """Render `messages` with the checkpoint's template (extra kwargs such as
-        ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``."""
+    def require_chat_template(self) -> None:
+        """Raise ValueError if the checkpoint ships no chat template."""
         if self.chat_template is None:
-            raise ValueError(f"{self.directory}: the checkpoint has no chat template")
+            raise ValueError(f"{self.directory}: the checkpoint has no chat template (no chat_template.jinja, and "
+                             f"no chat_template in tokenizer_config.json)")
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tools: list | None = None, tokenize: bool = False, **kwargs) -> str | list:
+        """Render `messages` with the checkpoint's template (extra kwargs such as
+        ``enable_thinking`` are passed to it). Returns the text, or ids if ``tokenize``. A conversation the
+        template refuses (its ``raise_exception``) raises ValueError; a malformed or unsafe template CheckpointError."""
+        self.require_chat_template()
         if kwargs.get("enable_thinking", 0) is None:
             kwargs.pop("enable_thinking")          # None: the template's default
         messages = _normalize_messages(messages)
+        from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -201,11 +216,19 @@ class Tokenizer:
                 json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
-            self._template = env.from_string(self.chat_template)
-        text = self._template.render(messages=list(messages), tools=tools,
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._token_setting("bos_token") or "",
-                                     eos_token=self.eos_token or "", **kwargs)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise CheckpointError(f"{self.directory}: the chat template is malformed: {e}") from None
+        try:
+            text = self._template.render(messages=list(messages), tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._token_setting("bos_token") or "",
+                                         eos_token=self.eos_token or "", **kwargs)
+        except SecurityError as e:    # the template reached for what the sandbox forbids: not the user's input
+            raise CheckpointError(f"{self.directory}: the chat template does something the sandbox forbids: {e}") from None
+        except TemplateError as e:    # raise_exception() in the template, or an undefined it cannot use
+            raise ValueError(f"the chat template cannot render this conversation: {e}") from None
         return self.encode(text) if tokenize else text
 
     def __repr__(self) -> str:
@@ -230,6 +253,7 @@ class StreamDecoder:
         self._emitted = ""
 
     def add(self, token_id: int) -> str:
+        """The text `token_id` completes ("" while a character is incomplete)."""
         t = self.tokenizer
         i = int(token_id)
         if self.skip_special_tokens and i in t.special_ids:
@@ -253,7 +277,7 @@ class StreamDecoder:
         return new
 
 
-def load_tokenizer(directory):
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None if it ships no tokenizer.json."""
     if not os.path.exists(os.path.join(os.fspath(directory), "tokenizer.json")):
         return None

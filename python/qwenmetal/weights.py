@@ -105,6 +105,13 @@ class Weights:
     tensors: dict
     layout: str                  # "mlx" or "hf": how the files were laid out
     path: str
+    source: TensorSource | None = None      # the mapped files (None for weights built in memory)
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointError if a weight file changed on disk since loading (see
+        `SafetensorsFile.check_unchanged`)."""
+        if self.source is not None:
+            self.source.check_unchanged()
 
     def __getitem__(self, name):
         return self.tensors[name]
@@ -368,7 +375,7 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
         raise CheckpointError(f"{src.file_of(k)}: unexpected tensor {k!r}{more} — not part of a "
                               f"{c.model_type} model with this config.json")
-    return Weights(config, out, layout, path)
+    return Weights(config, out, layout, path, src)
 
 
 def _take_rows(t, rows):

@@ -111,10 +111,12 @@ struct PyEngine {
     nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
 };
 
-nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits) {
+nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed) {
     const int64_t n = static_cast<int64_t>(ids.shape(0));
-    return bindings::forward_call(n, size_t(pe.engine->config().vocab), logits,
-                                  [&](int want, float* dst) { pe.engine->forward(s, ids.data(), n, want, dst); });
+    return bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), logits, consumed,
+                                  [&](int want, float* dst, InterruptPoll poll) {
+                                      pe.engine->forward(s, ids.data(), n, want, dst, poll);
+                                  });
 }
 
 // ---- kernel entry points for tests ----------------------------------------------------------------
@@ -393,9 +395,11 @@ void register_cpu_engine(nb::module_& m) {
              "config"_a, "mappings"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
              "keepalive"_a, "activations"_a = "float")
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
-        .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a,
+        .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
-             "[vocab] ('last'), [n, vocab] ('all') or None. The GIL is released; on error the state is unchanged.")
+             "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
+             "token list) inside the call. The GIL is released; between chunks a call from the main thread "
+             "runs Python's signal handlers. On error or interrupt the state is unchanged.")
         .def_prop_ro("threads", [](PyEngine& pe) { return pe.engine->threads(); })
         .def_prop_ro("prefill_chunk", [](PyEngine& pe) { return pe.engine->options().prefill_chunk; })
         .def_prop_ro("activations", [](PyEngine& pe) {

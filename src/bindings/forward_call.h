@@ -1,5 +1,7 @@
-// What the two C++ backends' bindings share: float arrays handed to numpy, and the forward() call
-// (the logits mode parsed, the output allocated, the compute run with the GIL released).
+// What the two C++ backends' bindings share: float arrays handed to numpy, the forward() call (the
+// logits mode parsed, the output allocated, the compute run with the GIL released), the interrupt
+// poll the engines call between chunks / tokens / steps, and the session token list a call appends
+// its consumed tokens to before control returns to Python.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -7,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "core/interrupt.h"
 
 namespace qwenmetal::bindings {
 
@@ -18,14 +22,50 @@ inline nanobind::ndarray<nanobind::numpy, float> new_array(std::vector<size_t> s
     return nanobind::ndarray<nanobind::numpy, float>(p, shape.size(), shape.data(), owner);
 }
 
-// logits "none" / "last" / "all" -> 0 / 1 / 2; run(want, float* dst) fills [1 or n, vocab] (dst null for 0)
+// The engines' InterruptPoll: take the GIL, run the interpreter's pending signal handlers and throw
+// what one raised (KeyboardInterrupt for a Ctrl-C) as nanobind::python_error.
+inline void check_signals() {
+    nanobind::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
+}
+
+// The poll for a call made now (GIL held): check_signals on the thread Python runs signal handlers in
+// (the main thread); none elsewhere (a worker thread would only contend for the GIL).
+inline InterruptPoll interrupt_poll() { return _PyOS_IsMainThread() ? &check_signals : nullptr; }
+
+// A session's token list (or None) that a call appends the tokens its state consumed to, under the GIL
+// before returning, so no interrupt can land between the C++ state advancing and its tokens following.
+// Checked before the compute, so a wrong argument fails with the state untouched.
+class Consumed {
+  public:
+    explicit Consumed(nanobind::handle h) {
+        if (h.is_none()) return;
+        if (!PyList_Check(h.ptr())) throw nanobind::type_error("consumed must be a list (a session's tokens)");
+        list_ = nanobind::borrow(h);
+    }
+    template <class T>
+    void append(const T* tokens, size_t n) {
+        if (!list_.is_valid()) return;
+        for (size_t i = 0; i < n; ++i)
+            if (PyList_Append(list_.ptr(), nanobind::int_(int64_t(tokens[i])).ptr()) != 0)
+                throw nanobind::python_error();      // out of memory: nothing else can fail here
+    }
+
+  private:
+    nanobind::object list_;                          // null: None was passed
+};
+
+// logits "none" / "last" / "all" -> 0 / 1 / 2; run(want, float* dst, poll) fills [1 or n, vocab] (dst
+// null for 0); the n ids are appended to `consumed` when run returns
 template <class Run>
-nanobind::object forward_call(int64_t n, size_t vocab, const std::string& logits, Run&& run) {
+nanobind::object forward_call(const int64_t* ids, int64_t n, size_t vocab, const std::string& logits,
+                              nanobind::handle consumed, Run&& run) {
     int want;
     if (logits == "none") want = 0;
     else if (logits == "last") want = 1;
     else if (logits == "all") want = 2;
     else throw std::invalid_argument("logits must be 'last', 'all' or 'none', got '" + logits + "'");
+    Consumed sink(consumed);
     nanobind::object out = nanobind::none();
     float* dst = nullptr;
     if (want) {
@@ -33,10 +73,12 @@ nanobind::object forward_call(int64_t n, size_t vocab, const std::string& logits
         dst = arr.data();
         out = nanobind::cast(arr);
     }
+    const InterruptPoll poll = interrupt_poll();
     {
         nanobind::gil_scoped_release release;
-        run(want, dst);
+        run(want, dst, poll);
     }
+    sink.append(ids, size_t(n));
     return out;
 }
 

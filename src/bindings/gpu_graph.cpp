@@ -1,5 +1,6 @@
 // gpu: the decode graph (src/gpu/forward.cpp) as the engine of the metal-sim / metal backends
-// (python/qwenmetal/metal_backend.py): GpuEngine, GpuState. Compute releases the GIL.
+// (python/qwenmetal/metal_backend.py): GpuEngine, GpuState. Compute releases the GIL; calls from the main
+// thread run Python's signal handlers between tokens / steps (an interrupt restores the state).
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -136,14 +137,16 @@ void register_gpu_graph(nb::module_& g) {
              "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a)
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
-                           const std::string& logits) {
+                           const std::string& logits, nb::handle consumed) {
             const int64_t n = int64_t(ids.shape(0));
-            return forward_call(n, size_t(e.model->config().vocab), logits,
-                                [&](int want, float* dst) { e.engine->forward(s, ids.data(), n, want, dst); });
-        }, "state"_a, "ids"_a, "logits"_a)
+            return forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+                                [&](int want, float* dst, InterruptPoll poll) {
+                                    e.engine->forward(s, ids.data(), n, want, dst, poll);
+                                });
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
-                          bool pipelined, uint32_t vocab, nb::object consumed) {
+                          bool pipelined, uint32_t vocab, nb::handle consumed) {
             SamplingConfig sc;
             sc.greedy = greedy;
             sc.vocab = vocab;
@@ -152,18 +155,17 @@ void register_gpu_graph(nb::module_& g) {
             sc.params.top_p = top_p;
             sc.params.min_p = min_p;
             sc.params.seed = seed;
+            Consumed sink(consumed);
+            const InterruptPoll poll = interrupt_poll();
             std::vector<int32_t> out;
             {
                 nb::gil_scoped_release r;
-                out = e.engine->decode(s, first, n, sc, stop_ids, pipelined);
+                out = e.engine->decode(s, first, n, sc, stop_ids, pipelined, poll);
             }
-            // the inputs the state consumed (first and every token but the last) are appended to
-            // `consumed` (a session's token list) before control returns to Python, so no interrupt can
-            // land between the state advancing and its tokens following it
-            if (!consumed.is_none() && !out.empty()) {
-                nb::list l = nb::cast<nb::list>(consumed);
-                l.append(first);
-                for (size_t i = 0; i + 1 < out.size(); ++i) l.append(out[i]);
+            // the inputs the state consumed: first and every generated token but the last
+            if (!out.empty()) {
+                sink.append(&first, 1);
+                sink.append(out.data(), out.size() - 1);
             }
             return out;
         }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/interrupt.h"
 #include "core/state_layout.h"
 #include "cpu/tensor.h"
 #include "cpu/threadpool.h"
@@ -124,8 +125,9 @@ public:
     // Run `ids` at state.position..; logits rows for the last token (want == 1), every token
     // (want == 2) or none (0) written to `logits` ([1 or n, vocab], caller-allocated).
     // Everything that can fail (argument checks, KV growth, scratch) happens before the state is
-    // touched; after that nothing can throw, so a failed call leaves the state unchanged.
-    void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits);
+    // touched; after that only `poll` can throw (called between chunks, core/interrupt.h), and then
+    // the state is restored to the call's start: a failed or interrupted call leaves it unchanged.
+    void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
     // bytes of weights the engine owns (quantized at load); the rest is the caller's mmap
     size_t owned_weight_bytes() const { return owned_bytes_; }
     size_t weight_bytes() const;
@@ -155,6 +157,9 @@ private:
     size_t owned_bytes_ = 0;
     // activations of one chunk
     FBuf x_, xn_, buf_a_, buf_b_, buf_c_, shared_;
+    // the GDN conv and recurrent states at the start of an interruptible multi-chunk call (the KV
+    // cache is append-only: rolling the position back undoes it)
+    std::vector<float> saved_;
 };
 
 }  // namespace qwenmetal

@@ -64,7 +64,7 @@ void Engine::reserve_scratch(int64_t L, int64_t T) {
     ws_.reserve(per_thread, xv, n_xv);
 }
 
-void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits) {
+void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
     check_state(s);
     if (n < 1) throw std::invalid_argument("cpu engine: no tokens");
     for (int64_t i = 0; i < n; ++i)
@@ -74,8 +74,30 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
     const int64_t chunk = opt_.prefill_chunk;
     s.reserve(s.position + n);                       // KV growth (strong guarantee)
     reserve_scratch(std::min(n, chunk), s.position + n);
-    // ---- nothing below can throw: the state is only changed by complete computations ----
+    const bool interruptible = poll && n > chunk;    // a poll between chunks needs a way back
+    const size_t conv = size_t(s.conv_floats()), ssm = size_t(s.ssm_floats()), n_gdn = size_t(s.n_gdn());
+    if (interruptible) {
+        saved_.resize(n_gdn * (conv + ssm));
+        for (size_t i = 0; i < n_gdn; ++i) {
+            std::copy_n(s.conv(i), conv, saved_.data() + i * (conv + ssm));
+            std::copy_n(s.ssm(i), ssm, saved_.data() + i * (conv + ssm) + conv);
+        }
+    }
+    const int64_t pos0 = s.position;
+    // ---- nothing below can throw but the poll: the state is only changed by complete computations ----
     for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+        if (interruptible && c0 > 0) {
+            try {
+                poll();
+            } catch (...) {
+                for (size_t i = 0; i < n_gdn; ++i) {
+                    std::copy_n(saved_.data() + i * (conv + ssm), conv, s.conv(i));
+                    std::copy_n(saved_.data() + i * (conv + ssm) + conv, ssm, s.ssm(i));
+                }
+                s.position = pos0;
+                throw;
+            }
+        }
         const int64_t L = std::min(chunk, n - c0);
         const bool last = c0 + L == n;
         forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,

@@ -186,7 +186,7 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
     }
 }
 
-void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits) {
+void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
     for (int64_t i = 0; i < n; ++i)
@@ -199,6 +199,7 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     const GpuState::Saved saved = n > 1 ? st.save() : GpuState::Saved{};
     try {
         for (int64_t i = 0; i < n; ++i) {
+            if (poll && i > 0) poll();                 // between tokens: nothing in flight
             uint32_t tok = uint32_t(ids[i]);
             std::memcpy(sc_->tokens.data(), &tok, 4);
             auto cb = d.command_buffer();
@@ -218,7 +219,7 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
 }
 
 std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, const SamplingConfig& sc,
-                                       const std::vector<int32_t>& stop_ids, bool pipelined) {
+                                       const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll) {
     const Config& c = m_->config();
     if (first < 0 || first >= c.vocab)
         throw std::invalid_argument("metal backend: token id " + std::to_string(first) + " outside the vocabulary");
@@ -244,6 +245,17 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
         // step i is committed to the state: it reads what step i writes
         std::unique_ptr<CommandBuffer> cur = encode(0), next;
         for (int64_t i = 0; i < n; ++i) {
+            if (poll && i > 0) {                           // between steps: step i is in flight
+                try {
+                    poll();
+                } catch (...) {
+                    try {
+                        cur->wait();                       // it writes the state's buffers: let it finish
+                    } catch (...) {                    // superseded by the interrupt being rethrown
+                    }
+                    throw;
+                }
+            }
             st.cur ^= 1u;                                  // step i + 1 reads step i's output half
             if (pipelined && i + 1 < n) next = encode(i + 1);   // committed before step i is waited on
             st.cur ^= 1u;

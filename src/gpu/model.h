@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/interrupt.h"
 #include "core/state_layout.h"
 #include "core/weights.h"
 #include "gpu/device.h"
@@ -163,15 +164,18 @@ class GpuEngine {
 
     // Run `ids` (host token ids) through the decode graph one token at a time (prefill through the
     // decode graph); logits of the last token (want 1), of every token (want 2) or none (0).
-    // All-or-nothing: on an error the state is restored.
-    void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits);
+    // All-or-nothing: on an error the state is restored. `poll` (core/interrupt.h) is called between
+    // tokens; when it throws, the state is restored and the exception rethrown.
+    void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
 
     // Pipelined decode: `first` is the next input token; generates up to `n` tokens sampled on the
     // GPU (argmax or the GPU sampler), one command buffer per token with the next one committed
     // before the previous is waited on; stops after a token in `stop_ids` (the extra in-flight step
-    // is discarded: its state changes are undone). Returns the tokens generated.
+    // is discarded: its state changes are undone). Returns the tokens generated. All-or-nothing:
+    // `poll` is called between steps; on an error or when it throws, the state is restored.
     std::vector<int32_t> decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
-                                const std::vector<int32_t>& stop_ids, bool pipelined = true);
+                                const std::vector<int32_t>& stop_ids, bool pipelined = true,
+                                InterruptPoll poll = nullptr);
 
     // Encode (without waiting) one decode step at s.position on a fresh command buffer; what it cost.
     StepCost encode_cost(GpuState& s);

@@ -1,0 +1,7 @@
+"""``python -m qwenmetal.bench``: the same as ``qwenmetal bench``."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

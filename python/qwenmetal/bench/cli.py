@@ -1,0 +1,324 @@
+"""`qwenmetal bench`: prefill and decode speed at the real Qwen3.6-35B-A3B widths, against the box's own
+memory bandwidth.
+
+    qwenmetal bench                          # 8 real-width layers, cpu backend, 2 threads
+    qwenmetal bench --layers 4 --json out.json
+    qwenmetal bench --quick --config tiny --backend reference     # smoke run, seconds
+
+What it does:
+
+1. **Checkpoint.** A random-weight MLX 4-bit checkpoint with the real per-layer dimensions (hidden 2048,
+   256 experts top-8 x 512 + shared 512, GDN 16k/32v heads x 128, attention 16q/2kv x 256, vocab 248,320)
+   and ``--layers`` layers (default 8 = two ``[GDN GDN GDN attention]`` blocks), generated once (in a
+   child process) and cached under ``paths.cache_dir("bench")`` (docs/usage.md, "Cache directory"). It is
+   written by the one random-checkpoint writer, :mod:`qwenmetal.checkpoint_writer` (the test fixtures'
+   ``mlx-q4`` format: 4-bit g64, bf16 scales/biases, router and shared-expert gate 8-bit -- exactly what
+   ``mlx_lm.convert -q`` writes), streamed tensor by tensor and atomically. About 0.46 GB per layer plus
+   0.57 GB for the embedding and lm_head.
+2. **Read bandwidth.** Every thread (as many as the engine uses) streams its part of a buffer far larger
+   than the last-level cache; best of N passes. The measurement runs in a child process so that its
+   buffer does not count in the benchmark's peak RSS.
+3. **Prefill.** Tokens/s for each ``--prefill`` length: one exact-shape warm-up, then ``--repeats``
+   timed runs in fresh sessions (prefill + last-token logits + argmax); the median is reported.
+4. **Decode.** For each ``--contexts`` length C: prefill C tokens (untimed), a few warm-up steps on a
+   fork, then ``--repeats`` times ``--decode-steps`` greedy steps, each repeat on a fresh fork of the
+   same context; the median ms/token is reported. The greedy tokens' FNV-1a digest must repeat across
+   repeats (reported as ``digest_stable``).
+5. **Bytes per decoded token**, from the checkpoint's actual tensor sizes: every non-expert weight
+   (attention / GDN projections, norms, conv, router, shared expert), top-k of each layer's routed
+   experts, one embedding row, the final norm and lm_head, plus the KV cache read at that context
+   (and the new token's K/V written) and the GDN recurrent + conv state read and written. Effective
+   GB/s = bytes/token x tokens/s; ``bandwidth_ratio`` = effective / measured read bandwidth.
+6. **Peak RSS** of the benchmark process (``getrusage``); memory-mapped weight pages count once touched.
+
+The synthetic prompt follows the benchmark method of prior art: token i = ((i * 2654435761) mod 2^32)
+mod vocab. Output: a table, and JSON with ``--json PATH`` (schema ``qwenmetal-bench/1``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .bandwidth import measure_read_bandwidth
+from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, tensor_sizes
+from .checkpoint import ensure_checkpoint, resolve_config
+from .load import ForeignLoad, busy_fraction, wait_quiet
+from .timing import machine_info, peak_rss_bytes, time_decode, time_prefill
+
+SCHEMA = "qwenmetal-bench/1"
+DEFAULT_PREFILL = (128, 512, 2048)
+DEFAULT_CONTEXTS = (128, 1024, 4096)
+QUICK_PREFILL = (16, 64)
+QUICK_CONTEXTS = (16, 64)
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    import qwenmetal as qm
+
+    prefill_lens = _ints(args.prefill) if args.prefill else (QUICK_PREFILL if args.quick else DEFAULT_PREFILL)
+    contexts = _ints(args.contexts) if args.contexts else (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.decode_steps or (4 if args.quick else 64)
+    threads = args.threads or _usable_cpus()
+
+    t_start = time.perf_counter()
+    busy = wait_quiet(args.wait_quiet, log=log) if args.wait_quiet else busy_fraction(1.0)
+    # read bandwidth: measured before and after the timings (it moves with the VM host's memory traffic,
+    # which /proc/stat does not show); the higher figure is the box's capability
+    bw_bytes = args.bandwidth_bytes if args.bandwidth_bytes is not None else ((512 << 20) if args.quick else (2 << 30))
+    bw_repeats = 2 if args.quick else 5
+    bw_runs = [measure_read_bandwidth(threads, bw_bytes, bw_repeats)] if bw_bytes else []
+    if args.model:
+        path = Path(args.model)
+        cfg_name = str(path)
+    else:
+        cfg = resolve_config(args.config, args.layers)
+        path = ensure_checkpoint(cfg, args.seed, log=log)
+        cfg_name = args.config
+    log(f"checkpoint: {path}")
+
+    backend = args.backend
+    options: dict = {}
+    if backend == "cpu":
+        options["threads"] = threads
+        if args.kv_dtype:
+            options["kv_dtype"] = args.kv_dtype
+        if args.prefill_chunk:
+            options["prefill_chunk"] = args.prefill_chunk
+    elif args.kv_dtype or args.prefill_chunk:
+        raise ValueError("--kv-dtype and --prefill-chunk apply to the cpu backend")
+    for kv in args.option or ():
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise ValueError(f"--option takes KEY=VALUE, got {kv!r}")
+        options[k] = int(v) if v.lstrip("-").isdigit() else v
+    t = time.perf_counter()
+    model = qm.Model.load(str(path), backend=backend, **options)
+    load_s = time.perf_counter() - t
+    c = model.config
+    backend = model.backend
+    kv_dtype = args.kv_dtype or getattr(model._backend, "kv_dtype", None) or BACKEND_KV_DEFAULT.get(backend, "bfloat16")
+    kv_el = KV_ELEMENT_BYTES.get(kv_dtype, 2)
+    sizes = tensor_sizes(model.weights)
+    log(f"loaded on {backend!r} in {load_s:.2f} s: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+        f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}, "
+        f"weights {sum(sizes.values()) / 1e9:.2f} GB")
+
+    max_context = max(list(prefill_lens) + list(contexts)) + steps + 16
+    max_context = min(max_context, c.max_position_embeddings)
+    result: dict = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "qwenmetal_version": getattr(qm, "__version__", None),
+        "machine": machine_info(),
+        "model": {"config": cfg_name, "checkpoint": str(path), "layers": c.num_hidden_layers,
+                  "full_attention_layers": len(c.full_attention_layers),
+                  "linear_attention_layers": len(c.linear_attention_layers),
+                  "hidden_size": c.hidden_size, "num_experts": c.num_experts,
+                  "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
+                  "weights_bytes": int(sum(sizes.values()))},
+        "backend": backend, "options": options, "threads": threads, "kv_dtype": kv_dtype,
+        "engine": model._backend.info() if hasattr(model._backend, "info") else {},
+        "method": {"repeats": repeats, "decode_steps": steps, "warmup": "1 exact-shape prefill; 4 decode steps",
+                   "statistic": "median", "prompt": "token i = ((i*2654435761) mod 2^32) mod vocab"},
+        "load_seconds": load_s, "busy_before": busy,
+        "prefill": [], "decode": [],
+    }
+
+    fl = ForeignLoad().__enter__()
+    for n in prefill_lens:
+        r = time_prefill(model, n, repeats, max_context=max_context)
+        result["prefill"].append(r)
+        log(f"  prefill {n:6d} tokens: {r['tokens_per_second']:9.1f} tok/s ({r['seconds']:.3f} s)")
+    for ctx in contexts:
+        r = time_decode(model, ctx, steps, repeats, max_context=max_context)
+        b = decode_bytes(c, sizes, ctx, kv_el)
+        r["bytes_per_token"] = b["total"]
+        r["bytes"] = b
+        r["effective_gbps"] = b["total"] * r["tokens_per_second"] / 1e9
+        result["decode"].append(r)
+        log(f"  decode @ {ctx:6d}: {r['ms_per_token']:8.2f} ms/token, {r['tokens_per_second']:7.2f} tok/s, "
+            f"{b['total'] / 1e6:.1f} MB/token, {r['effective_gbps']:.2f} GB/s")
+    fl.__exit__(None, None, None)
+    result["foreign_load"] = fl.fraction
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    del model
+    gc.collect()
+
+    if bw_bytes:
+        bw_runs.append(measure_read_bandwidth(threads, bw_bytes, bw_repeats))
+        bw = dict(max(bw_runs, key=lambda r: r["read_gbps"]))
+        bw["runs_gbps"] = [r["read_gbps"] for r in bw_runs]
+    else:
+        bw = {"read_gbps": None, "method": "skipped"}
+    result["bandwidth"] = bw
+    for r in result["decode"]:
+        r["bandwidth_ratio"] = (r["effective_gbps"] / bw["read_gbps"]) if bw.get("read_gbps") else None
+    result["total_seconds"] = time.perf_counter() - t_start
+    try:
+        result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    except OSError:                             # pragma: no cover
+        pass
+    return result
+
+
+def format_table(res: Mapping[str, Any]) -> str:
+    m = res["model"]
+    bw = res.get("bandwidth") or {}
+    lines = [
+        f"qwenmetal bench: backend {res['backend']}, {res['threads']} threads, kv {res['kv_dtype']}"
+        + "".join(f", {k}={v}" for k, v in res.get("options", {}).items() if k not in ("threads", "kv_dtype"))
+        + "".join(f", {k} {v}" for k, v in (res.get("engine") or {}).items() if k in ("isa", "activations", "amx"))
+        + "; "
+        f"{m['layers']} layers ({m['linear_attention_layers']} GDN + {m['full_attention_layers']} attention), "
+        f"hidden {m['hidden_size']}, {m['num_experts']} experts top-{m['num_experts_per_tok']}, "
+        f"vocab {m['vocab_size']}; weights {m['weights_bytes'] / 1e9:.3f} GB",
+        f"machine: {res['machine'].get('cpu', '?')}, {res['machine'].get('cpus_usable', res['machine'].get('cpus'))} CPUs; "
+        + (f"measured read bandwidth {bw['read_gbps']:.2f} GB/s ({bw.get('threads')} threads, "
+           f"{bw.get('buffer_bytes', 0) / 2**30:.2f} GiB buffer, best of {len(bw.get('samples_gbps', []))} passes; "
+           f"before/after the timings: {', '.join(f'{x:.2f}' for x in bw.get('runs_gbps', []))})"
+           if bw.get("read_gbps") else "read bandwidth not measured"),
+        "",
+        f"{'prefill':>10} {'tok/s':>10} {'seconds':>9}",
+    ]
+    for r in res["prefill"]:
+        lines.append(f"{r['tokens']:>10d} {r['tokens_per_second']:>10.1f} {r['seconds']:>9.3f}")
+    lines += ["", f"{'context':>10} {'ms/token':>9} {'tok/s':>8} {'MB/token':>9} {'GB/s':>7} {'of bw':>6}  "
+                  f"{'weights':>8} {'kv':>7} {'state':>6}  digest"]
+    for r in res["decode"]:
+        b = r["bytes"]
+        ratio = f"{100 * r['bandwidth_ratio']:5.1f}%" if r.get("bandwidth_ratio") is not None else "    -"
+        lines.append(f"{r['context']:>10d} {r['ms_per_token']:>9.2f} {r['tokens_per_second']:>8.2f} "
+                     f"{r['bytes_per_token'] / 1e6:>9.2f} {r['effective_gbps']:>7.2f} {ratio:>6}  "
+                     f"{b['weights'] / 1e6:>8.2f} {b['kv_cache'] / 1e6:>7.2f} {b['gdn_state'] / 1e6:>6.2f}  "
+                     f"{r['digest']}{'' if r['digest_stable'] else ' (UNSTABLE)'}")
+    if res["decode"]:
+        wp = res["decode"][0]["bytes"]["weight_parts"]
+        lines.append("weights per token (MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in wp.items()))
+    la = res["machine"].get("loadavg_at_start")
+    lines.append(f"peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB; load {res['load_seconds']:.2f} s; "
+                 f"total {res.get('total_seconds', 0):.0f} s"
+                 + (f"; load average at start {la[0]:.2f}" if la else "")
+                 + (f"; other processes used {100 * res['foreign_load']:.0f}% of the CPUs meanwhile"
+                    if res.get("foreign_load") is not None else ""))
+    return "\n".join(lines)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                      # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _ints(s) -> tuple:
+    if isinstance(s, (list, tuple)):
+        return tuple(int(x) for x in s)
+    try:
+        out = tuple(int(x) for x in str(s).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise ValueError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of the generated model (default 8 for --config real; a preset keeps its own)")
+    p.add_argument("--config", default="real",
+                   help="'real' (Qwen3.6-35B-A3B widths, default), a fixture preset (e.g. tiny) or a config.json path")
+    p.add_argument("--model", default=None, help="benchmark an existing checkpoint directory instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="cpu", help="cpu (default) | reference | any registered backend")
+    p.add_argument("--threads", type=int, default=None, help="engine and bandwidth threads (default: usable CPUs)")
+    p.add_argument("--kv-dtype", default=None, help="cpu backend KV cache dtype (bfloat16 | float32)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="cpu backend prefill chunk")
+    p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
+                   help="another backend option, e.g. -o activations=int8 (repeatable)")
+    p.add_argument("--prefill", default=None, help="prefill lengths, comma-separated (default 128,512,2048)")
+    p.add_argument("--contexts", default=None, help="decode contexts, comma-separated (default 128,1024,4096)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point, median reported (default 3)")
+    p.add_argument("--decode-steps", type=int, default=None, help="decode steps per repeat (default 64)")
+    p.add_argument("--bandwidth-bytes", type=int, default=None,
+                   help="bandwidth buffer size (default 2 GiB; 0 skips the measurement)")
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                   help="first wait up to this long for other processes to leave the CPUs idle")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: prefill 16,64, contexts 16,64, 1 repeat, 4 decode steps, 512 MiB buffer")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--encode-only", action="store_true",
+                   help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
+                        "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s)")
+
+
+def run_encode_only(args: argparse.Namespace) -> dict:
+    """`qwenmetal bench --backend metal-sim --encode-only`: the decode step of the real config, costed."""
+    from ..config import ModelConfig
+    from ..metal_backend import encode_only_cost
+
+    if args.backend != "metal-sim":
+        raise ValueError("--encode-only needs --backend metal-sim")
+    if args.model:
+        c = ModelConfig.from_file(args.model)
+    else:
+        c = ModelConfig.from_dict(resolve_config(args.config, 40 if args.layers is None and args.config == "real"
+                                                 else args.layers))
+    contexts = _ints(args.contexts) if args.contexts else (4096,)
+    kv = args.kv_dtype or "bfloat16"
+    by_ctx = {str(n): encode_only_cost(c, context=n, kv_dtype=kv) for n in contexts}
+    first = by_ctx[str(contexts[0])]
+    decode = {k: first[k] for k in ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token",
+                                    "floor_bytes", "bytes_vs_floor", "modelled_tok_s")}
+    decode.update(context=contexts[0], level_latency_us=first["level_latency_us"])
+    return {"backend": "metal-sim", "mode": "encode-only", "status": "simulator-verified, hardware-unverified",
+            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
+                       "hidden": c.hidden_size},
+            "decode": decode, "decode_by_context": by_ctx}
+
+
+def format_encode_only(res: Mapping[str, Any]) -> str:
+    c = res["config"]
+    lines = [f"metal-sim encode-only decode step ({res['status']}): {c['layers']} layers, {c['experts']} experts, "
+             f"vocab {c['vocab']}",
+             f"{'context':>8} {'dispatches':>10} {'levels':>7} {'cmdbuf/tok':>10} {'waits/tok':>9} "
+             f"{'MB/token':>9} {'floor MB':>9} {'vs floor':>8}  modelled tok/s"]
+    for ctx, r in res["decode_by_context"].items():
+        tps = ", ".join(f"{chip} {v:.0f}" for chip, v in r["modelled_tok_s"].items())
+        lines.append(f"{ctx:>8} {r['dispatches']:>10} {r['levels']:>7} {r['command_buffers']:>10.2f} "
+                     f"{r['host_waits']:>9.2f} {r['bytes_per_token'] / 1e6:>9.1f} {r['floor_bytes'] / 1e6:>9.1f} "
+                     f"{r['bytes_vs_floor']:>8.3f}  {tps}")
+    lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
+                 "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    return "\n".join(lines)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+    if getattr(args, "encode_only", False):
+        res = run_encode_only(args)
+        print(format_encode_only(res))
+    else:
+        res = run(args, log=log)
+        print(format_table(res))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="qwenmetal bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return main_args(p.parse_args(argv))

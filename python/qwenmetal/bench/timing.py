@@ -1,0 +1,120 @@
+"""Timed prefill and decode on a loaded model, the synthetic prompt, the greedy-token digest, peak RSS and
+the machine description."""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PROMPT_MULTIPLIER = 2654435761
+
+def synthetic_prompt(n: int, vocab: int, offset: int = 0) -> np.ndarray:
+    """Token i = ((i * 2654435761) mod 2^32) mod vocab (prior art's synthetic prompt)."""
+    i = np.arange(offset, offset + n, dtype=np.uint64)
+    return ((i * np.uint64(PROMPT_MULTIPLIER)) % np.uint64(1 << 32) % np.uint64(vocab)).astype(np.int64)
+
+
+def fnv1a(tokens) -> str:
+    h = 0xcbf29ce484222325
+    for t in tokens:
+        for b in int(t).to_bytes(4, "little"):
+            h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def _median(xs):
+    return float(statistics.median(xs))
+
+
+def time_prefill(model, n: int, repeats: int, warmup: int = 1, max_context: int | None = None) -> dict:
+    V = model.config.vocab_size
+    ids = synthetic_prompt(n, V)
+    samples = []
+    for r in range(warmup + repeats):
+        s = model.new_session(max_context=max_context)
+        gc.collect()
+        t = time.perf_counter()
+        logits = model.prefill(s, ids, return_logits="last")
+        int(np.argmax(logits))
+        dt = time.perf_counter() - t
+        if r >= warmup:
+            samples.append(dt)
+        del s
+    med = _median(samples)
+    return {"tokens": n, "seconds": med, "tokens_per_second": n / med, "samples_seconds": samples}
+
+
+def time_decode(model, context: int, steps: int, repeats: int, warmup_steps: int = 4,
+                max_context: int | None = None) -> dict:
+    V = model.config.vocab_size
+    s = model.new_session(max_context=max_context)
+    t = time.perf_counter()
+    logits = model.prefill(s, synthetic_prompt(context, V), return_logits="last")
+    prefill_s = time.perf_counter() - t
+    first = int(np.argmax(logits))
+    if warmup_steps:
+        w = s.fork()
+        tok = first
+        for _ in range(warmup_steps):
+            tok = int(np.argmax(model.decode_step(w, tok)))
+        del w
+    samples, digests = [], []
+    for _ in range(repeats):
+        f = s.fork()
+        gc.collect()
+        tok, toks = first, []
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = int(np.argmax(model.decode_step(f, tok)))
+            toks.append(tok)
+        samples.append((time.perf_counter() - t) / steps)
+        digests.append(fnv1a(toks))
+        del f
+    med = _median(samples)
+    return {"context": context, "steps": steps, "seconds_per_token": med, "ms_per_token": 1e3 * med,
+            "tokens_per_second": 1.0 / med, "samples_ms": [1e3 * x for x in samples],
+            "digest": digests[0], "digest_stable": len(set(digests)) == 1,
+            "context_prefill_seconds": prefill_s}
+
+
+def peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb) * (1 if sys.platform == "darwin" else 1024)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "numpy": np.__version__,
+            "cpus": os.cpu_count()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:                      # pragma: no cover - not Linux
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_total_bytes"] = int(f.readline().split()[1]) * 1024
+    except OSError:                             # pragma: no cover
+        pass
+    try:
+        from .. import _core
+        info["build_info"] = _core.build_info()
+    except Exception:
+        pass
+    try:
+        info["loadavg_at_start"] = list(os.getloadavg())    # other work on the box skews the numbers
+    except OSError:                             # pragma: no cover
+        pass
+    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS"):
+        if k in os.environ:
+            info.setdefault("env", {})[k] = os.environ[k]
+    return info

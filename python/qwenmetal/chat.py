@@ -1,0 +1,360 @@
+"""Chat: the one validation of OpenAI-style messages, the one chat turn, and the parsing of a reply.
+
+    turn = chat_turn(model, messages, tools=tools)          # validate, render, cache point of the history
+    for out in turn.generate(model, options): ...           # stream GenerationOutputs
+    reply = turn.response(outputs)                           # ChatResponse: reasoning, content, tool calls
+
+`Model.chat`, the CLI's ``generate --chat`` and ``chat`` commands and the server's ``/v1/chat/completions``
+all go through :func:`chat_turn`, so they render, cache and parse a conversation the same way (the server
+keeps its own streaming format). Replies are split as Qwen3.5/3.6 writes them: a ``<think>`` block
+(reasoning), the answer (content), and, when the request offers ``tools``, ``<tool_call>`` blocks.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from .errors import InputError
+from .generation import GenerationOutput
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .options import GenerationOptions
+
+#: roles a message may have ("developer" is OpenAI's newer name for "system" and is rendered as one)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def validate_messages(messages: object) -> list[dict]:
+    """`messages` checked and normalised for the chat template: a non-empty list of objects, each with a
+    ``role`` in `ROLES`; ``content`` a string, None (made "") or a list of ``{"type": "text", "text": str}``
+    parts; ``tool_calls`` (if present) a list of ``{"function": {"name": str, "arguments": str | object}}``;
+    ``reasoning_content``, ``name`` and ``tool_call_id`` strings. "developer" becomes "system". Raises
+    `InputError` (a ValueError) naming the first offending ``messages[i]...``; the input is not modified."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InputError(f"messages must be a non-empty list of message objects, got {_brief(messages)}",
+                         "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise InputError(f"{where} must be an object with a role in {list(ROLES)}, got {_brief(m)}", where)
+        m = dict(m)
+        c = m.get("content")
+        if c is None:
+            m["content"] = ""
+        elif isinstance(c, list):
+            for j, p in enumerate(c):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise InputError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) are "
+                                     f"supported, got {_brief(p)}", f"{where}.content", "unsupported_value")
+        elif not isinstance(c, str):
+            raise InputError(f"{where}.content must be a string or a list of text parts, got {_brief(c)}",
+                             f"{where}.content")
+        for k in ("reasoning_content", "name", "tool_call_id"):
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise InputError(f"{where}.{k} must be a string, got {_brief(m[k])}", f"{where}.{k}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise InputError(f"{where}.tool_calls must be a list, got {_brief(calls)}", f"{where}.tool_calls")
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                        and isinstance(fn.get("arguments", {}), (str, dict))):
+                    raise InputError(f"{where}.tool_calls[{j}] must be an object with a 'function' holding a "
+                                     f"string 'name' and 'arguments' (a JSON string or an object), got {_brief(call)}",
+                                     f"{where}.tool_calls")
+        if m["role"] == "developer":
+            m["role"] = "system"
+        out.append(m)
+    return out
+
+
+def validate_tools(tools: object) -> list | None:
+    """`tools` as the chat template takes them: None, or a list of objects (OpenAI function specs)."""
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InputError(f"tools must be a list of objects, got {_brief(tools)}", "tools")
+    return tools
+
+
+def _brief(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One rendered conversation, ready to answer (made by :func:`chat_turn`).
+
+    ``prompt_ids``: the rendered prompt with the generation prompt; ``cache_point``: how many of them hold
+    the conversation itself (the prefix cache keeps the state there, so the next turn, which extends the
+    conversation, prefills only what is new; 0 if the template does not allow it); ``prompt_text``: the
+    rendered text; ``thinking``: the prompt leaves the model inside a ``<think>`` block; ``tools``: the tools
+    offered (tool calls are parsed only when there are some)."""
+
+    messages: list = field(repr=False)
+    prompt_ids: list = field(repr=False)
+    cache_point: int
+    prompt_text: str = field(repr=False)
+    thinking: bool
+    tools: list | None = field(default=None, repr=False)
+
+    @property
+    def cache_points(self) -> tuple:
+        """``cache_points`` for `Model.generate`."""
+        return (self.cache_point,) if self.cache_point else ()
+
+    def generate(self, model: "Model", options: "GenerationOptions | None" = None,
+                 **generate_kwargs) -> Iterator[GenerationOutput]:
+        """`Model.generate` on the prompt, with the history's cache point."""
+        return model.generate(self.prompt_ids, cache_points=self.cache_points, options=options, **generate_kwargs)
+
+    def stream_parser(self) -> "ChatStreamParser":
+        """A parser for this turn's streamed reply."""
+        return ChatStreamParser(self.thinking, self.tools, parse_tools=bool(self.tools))
+
+    def parse(self, text: str) -> tuple:
+        """``(reasoning, content, tool_calls)`` of the reply `text`."""
+        return parse_assistant(text, thinking=self.thinking, tools=self.tools, parse_tools=bool(self.tools))
+
+    def response(self, outputs: Iterable[GenerationOutput]) -> "ChatResponse":
+        """The `ChatResponse` of a complete generation (consumes `outputs`)."""
+        outs = list(outputs)
+        if not outs or outs[-1].finish_reason is None:
+            raise ValueError("the generation ended without a result (cancelled?)")
+        full = "".join(o.text for o in outs)
+        reasoning, content, calls = self.parse(full)
+        lps = [o.logprob for o in outs if o.logprob is not None]
+        return ChatResponse(full, content, reasoning, calls, outs[-1].finish_reason, outs[-1].stats,
+                            [o.token for o in outs], lps or None)
+
+
+def check_chat_support(model: "Model") -> None:
+    """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
+    model.tokenizer.require_chat_template()
+
+
+def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = None,
+              enable_thinking: bool | None = None,
+              template_kwargs: dict | None = None) -> ChatTurn:
+    """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
+    template (``enable_thinking`` and `template_kwargs` go to the template) and find the cache point of the
+    history (`Model.chat_prompt`). Raises ValueError for invalid messages or a checkpoint without tokenizer.json
+    or chat template (`check_chat_support`), and for a conversation the template refuses."""
+    msgs = validate_messages(messages)
+    tools = validate_tools(tools)
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
+    ids, head, text = model.chat_prompt(msgs, tools=tools, enable_thinking=enable_thinking,
+                                        **(template_kwargs or {}))
+    return ChatTurn(msgs, ids, head, text, prompt_opens_thinking(text), tools)
+
+
+# ---------------------------------------------------------------------------------------------------
+# replies
+# ---------------------------------------------------------------------------------------------------
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
+
+
+def _param_types(tools, name) -> dict:
+    for t in tools or ():
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            return {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+    return {}
+
+
+def parse_tool_calls(text: str, tools: list | None = None) -> list:
+    """Tool calls in Qwen3.5/3.6's XML format (``<tool_call><function=NAME><parameter=ARG>VALUE``...) as
+    ``[{"name": ..., "arguments": {...}}]``. Values are JSON-decoded unless the tool's schema says
+    ``string`` (or they are not valid JSON)."""
+    calls = []
+    for block in _TOOL_CALL.findall(text):
+        for name, body in _FUNCTION.findall(block):
+            types = _param_types(tools, name.strip())
+            args = {}
+            for key, value in _PARAM.findall(body):
+                key = key.strip()
+                if types.get(key) == "string":
+                    args[key] = value
+                    continue
+                try:
+                    args[key] = json.loads(value)
+                except (json.JSONDecodeError, ValueError):
+                    args[key] = value
+            calls.append({"name": name.strip(), "arguments": args})
+    return calls
+
+
+def parse_assistant(text: str, *, thinking: bool = False, tools: list | None = None,
+                    parse_tools: bool = True) -> tuple:
+    """Split a generated reply into ``(reasoning, content, tool_calls)``. ``thinking``: the prompt ended
+    inside a ``<think>`` block (Qwen3.5/3.6 with thinking on), so the reply starts with reasoning.
+    ``tools``: their schemas type the arguments; ``parse_tools=False`` leaves ``<tool_call>`` text in the
+    content (as `ChatStreamParser` does)."""
+    reasoning = None
+    content = text
+    if "</think>" in text:
+        r, _, content = text.partition("</think>")
+        reasoning = r.split("<think>", 1)[-1].strip()
+    elif thinking:
+        reasoning, content = text.strip(), ""
+    calls = parse_tool_calls(content, tools) if parse_tools and "<tool_call>" in content else []
+    if calls:
+        content = content.split("<tool_call>", 1)[0]
+    return reasoning, content.strip(), calls
+
+
+def prompt_opens_thinking(prompt_text: str) -> bool:
+    """The rendered prompt leaves the model inside a think block (it ends with an unclosed ``<think>``)."""
+    i = prompt_text.rfind("<think>")
+    return i >= 0 and "</think>" not in prompt_text[i:]
+
+
+@dataclass
+class ChatResponse:
+    """The reply of :meth:`Model.chat`: ``content`` (the answer), ``reasoning`` (the think block, if any),
+    ``tool_calls`` (``[{"name", "arguments"}]``), ``text`` (everything generated), ``finish_reason``,
+    ``stats``, ``tokens`` and ``message`` (an assistant message to append to the conversation)."""
+
+    text: str
+    content: str
+    reasoning: str | None
+    tool_calls: list
+    finish_reason: str
+    stats: dict
+    tokens: list = field(repr=False)
+    logprobs: list | None = field(default=None, repr=False)
+
+    @property
+    def message(self) -> dict:
+        """The reply as an assistant message, to append to the conversation for the next turn."""
+        m = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            m["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                               for c in self.tool_calls]
+        return m
+
+    def __str__(self) -> str:
+        return self.content
+
+    def _repr_markdown_(self) -> str:
+        """Jupyter's view: model text is escaped (`markdown_escape`), so it shows as written, never as markup."""
+        parts = []
+        if self.reasoning:
+            parts.append("> " + markdown_escape(self.reasoning).replace("\n", "\n> "))
+        parts.append(markdown_escape(self.content))
+        for c in self.tool_calls:
+            parts.append("tool call: " + markdown_escape(f"{c['name']}({json.dumps(c['arguments'], ensure_ascii=False)})"))
+        s = self.stats
+        parts.append(f"<small>{s['prompt_tokens']} prompt tokens ({s['cached_tokens']} cached), "
+                     f"{s['generated_tokens']} generated, finish: {self.finish_reason}</small>")
+        return "\n\n".join(parts)
+
+
+_MD_PUNCT = re.compile(r"([!-%'-/:;=?-@\[-`{-~])")        # ASCII punctuation but & < >
+
+
+def markdown_escape(text: str) -> str:
+    """`text` as literal Markdown: ASCII punctuation backslash-escaped (CommonMark), ``& < >`` as HTML
+    entities, so neither Markdown nor HTML in it takes effect; line breaks kept."""
+    return html.escape(_MD_PUNCT.sub(r"\\\1", text), quote=False)
+
+
+class ChatStreamParser:
+    """Splits streamed reply text into reasoning and content deltas, and collects tool calls.
+
+    ``feed(text)`` returns ``[(field, text), ...]`` with field ``"reasoning_content"`` or ``"content"``;
+    text that may be the start of ``</think>`` or ``<tool_call>`` is held until decided. From the first
+    ``<tool_call>`` on, text is kept back and parsed by ``finish()``, which returns
+    ``(remaining deltas, tool_calls)``.
+    """
+
+    def __init__(self, thinking: bool = False, tools: list | None = None, parse_tools: bool = True):
+        self.mode = "reasoning" if thinking else "content"
+        self.tools = tools
+        self.parse_tools = parse_tools
+        self._buf = ""
+        self._tool_text = None
+        self._content_started = False
+
+    def _emit(self, field_, text, out):
+        if not text:
+            return
+        if field_ == "content" and not self._content_started:
+            text = text.lstrip("\n")              # the "\n\n" after </think>
+            if not text:
+                return
+            self._content_started = True
+        out.append((field_, text))
+
+    def feed(self, text: str) -> list:
+        """The ``(field, text)`` deltas that `text` (the next piece of the reply) decides."""
+        out: list = []
+        if self._tool_text is not None:
+            self._tool_text += text
+            return out
+        self._buf += text
+        while True:
+            if self.mode == "reasoning":
+                if self._buf.startswith("<think>"):
+                    self._buf = self._buf[len("<think>"):]
+                i = self._buf.find("</think>")
+                if i >= 0:
+                    self._emit("reasoning_content", self._buf[:i], out)
+                    self._buf = self._buf[i + len("</think>"):]
+                    self.mode = "content"
+                    continue
+                keep = _partial_suffix(self._buf, ("</think>", "<think>"))
+                self._emit("reasoning_content", self._buf[:len(self._buf) - keep], out)
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            tags = ("<tool_call>", "<think>") if self.parse_tools else ("<think>",)
+            if self._buf.startswith("<think>") and not self._content_started:
+                self.mode = "reasoning"
+                continue
+            i = self._buf.find("<tool_call>") if self.parse_tools else -1
+            if i >= 0:
+                self._emit("content", self._buf[:i].rstrip(), out)
+                self._tool_text = self._buf[i:]
+                self._buf = ""
+                return out
+            keep = _partial_suffix(self._buf, tags)
+            self._emit("content", self._buf[:len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep:]
+            return out
+
+    def finish(self) -> tuple:
+        """At the end of the reply: ``(the remaining deltas, tool_calls)``."""
+        out: list = []
+        if self._buf:
+            self._emit("reasoning_content" if self.mode == "reasoning" else "content", self._buf, out)
+            self._buf = ""
+        calls = []
+        if self._tool_text is not None:
+            calls = parse_tool_calls(self._tool_text, self.tools)
+            if not calls:                         # not a well-formed call: give the text back as content
+                self._emit("content", self._tool_text, out)
+        return out, calls
+
+
+def _partial_suffix(s: str, tags) -> int:
+    """Length of the longest suffix of `s` that is a proper prefix of one of `tags`."""
+    best = 0
+    for t in tags:
+        for k in range(min(len(t) - 1, len(s)), best, -1):
+            if s.endswith(t[:k]):
+                best = k
+                break
+    return best

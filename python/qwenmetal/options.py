@@ -1,0 +1,124 @@
+"""`GenerationOptions`: the one description of how to sample and when to stop.
+
+``Model.generate`` / ``Model.chat`` (from their keyword arguments), the CLI (`from_cli_args`) and the server
+(from the request body) all build one, and its constructor is the one place these options are checked: an
+invalid value raises `qwenmetal.errors.InputError` (a ValueError) naming the option, before any work.
+
+    opts = GenerationOptions(max_tokens=64, temperature=0.7, stop=["\\n\\n"])
+    model.generate("Hello", options=opts)
+    model.generate("Hello", options=opts, seed=3)          # keyword arguments override fields of `options`
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+from dataclasses import dataclass
+
+from .errors import InputError
+from .sampling import GENERATION_CONFIG_KEYS, SAMPLING_KEYS, Sampler, check_sampling
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Sampling and stopping options (immutable; checked when made; ``dataclasses.replace`` re-checks).
+
+    Sampling parameters left as None take the checkpoint's generation_config.json value (see
+    `with_defaults`), else the `Sampler` default (greedy). ``stop``: strings that end the generation
+    (matched across tokens, not emitted; non-empty); ``stop_token_ids``: extra stop ids; ``ignore_eos``:
+    do not stop at the model's eos ids; ``logprobs`` / ``top_logprobs``: report the chosen token's
+    log-probability / that many alternatives; ``skip_special_tokens``: leave special tokens out of the text.
+    """
+
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("max_tokens", _count("max_tokens", self.max_tokens, 1))
+        for k in SAMPLING_KEYS:
+            v = getattr(self, k)
+            if v is not None:
+                put(k, check_sampling(k, v))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InputError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
+        if any(s == "" for s in stop):
+            raise InputError("stop strings must be non-empty (an empty one would stop before any text)", "stop")
+        put("stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise InputError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                             "stop_token_ids")
+        put("stop_token_ids", tuple(_count("stop_token_ids", i, 0) for i in ids))
+        for k in ("ignore_eos", "logprobs", "skip_special_tokens"):
+            if not isinstance(getattr(self, k), bool):
+                raise InputError(f"{k} must be a boolean, got {getattr(self, k)!r}", k)
+        put("top_logprobs", _count("top_logprobs", self.top_logprobs, 0))
+
+    @classmethod
+    def build(cls, options: "GenerationOptions | None" = None, **overrides) -> "GenerationOptions":
+        """`options` (default: all defaults) with the ``overrides`` that are not None replacing its fields."""
+        if options is None:
+            options = cls()
+        elif not isinstance(options, cls):
+            raise InputError(f"options must be a GenerationOptions, got {type(options).__name__}", "options")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(options, **given) if given else options
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "GenerationOptions":
+        """The options of a parsed ``qwenmetal generate`` / ``chat`` command line (see `cli`)."""
+        from .cli import unescape_stop
+        return cls.build(max_tokens=args.max_tokens, **{k: getattr(args, k) for k in SAMPLING_KEYS},
+                         stop=[unescape_stop(x) for x in args.stop] if args.stop else None,
+                         ignore_eos=getattr(args, "ignore_eos", None))
+
+    @property
+    def sampling(self) -> dict:
+        """The sampling parameters that are set (not None)."""
+        return {k: getattr(self, k) for k in SAMPLING_KEYS if getattr(self, k) is not None}
+
+    def with_defaults(self, generation_config: dict | None) -> "GenerationOptions":
+        """These options with unset sampling parameters taken from a checkpoint's generation_config.json
+        (``do_sample: false`` there means greedy: temperature 0). Values it holds that are not valid for
+        qwenmetal raise InputError naming the option."""
+        g = generation_config or {}
+        kw = {k: g[k] for k in GENERATION_CONFIG_KEYS
+              if isinstance(g.get(k), numbers.Real) and not isinstance(g.get(k), bool)}
+        if g.get("do_sample") is False:
+            kw["temperature"] = 0.0
+        kw = {k: v for k, v in kw.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **kw) if kw else self
+
+    def sampler(self, generation_config: dict | None = None) -> Sampler:
+        """A new `Sampler` for these options (unset parameters from `generation_config`, see `with_defaults`)."""
+        return Sampler(**self.with_defaults(generation_config).sampling)
+
+
+def _count(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise InputError(f"{name} must be an integer >= {lo}, got {v!r}", name)
+    if v < lo:
+        raise InputError(f"{name} must be an integer >= {lo}, got {v}", name)
+    return int(v)

@@ -5,10 +5,6 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-# pytest.raises without match= still present in files that other #11 branches were editing when this test
-# was written (at most this many per file; remove an entry once the file has none).
-PENDING = {"test_cpu_session.py": 2, "test_fixtures.py": 1, "test_server.py": 4, "test_session.py": 4}
-
 
 def _raises_without_match(path: Path) -> list[int]:
     lines = []
@@ -24,7 +20,7 @@ def test_every_pytest_raises_has_match():
     bad = {}
     for path in sorted(TESTS.rglob("*.py")):
         lines = _raises_without_match(path)
-        if len(lines) > PENDING.get(str(path.relative_to(TESTS)), 0):
+        if lines:
             bad[str(path.relative_to(TESTS))] = lines
     assert not bad, f"pytest.raises without match= (file: lines): {bad}"
 

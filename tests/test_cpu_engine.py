@@ -11,6 +11,10 @@
 """
 from __future__ import annotations
 
+import gc
+import os
+import platform
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,6 +32,16 @@ from qwenmetal.weights import QuantizedTensor, Weights
 from model_runs import rel_range_err, run_greedy
 
 ISAS = list(_core.cpu_isas())
+# the kernel sets of this architecture family: each ISA test is collected for all of them and skips, with
+# the reason, where this CPU cannot run one (instead of silently not existing)
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+FAMILY_ISAS = ["portable", "avx2", "avx512"] if X86 else ["portable", "neon"]
+FAMILY_ISAS += [i for i in ISAS if i not in FAMILY_ISAS]
+
+
+def need_isa(isa):
+    if isa not in ISAS:
+        pytest.skip(f"this CPU cannot run the {isa} kernels (cpu_isas() = {ISAS})")
 BF16 = ml_dtypes.bfloat16
 N_DECODE = 64
 
@@ -84,6 +98,47 @@ def test_default_options_close_to_reference(reference_runs):
     assert rel_range_err(a, b) < 2e-3
 
 
+def _os_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("activations", ["float", "int16"])
+def test_prefill_chunk_reaches_the_engine(activations):
+    """``prefill_chunk`` is what the engine splits a prefill by: one 20-token call with prefill_chunk=5 is
+    bit-identical to four 5-token calls on the default chunk, and differs from one default-chunk call (so
+    an ignored option would fail here). The engine reports the value it runs with."""
+    path = cached_checkpoint("tiny", "mlx-q4", seed=0)
+    chunked = qm.Model.load(path, backend="cpu", threads=2, kv_dtype="float32", prefill_chunk=5,
+                            activations=activations)
+    default = qm.Model.load(path, backend="cpu", threads=2, kv_dtype="float32", activations=activations)
+    assert chunked._backend.engine.prefill_chunk == 5 and default._backend.engine.prefill_chunk == 512
+    one = chunked.prefill(chunked.new_session(), PROMPT, "all")
+    s = default.new_session()
+    four = np.concatenate([default.prefill(s, PROMPT[i:i + 5], "all") for i in range(0, len(PROMPT), 5)])
+    whole = default.prefill(default.new_session(), PROMPT, "all")
+    np.testing.assert_array_equal(one, four)
+    assert not np.array_equal(one, whole)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through Linux /proc")
+def test_threads_reach_the_engine():
+    """``threads`` is the engine's thread pool: threads=N starts N - 1 worker threads (the caller is the
+    N-th) and the engine reports N; the default is the physical cores of this process's CPU set."""
+    path = cached_checkpoint("tiny", "mlx-q4", seed=0)
+    models = []
+    for n in (1, 3, 4):
+        before = _os_threads()
+        m = qm.Model.load(path, backend="cpu", threads=n)
+        assert _os_threads() - before == n - 1 and m._backend.engine.threads == n
+        models.append(m)
+    before = _os_threads()
+    del models[-1], m
+    gc.collect()
+    assert _os_threads() == before - 3                       # the pool stops with its engine
+    cores = _core.cpu_physical_cores()
+    assert qm.Model.load(path, backend="cpu")._backend.engine.threads == cores >= 1
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 def test_short_last_chunk_takes_the_decode_path(preset, reference_runs):
     """A call whose last chunk is decode-sized (<= 3 tokens) after longer chunks runs the MoE decode path
@@ -135,8 +190,9 @@ def test_quantize_at_load_matches_mlx_q4():
     assert rel_range_err(q8.forward(q8.new_state(), ids, "all")[1], c) < 0.5 * rel_range_err(a, c)   # 8 bits: closer
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FAMILY_ISAS)
 def test_every_isa_runs_the_model(isa, reference_runs):
+    need_isa(isa)
     want_pre, _, _ = reference_runs("tiny-qwen3-next", "mlx-q4", PROMPT)
     model = qm.Model.load(cached_checkpoint("tiny-qwen3-next", "mlx-q4", seed=0), backend="cpu",
                           kv_dtype="float32", threads=2)
@@ -168,11 +224,12 @@ def _weights(kind, rows, cols, rng, gs=64):
     return a, a.astype(np.float32)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FAMILY_ISAS)
 @pytest.mark.parametrize("kind, gs", [("q4", 32), ("q4", 64), ("q4", 128), ("q8", 64), ("q8", 32),
                                       ("bf16", 0), ("f16", 0), ("f32", 0)])
 @pytest.mark.parametrize("M", [1, 3, 4, 9])
 def test_linear_kernels(isa, kind, gs, M):
+    need_isa(isa)
     rng = np.random.default_rng(hash((kind, gs, M)) % 2**32)
     cols = 256 if kind.startswith("q") else 200          # dense: a tail that is not a multiple of 16
     rows = 37                                            # a tail of row blocks and of 4-row passes
@@ -222,9 +279,10 @@ def _gdn_inputs(L, dk, dv, rng):
     return q, k, v, beta, g, S
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FAMILY_ISAS)
 @pytest.mark.parametrize("L, dk, dv", [(1, 16, 16), (7, 8, 12), (64, 32, 32), (150, 128, 128), (130, 24, 40)])
 def test_gdn_recurrent_and_chunked(isa, L, dk, dv):
+    need_isa(isa)
     rng = np.random.default_rng(L * 1000 + dk)
     q, k, v, beta, g, S = _gdn_inputs(L, dk, dv, rng)
     want_o, want_S = R.gdn_recurrent(q[:, None], k[:, None], v[:, None], beta[:, None], g[:, None], S[None])
@@ -250,12 +308,13 @@ def _attention_numpy(q, K, V, pos0):
     return out.reshape(L, nh * hd)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", FAMILY_ISAS)
 @pytest.mark.parametrize("L, pos0, nh, nkv, hd", [(1, 0, 4, 2, 32), (1, 2500, 8, 2, 64), (1, 4095, 4, 1, 16),
                                                    (5, 3, 4, 4, 24), (17, 1100, 8, 2, 32),
                                                    (1, 1500, 16, 2, 256), (3, 700, 12, 2, 40),
                                                    (2, 300, 14, 2, 72)])
 def test_attention(isa, L, pos0, nh, nkv, hd):
+    need_isa(isa)
     rng = np.random.default_rng(L + pos0)
     T = pos0 + L
     q = rng.normal(size=(L, nh, hd)).astype(np.float32)
@@ -280,7 +339,7 @@ def test_attention_timed_runs_the_same_kernel():
     got, seconds = _core.cpu_attention_timed(q, K, V, 299, False, 2, "", 3)
     np.testing.assert_array_equal(got, want)
     assert 0 < seconds < 10
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
         _core.cpu_attention_timed(q, K, V, 299, False, 2, "", 0)
 
 
@@ -403,8 +462,9 @@ def _int_gemv_reference(x, t, planes):
 AMX = _core.cpu_amx_available()
 # the VNNI and AMX switches only affect the avx512 path: other ISAs run once; AMX (prefill GEMMs) with
 # its operand orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
-INT_PATHS = ([(i, True, False, 0) for i in ISAS] + [(i, False, False, 0) for i in ISAS if i == "avx512"]
-             + [(i, True, True, o) for i in ISAS if i == "avx512" and AMX for o in (0, 1, 2)])
+INT_PATHS = ([(i, True, False, 0) for i in FAMILY_ISAS]
+             + ([("avx512", False, False, 0)] + [("avx512", True, True, o) for o in (0, 1, 2)] if X86 else []))
+NO_AMX = "no usable AMX tile unit (CPU or OS): cpu_amx_available() is False"
 
 
 @pytest.mark.parametrize("isa, vnni, amx, orientation", INT_PATHS)
@@ -413,6 +473,9 @@ INT_PATHS = ([(i, True, False, 0) for i in ISAS] + [(i, False, False, 0) for i i
 def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
     """GEMV (M <= 3) and GEMM (M > 3: AVX-512 register tile or AMX) on int8 / int16 inputs, vs the same
     math in numpy; int16 is also within 1e-4 of the exact product."""
+    need_isa(isa)
+    if amx and not AMX:
+        pytest.skip(NO_AMX)
     rng = np.random.default_rng(M)
     rows, cols = 37, 384                                 # 3 blocks of 128; row tails
     t, dense = _weights("q4", rows, cols, rng, 64)
@@ -443,15 +506,25 @@ def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
         _core.cpu_amx_orientation(0)
 
 
+def test_amx_switch_follows_the_hardware():
+    """AMX is in use only where the tile unit is usable: switched off it reports off, switched on it reports
+    exactly what the CPU and OS allow (without AMX it cannot be switched on)."""
+    try:
+        _core.cpu_set_amx(False)
+        assert not _core.cpu_amx()
+        _core.cpu_set_amx(True)
+        assert _core.cpu_amx() == AMX
+    finally:
+        _core.cpu_set_amx(True)
+
+
 @pytest.mark.parametrize("rows, cols, M", [(100, 2048, 16), (64, 512, 33), (48, 4096, 17)])
 def test_amx_orientations_bit_identical(rows, cols, M):
     """The AMX kernel's two operand orientations and the row/thread partition give the same bits, and
-    agree with the AVX-512 register tile to fp32 rounding (real widths: K up to 4096, two K chunks).
-    Without AMX (CPU or OS): it must report itself off, and cannot be switched on."""
+    agree with the AVX-512 register tile to fp32 rounding (real widths: K up to 4096, two K chunks)."""
+    need_isa("avx512")
     if not AMX:
-        _core.cpu_set_amx(True)
-        assert not _core.cpu_amx()
-        return
+        pytest.skip(NO_AMX)
     rng = np.random.default_rng(rows)
     t, dense = _weights("q4", rows, cols, rng, 64)
     x = rng.normal(size=(M, cols)).astype(np.float32)
@@ -510,7 +583,7 @@ def test_int8_activations_model(preset, reference_runs):
     default = qm.Model.load(path, backend="cpu")
     simd = _core.cpu_isa() in ("avx2", "avx512")
     assert default._backend.engine.activations == ("int16" if simd else "float")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"activations must be one of .*got 'int4'"):
         qm.Model.load(path, backend="cpu", activations="int4")
 
 

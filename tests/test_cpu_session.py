@@ -85,9 +85,10 @@ def test_options_are_checked(model, tmp_path):
     d = model.path
     for bad in (dict(threads=0), dict(kv_dtype="float16"), dict(prefill_chunk=0), dict(quantize=3),
                 dict(threads=True)):
-        with pytest.raises(ValueError):
+        (name,) = bad
+        with pytest.raises(ValueError, match=f"^{name} must be"):
             qm.Model.load(d, backend="cpu", **bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="dtype"):
         qm.Model.load(d, backend="cpu", dtype="float32")
 
 

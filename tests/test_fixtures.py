@@ -88,7 +88,7 @@ def test_make_checkpoint_is_deterministic_and_atomic(tmp_path):
     # an existing empty directory is fine, a non-empty one is refused, nothing half-written is left over
     (tmp_path / "empty").mkdir()
     assert make_checkpoint(tmp_path / "empty", "tiny-qwen3-next", "hf-bf16").is_dir()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="exists and is not an empty directory"):
         make_checkpoint(tmp_path / "c", "tiny", "mlx-q4")
     with pytest.raises(ValueError, match="format"):
         make_checkpoint(tmp_path / "bad", "tiny", "gguf")

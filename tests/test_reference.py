@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from oracles import require  # fails in CI, skips elsewhere
+from oracles import require, unavailable  # fail in CI, skip elsewhere
 from qwenmetal import reference as R
 from qwenmetal.config import ModelConfig
 
@@ -695,7 +695,7 @@ def test_matches_hf_transformers(which):
         hcls, hcfg_cls = tr.Qwen3_5MoeForCausalLM, tr.Qwen3_5MoeTextConfig
     else:
         if not hasattr(tr, "Qwen3NextForCausalLM"):
-            pytest.skip("transformers without Qwen3-Next")
+            unavailable("transformers without Qwen3-Next (Qwen3NextForCausalLM)")
         # HF Qwen3-Next always has the attention output gate and a shared expert
         d = {**NEXT, "attn_output_gate": True, "shared_expert_intermediate_size": 16}
         hcls, hcfg_cls = tr.Qwen3NextForCausalLM, tr.Qwen3NextConfig
@@ -735,7 +735,7 @@ def test_bf16_blocks_bit_exact_vs_mlx():
     gd = require("mlx_lm.models.gated_delta")
     qn = require("mlx_lm.models.qwen3_next")
     if not hasattr(gd, "normalize_qk"):
-        pytest.skip("mlx-lm without gated_delta.normalize_qk")
+        unavailable("mlx-lm without gated_delta.normalize_qk")
     normalize_qk, Qwen3NextRMSNormGated = gd.normalize_qk, qn.Qwen3NextRMSNormGated
 
     rng = np.random.default_rng(14)

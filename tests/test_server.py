@@ -12,6 +12,7 @@ generation is cancelled). The soak test is tests/test_server_soak.py.
 """
 import contextlib
 import json
+import re
 import os
 import socket
 import subprocess
@@ -117,7 +118,7 @@ def test_models_health_and_auth(server, client):
     h = httpx.get(server + "/health", timeout=5).json()
     assert h["status"] == "ok" and h["model"] == NAME
     bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0, timeout=10)
-    with pytest.raises(openai.AuthenticationError) as e:
+    with pytest.raises(openai.AuthenticationError, match="invalid or missing API key") as e:
         bad.models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
 
@@ -202,7 +203,7 @@ def test_bad_requests(server, client):
     r = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers=h, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert r.json()["error"]["type"] == "invalid_request_error"
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4o' does not exist") as e:
         client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     for kw, param in [({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
@@ -210,13 +211,13 @@ def test_bad_requests(server, client):
                       ({"stop": [1, 2]}, "stop"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]")]:
         args = dict(model=NAME, messages=MSGS, max_tokens=2)
         args.update(kw)
-        with pytest.raises(openai.BadRequestError) as e:
+        with pytest.raises(openai.BadRequestError, match=re.escape(param)) as e:
             client.chat.completions.create(**args)
         assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
     big = {"model": NAME, "messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}
     r = httpx.post(server + "/v1/chat/completions", json=big, headers=h, timeout=10)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    with pytest.raises(openai.BadRequestError) as e:             # longer than the context (4096)
+    with pytest.raises(openai.BadRequestError, match="5000 tokens") as e:             # longer than the context
         client.completions.create(model=NAME, prompt=[5] * 5000, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded"
     r = httpx.get(server + "/v1/chat/completions", headers=h, timeout=10)

@@ -96,7 +96,7 @@ def test_decode_step_bad_token(model):
     model.prefill(s, [1])
     ref = s.fork()
     for bad in (model.config.vocab_size, -3, 2.0, True, [1]):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="outside the vocabulary|one integer token id"):
             model.decode_step(s, bad)
     state_equal(s, ref)
 
@@ -125,7 +125,7 @@ def test_interrupted_compute_leaves_session_unchanged(model, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(impl, "forward", boom)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="^$"):
         model.prefill(s, [4, 5])
     monkeypatch.undo()
     state_equal(s, ref)
@@ -169,9 +169,9 @@ def test_generate_streams_and_is_reproducible(model):
     a = [o.token for o in model.generate("abc", max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=7)]
     b = [o.token for o in model.generate("abc", max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=7)]
     assert a == b
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_tokens"):
         list(model.generate("abc", max_tokens=0))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="temperature"):
         list(model.generate("abc", temperature=-1))
 
 

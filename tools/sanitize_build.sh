@@ -2,7 +2,7 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer build of qwenmetal._core (docs/verification.md,
 # "Sanitizers"). Configures build/asan once (QWENMETAL_SANITIZE=ON, g++ unless $CXX), builds _core
 # there (ninja: incremental) under the machine-wide build lock, and lays out build/asan/pkg/qwenmetal:
-# a symlink to each python/qwenmetal source file plus the instrumented _core*.so, so that
+# a symlink to each entry of python/qwenmetal (modules, subpackages) plus the instrumented _core*.so, so that
 #     PYTHONPATH=build/asan/pkg LD_PRELOAD="$(g++ -print-file-name=libasan.so)" python ...
 # imports this checkout's package with the instrumented extension (tests/test_sanitizers.py does this).
 set -euo pipefail
@@ -23,7 +23,8 @@ cmake --build "$bdir" -j"${QWENMETAL_BUILD_JOBS:-2}" --target _core
 # ones dropped, the module replaced by a rename (a new inode; never rewritten under a live mapping)
 pkg="$bdir/pkg/qwenmetal"
 mkdir -p "$pkg"
-for f in "$root"/python/qwenmetal/*.py "$root"/python/qwenmetal/py.typed; do
+for f in "$root"/python/qwenmetal/*; do
+    case "$(basename "$f")" in _core*.so|__pycache__) continue ;; esac
     ln -sfn "$f" "$pkg/"
 done
 find "$pkg" -xtype l -delete

@@ -44,12 +44,13 @@ DEFAULT_DISK_BYTES = 4 << 30
 
 
 def default_max_bytes() -> int:
-    """10 % of physical memory, at most 8 GiB (256 MiB if the size is unknown)."""
+    """10 % of physical memory, at most 8 GiB (256 MiB if the size is unknown: sysconf missing, failing or
+    reporting -1)."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 0
-    return min(8 << 30, total // 10) if total else 256 << 20
+    return min(8 << 30, total // 10) if total > 0 else 256 << 20
 
 
 @dataclass

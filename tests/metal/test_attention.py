@@ -353,17 +353,28 @@ def test_argument_checks():
             ops.attention_decode(enc, "float32", buf(q), a.pop("proj"), buf(K), buf(V), a.pop("n_keys"),
                                  a.pop("scratch"), a.pop("o"), **a)
 
-        for bad in (dict(proj=buf(proj[:-1])), dict(position=cap), dict(k_cache=buf(K[:1])),
-                    dict(q_out=buf(q[:-1])), dict(rotary_dim=7), dict(rotary_dim=18), dict(n_heads=3),
-                    dict(capacity=cap + 1)):
-            with pytest.raises(ValueError):
+        for bad, match in ((dict(proj=buf(proj[:-1])), r"attn_prepare: proj holds \d+ bytes, needs"),
+                           (dict(position=cap), r"attn_prepare: position 8 outside a cache of 8 rows"),
+                           (dict(k_cache=buf(K[:1])), r"attn_prepare: k cache holds \d+ bytes, needs"),
+                           (dict(q_out=buf(q[:-1])), r"attn_prepare: q_out holds \d+ bytes, needs"),
+                           (dict(rotary_dim=7), r"rotary_dim \(7\) must be even"),
+                           (dict(rotary_dim=18), r"rotary_dim \(18\) must be even, at most head_dim"),
+                           (dict(n_heads=3), r"n_heads \(3\) must be a multiple of n_kv_heads \(2\)"),
+                           (dict(capacity=cap + 1), r"attn_prepare: k cache holds \d+ bytes, needs")):
+            with pytest.raises(ValueError, match=match):
                 prep(**bad)
-        for bad in (dict(n_keys=0), dict(n_keys=cap + 1), dict(o=buf(o[:-1])), dict(proj=buf(proj[:nh * hd])),
-                    dict(single_pass_max=2), dict(single_pass_max=2, scratch=None), dict(n_heads=5),
-                    dict(head_dim=512, capacity=1), dict(split_block=0)):
-            with pytest.raises(ValueError):
+        for bad, match in ((dict(n_keys=0), r"n_keys 0 outside 1 \.\. capacity 8"),
+                           (dict(n_keys=cap + 1), r"n_keys 9 outside 1 \.\. capacity 8"),
+                           (dict(o=buf(o[:-1])), r"attention_decode: o holds \d+ bytes, needs"),
+                           (dict(proj=buf(proj[:nh * hd])), r"attention_decode: proj holds \d+ bytes, needs"),
+                           (dict(single_pass_max=2), r"scratch \(split route\) holds \d+ bytes, needs"),
+                           (dict(single_pass_max=2, scratch=None), r"scratch \(split route\) is not set"),
+                           (dict(n_heads=5), r"n_heads \(5\) must be a multiple of n_kv_heads \(2\)"),
+                           (dict(head_dim=512, capacity=1), r"head_dim 512 above the kernels' 256"),
+                           (dict(split_block=0), r"split_block and long_block must be positive")):
+            with pytest.raises(ValueError, match=match):
                 dec(**bad)
         dec(scratch=None)                         # the single-pass route needs no scratch
         dec(output_gate=False, proj=buf(proj[:1]))  # nor proj without the output gate
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"attention_scratch_bytes: split_block and long_block must be positive"):
             ops.attention_scratch_bytes(nh, nkv, hd, 10, long_block=0)

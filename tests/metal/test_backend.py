@@ -151,7 +151,7 @@ def test_session_contract(sim_model, tmp_path):
     assert s.position == 5
     np.testing.assert_array_equal(m.decode_step(s, 7), a)
     n_before = s.nbytes
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"token id \d+ at index 2 is outside the vocabulary \[0, \d+\)"):
         m.prefill(s, [1, 2, m.config.vocab_size])
     assert s.position == 6 and s.nbytes == n_before
     # save on metal-sim, load on the reference and on metal-sim: the same next logits

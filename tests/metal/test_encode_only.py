@@ -46,7 +46,7 @@ def test_bench_cli_json(tmp_path, capsys):
 
 
 def test_encode_only_needs_metal_sim():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="--encode-only needs --backend metal-sim"):
         bench.run_encode_only(bench_args(backend="cpu"))
 
 

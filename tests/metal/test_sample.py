@@ -362,7 +362,7 @@ def test_chi2_check_can_fail():
     p_hot = np.exp((x - x.max()) / 0.8) / np.exp((x - x.max()) / 0.8).sum()
     draws = np.random.default_rng(1).choice(16, size=2000, p=p_hot)
     chi2_check(draws, list(range(16)), p_hot, 2000)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"^\(\d+\.\d+"):   # the message starts with the statistic
         chi2_check(draws, list(range(16)), p_true, 2000)
 
 
@@ -471,11 +471,17 @@ def test_argument_checks():
         ops.argmax(enc, bx, V, bx.view(0, 2), bs)
     with pytest.raises(ValueError, match="vocab"):
         ops.argmax(enc, bx, 0, bt, bs)
-    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
-                dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1), dict(min_p=1.1), dict(top_p=float("nan"))):
-        with pytest.raises(ValueError):
+    for bad, match in ((dict(temperature=-1.0), r"temperature must be finite and >= 0, got -1"),
+                       (dict(temperature=float("nan")), r"temperature must be finite and >= 0, got nan"),
+                       (dict(temperature=float("inf")), r"temperature must be finite and >= 0, got inf"),
+                       (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0"),
+                       (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+                       (dict(min_p=-0.1), r"min_p must be in \[0, 1\], got -0.1"),
+                       (dict(min_p=1.1), r"min_p must be in \[0, 1\], got 1.1"),
+                       (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan")):
+        with pytest.raises(ValueError, match=r"^sample: " + match):
             ops.sample(enc, bx, V, bt, bs, **bad)
-    with pytest.raises(TypeError):                  # sampling parameters are keyword-only
+    with pytest.raises(TypeError, match="incompatible function arguments"):   # sampling parameters are keyword-only
         ops.sample(enc, bx, V, bt, bs, 1.0)
     assert enc.dispatches == 0
     assert ops.sample_scratch_bytes(REAL_VOCAB) >= 64 + 8 * (REAL_VOCAB // 4096)

@@ -199,10 +199,12 @@ def test_multi_turn_identical_with_and_without_cache(ckpt, enable_thinking):
         assert computed_b == rb.stats["prompt_tokens"] and rb.stats["cached_tokens"] == 0
         assert computed_a == ra.stats["prompt_tokens"] - ra.stats["cached_tokens"] == ra.stats["prefill_tokens"]
     # turns 2 and 3 resume at least where the previous turn's messages ended (a chunk boundary inside the
-    # shared start of the assistant header can be a little later), never beyond the common prefix; the
-    # previous reply is prefilled again because the template re-renders it without the think block
+    # shared start of the assistant header can be a little later), never beyond the common prefix (these
+    # replies end by length, so they have no transcript: the template re-renders them, and the part of the
+    # previous reply that renders differently is prefilled again -- tests/test_chat_continuity.py has the rest)
     for (r_prev, _), (r, _) in zip(a, a[1:]):
-        lcp = next(i for i, (x, y) in enumerate(zip(r_prev.ids, r.ids)) if x != y)
+        seen = r_prev.ids + r_prev.tokens[:-1]          # the previous turn's snapshot (its last token not fed)
+        lcp = next((i for i, (x, y) in enumerate(zip(seen, r.ids)) if x != y), len(seen))
         assert r_prev.head <= r.stats["cached_tokens"] <= lcp and r_prev.head >= len(r_prev.ids) - 16
     assert sum(c for _, c in a) < 0.6 * sum(c for _, c in b)
 

@@ -94,7 +94,8 @@ class ChatTurn:
     the conversation itself (the prefix cache keeps the state there, so the next turn, which extends the
     conversation, prefills only what is new; 0 if the template does not allow it); ``prompt_text``: the
     rendered text; ``thinking``: the prompt leaves the model inside a ``<think>`` block; ``tools``: the tools
-    offered (tool calls are parsed only when there are some)."""
+    offered (tool calls are parsed only when there are some); ``keys``: the conversation's transcript keys
+    (`qwenmetal.transcripts`; empty when transcripts are off), for `remember`."""
 
     messages: list = field(repr=False)
     prompt_ids: list = field(repr=False)
@@ -102,6 +103,7 @@ class ChatTurn:
     prompt_text: str = field(repr=False)
     thinking: bool
     tools: list | None = field(default=None, repr=False)
+    keys: list = field(default_factory=list, repr=False)
 
     @property
     def cache_points(self) -> tuple:
@@ -132,11 +134,28 @@ class ChatTurn:
         return ChatResponse(full, content, reasoning, calls, outs[-1].finish_reason, outs[-1].stats,
                             [o.token for o in outs], lps or None)
 
+    def remember(self, model: "Model", message: dict, tokens: Sequence[int]) -> None:
+        """Keep the transcript of this turn's reply: the generated `tokens`, appended to the conversation as
+        `message` (as the caller sends it back next turn), so the next prompt continues them
+        (`qwenmetal.transcripts.remember_reply`: only a reply that ended on an end id)."""
+        from .transcripts import remember_reply
+        remember_reply(model, self.prompt_ids, self.keys, message, tokens)
+
+    def remembering(self, model: "Model", outputs: Iterable[GenerationOutput]) -> Iterator[GenerationOutput]:
+        """`outputs` passed through; when they are complete, the reply (`response`) is remembered."""
+        outs = []
+        for o in outputs:
+            outs.append(o)
+            yield o
+        if outs and outs[-1].finish_reason is not None:
+            r = self.response(outs)
+            self.remember(model, r.message, r.tokens)
+
 
 def check_chat_support(model: "Model") -> None:
     """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
     if model.tokenizer is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, so chat is not available")
+        raise InputError(f"{model.path}: no tokenizer.json, so chat is not available")
     model.tokenizer.require_chat_template()
 
 
@@ -144,16 +163,17 @@ def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = 
               enable_thinking: bool | None = None,
               template_kwargs: dict | None = None) -> ChatTurn:
     """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
-    template (``enable_thinking`` and `template_kwargs` go to the template) and find the cache point of the
-    history (`Model.chat_prompt`). Raises ValueError for invalid messages or a checkpoint without tokenizer.json
-    or chat template (`check_chat_support`), and for a conversation the template refuses."""
+    template (``enable_thinking`` and `template_kwargs` go to the template; the prompt continues the
+    transcript of the longest answered prefix, `Model.chat_prompt`) and find the cache point of the
+    history. Raises ValueError for invalid messages or a checkpoint without tokenizer.json or chat
+    template (`check_chat_support`), and for a conversation the template refuses."""
     msgs = validate_messages(messages)
     tools = validate_tools(tools)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
-    ids, head, text = model.chat_prompt(msgs, tools=tools, enable_thinking=enable_thinking,
-                                        **(template_kwargs or {}))
-    return ChatTurn(msgs, ids, head, text, prompt_opens_thinking(text), tools)
+    from .transcripts import chat_prompt
+    p = chat_prompt(model, msgs, tools=tools, enable_thinking=enable_thinking, **(template_kwargs or {}))
+    return ChatTurn(msgs, p.ids, p.head, p.text, prompt_opens_thinking(p.text), tools, p.keys)
 
 
 # ---------------------------------------------------------------------------------------------------

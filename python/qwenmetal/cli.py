@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from .paths import cache_dir
+
 DEMO_PROMPT = "The quick brown fox"
 REAL_MODEL = "mlx-community/Qwen3.6-35B-A3B-4bit"
 
@@ -213,19 +215,6 @@ _CHAT_HELP = """commands:
   /exit, /quit   leave (also Ctrl-D)"""
 
 
-def _conversation_session(model, messages):
-    """A session holding exactly the rendered conversation (prefix cache first, then prefill the rest)."""
-    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    ids = model.tokenizer.encode(text)
-    s = model.new_session()
-    e = model.prefix_cache.lookup(ids, need_logits=False) if model.prefix_cache is not None else None
-    if e is not None:
-        s.restore(e.snapshot)
-    if s.position < len(ids):
-        model.prefill(s, ids[s.position:], return_logits="none")
-    return s
-
-
 def cmd_chat(args) -> int:
     from .chat import chat_turn, check_chat_support, validate_messages
     import qwenmetal as qm
@@ -274,8 +263,8 @@ def cmd_chat(args) -> int:
                     print("(nothing to save yet)")
                     continue
                 try:
-                    s = _conversation_session(model, history)
-                    s.save(arg, metadata={"messages": history})
+                    s = model.chat_session(history, enable_thinking=think)
+                    s.save(arg)
                 except (ValueError, OSError, NotImplementedError) as e:
                     print(f"error: {e}")
                     continue
@@ -285,7 +274,7 @@ def cmd_chat(args) -> int:
                     print("usage: /load FILE")
                     continue
                 try:
-                    s = qm.Session.load(arg, model)
+                    s = qm.Session.load(arg, model)    # also puts its state and transcript in the caches
                 except (ValueError, OSError, NotImplementedError) as e:
                     print(f"error: {e}")
                     continue
@@ -294,8 +283,6 @@ def cmd_chat(args) -> int:
                 except ValueError as e:
                     print(f"error: {arg} holds no conversation ({e})")
                     continue
-                if model.prefix_cache is not None:
-                    model.prefix_cache.put(s.tokens, s.snapshot(), kind="loaded")
                 print(f"(loaded {len(history)} messages, {s.position} tokens)")
             else:
                 print(f"unknown command {cmd}; /help lists them")
@@ -308,11 +295,12 @@ def cmd_chat(args) -> int:
             print(f"error: {e}")
             continue
         parser = turn.stream_parser()
-        pieces = []
+        pieces, tokens, finished = [], [], False
         mode = None
         try:
             for out in turn.generate(model, opts):
                 pieces.append(out.text)
+                tokens.append(out.token)
                 for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
                     if field_ == "reasoning_content":
                         if args.hide_thinking:
@@ -326,7 +314,7 @@ def cmd_chat(args) -> int:
                     sys.stdout.write(t)
                     sys.stdout.flush()
                 if out.finish_reason:
-                    last_stats = out.stats
+                    last_stats, finished = out.stats, True
         except KeyboardInterrupt:
             print("\n(interrupted)")
         if mode == "r":
@@ -335,6 +323,8 @@ def cmd_chat(args) -> int:
         sys.stdout.flush()
         _, content, _ = turn.parse("".join(pieces))
         history.append({"role": "assistant", "content": content})
+        if finished:
+            turn.remember(model, history[-1], tokens)
         if last_stats and args.verbose:
             print(_stats_line(last_stats), file=sys.stderr)
     return 0
@@ -350,6 +340,8 @@ def cmd_serve(args) -> int:
     from .server import serve
     api_key = args.api_key or os.environ.get("QWENMETAL_API_KEY") or None
     model = _load(args)
+    if args.cache_dir is not None:
+        model.use_disk_cache(args.cache_dir, None if args.cache_dir_bytes is None else int(args.cache_dir_bytes))
     name = args.served_model_name or (args.model if not os.path.isdir(args.model)
                                       else os.path.basename(os.path.normpath(args.model)))
     print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
@@ -444,6 +436,11 @@ def main(argv=None) -> int:
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled "
                    f"(default {srv.DEFAULT_GRACEFUL_TIMEOUT:g})")
     p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
+    p.add_argument("--cache-dir", nargs="?", const=str(cache_dir("prompt-cache")), default=None, metavar="DIR",
+                   help="also keep chat turns' states on disk in DIR (default DIR: "
+                        f"{cache_dir('prompt-cache')}), so a restarted server continues conversations cached")
+    p.add_argument("--cache-dir-bytes", type=float, default=None, metavar="BYTES",
+                   help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -470,7 +467,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, MemoryError, FileExistsError) as e:
+    except (ValueError, MemoryError, OSError) as e:   # OSError names the path (e.g. --cache-dir)
         print(f"qwenmetal: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:          # Ctrl-C in any command: one line, no traceback, 128 + SIGINT

@@ -225,8 +225,8 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
             continue
         t2 = time.perf_counter()
         if gpu is not None:
-            logits = None                 # the GPU path reads no logits back: nothing to cache with the turn
-        if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes and logits is not None:
+            logits = None                 # the GPU path reads no logits back: the turn is kept without them
+        if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
             pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
         yield GenerationOutput(t, text, n, reason, _stats(n_prompt, cached, len(generated), t0, t1, t2, reason),
                                lp, top, hit)

@@ -30,6 +30,7 @@ from .interrupts import sigint_deferred
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
 from .tokenizer import load_tokenizer
+from .transcripts import TranscriptStore
 from .weights import load_weights
 from .backends import backend_factory
 
@@ -136,11 +137,15 @@ class Session:
     @classmethod
     def load(cls, path, model: "Model", max_context: int | None = None) -> "Session":
         """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
-        (config.json or weight files differ) or the file is malformed."""
+        (config.json or weight files differ) or the file is malformed. A session holding a conversation
+        (`Model.chat_session`, the chat command's /save) also goes into the model's prefix cache with its
+        transcript, so `model.chat` on its ``metadata["messages"]`` plus a new message prefills only that."""
         from .session_io import load_session
+        from .transcripts import resume_conversation
         state, tokens, max_context, metadata = load_session(path, model, max_context)
         s = cls(model, state, tokens, max_context=max_context)
         s.metadata = metadata
+        resume_conversation(model, s)
         return s
 
     def __repr__(self) -> str:
@@ -175,6 +180,7 @@ class Model:
         except ValueError as e:
             raise CheckpointError(f"{gc_path}: {e}") from None
         self.prefix_cache: PrefixCache | None = PrefixCache()
+        self.transcripts: TranscriptStore | None = TranscriptStore()
         self._identity = None
 
     @classmethod
@@ -323,25 +329,33 @@ class Model:
 
     def chat_prompt(self, messages: Sequence[dict], *, tools: list | None = None,
                     enable_thinking: bool | None = None, **template_kwargs) -> tuple[list, int, str]:
-        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages`, rendered as
-        given (`Model.chat` checks them first; see `qwenmetal.chat.chat_turn`)."""
-        from .chat import check_chat_support
-        check_chat_support(self)
-        tk = self.tokenizer
-        text = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                      enable_thinking=enable_thinking, **template_kwargs)
-        ids = tk.encode(text)
-        head = 0
-        try:
-            base = tk.apply_chat_template(messages, tools=tools, add_generation_prompt=False,
-                                          enable_thinking=enable_thinking, **template_kwargs)
-            if text.startswith(base):
-                b = tk.encode(base)
-                if ids[:len(b)] == b:
-                    head = len(b)
-        except Exception:  # a template may refuse to render without the generation prompt
-            head = 0
-        return ids, head, text
+        """(prompt ids, number of ids before the generation prompt, prompt text) for `messages` as given
+        (`Model.chat` checks them first; see `qwenmetal.chat.chat_turn`): the transcript of the longest
+        answered prefix of the conversation plus the rendering of the rest, or the template's rendering
+        (see `qwenmetal.transcripts`)."""
+        from .transcripts import chat_prompt
+        p = chat_prompt(self, messages, tools=tools, enable_thinking=enable_thinking, **template_kwargs)
+        return p.ids, p.head, p.text
+
+    def use_disk_cache(self, directory: str | os.PathLike, max_bytes: int | None = None) -> None:
+        """Keep the state at the end of every chat turn that has a transcript in `directory` as well (a
+        session file per turn, at most `max_bytes`, default 4 GiB, least recently used removed), and read
+        the ones already there, so a new process -- a restarted server -- continues those conversations
+        without prefilling them. See `qwenmetal.prefix_cache.DiskTier`."""
+        from .transcripts import restore_from_disk
+        if self.prefix_cache is None:
+            raise ValueError("the prefix cache is off (model.prefix_cache is None): nothing to keep on disk")
+        self.prefix_cache.attach_disk(self, directory, max_bytes)
+        restore_from_disk(self)
+
+    def chat_session(self, messages: Sequence[dict], *, tools: list | None = None,
+                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> Session:
+        """A new session holding the conversation `messages` as the model read and wrote it (the transcript
+        of its last reply, else its rendering), with the messages in ``metadata``: `Session.save` it, and
+        `Session.load` continues it. Uses the prefix cache, so after `chat` it prefills at most one token."""
+        from .transcripts import conversation_session
+        return conversation_session(self, messages, tools=tools, enable_thinking=enable_thinking,
+                                    **(chat_template_kwargs or {}))
 
     def chat(self, messages: Sequence[dict], *, tools: list | None = None, enable_thinking: bool | None = None,
              stream: bool = False, chat_template_kwargs: dict | None = None,
@@ -351,16 +365,21 @@ class Model:
         The messages are checked as the server checks them (`qwenmetal.chat.validate_messages`: ValueError
         naming ``messages[i]``). Returns a `ChatResponse` (content, reasoning, tool_calls -- parsed when
         `tools` are offered --, finish_reason, stats, `.message` to append to the history), or with
-        `stream=True` the `GenerationOutput` iterator. Uses the prefix cache: the state where the messages
-        end is kept, so the next turn prefills only what is new. `options` and the other keyword arguments
-        are `generate`'s (max_tokens, temperature, stop, seed, sampler, ...).
+        `stream=True` the `GenerationOutput` iterator. Uses the prefix cache, and keeps the reply's tokens
+        (a transcript, `qwenmetal.transcripts`) so that the next turn's prompt continues them and prefills
+        only the new messages. `options` and the other keyword arguments are `generate`'s (max_tokens,
+        temperature, stop, seed, sampler, ...).
         """
         from .chat import chat_turn
 
         turn = chat_turn(self, messages, tools=tools, enable_thinking=enable_thinking,
                          template_kwargs=chat_template_kwargs)
         gen = turn.generate(self, options, **generate_kwargs)
-        return gen if stream else turn.response(gen)
+        if stream:
+            return turn.remembering(self, gen)
+        r = turn.response(gen)
+        turn.remember(self, r.message, r.tokens)
+        return r
 
     def __repr__(self) -> str:
         return (f"Model(backend={self.backend!r}, path={self.path!r}, layout={self.weights.layout!r}, "

@@ -15,13 +15,23 @@ and a new prompt resumes from the longest snapshot whose tokens are a prefix of 
 token (never by text or by a client-supplied key), then prefills only the rest. Entries are bounded by
 bytes (state + logits) with least-recently-used eviction. Everything goes through the backend contract
 (``Session.snapshot``/``restore``, i.e. ``state.copy()`` and ``state.nbytes``): no backend needs to truncate.
+
+An optional on-disk tier (:class:`DiskTier`, ``PrefixCache.attach_disk``) keeps chosen entries -- the ends of
+chat turns -- as session files in a directory, bounded in bytes, so that another process (a restarted
+server) resumes from them: a lookup that finds a longer prefix on disk than in memory loads it.
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
+import queue
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -30,6 +40,7 @@ if TYPE_CHECKING:
     from .model import SessionSnapshot
 
 DEFAULT_CHUNK_TOKENS = 2048
+DEFAULT_DISK_BYTES = 4 << 30
 
 
 def default_max_bytes() -> int:
@@ -74,6 +85,7 @@ class PrefixCache:
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
         self.tokens_reused = 0
+        self.disk: DiskTier | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -92,7 +104,8 @@ class PrefixCache:
 
     def lookup(self, tokens: Sequence[int], need_logits: bool = True) -> CacheEntry | None:
         """The longest entry whose tokens are a prefix of ``tokens``: shorter than ``tokens``, or equal
-        to it when the entry holds the next-token logits (and ``need_logits``). Marks it recently used."""
+        to it when the entry holds the next-token logits (and ``need_logits``). Marks it recently used.
+        With a disk tier, a longer prefix found on disk is loaded (and kept in memory)."""
         tokens = tuple(int(t) for t in tokens)
         n = len(tokens)
         best = None
@@ -105,10 +118,19 @@ class PrefixCache:
                     continue
                 if tokens[:k] == key:
                     best = e
+            if self.disk is not None:
+                have = len(best.tokens) if best is not None else 0
+                found = self.disk.load_longest(tokens, have, allow_equal=not need_logits)
+                if found is not None:
+                    best = CacheEntry(found.tokens, found, None, "disk")
+                    if best.nbytes <= self.max_bytes and best.tokens not in self._entries:
+                        self._entries[best.tokens] = best
+                        self._evict()
             if best is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(best.tokens)
+            if best.tokens in self._entries:
+                self._entries.move_to_end(best.tokens)
             self.hits += 1
             self.tokens_reused += len(best.tokens)
             return best
@@ -137,6 +159,22 @@ class PrefixCache:
             self._evict()
             return tokens in self._entries
 
+    def persist(self, tokens, **metadata) -> bool:
+        """Write the entry for exactly ``tokens`` to the disk tier (in the background), with JSON-serialisable
+        ``metadata`` beside it. Returns False when there is no disk tier or no such entry."""
+        tokens = tuple(int(t) for t in tokens)
+        with self._lock:
+            e = self._entries.get(tokens)
+            if e is None or self.disk is None:
+                return False
+            self.disk.save(e.tokens, e.snapshot, {"kind": e.kind, **metadata})
+            return True
+
+    def attach_disk(self, model, directory: str | os.PathLike, max_bytes: int | None = None) -> "DiskTier":
+        """Add an on-disk tier for `model`'s states under `directory` (see :class:`DiskTier`)."""
+        self.disk = DiskTier(model, directory, DEFAULT_DISK_BYTES if max_bytes is None else max_bytes)
+        return self.disk
+
     def _evict(self) -> None:
         total = sum(e.nbytes for e in self._entries.values())
         while total > self.max_bytes and self._entries:
@@ -152,3 +190,183 @@ class PrefixCache:
     def __repr__(self) -> str:
         return (f"PrefixCache({len(self)} entries, {self.nbytes / 2**20:.1f} / {self.max_bytes / 2**20:.0f} MiB, "
                 f"chunk {self.chunk_tokens} tokens, {self.hits} hits / {self.misses} misses)")
+
+
+# ---------------------------------------------------------------------------------------------------
+_LIVE_TIERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for tier in list(_LIVE_TIERS):
+        tier.flush()
+
+
+class DiskTier:
+    """Prefix-cache entries as session files (`qwenmetal.session_io`'s format, written atomically) in
+    ``directory/<model identity>/``, at most ``max_bytes`` of them (least recently used removed first).
+
+    Writes run on a background thread (``flush()`` waits for them; they are flushed at exit). The index of
+    the files' token sequences is read when the tier is made and refreshed when a lookup finds nothing (at
+    most every ``RESCAN_SECONDS``), so files written by another process are found too. A file that cannot
+    be read (removed by another process, truncated, of another model) is skipped, never an error."""
+
+    RESCAN_SECONDS = 2.0                           # a lookup that misses re-reads the directory at most this often
+
+    def __init__(self, model, directory: str | os.PathLike, max_bytes: int = DEFAULT_DISK_BYTES):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
+            raise ValueError(f"the disk cache size must be a positive number of bytes, got {max_bytes!r}")
+        self.model = model
+        self.max_bytes = int(max_bytes)
+        self.directory = Path(directory) / model.identity["identity"][:16]
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create the prompt cache directory {directory}: {e.strerror}") from None
+        self._index: dict = {}                    # file name -> (tokens, metadata)
+        self._skipped: set = set()
+        self._lock = threading.RLock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.writes = self.loads = 0
+        self.scan()
+
+    # ---- index -----------------------------------------------------------------------------------------
+    def scan(self) -> None:
+        """Index the files not indexed yet (and forget removed ones)."""
+        from .session_io import read_tokens
+
+        with self._lock:
+            self._scanned = time.monotonic()
+            names = {p.name for p in self.directory.glob("*.safetensors")}
+            for gone in set(self._index) - names:
+                del self._index[gone]
+            for name in sorted(names - set(self._index) - self._skipped):
+                path = self.directory / name
+                try:
+                    tokens, header = read_tokens(path)
+                except (OSError, ValueError):      # unreadable or half-removed: not a cache entry
+                    self._skipped.add(name)
+                    continue
+                if tokens:
+                    self._index[name] = (tuple(tokens), header.get("metadata") or {})
+
+    def entries(self) -> list:
+        """``(tokens, metadata)`` of every file, as indexed."""
+        with self._lock:
+            return list(self._index.values())
+
+    def _longest(self, tokens: tuple, longer_than: int, allow_equal: bool) -> str | None:
+        best, best_len = None, longer_than
+        for name, (t, _) in self._index.items():
+            k = len(t)
+            if k <= best_len or k > len(tokens) or (k == len(tokens) and not allow_equal):
+                continue
+            if tokens[:k] == t:
+                best, best_len = name, k
+        return best
+
+    def load_longest(self, tokens, longer_than: int = 0, allow_equal: bool = False):
+        """The snapshot of the longest file whose tokens are a prefix of `tokens` and longer than
+        `longer_than` (equal to `tokens` only if `allow_equal`), or None."""
+        from .model import SessionSnapshot
+        from .session_io import load_session
+
+        tokens = tuple(tokens)
+        with self._lock:
+            name = self._longest(tokens, longer_than, allow_equal)
+            if name is None and time.monotonic() - self._scanned > self.RESCAN_SECONDS:
+                self.scan()                        # files another process wrote meanwhile
+                name = self._longest(tokens, longer_than, allow_equal)
+            while name is not None:
+                path = self.directory / name
+                try:
+                    loaded = load_session(path, self.model)
+                    os.utime(path)                 # recently used
+                except (OSError, ValueError):      # removed meanwhile, or not readable after all
+                    self._index.pop(name, None)
+                    self._skipped.add(name)
+                    name = self._longest(tokens, longer_than, allow_equal)
+                    continue
+                self.loads += 1
+                return SessionSnapshot(id(self.model), loaded.state, tuple(loaded.tokens))
+            return None
+
+    # ---- writes ----------------------------------------------------------------------------------------
+    def save(self, tokens, snapshot, metadata: dict | None = None) -> None:
+        """Queue writing `snapshot` (the state after exactly `tokens`) with `metadata`."""
+        self._queue.put((tuple(int(t) for t in tokens), snapshot, dict(metadata or {})))
+        with self._lock:
+            if self._thread is None:              # the writer runs while there is work, then ends
+                _LIVE_TIERS.add(self)
+                self._thread = threading.Thread(target=self._work, name="qwenmetal-prompt-cache", daemon=True)
+                self._thread.start()
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk."""
+        self._queue.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                try:
+                    tokens, snap, md = self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread = None
+                    return
+            try:
+                self._write(tokens, snap, md)
+            except Exception:  # noqa: BLE001 - a full disk or a backend without state export: no entry
+                pass
+            finally:
+                self._queue.task_done()
+
+    def _write(self, tokens: tuple, snap, md: dict) -> None:
+        from .model import Session
+        from .session_io import save_session
+
+        name = hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:32] + ".safetensors"
+        path = self.directory / name
+        save_session(Session(self.model, snap.state, tokens), path, md)
+        with self._lock:
+            self._index[name] = (tokens, md)
+            self._skipped.discard(name)
+            self.writes += 1
+            self._evict()
+
+    def _evict(self) -> None:
+        files = []
+        for p in self.directory.glob("*.safetensors"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        total = sum(f[1] for f in files)
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            self._index.pop(p.name, None)
+            total -= size
+        now = time.time()                          # partial files of writers that died (an hour old)
+        for p in self.directory.glob(".*.partial"):
+            try:
+                if now - p.stat().st_mtime > 3600:
+                    p.unlink(missing_ok=True)
+            except OSError:
+                continue
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache files in the directory."""
+        total = 0
+        for p in self.directory.glob("*.safetensors"):
+            try:
+                total += p.stat().st_size
+            except OSError:                        # removed meanwhile
+                continue
+        return total
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.directory}, {len(self._index)} files, at most {self.max_bytes / 2**20:.0f} MiB)"

@@ -323,10 +323,16 @@ class _Render:
 class _ChatRender(_Render):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model_name, tok, turn, logprobs: bool):
+    def __init__(self, model_name, tok, turn, logprobs: bool, lm=None):
         super().__init__("chatcmpl-", model_name)
         self.tok, self.turn, self.logprobs = tok, turn, logprobs     # turn: chat.chat_turn's result
         self.parser = turn.stream_parser()
+        self.lm = lm                          # the qm.Model, which keeps the reply's transcript
+        self.msg, self.tokens = {"role": "assistant", "content": ""}, []   # the reply as the client rebuilds it
+
+    def _add(self, deltas) -> None:
+        for f, t in deltas:
+            self.msg[f] = self.msg.get(f, "") + t
 
     def chunk(self, delta, finish=None, lp=None) -> dict:
         return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": lp,
@@ -346,6 +352,8 @@ class _ChatRender(_Render):
     def step(self, out) -> list:
         lp = {"content": [self.entry(out)]} if self.logprobs and out.logprob is not None else None
         deltas = self.parser.feed(out.text)
+        self.tokens.append(out.token)
+        self._add(deltas)
         chunks = [self.chunk({f: t}, lp=lp if i == 0 else None) for i, (f, t) in enumerate(deltas)]
         if not deltas and lp is not None:
             chunks.append(self.chunk({}, lp=lp))
@@ -353,9 +361,13 @@ class _ChatRender(_Render):
 
     def finish(self, reason) -> list:
         deltas, calls = self.parser.finish()
+        self._add(deltas)
         chunks = [self.chunk({f: t}) for f, t in deltas]
         if calls:
-            chunks.append(self.chunk({"tool_calls": _tool_calls(calls, indexed=True)}))
+            tc = _tool_calls(calls, indexed=True)
+            self.msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tc]
+            chunks.append(self.chunk({"tool_calls": tc}))
+        self.turn.remember(self.lm, self.msg, self.tokens)
         return chunks + [self.chunk({}, _finish(reason, bool(calls)))]
 
     def body(self, outs, reason, usage) -> dict:
@@ -365,6 +377,7 @@ class _ChatRender(_Render):
             msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = _tool_calls(calls, indexed=False)
+        self.turn.remember(self.lm, msg, [o.token for o in outs])
         lp = {"content": [self.entry(o) for o in outs]} if self.logprobs else None
         return self.envelope("chat.completion", [{"index": 0, "message": msg, "logprobs": lp,
                                                   "finish_reason": _finish(reason, bool(calls))}], usage=usage)
@@ -599,7 +612,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             raise APIError(400, str(e), "messages", "invalid_value") from None
         kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens)
         kw.update(logprobs=want_lp, top_logprobs=top_n)
-        render = _ChatRender(name, tok, turn, want_lp)
+        render = _ChatRender(name, tok, turn, want_lp, model)
         return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points), render, stream,
                              include_usage)
 

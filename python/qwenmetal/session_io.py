@@ -219,6 +219,21 @@ def read_header(path) -> dict:
     return _open(os.fspath(path))[1]
 
 
+def _tokens(sf: SafetensorsFile, header: dict, path: str) -> np.ndarray:
+    position = header["position"]
+    if "tokens" not in sf or sf.shape("tokens") != (position,) or sf.dtype_name("tokens") != "I64":
+        raise ValueError(f"{path}: tensor 'tokens' must be int64 [{position}] (the header position)")
+    return np.array(sf.get("tokens"))
+
+
+def read_tokens(path) -> tuple[list, dict]:
+    """The tokens and the JSON header of a saved session, without its state (the prefix cache's disk tier
+    indexes its files with it)."""
+    path = os.fspath(path)
+    sf, header = _open(path)
+    return [int(x) for x in _tokens(sf, header, path)], header
+
+
 def load_session(path, model, max_context: int | None = None) -> LoadedSession:
     """Read and check a session file for `model`; the backend restores the state only from checked arrays."""
     path = os.fspath(path)
@@ -237,9 +252,7 @@ def load_session(path, model, max_context: int | None = None) -> LoadedSession:
     if not hasattr(backend, "state_from_arrays"):
         raise NotImplementedError(f"backend {backend.name!r} does not implement state_from_arrays")
     position = header["position"]
-    if "tokens" not in sf or sf.shape("tokens") != (position,) or sf.dtype_name("tokens") != "I64":
-        raise ValueError(f"{path}: tensor 'tokens' must be int64 [{position}] (the header position)")
-    tokens = np.array(sf.get("tokens"))
+    tokens = _tokens(sf, header, path)
     arrays = {k[len("state."):]: np.array(sf.get(k)) for k in sf.keys() if k.startswith("state.")}
     check_state_arrays(arrays, model.config, position, path)
     V = model.config.vocab_size

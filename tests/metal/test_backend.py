@@ -198,3 +198,15 @@ def test_generate_takes_the_pipelined_gpu_path(sim_model):
     seeded = [[o.token for o in m.generate(PROMPT, max_tokens=12, temperature=1.2, top_p=0.9, seed=5, cache=False)]
               for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_gpu_path_keeps_the_turn_in_the_prefix_cache(sim_model):
+    """The end of a turn decoded by the GPU loop (prompt + generated tokens but the last) goes into the prefix
+    cache like the host path's, so the next turn of a chat, which starts with them, reuses all of them."""
+    m = sim_model
+    m.prefix_cache = qm.PrefixCache()
+    gen = [o.token for o in m.generate(PROMPT, max_tokens=6, temperature=0.0)]
+    assert (len(PROMPT) + 5, "turn") in [(n, kind) for n, kind, _ in m.prefix_cache.entries()]
+    nxt = list(PROMPT) + gen + [7]
+    out = list(m.generate(nxt, max_tokens=1, temperature=0.0))
+    assert out[-1].stats["cached_tokens"] == len(PROMPT) + 5

@@ -112,6 +112,11 @@ def test_save_load_roundtrip_and_across_backends(model, tmp_path):
     t.save(tmp_path / "t.qms")
     v = qm.Session.load(tmp_path / "t.qms", ref)
     assert np.abs(ref.decode_step(v, 9) - model.decode_step(t, 9)).max() < 1e-3 * (want.max() - want.min())
+    # an empty session (position 0: no KV rows) round-trips and continues like a new one
+    model.new_session().save(tmp_path / "e.qms")
+    e = qm.Session.load(tmp_path / "e.qms", model)
+    assert e.position == 0 and e.tokens == ()
+    np.testing.assert_array_equal(model.decode_step(e, 7), model.decode_step(model.new_session(), 7))
 
 
 def test_save_load_bf16_kv_is_exact(tmp_path):

@@ -202,7 +202,7 @@ class CpuBackend:
         for i in c.full_attention_layers:
             for n in ("key", "value"):
                 a = np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t)        # [nkv, P, hd]
-                a = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, -1)
+                a = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, c.num_key_value_heads * c.head_dim)
                 kv.append(a.reshape(-1).view(np.uint8))
         conv, ssm = gdn_state_vectors(c, arrays)
         st = self.new_state()

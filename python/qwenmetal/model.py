@@ -128,14 +128,14 @@ class Session:
             self._state = state
             self._tokens = []
 
-    def save(self, path, metadata: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
         """Write the state, tokens and position to `path` (a safetensors file with a JSON header naming
         the model; format in `qwenmetal.session_io`). `metadata`: JSON-serialisable user data."""
         from .session_io import save_session
         save_session(self, path, metadata if metadata is not None else self.metadata)
 
     @classmethod
-    def load(cls, path, model: "Model", max_context: int | None = None) -> "Session":
+    def load(cls, path: str | os.PathLike, model: "Model", max_context: int | None = None) -> "Session":
         """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
         (config.json or weight files differ) or the file is malformed. A session holding a conversation
         (`Model.chat_session`, the chat command's /save) also goes into the model's prefix cache with its
@@ -184,7 +184,8 @@ class Model:
         self._identity = None
 
     @classmethod
-    def load(cls, path_or_id, backend: str = "auto", *, revision: str | None = None, **options) -> "Model":
+    def load(cls, path_or_id: str | os.PathLike, backend: str = "auto", *, revision: str | None = None,
+             **options) -> "Model":
         """Load a checkpoint (local directory or hub id) onto a backend.
 
         backend: "cpu" (C++ engine on the mmap'd weights, threads + SIMD), "reference" (numpy,
@@ -241,7 +242,8 @@ class Model:
         return Session(self, self._backend.new_state(), max_context=max_context)
 
     # ---- the two primitive calls ---------------------------------------------------------
-    def prefill(self, session: Session, token_ids, return_logits: str = "last"):
+    def prefill(self, session: Session, token_ids: Sequence[int] | np.ndarray,
+                return_logits: str = "last") -> np.ndarray | None:
         """Append `token_ids` to the session. Returns float32 logits of the last token ([vocab]),
         of every token ([L, vocab]) or None, per `return_logits` ("last" | "all" | "none")."""
         self._check_session(session)
@@ -252,7 +254,7 @@ class Model:
         _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
         return out
 
-    def decode_step(self, session: Session, token_id) -> np.ndarray:
+    def decode_step(self, session: Session, token_id: int) -> np.ndarray:
         """Append one token; returns the float32 logits [vocab] for the next one."""
         if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)):
             raise ValueError(f"decode_step takes one integer token id, got {token_id!r}")

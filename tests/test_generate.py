@@ -68,6 +68,30 @@ def test_stop_matcher_across_any_split(text, stop, cuts):
         assert out == text and hit is None
 
 
+@pytest.mark.parametrize("stops, pieces, want", [
+    ([], ["ab", "c"], [("ab", None), ("c", None)]),                # no stop strings: text passes through
+    (["", "b"], ["ab"], [("a", "b")]),                              # an empty stop string is ignored
+    (["cd", "ab"], ["abcd"], [("", "ab")]),                         # the earliest end wins ...
+    (["bcd", "cd"], ["abcd"], [("a", "bcd")]),                      # ... then the earliest start
+    (["cd", "bcd"], ["abcd"], [("a", "bcd")]),
+    (["ab"], ["xa", "c"], [("x", None), ("ac", None)]),             # a possible start is held back, then released
+    (["abc"], ["xab", "c"], [("x", None), ("", "abc")]),            # held across tokens, then matched
+    (["aab"], ["aa", "ab"], [("", None), ("a", "aab")]),
+    (["ab", "xyz"], ["qxy", "z!"], [("q", None), ("", "xyz")]),     # the longest hold over all stop strings
+    (["xyz", "ab"], ["qxy", "a"], [("q", None), ("xy", None)]),
+    (["abc"], ["a", "b", "x"], [("", None), ("", None), ("abx", None)]),
+])
+def test_stop_matcher_cases(stops, pieces, want):
+    m = StopStringMatcher(stops)
+    assert [m.push(p) for p in pieces] == want
+
+
+def test_stop_matcher_flush_releases_what_is_held():
+    m = StopStringMatcher(["abc"])
+    assert m.push("xab") == ("x", None) and m.flush() == "ab" and m.flush() == ""
+    assert m.push("c") == ("c", None)                             # nothing is held after a flush
+
+
 def test_generate_with_stop_string_and_stop_ids(model):
     free = list(model.generate("The quick brown fox", max_tokens=20, temperature=0, ignore_eos=True))
     text = "".join(o.text for o in free)
@@ -85,6 +109,24 @@ def test_generate_with_stop_string_and_stop_ids(model):
                                stop_token_ids=[sid]))
     assert len(outs) == first + 1 and outs[-1].finish_reason == "stop" and outs[-1].stop == sid
     assert outs[-1].text == ""
+
+
+def test_text_held_for_a_stop_string_is_released_at_any_other_end(model):
+    """Text held back as the possible start of a stop string is emitted with the last output when generation
+    ends otherwise: at a stop token id, at max_tokens, at the context limit."""
+    tok = model.tokenizer
+    ids = byte_ids(tok, b"xa")                                     # "a" could start the stop string "ab"
+    p = len(tok.encode("hi"))
+    runs = {"stop": dict(sampler=Script(ids + [IM_END]), max_tokens=10),
+            "length": dict(sampler=Script(ids), max_tokens=2),
+            "context": dict(sampler=Script(ids + [7] * 5), max_tokens=10, session=model.new_session(max_context=p + 1))}
+    for reason, kw in runs.items():
+        outs = list(model.generate("hi", stop=["ab"], **kw))
+        texts = [o.text for o in outs]
+        assert texts == (["x", "", "a"] if reason == "stop" else ["x", "a"]), reason
+        assert outs[-1].finish_reason == reason and all(o.finish_reason is None for o in outs[:-1])
+        assert outs[-1].stop == (IM_END if reason == "stop" else None)
+        assert outs[-1].stats["generated_tokens"] == len(outs)
 
 
 def test_eos_ids_and_im_end(model):

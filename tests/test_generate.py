@@ -129,6 +129,36 @@ def test_text_held_for_a_stop_string_is_released_at_any_other_end(model):
         assert outs[-1].stats["generated_tokens"] == len(outs)
 
 
+def test_the_sampler_sees_prompt_and_generated_tokens(model):
+    seen = []
+
+    class Recording(Script):
+        def sample(self, logits, vocab_used=None, **kw):
+            seen.append((list(kw["context"]), list(kw["generated"])))
+            return super().sample(logits, vocab_used, **kw)
+
+    ids = model.tokenizer.encode("hi there")
+    list(model.generate(ids, sampler=Recording([5, 6, 7]), max_tokens=3))
+    assert seen == [(ids, []), (ids + [5], [5]), (ids + [5, 6], [5, 6])]
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked(model):
+    script = [ENDOFTEXT] + model.tokenizer.encode("ab")
+    kw = dict(max_tokens=3, ignore_eos=True)
+    assert "".join(o.text for o in model.generate("hi", sampler=Script(script), **kw)) == "ab"
+    assert "".join(o.text for o in model.generate("hi", sampler=Script(script), skip_special_tokens=False,
+                                                  **kw)) == "<|endoftext|>ab"
+
+
+def test_token_ids_without_a_tokenizer(tmp_path):
+    d = make_checkpoint(tmp_path / "ck", "tiny", "mlx-q4", seed=4)
+    (d / "tokenizer.json").unlink()
+    m = qm.Model.load(d, backend="reference")
+    outs = list(m.generate([1, 2, 3], sampler=Script([5, 6]), max_tokens=2, ignore_eos=True))
+    assert [o.token for o in outs] == [5, 6] and [o.text for o in outs] == ["", ""]
+    assert outs[-1].finish_reason == "length"
+
+
 def test_eos_ids_and_im_end(model):
     assert IM_END in model.eos_token_ids and ENDOFTEXT in model.eos_token_ids
     a = model.tokenizer.encode("ab")

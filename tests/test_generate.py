@@ -140,6 +140,8 @@ def test_the_sampler_sees_prompt_and_generated_tokens(model):
     ids = model.tokenizer.encode("hi there")
     list(model.generate(ids, sampler=Recording([5, 6, 7]), max_tokens=3))
     assert seen == [(ids, []), (ids + [5], [5]), (ids + [5, 6], [5, 6])]
+    outs = list(model.generate(ids, max_tokens=2, temperature=0, logprobs=True, ignore_eos=True))
+    assert all(o.logprob is not None and o.logprob <= 0 and not o.top_logprobs for o in outs)
 
 
 def test_special_tokens_are_left_out_of_the_text_unless_asked(model):

@@ -159,6 +159,8 @@ def test_token_ids_without_a_tokenizer(tmp_path):
     outs = list(m.generate([1, 2, 3], sampler=Script([5, 6]), max_tokens=2, ignore_eos=True))
     assert [o.token for o in outs] == [5, 6] and [o.text for o in outs] == ["", ""]
     assert outs[-1].finish_reason == "length"
+    outs = list(m.generate([1, 2, 3], sampler=Script([5, 6, 7]), max_tokens=5, stop_token_ids=[6]))
+    assert [o.text for o in outs] == ["", ""] and outs[-1].finish_reason == "stop" and outs[-1].stop == 6
 
 
 def test_eos_ids_and_im_end(model):
@@ -182,6 +184,8 @@ def test_streaming_never_splits_a_character(model):
     # cut in the middle of a character by max_tokens: the incomplete end becomes U+FFFD, as decode() gives
     outs = list(model.generate("x", sampler=Script(ids), max_tokens=2))
     assert "".join(o.text for o in outs) == tok.decode(ids[:2]) == "\ufffd"
+    outs = list(model.generate("x", sampler=Script(ids[:2] + [IM_END]), max_tokens=20))   # ... or by a stop id
+    assert [o.text for o in outs] == ["", "", "\ufffd"] and outs[-1].stop == IM_END
 
 
 def test_length_context_stats_and_logprobs(model):

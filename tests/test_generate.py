@@ -90,6 +90,7 @@ def test_stop_matcher_flush_releases_what_is_held():
     m = StopStringMatcher(["abc"])
     assert m.push("xab") == ("x", None) and m.flush() == "ab" and m.flush() == ""
     assert m.push("c") == ("c", None)                             # nothing is held after a flush
+    assert m.push("abc") == ("", "abc") and m.flush() == "" and m.push("x") == ("x", None)   # nor after a match
 
 
 def test_generate_with_stop_string_and_stop_ids(model):
@@ -126,7 +127,11 @@ def test_text_held_for_a_stop_string_is_released_at_any_other_end(model):
         assert texts == (["x", "", "a"] if reason == "stop" else ["x", "a"]), reason
         assert outs[-1].finish_reason == reason and all(o.finish_reason is None for o in outs[:-1])
         assert outs[-1].stop == (IM_END if reason == "stop" else None)
-        assert outs[-1].stats["generated_tokens"] == len(outs)
+        assert outs[-1].stats["generated_tokens"] == len(outs) and [o.index for o in outs] == list(range(len(outs)))
+    plain = list(model.generate("hi", stop=["ab"], sampler=Script(byte_ids(tok, b"xy")), max_tokens=2))
+    assert [o.text for o in plain] == ["x", "y"]                 # the last token's own text, nothing held
+    cut = byte_ids(tok, "🙂".encode())[:2]                         # completed only by the final flush
+    assert [o.text for o in model.generate("hi", stop=["\ufffd"], sampler=Script(cut), max_tokens=2)] == ["", ""]
 
 
 def test_the_sampler_sees_prompt_and_generated_tokens(model):

@@ -205,13 +205,14 @@ def test_identity_is_the_documented_hash(model):
     session file saved by any qwenmetal with this scheme keeps loading."""
     import hashlib
     import os
+    from qwenmetal.session_io import model_identity
     d = model.path
     cfg = open(os.path.join(d, "config.json"), "rb").read()
     weights = sorted([fn, os.path.getsize(os.path.join(d, fn)),
                       hashlib.sha256(open(os.path.join(d, fn), "rb").read()).hexdigest()]
                      for fn in os.listdir(d) if fn.endswith(".safetensors"))
     cfg_sha = hashlib.sha256(cfg).hexdigest()
-    assert model.identity == {
+    assert model_identity(str(d)) == model.identity == {
         "identity": hashlib.sha256(json.dumps({"config": cfg_sha, "weights": weights}).encode()).hexdigest(),
         "scheme": "sha256-full", "model_type": json.loads(cfg)["model_type"], "config_sha256": cfg_sha,
         "weights": weights}

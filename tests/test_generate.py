@@ -77,6 +77,7 @@ def test_stop_matcher_across_any_split(text, stop, cuts):
     (["ab"], ["xa", "c"], [("x", None), ("ac", None)]),             # a possible start is held back, then released
     (["abc"], ["xab", "c"], [("x", None), ("", "abc")]),            # held across tokens, then matched
     (["aab"], ["aa", "ab"], [("", None), ("a", "aab")]),
+    (["abc"], ["xa", "bc"], [("x", None), ("", "abc")]),            # every possible length of held start is tried
     (["ab", "xyz"], ["qxy", "z!"], [("q", None), ("", "xyz")]),     # the longest hold over all stop strings
     (["xyz", "ab"], ["qxy", "a"], [("q", None), ("xy", None)]),
     (["abc"], ["a", "b", "x"], [("", None), ("", None), ("abx", None)]),

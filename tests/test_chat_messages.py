@@ -6,12 +6,13 @@ naming the template) -- never another exception, and the input is not modified.
 CI runs a bounded number of examples; QWENMETAL_FUZZ_EXAMPLES=5000 runs more."""
 import copy
 import os
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import qwenmetal as qm
-from qwenmetal.chat import ROLES, validate_messages
+from qwenmetal.chat import ROLES, validate_messages, validate_tools
 from qwenmetal.errors import InputError
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.tokenizer import Tokenizer
@@ -91,3 +92,58 @@ def test_model_chat_validates_as_the_server_does():
         model.chat([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}], max_tokens=2)
     with pytest.raises(ValueError, match="tools must be a list of objects"):
         model.chat([{"role": "user", "content": "hi"}], tools={"name": "f"}, max_tokens=2)
+
+
+def test_each_message_field_is_checked_on_its_own():
+    """Every check of validate_messages separately: a message using each field correctly passes unchanged, and
+    each smallest wrong variant is refused naming the field, with its code and the offending value."""
+    good = {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}],
+            "reasoning_content": "r", "name": "n", "tool_call_id": "i",
+            "tool_calls": [{"function": {"name": "f", "arguments": "{}"}},
+                           {"function": {"name": "g", "arguments": {"x": 1}}}, {"function": {"name": "h"}}]}
+    assert validate_messages([good]) == [good]
+    text_part = "only text parts .* are supported, got "
+    cases = [  # (field changed, its value, param, code, what the message says before the value, the value shown)
+        ("content", [{"type": "text"}], "content", "unsupported_value", text_part, {"type": "text"}),
+        ("content", [{"type": "text", "text": 3}], "content", "unsupported_value", text_part, {"type": "text", "text": 3}),
+        ("content", [{"type": "image", "text": "a"}], "content", "unsupported_value", text_part,
+         {"type": "image", "text": "a"}),
+        ("content", [{"text": "a"}], "content", "unsupported_value", text_part, {"text": "a"}),
+        ("content", ["a"], "content", "unsupported_value", text_part, "a"),
+        ("content", 5, "content", "invalid_value", "must be a string or a list of text parts, got ", 5),
+        ("reasoning_content", 3, "reasoning_content", "invalid_value", "must be a string, got ", 3),
+        ("name", 4, "name", "invalid_value", "must be a string, got ", 4),
+        ("tool_call_id", 5, "tool_call_id", "invalid_value", "must be a string, got ", 5),
+        ("tool_calls", {"function": {"name": "f"}}, "tool_calls", "invalid_value", "must be a list, got ",
+         {"function": {"name": "f"}}),
+        ("tool_calls", ["f"], "tool_calls", "invalid_value", "must be an object with a 'function'.*got ", "f"),
+        ("tool_calls", [{"name": "f"}], "tool_calls", "invalid_value", "must be an object with a 'function'.*got ",
+         {"name": "f"}),
+        ("tool_calls", [{"function": {"name": "f", "arguments": 3}}], "tool_calls", "invalid_value",
+         "must be an object with a 'function'.*got ", {"function": {"name": "f", "arguments": 3}}),
+    ]
+    for key, value, param, code, says, shown in cases:
+        m = dict(good, **{key: value})
+        with pytest.raises(InputError, match=rf"^messages\[1\]\.{param}.*{says}{re.escape(repr(shown))}$") as e:
+            validate_messages([{"role": "user", "content": "hi"}, m])
+        assert (e.value.param, e.value.code) == (f"messages[1].{param}", code)
+    for value in ("hi", [{"role": "wizard"}]):          # the whole value, or the message, is shown
+        with pytest.raises(InputError, match=f"got {re.escape(repr(value if value == 'hi' else value[0]))}$"):
+            validate_messages(value)
+
+
+def test_tools_are_none_or_a_list_of_objects():
+    assert validate_tools(None) is None
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert validate_tools(tools) is tools and validate_tools([]) == []
+    for bad in ({"name": "f"}, [{"name": "f"}, "g"], "f"):
+        with pytest.raises(InputError, match=f"^tools must be a list of objects, got {re.escape(repr(bad))}$") as e:
+            validate_tools(bad)
+        assert e.value.param == "tools"
+
+
+def test_long_values_are_cut_to_80_characters_in_messages():
+    for n, shown in ((78, repr("a" * 78)), (79, repr("a" * 79)[:77] + "...")):   # a repr of 80 / 81 characters
+        with pytest.raises(InputError, match="^tools must be") as e:
+            validate_tools("a" * n)
+        assert str(e.value) == "tools must be a list of objects, got " + shown and len(shown) == 80

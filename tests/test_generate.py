@@ -68,6 +68,32 @@ def test_stop_matcher_across_any_split(text, stop, cuts):
         assert out == text and hit is None
 
 
+@pytest.mark.parametrize("stops, pieces, want", [
+    ([], ["ab", "c"], [("ab", None), ("c", None)]),                # no stop strings: text passes through
+    (["", "b"], ["ab"], [("a", "b")]),                              # an empty stop string is ignored
+    (["cd", "ab"], ["abcd"], [("", "ab")]),                         # the earliest end wins ...
+    (["bcd", "cd"], ["abcd"], [("a", "bcd")]),                      # ... then the earliest start
+    (["cd", "bcd"], ["abcd"], [("a", "bcd")]),
+    (["ab"], ["xa", "c"], [("x", None), ("ac", None)]),             # a possible start is held back, then released
+    (["abc"], ["xab", "c"], [("x", None), ("", "abc")]),            # held across tokens, then matched
+    (["aab"], ["aa", "ab"], [("", None), ("a", "aab")]),
+    (["abc"], ["xa", "bc"], [("x", None), ("", "abc")]),            # every possible length of held start is tried
+    (["ab", "xyz"], ["qxy", "z!"], [("q", None), ("", "xyz")]),     # the longest hold over all stop strings
+    (["xyz", "ab"], ["qxy", "a"], [("q", None), ("xy", None)]),
+    (["abc"], ["a", "b", "x"], [("", None), ("", None), ("abx", None)]),
+])
+def test_stop_matcher_cases(stops, pieces, want):
+    m = StopStringMatcher(stops)
+    assert [m.push(p) for p in pieces] == want
+
+
+def test_stop_matcher_flush_releases_what_is_held():
+    m = StopStringMatcher(["abc"])
+    assert m.push("xab") == ("x", None) and m.flush() == "ab" and m.flush() == ""
+    assert m.push("c") == ("c", None)                             # nothing is held after a flush
+    assert m.push("abc") == ("", "abc") and m.flush() == "" and m.push("x") == ("x", None)   # nor after a match
+
+
 def test_generate_with_stop_string_and_stop_ids(model):
     free = list(model.generate("The quick brown fox", max_tokens=20, temperature=0, ignore_eos=True))
     text = "".join(o.text for o in free)
@@ -85,6 +111,62 @@ def test_generate_with_stop_string_and_stop_ids(model):
                                stop_token_ids=[sid]))
     assert len(outs) == first + 1 and outs[-1].finish_reason == "stop" and outs[-1].stop == sid
     assert outs[-1].text == ""
+
+
+def test_text_held_for_a_stop_string_is_released_at_any_other_end(model):
+    """Text held back as the possible start of a stop string is emitted with the last output when generation
+    ends otherwise: at a stop token id, at max_tokens, at the context limit."""
+    tok = model.tokenizer
+    ids = byte_ids(tok, b"xa")                                     # "a" could start the stop string "ab"
+    p = len(tok.encode("hi"))
+    runs = {"stop": dict(sampler=Script(ids + [IM_END]), max_tokens=10),
+            "length": dict(sampler=Script(ids), max_tokens=2),
+            "context": dict(sampler=Script(ids + [7] * 5), max_tokens=10, session=model.new_session(max_context=p + 1))}
+    for reason, kw in runs.items():
+        outs = list(model.generate("hi", stop=["ab"], **kw))
+        texts = [o.text for o in outs]
+        assert texts == (["x", "", "a"] if reason == "stop" else ["x", "a"]), reason
+        assert outs[-1].finish_reason == reason and all(o.finish_reason is None for o in outs[:-1])
+        assert outs[-1].stop == (IM_END if reason == "stop" else None)
+        assert outs[-1].stats["generated_tokens"] == len(outs) and [o.index for o in outs] == list(range(len(outs)))
+    plain = list(model.generate("hi", stop=["ab"], sampler=Script(byte_ids(tok, b"xy")), max_tokens=2))
+    assert [o.text for o in plain] == ["x", "y"]                 # the last token's own text, nothing held
+    cut = byte_ids(tok, "🙂".encode())[:2]                         # completed only by the final flush
+    assert [o.text for o in model.generate("hi", stop=["\ufffd"], sampler=Script(cut), max_tokens=2)] == ["", ""]
+
+
+def test_the_sampler_sees_prompt_and_generated_tokens(model):
+    seen = []
+
+    class Recording(Script):
+        def sample(self, logits, vocab_used=None, **kw):
+            seen.append((list(kw["context"]), list(kw["generated"])))
+            return super().sample(logits, vocab_used, **kw)
+
+    ids = model.tokenizer.encode("hi there")
+    list(model.generate(ids, sampler=Recording([5, 6, 7]), max_tokens=3))
+    assert seen == [(ids, []), (ids + [5], [5]), (ids + [5, 6], [5, 6])]
+    outs = list(model.generate(ids, max_tokens=2, temperature=0, logprobs=True, ignore_eos=True))
+    assert all(o.logprob is not None and o.logprob <= 0 and not o.top_logprobs for o in outs)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked(model):
+    script = [ENDOFTEXT] + model.tokenizer.encode("ab")
+    kw = dict(max_tokens=3, ignore_eos=True)
+    assert "".join(o.text for o in model.generate("hi", sampler=Script(script), **kw)) == "ab"
+    assert "".join(o.text for o in model.generate("hi", sampler=Script(script), skip_special_tokens=False,
+                                                  **kw)) == "<|endoftext|>ab"
+
+
+def test_token_ids_without_a_tokenizer(tmp_path):
+    d = make_checkpoint(tmp_path / "ck", "tiny", "mlx-q4", seed=4)
+    (d / "tokenizer.json").unlink()
+    m = qm.Model.load(d, backend="reference")
+    outs = list(m.generate([1, 2, 3], sampler=Script([5, 6]), max_tokens=2, ignore_eos=True))
+    assert [o.token for o in outs] == [5, 6] and [o.text for o in outs] == ["", ""]
+    assert outs[-1].finish_reason == "length"
+    outs = list(m.generate([1, 2, 3], sampler=Script([5, 6, 7]), max_tokens=5, stop_token_ids=[6]))
+    assert [o.text for o in outs] == ["", ""] and outs[-1].finish_reason == "stop" and outs[-1].stop == 6
 
 
 def test_eos_ids_and_im_end(model):
@@ -108,6 +190,8 @@ def test_streaming_never_splits_a_character(model):
     # cut in the middle of a character by max_tokens: the incomplete end becomes U+FFFD, as decode() gives
     outs = list(model.generate("x", sampler=Script(ids), max_tokens=2))
     assert "".join(o.text for o in outs) == tok.decode(ids[:2]) == "\ufffd"
+    outs = list(model.generate("x", sampler=Script(ids[:2] + [IM_END]), max_tokens=20))   # ... or by a stop id
+    assert [o.text for o in outs] == ["", "", "\ufffd"] and outs[-1].stop == IM_END
 
 
 def test_length_context_stats_and_logprobs(model):

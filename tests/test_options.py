@@ -5,6 +5,7 @@ fills what is unset."""
 import argparse
 import dataclasses
 
+import numpy as np
 import pytest
 
 import qwenmetal as qm
@@ -46,7 +47,7 @@ def model():
 
 @pytest.mark.parametrize("name,value,message", BAD)
 def test_each_option_is_checked_and_named(name, value, message, model):
-    with pytest.raises(InputError, match=message) as e:
+    with pytest.raises(InputError, match="^" + message) as e:      # the message starts with the option's name
         GenerationOptions(**{name: value})
     assert e.value.param == name and isinstance(e.value, ValueError)
     with pytest.raises(InputError, match=message):        # Model.generate: before any work
@@ -68,6 +69,20 @@ def test_normalised_and_immutable():
         GenerationOptions.build({"temperature": 0.5})
     # None overrides keep the field; given ones replace it
     assert GenerationOptions.build(o, temperature=None, seed=3) == dataclasses.replace(o, seed=3)
+
+
+def test_counts_become_ints_and_none_lists_empty():
+    o = GenerationOptions(max_tokens=np.int64(5), top_logprobs=np.int32(2), stop=None, stop_token_ids=None)
+    assert (o.max_tokens, o.top_logprobs, o.stop, o.stop_token_ids) == (5, 2, (), ())
+    assert type(o.max_tokens) is int and type(o.top_logprobs) is int
+
+
+def test_build_names_what_is_wrong():
+    with pytest.raises(InputError, match="^options must be a GenerationOptions, got dict$") as e:
+        GenerationOptions.build({"temperature": 0.5})
+    assert e.value.param == "options"
+    with pytest.raises(TypeError, match=r"^unknown generation option\(s\): seeed, tempreature$"):
+        GenerationOptions.build(tempreature=0.5, seeed=1)
 
 
 def test_generation_config_fills_what_is_unset():
@@ -108,6 +123,9 @@ def test_cli_server_and_generate_build_the_same_options(model, monkeypatch):
     # the defaults agree too (nothing set: everything from generation_config.json)
     assert _cli_options(["--max-tokens", "256"]) == server._options({}, 256) == GenerationOptions()
     assert server._options({"top_k": -1}, 5).top_k == 0                 # vLLM's "off"
+    p = argparse.ArgumentParser()                                       # a command without --ignore-eos
+    cli._add_sampling_args(p)
+    assert GenerationOptions.from_cli_args(p.parse_args(["--max-tokens", "7"])) == GenerationOptions(max_tokens=7)
 
 
 JSON_BAD = [b for b in BAD if b[0] not in ("max_tokens", "logprobs", "top_logprobs", "skip_special_tokens")

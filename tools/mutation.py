@@ -44,6 +44,10 @@ EQUIVALENT_FILE = ROOT / "tools" / "mutation-equivalent.txt"
 TARGETS: dict[str, list[str]] = {
     "sampling": ["tests/test_sampling.py"],
     "prefix_cache": ["tests/test_prefix_cache.py"],
+    "options": ["tests/test_options.py", "tests/test_chat_messages.py"],
+    "chat": ["tests/test_chat_messages.py", "tests/test_options.py"],
+    "session_io": ["tests/test_session_io.py", "tests/test_files.py"],
+    "generation": ["tests/test_generate.py", "tests/test_stop_strings.py"],
 }
 
 

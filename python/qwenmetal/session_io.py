@@ -135,10 +135,6 @@ def gdn_state_vectors(config, arrays: dict) -> tuple[list, list]:
     return conv, ssm
 
 
-def _dtype_name(a: np.ndarray) -> str:
-    return "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name
-
-
 def check_state_arrays(arrays: dict, config, position: int, where: str) -> None:
     exp = expected_shapes(config)
     if set(arrays) != set(exp):
@@ -147,8 +143,8 @@ def check_state_arrays(arrays: dict, config, position: int, where: str) -> None:
     for k, (shape, dtypes) in exp.items():
         a = arrays[k]
         want = tuple(position if d is None else d for d in shape)
-        if tuple(a.shape) != want or _dtype_name(a) not in dtypes:
-            raise ValueError(f"{where}: state array {k!r} is {_dtype_name(a)}{list(a.shape)}, "
+        if tuple(a.shape) != want or a.dtype.name not in dtypes:
+            raise ValueError(f"{where}: state array {k!r} is {a.dtype.name}{list(a.shape)}, "
                              f"expected {'/'.join(dtypes)}{list(want)}")
     if int(arrays["position"][0]) != position:
         raise ValueError(f"{where}: state position {int(arrays['position'][0])} != header position {position}")
@@ -180,7 +176,7 @@ def save_session(session, path, metadata: dict | None = None) -> None:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
-    tensors = {"tokens": np.asarray(session.tokens, dtype=np.int64).reshape(-1)}
+    tensors = {"tokens": np.asarray(session.tokens, dtype=np.int64)}
     tensors.update({f"state.{k}": np.ascontiguousarray(v) for k, v in arrays.items()})
     with atomic_file(path) as tmp:
         with SafetensorsWriter(tmp, {k: (v.dtype, v.shape) for k, v in tensors.items()},

@@ -8,6 +8,9 @@ does not free everything at exit, which is not ours to fix), then leaves with ``
 
     python tests/session_churn.py N cpu metal-sim [--plant-leak]
 
+``python tests/session_churn.py --rss BACKEND N`` prints the VmRSS growth over the churn (``rss_churn``),
+measured in a process of its own so that the rest of a test run's allocations do not blur it.
+
 Exit status: 0 no leak, 23 leaks reported (the report is on stderr). ``--plant-leak`` exports a cpu session's state
 (``CpuState._export``: bf16 KV rows in a buffer that the extension allocates with ``new[]`` and frees through
 a capsule) and raises one array's reference count with nobody holding the reference (``Py_IncRef`` through
@@ -76,6 +79,33 @@ def _leak_check_and_exit() -> None:
     os._exit(LEAK_EXIT if found else 0)
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def rss_churn(backend: str, n: int) -> dict:
+    """VmRSS growth (KiB) over ``n`` churned sessions after a 100-session warm-up, and the growth with
+    ``n`` forks kept alive (what a leak of that size would look like)."""
+    model = load_tiny(backend)
+    churn(model, 100, DECODE_EVERY[backend])          # warm-up: pools, scratch, allocator arenas
+    gc.collect()
+    before = _rss_kib()
+    churn(model, n, DECODE_EVERY[backend])
+    gc.collect()
+    grown = _rss_kib() - before
+    base = model.new_session()
+    model.prefill(base, PROMPT)
+    kept = [base.fork() for _ in range(n)]
+    retained = _rss_kib() - before - grown
+    del kept
+    return {"backend": backend, "before_kib": before, "grown_kib": grown, "retained_kib": retained}
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--rss":                        # python tests/session_churn.py --rss BACKEND N
+        import json
+        print(json.dumps(rss_churn(sys.argv[2], int(sys.argv[3]))))
+        sys.exit(0)
     _churn_backends(sys.argv[1:])
     _leak_check_and_exit()

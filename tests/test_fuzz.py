@@ -46,9 +46,11 @@ PER_EXAMPLE_S = 10
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_fuzz(target):
+    import qwenmetal as qm
     n = int(os.environ.get("QWENMETAL_FUZZ_EXAMPLES", CI_EXAMPLES))
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "python"), *sys.path]))
+               # the qwenmetal this test imported (the installed one in CI, python/ in a dev tree)
+               PYTHONPATH=os.pathsep.join([str(Path(qm.__file__).parents[1]), *sys.path]))
     r = subprocess.run([sys.executable, __file__, target, str(n)], env=env, capture_output=True, text=True,
                        timeout=120 + 2 * n)
     out = r.stdout + r.stderr

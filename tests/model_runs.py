@@ -1,4 +1,5 @@
-"""Whole-model runs shared by the backend tests (tests/test_cpu_engine.py, tests/metal/test_backend.py)."""
+"""Whole-model runs shared by the backend tests (tests/test_cpu_engine.py, tests/metal/test_backend.py) and
+the generation tests' model."""
 import numpy as np
 
 
@@ -17,3 +18,14 @@ def run_greedy(model, ids, n):
         rows.append(model.decode_step(s, toks[-1]))
         toks.append(int(np.argmax(rows[-1])))
     return pre, np.stack(rows), toks
+
+
+def uncached_reference_model(directory):
+    """The tiny mlx-q4 fixture (seed 4) written to `directory`, on the reference backend, without a prefix
+    cache: the model of the generation tests (tests/test_generate.py, tests/test_stop_strings.py)."""
+    import qwenmetal as qm
+    from qwenmetal.testing import make_checkpoint
+
+    m = qm.Model.load(make_checkpoint(directory, "tiny", "mlx-q4", seed=4), backend="reference")
+    m.prefix_cache = None
+    return m

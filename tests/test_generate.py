@@ -10,6 +10,7 @@ import qwenmetal as qm
 from qwenmetal.chat import ChatStreamParser, parse_assistant, parse_tool_calls, prompt_opens_thinking
 from qwenmetal.generation import StopStringMatcher
 from qwenmetal.sampling import SampleResult
+from model_runs import uncached_reference_model
 from qwenmetal.testing import SPECIAL_TOKENS, make_checkpoint
 from qwenmetal.tokenizer import _BYTE_DECODER
 
@@ -18,10 +19,7 @@ IM_END, ENDOFTEXT = SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    m = qm.Model.load(make_checkpoint(tmp_path_factory.mktemp("g") / "ck", "tiny", "mlx-q4", seed=4),
-                      backend="reference")
-    m.prefix_cache = None
-    return m
+    return uncached_reference_model(tmp_path_factory.mktemp("g") / "ck")
 
 
 class Script:

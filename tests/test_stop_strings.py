@@ -5,8 +5,7 @@ after it. The positions are chosen from the fixture's own greedy output, so the 
 fixture that produces a token of 3+ characters followed by a non-empty one."""
 import pytest
 
-import qwenmetal as qm
-from qwenmetal.testing import make_checkpoint
+from model_runs import uncached_reference_model
 
 PROMPT = "The quick brown fox"
 N = 20
@@ -14,10 +13,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    m = qm.Model.load(make_checkpoint(tmp_path_factory.mktemp("stop") / "ck", "tiny", "mlx-q4", seed=4),
-                      backend="reference")
-    m.prefix_cache = None
-    return m
+    return uncached_reference_model(tmp_path_factory.mktemp("stop") / "ck")
 
 
 @pytest.fixture(scope="module")

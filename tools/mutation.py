@@ -48,6 +48,9 @@ TARGETS: dict[str, list[str]] = {
     "chat": ["tests/test_chat_messages.py", "tests/test_options.py"],
     "session_io": ["tests/test_session_io.py", "tests/test_files.py"],
     "generation": ["tests/test_generate.py", "tests/test_stop_strings.py"],
+    # request validation only (_num, _bool, _options, _check_n, read_json = create_app__mutmut_62..152):
+    # run with --only; the rest of server.py is checked by tests/test_server.py (subprocess servers)
+    "server": ["tests/test_server_validation.py"],
 }
 
 

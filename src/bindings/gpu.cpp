@@ -78,7 +78,8 @@ void register_gpu(nb::module_& m) {
         .def_prop_ro("dispatches", [](const Encoder& e) { return e.stats().dispatches; })
         .def_prop_ro("levels", [](const Encoder& e) { return e.stats().levels; })
         .def_prop_ro("bytes_read", [](const Encoder& e) { return e.stats().bytes_read; })
-        .def_prop_ro("bytes_written", [](const Encoder& e) { return e.stats().bytes_written; });
+        .def_prop_ro("bytes_written", [](const Encoder& e) { return e.stats().bytes_written; })
+        .def_prop_ro("flops", [](const Encoder& e) { return e.stats().flops; });
 
     nb::class_<Device>(g, "Device")
         .def_prop_ro("info", [](const Device& d) {

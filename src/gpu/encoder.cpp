@@ -3,7 +3,7 @@
 namespace qwenmetal::gpu {
 
 void Encoder::dispatch(const std::string& kernel, Dims groups, Dims threads, const std::vector<Arg>& args,
-                       const std::vector<uint32_t>& tg_memory) {
+                       const std::vector<uint32_t>& tg_memory, uint64_t flops) {
     std::vector<Range> mine;
     bool conflict = false;
     for (const Arg& a : args) {
@@ -20,6 +20,7 @@ void Encoder::dispatch(const std::string& kernel, Dims groups, Dims threads, con
     cb_.dispatch(kernel, groups, threads, args, tg_memory);
     level_.insert(level_.end(), mine.begin(), mine.end());
     ++stats_.dispatches;
+    stats_.flops += flops;
     for (const Arg& a : args) {
         stats_.bytes_read += a.read;
         stats_.bytes_written += a.written;

@@ -19,6 +19,7 @@ struct EncodeStats {
     uint64_t levels = 0;          // dependency levels (barriers + 1 once anything is encoded)
     uint64_t bytes_read = 0;      // declared, summed over dispatches
     uint64_t bytes_written = 0;
+    uint64_t flops = 0;           // declared arithmetic (multiply-add = 2), summed over dispatches
 };
 
 class Encoder {
@@ -27,8 +28,10 @@ class Encoder {
     Device& device() const { return dev_; }
     CommandBuffer& command_buffer() const { return cb_; }
 
+    // `flops`: the arithmetic the dispatch does (a multiply-add counts 2), declared by the host function
+    // for the costing's compute roofline (0 for kernels whose cost is their bytes)
     void dispatch(const std::string& kernel, Dims groups, Dims threads, const std::vector<Arg>& args,
-                  const std::vector<uint32_t>& tg_memory = {});
+                  const std::vector<uint32_t>& tg_memory = {}, uint64_t flops = 0);
     // an explicit barrier (a host op that knows better than the declarations; rarely needed)
     void barrier();
     const EncodeStats& stats() const { return stats_; }

@@ -5,35 +5,15 @@
 #include <algorithm>
 
 #include "gpu/ops/attention.h"
+#include "gpu/ops/gemm.h"
 #include "gpu/ops/gdn.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/quant.h"
 
 namespace qwenmetal::gpu::ops {
 
-// ---- gemm (branch gemm / tensor) ----
-enum class GemmRoute : uint8_t { Simdgroup = 0, Tensor = 1 };
-struct GemmFusion {
-    const Buffer* residual = nullptr;
-    bool round = false;
-    bool swiglu = false;
-};
+// ---- gemm route (branch tensor) ----
 inline GemmRoute gemm_route(const DeviceInfo&) { return GemmRoute::Simdgroup; }
-inline void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t M,
-                 bool f32_out = false, uint32_t x_stride = 0, uint32_t y_stride = 0,
-                 const GemmFusion& f = GemmFusion(), GemmRoute = GemmRoute::Simdgroup) {
-    const uint64_t es = act_size(t);
-    if (f.swiglu) {
-        const uint64_t xs = x_stride ? x_stride : W.cols, ys = y_stride ? y_stride : W.rows / 2;
-        for (uint32_t r = 0; r < M; ++r)
-            mlp_gate_up(e, t, W, x.view(r * xs * es, W.cols * es), y.view(r * ys * es, W.rows / 2 * es));
-        return;
-    }
-    QmvFusion q;
-    q.residual = f.residual;
-    q.round = f.round;
-    qmv(e, t, W, x, y, M, f32_out, x_stride, y_stride, q);
-}
 
 // ---- gdn (branch gdn) ----
 enum class GdnRoute : uint8_t { Auto = 0, Scan = 1, Chunked = 2 };

@@ -38,6 +38,30 @@ void register_gpu_ops_moe(nb::module_& ops) {
                               const gpu::Buffer& x, const gpu::Buffer& act) {
         gpu::ops::mlp_gate_up(e, gpu::parse_act(t), gate_up, x, act);
     }, "encoder"_a, "dtype"_a, "gate_up"_a, "x"_a, "act"_a);
+    // prefill
+    ops.def("moe_topk_rows", [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& logits, uint32_t M,
+                                uint32_t stride, uint32_t n_experts, uint32_t k, bool norm, const gpu::Buffer& ids,
+                                const gpu::Buffer& weights) {
+        gpu::ops::moe_topk_rows(e, gpu::parse_act(t), logits, M, stride, n_experts, k, norm, ids, weights);
+    }, "encoder"_a, "dtype"_a, "logits"_a, "M"_a, "stride"_a, "n_experts"_a, "k"_a, "norm"_a, "ids"_a, "weights"_a);
+    ops.def("moe_tile_capacity", &gpu::ops::moe_tile_capacity, "S"_a, "n_experts"_a, "tile_rows"_a);
+    ops.def("moe_tile_rows", &gpu::ops::moe_tile_rows, "S"_a, "n_experts"_a);
+    ops.def("moe_sort_scratch_bytes", &gpu::ops::moe_sort_scratch_bytes, "n_experts"_a);
+    ops.def("moe_sort", [](gpu::Encoder& e, const gpu::Buffer& ids, uint32_t M, uint32_t k, uint32_t n_experts,
+                           const gpu::Buffer& scratch, const gpu::Buffer& slot_rows, const gpu::Buffer& slot_of,
+                           const gpu::Buffer& tiles, uint32_t capacity, uint32_t tile_rows) {
+        gpu::ops::moe_sort(e, ids, M, k, n_experts, scratch, slot_rows, slot_of,
+                           gpu::ops::TileMap{tiles, capacity, tile_rows});
+    }, "encoder"_a, "ids"_a, "M"_a, "k"_a, "n_experts"_a, "scratch"_a, "slot_rows"_a, "slot_of"_a, "tiles"_a,
+       "capacity"_a, "tile_rows"_a, "The tile map is (tiles, capacity, tile_rows): gpu::ops::TileMap.");
+    ops.def("moe_combine", [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& y, const gpu::Buffer& slot_of,
+                              const gpu::Buffer& weights, uint32_t M, uint32_t k, uint32_t H,
+                              const gpu::Buffer* shared, const gpu::Buffer* logits, uint32_t logits_stride,
+                              uint32_t n_experts, const gpu::Buffer& x) {
+        gpu::ops::moe_combine(e, gpu::parse_act(t), y, slot_of, weights, M, k, H, shared,
+                              logits ? *logits : gpu::Buffer{}, logits_stride, n_experts, x);
+    }, "encoder"_a, "dtype"_a, "y"_a, "slot_of"_a, "weights"_a, "M"_a, "k"_a, "H"_a, "shared"_a.none(),
+       "logits"_a.none(), "logits_stride"_a, "n_experts"_a, "x"_a);
 }
 
 }  // namespace qwenmetal::bindings

@@ -226,6 +226,10 @@ struct GpuEngine::Chunk {
     Buffer router;            // f32 [C, E + 1]             router logits (+ the shared-expert gate logit)
     Buffer topk_ids;          // u32 [C, k]
     Buffer topk_w;            // f32 [C, k]
+    Buffer slot_rows;         // u32 [C * k]                token row of each expert-sorted slot
+    Buffer slot_of;           // u32 [C * k]                slot of each (token, j) pair
+    Buffer sort;              // moe_sort_scratch_bytes(E)  counting-sort counters
+    Buffer tiles;             // u32x4 [moe_tile_capacity(C * k, E, 16)]  grouped-GEMM tile map
     Buffer expert_act;        // T [C * k, I]               routed experts' SwiGLU rows (one per slot)
     Buffer expert_out;        // f32 [C * k, H]             routed experts' down rows (one per slot)
     Buffer shared_act;        // T [C, Is]                  shared expert's SwiGLU rows
@@ -276,6 +280,11 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     n.router = alloc(C * uint64_t(c.n_experts + 1) * 4, "prefill.router");
     n.topk_ids = alloc(C * K * 4, "prefill.topk_ids");
     n.topk_w = alloc(C * K * 4, "prefill.topk_w");
+    n.slot_rows = alloc(C * K * 4, "prefill.slot_rows");
+    n.slot_of = alloc(C * K * 4, "prefill.slot_of");
+    n.sort = alloc(inter ? ops::moe_sort_scratch_bytes(uint32_t(c.n_experts)) : 0, "prefill.sort");
+    n.tiles = alloc(inter ? uint64_t(ops::moe_tile_capacity(uint32_t(C * K), uint32_t(c.n_experts), 16)) * 16 : 0,
+                    "prefill.tiles");
     n.expert_act = alloc(inter ? C * K * inter * es : 0, "prefill.expert_act");
     n.expert_out = alloc(inter ? C * K * H * 4 : 0, "prefill.expert_out");
     n.shared_act = alloc(C * shared * es, "prefill.shared_act");
@@ -285,24 +294,31 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     k = std::move(n);
 }
 
-// The MoE block of a chunk: x[m] += moe(rmsnorm(x[m])) for m < rows.
+// The MoE block of a chunk: x[m] += moe(xn[m]) for m < rows, over the router logits of the rows. The S =
+// rows * k (token, expert) pairs are sorted by expert on the GPU; the grouped GEMMs' grid is the tile map's
+// capacity bound, so nothing is read back.
 void GpuEngine::encode_moe_rows(Encoder& e, const GpuLayer& L, uint32_t rows) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
-    const uint64_t es = act_size(t), H = uint64_t(c.hidden), R = L.router.rows;
-    const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
+    const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k), H = uint32_t(c.hidden), S = rows * k;
+    const ops::GemmRoute gr = gemm_route_;
     Chunk& ch = *ch_;
-    Scratch& s = *sc_;
-    // TEMPORARY (until branch moe merges): row by row through the decode kernels
-    for (uint32_t r = 0; r < rows; ++r) {
-        const Buffer xr = ch.x.view(r * H * es, H * es), xn = ch.xn.view(r * H * es, H * es);
-        const Buffer lr = ch.router.view(r * R * 4, R * 4);
-        const ops::MoeRouting route{lr, E, c.norm_topk, s.topk_w};
-        ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, xn, s.topk_ids, k,
-                         s.moe_act, &route);
-        ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, s.moe_act, s.topk_ids, s.topk_w, lr, E,
-                      k, xr);
+    ops::moe_topk_rows(e, t, ch.router, rows, L.router.rows, E, k, c.norm_topk, ch.topk_ids, ch.topk_w);
+    ops::TileMap tm;
+    tm.tile_rows = ops::moe_tile_rows(S, E);
+    tm.capacity = ops::moe_tile_capacity(S, E, tm.tile_rows);
+    tm.tiles = ch.tiles.view(0, uint64_t(tm.capacity) * 16);
+    ops::moe_sort(e, ch.topk_ids, rows, k, E, ch.sort, ch.slot_rows, ch.slot_of, tm);
+    ops::gemm_grouped_swiglu(e, t, L.gate, L.up, ch.xn.view(0, uint64_t(rows) * H * act_size(t)), ch.slot_rows, tm, S, ch.expert_act, gr);   // act[s]
+    ops::gemm_grouped(e, t, L.down, ch.expert_act, tm, S, ch.expert_out, gr);                      // y[s] (f32)
+    if (L.has_shared) {
+        ops::GemmFusion sw;
+        sw.swiglu = true;
+        ops::gemm(e, t, L.shared_gate_up, ch.xn, ch.shared_act, rows, false, 0, 0, sw, gr);
+        ops::gemm(e, t, L.shared_down, ch.shared_act, ch.shared_out, rows, false, 0, 0, ops::GemmFusion(), gr);
     }
+    ops::moe_combine(e, t, ch.expert_out, ch.slot_of, ch.topk_w, rows, k, H, L.has_shared ? &ch.shared_out : nullptr,
+                     ch.router, L.router.rows, E, ch.x);                                            // x += sum
 }
 
 // One layer over the chunk's rows (positions p0 .. p0 + rows - 1): the decode graph's blocks with every

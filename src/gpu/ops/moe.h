@@ -2,6 +2,7 @@
 // the router GEMV (quant: qmv with f32 output over [router | shared_expert_gate] rows), and the
 // prefill block of a chunk of M tokens (top-k for all rows, GPU counting sort + tile map, combine).
 #pragma once
+#include "gpu/ops/gemm.h"
 #include "gpu/ops/quant.h"
 
 namespace qwenmetal::gpu::ops {
@@ -46,14 +47,6 @@ void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, cons
 // weights (the selected probabilities, their sum, the quotient). One dispatch.
 void moe_topk_rows(Encoder& e, Act t, const Buffer& logits, uint32_t M, uint32_t stride, uint32_t n_experts,
                    uint32_t k, bool norm, const Buffer& ids, const Buffer& weights);
-
-// The grouped GEMM's tile map (built on the GPU by moe_sort): `capacity` entries of uint4
-// {expert, first slot, n_rows (1..tile_rows), 0}; n_rows == 0: empty. The grid is always the capacity.
-struct TileMap {
-    Buffer tiles;            // u32x4 [capacity]
-    uint32_t capacity = 0;
-    uint32_t tile_rows = 16; // 16 or 32 (moe_tile_rows)
-};
 
 // The most tiles S slots over n_experts experts can need: with n = min(E, S) non-empty experts,
 // sum ceil(c_e / t) <= n + floor((S - n) / t) (attained by n - 1 experts of one slot and one with the

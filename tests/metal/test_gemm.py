@@ -132,6 +132,8 @@ def test_gemm_swiglu(schedule, fmt, dtype, gs, n, inter, M, seed):
     assert_close(y[:, :inter], ref.T, bound.T, tol(dtype))
     assert (y[:, inter:].astype(np.float32) == 7).all()
     assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}"
+    bm = 16 if M <= 16 else 32
+    assert not SIM or dev.records()[0]["threadgroups"] == (-(-inter // 32), -(-M // bm), 1)
 
 
 @pytest.mark.parametrize("M", [1, 16, 17])

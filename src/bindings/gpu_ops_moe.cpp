@@ -1,4 +1,5 @@
 // gpu.ops: moe family (metal/moe.metal, src/gpu/ops/moe.cpp).
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -80,6 +81,24 @@ void register_gpu_ops_moe(nb::module_& ops) {
        "shared_out"_a.none() = nb::none(),
        "The MoE block of M rows in place on x (router GEMM, top-k, sort, grouped GEMMs, shared expert, combine); "
        "the scratch buffers as ops::MoeScratch (sizes: moe_prefill_scratch); the simdgroup GEMM route.");
+    ops.def("moe_prefill_scratch", [](gpu::Device& d, const std::string& t, const std::vector<gpu::Matrix>& router,
+                                      const gpu::Matrix& gate, const gpu::Matrix& up, const gpu::Matrix& down,
+                                      const gpu::Matrix* shared_gate_up, const gpu::Matrix* shared_down, uint32_t k,
+                                      uint32_t max_rows) {
+        const gpu::ops::MoeBlock b{&router, &gate, &up, &down, shared_gate_up, shared_down, k, true};
+        const gpu::ops::MoeScratch s = gpu::ops::moe_prefill_scratch(d, gpu::parse_act(t), b, max_rows);
+        std::map<std::string, gpu::Buffer> out{
+            {"logits", s.logits}, {"ids", s.ids}, {"weights", s.weights}, {"sort", s.sort},
+            {"slot_rows", s.slot_rows}, {"slot_of", s.slot_of}, {"tiles", s.tiles}, {"act", s.act}, {"y", s.y}};
+        if (shared_gate_up) {
+            out["shared_act"] = s.shared_act;
+            out["shared_out"] = s.shared_out;
+        }
+        return out;
+    }, "device"_a, "dtype"_a, "router"_a, "gate"_a, "up"_a, "down"_a, "shared_gate_up"_a.none(),
+       "shared_down"_a.none(), "k"_a, "max_rows"_a,
+       "moe_prefill's scratch for chunks of up to max_rows rows, allocated on the device: {name: Buffer} "
+       "(the keyword arguments of moe_prefill).");
 }
 
 }  // namespace qwenmetal::bindings

@@ -792,3 +792,34 @@ def test_moe_prefill_block_checks():
         with pytest.raises(ValueError, match="the shared expert must be"):
             call(sgu="sdown", sdown="sgu")
         assert enc.dispatches == 0
+
+
+def test_moe_prefill_scratch_and_partial_chunk():
+    """moe_prefill_scratch allocates the documented sizes for chunks of up to 48 rows; a chunk of 37 rows
+    (no shared expert: router rows = E) through it equals reference.sparse_moe + the residual (float)."""
+    rng = np.random.default_rng(37)
+    max_rows, M, E, k, H, I = 48, 37, 20, 8, 128, 64
+    router = make(rng, "q8_sbf16", (E, H), 64)
+    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+    down = make(rng, "q4_sbf16", (E, H, I), 64)
+    xn = (rng.standard_normal((M, H)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    x0 = x.copy()
+    with run("reverse") as (dev, enc, b):
+        buf = raw(b)
+        dv = lambda m: m.device(buf, gpu)  # noqa: E731
+        mats = ([dv(router)], dv(gate), dv(up), dv(down), None, None, k)
+        sc = ops.moe_prefill_scratch(dev, "f32", *mats, max_rows)
+        want_sizes = {n: a.nbytes for n, a in prefill_scratch("f32", max_rows, E, k, H, I, 0).items()
+                      if not n.startswith("shared")}
+        want_sizes["logits"] = max_rows * E * 4   # no shared-gate column
+        assert {n: s.nbytes for n, s in sc.items()} == want_sizes
+        ops.moe_prefill(enc, "f32", *mats, True, buf(xn), buf(x), M, **sc)
+    p = {"gate": router.ref.astype(np.float32), "switch_mlp.gate_proj": gate.ref.astype(np.float32),
+         "switch_mlp.up_proj": up.ref.astype(np.float32), "switch_mlp.down_proj": down.ref.astype(np.float32)}
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=0)
+    want = x0 + reference.sparse_moe(xn, p, cfg)
+    for m in range(M):
+        assert rel_err(x[m], want[m]) <= 1e-5, f"row {m}"
+    ids = np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k)
+    np.testing.assert_array_equal(ids, np.argsort(-reference.softmax(xn @ p["gate"].T), axis=-1, kind="stable")[:, :k])

@@ -1,8 +1,8 @@
 // The sparse MoE block of one decode token, and the dense SwiGLU MLP, after the router GEMV (qmv with
 // float output over the stacked [router rows | shared_expert_gate row], metal/quant.metal):
 //
-//   moe_topk_f32        logits[0, E) -> softmax (float) -> top-k (ties: lower expert index first)
-//                       -> renormalised (optional): ids uint [k], weights float [k]
+//   moe_topk_<T>        per row: logits[0, E) -> softmax (float) -> top-k (ties: lower expert index
+//                       first) -> renormalised (optional): ids uint [rows, k], weights float [rows, k]
 //   moe_gate_up_<w>_<T> act[s, :inter] = silu(gate_{ids[s]} x) * up_{ids[s]} x for s < k, and
 //                       act[k, :shared_inter] for the shared expert (its stacked [gate | up] matrix)
 //   moe_down_<w>_<T>    x[:H] += sum_s weights[s] down_{ids[s]} act[s]
@@ -10,6 +10,10 @@
 //   mlp_gate_up_<w>_<T> act[:inter] = silu(gate x) * up x over one stacked [gate | up] matrix
 // <w> as in quant.metal (q4_sbf16, ..., bf16, f16, f32); the shared expert has the routed experts'
 // format (its group size may differ).
+//
+// Prefill (a chunk of M tokens, below): moe_topk over the M rows, the counting sort of the (token,
+// expert) pairs with the grouped GEMM's tile map (moe_sort_count / _scan / _scatter), and
+// moe_combine_<T> (weighted combine + gated shared expert + residual, moe_down's roundings).
 //
 // Every projection runs metal/quant_dot.h's rows_dot: exactly qmv's inner loop and thread mapping
 // (2 SIMD-groups x 4 rows, one word pair per lane per row and step). Float accumulation; the bfloat

@@ -9,6 +9,8 @@ of the magnitude the float accumulation works at (the sum of |terms|: a cancelli
 its terms), plus one rounding of the result for bfloat16 outputs (wmat.assert_close); in bfloat16 the oracles round
 where the reference's bfloat16 mode rounds (gate/up, SwiGLU, expert outputs, weighted sums), within 4 ulps.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -457,7 +459,7 @@ def run_sort(ids, E, t, schedule="forward", seed=0, keep_records=False):
     with run(schedule, seed=seed, keep_records=keep_records) as (dev, enc, b):
         buf = raw(b)
         ops.moe_sort(enc, buf(np.ascontiguousarray(ids, np.uint32)), M, k, E, buf(scratch), buf(slot_rows),
-                     buf(slot_of), buf(tiles), cap, t)
+                     buf(slot_of), gpu.TileMap(buf(tiles), cap, t))
         levels = enc.levels
     return slot_rows, slot_of, tiles, levels, dev
 
@@ -652,18 +654,19 @@ def test_moe_prefill_argument_checks():
         ids, sc = z(12), z(ops.moe_sort_scratch_bytes(8) // 4)
         cap = ops.moe_tile_capacity(12, 8, 16)
         tiles = z(4 * cap)
+        tm = lambda c=cap, t=16, a=tiles: gpu.TileMap(buf(a), c, t)  # noqa: E731
         with pytest.raises(ValueError, match="moe_sort: tile_rows must be 16 or 32, got 8"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), buf(tiles), cap, 8)
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(t=8))
         with pytest.raises(ValueError, match=f"capacity must be at least moe_tile_capacity = {cap}, got {cap - 1}"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), buf(tiles), cap - 1, 16)
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(c=cap - 1))
         with pytest.raises(ValueError, match="moe_sort: tiles holds"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), buf(tiles[:-1]), cap, 16)
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(a=tiles[:-1]))
         with pytest.raises(ValueError, match="moe_sort: scratch holds"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc[:-1]), buf(z(12)), buf(z(12)), buf(tiles), cap, 16)
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc[:-1]), buf(z(12)), buf(z(12)), tm())
         with pytest.raises(ValueError, match="moe_sort: slot_of holds"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(11)), buf(tiles), cap, 16)
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(11)), tm())
         with pytest.raises(ValueError, match="moe_sort: n_experts must be"):
-            ops.moe_sort(enc, buf(ids), 4, 3, 0, buf(sc), buf(z(12)), buf(z(12)), buf(tiles), cap, 16)
+            ops.moe_sort(enc, buf(ids), 4, 3, 0, buf(sc), buf(z(12)), buf(z(12)), tm())
         # combine
         y, so, w, x = z(6 * 16, np.float32), z(6), z(6, np.float32), z(3 * 16, np.float32)
         with pytest.raises(ValueError, match="moe_combine: y holds"):
@@ -679,3 +682,144 @@ def test_moe_prefill_argument_checks():
             ops.moe_combine(enc, "f32", buf(y), buf(so), buf(w), 3, 2, 16, buf(x[:-1]), buf(z(15, np.float32)), 5, 4,
                             buf(x))
         assert enc.dispatches == 0
+
+
+# ------------------------------------------------------------------------------------------ prefill block
+def prefill_scratch(dtype, M, E, k, H, I, Is):
+    """moe_prefill's named scratch (ops::MoeScratch) as host arrays, filled with garbage"""
+    S = M * k
+    T = ACT[dtype]
+    return dict(logits=np.full((M, E + 1), 7, np.float32), ids=np.full((M, k), 0xDEAD, np.uint32),
+                weights=np.full((M, k), 7, np.float32),
+                sort=np.full(ops.moe_sort_scratch_bytes(E) // 4, 0xABCD, np.uint32),
+                slot_rows=np.full(S, 0xDEAD, np.uint32), slot_of=np.full(S, 0xDEAD, np.uint32),
+                tiles=np.full((ops.moe_tile_capacity(S, E, 16), 4), 0xBEEF, np.uint32),
+                act=np.full((S, I), 7, T), y=np.full((S, H), 7, np.float32), shared_act=np.full((M, Is), 7, T),
+                shared_out=np.full((M, H), 7, T))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("E,tile_rows", [(32, 16), (12, 32)])   # S / E = 12 -> 16-row tiles; 32 -> 32-row
+def test_moe_prefill_block(dtype, E, tile_rows):
+    """The MoE block of a chunk of M = 48 rows as ops::moe_prefill encodes it, in one command buffer: the 8-bit
+    router GEMM over [E router rows | shared gate] (float logits, rounded in bf16), top-8 for every row, the
+    counting sort and tile map, the grouped gate/up + SwiGLU and down GEMMs over the sorted slots (4-bit, gs
+    64), the shared expert (its own GEMMs) and the combine + residual, in place on x. Every row equals
+    reference.sparse_moe + the residual (float <= 1e-5 relative, bfloat <= 1e-2); the routing and slots are
+    the reference's."""
+    rng = np.random.default_rng(48 + E)
+    M, k, H, I, Is = 48, 8, 256, 64, 128
+    T = ACT[dtype]
+    router = make(rng, "q8_sbf16", (E + 1, H), 64)
+    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+    down = make(rng, "q4_sbf16", (E, H, I), 64)
+    sgu, sdown = make(rng, "q4_sbf16", (2 * Is, H), 64), make(rng, "q4_sbf16", (H, Is), 64)
+    xn = (rng.standard_normal((M, H)) * 0.1).astype(T)
+    x = rng.standard_normal((M, H)).astype(T)
+    x0 = x.copy()
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("random", seed=E, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        dv = lambda m: m.device(buf, gpu)  # noqa: E731
+        ops.moe_prefill(enc, dtype, [dv(router)], dv(gate), dv(up), dv(down), dv(sgu), dv(sdown), k, True, buf(xn),
+                        buf(x), M, **{n: buf(a) for n, a in sc.items()})
+        # router + shared gate/up, top-k + shared down, count, scan, scatter, the 2 grouped GEMMs, combine
+        assert enc.levels == 8
+        # declared arithmetic (the costing's): the GEMMs at 2 per multiply-add over the M rows / S slots, the
+        # top-k's 4 per logit, the combine's 2k + 3 per output; the sort declares none
+        S = M * k
+        assert enc.flops == (2 * M * (E + 1) * H + 2 * M * 2 * Is * H + 2 * M * H * Is + 4 * M * E
+                             + 2 * S * 2 * I * H + 2 * S * H * I + M * H * (2 * k + 3))
+    if SIM:
+        names = [r["kernel"] for r in dev.records()]
+        assert names[-6:] == ["moe_sort_count", "moe_sort_scan", "moe_sort_scatter", names[-3], names[-2],
+                              f"moe_combine_{dtype}"] and f"moe_topk_{dtype}" in names
+    bf = dtype == "bf16"
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    p = {"gate": f32(router.ref[:E]), "shared_expert_gate": f32(router.ref[E:]),
+         "switch_mlp.gate_proj": f32(gate.ref), "switch_mlp.up_proj": f32(up.ref),
+         "switch_mlp.down_proj": f32(down.ref),
+         "shared_expert.gate_proj": f32(sgu.ref[:Is]), "shared_expert.up_proj": f32(sgu.ref[Is:]),
+         "shared_expert.down_proj": f32(sdown.ref)}
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=Is)
+    xr = f32(xn)
+    # routing: the reference's experts for every row, and their stable sort
+    logits = xr @ p["gate"].T
+    logits = reference.to_bf16(logits) if bf else logits
+    want_ids = np.argsort(-reference.softmax(logits), axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(sc["ids"], want_ids)
+    assert ops.moe_tile_rows(M * k, E) == tile_rows
+    cap = ops.moe_tile_capacity(M * k, E, tile_rows)
+    want_rows, want_of, want_tiles = sort_ref(sc["ids"], E, tile_rows, cap)
+    np.testing.assert_array_equal(sc["slot_rows"], want_rows)
+    np.testing.assert_array_equal(sc["slot_of"].reshape(-1), want_of)
+    np.testing.assert_array_equal(sc["tiles"][:cap], want_tiles)
+    # the block, row by row
+    want = f32(x0) + reference.sparse_moe(xr, p, cfg, bf16=bf)
+    want = reference.to_bf16(want) if bf else want
+    for m in range(M):
+        assert rel_err(x[m], want[m]) <= (1e-2 if bf else 1e-5), f"row {m}"
+
+
+def test_moe_prefill_block_checks():
+    rng = np.random.default_rng(1)
+    E, H, I, Is, M, k = 4, 64, 32, 32, 3, 2
+    mats = dict(router=make(rng, "q8_sbf16", (E + 1, H), 64), router_short=make(rng, "q8_sbf16", (E, H), 64),
+                gate=make(rng, "q4_sbf16", (E, I, H), 32), up=make(rng, "q4_sbf16", (E, I, H), 32),
+                down=make(rng, "q4_sbf16", (E, H, I), 32), down_bad=make(rng, "q4_sbf16", (E, H, 2 * I), 32),
+                sgu=make(rng, "q4_sbf16", (2 * Is, H), 32), sdown=make(rng, "q4_sbf16", (H, Is), 32))
+    sc = prefill_scratch("f32", M, E, k, H, I, Is)
+    xn, x = np.zeros((M, H), np.float32), np.zeros((M, H), np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        d = {n: m.device(buf, gpu) for n, m in mats.items()}
+        scb = {n: buf(a) for n, a in sc.items()}
+
+        def call(router="router", down="down", sgu="sgu", sdown="sdown", k=k):
+            ops.moe_prefill(enc, "f32", [d[router]], d["gate"], d["up"], d[down], d[sgu] if sgu else None,
+                            d[sdown] if sdown else None, k, True, buf(xn), buf(x), M, **scb)
+
+        with pytest.raises(ValueError, match=r"router rows must be n_experts \+ 1 \(shared gate\) = 5, got 4"):
+            call(router="router_short")
+        with pytest.raises(ValueError, match="moe_prefill: router rows must be n_experts = 4, got 5"):
+            call(sgu=None, sdown=None)
+        with pytest.raises(ValueError, match="shared_gate_up and shared_down go together"):
+            call(sdown=None)
+        with pytest.raises(ValueError, match="down \\[E, H, I\\] must have matching shapes"):
+            call(down="down_bad")
+        with pytest.raises(ValueError, match="moe_prefill: k must be in \\[1, n_experts = 4\\], got 5"):
+            call(k=5)
+        with pytest.raises(ValueError, match="the shared expert must be"):
+            call(sgu="sdown", sdown="sgu")
+        assert enc.dispatches == 0
+
+
+def test_moe_prefill_scratch_and_partial_chunk():
+    """moe_prefill_scratch allocates the documented sizes for chunks of up to 48 rows; a chunk of 37 rows
+    (no shared expert: router rows = E) through it equals reference.sparse_moe + the residual (float)."""
+    rng = np.random.default_rng(37)
+    max_rows, M, E, k, H, I = 48, 37, 20, 8, 128, 64
+    router = make(rng, "q8_sbf16", (E, H), 64)
+    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+    down = make(rng, "q4_sbf16", (E, H, I), 64)
+    xn = (rng.standard_normal((M, H)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    x0 = x.copy()
+    with run("reverse") as (dev, enc, b):
+        buf = raw(b)
+        dv = lambda m: m.device(buf, gpu)  # noqa: E731
+        mats = ([dv(router)], dv(gate), dv(up), dv(down), None, None, k)
+        sc = ops.moe_prefill_scratch(dev, "f32", *mats, max_rows)
+        want_sizes = {n: a.nbytes for n, a in prefill_scratch("f32", max_rows, E, k, H, I, 0).items()
+                      if not n.startswith("shared")}
+        want_sizes["logits"] = max_rows * E * 4   # no shared-gate column
+        assert {n: s.nbytes for n, s in sc.items()} == want_sizes
+        ops.moe_prefill(enc, "f32", *mats, True, buf(xn), buf(x), M, **sc)
+    p = {"gate": router.ref.astype(np.float32), "switch_mlp.gate_proj": gate.ref.astype(np.float32),
+         "switch_mlp.up_proj": up.ref.astype(np.float32), "switch_mlp.down_proj": down.ref.astype(np.float32)}
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=0)
+    want = x0 + reference.sparse_moe(xn, p, cfg)
+    for m in range(M):
+        assert rel_err(x[m], want[m]) <= 1e-5, f"row {m}"
+    ids = np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k)
+    np.testing.assert_array_equal(ids, np.argsort(-reference.softmax(xn @ p["gate"].T), axis=-1, kind="stable")[:, :k])

@@ -234,18 +234,9 @@ template <class T, class I> struct tensor<T, dextents<I, 2>, tensor_inline> {
 }  // namespace metal
 
 #if __cplusplus >= 202002L
+#include "msl_sim/tensor_descriptor.h"
 namespace mpp {
 namespace tensor_ops {
-struct matmul2d_descriptor {
-    enum class mode { multiply, multiply_accumulate };
-    int m, n, k;
-    bool transpose_left, transpose_right;
-    bool relaxed_precision;
-    mode matmul_mode;
-    constexpr matmul2d_descriptor(int m_, int n_, int k_ = static_cast<int>(metal::dynamic_extent), bool tl = false,
-                                  bool tr = false, bool relaxed = false, mode md = mode::multiply)
-        : m(m_), n(n_), k(k_), transpose_left(tl), transpose_right(tr), relaxed_precision(relaxed), matmul_mode(md) {}
-};
 template <matmul2d_descriptor Descriptor, class Scope> class matmul2d {
   public:
     template <class L, class R, class D> void run(thread L&, thread R&, thread D&) const;

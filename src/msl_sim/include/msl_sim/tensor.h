@@ -91,22 +91,7 @@ template <class T, class I, class Layout> struct tensor<T, dextents<I, 2>, Layou
 
 }  // namespace metal
 
-namespace mpp {
-namespace tensor_ops {
-
-struct matmul2d_descriptor {
-    enum class mode { multiply, multiply_accumulate };
-    int m, n, k;
-    bool transpose_left, transpose_right;
-    bool relaxed_precision;
-    mode matmul_mode;
-    constexpr matmul2d_descriptor(int m_, int n_, int k_ = static_cast<int>(metal::dynamic_extent), bool tl = false,
-                                  bool tr = false, bool relaxed = false, mode md = mode::multiply)
-        : m(m_), n(n_), k(k_), transpose_left(tl), transpose_right(tr), relaxed_precision(relaxed), matmul_mode(md) {}
-};
-
-}  // namespace tensor_ops
-}  // namespace mpp
+#include "msl_sim/tensor_descriptor.h"
 
 namespace msl {
 
@@ -278,18 +263,9 @@ template <matmul2d_descriptor Descriptor, class Scope> class matmul2d {
                       "msl_sim emulates float, half and bfloat matmul2d operands only");
         static_assert(msl::matmul2d_types_documented<TA, TB, TD>(),
                       "matmul2d: this (left, right, destination) type combination is not in Apple's documented table");
-        msl::Lane* l = msl::cur();
         msl::MatmulIn in{msl::view_of(left), msl::view_of(right), msl::view_of(destination)};
         msl::Matmul2d<Descriptor, TA, TB, TD>::check_operands(in, file_, line_);
-        l->in = &in;
-        l->out = nullptr;
-        l->aux = 0;
-        l->op = "matmul2d::run";
-        l->file = file_;
-        l->line = line_;
-        l->resolve = &msl::Matmul2d<Descriptor, TA, TB, TD>::resolve;
-        l->state = msl::LANE_AT_SIMD;
-        msl::park(l);
+        msl::park_at_simd(&in, nullptr, 0, "matmul2d::run", file_, line_, &msl::Matmul2d<Descriptor, TA, TB, TD>::resolve);
     }
 };
 

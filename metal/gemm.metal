@@ -46,10 +46,16 @@ kernel void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
                  device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
                  uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                  uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup float xt[GEMM_BM * GEMM_LD];
-    threadgroup float wt[GEMM_BN * GEMM_LD];
-    threadgroup float ct[GEMM_BM * GEMM_LDC];
-    threadgroup uint xr[GEMM_BM];
+    threadgroup float xt_[GEMM_BM * GEMM_LD];
+    threadgroup float wt_[GEMM_BN * GEMM_LD];
+    threadgroup float ct_[GEMM_BM * GEMM_LDC];
+    threadgroup uint xr_[GEMM_BM];
+    // the tiles as pointers: gemm_tile.h's helpers take deduced pointer types (an array would be copied
+    // into a by-value template parameter in the simulator)
+    threadgroup float* xt = xt_;
+    threadgroup float* wt = wt_;
+    threadgroup float* ct = ct_;
+    threadgroup uint* xr = xr_;
     typedef typename WDot<FMT, S, T>::wvec WV;
     const bool tilemap = (p.flags & GEMM_TILEMAP) != 0u, swiglu = (p.flags & GEMM_SWIGLU) != 0u;
     const GemmTile t = gemm_tile_of(p, tgid.y, tilemap ? tiles[tgid.y] : uint4(0u));

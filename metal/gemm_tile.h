@@ -30,7 +30,9 @@
 // contiguous bytes of each weight row.
 //
 // Pointers are template parameters (deduced), as in quant_dot.h: this header is included as it is
-// while the kernel files are rewritten for the simulator. Simulator-verified, hardware-unverified.
+// while the kernel files are rewritten for the simulator. Pass threadgroup tiles as pointers
+// (`threadgroup float* xt = xt_;`), not as the arrays: the simulator would copy an array into a
+// by-value template parameter. Simulator-verified, hardware-unverified.
 #pragma once
 #include "common.h"
 #include "gemm.h"

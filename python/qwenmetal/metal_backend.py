@@ -285,7 +285,7 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
     out = {"chunk": int(chunk), "level_latency_us": LEVEL_LATENCY_S * 1e6, "peak_tflops": dict(CHIP_PEAK_TFLOPS),
            "bandwidth_gbs": dict(CHIP_BANDWIDTH_GBS), "chip_route": dict(CHIP_ROUTE), "prompts": {}}
     for route in sorted(set(CHIP_ROUTE.values())):
-        dev = core.gpu.SimDevice(execute=False)
+        dev = core.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")     # an M5-like device for "tensor"
         eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                                  kv_dtype == "float32", {}, [], prefill_options(chunk, route, gdn_route))
         for n in lengths:

@@ -210,6 +210,21 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
 }
 
 // ---------------------------------------------------------------------------------------------- prefill
+namespace {
+ops::MoeBlock moe_block(const Config& c, const GpuLayer& L) {
+    ops::MoeBlock b;
+    b.router = &L.router.parts;
+    b.gate = &L.gate;
+    b.up = &L.up;
+    b.down = &L.down;
+    b.shared_gate_up = L.has_shared ? &L.shared_gate_up : nullptr;
+    b.shared_down = L.has_shared ? &L.shared_down : nullptr;
+    b.k = uint32_t(c.top_k);
+    b.norm = c.norm_topk;
+    return b;
+}
+}  // namespace
+
 // One buffer per logical tensor of a prefill chunk of C rows (C: the largest chunk run so far; grown
 // lazily, bounded by the chunk size). Row-major, one row per token of the chunk.
 struct GpuEngine::Chunk {
@@ -223,17 +238,8 @@ struct GpuEngine::Chunk {
     Buffer gdn;               // gdn_prefill_scratch_bytes(C) the chunked GDN form's per-chunk tensors
     Buffer q;                 // T [C, nh * hd]             attention queries after norm + RoPE
     Buffer mix;               // T [C, max(value_dim, nh * hd)]  block output before the out projection
-    Buffer router;            // f32 [C, E + 1]             router logits (+ the shared-expert gate logit)
-    Buffer topk_ids;          // u32 [C, k]
-    Buffer topk_w;            // f32 [C, k]
-    Buffer slot_rows;         // u32 [C * k]                token row of each expert-sorted slot
-    Buffer slot_of;           // u32 [C * k]                slot of each (token, j) pair
-    Buffer sort;              // moe_sort_scratch_bytes(E)  counting-sort counters
-    Buffer tiles;             // u32x4 [moe_tile_capacity(C * k, E, 16)]  grouped-GEMM tile map
-    Buffer expert_act;        // T [C * k, I]               routed experts' SwiGLU rows (one per slot)
-    Buffer expert_out;        // f32 [C * k, H]             routed experts' down rows (one per slot)
-    Buffer shared_act;        // T [C, Is]                  shared expert's SwiGLU rows
-    Buffer shared_out;        // T [C, H]                   shared expert's output rows
+    ops::MoeScratch moe;      // the MoE block's (ops::moe_prefill_scratch: router logits [C, E + 1], top-k,
+                              // sorted slots, tile map, expert rows [C * k, ...], shared expert rows)
     Buffer mlp_act;           // T [C, I]                   dense-MLP SwiGLU rows
     Buffer logits;            // f32 [C, V] (want 2; else [1, V] is the decode scratch's)
 };
@@ -254,17 +260,14 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     const Config& c = m_->config();
     Device& d = m_->device();
     const uint64_t es = act_size(m_->options().act), C = std::max(rows, k.rows);
-    uint32_t in_rows = 0, inter = 0, shared = 0, dense = 0;
+    uint32_t in_rows = 0, dense = 0;
+    const GpuLayer* moe = nullptr;                     // every MoE layer has the config's shapes: one scratch
     for (const GpuLayer& L : m_->layers) {
         in_rows = std::max(in_rows, L.attention ? L.attn_in.rows : L.gdn_in.rows);
-        if (L.moe) {
-            inter = std::max(inter, L.gate.rows);
-            if (L.has_shared) shared = std::max(shared, L.shared_down.cols);
-        } else {
-            dense = std::max(dense, L.mlp_down.cols);
-        }
+        if (!L.moe) dense = std::max(dense, L.mlp_down.cols);
+        else if (!moe) moe = &L;
     }
-    const uint64_t H = uint64_t(c.hidden), nhd = uint64_t(c.n_heads) * c.head_dim, K = std::max<int64_t>(c.top_k, 1);
+    const uint64_t H = uint64_t(c.hidden), nhd = uint64_t(c.n_heads) * c.head_dim;
     auto alloc = [&](uint64_t bytes, const char* label) { return d.alloc(std::max<uint64_t>(bytes, 16), label); };
     Chunk n;                                           // everything allocated before anything changes
     n.rows = uint32_t(C);
@@ -277,48 +280,10 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     n.gdn = alloc(c.conv_dim() > 0 ? ops::gdn_prefill_scratch_bytes(gdn_shape(c), uint32_t(C)) : 0, "prefill.gdn");
     n.q = alloc(C * nhd * es, "prefill.q");
     n.mix = alloc(C * std::max<uint64_t>(uint64_t(std::max<int64_t>(c.value_dim(), 0)), nhd) * es, "prefill.mix");
-    n.router = alloc(C * uint64_t(c.n_experts + 1) * 4, "prefill.router");
-    n.topk_ids = alloc(C * K * 4, "prefill.topk_ids");
-    n.topk_w = alloc(C * K * 4, "prefill.topk_w");
-    n.slot_rows = alloc(C * K * 4, "prefill.slot_rows");
-    n.slot_of = alloc(C * K * 4, "prefill.slot_of");
-    n.sort = alloc(inter ? ops::moe_sort_scratch_bytes(uint32_t(c.n_experts)) : 0, "prefill.sort");
-    n.tiles = alloc(inter ? uint64_t(ops::moe_tile_capacity(uint32_t(C * K), uint32_t(c.n_experts), 16)) * 16 : 0,
-                    "prefill.tiles");
-    n.expert_act = alloc(inter ? C * K * inter * es : 0, "prefill.expert_act");
-    n.expert_out = alloc(inter ? C * K * H * 4 : 0, "prefill.expert_out");
-    n.shared_act = alloc(C * shared * es, "prefill.shared_act");
-    n.shared_out = alloc(shared ? C * H * es : 0, "prefill.shared_out");
+    if (moe) n.moe = ops::moe_prefill_scratch(d, m_->options().act, moe_block(c, *moe), uint32_t(C));
     n.mlp_act = alloc(C * dense * es, "prefill.mlp_act");
     n.logits = n.all_logits ? alloc(C * uint64_t(c.vocab) * 4, "prefill.logits") : Buffer();
     k = std::move(n);
-}
-
-// The MoE block of a chunk: x[m] += moe(xn[m]) for m < rows, over the router logits of the rows. The S =
-// rows * k (token, expert) pairs are sorted by expert on the GPU; the grouped GEMMs' grid is the tile map's
-// capacity bound, so nothing is read back.
-void GpuEngine::encode_moe_rows(Encoder& e, const GpuLayer& L, uint32_t rows) {
-    const Config& c = m_->config();
-    const Act t = m_->options().act;
-    const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k), H = uint32_t(c.hidden), S = rows * k;
-    const ops::GemmRoute gr = gemm_route_;
-    Chunk& ch = *ch_;
-    ops::moe_topk_rows(e, t, ch.router, rows, L.router.rows, E, k, c.norm_topk, ch.topk_ids, ch.topk_w);
-    ops::TileMap tm;
-    tm.tile_rows = ops::moe_tile_rows(S, E);
-    tm.capacity = ops::moe_tile_capacity(S, E, tm.tile_rows);
-    tm.tiles = ch.tiles.view(0, uint64_t(tm.capacity) * 16);
-    ops::moe_sort(e, ch.topk_ids, rows, k, E, ch.sort, ch.slot_rows, ch.slot_of, tm);
-    ops::gemm_grouped_swiglu(e, t, L.gate, L.up, ch.xn.view(0, uint64_t(rows) * H * act_size(t)), ch.slot_rows, tm, S, ch.expert_act, gr);   // act[s]
-    ops::gemm_grouped(e, t, L.down, ch.expert_act, tm, S, ch.expert_out, gr);                      // y[s] (f32)
-    if (L.has_shared) {
-        ops::GemmFusion sw;
-        sw.swiglu = true;
-        ops::gemm(e, t, L.shared_gate_up, ch.xn, ch.shared_act, rows, false, 0, 0, sw, gr);
-        ops::gemm(e, t, L.shared_down, ch.shared_act, ch.shared_out, rows, false, 0, 0, ops::GemmFusion(), gr);
-    }
-    ops::moe_combine(e, t, ch.expert_out, ch.slot_of, ch.topk_w, rows, k, H, L.has_shared ? &ch.shared_out : nullptr,
-                     ch.router, L.router.rows, E, ch.x);                                            // x += sum
 }
 
 // One layer over the chunk's rows (positions p0 .. p0 + rows - 1): the decode graph's blocks with every
@@ -366,10 +331,7 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
 
     ops::rmsnorm(e, t, ch.x, L.post_norm, ch.xn, rows, H, c.eps);                         // xn = rmsnorm(x)
     if (L.moe) {
-        ops::GemmFusion rf;
-        rf.round = true;                                                                   // bf16 logits, as MLX
-        stacked(L.router, ch.router, true, rf);                                            // router logits f32
-        encode_moe_rows(e, L, rows);                                                       // x += moe(xn)
+        ops::moe_prefill(e, t, moe_block(c, L), ch.xn, ch.x, rows, ch.moe, gr);            // x += moe(xn)
     } else {
         ops::GemmFusion sw;
         sw.swiglu = true;

@@ -21,7 +21,9 @@
 #include "gpu/device.h"
 #include "gpu/encoder.h"
 #include "gpu/ops/attention.h"
+#include "gpu/ops/gemm.h"
 #include "gpu/ops/gdn.h"
+#include "gpu/ops/moe.h"
 #include "gpu/ops/quant.h"
 #include "gpu/ops/sample.h"
 #include "gpu/prefill_shim.h"
@@ -207,7 +209,6 @@ class GpuEngine {
     void ensure_chunk(uint32_t rows, bool all_logits);
     void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
-    void encode_moe_rows(Encoder& e, const GpuLayer& L, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;
     std::unique_ptr<Scratch> sc_;

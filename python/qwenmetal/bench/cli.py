@@ -323,16 +323,19 @@ def format_prefill_cost(pf: Mapping[str, Any]) -> str:
                          f"{max(c['dispatches'] for c in r['chunks']):>10} "
                          f"{max(c['levels'] for c in r['chunks']):>12} {r['flops'] / 1e12:>8.2f} "
                          f"{(r['bytes_read'] + r['bytes_written']) / 1e9:>8.1f}")
-    lines.append(f"{'tokens':>7}  " + "  ".join(f"{c:>8}" for c in chips)
-                 + "   M5 Max published: Lily (ratio), MLX 0.32.2 (ratio)")
+    lines.append(f"{'tokens':>7}  " + "  ".join(f"{c:>8}" for c in chips) + f"  {'M5@Lily':>8}"
+                 + "   published M5 Max tok/s (modelled M5 Max / it; at Lily's rate / it)")
     for n, p in pf["prompts"].items():
         pub = p["published_m5_max"]
-        ref = "  ".join(f"{k} {v:.0f} ({p['m5_max_vs'][k]:.2f}x)" for k, v in pub.items() if v)
-        lines.append(f"{n:>7}  " + "  ".join(f"{p['modelled_tok_s'][c]:>8.0f}" for c in chips) + f"   {ref}")
+        ref = "  ".join(f"{k} {v:.0f} ({p['m5_max_vs'][k]:.2f}x; {p['m5_max_at_lily_rate_vs'][k]:.2f}x)"
+                        for k, v in pub.items() if v)
+        lines.append(f"{n:>7}  " + "  ".join(f"{p['modelled_tok_s'][c]:>8.0f}" for c in chips)
+                     + f"  {p['m5_max_at_lily_rate_tok_s']:>8.0f}   {ref}")
     lines.append("modelled tok/s: per dependency level max(bytes / bandwidth, FLOPs / peak) + "
                  f"{pf['level_latency_us']:.1f} us; peaks (TFLOP/s) "
                  + ", ".join(f"{c} {v} ({pf['chip_route'][c]})" for c, v in pf["peak_tflops"].items())
-                 + " (assumptions: docs/metal.md)")
+                 + f"; M5@Lily: the M5 Max at the {pf['m5_lily_rate_tflops']} TFLOP/s Lily's 4K prefill implies "
+                 "(assumptions: docs/metal.md)")
     return "\n".join(lines)
 
 

@@ -55,10 +55,15 @@ kernel void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint3
                         device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
                         uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                         uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup float xt[GEMM_BM * GEMM_LD];
-    threadgroup float wt[GEMM_BN * GEMM_LD];
-    threadgroup float ct[GEMM_BM * GEMM_LDC];
-    threadgroup uint xr[GEMM_BM];
+    threadgroup float xt_[GEMM_BM * GEMM_LD];
+    threadgroup float wt_[GEMM_BN * GEMM_LD];
+    threadgroup float ct_[GEMM_BM * GEMM_LDC];
+    threadgroup uint xr_[GEMM_BM];
+    // the tiles as pointers, as gemm.metal (gemm_tile.h's helpers take deduced pointer types)
+    threadgroup float* xt = xt_;
+    threadgroup float* wt = wt_;
+    threadgroup float* ct = ct_;
+    threadgroup uint* xr = xr_;
     typedef typename WDot<FMT, S, T>::wvec WV;
     const GemmTile t = gemm_tile_of(p, tgid.y, (p.flags & GEMM_TILEMAP) != 0u ? tiles[tgid.y] : uint4(0u));
     if (t.rows == 0u) {

@@ -26,7 +26,6 @@
 #include "gpu/ops/moe.h"
 #include "gpu/ops/quant.h"
 #include "gpu/ops/sample.h"
-#include "gpu/prefill_shim.h"
 
 namespace qwenmetal::gpu {
 

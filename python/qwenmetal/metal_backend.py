@@ -18,7 +18,7 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
   defaults it to ``"float32"``.
 * ``attention``: overrides of the decode-attention policy, e.g. ``{"single_pass_max": 8}`` (tests use
   it to reach every route on short contexts).
-* ``prefill_chunk``: tokens per prefill chunk (default 2048, the modelled-cost optimum on the real config:
+* ``prefill_chunk``: tokens per prefill chunk (default 4096, the modelled-cost optimum on the real config:
   docs/metal.md, "The prefill graph"); each chunk is one command buffer and the prefill scratch is sized
   for it. The prefix cache snapshots at these chunk boundaries (``Model.load`` sets its ``chunk_tokens``).
 * ``gemm_route``: the prefill GEMMs' route, ``"auto"`` (the device's: Metal 4 tensor ops on M5, else
@@ -47,7 +47,7 @@ from .weights_table import virtual_weight_table, weight_table
 DTYPES = ("bfloat16", "float32")
 GEMM_ROUTES = ("auto", "simdgroup", "tensor")
 GDN_ROUTES = ("auto", "scan", "chunked")
-DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_PREFILL_CHUNK = 4096
 
 
 def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str) -> dict:

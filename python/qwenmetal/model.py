@@ -198,7 +198,7 @@ class Model:
         quantize a dense checkpoint at load, group 64); reference: dtype ("float32" | "bfloat16",
         rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
         default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
-        default 2048; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
+        default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
         "tensor"), gdn_route ("auto" | "scan" | "chunked"); see `qwenmetal.metal_backend`.
         """
         factory = backend_factory(backend)

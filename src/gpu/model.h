@@ -40,7 +40,7 @@ struct GpuOptions {
     bool gemm_route_auto = true;                       // the GEMM route of the device (ops::gemm_route)
     ops::GemmRoute gemm_route = ops::GemmRoute::Simdgroup;   // ... or this one when not auto
     ops::GdnRoute gdn_route = ops::GdnRoute::Auto;     // GDN prefill: by length from the cost model, or forced
-    static constexpr uint32_t kDefaultPrefillChunk = 2048;
+    static constexpr uint32_t kDefaultPrefillChunk = 4096;
 };
 
 // A projection whose output rows are the concatenation of several checkpoint tensors (GDN

@@ -86,10 +86,12 @@ def test_prefill_counts_per_chunk(real):
 
 def test_bench_cli_prefill_json(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    assert cli.main(["bench", "--backend", "metal-sim", "--encode-only", "--prefill", "512", "--prefill-chunk", "256",
-                     "--json", str(out)]) == 0
+    assert cli.main(["bench", "--backend", "metal-sim", "--encode-only", "--prefill", "4096", "--prefill-chunk",
+                     "2048", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "MODELLED, not measured" in text and "Lily" in text and "MLX 0.32.2" in text
+    assert "MODELLED, not measured" in text and "Lily 5724" in text and "MLX 0.32.2 5166" in text
     pf = json.loads(out.read_text())["prefill"]
-    assert pf["chunk"] == 256 and pf["prompts"]["512"]["routes"]["simdgroup"]["command_buffers"] == 2
-    assert set(pf["prompts"]["512"]["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
+    p = pf["prompts"]["4096"]
+    assert pf["chunk"] == 2048 and p["routes"]["tensor"]["command_buffers"] == 2
+    assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
+    assert p["m5_max_vs"]["MLX 0.32.2"] == pytest.approx(p["modelled_tok_s"]["M5 Max"] / 5165.7)

@@ -242,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="engine and bandwidth threads (default: usable CPUs)")
     p.add_argument("--kv-dtype", default=None, help="cpu backend KV cache dtype (bfloat16 | float32)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="cpu backend prefill chunk; with --encode-only the metal prefill chunk (default 2048)")
+                   help="cpu backend prefill chunk; with --encode-only the metal prefill chunk (default 4096)")
     p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
                    help="another backend option, e.g. -o activations=int8 (repeatable)")
     p.add_argument("--prefill", default=None, help="prefill lengths, comma-separated (default 128,512,2048)")

@@ -3,7 +3,10 @@
 attn_prepare (q/k norm + RoPE + KV write) against the reference's rms_norm / rope; attention_decode on
 every route (single pass, split-K + combine, bounded two-pass; with and without GQA packing) against
 float64 softmax attention on exactly the q, K, V and gate the kernels see; prepare + decode over many
-steps against reference.full_attention; the real model's attention shape once.
+steps against reference.full_attention; the real model's attention shape once. Prefill: attn_prepare over
+M rows against M decode prepares (bit for bit); attention_prefill against float64 causal attention (GQA
+1/2/3/8, p0 > 0, M not a multiple of the query block, head_dim 8..256) and, after prepare, a prompt as one
+chunk and as several against reference.full_attention (the chunked run bit-equal to the single one).
 Simulator-verified, hardware-unverified.
 """
 from __future__ import annotations

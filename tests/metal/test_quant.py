@@ -142,7 +142,7 @@ def test_embed(schedule, fmt, dtype, gs, n, rows, nid, seed):
 
 def test_embed_model_shape():
     """A 4-bit embedding table of 4096 rows x hidden 2048 (the real one has 248320 rows; the kernel
-    reads only the rows it is given), one bf16 token row, the declared bytes one row's."""
+    reads only the rows it is given), one bf16 token row, the declared bytes one row's, the flops its dequantization."""
     rng = np.random.default_rng(9)
     V, H = 4096, 2048
     hm = make(rng, "q4_sbf16", (V, H), 64, random_words=True)
@@ -154,6 +154,7 @@ def test_embed_model_shape():
     ref = hm.ref_of(1234)
     np.testing.assert_allclose(y[0].astype(np.float64), ref, rtol=2 ** -8, atol=1e-6 * np.abs(ref).max())
     assert enc.bytes_read == H // 2 + 2 * (H // 64) * 2 + 4
+    assert enc.flops == 2 * H  # one multiply-add (scale * q + bias) per value
 
 
 # ------------------------------------------------------------------------------------------ argument checks
@@ -348,7 +349,8 @@ def test_qmv_batches(schedule, dtype):
         assert not SIM or all(k.startswith(f"qmv_{fmt}_{dtype}") for k in kernels[34 * n + 17:34 * n + 34])
         for c in batches:
             c.check()
-            np.testing.assert_array_equal(c.y.view(np.uint8), np.concatenate([o.y for o in ones[:c.batch]]).view(np.uint8))
+            np.testing.assert_array_equal(c.y.view(np.uint8),
+                                          np.concatenate([o.y for o in ones[:c.batch]]).view(np.uint8))
             np.testing.assert_array_equal(c.xn.view(np.uint8),
                                           np.concatenate([o.xn for o in ones[:c.batch]]).view(np.uint8))
             assert not SIM or kernels[34 * n + c.batch - 1].startswith(f"{qmv_prefix(c.batch)}{fmt}_{dtype}")

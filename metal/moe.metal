@@ -106,10 +106,7 @@ inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K
     rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, row0, nrows, lane, u);
     if (lane == 0) {
         for (uint r = 0; r < QMV_ROWS && row0 + r < nrows; ++r) {
-            // as the bf16 graph: gate and up rounded, silu = T(g * T(sigmoid(g))), the product rounded
-            const float gr = rnd<T>(g[r]);
-            const float silu = rnd<T>(gr * rnd<T>(1.0f / (1.0f + exp(-gr))));
-            act[row0 + r] = T(silu * rnd<T>(u[r]));
+            act[row0 + r] = T(swiglu_act<T>(g[r], u[r]));   // rounded as the bf16 graph (common.h)
         }
     }
 }

@@ -153,6 +153,7 @@ void register_gpu(nb::module_& m) {
     register_gpu_ops_attention(ops);
     register_gpu_ops_moe(ops);
     register_gpu_ops_sample(ops);
+    register_gpu_ops_gemm(ops);
     register_gpu_graph(g);
 }
 

@@ -823,3 +823,41 @@ def test_moe_prefill_scratch_and_partial_chunk():
         assert rel_err(x[m], want[m]) <= 1e-5, f"row {m}"
     ids = np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k)
     np.testing.assert_array_equal(ids, np.argsort(-reference.softmax(xn @ p["gate"].T), axis=-1, kind="stable")[:, :k])
+
+
+def test_moe_prefill_real_shape_encode_only():
+    """The real config's MoE block for a 4096-token chunk (E = 256, top-8, H = 2048, I = Is = 512, q8 router,
+    q4 gs 64 experts, bf16), encoded on an encode-only simulator device (virtual buffers, nothing runs): 8
+    levels, 32-row tiles (S / E = 128), the grouped GEMMs' grid sized by the capacity bound, and the exact
+    declared traffic of the top-k, sort and combine."""
+    dev = gpu.SimDevice(execute=False, keep_records=True)
+    cb = dev.command_buffer()
+    enc = gpu.Encoder(dev, cb)
+    M, E, k, H, I = 4096, 256, 8, 2048, 512
+    S = M * k
+
+    def mat(fmt, rows, cols, count=1):
+        bits = 4 if fmt == "q4" else 8
+        n = count * rows * (cols // 64) * 2
+        return gpu.Matrix(fmt, rows, cols, dev.alloc(count * rows * cols * bits // 8), dev.alloc(n), dev.alloc(n),
+                          group_size=64, count=count)
+
+    mats = ([mat("q8", E + 1, H)], mat("q4", I, H, E), mat("q4", I, H, E), mat("q4", H, I, E), mat("q4", 2 * I, H),
+            mat("q4", H, I), k)
+    sc = ops.moe_prefill_scratch(dev, "bf16", *mats, M)
+    ops.moe_prefill(enc, "bf16", *mats, True, dev.alloc(M * H * 2), dev.alloc(M * H * 2), M, **sc)
+    assert enc.levels == 8 and dev.counters()["host_waits"] == 0
+    cb.commit()
+    cb.wait()
+    recs = {r["kernel"]: r for r in dev.records()}
+    t = ops.moe_tile_rows(S, E)
+    cap = ops.moe_tile_capacity(S, E, t)
+    assert (t, cap) == (32, 256 + (S - 256) // 32)
+    grouped = [r for r in dev.records() if r["threadgroups"][1] == cap]
+    assert len(grouped) == 2   # gate/up + SwiGLU and down: one row of threadgroups per tile-map entry
+    assert recs["moe_topk_bf16"]["bytes_read"] == M * E * 4 and recs["moe_topk_bf16"]["bytes_written"] == S * 8
+    assert recs["moe_sort_count"]["threadgroups"] == (32, 1, 1)   # 32 token blocks of 128 tokens, 256 experts
+    assert recs["moe_sort_scan"]["bytes_written"] == 32 * E * 4 + cap * 16
+    assert recs["moe_sort_scatter"]["bytes_written"] == 2 * S * 4
+    assert recs["moe_combine_bf16"]["bytes_read"] == S * H * 4 + 2 * S * 4 + M * H * 2 * 2 + M * 4
+    assert recs["moe_combine_bf16"]["bytes_written"] == M * H * 2

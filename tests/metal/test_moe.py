@@ -861,3 +861,38 @@ def test_moe_prefill_real_shape_encode_only():
     assert recs["moe_sort_scatter"]["bytes_written"] == 2 * S * 4
     assert recs["moe_combine_bf16"]["bytes_read"] == S * H * 4 + 2 * S * 4 + M * H * 2 * 2 + M * 4
     assert recs["moe_combine_bf16"]["bytes_written"] == M * H * 2
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_moe_prefill_small_chunks_and_router_parts(dtype, M):
+    """Chunks of 1, 5 (the skinny GEMMs: qmv with batch M) and 17 rows; the router as two parts of different
+    formats (8-bit router rows, the shared-gate row dense bf16), written into consecutive logit columns."""
+    rng = np.random.default_rng(M)
+    E, k, H, I, Is = 10, 4, 128, 32, 64
+    T = ACT[dtype]
+    router = make(rng, "q8_sbf16", (E, H), 64)
+    sgate = make(rng, "bf16", (1, H))
+    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+    down = make(rng, "q4_sbf16", (E, H, I), 32)
+    sgu, sdown = make(rng, "q4_sbf16", (2 * Is, H), 64), make(rng, "q4_sbf16", (H, Is), 64)
+    xn = (rng.standard_normal((M, H)) * 0.1).astype(T)
+    x = rng.standard_normal((M, H)).astype(T)
+    x0 = x.copy()
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("reverse", seed=M) as (dev, enc, b):
+        buf = raw(b)
+        dv = lambda m: m.device(buf, gpu)  # noqa: E731
+        ops.moe_prefill(enc, dtype, [dv(router), dv(sgate)], dv(gate), dv(up), dv(down), dv(sgu), dv(sdown), k, True,
+                        buf(xn), buf(x), M, **{n: buf(a) for n, a in sc.items()})
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    p = {"gate": f32(router.ref), "shared_expert_gate": f32(sgate.ref), "switch_mlp.gate_proj": f32(gate.ref),
+         "switch_mlp.up_proj": f32(up.ref), "switch_mlp.down_proj": f32(down.ref),
+         "shared_expert.gate_proj": f32(sgu.ref[:Is]), "shared_expert.up_proj": f32(sgu.ref[Is:]),
+         "shared_expert.down_proj": f32(sdown.ref)}
+    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=Is)
+    bf = dtype == "bf16"
+    want = f32(x0) + reference.sparse_moe(f32(xn), p, cfg, bf16=bf)
+    want = reference.to_bf16(want) if bf else want
+    for m in range(M):
+        assert rel_err(x[m], want[m]) <= (1e-2 if bf else 1e-5), f"row {m}"

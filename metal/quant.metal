@@ -9,7 +9,7 @@
 //
 //   qmv_<w>_<T>            y[b, :N] = W x[b, :K]                 for b < batch (the decode kernel: batch 1)
 //   qmv_<w>_bf16_f32out    the same with float output (logits: the lm_head, the router)
-//   qmv_b<MB>_<w>_<T>[_f32out]  the same for MB = 2, 4, 8, 16 vectors per threadgroup (skinny prefill rows):
+//   qmv_b<MB>_<w>_<T>[_f32out]  the same for MB = 4, 8, 16 vectors per threadgroup (skinny prefill rows):
 //                          each weight read once for all of them
 //   embed_<w>_<T>          y[i, :K] = row ids[i] of W, dequantized to T
 // <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()).
@@ -67,12 +67,16 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
     for (uint b = 0; b < MB; ++b) {
         inv[b] = norm && b < nb ? rms_inv<T>(xb + ulong(b) * p.x_stride, p.K, p.eps, lane) : 1.0f;
     }
+    // (loops over b run to the constant MB with the live count a branch inside: fully unrollable, so
+    // inv[] and out[] keep constant indices, in registers)
     if ((p.flags & QMV_NORM_OUT) != 0u && tgid.x == 0u && sg == 0u) {
-        for (uint b = 0; b < nb; ++b) {
-            device const T* xr = xb + ulong(b) * p.x_stride;
-            device T* xnr = xn + ulong(b0 + b) * p.x_stride;
-            for (uint k = lane; k < p.K; k += SIMD_WIDTH) {
-                xnr[k] = T(rnd<T>(float(xr[k]) * inv[b]) * float(g[k]));
+        for (uint b = 0; b < MB; ++b) {
+            if (b < nb) {
+                device const T* xr = xb + ulong(b) * p.x_stride;
+                device T* xnr = xn + ulong(b0 + b) * p.x_stride;
+                for (uint k = lane; k < p.K; k += SIMD_WIDTH) {
+                    xnr[k] = T(rnd<T>(float(xr[k]) * inv[b]) * float(g[k]));
+                }
             }
         }
     }
@@ -87,13 +91,15 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
                                  p.N, nb, lane, out);
     const bool add = (p.flags & QMV_ADD) != 0u, round = (p.flags & QMV_ROUND) != 0u;
     if (lane == 0) {
-        for (uint b = 0; b < nb; ++b) {
-            device O* yb = y + ulong(b0 + b) * p.y_stride;
-            device const O* rb = r + ulong(b0 + b) * p.y_stride;
-            for (uint i = 0; i < QMV_ROWS && row0 + i < p.N; ++i) {
-                // the product is rounded to T before a residual add (the bf16 graph adds two bf16 values)
-                const float v = add || round ? rnd<T>(out[b * QMV_ROWS + i]) : out[b * QMV_ROWS + i];
-                yb[row0 + i] = O(add ? v + float(rb[row0 + i]) : v);
+        for (uint b = 0; b < MB; ++b) {
+            if (b < nb) {
+                device O* yb = y + ulong(b0 + b) * p.y_stride;
+                device const O* rb = r + ulong(b0 + b) * p.y_stride;
+                for (uint i = 0; i < QMV_ROWS && row0 + i < p.N; ++i) {
+                    // the product is rounded to T before a residual add (the bf16 graph adds two bf16 values)
+                    const float v = add || round ? rnd<T>(out[b * QMV_ROWS + i]) : out[b * QMV_ROWS + i];
+                    yb[row0 + i] = O(add ? v + float(rb[row0 + i]) : v);
+                }
             }
         }
     }
@@ -134,68 +140,56 @@ kernel void embed(constant EmbedParams& p [[buffer(0)]], device const uint32_t* 
 // reads the host names literally) ----------------------------------------------------------------
 // quantized weights x {bf16, f32} scales x {f32, bf16 activations, bf16 activations with float output}
 INSTANTIATE_KERNEL("qmv_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sbf16_f32", qmv, WFMT_Q4, bfloat, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sbf16_bf16", qmv, WFMT_Q4, bfloat, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sbf16_bf16_f32out", qmv, WFMT_Q4, bfloat, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_q4_sbf16_f32", embed, WFMT_Q4, bfloat, float)
 INSTANTIATE_KERNEL("embed_q4_sbf16_bf16", embed, WFMT_Q4, bfloat, bfloat)
 INSTANTIATE_KERNEL("qmv_q4_sf32_f32", qmv, WFMT_Q4, float, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sf32_f32", qmv, WFMT_Q4, float, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sf32_f32", qmv, WFMT_Q4, float, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sf32_f32", qmv, WFMT_Q4, float, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sf32_f32", qmv, WFMT_Q4, float, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sf32_bf16", qmv, WFMT_Q4, float, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q4_sf32_bf16_f32out", qmv, WFMT_Q4, float, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_q4_sf32_f32", embed, WFMT_Q4, float, float)
 INSTANTIATE_KERNEL("embed_q4_sf32_bf16", embed, WFMT_Q4, float, bfloat)
 INSTANTIATE_KERNEL("qmv_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sbf16_f32", qmv, WFMT_Q8, bfloat, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sbf16_bf16", qmv, WFMT_Q8, bfloat, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sbf16_bf16_f32out", qmv, WFMT_Q8, bfloat, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_q8_sbf16_f32", embed, WFMT_Q8, bfloat, float)
 INSTANTIATE_KERNEL("embed_q8_sbf16_bf16", embed, WFMT_Q8, bfloat, bfloat)
 INSTANTIATE_KERNEL("qmv_q8_sf32_f32", qmv, WFMT_Q8, float, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sf32_f32", qmv, WFMT_Q8, float, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sf32_f32", qmv, WFMT_Q8, float, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sf32_f32", qmv, WFMT_Q8, float, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sf32_f32", qmv, WFMT_Q8, float, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sf32_bf16", qmv, WFMT_Q8, float, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 16u)
@@ -203,51 +197,42 @@ INSTANTIATE_KERNEL("embed_q8_sf32_f32", embed, WFMT_Q8, float, float)
 INSTANTIATE_KERNEL("embed_q8_sf32_bf16", embed, WFMT_Q8, float, bfloat)
 // dense weights of type W
 INSTANTIATE_KERNEL("qmv_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_bf16_bf16", qmv, WFMT_DENSE, bfloat, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_bf16_bf16_f32out", qmv, WFMT_DENSE, bfloat, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_bf16_f32", embed, WFMT_DENSE, bfloat, float)
 INSTANTIATE_KERNEL("embed_bf16_bf16", embed, WFMT_DENSE, bfloat, bfloat)
 INSTANTIATE_KERNEL("qmv_f16_f32", qmv, WFMT_DENSE, half, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f16_f32", qmv, WFMT_DENSE, half, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f16_f32", qmv, WFMT_DENSE, half, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f16_f32", qmv, WFMT_DENSE, half, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f16_f32", qmv, WFMT_DENSE, half, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f16_bf16", qmv, WFMT_DENSE, half, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f16_bf16_f32out", qmv, WFMT_DENSE, half, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_f16_f32", embed, WFMT_DENSE, half, float)
 INSTANTIATE_KERNEL("embed_f16_bf16", embed, WFMT_DENSE, half, bfloat)
 INSTANTIATE_KERNEL("qmv_f32_f32", qmv, WFMT_DENSE, float, float, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f32_f32", qmv, WFMT_DENSE, float, float, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f32_f32", qmv, WFMT_DENSE, float, float, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f32_f32", qmv, WFMT_DENSE, float, float, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f32_f32", qmv, WFMT_DENSE, float, float, float, 16u)
 INSTANTIATE_KERNEL("qmv_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f32_bf16", qmv, WFMT_DENSE, float, bfloat, bfloat, 16u)
 INSTANTIATE_KERNEL("qmv_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float, 1u)
-INSTANTIATE_KERNEL("qmv_b2_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float, 2u)
 INSTANTIATE_KERNEL("qmv_b4_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float, 4u)
 INSTANTIATE_KERNEL("qmv_b8_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float, 8u)
 INSTANTIATE_KERNEL("qmv_b16_f32_bf16_f32out", qmv, WFMT_DENSE, float, bfloat, float, 16u)

@@ -224,13 +224,16 @@ struct WDot<WFMT_DENSE, S, T> {
 // re-read the last row; the caller does not store them) of one matrix (w as wvec, scales and biases
 // at its row 0) times MB input vectors x[b, 0, K) (x4 = x[0] as vec<T, 4>, xs4 = the vectors' stride
 // in 4-vectors), for one SIMD-group; only the first nb <= MB of them are live (nb SIMD-group-uniform:
-// the loop over b skips the rest, so a variant serves every count up to MB). Per step each lane loads
+// a branch in the loop over b skips the rest, so a variant serves every count up to MB). Per step each lane loads
 // one wvec (and the group's scale and bias) of each of its rows once for all the vectors, then per
 // vector its VALS inputs once for all rows; after the loop one simd_sum per (vector, row), so every
 // lane of the SIMD-group receives out[b * QMV_ROWS + r] for b < nb. K is a multiple of VALS; lanes
 // past K idle. Call from SIMD-group-uniform control flow.
 // Registers per lane: MB * QMV_ROWS float accumulators (64 at MB = 16), the QMV_ROWS loaded units
 // and one vector's VALS inputs at a time (the inputs of vector b are dead once its 4 dots are done).
+// The loops over b have the constant trip count MB (the live count is a branch inside, not the loop
+// bound) so that the compiler can unroll them fully and keep acc[] in registers with constant
+// indices (a runtime-bounded loop would index acc[] dynamically: memory, not registers).
 // With `norm`, vector b is rmsnorm(x[b]) * g: every input is multiplied by inv[b] * g[k] as it is
 // loaded (rows_dot below: one plain vector, the decode projections).
 template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
@@ -254,17 +257,21 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, th
         for (uint r = 0; r < QMV_ROWS; ++r) {
             u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs);
         }
-        for (uint b = 0; b < MB && b < nb; ++b) {
-            float xs[D::VALS];
-            const float xsum = D::load_x(x4 + ulong(b) * xs4, g4, inv[b], norm, k, xs);
-            for (uint r = 0; r < QMV_ROWS; ++r) {
-                acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
+        for (uint b = 0; b < MB; ++b) {
+            if (b < nb) {
+                float xs[D::VALS];
+                const float xsum = D::load_x(x4 + ulong(b) * xs4, g4, inv[b], norm, k, xs);
+                for (uint r = 0; r < QMV_ROWS; ++r) {
+                    acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
+                }
             }
         }
     }
-    for (uint b = 0; b < MB && b < nb; ++b) {
-        for (uint r = 0; r < QMV_ROWS; ++r) {
-            out[b * QMV_ROWS + r] = simd_sum(acc[b * QMV_ROWS + r]);
+    for (uint b = 0; b < MB; ++b) {
+        if (b < nb) {
+            for (uint r = 0; r < QMV_ROWS; ++r) {
+                out[b * QMV_ROWS + r] = simd_sum(acc[b * QMV_ROWS + r]);
+            }
         }
     }
 }

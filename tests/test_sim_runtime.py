@@ -233,6 +233,8 @@ def test_dispatch_validation(lib):
 
 def test_threadgroup_bounds_and_params_size(lib):
     y = np.zeros(64, np.float32)
+    lib.dispatch("tg_adjacent", 1, 32, [y])       # a pointer to the second of two adjacent arrays
+    np.testing.assert_array_equal(y[:32], 1 + np.arange(32)[::-1])
     with pytest.raises(sim.MetalSimError, match=r"sim_features\.metal:\d+: kernel 'tg_oob'.*thread 56: threadgroup "
                                                 r"array index 64 out of bounds \[0, 64\)"):
         lib.dispatch("tg_oob", 1, 64, [y])

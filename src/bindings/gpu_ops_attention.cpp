@@ -80,15 +80,10 @@ void register_gpu_ops_attention(nb::module_& ops) {
             [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M) {
                 const gpu::ops::AttnPrefillGeometry g = gpu::ops::attention_prefill_geometry(
                     make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M);
-                nb::dict d;
-                d["block_rows"] = g.block_rows;
-                d["tile_keys"] = g.tile_keys;
-                d["threads"] = g.threads;
-                d["blocks"] = g.blocks;
-                return d;
+                return nb::make_tuple(g.block_rows, g.tile_keys, g.threads, g.blocks);
             },
             "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "M"_a,
-            "attention_prefill's tiling of M rows: {block_rows, tile_keys, threads, blocks}.");
+            "attention_prefill's tiling of M rows: (block_rows, tile_keys, threads, blocks).");
 
     ops.def("attention_decode",
             [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,

@@ -698,6 +698,59 @@ def prefill_scratch(dtype, M, E, k, H, I, Is):
                 shared_out=np.full((M, H), 7, T))
 
 
+class Block:
+    """One MoE layer for moe_prefill: 4-bit gs-64 expert stacks (down: gs down_gs), an 8-bit router over
+    [E rows | shared gate] in one part or, with split_router, the shared-gate row as a dense bf16 part of its
+    own; a shared expert of Is (0: none); inputs xn (the normed rows, small) and x (the residual)."""
+
+    def __init__(self, rng, dtype, M, E, k, H, I, Is, split_router=False, down_gs=64):
+        self.dtype, self.M, self.E, self.k, self.Is = dtype, M, E, k, Is
+        n = E + (1 if Is else 0)
+        self.router = ([make(rng, "q8_sbf16", (E, H), 64), make(rng, "bf16", (1, H))] if split_router
+                       else [make(rng, "q8_sbf16", (n, H), 64)])
+        self.gate, self.up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+        self.down = make(rng, "q4_sbf16", (E, H, I), down_gs)
+        self.sgu = make(rng, "q4_sbf16", (2 * Is, H), 64) if Is else None
+        self.sdown = make(rng, "q4_sbf16", (H, Is), 64) if Is else None
+        self.xn = (rng.standard_normal((M, H)) * 0.1).astype(ACT[dtype])
+        self.x = rng.standard_normal((M, H)).astype(ACT[dtype])
+        self.x0 = self.x.copy()
+
+    def mats(self, buf):
+        """moe_prefill's matrix arguments, router .. k"""
+        dv = lambda m: m.device(buf, gpu) if m is not None else None  # noqa: E731
+        return ([dv(r) for r in self.router], dv(self.gate), dv(self.up), dv(self.down), dv(self.sgu),
+                dv(self.sdown), self.k)
+
+    def encode(self, enc, buf, scratch):
+        ops.moe_prefill(enc, self.dtype, *self.mats(buf), True, buf(self.xn), buf(self.x), self.M, **scratch)
+
+    def reference(self):
+        """the routed ids and x0 + reference.sparse_moe(xn) (rounded in bf16) as float32"""
+        f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+        rows = np.concatenate([r.ref for r in self.router])
+        p = {"gate": f32(rows[:self.E]), "switch_mlp.gate_proj": f32(self.gate.ref),
+             "switch_mlp.up_proj": f32(self.up.ref), "switch_mlp.down_proj": f32(self.down.ref)}
+        if self.Is:
+            p.update({"shared_expert_gate": f32(rows[self.E:]),
+                      "shared_expert.gate_proj": f32(self.sgu.ref[:self.Is]),
+                      "shared_expert.up_proj": f32(self.sgu.ref[self.Is:]),
+                      "shared_expert.down_proj": f32(self.sdown.ref)})
+        cfg = SimpleNamespace(num_experts_per_tok=self.k, norm_topk_prob=True, shared_expert_intermediate_size=self.Is)
+        bf = self.dtype == "bf16"
+        xr = f32(self.xn)
+        logits = xr @ p["gate"].T
+        logits = reference.to_bf16(logits) if bf else logits
+        ids = np.argsort(-reference.softmax(logits), axis=-1, kind="stable")[:, :self.k]
+        want = f32(self.x0) + reference.sparse_moe(xr, p, cfg, bf16=bf)
+        return ids, reference.to_bf16(want) if bf else want
+
+    def check_rows(self, want):
+        tol = 1e-2 if self.dtype == "bf16" else 1e-5
+        for m in range(self.M):
+            assert rel_err(self.x[m], want[m]) <= tol, f"row {m}"
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("E,tile_rows", [(32, 16), (12, 32)])   # S / E = 12 -> 16-row tiles; 32 -> 32-row
 def test_moe_prefill_block(dtype, E, tile_rows):
@@ -707,22 +760,11 @@ def test_moe_prefill_block(dtype, E, tile_rows):
     64), the shared expert (its own GEMMs) and the combine + residual, in place on x. Every row equals
     reference.sparse_moe + the residual (float <= 1e-5 relative, bfloat <= 1e-2); the routing and slots are
     the reference's."""
-    rng = np.random.default_rng(48 + E)
     M, k, H, I, Is = 48, 8, 256, 64, 128
-    T = ACT[dtype]
-    router = make(rng, "q8_sbf16", (E + 1, H), 64)
-    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
-    down = make(rng, "q4_sbf16", (E, H, I), 64)
-    sgu, sdown = make(rng, "q4_sbf16", (2 * Is, H), 64), make(rng, "q4_sbf16", (H, Is), 64)
-    xn = (rng.standard_normal((M, H)) * 0.1).astype(T)
-    x = rng.standard_normal((M, H)).astype(T)
-    x0 = x.copy()
+    blk = Block(np.random.default_rng(48 + E), dtype, M, E, k, H, I, Is)
     sc = prefill_scratch(dtype, M, E, k, H, I, Is)
     with run("random", seed=E, keep_records=True) as (dev, enc, b):
-        buf = raw(b)
-        dv = lambda m: m.device(buf, gpu)  # noqa: E731
-        ops.moe_prefill(enc, dtype, [dv(router)], dv(gate), dv(up), dv(down), dv(sgu), dv(sdown), k, True, buf(xn),
-                        buf(x), M, **{n: buf(a) for n, a in sc.items()})
+        blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
         # router + shared gate/up, top-k + shared down, count, scan, scatter, the 2 grouped GEMMs, combine
         assert enc.levels == 8
         # declared arithmetic (the costing's): the GEMMs at 2 per multiply-add over the M rows / S slots, the
@@ -734,19 +776,8 @@ def test_moe_prefill_block(dtype, E, tile_rows):
         names = [r["kernel"] for r in dev.records()]
         assert names[-6:] == ["moe_sort_count", "moe_sort_scan", "moe_sort_scatter", names[-3], names[-2],
                               f"moe_combine_{dtype}"] and f"moe_topk_{dtype}" in names
-    bf = dtype == "bf16"
-    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    p = {"gate": f32(router.ref[:E]), "shared_expert_gate": f32(router.ref[E:]),
-         "switch_mlp.gate_proj": f32(gate.ref), "switch_mlp.up_proj": f32(up.ref),
-         "switch_mlp.down_proj": f32(down.ref),
-         "shared_expert.gate_proj": f32(sgu.ref[:Is]), "shared_expert.up_proj": f32(sgu.ref[Is:]),
-         "shared_expert.down_proj": f32(sdown.ref)}
-    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=Is)
-    xr = f32(xn)
+    want_ids, want = blk.reference()
     # routing: the reference's experts for every row, and their stable sort
-    logits = xr @ p["gate"].T
-    logits = reference.to_bf16(logits) if bf else logits
-    want_ids = np.argsort(-reference.softmax(logits), axis=-1, kind="stable")[:, :k]
     np.testing.assert_array_equal(sc["ids"], want_ids)
     assert ops.moe_tile_rows(M * k, E) == tile_rows
     cap = ops.moe_tile_capacity(M * k, E, tile_rows)
@@ -754,11 +785,7 @@ def test_moe_prefill_block(dtype, E, tile_rows):
     np.testing.assert_array_equal(sc["slot_rows"], want_rows)
     np.testing.assert_array_equal(sc["slot_of"].reshape(-1), want_of)
     np.testing.assert_array_equal(sc["tiles"][:cap], want_tiles)
-    # the block, row by row
-    want = f32(x0) + reference.sparse_moe(xr, p, cfg, bf16=bf)
-    want = reference.to_bf16(want) if bf else want
-    for m in range(M):
-        assert rel_err(x[m], want[m]) <= (1e-2 if bf else 1e-5), f"row {m}"
+    blk.check_rows(want)
 
 
 def test_moe_prefill_block_checks():
@@ -797,29 +824,68 @@ def test_moe_prefill_block_checks():
 def test_moe_prefill_scratch_and_partial_chunk():
     """moe_prefill_scratch allocates the documented sizes for chunks of up to 48 rows; a chunk of 37 rows
     (no shared expert: router rows = E) through it equals reference.sparse_moe + the residual (float)."""
-    rng = np.random.default_rng(37)
     max_rows, M, E, k, H, I = 48, 37, 20, 8, 128, 64
-    router = make(rng, "q8_sbf16", (E, H), 64)
-    gate, up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
-    down = make(rng, "q4_sbf16", (E, H, I), 64)
-    xn = (rng.standard_normal((M, H)) * 0.1).astype(np.float32)
-    x = rng.standard_normal((M, H)).astype(np.float32)
-    x0 = x.copy()
+    blk = Block(np.random.default_rng(37), "f32", M, E, k, H, I, 0)
     with run("reverse") as (dev, enc, b):
-        buf = raw(b)
-        dv = lambda m: m.device(buf, gpu)  # noqa: E731
-        mats = ([dv(router)], dv(gate), dv(up), dv(down), None, None, k)
-        sc = ops.moe_prefill_scratch(dev, "f32", *mats, max_rows)
+        sc = ops.moe_prefill_scratch(dev, "f32", *blk.mats(raw(b)), max_rows)
         want_sizes = {n: a.nbytes for n, a in prefill_scratch("f32", max_rows, E, k, H, I, 0).items()
                       if not n.startswith("shared")}
         want_sizes["logits"] = max_rows * E * 4   # no shared-gate column
         assert {n: s.nbytes for n, s in sc.items()} == want_sizes
-        ops.moe_prefill(enc, "f32", *mats, True, buf(xn), buf(x), M, **sc)
-    p = {"gate": router.ref.astype(np.float32), "switch_mlp.gate_proj": gate.ref.astype(np.float32),
-         "switch_mlp.up_proj": up.ref.astype(np.float32), "switch_mlp.down_proj": down.ref.astype(np.float32)}
-    cfg = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, shared_expert_intermediate_size=0)
-    want = x0 + reference.sparse_moe(xn, p, cfg)
-    for m in range(M):
-        assert rel_err(x[m], want[m]) <= 1e-5, f"row {m}"
-    ids = np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k)
-    np.testing.assert_array_equal(ids, np.argsort(-reference.softmax(xn @ p["gate"].T), axis=-1, kind="stable")[:, :k])
+        blk.encode(enc, raw(b), sc)
+    want_ids, want = blk.reference()
+    blk.check_rows(want)
+    np.testing.assert_array_equal(np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k), want_ids)
+
+
+def test_moe_prefill_real_shape_encode_only():
+    """The real config's MoE block for a 4096-token chunk (E = 256, top-8, H = 2048, I = Is = 512, q8 router,
+    q4 gs 64 experts, bf16), encoded on an encode-only simulator device (virtual buffers, nothing runs): 8
+    levels, 32-row tiles (S / E = 128), the grouped GEMMs' grid sized by the capacity bound, and the exact
+    declared traffic of the top-k, sort and combine."""
+    dev = gpu.SimDevice(execute=False, keep_records=True)
+    cb = dev.command_buffer()
+    enc = gpu.Encoder(dev, cb)
+    M, E, k, H, I = 4096, 256, 8, 2048, 512
+    S = M * k
+
+    def mat(fmt, rows, cols, count=1):
+        bits = 4 if fmt == "q4" else 8
+        n = count * rows * (cols // 64) * 2
+        return gpu.Matrix(fmt, rows, cols, dev.alloc(count * rows * cols * bits // 8), dev.alloc(n), dev.alloc(n),
+                          group_size=64, count=count)
+
+    mats = ([mat("q8", E + 1, H)], mat("q4", I, H, E), mat("q4", I, H, E), mat("q4", H, I, E), mat("q4", 2 * I, H),
+            mat("q4", H, I), k)
+    sc = ops.moe_prefill_scratch(dev, "bf16", *mats, M)
+    ops.moe_prefill(enc, "bf16", *mats, True, dev.alloc(M * H * 2), dev.alloc(M * H * 2), M, **sc)
+    assert enc.levels == 8 and dev.counters()["host_waits"] == 0
+    cb.commit()
+    cb.wait()
+    recs = {r["kernel"]: r for r in dev.records()}
+    t = ops.moe_tile_rows(S, E)
+    cap = ops.moe_tile_capacity(S, E, t)
+    assert (t, cap) == (32, 256 + (S - 256) // 32)
+    grouped = [r for r in dev.records() if r["threadgroups"][1] == cap]
+    assert len(grouped) == 2   # gate/up + SwiGLU and down: one row of threadgroups per tile-map entry
+    assert recs["moe_topk_bf16"]["bytes_read"] == M * E * 4 and recs["moe_topk_bf16"]["bytes_written"] == S * 8
+    assert recs["moe_sort_count"]["threadgroups"] == (32, 1, 1)   # 32 token blocks of 128 tokens, 256 experts
+    assert recs["moe_sort_scan"]["bytes_written"] == 32 * E * 4 + cap * 16
+    assert recs["moe_sort_scatter"]["bytes_written"] == 2 * S * 4
+    assert recs["moe_combine_bf16"]["bytes_read"] == S * H * 4 + 2 * S * 4 + M * H * 2 * 2 + M * 4
+    assert recs["moe_combine_bf16"]["bytes_written"] == M * H * 2
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_moe_prefill_small_chunks_and_router_parts(dtype, M):
+    """Chunks of 1, 5 (the skinny GEMMs: qmv with batch M) and 17 rows; the router as two parts of different
+    formats (8-bit router rows, the shared-gate row dense bf16), written into consecutive logit columns."""
+    E, k, H, I, Is = 10, 4, 128, 32, 64
+    blk = Block(np.random.default_rng(M), dtype, M, E, k, H, I, Is, split_router=True, down_gs=32)
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("reverse", seed=M) as (dev, enc, b):
+        blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
+    want_ids, want = blk.reference()
+    np.testing.assert_array_equal(sc["ids"], want_ids)
+    blk.check_rows(want)

@@ -67,10 +67,11 @@ namespace {
 uint32_t vals_per_lane(WFormat f) {
     return f == WFormat::Q4 ? QMV_VALS_Q4 : f == WFormat::Q8 ? QMV_VALS_Q8 : QMV_VALS_DENSE;
 }
-// input vectors per threadgroup of qmv (the kernel variant): the smallest of 1, 2, 4, 8, 16 that holds
-// the batch (the extra accumulators are masked), QMV_MULTI_MAX for larger batches (chunks of 16)
+// input vectors per threadgroup of qmv (the kernel variant): 1 (decode), else the smallest of 4, 8, 16
+// that holds the batch (the vectors past it are skipped), QMV_MULTI_MAX for larger batches (chunks of 16)
 uint32_t qmv_vectors(uint32_t batch) {
-    uint32_t mb = 1;
+    if (batch == 1) return 1;
+    uint32_t mb = QMV_MULTI_MIN;
     while (mb < batch && mb < QMV_MULTI_MAX) mb *= 2;
     return mb;
 }

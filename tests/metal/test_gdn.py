@@ -562,3 +562,37 @@ def test_prefill_argument_checks():
         with pytest.raises(ValueError, match="rows must be at least 1"):
             ops.gdn_conv(enc, "f32", shape, buf(x), buf(np.zeros(4 * C, F32)), buf(np.zeros(3 * C, F32)),
                          buf(np.zeros(3 * C, F32)), rows=0)
+
+
+def test_checks_catch_planted_errors():
+    """The 1e-5 comparisons above are tight enough to see the bugs a prefill kernel is likely to have: the oracle
+    fed a plausible mistake (HF state layout, gates one row late, the other key head, the state not carried
+    across a split, one token dropped) no longer matches the chunked kernel."""
+    shape = ops.GdnShape(nk=2, nv=4, dk=16, dv=16, conv_kernel=4)
+    L = Layer(shape, "f32", 77)
+    ch = Chunk(L, 20)
+    y, S = run_prefill(L, ch, "chunked", 8)
+    act, z, b, a = ch.rows(0, 20, L)
+    args = (L.A_log, L.dt_bias, L.norm_w, EPS)
+    S0 = state_view(L)
+    check_close(y, S, *ref_rows(shape, act, z, b, a, *args, S0, False), 1e-5, 1e-5, "unmutated")
+    kd = shape.nk * shape.dk
+    qk_swapped = f32(act).copy()
+    for off in (0, kd):   # q and k of the two key heads swapped: every value head reads the wrong one
+        qk_swapped[:, off:off + kd] = np.roll(qk_swapped[:, off:off + kd].reshape(20, 2, 16), 1, axis=1).reshape(20, kd)
+    y_split, S_split = run_prefill(L, ch, "chunked", 8, splits=[(0, 10), (10, 20)])
+    y_half, S_half = ref_rows(shape, act[10:], z[10:], b[10:], a[10:], *args, S0, False)
+    mutants = {
+        "HF state layout": ref_rows(shape, act, z, b, a, *args, np.ascontiguousarray(S0.transpose(0, 2, 1)), False),
+        "gates one row late": ref_rows(shape, act, z, np.roll(b, 1, 0), np.roll(a, 1, 0), *args, S0, False),
+        "wrong key head": ref_rows(shape, qk_swapped, z, b, a, *args, S0, False),
+        "a token dropped": ref_rows(shape, np.delete(act, 5, 0), np.delete(z, 5, 0), np.delete(b, 5, 0),
+                                    np.delete(a, 5, 0), *args, S0, False),
+    }
+    for name, (y_m, S_m) in mutants.items():
+        if y_m.shape != y.shape:
+            y_m = np.concatenate([y_m[:5], y_m[4:5], y_m[5:]])   # align the rows (row 5's output is wrong anyway)
+        with pytest.raises(AssertionError, match="rel err"):
+            check_close(y, S, y_m, S_m, 1e-5, 1e-5, name)
+    with pytest.raises(AssertionError, match="rel err"):   # the second half alone: the carried state matters
+        check_close(y_split[10:], S_split, y_half, S_half, 1e-5, 1e-5, "state not carried")

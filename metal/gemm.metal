@@ -34,8 +34,8 @@
 // (simdgroup_float8x8), one 8x8x8 multiply-accumulate per pair per 8 inputs, W^T read as a transposed
 // load. Float tiles keep the dequantized weights exact (what qmv multiplies) and use one MMA type for
 // both activation types. After the K loop the accumulators go to a float tile [bm, 68] and the
-// threadgroup stores it with the fusions. Threadgroup memory 22.5 KB. Grid (ceil(N / cols),
-// ceil(M / 32) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns before any barrier
+// threadgroup stores it with the fusions. Threadgroup memory 22,656 bytes. Grid (ceil(N / cols),
+// ceil(M / tile_rows) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns before any barrier
 // (its condition depends only on the threadgroup: uniform).
 template <int FMT, typename S, typename T, typename O>
 kernel void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],

@@ -132,6 +132,8 @@ def test_gemm_swiglu(schedule, fmt, dtype, gs, n, inter, M, seed):
     assert_close(y[:, :inter], ref.T, bound.T, tol(dtype))
     assert (y[:, inter:].astype(np.float32) == 7).all()
     assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}"
+    bm = 16 if M <= 16 else 32
+    assert not SIM or dev.records()[0]["threadgroups"] == (-(-inter // 32), -(-M // bm), 1)
 
 
 @pytest.mark.parametrize("M", [1, 16, 17])
@@ -261,9 +263,56 @@ def test_gemm_grouped(schedule, tile_rows, fmt, dtype):
             assert (y[s] == 7).all()
             continue
         Wr = W.ref[expert[s]]
-        assert_close(y[s], rnd(Wr @ af[s], dtype), np.abs(Wr) @ np.abs(af[s]), dtype, f"slot {s}")
+        assert_close(y[s], rnd(Wr @ af[s], dtype), np.abs(Wr) @ np.abs(af[s]), tol(dtype), f"slot {s}")
+    if dtype == "bf16":   # the float output holds bf16 values (the bf16 graph's rounded expert outputs)
+        np.testing.assert_array_equal(y, y.astype(BF16).astype(np.float32))
     suffix = "_f32out" if dtype == "bf16" else ""
     assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}{suffix}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(fmt=st.sampled_from(FORMATS), dtype=st.sampled_from(["f32", "bf16"]), tile_rows=st.sampled_from([16, 32]),
+       counts=st.lists(st.integers(0, 40), min_size=1, max_size=5), n_empty=st.integers(0, 3),
+       I=st.integers(1, 40), ng=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+def test_gemm_grouped_random(schedule, fmt, dtype, tile_rows, counts, n_empty, I, ng, seed):
+    """Both grouped GEMMs chained as the MoE block runs them (gate/up + SwiGLU, then down) over random
+    expert counts (zeros included) and a tile map with empty entries shuffled in."""
+    if sum(counts) == 0:
+        counts = counts + [1]
+    rng = np.random.default_rng(seed)
+    E, H, M = len(counts), cols_for(fmt, 32, ng), 23
+    tiles, S = tile_map(counts, tile_rows, extra_empty=n_empty)
+    tiles = tiles[rng.permutation(len(tiles))].copy()      # entry order is free
+    gate, up = make(rng, fmt, (E, I, H), 32), make(rng, fmt, (E, I, H), 32)
+    Ip = I if not fmt.startswith("q") else -(-I // 32) * 32   # the down projection's K: a valid column count
+    Ip = -(-Ip // 8) * 8
+    down = make(rng, fmt, (E, 24, Ip), 32)
+    x = rng.standard_normal((M, H)).astype(ACT[dtype])
+    slot_rows = rng.integers(0, M, S).astype(np.uint32)
+    # the down GEMM's inputs: the SwiGLU output in columns [0, I), random ones after it (Ip is a valid K; not
+    # zeros: a lone tiny input would make |W| @ |a| a bound below the float dequantization's own rounding)
+    act = rng.standard_normal((S, Ip)).astype(ACT[dtype])
+    act_v = np.full((S, I), 7, ACT[dtype])
+    y = np.full((S, 24), 7, np.float32)
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        tm = gpu.TileMap(buf(tiles), len(tiles), tile_rows)
+        ops.gemm_grouped_swiglu(enc, dtype, gate.device(buf, gpu), up.device(buf, gpu), buf(x), buf(slot_rows),
+                                tm, S, buf(act_v))
+    act[:, :I] = act_v
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        ops.gemm_grouped(enc, dtype, down.device(buf, gpu), buf(act), gpu.TileMap(buf(tiles), len(tiles), tile_rows),
+                         S, buf(y))
+    expert = np.repeat(np.arange(E), counts)
+    xf, af = x.astype(np.float64), act.astype(np.float64)
+    for s in range(S):
+        e = expert[s]
+        ref, bound = gate_up_ref(gate.ref[e], up.ref[e], xf[slot_rows[s]], dtype)
+        assert_close(act_v[s], ref, bound, tol(dtype), f"act slot {s}")
+        Wd = down.ref[e]
+        assert_close(y[s], rnd(Wd @ af[s], dtype), np.abs(Wd) @ np.abs(af[s]), tol(dtype), f"y slot {s}")
 
 
 def test_gemm_grouped_declared():

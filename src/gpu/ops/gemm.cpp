@@ -115,9 +115,11 @@ void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, 
     }
     if (f.round) flags |= GEMM_ROUND;
     if (f.swiglu) flags |= GEMM_SWIGLU;
+    // 16-row tiles for a chunk of at most 16 rows (SwiGLU at skinny M), else 32
+    const uint32_t bm = M <= GEMM_BM_SMALL ? GEMM_BM_SMALL : GEMM_BM;
     GemmCall c;
     c.route = route;
-    c.p = GemmParams{M, N, K, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, GEMM_BM, M, W.rows, 1,
+    c.p = GemmParams{M, N, K, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, bm, M, W.rows, 1,
                      f.swiglu ? N : 0};
     c.wa = c.wb = &W;
     // Weights declared read once per dispatch: the ideal (each weight tile is re-read by every row
@@ -130,7 +132,7 @@ void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, 
     c.y_written = uint64_t(M) * N * os;
     c.f32_out = f32_out && t != Act::F32;  // float activations already give float output
     const uint32_t cols = f.swiglu ? GEMM_BN / 2 : GEMM_BN;
-    c.groups = Dims{ceil_div(N, cols), ceil_div(M, GEMM_BM), 1};
+    c.groups = Dims{ceil_div(N, cols), ceil_div(M, bm), 1};
     c.flops = 2ull * M * W.rows * K;  // swiglu: 2 M (2N) K
     encode(e, t, c);
 }

@@ -251,27 +251,28 @@ template <class T> inline dptr<T> operator+(ptrdiff_t k, const dptr<T>& d) { ret
 
 // Checked threadgroup pointer (mslpp rewrites `threadgroup T*` to it in checked mode): bounds of
 // the threadgroup variable it points into, and the same poisoned-read tracking as tg_array.
+// The threadgroup variable a raw pointer points into. A pointer one past the end of a variable is
+// also the first byte of the next one when the two are adjacent in the arena: strict containment
+// wins, and the one-past-the-end match (an end pointer, never dereferenced) is the fallback.
 inline void find_tg_bounds(const void* p, const char** lo, const char** hi) {
     *lo = *hi = nullptr;
     Lane* l = cur();
     if (!l || !p) return;
     Group* G = l->grp;
     const char* q = static_cast<const char*>(p);
-    for (int i = 0; i < G->nvars; ++i) {
-        const char* a = G->arena + G->vars[i].off;
-        if (q >= a && q <= a + G->vars[i].size) {
-            *lo = a;
-            *hi = a + G->vars[i].size;
-            return;
-        }
-    }
-    for (int i = 0; i < G->ntg_args; ++i) {
-        const char* a = G->arena + G->tg_arg_off[i];
-        if (q >= a && q <= a + G->tg_arg_size[i]) {
-            *lo = a;
-            *hi = a + G->tg_arg_size[i];
-            return;
-        }
+    for (int end_ok = 0; end_ok < 2; ++end_ok) {
+        auto match = [&](const char* a, long size) {
+            if (q >= a && (q < a + size || (end_ok && q == a + size))) {
+                *lo = a;
+                *hi = a + size;
+                return true;
+            }
+            return false;
+        };
+        for (int i = 0; i < G->nvars; ++i)
+            if (match(G->arena + G->vars[i].off, long(G->vars[i].size))) return;
+        for (int i = 0; i < G->ntg_args; ++i)
+            if (match(G->arena + G->tg_arg_off[i], long(G->tg_arg_size[i]))) return;
     }
 }
 

@@ -1,4 +1,4 @@
-"""The Metal backends: the C++ decode graph (``src/gpu/``) on a GPU device.
+"""The Metal backends: the C++ decode and prefill graphs (``src/gpu/``) on a GPU device.
 
 * ``backend="metal"`` (macOS, Apple Silicon): the graph on the real GPU through ``MetalDevice``.
 * ``backend="metal-sim"`` (every platform): the same graph and the same kernels executed by the

@@ -298,12 +298,11 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
     Chunk& ch = *ch_;
     ops::GemmFusion res;
     res.residual = &ch.x;
-    // y[:, :st.rows] = xn st^T: one GEMM per part into its column range of y's rows
-    auto stacked = [&](const Stacked& sp, const Buffer& y, bool f32_out, const ops::GemmFusion& f) {
-        const uint64_t os = f32_out ? 4 : es;
+    // proj[:, :sp.rows] = xn sp^T: one GEMM per part into its column range of proj's rows
+    auto stacked = [&](const Stacked& sp) {
         uint64_t col = 0;
         for (const Matrix& m : sp.parts) {
-            ops::gemm(e, t, m, ch.xn, y.view(col * os), rows, f32_out, H, sp.rows, f, gr);
+            ops::gemm(e, t, m, ch.xn, ch.proj.view(col * es), rows, false, H, sp.rows, ops::GemmFusion(), gr);
             col += m.rows;
         }
     };
@@ -313,7 +312,7 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
         // ---- gated full attention ----
         const ops::AttnShape as = attn_shape(c);
         const ops::KVCache& kv = st.kv[L.state_index];
-        stacked(L.attn_in, ch.proj, false, ops::GemmFusion());                             // proj = [q+gate | k | v]
+        stacked(L.attn_in);                                                                // proj = [q+gate | k | v]
         ops::attn_prepare(e, t, as, ch.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, ch.q, rows, L.attn_in.rows);
         ops::attention_prefill(e, t, as, ch.q, ch.proj, L.attn_in.rows, kv, uint32_t(p0), rows, ch.mix);
         ops::gemm(e, t, L.o_proj, ch.mix, ch.x, rows, false, 0, 0, res, gr);               // x += o_proj(mix)
@@ -321,7 +320,7 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
         // ---- Gated DeltaNet ----
         const ops::GdnShape gs = gdn_shape(c);
         const size_t gi = L.state_index;
-        stacked(L.gdn_in, ch.proj, false, ops::GemmFusion());                              // proj = [qkv | z | b | a]
+        stacked(L.gdn_in);                                                                 // proj = [qkv | z | b | a]
         ops::gdn_conv(e, t, gs, ch.proj, L.conv_w, st.conv_in(gi), st.conv_next(gi), ch.conv_act, rows,
                       L.gdn_in.rows);                                                      // window: cur -> next half
         ops::gdn_prefill(e, t, gs, ch.conv_act, ch.proj, L.gdn_in.rows, L.A_log, L.dt_bias, L.gdn_norm, c.eps,

@@ -33,6 +33,9 @@ void register_gpu_ops_gemm(nb::module_& ops) {
         .def_rw("capacity", &gpu::ops::TileMap::capacity)
         .def_rw("tile_rows", &gpu::ops::TileMap::tile_rows);
 
+    ops.def("gemm_route", [](const gpu::Device& d) {
+        return gpu::ops::gemm_route(d.info()) == gpu::ops::GemmRoute::Tensor ? "tensor" : "simdgroup";
+    }, "device"_a, "The GEMM route of a device: 'tensor' where it has Metal 4 tensor ops (M5), else 'simdgroup'.");
     ops.def("gemm", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& x,
                        const gpu::Buffer& y, uint32_t M, bool f32_out, uint32_t x_stride, uint32_t y_stride,
                        std::optional<gpu::Buffer> residual, bool round, bool swiglu, const std::string& route) {

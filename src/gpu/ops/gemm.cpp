@@ -8,9 +8,11 @@ namespace qwenmetal::gpu::ops {
 
 namespace {
 
-void check_route(GemmRoute route, const char* op) {
-    check(route == GemmRoute::Simdgroup, op,
-          "route Tensor (Metal 4 tensor ops) is not available: this build has only the simdgroup_matrix route");
+void check_route(const Encoder& e, GemmRoute route, const char* op) {
+    const DeviceInfo& info = e.device().info();
+    check(route == GemmRoute::Simdgroup || info.tensor_ops, op,
+          "route Tensor (Metal 4 tensor ops) is not available on this device (" + info.name +
+              "): DeviceInfo::tensor_ops is false (M5, GPU family apple10; gemm_route() picks the device's route)");
 }
 
 // x / y row-major views: the bytes of `rows` rows of `cols` elements at `stride`
@@ -18,7 +20,8 @@ uint64_t span(uint32_t rows, uint32_t stride, uint32_t cols, uint64_t es) {
     return (uint64_t(rows - 1) * stride + cols) * es;
 }
 
-// One dispatch of a gemm_<w>_<T> kernel; what differs between the dense and the grouped GEMMs is
+// One dispatch of a gemm_<w>_<T> kernel (gemm_tensor_<w>_<T> on the Tensor route: metal/gemm_tensor.metal,
+// the same buffers, grid and params); what differs between the dense and the grouped GEMMs is
 // the params, the row bindings and the declarations.
 struct GemmCall {
     GemmParams p{};
@@ -35,6 +38,7 @@ struct GemmCall {
     Buffer y;                     // view
     uint64_t y_written = 0;
     bool f32_out = false;         // a bf16 build storing float (the _f32out variant)
+    GemmRoute route = GemmRoute::Simdgroup;
     Dims groups{1, 1, 1};
     uint64_t flops = 0;
 };
@@ -51,7 +55,7 @@ void encode(Encoder& e, Act t, const GemmCall& c) {
     if (c.residual && !in_place) args.push_back(Arg::in(c.residual->view(0, c.y.length), c.y_written));
     else args.push_back(Arg::in(c.y, 0));
     args.push_back(in_place ? Arg::inout(c.y, c.y_written, c.y_written) : Arg::out(c.y, c.y_written));
-    const std::string kernel = "gemm_" + c.wa->variant() + "_" + act_suffix(t) + (c.f32_out ? "_f32out" : "");
+    const std::string kernel = std::string(c.route == GemmRoute::Tensor ? "gemm_tensor_" : "gemm_") + c.wa->variant() + "_" + act_suffix(t) + (c.f32_out ? "_f32out" : "");
     e.dispatch(kernel, c.groups, Dims{GEMM_THREADS, 1, 1}, args, {}, c.flops);
 }
 
@@ -71,10 +75,12 @@ GemmParams grouped_params(const Matrix& W, const TileMap& tm, uint32_t S, uint32
 
 }  // namespace
 
+GemmRoute gemm_route(const DeviceInfo& info) { return info.tensor_ops ? GemmRoute::Tensor : GemmRoute::Simdgroup; }
+
 void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t M, bool f32_out,
           uint32_t x_stride, uint32_t y_stride, const GemmFusion& f, GemmRoute route) {
     const char* op = "gemm";
-    check_route(route, op);
+    check_route(e, route, op);
     W.validate("gemm: W");
     check(W.count == 1, op, "W must be one matrix (count 1), got a stack of " + std::to_string(W.count));
     check(M > 0, op, "M must be positive");
@@ -112,6 +118,7 @@ void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, 
     // 16-row tiles for a chunk of at most 16 rows (SwiGLU at skinny M), else 32
     const uint32_t bm = M <= GEMM_BM_SMALL ? GEMM_BM_SMALL : GEMM_BM;
     GemmCall c;
+    c.route = route;
     c.p = GemmParams{M, N, K, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, bm, M, W.rows, 1,
                      f.swiglu ? N : 0};
     c.wa = c.wb = &W;
@@ -134,7 +141,7 @@ void gemm_grouped_swiglu(Encoder& e, Act t, const Matrix& gate, const Matrix& up
                          const Buffer& slot_rows, const TileMap& tm, uint32_t S, const Buffer& act,
                          GemmRoute route) {
     const char* op = "gemm_grouped_swiglu";
-    check_route(route, op);
+    check_route(e, route, op);
     gate.validate("gemm_grouped_swiglu: gate");
     up.validate("gemm_grouped_swiglu: up");
     check(gate.fmt == up.fmt && gate.rows == up.rows && gate.cols == up.cols && gate.count == up.count &&
@@ -150,6 +157,7 @@ void gemm_grouped_swiglu(Encoder& e, Act t, const Matrix& gate, const Matrix& up
     need(act, uint64_t(S) * I * es, op, "act");
     const uint32_t x_rows = uint32_t(std::min<uint64_t>(x.length / xrow, 0xFFFFFFFFu));
     GemmCall c;
+    c.route = route;
     c.p = grouped_params(gate, tm, S, x_rows, GEMM_SWIGLU | GEMM_TILEMAP | GEMM_GATHER);
     c.p.N = I;
     c.p.y_stride = I;
@@ -173,7 +181,7 @@ void gemm_grouped_swiglu(Encoder& e, Act t, const Matrix& gate, const Matrix& up
 void gemm_grouped(Encoder& e, Act t, const Matrix& W, const Buffer& act, const TileMap& tm, uint32_t S,
                   const Buffer& y, GemmRoute route) {
     const char* op = "gemm_grouped";
-    check_route(route, op);
+    check_route(e, route, op);
     W.validate("gemm_grouped: W");
     check_tile_map(tm, S, op);
     const uint32_t N = W.rows, K = W.cols;
@@ -182,6 +190,7 @@ void gemm_grouped(Encoder& e, Act t, const Matrix& W, const Buffer& act, const T
     check(act.offset % (4 * es) == 0, op, "act offset must be 4-element aligned");
     need(y, uint64_t(S) * N * 4, op, "y");
     GemmCall c;
+    c.route = route;
     // y float holding the product rounded to T (identity for float activations)
     c.p = grouped_params(W, tm, S, S, GEMM_ROUND | GEMM_TILEMAP);
     c.wa = c.wb = &W;

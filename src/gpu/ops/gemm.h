@@ -6,8 +6,12 @@
 
 namespace qwenmetal::gpu::ops {
 
-// simdgroup_matrix (M1-M4) | Metal 4 tensor ops (M5)
+// simdgroup_matrix (M1-M4) | Metal 4 tensor ops (M5: metal/gemm_tensor.metal)
 enum class GemmRoute : uint8_t { Simdgroup = 0, Tensor = 1 };
+
+// The route of a device: Tensor where DeviceInfo::tensor_ops (M5, GPU family apple10; a SimDevice that
+// claims it), else Simdgroup. Tensor on a device without tensor ops is an invalid_argument in every GEMM.
+GemmRoute gemm_route(const DeviceInfo& info);
 
 struct GemmFusion {
     const Buffer* residual = nullptr;  // y = residual + X W^T (may be y itself; product rounded to T first, as qmv)

@@ -436,6 +436,22 @@ inline void kernel_exit(Lane* l) {
     (void)l;
 }
 
+// Parks the current lane at a SIMD-group function: `in` / `out` are its operands and results (read and
+// written by `resolve` once every lane of the SIMD-group waits at the same call site).
+inline void park_at_simd(const void* in, void* out, int64_t aux, const char* op, const char* file, int line,
+                         ResolveFn resolve) {
+    Lane* l = cur();
+    l->in = in;
+    l->out = out;
+    l->aux = aux;
+    l->op = op;
+    l->file = file;
+    l->line = line;
+    l->resolve = resolve;
+    l->state = LANE_AT_SIMD;
+    park(l);
+}
+
 template <class T, class R, class Op> struct Collective {
     static const char* resolve(Lane* const* L, uint32_t act) {
         T in[32];
@@ -454,17 +470,8 @@ template <class T, class R, class Op> struct Collective {
     }
 };
 template <class R, class Op, class T> inline R collective(const T& x, int64_t aux, const char* op, const char* file, int line) {
-    Lane* l = cur();
     R out;
-    l->in = &x;
-    l->out = &out;
-    l->aux = aux;
-    l->op = op;
-    l->file = file;
-    l->line = line;
-    l->resolve = &Collective<T, R, Op>::resolve;
-    l->state = LANE_AT_SIMD;
-    park(l);
+    park_at_simd(&x, &out, aux, op, file, line, &Collective<T, R, Op>::resolve);
     return out;
 }
 
@@ -834,18 +841,10 @@ namespace metal {
 template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                           const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c, MSL_SITE) {
-    msl::Lane* l = msl::cur();
     msl::MmaIn<TA, TB, TC> in{a.e, b.e, c.e};
     vec<TD, 2> out;
-    l->in = &in;
-    l->out = &out;
-    l->aux = 0;
-    l->op = "simdgroup_multiply_accumulate";
-    l->file = file_;
-    l->line = line_;
-    l->resolve = &msl::CollectiveMma<TA, TB, TC, TD>::resolve;
-    l->state = msl::LANE_AT_SIMD;
-    msl::park(l);
+    msl::park_at_simd(&in, &out, 0, "simdgroup_multiply_accumulate", file_, line_,
+                      &msl::CollectiveMma<TA, TB, TC, TD>::resolve);
     d.e = out;
 }
 template <class TD, class TA, class TB>

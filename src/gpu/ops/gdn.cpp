@@ -85,7 +85,7 @@ uint64_t prep_bytes(const Sizes& z, uint32_t M) {
     return M * (2 * z.kd + 2 * z.nv) * z.es + 8 * z.nv + z.rows_pad * (2 * z.kd + 2 * z.nv) * 4;
 }
 uint64_t chunk_bytes(const Sizes& z, uint32_t M) {
-    return M * z.V * z.es + z.rows_pad * 2 * z.kd * 4 + M * 2 * z.nv * 4 + 2 * z.nst + M * z.V * 4;
+    return M * z.V * z.es + z.rows_pad * 2 * z.kd * 4 + (z.rows_pad + M) * z.nv * 4 + 2 * z.nst + M * z.V * 4;
 }
 uint64_t norm_bytes(const GdnShape& s, const Sizes& z, uint32_t M) {
     return M * z.V * 4 + M * z.V * z.es + s.dv * z.es + M * z.V * z.es;
@@ -273,7 +273,7 @@ void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
     const ChunkWork w = chunk_work(s, M, bc);
     e.dispatch("gdn_chunk_" + sfx, Dims{s.nv, chunk_tiles(s), 1}, Dims{32 * GDN_CHUNK_SIMDGROUPS, 1, 1},
                {Arg::params(p), Arg::in(act.view(0, nact), uint64_t(M) * V * es), Arg::in(qn), Arg::in(kn),
-                Arg::in(beta, uint64_t(M) * nv * 4), Arg::in(g, uint64_t(M) * nv * 4),
+                Arg::in(beta), Arg::in(g, uint64_t(M) * nv * 4),
                 same ? Arg::inout(state.view(0, nst)) : Arg::in(state.view(0, nst)),
                 same ? Arg::inout(state_out.view(0, nst), 0, 0) : Arg::out(state_out.view(0, nst)), Arg::out(o)},
                {}, w.flops);

@@ -233,7 +233,7 @@ kernel void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[
 // log decay g, with exactly gdn_step's functions, into float scratch (the chunk kernel reads them as
 // simdgroup_matrix tiles, and each is read by every threadgroup of the head: normalising once is cheaper).
 //
-// Thread mapping: one SIMD-group per (key head kh, row m): grid (nk, rows_pad); the lanes hold q and k
+// Thread mapping: one SIMD-group per (key head kh, row m): grid (nk, M + pad8(block)); the lanes hold q and k
 // lane-strided as gdn_step's; lane j < group writes beta and g of value head kh * group + j. Rows
 // m >= rows (the padding the chunk kernel's last block reads past the chunk) are written as zeros.
 template <typename T>

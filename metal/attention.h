@@ -6,11 +6,12 @@
 #include <cstdint>
 #endif
 
-// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 548 bytes of
+// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 552 bytes of
 // setBytes)
 #define ATTN_MAX_ROTARY_HALF 128u
 
-// attn_prepare_*: q/k RMSNorm + partial RoPE + KV-cache write of one token.
+// attn_prepare_*: q/k RMSNorm + partial RoPE + KV-cache write of `rows` tokens at consecutive
+// positions (rows = 1: decode), one threadgroup per (head, row).
 struct AttnPrepareParams {
     uint32_t n_heads;      // query heads
     uint32_t n_kv_heads;   // key/value heads
@@ -18,8 +19,9 @@ struct AttnPrepareParams {
     uint32_t rotary_dim;   // even, <= head_dim; the first rotary_dim dims rotate (rotate-half pairs)
     uint32_t q_stride;     // proj elements per query head: head_dim, or 2 * head_dim with the output gate
     uint32_t q_rows;       // n_heads * q_stride: where k starts in proj
-    uint32_t position;     // absolute position of the token = the cache row written
+    uint32_t position;     // absolute position of row 0 = the cache row written; row r: position + r
     uint32_t capacity;     // cache rows per kv head
+    uint32_t proj_stride;  // proj elements per token row
     float eps;             // RMSNorm epsilon
     // theta^(-2i / rotary_dim), i < rotary_dim / 2, correctly rounded to float on the host (as the
     // reference's rope_tables): the angle float(position) * inv_freq[i] then matches it bit for bit
@@ -27,8 +29,8 @@ struct AttnPrepareParams {
     // more than the float32 tolerance of a test.
     float inv_freq[ATTN_MAX_ROTARY_HALF];
 };
-static_assert(sizeof(AttnPrepareParams) == 36 + 4 * ATTN_MAX_ROTARY_HALF,
-              "AttnPrepareParams: 9 x 4 bytes + the inv_freq table, as the host packs it");
+static_assert(sizeof(AttnPrepareParams) == 40 + 4 * ATTN_MAX_ROTARY_HALF,
+              "AttnPrepareParams: 10 x 4 bytes + the inv_freq table, as the host packs it");
 
 // attn_decode_single_* / attn_decode_partial_*: one threadgroup per (partial, head chunk, kv head).
 struct AttnDecodeParams {
@@ -76,3 +78,30 @@ static_assert(sizeof(AttnCombineParams) == 20, "AttnCombineParams: 5 x 4 bytes, 
 #define ATTN_PREPARE_MAX_THREADS 256u
 // running maximum before any key: finite (fast math assumes no infinities), exp2 of it is 0
 #define ATTN_NEG_INIT (-1.0e30f)
+
+// attn_prefill_*: causal flash attention of a chunk, one threadgroup per (query block, kv head).
+struct AttnPrefillParams {
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;     // a multiple of 8 (the 8x8 simdgroup matrices), <= ATTN_MAX_HEAD_DIM
+    uint32_t group;        // n_heads / n_kv_heads: query heads of one kv head, all in one threadgroup
+    uint32_t block_rows;   // query rows (tokens) per threadgroup: a multiple of ATTN_MMA
+    uint32_t tile_keys;    // keys per threadgroup-memory tile: a multiple of ATTN_MMA
+    uint32_t rows;         // M: query rows of the chunk
+    uint32_t p0;           // position of query row 0; keys 0 .. p0 + rows - 1 exist
+    uint32_t capacity;     // cache rows per kv head
+    uint32_t q_stride;     // proj elements per query head (gate at + head_dim)
+    uint32_t proj_stride;  // proj elements per token row
+    uint32_t output_gate;  // 1: o *= sigmoid(gate)
+    float scale;           // log2(e) / sqrt(head_dim): scores in the exp2 domain
+};
+static_assert(sizeof(AttnPrefillParams) == 52, "AttnPrefillParams: 13 x 4 bytes, as the host packs it");
+
+// side of the simdgroup matrices (8x8): the query rows of one SIMD-group and the keys of one
+// online-softmax step
+#define ATTN_MMA 8u
+// SIMD-groups of a prefill threadgroup: group * block_rows / ATTN_MMA <= this (1024 threads)
+#define ATTN_PREFILL_MAX_SIMDGROUPS 32u
+// query rows per prefill threadgroup: block_rows = ATTN_MMA * max(1, ATTN_PREFILL_TARGET_SG / group)
+// (rounded down to what the chunk needs): about this many SIMD-groups whatever the GQA ratio
+#define ATTN_PREFILL_TARGET_SG 8u

@@ -8,9 +8,10 @@
 // of keys is one coalesced range.
 //
 //   attn_prepare_{f32,bf16}_kv{f32,bf16}
-//       q_out[h] = rope(rmsnorm(q_h) * q_norm_w); K[j, pos] = rope(rmsnorm(k_j) * k_norm_w);
-//       V[j, pos] = v_j. One dispatch for the norm, the rotation and the cache write of q, k and v
-//       (Lily needs three: q_norm_rope_split, k_norm_rope_scatter, scatter_kv).
+//       q_out[r, h] = rope(rmsnorm(q_h) * q_norm_w); K[j, pos] = rope(rmsnorm(k_j) * k_norm_w);
+//       V[j, pos] = v_j for rows r of proj at pos = position + r (rows = 1: decode). One dispatch
+//       for the norm, the rotation and the cache write of q, k and v (Lily needs three:
+//       q_norm_rope_split, k_norm_rope_scatter, scatter_kv).
 //   attn_decode_single_{f32,bf16}_kv{f32,bf16}
 //       o = softmax(q K^T / sqrt(hd)) V over all keys, times sigmoid(gate): one pass (short contexts).
 //   attn_decode_partial_{f32,bf16}_kv{f32,bf16}
@@ -18,6 +19,10 @@
 //       pass 1 of the split-K and of the two-pass routes.
 //   attn_decode_combine_{f32,bf16}
 //       pass 2: merges a head's partials, normalises and applies the output gate.
+//   attn_prefill_{f32,bf16}_kv{f32,bf16}
+//       causal flash attention of a prefill chunk (M query rows at positions p0 ..) over the cache
+//       (earlier chunks + this one), every K/V tile read once for all query heads of its kv head,
+//       S = Q K^T and O += P V on 8x8 simdgroup matrices, the output gate fused.
 //
 // Rounding follows the reference (python/qwenmetal/reference.py): the norm is
 // T(w * T(x * inv)), RoPE in float rounded once to T, and the output T(T(o) * T(sigmoid(gate))).
@@ -53,9 +58,9 @@ inline T attn_gated(float o, device const T* gate, uint d, uint output_gate) {
 // Why fused: all three read the same few kilobytes of proj; one dispatch instead of three and no
 // intermediate buffer for the normalised k (it goes straight into its cache row).
 //
-// Thread mapping: one threadgroup per head, grid (n_heads + n_kv_heads, 1, 1): threadgroups
-// 0 .. n_heads-1 take query head g, the others kv head j = g - n_heads (its k, and the copy of its
-// v row). Threads: head_dim rounded up to 32, at most ATTN_PREPARE_MAX_THREADS; thread tid owns
+// Thread mapping: one threadgroup per (head, token row), grid (n_heads + n_kv_heads, rows, 1):
+// threadgroups (g < n_heads, r) take query head g of row r, the others kv head j = g - n_heads
+// (its k, and the copy of its v row) of row r, at position + r. Threads: head_dim rounded up to 32, at most ATTN_PREPARE_MAX_THREADS; thread tid owns
 // elements tid, tid + threads, ... The sum of squares goes through threadgroup_sum (common.h);
 // a rotating element d < rotary_dim also recomputes its partner d +- rotary_dim / 2 (one more
 // load and multiply) instead of exchanging it through threadgroup memory and a second barrier.
@@ -66,12 +71,15 @@ template <typename T, typename KV>
 kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device const T* proj [[buffer(1)]],
                          device const T* q_norm_w [[buffer(2)]], device const T* k_norm_w [[buffer(3)]],
                          device T* q_out [[buffer(4)]], device KV* k_cache [[buffer(5)]],
-                         device KV* v_cache [[buffer(6)]], uint g [[threadgroup_position_in_grid]],
+                         device KV* v_cache [[buffer(6)]], uint2 tg [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                          uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup float partial[SIMD_WIDTH];
-    const uint hd = p.head_dim;
+    const uint hd = p.head_dim, g = tg.x;
+    const uint position = p.position + tg.y;
+    proj += ulong(tg.y) * p.proj_stride;
+    q_out += ulong(tg.y) * p.n_heads * hd;
     const bool is_q = g < p.n_heads;
     const uint j = is_q ? 0u : g - p.n_heads;
     device const T* x = is_q ? proj + ulong(g) * p.q_stride : proj + p.q_rows + ulong(j) * hd;
@@ -85,7 +93,7 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
     const float inv = rsqrt(threadgroup_sum(ss, partial, lane, sg, nsg) / float(hd) + p.eps);
 
     const uint half_rot = p.rotary_dim / 2;
-    const ulong row = (ulong(j) * p.capacity + p.position) * hd;
+    const ulong row = (ulong(j) * p.capacity + position) * hd;
     device const T* v_in = proj + p.q_rows + ulong(p.n_kv_heads) * hd + ulong(j) * hd;
     for (uint d = tid; d < hd; d += nthreads) {
         float y = attn_normed(x, w, d, inv);
@@ -93,7 +101,7 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
             const bool lo = d < half_rot;
             const uint i = lo ? d : d - half_rot;
             const float yp = attn_normed(x, w, lo ? d + half_rot : i, inv);
-            const float ang = float(p.position) * p.inv_freq[i];
+            const float ang = float(position) * p.inv_freq[i];
             const float c = precise::cos(ang), s = precise::sin(ang);
             y = lo ? y * c - yp * s : y * c + yp * s;
         }
@@ -332,6 +340,159 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
     }
 }
 
+// attn_prefill: causal flash attention of a prefill chunk, with the output gate fused.
+// o[r, h] = gate(softmax_t(q[r, h] . K[j, t] / sqrt(hd)) V[j, t]) over keys t <= p0 + r
+// (j = h / group): the keys of earlier chunks (0 .. p0-1, already in the cache) and the causal
+// part of this chunk (written by attn_prepare with rows).
+//
+// Why this shape: GQA sharing and tensor-core-style arithmetic. A threadgroup serves block_rows
+// query rows for ALL `group` query heads of kv head j, so every K/V tile is read from device
+// memory once per (query block, kv head) instead of once per query head (8x fewer K/V bytes on
+// the real model, G = 8; Lily's prefill reads it per head). The products run on 8x8 simdgroup
+// matrices with float accumulation: S = Q K^T for 8 query rows x 8 keys, then O += P V.
+//
+// Thread mapping: grid (ceil(M / block_rows), n_kv_heads, 1); group * block_rows / 8
+// SIMD-groups. SIMD-group sg takes query head h = j * group + sg % group and the 8 query rows
+// r0 = q0 + 8 (sg / group) .. r0 + 7 (q0 = block * block_rows): its Q (pre-scaled by
+// log2(e)/sqrt(hd), zero for rows >= M) and its output accumulator O (8 x hd) stay in registers as
+// hd / 8 simdgroup matrices each. Per tile of tile_keys keys (K and V rows of kv head j,
+// converted to float in threadgroup memory, zero-padded to a multiple of 8): all threads load
+// it, barrier, each SIMD-group consumes it 8 keys at a time, barrier. One 8-key step: S = sum_c
+// Q_c K_c^T (hd / 8 MMAs; K^T by a transposed simdgroup_load), S through the SIMD-group's 8x8
+// staging slot so that lane l owns row l / 4, columns 2 (l % 4) and + 1: the causal mask
+// (key <= position of the row), the row max and sum over the row's 4 lanes (simd_shuffle_xor
+// 1, 2), the online-softmax update in the exp2 domain; P back through the staging slot into a
+// matrix, then diag(corr) likewise, and per chunk c O_c = diag(corr) O_c + P V_c (2 MMAs).
+// At the end O goes through the staging slot once more: lane l normalises its two elements,
+// applies the gate and stores them.
+//
+// Causal skipping: the threadgroup loads only keys < p0 + q0 + block_rows (tiles wholly above
+// the diagonal of its last row are never read) and a SIMD-group skips every 8-key step above the
+// diagonal of its own last row; only the steps crossing the diagonal are masked. Key 0 is
+// visible to every row, so the first step leaves a finite running max (exp2 of a masked score
+// is then 0). Rows >= M (the last block's padding) compute on zero q and are not stored.
+//
+// Threadgroup memory: the K and V tiles (2 x ATTN_TILE_FLOATS floats) and one 8x8 float
+// staging slot per SIMD-group: 24 KB. Registers: 2 hd / 8 matrices per SIMD-group (Q and O;
+// hd = 256: 128 floats per lane).
+template <typename T, typename KV>
+kernel void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
+                         device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
+                         device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
+                         uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                         uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]]) {
+    threadgroup float kt[ATTN_TILE_FLOATS];
+    threadgroup float vt[ATTN_TILE_FLOATS];
+    threadgroup float stage[ATTN_PREFILL_MAX_SIMDGROUPS * ATTN_MMA * ATTN_MMA];
+    // this SIMD-group's 8x8 slot: stage[slot ..], indexed from the array (a pointer to a slot start
+    // that is also another array's end would be bounds-checked against that array by the simulator)
+    const uint slot = sg * ATTN_MMA * ATTN_MMA;
+
+    const uint hd = p.head_dim, nc = hd / ATTN_MMA, j = tg.y;
+    const uint h = j * p.group + sg % p.group;
+    const uint q0 = tg.x * p.block_rows;                  // first query row of the threadgroup
+    const uint r0 = q0 + (sg / p.group) * ATTN_MMA;       // first query row of the SIMD-group
+    const uint n_keys = p.p0 + p.rows;
+    const uint kend = min(p.p0 + q0 + p.block_rows, n_keys);        // keys the threadgroup reads
+    const bool active = r0 < p.rows;                                 // SIMD-group-uniform
+    const uint last = active ? min(p.p0 + r0 + ATTN_MMA, n_keys) : 0u;  // keys this SIMD-group sees
+    const uint lr = lane / 4, lc = 2 * (lane % 4);        // the lane's staging row and column pair
+    const uint row = r0 + lr;                             // the lane's query row
+    const bool row_ok = row < p.rows;
+    const uint qpos = p.p0 + row;                         // its position: keys 0 .. qpos visible
+    const ulong q_row = ulong(row) * p.n_heads * hd + ulong(h) * hd;
+
+    simdgroup_float8x8 qm[ATTN_MAX_HEAD_DIM / ATTN_MMA];
+    simdgroup_float8x8 om[ATTN_MAX_HEAD_DIM / ATTN_MMA];
+    for (uint c = 0; c < nc; ++c) {
+        for (uint e = 0; e < 2; ++e) {
+            stage[slot + lr * ATTN_MMA + lc + e] = row_ok ? float(q[q_row + c * ATTN_MMA + lc + e]) * p.scale : 0.0f;
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        simdgroup_load(qm[c], stage + slot, ATTN_MMA);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+
+    float m = ATTN_NEG_INIT, l = 0.0f;                    // running max and sum of the lane's row
+    const ulong head_base = ulong(j) * p.capacity * hd;
+    for (uint t0 = 0; t0 < kend; t0 += p.tile_keys) {
+        const uint nt = min(p.tile_keys, kend - t0);
+        const uint nt8 = (nt + ATTN_MMA - 1) / ATTN_MMA * ATTN_MMA;
+        if (t0 > 0) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the last tile
+        }
+        attn_load_tile(k_cache, v_cache, head_base + ulong(t0) * hd, nt * hd, true, kt, vt, tid, nthreads);
+        // keys kend .. (padding to 8) are visible to no row; zero so that P (0) times V stays 0
+        for (uint e = nt * hd + tid; e < nt8 * hd; e += nthreads) {
+            kt[e] = 0.0f;
+            vt[e] = 0.0f;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (active) {
+            for (uint s0 = 0; s0 < nt8 && t0 + s0 < last; s0 += ATTN_MMA) {
+                const uint kb = s0 * hd;                  // the step's first K and V row in the tiles
+                simdgroup_float8x8 sm = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+                for (uint c = 0; c < nc; ++c) {
+                    simdgroup_float8x8 km;
+                    simdgroup_load(km, kt + kb + c * ATTN_MMA, hd, ulong2(0, 0), true);   // K_c^T
+                    simdgroup_multiply_accumulate(sm, qm[c], km, sm);
+                }
+                simdgroup_store(sm, stage + slot, ATTN_MMA);
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+                const uint key = t0 + s0 + lc;
+                const float sa = key <= qpos ? stage[slot + lr * ATTN_MMA + lc] : ATTN_NEG_INIT;
+                const float sb = key + 1 <= qpos ? stage[slot + lr * ATTN_MMA + lc + 1] : ATTN_NEG_INIT;
+                float mx = max(sa, sb);
+                mx = max(mx, simd_shuffle_xor(mx, 1));
+                mx = max(mx, simd_shuffle_xor(mx, 2));
+                const float m_new = max(m, mx);
+                const float corr = exp2(m - m_new);
+                const float pa = exp2(sa - m_new), pb = exp2(sb - m_new);
+                float ps = pa + pb;
+                ps += simd_shuffle_xor(ps, 1);
+                ps += simd_shuffle_xor(ps, 2);
+                l = l * corr + ps;
+                m = m_new;
+                stage[slot + lr * ATTN_MMA + lc] = pa;
+                stage[slot + lr * ATTN_MMA + lc + 1] = pb;
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+                simdgroup_float8x8 pm;
+                simdgroup_load(pm, stage + slot, ATTN_MMA);
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+                stage[slot + lr * ATTN_MMA + lc] = lr == lc ? corr : 0.0f;
+                stage[slot + lr * ATTN_MMA + lc + 1] = lr == lc + 1 ? corr : 0.0f;
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+                simdgroup_float8x8 dm;
+                simdgroup_load(dm, stage + slot, ATTN_MMA);
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+                for (uint c = 0; c < nc; ++c) {
+                    simdgroup_float8x8 vm, scaled;
+                    simdgroup_load(vm, vt + kb + c * ATTN_MMA, hd);
+                    simdgroup_multiply(scaled, dm, om[c]);
+                    simdgroup_multiply_accumulate(om[c], pm, vm, scaled);
+                }
+            }
+        }
+    }
+
+    if (active) {
+        for (uint c = 0; c < nc; ++c) {
+            simdgroup_store(om[c], stage + slot, ATTN_MMA);
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            if (row_ok) {
+                device const T* gate = proj + ulong(row) * p.proj_stride + ulong(h) * p.q_stride + hd;
+                for (uint e = 0; e < 2; ++e) {
+                    const uint d = c * ATTN_MMA + lc + e;
+                    o[q_row + d] = attn_gated(stage[slot + lr * ATTN_MMA + lc + e] / l, gate, d, p.output_gate);
+                }
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+        }
+    }
+}
+
 INSTANTIATE_KERNEL("attn_prepare_f32_kvf32", attn_prepare, float, float)
 INSTANTIATE_KERNEL("attn_prepare_f32_kvbf16", attn_prepare, float, bfloat)
 INSTANTIATE_KERNEL("attn_prepare_bf16_kvf32", attn_prepare, bfloat, float)
@@ -346,3 +507,7 @@ INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvf32", attn_decode_partial, bfloat
 INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvbf16", attn_decode_partial, bfloat, bfloat)
 INSTANTIATE_KERNEL("attn_decode_combine_f32", attn_decode_combine, float)
 INSTANTIATE_KERNEL("attn_decode_combine_bf16", attn_decode_combine, bfloat)
+INSTANTIATE_KERNEL("attn_prefill_f32_kvf32", attn_prefill, float, float)
+INSTANTIATE_KERNEL("attn_prefill_f32_kvbf16", attn_prefill, float, bfloat)
+INSTANTIATE_KERNEL("attn_prefill_bf16_kvf32", attn_prefill, bfloat, float)
+INSTANTIATE_KERNEL("attn_prefill_bf16_kvbf16", attn_prefill, bfloat, bfloat)

@@ -29,6 +29,16 @@ inline float rnd(float v) {
     return float(T(v));
 }
 
+// SwiGLU of one gate and one up product (float accumulations), rounded as the bf16 graph rounds:
+// gate and up to T, silu = T(g * T(sigmoid(g))), the product rounded by the caller's store to T.
+// Shared by the decode expert kernels (moe.metal) and the GEMM epilogue (gemm_tile.h).
+template <typename T>
+inline float swiglu_act(float g, float u) {
+    const float gr = rnd<T>(g);
+    const float silu = rnd<T>(gr * rnd<T>(1.0f / (1.0f + exp(-gr))));
+    return silu * rnd<T>(u);
+}
+
 // Sum of one float per thread over the whole threadgroup; every thread receives the total.
 // One simd_sum per SIMD-group, one threadgroup barrier, then every SIMD-group reduces the
 // partial sums itself (a second simd_sum) instead of a second barrier + broadcast.

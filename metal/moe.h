@@ -4,13 +4,15 @@
 // Host side: uint32_t comes from <cstdint>, included first by src/gpu/ops/common.h (msl_lint
 // admits no non-Metal #include in kernel headers, guarded or not).
 
-// moe_topk: softmax over n_experts router logits, top-k, optional renormalisation
+// moe_topk: per row, softmax over n_experts router logits, top-k, optional renormalisation
 struct MoeTopkParams {
-    uint32_t n_experts;   // logits read: [0, n_experts)
+    uint32_t n_experts;   // logits read per row: [0, n_experts)
     uint32_t k;           // experts chosen, 1 .. min(n_experts, MOE_MAX_TOPK)
     uint32_t norm;        // 1: weights renormalised to sum 1 (norm_topk_prob)
+    uint32_t rows;        // M (decode: 1)
+    uint32_t stride;      // floats between logit rows (>= n_experts)
 };
-static_assert(sizeof(MoeTopkParams) == 12, "MoeTopkParams: 3 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeTopkParams) == 20, "MoeTopkParams: 5 x 4 bytes, as the host packs it");
 
 // moe_gate_up: act[s] = silu(gate_e x) * up_e x for the k routed slots, slot k the shared expert
 struct MoeGateUpParams {
@@ -50,7 +52,39 @@ struct MlpGateUpParams {
 };
 static_assert(sizeof(MlpGateUpParams) == 12, "MlpGateUpParams: 3 x 4 bytes, as the host packs it");
 
-// moe_topk runs as one SIMD-group; each lane owns experts lane, lane + 32, ... in threadgroup memory
-#define MOE_TOPK_THREADS 32u
+// moe_topk: one SIMD-group per row, up to MOE_TOPK_ROWS rows per threadgroup; each lane owns experts
+// lane, lane + 32, ... in registers
+#define MOE_TOPK_ROWS 4u
 #define MOE_MAX_EXPERTS 1024u
 #define MOE_MAX_TOPK 32u
+
+// moe_sort_count / moe_sort_scan / moe_sort_scatter: counting sort of the S = M * k (token, expert)
+// pairs by expert, and the tile map of the grouped GEMM
+struct MoeSortParams {
+    uint32_t n_pairs;      // S = M * k, pair p = (token p / k, choice p % k)
+    uint32_t k;
+    uint32_t n_experts;    // E; ids >= E are taken as E - 1 (never an out-of-bounds slot)
+    uint32_t block_pairs;  // pairs per token block (a multiple of k); block g = pairs [g block_pairs, ...)
+    uint32_t blocks;       // token blocks, 1 .. MOE_SORT_BLOCKS
+    uint32_t tile_rows;    // 16 or 32
+    uint32_t capacity;     // tile-map entries (moe_tile_capacity)
+};
+static_assert(sizeof(MoeSortParams) == 28, "MoeSortParams: 7 x 4 bytes, as the host packs it");
+// token blocks of the count and scatter passes: the scratch holds one count per (block, expert)
+#define MOE_SORT_BLOCKS 32u
+// count / scatter: experts per threadgroup at most (one per thread), also the ids staged per step
+#define MOE_SORT_THREADS 256u
+// scan: one threadgroup; thread t owns experts [t per, (t + 1) per), per = ceil(E / MOE_SCAN_THREADS)
+#define MOE_SCAN_THREADS 256u
+
+// moe_combine: x[m] += sum_j w[m, j] y[slot_of[m, j]] (+ sigmoid(logit) shared[m])
+struct MoeCombineParams {
+    uint32_t H;              // columns of x, y, shared
+    uint32_t k;
+    uint32_t n_slots;        // S: rows of y (slot ids are clamped below it)
+    uint32_t logits_stride;  // floats between router-logit rows
+    uint32_t n_experts;      // the shared-gate logit is column n_experts
+    uint32_t shared;         // 1: add the gated shared expert
+};
+static_assert(sizeof(MoeCombineParams) == 24, "MoeCombineParams: 6 x 4 bytes, as the host packs it");
+#define MOE_COMBINE_THREADS 256u

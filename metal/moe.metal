@@ -1,8 +1,8 @@
 // The sparse MoE block of one decode token, and the dense SwiGLU MLP, after the router GEMV (qmv with
 // float output over the stacked [router rows | shared_expert_gate row], metal/quant.metal):
 //
-//   moe_topk_f32        logits[0, E) -> softmax (float) -> top-k (ties: lower expert index first)
-//                       -> renormalised (optional): ids uint [k], weights float [k]
+//   moe_topk_<T>        per row: logits[0, E) -> softmax (float) -> top-k (ties: lower expert index
+//                       first) -> renormalised (optional): ids uint [rows, k], weights float [rows, k]
 //   moe_gate_up_<w>_<T> act[s, :inter] = silu(gate_{ids[s]} x) * up_{ids[s]} x for s < k, and
 //                       act[k, :shared_inter] for the shared expert (its stacked [gate | up] matrix)
 //   moe_down_<w>_<T>    x[:H] += sum_s weights[s] down_{ids[s]} act[s]
@@ -10,6 +10,10 @@
 //   mlp_gate_up_<w>_<T> act[:inter] = silu(gate x) * up x over one stacked [gate | up] matrix
 // <w> as in quant.metal (q4_sbf16, ..., bf16, f16, f32); the shared expert has the routed experts'
 // format (its group size may differ).
+//
+// Prefill (a chunk of M tokens, below): moe_topk over the M rows, the counting sort of the (token,
+// expert) pairs with the grouped GEMM's tile map (moe_sort_count / _scan / _scatter), and
+// moe_combine_<T> (weighted combine + gated shared expert + residual, moe_down's roundings).
 //
 // Every projection runs metal/quant_dot.h's rows_dot: exactly qmv's inner loop and thread mapping
 // (2 SIMD-groups x 4 rows, one word pair per lane per row and step). Float accumulation; the bfloat
@@ -80,20 +84,47 @@ inline void route_topk(device const float* logits, uint n, uint k, bool norm, ui
     weight = norm ? rnd<T>(mine_v / rnd<T>(total)) : mine_v;
 }
 
-// Router top-k on its own (one SIMD-group). Why on the GPU: the expert ids then never visit the host,
-// so gate/up and down can be encoded in the same command buffer right after the router GEMV. The
-// decode graph fuses it into moe_gate_up instead (one dependency level fewer); this kernel is the
-// same function, tested on its own.
-kernel void moe_topk_f32(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
-                         device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
-                         uint lane [[thread_index_in_simdgroup]]) {
+// Router top-k for M rows of logits (decode: M = 1). Why on the GPU: the expert ids then never visit
+// the host, so everything after the router GEMV is encoded in the same command buffer. The decode graph
+// fuses route_topk into moe_gate_up instead (one dependency level fewer); prefill runs this kernel once
+// for the chunk's rows, before the counting sort.
+//
+// Thread mapping: grid (ceil(rows / MOE_TOPK_ROWS), 1, 1) x (32 min(rows, MOE_TOPK_ROWS), 1, 1); SIMD-group
+// sg of threadgroup g runs route_topk on row g MOE_TOPK_ROWS + sg (a SIMD-group past the last row returns
+// as a whole); lane j < k stores pick j. T only selects the roundings (rnd<T>): logits are float.
+// Buffers: 0 params, 1 logits float [rows, stride], 2 ids uint [rows, k], 3 weights float [rows, k].
+template <typename T>
+kernel void moe_topk(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
+                     device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
+                     uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint row = tgid.x * MOE_TOPK_ROWS + sg;
+    if (row >= p.rows) {
+        return;
+    }
     uint id;
     float w;
-    route_topk<float>(logits, p.n_experts, p.k, p.norm != 0, lane, id, w);
+    route_topk<T>(logits + ulong(row) * p.stride, p.n_experts, p.k, p.norm != 0, lane, id, w);
     if (lane < p.k) {
-        ids[lane] = id;
-        weights[lane] = w;
+        ids[ulong(row) * p.k + lane] = id;
+        weights[ulong(row) * p.k + lane] = w;
     }
+}
+
+// The bf16 graph's roundings of the combine, shared by moe_down (decode) and moe_combine (prefill):
+// one routed expert's weighted output T(w T(d)); the shared-expert gate T(sigmoid(logit)); and the
+// routed sum (already rounded) plus the gated shared output, T(routed + T(gate T(d))).
+template <typename T>
+inline float moe_weighted(float w, float d) {
+    return rnd<T>(w * rnd<T>(d));
+}
+template <typename T>
+inline float moe_shared_gate(float logit) {
+    return rnd<T>(1.0f / (1.0f + exp(-logit)));
+}
+template <typename T>
+inline float moe_plus_shared(float routed, float gate, float d) {
+    return rnd<T>(routed + rnd<T>(gate * rnd<T>(d)));
 }
 
 // 4 outputs act[row0 .. row0+3] = silu(g) * u of one SIMD-group: rows_dot over the gate rows, then
@@ -106,10 +137,7 @@ inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K
     rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, row0, nrows, lane, u);
     if (lane == 0) {
         for (uint r = 0; r < QMV_ROWS && row0 + r < nrows; ++r) {
-            // as the bf16 graph: gate and up rounded, silu = T(g * T(sigmoid(g))), the product rounded
-            const float gr = rnd<T>(g[r]);
-            const float silu = rnd<T>(gr * rnd<T>(1.0f / (1.0f + exp(-gr))));
-            act[row0 + r] = T(silu * rnd<T>(u[r]));
+            act[row0 + r] = T(swiglu_act<T>(g[r], u[r]));   // rounded as the bf16 graph (common.h)
         }
     }
 }
@@ -221,7 +249,7 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
         float d[QMV_ROWS];
         rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, row0, p.H, lane, d);
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            total[r] += rnd<T>(ws * rnd<T>(d[r]));   // bf16 graph: expert output and weighted output rounded
+            total[r] += moe_weighted<T>(ws, d[r]);   // bf16 graph: expert output and weighted output rounded
         }
     }
     for (uint r = 0; r < QMV_ROWS; ++r) {
@@ -232,9 +260,9 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
         float d[QMV_ROWS];
         rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size, row0, p.H,
                             lane, d);
-        const float gate = rnd<T>(1.0f / (1.0f + exp(-shared_logit[0])));
+        const float gate = moe_shared_gate<T>(shared_logit[0]);
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            total[r] = rnd<T>(total[r] + rnd<T>(gate * rnd<T>(d[r])));   // routed + gated shared, rounded
+            total[r] = moe_plus_shared<T>(total[r], gate, d[r]);   // routed + gated shared, rounded
         }
     }
     if (lane == 0) {
@@ -265,7 +293,185 @@ kernel void mlp_gate_up(constant MlpGateUpParams& p [[buffer(0)]], device const 
                            p.group_size, row0, p.inter, lane, act);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Prefill: the MoE block of a chunk of M tokens. After the router GEMM (float logits [M, E (+1)]) and
+// moe_topk over the M rows, the S = M k (token, expert) pairs ("slots" once sorted) are counting-sorted
+// by expert on the GPU so that the grouped GEMM (gemm.metal) runs each expert's weights over all its
+// rows at once, in tiles of tile_rows slots; moe_combine then adds the k weighted expert outputs of each
+// token, the gated shared expert and the residual. Nothing is read back: the tile map has a capacity
+// bounded from the shapes and its unused entries are empty.
+//
+// The sort is three dispatches over a scratch of MOE_SORT_BLOCKS x E counters:
+//   moe_sort_count    counts[g, e]   = pairs of token block g routed to expert e
+//   moe_sort_scan     counts[g, e]  := first slot of block g's pairs of expert e (expert base + the
+//                                      blocks before g), and the tile map
+//   moe_sort_scatter  slot_of[p], slot_rows[slot] for every pair p, in (token, j) order within an expert
+// Every step is integer counting in a fixed order, so the result is the same under any schedule.
+
+// One thread per expert e walks the pairs of its token block in order: the ids are staged through
+// threadgroup memory (one per thread per step, so all threads read the same word: a broadcast) and the
+// thread counts those equal to e; with SCATTER it gives them consecutive slots from `start`
+// (slot_of[p] = slot, slot_rows[slot] = token). Returns the count. All threads of the threadgroup call
+// it (barriers); threads past the last expert only stage.
+template <bool SCATTER>
+inline uint sort_block(constant MoeSortParams& p, device const uint* ids, threadgroup uint* staged, uint e, uint g,
+                       uint tid, uint nthreads, uint start, device uint* slot_of, device uint* slot_rows) {
+    const uint lo = g * p.block_pairs, hi = min(lo + p.block_pairs, p.n_pairs);
+    uint c = 0;
+    for (uint base = lo; base < hi; base += nthreads) {
+        const uint n = min(nthreads, hi - base);
+        if (tid < n) {
+            staged[tid] = min(ids[base + tid], p.n_experts - 1u);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (e < p.n_experts) {
+            for (uint i = 0; i < n; ++i) {
+                if (staged[i] == e) {
+                    if (SCATTER) {
+                        slot_of[base + i] = start + c;
+                        slot_rows[start + c] = (base + i) / p.k;
+                    }
+                    ++c;
+                }
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // staged is overwritten next step
+    }
+    return c;
+}
+
+// Histogram per token block. Thread mapping: grid (blocks, ceil(E / t), 1) x (t, 1, 1), t = E rounded
+// up to 32, at most MOE_SORT_THREADS; thread i of threadgroup (g, y) counts expert y t + i in block g.
+// Buffers: 0 params, 1 ids uint [S], 2 counts uint [blocks, E] (scratch).
+kernel void moe_sort_count(constant MoeSortParams& p [[buffer(0)]], device const uint* ids [[buffer(1)]],
+                           device uint* counts [[buffer(2)]], uint3 tgid [[threadgroup_position_in_grid]],
+                           uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]]) {
+    threadgroup uint staged[MOE_SORT_THREADS];
+    const uint e = tgid.y * nthreads + tid;
+    const uint c = sort_block<false>(p, ids, staged, e, tgid.x, tid, nthreads, 0u, counts, counts);
+    if (e < p.n_experts) {
+        counts[ulong(tgid.x) * p.n_experts + e] = c;
+    }
+}
+
+// Exclusive prefix sum of one uint per thread over the threadgroup, in thread order; `total` receives
+// the sum over all threads. simd_prefix_exclusive_sum within each SIMD-group, one barrier, then every
+// SIMD-group scans the per-SIMD-group sums itself. `partial`: one slot per SIMD-group. Call from
+// threadgroup-uniform control flow.
+inline uint threadgroup_exclusive_sum(uint v, threadgroup uint* partial, uint lane, uint sg, uint nsg,
+                                      thread uint& total) {
+    const uint before_me = simd_prefix_exclusive_sum(v);
+    const uint sg_sum = simd_sum(v);
+    if (lane == 0) {
+        partial[sg] = sg_sum;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint t = lane < nsg ? partial[lane] : 0u;
+    total = simd_sum(t);
+    return simd_shuffle(simd_prefix_exclusive_sum(t), ushort(sg)) + before_me;
+}
+
+// Expert bases, block offsets and the tile map, in one threadgroup. Thread i owns the experts
+// [i per, (i + 1) per), per = ceil(E / MOE_SCAN_THREADS): it sums their counts over the blocks (slots)
+// and their tiles (ceil(count / tile_rows)); two threadgroup exclusive sums give its first slot and
+// first tile; it then rewrites counts[g, e] as the first slot of block g's pairs of e and writes e's
+// tile entries {e, first slot, rows, 0} (rows = tile_rows, the last tile the rest). Entries from the
+// total number of tiles up to the capacity are set empty (all zero), striding over the threads, so the
+// grouped GEMM's fixed grid finds every entry written. Grid (1, 1, 1) x (MOE_SCAN_THREADS, 1, 1).
+// Buffers: 0 params, 1 counts uint [blocks, E] (read, rewritten), 2 tiles uint4 [capacity].
+kernel void moe_sort_scan(constant MoeSortParams& p [[buffer(0)]], device uint* counts [[buffer(1)]],
+                          device uint4* tiles [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+    threadgroup uint slot_part[MOE_SCAN_THREADS / SIMD_WIDTH];
+    threadgroup uint tile_part[MOE_SCAN_THREADS / SIMD_WIDTH];
+    const uint E = p.n_experts, t = p.tile_rows;
+    const uint per = (E + MOE_SCAN_THREADS - 1u) / MOE_SCAN_THREADS;
+    const uint e0 = min(tid * per, E), e1 = min(e0 + per, E);
+    uint slots = 0, ntiles = 0;
+    for (uint e = e0; e < e1; ++e) {
+        uint c = 0;
+        for (uint g = 0; g < p.blocks; ++g) {
+            c += counts[ulong(g) * E + e];
+        }
+        slots += c;
+        ntiles += (c + t - 1u) / t;
+    }
+    const uint nsg = MOE_SCAN_THREADS / SIMD_WIDTH;
+    uint all_slots, all_tiles;
+    uint slot = threadgroup_exclusive_sum(slots, slot_part, lane, sg, nsg, all_slots);
+    uint tile = threadgroup_exclusive_sum(ntiles, tile_part, lane, sg, nsg, all_tiles);
+    for (uint e = e0; e < e1; ++e) {
+        uint run = slot;
+        for (uint g = 0; g < p.blocks; ++g) {
+            const ulong i = ulong(g) * E + e;
+            const uint n = counts[i];
+            counts[i] = run;
+            run += n;
+        }
+        for (uint f = slot; f < run; f += t) {
+            tiles[tile++] = uint4(e, f, min(t, run - f), 0u);
+        }
+        slot = run;
+    }
+    for (uint i = all_tiles + tid; i < p.capacity; i += MOE_SCAN_THREADS) {
+        tiles[i] = uint4(0u);
+    }
+}
+
+// Stable scatter: the count pass again, each thread now handing out the slots of its expert's pairs
+// in its block from counts[g, e] (the scan's block offset) in pair order, i.e. (token, j) ascending.
+// Thread mapping as moe_sort_count. Buffers: 0 params, 1 ids uint [S], 2 counts uint [blocks, E] (the
+// block offsets), 3 slot_of uint [S], 4 slot_rows uint [S].
+kernel void moe_sort_scatter(constant MoeSortParams& p [[buffer(0)]], device const uint* ids [[buffer(1)]],
+                             device const uint* offsets [[buffer(2)]], device uint* slot_of [[buffer(3)]],
+                             device uint* slot_rows [[buffer(4)]], uint3 tgid [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint nthreads [[threads_per_threadgroup]]) {
+    threadgroup uint staged[MOE_SORT_THREADS];
+    const uint e = tgid.y * nthreads + tid;
+    const uint start = e < p.n_experts ? offsets[ulong(tgid.x) * p.n_experts + e] : 0u;
+    sort_block<true>(p, ids, staged, e, tgid.x, tid, nthreads, start, slot_of, slot_rows);
+}
+
+// Weighted combine + gated shared expert + residual for M rows:
+//   x[m, h] = T(x[m, h] + T(T(sum_j T(w[m, j] T(y[slot_of[m, j], h]))) + T(T(sigmoid(l_m)) shared[m, h])))
+// with l_m = logits[m, n_experts] (without a shared expert the bracket ends after the routed sum). The
+// k terms are added in order j = 0 .. k-1 (fixed: deterministic under any schedule), with moe_down's
+// roundings (moe_weighted, moe_plus_shared). Why one kernel: the k expert outputs of a token, the
+// shared expert and the residual add are read once and written once, in the order the decode adds them.
+// Thread mapping: grid (ceil(H / t), M, 1) x (t, 1, 1), t = MOE_COMBINE_THREADS (H < 256: H rounded up
+// to 32); thread h of row m owns x[m, h]; slot ids and weights are re-read by every thread (cache).
+// Buffers: 0 params, 1 y float [S, H], 2 slot_of uint [M, k], 3 weights float [M, k], 4 shared T [M, H]
+// (without one: a stand-in, unread), 5 logits float [M, logits_stride], 6 x T [M, H] (read and written).
+template <typename T>
+kernel void moe_combine(constant MoeCombineParams& p [[buffer(0)]], device const float* y [[buffer(1)]],
+                        device const uint* slot_of [[buffer(2)]], device const float* weights [[buffer(3)]],
+                        device const T* shared [[buffer(4)]], device const float* logits [[buffer(5)]],
+                        device T* x [[buffer(6)]], uint3 gid [[thread_position_in_grid]]) {
+    const uint h = gid.x, m = gid.y;
+    if (h >= p.H) {
+        return;
+    }
+    float routed = 0.0f;
+    for (uint j = 0; j < p.k; ++j) {
+        const ulong pair = ulong(m) * p.k + j;
+        const ulong s = min(slot_of[pair], p.n_slots - 1u);
+        routed += moe_weighted<T>(weights[pair], y[s * p.H + h]);
+    }
+    routed = rnd<T>(routed);   // the sum over the k experts rounded once
+    const ulong xi = ulong(m) * p.H + h;
+    if (p.shared != 0) {
+        const float gate = moe_shared_gate<T>(logits[ulong(m) * p.logits_stride + p.n_experts]);
+        routed = moe_plus_shared<T>(routed, gate, float(shared[xi]));
+    }
+    x[xi] = T(float(x[xi]) + routed);
+}
+
 // instantiations (written out: the embedded-source table reads the host names literally)
+INSTANTIATE_KERNEL("moe_topk_f32", moe_topk, float)
+INSTANTIATE_KERNEL("moe_topk_bf16", moe_topk, bfloat)
+INSTANTIATE_KERNEL("moe_combine_f32", moe_combine, float)
+INSTANTIATE_KERNEL("moe_combine_bf16", moe_combine, bfloat)
 INSTANTIATE_KERNEL("moe_gate_up_q4_sbf16_f32", moe_gate_up, WFMT_Q4, bfloat, float)
 INSTANTIATE_KERNEL("moe_gate_up_q4_sbf16_bf16", moe_gate_up, WFMT_Q4, bfloat, bfloat)
 INSTANTIATE_KERNEL("moe_down_q4_sbf16_f32", moe_down, WFMT_Q4, bfloat, float)

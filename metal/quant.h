@@ -4,7 +4,8 @@
 // Host side: uint32_t comes from <cstdint>, included first by src/gpu/ops/common.h (msl_lint
 // admits no non-Metal #include in kernel headers, guarded or not).
 
-// qmv: y[b, :N] = W x[b, :K] for b = grid.y
+// qmv: y[b, :N] = W x[b, :K] for b < batch; threadgroup row y holds vectors y * MB .. y * MB + MB - 1
+// (MB the kernel variant's vectors per threadgroup: 1, 4, 8 or 16, see QMV_MULTI_MAX)
 struct QmvParams {
     uint32_t K;           // input features (columns of W)
     uint32_t N;           // output rows
@@ -13,8 +14,9 @@ struct QmvParams {
     uint32_t y_stride;    // elements between consecutive output vectors
     uint32_t flags;       // QMV_NORM | QMV_NORM_OUT | QMV_ADD | QMV_ROUND
     float eps;            // QMV_NORM: added to mean(x^2)
+    uint32_t batch;       // input vectors in all (the last threadgroup row may hold fewer than MB)
 };
-static_assert(sizeof(QmvParams) == 28, "QmvParams: 7 x 4 bytes, as the host packs it");
+static_assert(sizeof(QmvParams) == 32, "QmvParams: 8 x 4 bytes, as the host packs it");
 // qmv fusions (flags): the input is rmsnorm(x) * g (QMV_NORM; with QMV_NORM_OUT threadgroup 0 also
 // stores that normalised input to xn, for the next kernels that read it), and the output is added to r
 // (QMV_ADD: y = r + W x, r may be y itself: the residual add in place)
@@ -38,6 +40,13 @@ static_assert(sizeof(EmbedParams) == 12, "EmbedParams: 3 x 4 bytes, as the host 
 #define QMV_ROWS 4u
 #define QMV_SIMDGROUPS 2u
 #define QMV_TG_ROWS (QMV_ROWS * QMV_SIMDGROUPS)
+// Skinny (multi-vector) qmv: a kernel variant holds the accumulators of MB input vectors (MB = 1, the
+// decode kernel, or QMV_MULTI_MIN, 2 QMV_MULTI_MIN, ... QMV_MULTI_MAX: qmv_b<MB>_*) and reads each
+// weight once for all of them; a batch takes the smallest variant that holds it, batches past
+// QMV_MULTI_MAX chunks of QMV_MULTI_MAX. (No b2: it would save 8 of b4's 16 accumulators per lane,
+// for 21 more instantiations, ~7 s more simulator compile; docs/metal.md.)
+#define QMV_MULTI_MIN 4u
+#define QMV_MULTI_MAX 16u
 // inputs a lane takes per step (one 8-byte word pair at 4 and 8 bits; two 4-vectors dense). The
 // weight's columns must be a multiple of this (quantized: implied by the group size).
 #define QMV_VALS_Q4 16u

@@ -16,7 +16,9 @@
 //   load_x(x4, g4, inv, norm, k, xs)  the lane's VALS inputs x[k, k + VALS) (times inv * g with a fused
 //                      RMSNorm) into float registers (at 4 bits
 //                      pre-scaled by 1, 1/16, 1/256, 1/4096 by position); returns their sum
-//   dot(row..., k, ...)  this step's part of the row's dot product, in float
+//   Unit, load(row..., k, gs)  one row's weights of a step: its wvec(s) and the group's scale and bias
+//   dot(unit, xs, xsum)  this step's part of the row's dot product, in float (the unit loaded once and
+//                      reused for every batch row)
 //   dequant(row..., k, out)  the VALS weights w[k, k + VALS) of a row, in float
 //
 // Pointers are template parameters here (deduced: `const device uint2*`, ... on a GPU; the
@@ -62,6 +64,20 @@ inline float load_x_plain(XP x4, XP g4, float inv, bool norm, uint k, uint n, th
     return sum;
 }
 
+// A quantized row's weights of one step: word pair `unit` of the row and the scale and bias of group g
+struct QUnit {
+    uint2 q;
+    float s, b;
+};
+template <typename WP, typename SP>
+inline QUnit load_qunit(WP wrow, SP srow, SP brow, uint unit, uint g) {
+    QUnit u;
+    u.q = wrow[unit];
+    u.s = float(srow[g]);
+    u.b = float(brow[g]);
+    return u;
+}
+
 template <typename S, typename T>
 struct WDot<WFMT_Q4, S, T> {
     typedef uint2 wvec;
@@ -87,22 +103,25 @@ struct WDot<WFMT_Q4, S, T> {
         return sum;
     }
 
-    // sum over the group: scale * sum(q * x) + bias * sum(x)
+    typedef QUnit Unit;
     template <typename WP, typename SP>
-    static float dot(WP wrow, SP srow, SP brow, uint k, uint gs, thread const float* xs, float xsum) {
-        const uint2 q = wrow[k / 16u];
+    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs) {
+        return load_qunit(wrow, srow, brow, k / 16u, k / gs);
+    }
+
+    // sum over the group: scale * sum(q * x) + bias * sum(x)
+    static float dot(Unit u, thread const float* xs, float xsum) {
         float acc = 0.0f;
         for (int wd = 0; wd < 2; ++wd) {
-            const uint word = q[wd];
+            const uint word = u.q[wd];
             for (int h = 0; h < 2; ++h) {
-                const uint u = (word >> (16 * h)) & 0xFFFFu;
+                const uint v = (word >> (16 * h)) & 0xFFFFu;
                 thread const float* x4 = xs + 8 * wd + 4 * h;
-                acc += x4[0] * float(u & 0x000Fu) + x4[1] * float(u & 0x00F0u) + x4[2] * float(u & 0x0F00u) +
-                       x4[3] * float(u & 0xF000u);
+                acc += x4[0] * float(v & 0x000Fu) + x4[1] * float(v & 0x00F0u) + x4[2] * float(v & 0x0F00u) +
+                       x4[3] * float(v & 0xF000u);
             }
         }
-        const uint g = k / gs;
-        return float(srow[g]) * acc + float(brow[g]) * xsum;
+        return u.s * acc + u.b * xsum;
     }
 
     template <typename WP, typename SP>
@@ -128,18 +147,21 @@ struct WDot<WFMT_Q8, S, T> {
         return load_x_plain<T>(x4, g4, inv, norm, k, VALS, xs);
     }
 
+    typedef QUnit Unit;
     template <typename WP, typename SP>
-    static float dot(WP wrow, SP srow, SP brow, uint k, uint gs, thread const float* xs, float xsum) {
-        const uint2 q = wrow[k / 8u];
+    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs) {
+        return load_qunit(wrow, srow, brow, k / 8u, k / gs);
+    }
+
+    static float dot(Unit u, thread const float* xs, float xsum) {
         float acc = 0.0f;
         for (int wd = 0; wd < 2; ++wd) {
-            const uint word = q[wd];
+            const uint word = u.q[wd];
             for (int b = 0; b < 4; ++b) {
                 acc += xs[4 * wd + b] * float((word >> (8 * b)) & 0xFFu);
             }
         }
-        const uint g = k / gs;
-        return float(srow[g]) * acc + float(brow[g]) * xsum;
+        return u.s * acc + u.b * xsum;
     }
 
     template <typename WP, typename SP>
@@ -165,13 +187,23 @@ struct WDot<WFMT_DENSE, S, T> {
         return load_x_plain<T>(x4, g4, inv, norm, k, VALS, xs);
     }
 
+    struct Unit {
+        vec<S, 4> w[2];
+    };
     template <typename WP, typename SP>
-    static float dot(WP wrow, SP, SP, uint k, uint, thread const float* xs, float) {
+    static Unit load(WP wrow, SP, SP, uint k, uint) {
+        Unit u;
+        for (uint i = 0; i < 2u; ++i) {
+            u.w[i] = wrow[k / 4u + i];
+        }
+        return u;
+    }
+
+    static float dot(Unit u, thread const float* xs, float) {
         float acc = 0.0f;
         for (uint i = 0; i < 2u; ++i) {
-            const vec<S, 4> w = wrow[k / 4u + i];
             for (int j = 0; j < 4; ++j) {
-                acc += xs[4u * i + uint(j)] * float(w[j]);
+                acc += xs[4u * i + uint(j)] * float(u.w[i][j]);
             }
         }
         return acc;
@@ -190,16 +222,25 @@ struct WDot<WFMT_DENSE, S, T> {
 
 // The qmv_fast inner loop: rows row0 .. row0 + QMV_ROWS - 1 (clamped to nrows - 1: rows past the end
 // re-read the last row; the caller does not store them) of one matrix (w as wvec, scales and biases
-// at its row 0) times x[0, K) (x4 = x as vec<T, 4>), for one SIMD-group. Per step each lane loads
-// one wvec of each of its rows and its VALS inputs once for all rows; after the loop one simd_sum
-// per row, so every lane of the SIMD-group receives out[0 .. QMV_ROWS). K is a multiple of VALS;
-// lanes past K idle. Call from SIMD-group-uniform control flow.
-// rows_dot_norm: with `norm`, the input is rmsnorm(x) * g: every input is multiplied by inv * g[k] as
-// it is loaded (rows_dot below: the plain product).
-template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
-inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, XP g4, float inv, bool norm, uint K, uint gs,
-                          uint row0, uint nrows, uint lane, thread float* out) {
+// at its row 0) times MB input vectors x[b, 0, K) (x4 = x[0] as vec<T, 4>, xs4 = the vectors' stride
+// in 4-vectors), for one SIMD-group; only the first nb <= MB of them are live (nb SIMD-group-uniform:
+// a branch in the loop over b skips the rest, so a variant serves every count up to MB). Per step each lane loads
+// one wvec (and the group's scale and bias) of each of its rows once for all the vectors, then per
+// vector its VALS inputs once for all rows; after the loop one simd_sum per (vector, row), so every
+// lane of the SIMD-group receives out[b * QMV_ROWS + r] for b < nb. K is a multiple of VALS; lanes
+// past K idle. Call from SIMD-group-uniform control flow.
+// Registers per lane: MB * QMV_ROWS float accumulators (64 at MB = 16), the QMV_ROWS loaded units
+// and one vector's VALS inputs at a time (the inputs of vector b are dead once its 4 dots are done).
+// The loops over b have the constant trip count MB (the live count is a branch inside, not the loop
+// bound) so that the compiler can unroll them fully and keep acc[] in registers with constant
+// indices (a runtime-bounded loop would index acc[] dynamically: memory, not registers).
+// With `norm`, vector b is rmsnorm(x[b]) * g: every input is multiplied by inv[b] * g[k] as it is
+// loaded (rows_dot below: one plain vector, the decode projections).
+template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
+inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, thread const float* inv, bool norm,
+                          uint K, uint gs, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
     typedef WDot<FMT, S, T> D;
+    typedef typename D::Unit U;
     const uint upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
     ulong wo[QMV_ROWS], so[QMV_ROWS];
     for (uint r = 0; r < QMV_ROWS; ++r) {
@@ -207,26 +248,39 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, XP g4, float inv, b
         wo[r] = row * upr;
         so[r] = row * spr;
     }
-    float acc[QMV_ROWS];
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        acc[r] = 0.0f;
+    float acc[MB * QMV_ROWS];
+    for (uint i = 0; i < MB * QMV_ROWS; ++i) {
+        acc[i] = 0.0f;
     }
     for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
-        float xs[D::VALS];
-        const float xsum = D::load_x(x4, g4, inv, norm, k, xs);
+        U u[QMV_ROWS];
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            acc[r] += D::dot(w + wo[r], scales + so[r], biases + so[r], k, gs, xs, xsum);
+            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs);
+        }
+        for (uint b = 0; b < MB; ++b) {
+            if (b < nb) {
+                float xs[D::VALS];
+                const float xsum = D::load_x(x4 + ulong(b) * xs4, g4, inv[b], norm, k, xs);
+                for (uint r = 0; r < QMV_ROWS; ++r) {
+                    acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
+                }
+            }
         }
     }
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        out[r] = simd_sum(acc[r]);
+    for (uint b = 0; b < MB; ++b) {
+        if (b < nb) {
+            for (uint r = 0; r < QMV_ROWS; ++r) {
+                out[b * QMV_ROWS + r] = simd_sum(acc[b * QMV_ROWS + r]);
+            }
+        }
     }
 }
 
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
 inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
                      thread float* out) {
-    rows_dot_norm<FMT, S, T>(w, scales, biases, x4, x4, 1.0f, false, K, gs, row0, nrows, lane, out);
+    const float one[1] = {1.0f};
+    rows_dot_norm<FMT, S, T, 1u>(w, scales, biases, x4, 0u, x4, one, false, K, gs, row0, nrows, 1u, lane, out);
 }
 
 // inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an

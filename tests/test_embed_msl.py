@@ -58,11 +58,14 @@ def _quoted_includes(src: str) -> list[str]:
 
 
 def _stub_dir(tmp_path: Path) -> Path:
-    """Empty <metal_*> headers: preprocessing then yields only the project's own text."""
+    """Empty <metal_*> (and MetalPerformancePrimitives) headers: preprocessing then yields only the project's
+    own text."""
     d = tmp_path / "stub"
     d.mkdir()
     for h in SHIM.glob("metal_*"):
         (d / h.name).write_text("")
+    (d / "MetalPerformancePrimitives").mkdir()
+    (d / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h").write_text("")
     return d
 
 
@@ -79,7 +82,7 @@ def _check_flat(clang: str, text: str, name: str, tmp_path: Path) -> tuple[bool,
     checked = mslpp.rewrite(text, "check", True, "check", name)
     p = tmp_path / (Path(name).stem + ".flat.check.cpp")
     p.write_text(checked, encoding="utf-8")
-    cmd = [clang, "-std=c++17", "-fsyntax-only", "-DMSL_SIM_CHECK_AS", "-Wno-unknown-attributes",
+    cmd = [clang, f"-std={mslpp.cxx_std(text)}", "-fsyntax-only", "-DMSL_SIM_CHECK_AS", "-Wno-unknown-attributes",
            "-Wno-user-defined-literals", "-ferror-limit=50", f"-I{SHIM}", "-x", "c++", str(p)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r.returncode == 0, (r.stderr + r.stdout).strip()

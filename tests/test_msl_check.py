@@ -14,7 +14,8 @@ from oracles import unavailable  # fails in CI, skips elsewhere
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = sorted((ROOT / "metal").glob("*.metal"))
-TEST_KERNELS = [ROOT / "tests" / "msl" / "sim_features.metal", ROOT / "tests" / "msl" / "planted_bugs.metal"]
+TEST_KERNELS = [ROOT / "tests" / "msl" / "sim_features.metal", ROOT / "tests" / "msl" / "planted_bugs.metal",
+                ROOT / "tests" / "msl" / "sim_tensor.metal"]
 
 
 def _tool(name):

@@ -233,6 +233,8 @@ def test_dispatch_validation(lib):
 
 def test_threadgroup_bounds_and_params_size(lib):
     y = np.zeros(64, np.float32)
+    lib.dispatch("tg_adjacent", 1, 32, [y])       # a pointer to the second of two adjacent arrays
+    np.testing.assert_array_equal(y[:32], 1 + np.arange(32)[::-1])
     with pytest.raises(sim.MetalSimError, match=r"sim_features\.metal:\d+: kernel 'tg_oob'.*thread 56: threadgroup "
                                                 r"array index 64 out of bounds \[0, 64\)"):
         lib.dispatch("tg_oob", 1, 64, [y])
@@ -320,9 +322,9 @@ def test_runtime_compiled_quant_matches_builtin():
     wd = quant.dequantize(wq, s, b, 4, 64).astype(np.float64)
     x = rng.standard_normal(K).astype(np.float32)
     y1, y2 = np.zeros(N, np.float32), np.zeros(N, np.float32)
-    # QmvParams {K, N, group_size, x_stride, y_stride, flags, eps}; buffers 5 (gain), 6 (residual) and
+    # QmvParams {K, N, group_size, x_stride, y_stride, flags, eps, batch}; buffers 5 (gain), 6 (residual) and
     # 8 (normalised input) are unused without fusion flags: bound to arrays the dispatch binds anyway
-    params = {0: sim.pack("IIIIIIf", K, N, 64, K, N, 0, 0.0)}
+    params = {0: sim.pack("IIIIIIfI", K, N, 64, K, N, 0, 0.0, 1)}
     lib.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y1, y1, x], params)
     rt.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y2, y2, x], params, schedule="reverse")
     np.testing.assert_array_equal(y1, y2)

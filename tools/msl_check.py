@@ -3,7 +3,7 @@
 
 Each file is rewritten by mslpp (``--mode check``: threadgroup declarations become static, vector
 constructors become declared functions; line numbers kept) and compiled with
-``clang++ -std=c++17 -fsyntax-only -DMSL_SIM_CHECK_AS`` against ``src/msl_sim/include``, where
+``clang++ -std=c++17 (c++20 for tensor-op files) -fsyntax-only -DMSL_SIM_CHECK_AS`` against ``src/msl_sim/include``, where
 ``<metal_stdlib>`` maps ``device``/``constant``/``threadgroup`` to address spaces 1/2/3 (``constant`` is also
 const). Diagnostics name the .metal file and line. Exit status 1 if any file fails, 2 if no suitable clang.
 
@@ -66,11 +66,12 @@ def check_file(path: str | os.PathLike, clang: str, include_dirs=()) -> tuple[bo
         origin = str(path.resolve().relative_to(ROOT))
     except ValueError:
         origin = str(path)
-    text = _mslpp().rewrite(src, "check", True, "check", origin)
+    pp = _mslpp()
+    text = pp.rewrite(src, "check", True, "check", origin)
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td) / (path.stem + ".check.cpp")
         tmp.write_text(text, encoding="utf-8")
-        cmd = [clang, "-std=c++17", "-fsyntax-only", "-DMSL_SIM_CHECK_AS", "-Wno-unknown-attributes",
+        cmd = [clang, f"-std={pp.cxx_std(src)}", "-fsyntax-only", "-DMSL_SIM_CHECK_AS", "-Wno-unknown-attributes",
                "-Wno-user-defined-literals", "-ferror-limit=50", f"-I{INCLUDE}", f"-I{path.resolve().parent}",
                f"-I{ROOT / 'metal'}"] + [f"-I{d}" for d in include_dirs] + ["-x", "c++", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)

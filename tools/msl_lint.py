@@ -7,7 +7,8 @@ source (line numbers reported):
 
   MSL has no ...        std::  new / delete  throw / try / catch  virtual  double (and long double)
                         printf and friends  goto  thread_local  recursion (a function calling itself,
-                        where the call is visible in its own body)  #include <...> other than <metal_*> (outside
+                        where the call is visible in its own body)  #include <...> other than <metal_*> and
+                        <MetalPerformancePrimitives/MetalPerformancePrimitives.h> (outside
                         `#ifndef __METAL_VERSION__` blocks of the shared headers)
   house rules           every kernel parameter carries an attribute ([[buffer(i)]], ...): the simulator
   (docs/metal.md)       binds arguments through them;  kernel-scope threadgroup variables are arrays
@@ -47,6 +48,7 @@ FORBIDDEN = [
     (r"\bthread_local\b", "thread_local does not exist in MSL"),
     (r"\b(?:malloc|calloc|realloc|free)\s*\(", "MSL has no heap"),
 ]
+MPP_HEADER = "MetalPerformancePrimitives/MetalPerformancePrimitives.h"  # Metal 4 tensor ops (matmul2d)
 CONTROL = {"if", "for", "while", "switch", "return", "sizeof", "catch", "decltype", "alignof", "static_assert"}
 FLOAT_LIT = re.compile(r"(?<![\w.])(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?(?![\w.])|(?<![\w.])\d+[eE][+-]?\d+(?![\w.])")
 
@@ -104,9 +106,9 @@ def lint_source(src: str, path: str = "<source>", house_rules: bool = True) -> l
     for mt in re.finditer(r"^\s*#\s*include\s*<([^>]+)>", text, re.M):
         if any(a <= mt.start() < b for a, b in host_only):
             continue
-        if not mt.group(1).startswith("metal_"):
+        if not mt.group(1).startswith("metal_") and mt.group(1) != MPP_HEADER:
             problems.append((_line(text, mt.start()), f"#include <{mt.group(1)}>: kernels include only <metal_*> "
-                                                      "headers and their own headers"))
+                                                      f"headers, <{MPP_HEADER}> and their own headers"))
     # recursion: a function whose own body calls it (outermost definitions only)
     bodies = _function_bodies(m)
     for name, a, b in bodies:

@@ -318,6 +318,15 @@ def rewrite_vector_ctors(src: str) -> str:
     return apply_edits(src, edits)
 
 
+TENSOR_INCLUDE = re.compile(r"^\s*#\s*include\s*<metal_tensor>", re.M)
+
+
+def cxx_std(src: str) -> str:
+    """The C++ standard a kernel file compiles as: c++20 for Metal 4 tensor-op files (``#include <metal_tensor>``:
+    matmul2d takes its descriptor as a class-type template parameter), else c++17."""
+    return "c++20" if TENSOR_INCLUDE.search(blank_comments(src)) else "c++17"
+
+
 def rewrite(src: str, mode: str = "sim", checked: bool = True, library_id: str = "plugin",
             origin: str = "kernel.metal") -> str:
     if mode not in ("sim", "check"):

@@ -49,7 +49,8 @@ class Report:
                  f"device: {d.get('name')} (family {d.get('family')}); max buffer {d.get('max_buffer_length', 0) / 2**30:.1f} GiB, "
                  f"{d.get('max_threads_per_threadgroup')} threads/threadgroup, "
                  f"{d.get('max_threadgroup_memory')} B threadgroup memory; SIMD-group reductions: "
-                 f"{d.get('simd_reductions')}, SIMD-group matrices: {d.get('simdgroup_matrix')}"]
+                 f"{d.get('simd_reductions')}, SIMD-group matrices: {d.get('simdgroup_matrix')}, "
+                 f"Metal 4 tensor ops: {d.get('tensor_ops')}"]
         if d.get("family") == "simulator":
             lines.append("NOTE: no Metal device here: everything ran on the Metal-on-CPU simulator "
                          "(simulator-verified, hardware-unverified)")
@@ -99,6 +100,8 @@ def compile_gate(dev) -> tuple:
         if bad:
             return None, "; ".join(bad), False
     names = list(sim.builtin_library().kernels)
+    if not dev.info.get("tensor_ops"):  # the Metal 4 tensor-op kernels exist only for M5 (apple10) GPUs
+        names = [n for n in names if not n.startswith("gemm_tensor_")]
     for n in names:
         try:
             dev.prepare(n)

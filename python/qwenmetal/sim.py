@@ -174,7 +174,7 @@ def compile(source: str | os.PathLike, *, checked: bool = True, defines: Mapping
             name: str | None = None) -> "Library":
     """Compile a Metal kernel file (a path) or MSL source text into a :class:`Library`, now.
 
-    The source is rewritten by mslpp (line numbers kept), compiled as C++17 by the system compiler against
+    The source is rewritten by mslpp (line numbers kept), compiled as C++17 (C++20 for a Metal 4 tensor-op file) by the system compiler against
     the shim headers into a plugin .so, cached under ``paths.cache_dir("msl")/<hash>/`` (the one cache rule, docs/usage.md)
     and loaded. ``checked`` (default) bounds-checks device and threadgroup accesses and
     reports reads of never-written threadgroup memory. ``#include "x.h"`` finds the source's directory,
@@ -202,7 +202,7 @@ def compile(source: str | os.PathLike, *, checked: bool = True, defines: Mapping
     md = _metal_dir()
     if md is not None:
         inc.append(md)
-    flags = ["-std=c++17", opt, "-fPIC", "-shared", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
+    flags = [f"-std={_mslpp().cxx_std(text)}", opt, "-fPIC", "-shared", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
              "-fno-strict-aliasing"]
     if "clang" not in compiler.lower():
         flags.append("-fno-gnu-unique")

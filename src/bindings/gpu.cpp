@@ -92,6 +92,7 @@ void register_gpu(nb::module_& m) {
             r["max_threadgroup_memory"] = i.max_threadgroup_memory;
             r["simd_reductions"] = i.simd_reductions;
             r["simdgroup_matrix"] = i.simdgroup_matrix;
+            r["tensor_ops"] = i.tensor_ops;
             r["executes"] = i.executes;
             return r;
         })
@@ -114,15 +115,17 @@ void register_gpu(nb::module_& m) {
 
     nb::class_<SimDevice, Device>(g, "SimDevice")
         .def("__init__", [](SimDevice* self, bool execute, const std::string& schedule, uint64_t seed, int workers,
-                            bool keep_records) {
+                            bool keep_records, bool tensor_ops) {
             SimOptions o;
             o.execute = execute;
             o.schedule = schedule_of(schedule);
             o.seed = seed;
             o.workers = workers;
             o.keep_records = keep_records;
+            o.tensor_ops = tensor_ops;
             new (self) SimDevice(o);
-        }, "execute"_a = true, "schedule"_a = "forward", "seed"_a = 0, "workers"_a = 0, "keep_records"_a = false)
+        }, "execute"_a = true, "schedule"_a = "forward", "seed"_a = 0, "workers"_a = 0, "keep_records"_a = false,
+             "tensor_ops"_a = false)
         .def("records", [](const SimDevice& d) {
             nb::list out;
             for (const msl::DispatchRecord& r : d.records()) {
@@ -153,6 +156,7 @@ void register_gpu(nb::module_& m) {
     register_gpu_ops_attention(ops);
     register_gpu_ops_moe(ops);
     register_gpu_ops_sample(ops);
+    register_gpu_ops_gemm(ops);
     register_gpu_graph(g);
 }
 

@@ -22,6 +22,7 @@ void register_gpu_ops_gdn(nanobind::module_& ops);
 void register_gpu_ops_attention(nanobind::module_& ops);
 void register_gpu_ops_moe(nanobind::module_& ops);
 void register_gpu_ops_sample(nanobind::module_& ops);
+void register_gpu_ops_gemm(nanobind::module_& ops);
 #ifdef __APPLE__
 void register_metal_device(nanobind::module_& g);   // src/bindings/gpu_metal.cpp
 #endif

@@ -49,16 +49,41 @@ void register_gpu_ops_attention(nb::module_& ops) {
                const gpu::Buffer& k_norm_w, uint32_t position, const gpu::Buffer& k_cache, const gpu::Buffer& v_cache,
                const gpu::Buffer& q_out, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                uint32_t rotary_dim, uint32_t capacity, bool output_gate, float rope_theta, float eps,
-               const std::string& kv_dtype) {
+               const std::string& kv_dtype, uint32_t rows, uint32_t proj_stride) {
                 gpu::ops::attn_prepare(e, gpu::parse_act(t),
                                        make_shape(n_heads, n_kv_heads, head_dim, rotary_dim, output_gate, rope_theta, eps),
                                        proj, q_norm_w, k_norm_w, position, make_cache(k_cache, v_cache, capacity, kv_dtype),
-                                       q_out);
+                                       q_out, rows, proj_stride);
             },
             "encoder"_a, "dtype"_a, "proj"_a, "q_norm_w"_a, "k_norm_w"_a, "position"_a, "k_cache"_a, "v_cache"_a,
             "q_out"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rotary_dim"_a, "capacity"_a,
-            "output_gate"_a = true, "rope_theta"_a = 1e7f, "eps"_a = 1e-6f, "kv_dtype"_a = "bfloat16",
-            "q/k RMSNorm + partial RoPE at `position` + K/V write to cache row `position` (one dispatch).");
+            "output_gate"_a = true, "rope_theta"_a = 1e7f, "eps"_a = 1e-6f, "kv_dtype"_a = "bfloat16", "rows"_a = 1,
+            "proj_stride"_a = 0,
+            "q/k RMSNorm + partial RoPE + K/V write of `rows` tokens at positions position.. (proj rows "
+            "`proj_stride` elements apart, 0: packed), one dispatch.");
+
+    ops.def("attention_prefill",
+            [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,
+               const gpu::Buffer& k_cache, const gpu::Buffer& v_cache, uint32_t p0, uint32_t M, const gpu::Buffer& o,
+               uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t capacity, bool output_gate,
+               const std::string& kv_dtype, uint32_t proj_stride) {
+                gpu::ops::attention_prefill(e, gpu::parse_act(t),
+                                            make_shape(n_heads, n_kv_heads, head_dim, 0, output_gate, 0.0f, 0.0f), q,
+                                            proj, proj_stride, make_cache(k_cache, v_cache, capacity, kv_dtype), p0, M, o);
+            },
+            "encoder"_a, "dtype"_a, "q"_a, "proj"_a, "k_cache"_a, "v_cache"_a, "p0"_a, "M"_a, "o"_a, nb::kw_only(),
+            "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "capacity"_a, "output_gate"_a = true, "kv_dtype"_a = "bfloat16",
+            "proj_stride"_a = 0,
+            "causal flash attention of M query rows at positions p0.. over cache keys 0..p0+M-1, gated.");
+
+    ops.def("attention_prefill_geometry",
+            [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M) {
+                const gpu::ops::AttnPrefillGeometry g = gpu::ops::attention_prefill_geometry(
+                    make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M);
+                return nb::make_tuple(g.block_rows, g.tile_keys, g.threads, g.blocks);
+            },
+            "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "M"_a,
+            "attention_prefill's tiling of M rows: (block_rows, tile_keys, threads, blocks).");
 
     ops.def("attention_decode",
             [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,

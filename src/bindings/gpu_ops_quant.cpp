@@ -68,17 +68,20 @@ void register_gpu_ops_quant(nb::module_& ops) {
     ops.def("qmv", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& x,
                       const gpu::Buffer& y, uint32_t batch, bool f32_out, uint32_t x_stride, uint32_t y_stride,
                       std::optional<gpu::Buffer> norm_w, float eps, std::optional<gpu::Buffer> xn,
-                      std::optional<gpu::Buffer> residual) {
+                      std::optional<gpu::Buffer> residual, bool round) {
         gpu::ops::QmvFusion f;
         f.norm_w = norm_w ? &*norm_w : nullptr;
         f.eps = eps;
         f.xn = xn ? &*xn : nullptr;
         f.residual = residual ? &*residual : nullptr;
+        f.round = round;
         gpu::ops::qmv(e, gpu::parse_act(t), W, x, y, batch, f32_out, x_stride, y_stride, f);
     }, "encoder"_a, "dtype"_a, "W"_a, "x"_a, "y"_a, "batch"_a = 1, "f32_out"_a = false, "x_stride"_a = 0,
        "y_stride"_a = 0, "norm_w"_a = nb::none(), "eps"_a = 1e-6f, "xn"_a = nb::none(), "residual"_a = nb::none(),
+       "round"_a = false,
        "y[b, :rows] = W x[b, :cols] for b < batch (y float with f32_out); with norm_w the input is rmsnorm(x) * "
-       "norm_w (also stored to xn if given), with residual y = residual + W x (residual may be y).");
+       "norm_w (also stored to xn if given), with residual y = residual + W x (residual may be y); with round a "
+       "float output holds the product rounded to the activation type. Batches 2..16 read each weight once.");
     ops.def("embed", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& E, const gpu::Buffer& ids,
                         uint32_t n, const gpu::Buffer& y) {
         gpu::ops::embed(e, gpu::parse_act(t), E, ids, n, y);

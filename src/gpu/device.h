@@ -119,6 +119,7 @@ struct DeviceInfo {
     uint32_t max_threadgroup_memory = 32768;
     bool simd_reductions = true;      // simd_sum / shuffles (missing on paravirtual GPUs)
     bool simdgroup_matrix = true;
+    bool tensor_ops = false;          // Metal 4 tensor operations (MetalPerformancePrimitives matmul2d): M5, apple10
     bool unified_memory = true;
     bool executes = true;             // false: encode-only (virtual buffers, nothing runs)
 };

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -84,6 +85,7 @@ struct Family {
     double seconds = 0;
     id<MTLLibrary> library = nil;
     std::vector<std::string> functions;    // functionNames once compiled
+    bool needs_tensor_ops = false;         // includes <metal_tensor>: compiled only where info.tensor_ops
 };
 
 // State shared by a MetalCommandBuffer and its completed handler (which may outlive it).
@@ -118,6 +120,10 @@ struct MetalDevice::Impl {
         Family& f = families[i];
         if (f.tried) return f.ok;
         f.tried = true;
+        if (f.needs_tensor_ops && !info.tensor_ops) {  // older macOS / GPUs cannot compile it: never tried
+            f.log = "not compiled: it needs Metal 4 tensor operations (GPU family apple10, macOS 26)";
+            return false;
+        }
         const auto t0 = std::chrono::steady_clock::now();
         @autoreleasepool {
             MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
@@ -416,8 +422,13 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
             i.name = to_std(d.device.name);
             const bool paravirtual = i.name.find("Paravirtual") != std::string::npos;
             // the highest Apple family (each includes the ones below), else Metal3, else unknown
+            // MTLGPUFamilyApple10 (M5) is spelled by its value so that SDKs older than macOS 26 still build
+            const MTLGPUFamily apple10 = static_cast<MTLGPUFamily>(1010);
+            if (@available(macOS 26.0, *)) {
+                if ([d.device supportsFamily:apple10]) i.family = "apple10";
+            }
             if (@available(macOS 14.0, *)) {
-                if ([d.device supportsFamily:MTLGPUFamilyApple9]) i.family = "apple9";
+                if (i.family.empty() && [d.device supportsFamily:MTLGPUFamilyApple9]) i.family = "apple9";
             }
             if (@available(macOS 13.0, *)) {
                 if (i.family.empty() && [d.device supportsFamily:MTLGPUFamilyApple8]) i.family = "apple8";
@@ -427,7 +438,8 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
                                                  MTLGPUFamilyApple1};
             for (int k = 0; k < 7 && i.family.empty(); ++k)
                 if ([d.device supportsFamily:older[k]]) i.family = "apple" + std::to_string(7 - k);
-            const bool apple7 = i.family == "apple7" || i.family == "apple8" || i.family == "apple9";
+            const bool apple7 = i.family == "apple7" || i.family == "apple8" || i.family == "apple9" ||
+                                i.family == "apple10";
             if (@available(macOS 13.0, *)) {
                 if (i.family.empty() && [d.device supportsFamily:MTLGPUFamilyMetal3]) i.family = "metal3";
             }
@@ -436,6 +448,8 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
             // of macOS VMs (GitHub's macos-14 runners) reports Apple5 and supports neither.
             i.simd_reductions = apple7 && !paravirtual;
             i.simdgroup_matrix = apple7 && !paravirtual;
+            // Metal 4 tensor operations (<metal_tensor>, MetalPerformancePrimitives): apple10 on macOS 26
+            i.tensor_ops = i.family == "apple10" && !paravirtual;
             i.max_buffer_length = uint64_t(d.device.maxBufferLength);
             i.max_threads_per_threadgroup = uint32_t(d.device.maxThreadsPerThreadgroup.width);
             i.max_threadgroup_memory = uint32_t(d.device.maxThreadgroupMemoryLength);
@@ -450,6 +464,7 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
         f.name = s.family;
         f.origin = s.origin;
         f.source = s.source;
+        f.needs_tensor_ops = std::strstr(s.source, "#include <metal_tensor>") != nullptr;
         for (size_t j = 0; j < s.kernel_count; ++j) {
             f.table.push_back(s.kernels[j]);
             d.table.emplace(s.kernels[j], d.families.size());
@@ -565,6 +580,7 @@ std::vector<MetalLibraryReport> MetalDevice::compile_all() {
     std::vector<MetalLibraryReport> out;
     for (size_t i = 0; i < d.families.size(); ++i) {
         if (d.families[i].source == nullptr) continue;  // add_source libraries are reported there
+        if (d.families[i].needs_tensor_ops && !d.info.tensor_ops) continue;  // not for this GPU
         d.compile(i);
         out.push_back(report_of(d.families[i]));
     }
@@ -595,8 +611,9 @@ std::vector<std::string> MetalDevice::kernel_names() const {
     std::lock_guard<std::mutex> lk(d.mu);
     std::vector<std::string> out;
     for (const Family& f : d.families)
-        for (const std::string& k : (f.ok ? f.functions : f.table))
-            if (!Impl::has(out, k)) out.push_back(k);
+        if (!f.needs_tensor_ops || d.info.tensor_ops)
+            for (const std::string& k : (f.ok ? f.functions : f.table))
+                if (!Impl::has(out, k)) out.push_back(k);
     return out;
 }
 

@@ -98,12 +98,14 @@ SimDevice::SimDevice(const SimOptions& opt, std::shared_ptr<msl::Library> lib)
     : opt_(opt), lib_(lib ? std::move(lib) : msl::Library::builtin()) {
     static const char* names[] = {"forward", "reverse", "random"};
     info_.name = std::string("msl_sim (") + names[int(opt.schedule)] + " schedule" +
-                 (opt.execute ? "" : ", encode-only") + ")";
+                 (opt.execute ? "" : ", encode-only") +
+                 (opt.tensor_ops ? ", tensor ops" : "") + ")";
     info_.family = "simulator";
     info_.max_buffer_length = 1ull << 40;
     info_.max_threads_per_threadgroup = msl::kMaxThreadsPerGroup;
     info_.max_threadgroup_memory = msl::kMaxThreadgroupMemory;
     info_.executes = opt.execute;
+    info_.tensor_ops = opt.tensor_ops;
     worker_ = std::thread([this] { run_queue(); });
 }
 

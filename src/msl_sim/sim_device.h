@@ -27,6 +27,7 @@ struct SimOptions {
     uint64_t seed = 0;
     int workers = 0;                  // simulator threads per dispatch (0: all cores)
     bool keep_records = false;        // keep every dispatch record of committed command buffers
+    bool tensor_ops = false;          // claim Metal 4 tensor ops (DeviceInfo::tensor_ops): the M5 routes run emulated
 };
 
 class SimDevice : public Device {

@@ -37,15 +37,17 @@ SIM = DEVICE == "sim"
 BACKEND = "metal-sim" if SIM else "metal"
 
 
-def make_device(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
+def make_device(schedule: str = "forward", seed: int = 0, keep_records: bool = False, tensor_ops: bool = False):
+    """tensor_ops: the simulator claims Metal 4 tensor ops (the M5 routes run on its emulation); on a Mac the
+    GPU decides (dev.info["tensor_ops"])."""
     if SIM:
-        return gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records)
+        return gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records, tensor_ops=tensor_ops)
     return gpu.MetalDevice()
 
 
 @contextlib.contextmanager
-def run(schedule: str = "forward", seed: int = 0, keep_records: bool = False):
-    dev = make_device(schedule, seed, keep_records)
+def run(schedule: str = "forward", seed: int = 0, keep_records: bool = False, tensor_ops: bool = False):
+    dev = make_device(schedule, seed, keep_records, tensor_ops)
     cb = dev.command_buffer()
     enc = gpu.Encoder(dev, cb)
 

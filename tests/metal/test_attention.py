@@ -3,7 +3,10 @@
 attn_prepare (q/k norm + RoPE + KV write) against the reference's rms_norm / rope; attention_decode on
 every route (single pass, split-K + combine, bounded two-pass; with and without GQA packing) against
 float64 softmax attention on exactly the q, K, V and gate the kernels see; prepare + decode over many
-steps against reference.full_attention; the real model's attention shape once.
+steps against reference.full_attention; the real model's attention shape once. Prefill: attn_prepare over
+M rows against M decode prepares (bit for bit); attention_prefill against float64 causal attention (GQA
+1/2/3/8, p0 > 0, M not a multiple of the query block, head_dim 8..256) and, after prepare, a prompt as one
+chunk and as several against reference.full_attention (the chunked run bit-equal to the single one).
 Simulator-verified, hardware-unverified.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
 DT = {"f32": "float32", "bf16": "bfloat16"}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
 LONG_MAX_PARTIALS = 64          # metal/attention.h ATTN_LONG_MAX_PARTIALS
+GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks")   # ops.attention_prefill_geometry's tuple
 
 
 def shape_kw(nh, nkv, hd, cap, gate, kv):
@@ -227,15 +231,11 @@ def test_prepare_hypothesis(nkv, G, hd, rot, gate, t, kv, pos, schedule, theta):
 
 
 # -------------------------------------------------------------------------------------------- multi-step
-@pytest.mark.parametrize("t,kv,schedule", [("f32", "f32", "forward"), ("f32", "bf16", "reverse"),
-                                           ("bf16", "bf16", "random")])
-def test_multistep_against_full_attention(t, kv, schedule):
-    """L decode steps in one command buffer (prepare at position i, then attend over the i + 1 keys the
-    earlier prepares wrote; the routes change on the way) against reference.full_attention over all L."""
-    nh, nkv, hd, rd, H, L = 6, 2, 16, 8, 24, 30
+def full_attention_case(t, nh, nkv, hd, rd, H, L, seed):
+    """reference.full_attention over L tokens (identity o_proj) and the stacked projection rows it starts from."""
     cfg = types.SimpleNamespace(num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, rotary_dim=rd,
                                 rope_theta=1e6, rms_norm_eps=1e-6, attn_output_gate=True)
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     T = ACT[t]
     rnd = lambda *s: np.asarray(rng.standard_normal(s) / np.sqrt(H), np.float32).astype(T).astype(np.float32)
     p = {"q_proj": rnd(nh * 2 * hd, H) * 3, "k_proj": rnd(nkv * hd, H) * 3, "v_proj": rnd(nkv * hd, H),
@@ -244,19 +244,25 @@ def test_multistep_against_full_attention(t, kv, schedule):
          "k_norm": (1 + 0.1 * rng.standard_normal(hd)).astype(T).astype(np.float32)}
     x = rng.standard_normal((L, H)).astype(T).astype(np.float32)
     empty = np.zeros((nkv, 0, hd), np.float32)
-    ref, Kref, _ = R.full_attention(x, p, cfg, empty, empty, 0, bf16=t == "bf16")
+    ref, Kref, Vref = R.full_attention(x, p, cfg, empty, empty, 0, bf16=t == "bf16")
+    lin = (lambda w: R.to_bf16(x @ w.T)) if t == "bf16" else (lambda w: x @ w.T)
+    proj = np.ascontiguousarray(np.concatenate([lin(p[k]) for k in ("q_proj", "k_proj", "v_proj")], axis=1).astype(T))
+    return proj, p["q_norm"].astype(T), p["k_norm"].astype(T), ref, Kref, Vref
 
-    W = np.concatenate([p["q_proj"], p["k_proj"], p["v_proj"]])
-    proj = np.ascontiguousarray((x @ W.T).astype(T))                     # [L, q_rows + 2 kv]
-    if t == "bf16":
-        proj = np.ascontiguousarray(np.concatenate([R.to_bf16(x @ w.T) for w in (p["q_proj"], p["k_proj"], p["v_proj"])],
-                                                   axis=1).astype(T))
+
+@pytest.mark.parametrize("t,kv,schedule", [("f32", "f32", "forward"), ("f32", "bf16", "reverse"),
+                                           ("bf16", "bf16", "random")])
+def test_multistep_against_full_attention(t, kv, schedule):
+    """L decode steps in one command buffer (prepare at position i, then attend over the i + 1 keys the
+    earlier prepares wrote; the routes change on the way) against reference.full_attention over all L."""
+    nh, nkv, hd, rd, H, L = 6, 2, 16, 8, 24, 30
+    proj, qw, kw, ref, Kref, _ = full_attention_case(t, nh, nkv, hd, rd, H, L, 2)
+    T = ACT[t]
     cap = L + 2
     K = np.zeros((nkv, cap, hd), ACT[kv])
     V = np.zeros((nkv, cap, hd), ACT[kv])
     qo = np.zeros(nh * hd, T)
     o = np.full((L, nh * hd), np.nan, T)
-    qw, kw = p["q_norm"].astype(T), p["k_norm"].astype(T)
     pol = dict(single_pass_max=7, split_max=18, split_block=3, long_block=2)
     nbytes = ops.attention_scratch_bytes(nh, nkv, hd, L, **pol)
     scratch = np.zeros(nbytes // 4, np.float32)
@@ -378,3 +384,273 @@ def test_argument_checks():
         dec(output_gate=False, proj=buf(proj[:1]))  # nor proj without the output gate
         with pytest.raises(ValueError, match=r"attention_scratch_bytes: split_block and long_block must be positive"):
             ops.attention_scratch_bytes(nh, nkv, hd, 10, long_block=0)
+
+
+# ---------------------------------------------------------------------------------------- prepare, rows
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16"), ("f32", "bf16")])
+def test_prepare_rows_equals_decode_prepares(schedule, t, kv):
+    """One attn_prepare over `rows` rows (proj rows `stride` apart) writes bit for bit what `rows` calls of the
+    decode prepare write, and each row matches the reference at its position; other cache rows untouched."""
+    nh, nkv, hd, rd, rows, pos, cap = 6, 2, 24, 16, 5, 3, 11
+    rng = np.random.default_rng(21)
+    T, KV = ACT[t], ACT[kv]
+    row_len = nh * 2 * hd + 2 * nkv * hd
+    stride = row_len + 7
+    proj = (3.0 * rng.standard_normal((rows, stride))).astype(T)
+    qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    kw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    K0 = rng.standard_normal((nkv, cap, hd)).astype(KV)
+    V0 = rng.standard_normal((nkv, cap, hd)).astype(KV)
+    shape = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, rotary_dim=rd, capacity=cap, rope_theta=1e6, eps=1e-6,
+                 kv_dtype=DT[kv])
+    K1, V1, q1 = K0.copy(), V0.copy(), np.full((rows, nh * hd), np.nan, T)
+    with run(schedule, seed=rows) as (dev, enc, buf):
+        ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K1), buf(V1), buf(q1), rows=rows,
+                         proj_stride=stride, **shape)
+        assert enc.dispatches == 1
+    K2, V2, q2 = K0.copy(), V0.copy(), np.full((rows, nh * hd), np.nan, T)
+    with run(schedule) as (dev, enc, buf):
+        bp, bq = buf(proj), buf(q2)
+        rp, rq = stride * proj.itemsize, nh * hd * q2.itemsize
+        for r in range(rows):
+            ops.attn_prepare(enc, DT[t], bp.view(r * rp, row_len * proj.itemsize), buf(qw), buf(kw), pos + r,
+                             buf(K2), buf(V2), bq.view(r * rq, rq), **shape)
+    assert np.array_equal(q1.view(np.uint8), q2.view(np.uint8))
+    assert np.array_equal(K1.view(np.uint8), K2.view(np.uint8)) and np.array_equal(V1.view(np.uint8), V2.view(np.uint8))
+    tol = max(TOL[t], TOL[kv])
+    for r in range(rows):
+        qn, kn, v = prepare_ref(t, proj[r, :row_len], qw, kw, nh, nkv, hd, rd, True, pos + r, 1e6, 1e-6)
+        assert rel_err(q1[r].reshape(nh, hd), qn) < TOL[t]
+        assert rel_err(K1[:, pos + r], kn) < tol and rel_err(V1[:, pos + r], v) < tol
+    others = (np.arange(cap) < pos) | (np.arange(cap) >= pos + rows)
+    assert np.array_equal(K1[:, others], K0[:, others]) and np.array_equal(V1[:, others], V0[:, others])
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate):
+    """float64 causal gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]."""
+    G = nh // nkv
+    n = p0 + M
+    q64 = np.asarray(q, np.float64).reshape(M, nkv, G, hd)
+    s = np.einsum("mjgd,jtd->jgmt", q64, np.asarray(K[:, :n], np.float64)) / np.sqrt(hd)
+    causal = np.arange(n)[None, :] <= (p0 + np.arange(M))[:, None]
+    s = np.where(causal, s, -np.inf)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    o = np.einsum("jgmt,jtd->mjgd", pr, np.asarray(V[:, :n], np.float64)).reshape(M, nh, hd)
+    if gate:
+        g = np.asarray(proj, np.float64)[:, :nh * 2 * hd].reshape(M, nh, 2 * hd)[..., hd:]
+        o = o / (1.0 + np.exp(-g))
+    return o.reshape(M, nh * hd)
+
+
+def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0):
+    """attention_prefill on random q, proj (rows `pad` elements longer than the stacked row), K/V (rows past
+    the context NaN: never read), o NaN-filled; checked against prefill_ref."""
+    T, KV = ACT[t], ACT[kv]
+    cap = cap or p0 + M + 2
+    n = p0 + M
+    stride = nh * (2 if gate else 1) * hd + 2 * nkv * hd + pad
+    q = (2.0 * rng.standard_normal((M, nh * hd))).astype(T)
+    proj = rng.standard_normal((M, stride)).astype(T)
+    K = np.full((nkv, cap, hd), np.nan, KV)
+    V = np.full((nkv, cap, hd), np.nan, KV)
+    K[:, :n] = rng.standard_normal((nkv, n, hd))
+    V[:, :n] = rng.standard_normal((nkv, n, hd))
+    o = np.full((M, nh * hd), np.nan, T)
+    with run(schedule, seed=M + p0) as (dev, enc, buf):
+        ops.attention_prefill(enc, DT[t], buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), n_heads=nh,
+                              n_kv_heads=nkv, head_dim=hd, capacity=cap, output_gate=gate, kv_dtype=DT[kv],
+                              proj_stride=stride)
+        assert enc.dispatches == 1
+    ref = prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate)
+    assert not np.isnan(np.asarray(o, np.float64)).any()
+    err = rel_err(o, ref)
+    assert err < TOL[t], (nh, nkv, hd, p0, M, err)
+    return o
+
+
+def test_prefill_geometry():
+    """About 8 SIMD-groups of 8 rows x 1 head whatever the GQA ratio; no more rows than the chunk has;
+    the real model: 8 rows x 8 heads per threadgroup (256 threads), tiles of 8 keys of 256 dims."""
+    geo = lambda nh, nkv, hd, M: dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
+    assert geo(16, 2, 256, 4096) == dict(block_rows=8, tile_keys=8, threads=256, blocks=512)
+    assert geo(16, 2, 256, 1) == dict(block_rows=8, tile_keys=8, threads=256, blocks=1)
+    assert geo(4, 4, 64, 1000) == dict(block_rows=64, tile_keys=32, threads=256, blocks=16)
+    assert geo(4, 4, 64, 9) == dict(block_rows=16, tile_keys=32, threads=64, blocks=1)
+    assert geo(4, 2, 128, 100) == dict(block_rows=32, tile_keys=16, threads=256, blocks=4)
+    assert geo(6, 2, 32, 100) == dict(block_rows=16, tile_keys=64, threads=192, blocks=7)
+    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=256, threads=1024, blocks=1)
+
+
+# (p0, M): a single row, chunks shorter than / equal to / not a multiple of the query block, contexts from
+# earlier chunks that end inside and at the edge of a tile
+PM = [(0, 1), (0, 7), (0, 8), (0, 13), (3, 1), (5, 12), (16, 9), (29, 30)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("G", [1, 2, 3, 8])
+def test_prefill_gqa_f32(schedule, G):
+    rng = np.random.default_rng(G)
+    for p0, M in PM:
+        run_prefill(schedule, "f32", "f32", 2 * G, 2, 16, p0, M, True, rng)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("t,kv", [("bf16", "bf16"), ("bf16", "f32"), ("f32", "bf16")])
+def test_prefill_dtypes(schedule, t, kv):
+    rng = np.random.default_rng(9)
+    for p0, M in ((0, 5), (4, 11), (19, 20)):
+        run_prefill(schedule, t, kv, 8, 2, 64, p0, M, True, rng, pad=5)
+        run_prefill(schedule, t, kv, 3, 3, 32, p0, M, False, rng)
+
+
+@pytest.mark.parametrize("hd", [8, 64, 128, 256])
+def test_prefill_head_dims(hd):
+    """Tiles of 2048 / hd keys (8 at hd = 256): contexts spanning several tiles, a chunk crossing tiles."""
+    rng = np.random.default_rng(hd)
+    for p0, M in ((0, 3), (13, 10), (40, 25)):
+        run_prefill("random", "f32", "f32", 4, 2, hd, p0, M, True, rng, cap=p0 + M)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(nkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3, 5, 8, 16]), hd=st.sampled_from([8, 16, 24, 40, 64, 128]),
+       p0=st.integers(0, 40), M=st.integers(1, 40), gate=st.booleans(), t=st.sampled_from(["f32", "bf16"]),
+       kv=st.sampled_from(["f32", "bf16"]), schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
+def test_prefill_hypothesis(nkv, G, hd, p0, M, gate, t, kv, schedule, seed):
+    run_prefill(schedule, t, kv, G * nkv, nkv, hd, p0, M, gate, np.random.default_rng(seed),
+                cap=p0 + M + seed % 3, pad=seed % 4)
+
+
+def test_prefill_one_row_is_decode():
+    """M = 1 at position p0 is the decode attention over p0 + 1 keys (different summation order: 1e-5)."""
+    nh, nkv, hd, p0 = 8, 2, 32, 37
+    rng = np.random.default_rng(4)
+    o = run_prefill("forward", "f32", "f32", nh, nkv, hd, p0, 1, True, rng)
+    rng = np.random.default_rng(4)      # the same q, proj, K, V
+    q = (2.0 * rng.standard_normal((1, nh * hd))).astype(np.float32)
+    proj = rng.standard_normal((1, nh * 2 * hd + 2 * nkv * hd)).astype(np.float32)
+    K = np.full((nkv, p0 + 3, hd), np.nan, np.float32)
+    V = np.full((nkv, p0 + 3, hd), np.nan, np.float32)
+    K[:, :p0 + 1] = rng.standard_normal((nkv, p0 + 1, hd))
+    V[:, :p0 + 1] = rng.standard_normal((nkv, p0 + 1, hd))
+    od = np.full(nh * hd, np.nan, np.float32)
+    with run() as (dev, enc, buf):
+        ops.attention_decode(enc, "float32", buf(q), buf(proj), buf(K), buf(V), p0 + 1, None, buf(od), n_heads=nh,
+                             n_kv_heads=nkv, head_dim=hd, capacity=p0 + 3, kv_dtype="float32")
+    assert rel_err(o[0], od) < 1e-5
+
+
+def run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, bounds, cap):
+    """attn_prepare (rows) + attention_prefill per chunk [a, b) of `bounds`, all in one command buffer."""
+    L = proj.shape[0]
+    K = np.full((nkv, cap, hd), np.nan, ACT[kv])
+    V = np.full((nkv, cap, hd), np.nan, ACT[kv])
+    q = np.full((L, nh * hd), np.nan, ACT[t])
+    o = np.full((L, nh * hd), np.nan, ACT[t])
+    shape = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype=DT[kv])
+    with run(schedule) as (dev, enc, buf):
+        bp, bK, bV, bq, bo = buf(proj), buf(K), buf(V), buf(q), buf(o)
+        rp, rq = proj.shape[1] * proj.itemsize, nh * hd * q.itemsize
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            pv, qv = bp.view(a * rp, (b - a) * rp), bq.view(a * rq, (b - a) * rq)
+            ops.attn_prepare(enc, DT[t], pv, buf(qw), buf(kw), a, bK, bV, qv, rows=b - a, rotary_dim=rd,
+                             rope_theta=1e6, eps=1e-6, **shape)
+            ops.attention_prefill(enc, DT[t], qv, pv, bK, bV, a, b - a, bo.view(a * rq, (b - a) * rq), **shape)
+    return o, K, V
+
+
+@pytest.mark.parametrize("t,kv,schedule", [("f32", "f32", "forward"), ("f32", "bf16", "reverse"),
+                                           ("bf16", "bf16", "random"), ("bf16", "f32", "forward")])
+def test_prefill_chunks_against_full_attention(t, kv, schedule):
+    """prepare + prefill over a prompt as one chunk, and as chunks of 11, 1 and 17 rows (contexts spanning earlier
+    chunks), against reference.full_attention; the chunked run equals the single one bit for bit."""
+    nh, nkv, hd, rd, H, L = 8, 2, 32, 16, 24, 29
+    proj, qw, kw, ref, Kref, Vref = full_attention_case(t, nh, nkv, hd, rd, H, L, 2)
+    one, K1, V1 = run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, L], L + 3)
+    split, K2, V2 = run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, 11, 12, L], L + 3)
+    tol = max(TOL[t], TOL[kv])
+    assert rel_err(K1[:, :L], Kref) < tol and rel_err(V1[:, :L], Vref) < tol
+    assert rel_err(one, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+    assert np.array_equal(one.view(np.uint8), split.view(np.uint8))
+    assert np.array_equal(K1.view(np.uint8), K2.view(np.uint8))
+
+
+@pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16")])
+def test_prefill_real_model_shape(t, kv):
+    """Qwen3.6 full attention (16 q / 2 kv heads x 256, rotary 64, theta 1e6 here): a chunk of 7 rows after one of
+    12, against reference.full_attention; G = 8 heads share each K/V tile."""
+    nh, nkv, hd, rd, H, L = 16, 2, 256, 64, 32, 19
+    proj, qw, kw, ref, Kref, _ = full_attention_case(t, nh, nkv, hd, rd, H, L, 7)
+    o, K, _ = run_chunks("random", t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, 12, L], L + 1)
+    tol = max(TOL[t], TOL[kv])
+    assert rel_err(K[:, :L], Kref) < tol
+    assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+
+
+@pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1)])
+def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
+    """K/V read once per (query block, kv head): block b reads keys 0 .. min(p0 + (b+1) rows, p0 + M) - 1; q, the
+    gate and o once; flops 2 hd per visible (query head, key) for each of QK^T and PV."""
+    cap = p0 + M
+    f = lambda *s: np.zeros(s, ACT["bf16"])
+    stride = nh * 2 * hd + 2 * nkv * hd
+    q, proj, o = f(M, nh * hd), f(M, stride), f(M, nh * hd)
+    K, V = np.zeros((nkv, cap, hd), np.float32), np.zeros((nkv, cap, hd), np.float32)
+    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
+    keys = sum(min(p0 + (b + 1) * g["block_rows"], p0 + M) for b in range(g["blocks"]))
+    with run() as (dev, enc, buf):
+        ops.attention_prefill(enc, "bfloat16", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), n_heads=nh,
+                              n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32")
+        assert enc.bytes_read == 2 * M * nh * hd * 2 + 2 * nkv * keys * hd * 4
+        assert enc.bytes_written == M * nh * hd * 2
+        assert enc.flops == 4 * nh * hd * (M * p0 + M * (M + 1) // 2)
+    if nh // nkv == 8:   # the real model: per query head it would read 8x these K/V bytes
+        assert keys < g["blocks"] * (p0 + M)
+
+
+def test_prefill_argument_checks():
+    nh, nkv, hd, cap, M = 4, 2, 16, 10, 3
+    f = lambda *s: np.zeros(s, np.float32)
+    stride = nh * 2 * hd + 2 * nkv * hd
+    q, proj, o, K, V = f(M, nh * hd), f(M, stride), f(M, nh * hd), f(nkv, cap, hd), f(nkv, cap, hd)
+    qw = f(hd)
+    kws = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32")
+    with run() as (dev, enc, buf):
+        def pre(**over):
+            a = dict(q=buf(q), proj=buf(proj), p0=2, M=M, o=buf(o), **kws)
+            a.update(over)
+            ops.attention_prefill(enc, "float32", a.pop("q"), a.pop("proj"), buf(K), buf(V), a.pop("p0"), a.pop("M"),
+                                  a.pop("o"), **a)
+
+        for bad, match in ((dict(M=0), r"attention_prefill: M \(rows\) must be positive"),
+                           (dict(p0=8), r"attention_prefill: keys 0\.\.10 outside a cache of 10 rows"),
+                           (dict(q=buf(q[:-1])), r"attention_prefill: q holds \d+ bytes, needs"),
+                           (dict(o=buf(o[:-1])), r"attention_prefill: o holds \d+ bytes, needs"),
+                           (dict(proj=buf(proj[:-1])), r"attention_prefill: proj holds \d+ bytes, needs"),
+                           (dict(proj_stride=nh * 2 * hd - 1), r"proj_stride 127 below the q rows of 128"),
+                           (dict(head_dim=12, capacity=13), r"head_dim 12 must be a multiple of 8 and at most 256"),
+                           (dict(head_dim=264, capacity=1), r"head_dim 264 must be a multiple of 8 and at most 256"),
+                           (dict(n_heads=66, n_kv_heads=2), r"n_heads / n_kv_heads = 33 above the kernel's 32"),
+                           (dict(n_heads=5), r"n_heads \(5\) must be a multiple of n_kv_heads \(2\)"),
+                           (dict(capacity=cap + 1), r"attention_prefill: k cache holds \d+ bytes, needs")):
+            with pytest.raises(ValueError, match=match):
+                pre(**bad)
+        pre()
+        pre(output_gate=False, proj=buf(proj[:1, :1]))          # without the gate proj is never read
+
+        def prep(**over):
+            a = dict(proj=buf(proj), position=2, rows=M, proj_stride=0, **kws)
+            a.update(over)
+            ops.attn_prepare(enc, "float32", a.pop("proj"), buf(qw), buf(qw), a.pop("position"), buf(K), buf(V),
+                             buf(q), rotary_dim=8, **a)
+
+        for bad, match in ((dict(rows=0), r"attn_prepare: rows must be positive"),
+                           (dict(position=8), r"attn_prepare: positions 8\.\.10 outside a cache of 10 rows"),
+                           (dict(proj_stride=stride - 1), r"attn_prepare: proj_stride 191 below the stacked row of 192"),
+                           (dict(proj_stride=stride + 1), r"attn_prepare: proj holds \d+ bytes, needs"),
+                           (dict(rows=M + 1, position=0), r"attn_prepare: proj holds \d+ bytes, needs")):
+            with pytest.raises(ValueError, match=match):
+                prep(**bad)
+        prep()

@@ -9,6 +9,8 @@ of the magnitude the float accumulation works at (the sum of |terms|: a cancelli
 its terms), plus one rounding of the result for bfloat16 outputs (wmat.assert_close); in bfloat16 the oracles round
 where the reference's bfloat16 mode rounds (gate/up, SwiGLU, expert outputs, weighted sums), within 4 ulps.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -391,3 +393,499 @@ def test_moe_gate_up_fused_topk(schedule, E, k, norm, ties, inter, shared, dtype
     if shared:
         ref, bound = gate_up_ref(sh.ref[:shared], sh.ref[shared:], xf, dtype)
         assert_close(act[k, :shared], ref, bound, tol(dtype), "shared")
+
+
+# ================================================================================== prefill: M rows at once
+def topk_rows_ref(logits, E, k, norm, dtype):
+    """ids and weights of every row; in bf16 the weights rounded as the bf16 graph rounds them (the selected
+    probabilities, their sum, the quotient), as reference.sparse_moe(bf16=True)"""
+    ids, ws = [], []
+    for row in logits:
+        i, w = topk_ref(row[:E], k, False)
+        w = rnd(w.astype(np.float64), dtype)
+        if norm:
+            w = rnd(w / rnd(np.sum(w), dtype), dtype)
+        ids.append(i)
+        ws.append(w)
+    return np.array(ids, np.uint32), np.array(ws)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(M=st.integers(1, 11), E=st.integers(1, 80), pad=st.integers(0, 3), k=st.integers(1, 9), norm=st.booleans(),
+       ties=st.booleans(), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_topk_rows(schedule, M, E, pad, k, norm, ties, dtype, seed):
+    """Every row's top-k as the single-row moe_topk computes it (ties: lower index), rows at a padded stride
+    (the router GEMM's [E router | shared gate] row); bf16 rounds the weights as the bf16 graph."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    stride = E + pad
+    logits = ((rng.integers(0, 4, (M, stride)) * 0.5) if ties else rng.standard_normal((M, stride)) * 3)
+    logits = logits.astype(np.float32)
+    ids = np.full((M, k), 0xDEAD, np.uint32)
+    w = np.full((M, k), -1, np.float32)
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_topk_rows(enc, dtype, buf(logits), M, stride, E, k, norm, buf(ids), buf(w))
+    ref_ids, ref_w = topk_rows_ref(logits, E, k, norm, dtype)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-6 if dtype == "f32" else 2.0 ** -8, atol=1e-7)
+    assert not SIM or dev.records()[0]["kernel"] == f"moe_topk_{dtype}"
+
+
+def sort_ref(ids, E, t, capacity):
+    """slot_rows, slot_of and the tile map of a stable counting sort of the (token, j) pairs by expert"""
+    M, k = ids.shape
+    flat = np.minimum(ids.ravel(), E - 1)
+    order = np.argsort(flat, kind="stable")                   # slot -> pair
+    slot_of = np.empty(M * k, np.uint32)
+    slot_of[order] = np.arange(M * k)
+    tiles, base = [], 0
+    for e, c in enumerate(np.bincount(flat, minlength=E)):
+        tiles += [(e, base + f, min(t, c - f), 0) for f in range(0, c, t)]
+        base += c
+    assert len(tiles) <= capacity
+    tiles += [(0, 0, 0, 0)] * (capacity - len(tiles))
+    return (order // k).astype(np.uint32), slot_of, np.array(tiles, np.uint32).reshape(capacity, 4)
+
+
+def run_sort(ids, E, t, schedule="forward", seed=0, keep_records=False):
+    M, k = ids.shape
+    S = M * k
+    cap = ops.moe_tile_capacity(S, E, t)
+    scratch = np.full(ops.moe_sort_scratch_bytes(E) // 4, 0xABCD, np.uint32)
+    slot_rows, slot_of = np.full(S, 0xDEAD, np.uint32), np.full(S, 0xDEAD, np.uint32)
+    tiles = np.full((cap, 4), 0xBEEF, np.uint32)
+    with run(schedule, seed=seed, keep_records=keep_records) as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_sort(enc, buf(np.ascontiguousarray(ids, np.uint32)), M, k, E, buf(scratch), buf(slot_rows),
+                     buf(slot_of), gpu.TileMap(buf(tiles), cap, t))
+        levels = enc.levels
+    return slot_rows, slot_of, tiles, levels, dev
+
+
+def check_sort(ids, E, t, schedule="forward", seed=0):
+    slot_rows, slot_of, tiles, levels, _ = run_sort(ids, E, t, schedule, seed)
+    want = sort_ref(ids, E, t, len(tiles))
+    np.testing.assert_array_equal(slot_rows, want[0])
+    np.testing.assert_array_equal(slot_of, want[1])
+    np.testing.assert_array_equal(tiles, want[2])
+    assert levels == 3   # count -> scan -> scatter
+    return tiles
+
+
+def routing(rng, M, k, E, skew):
+    """M rows of k distinct experts, uniformly or concentrated on a few experts"""
+    p = None
+    if skew:
+        p = 1.0 / np.arange(1, E + 1) ** 3
+        p = rng.permutation(p / p.sum())
+    return np.array([rng.choice(E, k, replace=False, p=p) for _ in range(M)], np.uint32)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(M=st.integers(1, 70), k=st.integers(1, 8), E=st.integers(1, 300), t=st.sampled_from([16, 32]),
+       skew=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_moe_sort(schedule, M, k, E, t, skew, seed):
+    """The stable sort and the tile map, exactly, for 1..70 rows (several token blocks above 32 rows), up to
+    300 experts (two threadgroups of experts above 256), both tile heights, uniform and skewed routing."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    check_sort(routing(rng, M, k, E, skew), E, t, schedule, seed)
+
+
+@pytest.mark.parametrize("t", [16, 32])
+def test_moe_sort_routing_extremes(t):
+    rng = np.random.default_rng(3)
+    # all tokens to one expert (k = 1), the other 15 empty; 100 rows: not a multiple of either height
+    tiles = check_sort(np.full((100, 1), 9, np.uint32), 16, t, "reverse")
+    assert (tiles[:, 2] > 0).sum() == -(-100 // t) and (tiles[tiles[:, 2] > 0, 0] == 9).all()
+    # every token to the same k experts (each gets all M rows), the rest empty
+    check_sort(np.tile(np.array([5, 0, 63, 17], np.uint32), (45, 1)), 64, t, "random", 1)
+    # one row (M = 1): k tiles of one row each
+    tiles = check_sort(np.array([[7, 2, 30, 1, 0, 29, 3, 4]], np.uint32), 32, t)
+    assert tiles[:8, 2].tolist() == [1] * 8 and tiles[:8, 0].tolist() == [0, 1, 2, 3, 4, 7, 29, 30]
+    # one expert, one row
+    check_sort(np.zeros((1, 1), np.uint32), 1, t)
+    # S exactly a multiple of the height, and one more
+    check_sort(routing(rng, 2 * t, 1, 1, False), 1, t)
+    check_sort(routing(rng, 2 * t + 1, 1, 1, False), 1, t)
+    # repeated ids in a row and ids >= E (not what top-k produces): still (token, j) order, clamped to E - 1
+    check_sort(np.array([[3, 3, 9], [1, 3, 3], [99, 0, 3]], np.uint32), 4, t, "reverse")
+
+
+def counts_at_capacity(M, k, E, t):
+    """Routing of M rows x k distinct experts whose tiles fill every entry of moe_tile_capacity: every
+    non-empty expert gets 1 + (a multiple of t) rows, except that the leftover (< t) goes where it adds no
+    tile; the rows are handed out column-major so that each expert's run covers distinct tokens."""
+    S = M * k
+    n = min(E, S)
+    c = [1] * n
+    rest = S - n
+    for e in range(n):
+        while rest >= t and c[e] + t <= M:
+            c[e] += t
+            rest -= t
+    for e in range(n):
+        add = min(rest, M - c[e])
+        c[e] += add
+        rest -= add
+    assert rest == 0 and max(c) <= M
+    flat = np.repeat(np.arange(n), c)
+    ids = np.empty((M, k), np.uint32)
+    for i, e in enumerate(flat):
+        ids[i % M, i // M] = e
+    assert all(len(set(r)) == k for r in ids)
+    return ids
+
+
+@pytest.mark.parametrize("M,k,E", [(40, 1, 8), (100, 1, 5), (3, 1, 10), (1, 1, 1), (33, 2, 4), (50, 4, 6),
+                                   (48, 8, 16), (70, 3, 300)])
+@pytest.mark.parametrize("t", [16, 32])
+def test_moe_tile_map_at_capacity(M, k, E, t):
+    """A routing that needs exactly moe_tile_capacity tiles: every entry of the map is a real tile (the bound
+    is tight, so the grouped GEMM's fixed grid is never larger than some routing needs)."""
+    ids = counts_at_capacity(M, k, E, t)
+    tiles = check_sort(ids, E, t, "random", M)
+    assert len(tiles) == ops.moe_tile_capacity(M * k, E, t)
+    assert (tiles[:, 2] > 0).all()
+
+
+def test_moe_sort_deterministic_across_schedules():
+    """The same slots and tile map whatever order the threads run in (integer counting, fixed order)."""
+    rng = np.random.default_rng(8)
+    ids = routing(rng, 67, 8, 40, True)
+    outs = [run_sort(ids, 40, 16, s, seed)[:3] for s, seed in [("forward", 0), ("reverse", 0), ("random", 1),
+                                                               ("random", 2)]]
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_moe_tile_capacity_and_rows():
+    cap = ops.moe_tile_capacity
+    assert cap(100, 1, 16) == 1 + 99 // 16 and cap(3, 10, 16) == 3 and cap(1, 256, 32) == 1
+    assert cap(4096 * 8, 256, 32) == 256 + (4096 * 8 - 256) // 32
+    # the height rule: 32 from an average of 32 rows per expert
+    assert ops.moe_tile_rows(32 * 256, 256) == 32 and ops.moe_tile_rows(32 * 256 - 1, 256) == 16
+    assert ops.moe_sort_scratch_bytes(256) == 32 * 256 * 4
+
+
+def combine_ref(x, y, slot_of, w, shared, logits, E, dtype):
+    """x + the combine with the bf16 graph's roundings (moe_down's), and the magnitude of the float sum"""
+    M, k = slot_of.shape
+    ys = y.astype(np.float64)[slot_of]                             # [M, k, H]
+    terms = rnd(w.astype(np.float64)[:, :, None] * rnd(ys, dtype), dtype)
+    out = rnd(terms.sum(axis=1), dtype)
+    bound = np.abs(terms).sum(axis=1)
+    if shared is not None:
+        g = rnd(sigmoid(logits[:, E].astype(np.float64)), dtype)[:, None]
+        gs = rnd(g * rnd(shared.astype(np.float64), dtype), dtype)
+        out = rnd(out + gs, dtype)
+        bound = bound + np.abs(gs)
+    x0 = x.astype(np.float64)
+    return x0 + out, bound + np.abs(x0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(M=st.integers(1, 9), k=st.integers(1, 8), H=st.integers(1, 300), has_shared=st.booleans(), pad=st.integers(0, 2),
+       dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_combine(schedule, M, k, H, has_shared, pad, dtype, seed):
+    rng = np.random.default_rng(seed)
+    S, E = M * k, 5
+    y = rng.standard_normal((S, H)).astype(np.float32)
+    slot_of = rng.permutation(S).astype(np.uint32).reshape(M, k)
+    w = rng.dirichlet(np.ones(k), M).astype(np.float32)
+    stride = E + 1 + pad
+    logits = (rng.standard_normal((M, stride)) * 2).astype(np.float32)
+    shared = rng.standard_normal((M, H)).astype(ACT[dtype]) if has_shared else None
+    x = rng.standard_normal((M, H)).astype(ACT[dtype])
+    want, bound = combine_ref(x, y, slot_of, w, shared, logits, E, dtype)
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_combine(enc, dtype, buf(y), buf(slot_of), buf(w), M, k, H, buf(shared) if has_shared else None,
+                        buf(logits) if has_shared else None, stride, E, buf(x))
+    assert_close(x, want, bound, tol(dtype))
+    assert not SIM or dev.records()[0]["kernel"] == f"moe_combine_{dtype}"
+
+
+def test_moe_combine_matches_moe_down_rounding():
+    """One row: the combine of k down outputs (as moe_down computes them, float) gives moe_down's x bit for
+    bit in bf16 -- the same roundings in the same order (shared helpers in moe.metal)."""
+    rng = np.random.default_rng(21)
+    E, k, H, I = 6, 3, 40, 64
+    down = make(rng, "f32", (E, H, I), 32)
+    sh = make(rng, "f32", (H, I), 32)
+    act = rng.standard_normal((k + 1, I)).astype(BF16)
+    ids = np.array([4, 0, 2], np.uint32)
+    w = rng.dirichlet(np.ones(k)).astype(np.float32)
+    logits = rng.standard_normal(E + 1).astype(np.float32)
+    x = rng.standard_normal(H).astype(BF16)
+    x_down, x_comb = x.copy(), x.copy().reshape(1, H)
+    a = act.astype(np.float32)
+    y = np.stack([down.ref[ids[s]].astype(np.float32) @ a[s] for s in range(k)]).astype(np.float32)
+    shared = (sh.ref.astype(np.float32) @ a[k]).astype(BF16).reshape(1, H)
+    with run("forward") as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_down(enc, "bf16", down.device(buf, gpu), sh.device(buf, gpu), buf(act), buf(ids), buf(w),
+                     buf(logits), E, k, buf(x_down))
+        ops.moe_combine(enc, "bf16", buf(y), buf(np.arange(k, dtype=np.uint32).reshape(1, k)), buf(w.reshape(1, k)),
+                        1, k, H, buf(shared), buf(logits.reshape(1, -1)), E + 1, E, buf(x_comb))
+    # the products differ by float summation order only; with these sizes no rounding boundary is crossed
+    np.testing.assert_array_equal(x_comb[0].view(np.uint16), x_down.view(np.uint16))
+
+
+def test_moe_prefill_argument_checks():
+    z = lambda n, dt=np.uint32: np.zeros(n, dt)  # noqa: E731
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        # topk rows
+        with pytest.raises(ValueError, match="moe_topk_rows: stride must be at least n_experts"):
+            ops.moe_topk_rows(enc, "f32", buf(z(40, np.float32)), 4, 7, 8, 2, True, buf(z(8)), buf(z(8, np.float32)))
+        with pytest.raises(ValueError, match="moe_topk_rows: logits holds 124 bytes, needs 128"):
+            ops.moe_topk_rows(enc, "f32", buf(z(31, np.float32)), 4, 8, 8, 2, True, buf(z(8)), buf(z(8, np.float32)))
+        with pytest.raises(ValueError, match="moe_topk_rows: ids holds"):
+            ops.moe_topk_rows(enc, "bf16", buf(z(32, np.float32)), 4, 8, 8, 2, True, buf(z(7)), buf(z(8, np.float32)))
+        with pytest.raises(ValueError, match="M must be at least 1"):
+            ops.moe_topk_rows(enc, "f32", buf(z(32, np.float32)), 0, 8, 8, 2, True, buf(z(8)), buf(z(8, np.float32)))
+        # sort
+        ids, sc = z(12), z(ops.moe_sort_scratch_bytes(8) // 4)
+        cap = ops.moe_tile_capacity(12, 8, 16)
+        tiles = z(4 * cap)
+        tm = lambda c=cap, t=16, a=tiles: gpu.TileMap(buf(a), c, t)  # noqa: E731
+        with pytest.raises(ValueError, match="moe_sort: tile_rows must be 16 or 32, got 8"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(t=8))
+        with pytest.raises(ValueError, match=f"capacity must be at least moe_tile_capacity = {cap}, got {cap - 1}"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(c=cap - 1))
+        with pytest.raises(ValueError, match="moe_sort: tiles holds"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(12)), tm(a=tiles[:-1]))
+        with pytest.raises(ValueError, match="moe_sort: scratch holds"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc[:-1]), buf(z(12)), buf(z(12)), tm())
+        with pytest.raises(ValueError, match="moe_sort: slot_of holds"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 8, buf(sc), buf(z(12)), buf(z(11)), tm())
+        with pytest.raises(ValueError, match="moe_sort: n_experts must be"):
+            ops.moe_sort(enc, buf(ids), 4, 3, 0, buf(sc), buf(z(12)), buf(z(12)), tm())
+        # combine
+        y, so, w, x = z(6 * 16, np.float32), z(6), z(6, np.float32), z(3 * 16, np.float32)
+        with pytest.raises(ValueError, match="moe_combine: y holds"):
+            ops.moe_combine(enc, "f32", buf(y[:-1]), buf(so), buf(w), 3, 2, 16, None, None, 0, 4, buf(x))
+        with pytest.raises(ValueError, match="moe_combine: x holds"):
+            ops.moe_combine(enc, "bf16", buf(y), buf(so), buf(w), 3, 2, 16, None, None, 0, 4,
+                            buf(z(3 * 16 - 1, np.uint16)))
+        with pytest.raises(ValueError, match="logits_stride must be at least n_experts \\+ 1 = 5"):
+            ops.moe_combine(enc, "f32", buf(y), buf(so), buf(w), 3, 2, 16, buf(x), buf(z(15, np.float32)), 4, 4, buf(x))
+        with pytest.raises(ValueError, match="moe_combine: logits holds"):
+            ops.moe_combine(enc, "f32", buf(y), buf(so), buf(w), 3, 2, 16, buf(x), buf(z(14, np.float32)), 5, 4, buf(x))
+        with pytest.raises(ValueError, match="moe_combine: shared holds"):
+            ops.moe_combine(enc, "f32", buf(y), buf(so), buf(w), 3, 2, 16, buf(x[:-1]), buf(z(15, np.float32)), 5, 4,
+                            buf(x))
+        assert enc.dispatches == 0
+
+
+# ------------------------------------------------------------------------------------------ prefill block
+def prefill_scratch(dtype, M, E, k, H, I, Is):
+    """moe_prefill's named scratch (ops::MoeScratch) as host arrays, filled with garbage"""
+    S = M * k
+    T = ACT[dtype]
+    return dict(logits=np.full((M, E + 1), 7, np.float32), ids=np.full((M, k), 0xDEAD, np.uint32),
+                weights=np.full((M, k), 7, np.float32),
+                sort=np.full(ops.moe_sort_scratch_bytes(E) // 4, 0xABCD, np.uint32),
+                slot_rows=np.full(S, 0xDEAD, np.uint32), slot_of=np.full(S, 0xDEAD, np.uint32),
+                tiles=np.full((ops.moe_tile_capacity(S, E, 16), 4), 0xBEEF, np.uint32),
+                act=np.full((S, I), 7, T), y=np.full((S, H), 7, np.float32), shared_act=np.full((M, Is), 7, T),
+                shared_out=np.full((M, H), 7, T))
+
+
+class Block:
+    """One MoE layer for moe_prefill: 4-bit gs-64 expert stacks (down: gs down_gs), an 8-bit router over
+    [E rows | shared gate] in one part or, with split_router, the shared-gate row as a dense bf16 part of its
+    own; a shared expert of Is (0: none); inputs xn (the normed rows, small) and x (the residual)."""
+
+    def __init__(self, rng, dtype, M, E, k, H, I, Is, split_router=False, down_gs=64):
+        self.dtype, self.M, self.E, self.k, self.Is = dtype, M, E, k, Is
+        n = E + (1 if Is else 0)
+        self.router = ([make(rng, "q8_sbf16", (E, H), 64), make(rng, "bf16", (1, H))] if split_router
+                       else [make(rng, "q8_sbf16", (n, H), 64)])
+        self.gate, self.up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
+        self.down = make(rng, "q4_sbf16", (E, H, I), down_gs)
+        self.sgu = make(rng, "q4_sbf16", (2 * Is, H), 64) if Is else None
+        self.sdown = make(rng, "q4_sbf16", (H, Is), 64) if Is else None
+        self.xn = (rng.standard_normal((M, H)) * 0.1).astype(ACT[dtype])
+        self.x = rng.standard_normal((M, H)).astype(ACT[dtype])
+        self.x0 = self.x.copy()
+
+    def mats(self, buf):
+        """moe_prefill's matrix arguments, router .. k"""
+        dv = lambda m: m.device(buf, gpu) if m is not None else None  # noqa: E731
+        return ([dv(r) for r in self.router], dv(self.gate), dv(self.up), dv(self.down), dv(self.sgu),
+                dv(self.sdown), self.k)
+
+    def encode(self, enc, buf, scratch):
+        ops.moe_prefill(enc, self.dtype, *self.mats(buf), True, buf(self.xn), buf(self.x), self.M, **scratch)
+
+    def reference(self):
+        """the routed ids and x0 + reference.sparse_moe(xn) (rounded in bf16) as float32"""
+        f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+        rows = np.concatenate([r.ref for r in self.router])
+        p = {"gate": f32(rows[:self.E]), "switch_mlp.gate_proj": f32(self.gate.ref),
+             "switch_mlp.up_proj": f32(self.up.ref), "switch_mlp.down_proj": f32(self.down.ref)}
+        if self.Is:
+            p.update({"shared_expert_gate": f32(rows[self.E:]),
+                      "shared_expert.gate_proj": f32(self.sgu.ref[:self.Is]),
+                      "shared_expert.up_proj": f32(self.sgu.ref[self.Is:]),
+                      "shared_expert.down_proj": f32(self.sdown.ref)})
+        cfg = SimpleNamespace(num_experts_per_tok=self.k, norm_topk_prob=True, shared_expert_intermediate_size=self.Is)
+        bf = self.dtype == "bf16"
+        xr = f32(self.xn)
+        logits = xr @ p["gate"].T
+        logits = reference.to_bf16(logits) if bf else logits
+        ids = np.argsort(-reference.softmax(logits), axis=-1, kind="stable")[:, :self.k]
+        want = f32(self.x0) + reference.sparse_moe(xr, p, cfg, bf16=bf)
+        return ids, reference.to_bf16(want) if bf else want
+
+    def check_rows(self, want):
+        tol = 1e-2 if self.dtype == "bf16" else 1e-5
+        for m in range(self.M):
+            assert rel_err(self.x[m], want[m]) <= tol, f"row {m}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("E,tile_rows", [(32, 16), (12, 32)])   # S / E = 12 -> 16-row tiles; 32 -> 32-row
+def test_moe_prefill_block(dtype, E, tile_rows):
+    """The MoE block of a chunk of M = 48 rows as ops::moe_prefill encodes it, in one command buffer: the 8-bit
+    router GEMM over [E router rows | shared gate] (float logits, rounded in bf16), top-8 for every row, the
+    counting sort and tile map, the grouped gate/up + SwiGLU and down GEMMs over the sorted slots (4-bit, gs
+    64), the shared expert (its own GEMMs) and the combine + residual, in place on x. Every row equals
+    reference.sparse_moe + the residual (float <= 1e-5 relative, bfloat <= 1e-2); the routing and slots are
+    the reference's."""
+    M, k, H, I, Is = 48, 8, 256, 64, 128
+    blk = Block(np.random.default_rng(48 + E), dtype, M, E, k, H, I, Is)
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("random", seed=E, keep_records=True) as (dev, enc, b):
+        blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
+        # router + shared gate/up, top-k + shared down, count, scan, scatter, the 2 grouped GEMMs, combine
+        assert enc.levels == 8
+        # declared arithmetic (the costing's): the GEMMs at 2 per multiply-add over the M rows / S slots, the
+        # top-k's 4 per logit, the combine's 2k + 3 per output; the sort declares none
+        S = M * k
+        assert enc.flops == (2 * M * (E + 1) * H + 2 * M * 2 * Is * H + 2 * M * H * Is + 4 * M * E
+                             + 2 * S * 2 * I * H + 2 * S * H * I + M * H * (2 * k + 3))
+    if SIM:
+        names = [r["kernel"] for r in dev.records()]
+        assert names[-6:] == ["moe_sort_count", "moe_sort_scan", "moe_sort_scatter", names[-3], names[-2],
+                              f"moe_combine_{dtype}"] and f"moe_topk_{dtype}" in names
+    want_ids, want = blk.reference()
+    # routing: the reference's experts for every row, and their stable sort
+    np.testing.assert_array_equal(sc["ids"], want_ids)
+    assert ops.moe_tile_rows(M * k, E) == tile_rows
+    cap = ops.moe_tile_capacity(M * k, E, tile_rows)
+    want_rows, want_of, want_tiles = sort_ref(sc["ids"], E, tile_rows, cap)
+    np.testing.assert_array_equal(sc["slot_rows"], want_rows)
+    np.testing.assert_array_equal(sc["slot_of"].reshape(-1), want_of)
+    np.testing.assert_array_equal(sc["tiles"][:cap], want_tiles)
+    blk.check_rows(want)
+
+
+def test_moe_prefill_block_checks():
+    rng = np.random.default_rng(1)
+    E, H, I, Is, M, k = 4, 64, 32, 32, 3, 2
+    mats = dict(router=make(rng, "q8_sbf16", (E + 1, H), 64), router_short=make(rng, "q8_sbf16", (E, H), 64),
+                gate=make(rng, "q4_sbf16", (E, I, H), 32), up=make(rng, "q4_sbf16", (E, I, H), 32),
+                down=make(rng, "q4_sbf16", (E, H, I), 32), down_bad=make(rng, "q4_sbf16", (E, H, 2 * I), 32),
+                sgu=make(rng, "q4_sbf16", (2 * Is, H), 32), sdown=make(rng, "q4_sbf16", (H, Is), 32))
+    sc = prefill_scratch("f32", M, E, k, H, I, Is)
+    xn, x = np.zeros((M, H), np.float32), np.zeros((M, H), np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        d = {n: m.device(buf, gpu) for n, m in mats.items()}
+        scb = {n: buf(a) for n, a in sc.items()}
+
+        def call(router="router", down="down", sgu="sgu", sdown="sdown", k=k):
+            ops.moe_prefill(enc, "f32", [d[router]], d["gate"], d["up"], d[down], d[sgu] if sgu else None,
+                            d[sdown] if sdown else None, k, True, buf(xn), buf(x), M, **scb)
+
+        with pytest.raises(ValueError, match=r"router rows must be n_experts \+ 1 \(shared gate\) = 5, got 4"):
+            call(router="router_short")
+        with pytest.raises(ValueError, match="moe_prefill: router rows must be n_experts = 4, got 5"):
+            call(sgu=None, sdown=None)
+        with pytest.raises(ValueError, match="shared_gate_up and shared_down go together"):
+            call(sdown=None)
+        with pytest.raises(ValueError, match="down \\[E, H, I\\] must have matching shapes"):
+            call(down="down_bad")
+        with pytest.raises(ValueError, match="moe_prefill: k must be in \\[1, n_experts = 4\\], got 5"):
+            call(k=5)
+        with pytest.raises(ValueError, match="the shared expert must be"):
+            call(sgu="sdown", sdown="sgu")
+        assert enc.dispatches == 0
+
+
+def test_moe_prefill_scratch_and_partial_chunk():
+    """moe_prefill_scratch allocates the documented sizes for chunks of up to 48 rows; a chunk of 37 rows
+    (no shared expert: router rows = E) through it equals reference.sparse_moe + the residual (float)."""
+    max_rows, M, E, k, H, I = 48, 37, 20, 8, 128, 64
+    blk = Block(np.random.default_rng(37), "f32", M, E, k, H, I, 0)
+    with run("reverse") as (dev, enc, b):
+        sc = ops.moe_prefill_scratch(dev, "f32", *blk.mats(raw(b)), max_rows)
+        want_sizes = {n: a.nbytes for n, a in prefill_scratch("f32", max_rows, E, k, H, I, 0).items()
+                      if not n.startswith("shared")}
+        want_sizes["logits"] = max_rows * E * 4   # no shared-gate column
+        assert {n: s.nbytes for n, s in sc.items()} == want_sizes
+        blk.encode(enc, raw(b), sc)
+    want_ids, want = blk.reference()
+    blk.check_rows(want)
+    np.testing.assert_array_equal(np.frombuffer(sc["ids"].to_bytes(), np.uint32)[:M * k].reshape(M, k), want_ids)
+
+
+def test_moe_prefill_real_shape_encode_only():
+    """The real config's MoE block for a 4096-token chunk (E = 256, top-8, H = 2048, I = Is = 512, q8 router,
+    q4 gs 64 experts, bf16), encoded on an encode-only simulator device (virtual buffers, nothing runs): 8
+    levels, 32-row tiles (S / E = 128), the grouped GEMMs' grid sized by the capacity bound, and the exact
+    declared traffic of the top-k, sort and combine."""
+    dev = gpu.SimDevice(execute=False, keep_records=True)
+    cb = dev.command_buffer()
+    enc = gpu.Encoder(dev, cb)
+    M, E, k, H, I = 4096, 256, 8, 2048, 512
+    S = M * k
+
+    def mat(fmt, rows, cols, count=1):
+        bits = 4 if fmt == "q4" else 8
+        n = count * rows * (cols // 64) * 2
+        return gpu.Matrix(fmt, rows, cols, dev.alloc(count * rows * cols * bits // 8), dev.alloc(n), dev.alloc(n),
+                          group_size=64, count=count)
+
+    mats = ([mat("q8", E + 1, H)], mat("q4", I, H, E), mat("q4", I, H, E), mat("q4", H, I, E), mat("q4", 2 * I, H),
+            mat("q4", H, I), k)
+    sc = ops.moe_prefill_scratch(dev, "bf16", *mats, M)
+    ops.moe_prefill(enc, "bf16", *mats, True, dev.alloc(M * H * 2), dev.alloc(M * H * 2), M, **sc)
+    assert enc.levels == 8 and dev.counters()["host_waits"] == 0
+    cb.commit()
+    cb.wait()
+    recs = {r["kernel"]: r for r in dev.records()}
+    t = ops.moe_tile_rows(S, E)
+    cap = ops.moe_tile_capacity(S, E, t)
+    assert (t, cap) == (32, 256 + (S - 256) // 32)
+    grouped = [r for r in dev.records() if r["threadgroups"][1] == cap]
+    assert len(grouped) == 2   # gate/up + SwiGLU and down: one row of threadgroups per tile-map entry
+    assert recs["moe_topk_bf16"]["bytes_read"] == M * E * 4 and recs["moe_topk_bf16"]["bytes_written"] == S * 8
+    assert recs["moe_sort_count"]["threadgroups"] == (32, 1, 1)   # 32 token blocks of 128 tokens, 256 experts
+    assert recs["moe_sort_scan"]["bytes_written"] == 32 * E * 4 + cap * 16
+    assert recs["moe_sort_scatter"]["bytes_written"] == 2 * S * 4
+    assert recs["moe_combine_bf16"]["bytes_read"] == S * H * 4 + 2 * S * 4 + M * H * 2 * 2 + M * 4
+    assert recs["moe_combine_bf16"]["bytes_written"] == M * H * 2
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_moe_prefill_small_chunks_and_router_parts(dtype, M):
+    """Chunks of 1, 5 (the skinny GEMMs: qmv with batch M) and 17 rows; the router as two parts of different
+    formats (8-bit router rows, the shared-gate row dense bf16), written into consecutive logit columns."""
+    E, k, H, I, Is = 10, 4, 128, 32, 64
+    blk = Block(np.random.default_rng(M), dtype, M, E, k, H, I, Is, split_router=True, down_gs=32)
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("reverse", seed=M) as (dev, enc, b):
+        blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
+    want_ids, want = blk.reference()
+    np.testing.assert_array_equal(sc["ids"], want_ids)
+    blk.check_rows(want)

@@ -2,7 +2,8 @@
 under the forward, reverse and random schedules. Simulator-verified, hardware-unverified.
 
 Every weight format (4/8-bit with bf16 or float32 scales, dense bf16/f16/f32), activations float32 and
-bfloat16, float output. References are float64 on exactly the values the kernel sees (weights from the
+bfloat16, float output; batches of 1 (the decode kernel) to 17 vectors (the skinny variants b4/b8/b16, and b16
+in chunks past 16), each vector's result bit-equal to the decode kernel's. References are float64 on exactly the values the kernel sees (weights from the
 same codes and scales, activations as stored), compared element-wise within 1e-5 of the sum of |terms| plus one
 rounding of the result for bfloat16 outputs (wmat.assert_close); the model shapes also by max|y - ref| / max|ref|.
 """
@@ -24,7 +25,7 @@ HYP = settings(max_examples=60, deadline=None, derandomize=True,
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @HYP
 @given(fmt=st.sampled_from(FORMATS), dtype=st.sampled_from(["f32", "bf16"]), f32_out=st.booleans(),
-       gs=st.sampled_from([32, 64, 128]), n=st.integers(1, 6), N=st.integers(1, 40), batch=st.integers(1, 3),
+       gs=st.sampled_from([32, 64, 128]), n=st.integers(1, 6), N=st.integers(1, 40), batch=st.integers(1, 17),
        pad=st.sampled_from([0, 4]), seed=st.integers(0, 2**31 - 1))
 def test_qmv(schedule, fmt, dtype, f32_out, gs, n, N, batch, pad, seed):
     rng = np.random.default_rng(seed)
@@ -42,7 +43,13 @@ def test_qmv(schedule, fmt, dtype, f32_out, gs, n, N, batch, pad, seed):
     assert_close(y[:, :N], ref, np.abs(xf) @ np.abs(hm.ref).T, "f32" if f32_out else dtype)
     assert (y[:, N:].astype(np.float32) == 7).all()  # the stride padding is not written
     suffix = "_f32out" if f32_out and dtype == "bf16" else ""
-    assert not SIM or dev.records()[0]["kernel"] == f"qmv_{fmt}_{dtype}{suffix}"
+    assert not SIM or dev.records()[0]["kernel"] == f"{qmv_prefix(batch)}{fmt}_{dtype}{suffix}"
+
+
+def qmv_prefix(batch):
+    """qmv's kernel variant for a batch: the decode kernel for 1 vector, else the smallest skinny variant of
+    4, 8, 16 vectors that holds it (16 for larger batches, in chunks)"""
+    return "qmv_" if batch == 1 else f"qmv_b{next(m for m in (4, 8, 16) if m >= min(batch, 16))}_"
 
 
 @pytest.mark.parametrize("fmt,N,K", [("q4_sbf16", 2048, 2048), ("q8_sbf16", 257, 2048)])
@@ -67,18 +74,46 @@ def test_qmv_model_shape(fmt, N, K):
     np.testing.assert_array_equal(yf.astype(BF16), y)  # the bf16 kernel is the float one rounded once
 
 
-def test_qmv_declared_bytes():
-    """The costing sees the weight bytes (codes + scales + biases), x read and y written."""
+def test_qmv_skinny_model_shape():
+    """A 16-row prefill chunk through a 2048 x 2048 4-bit projection (the real hidden size) with the input
+    RMSNorm fused, bf16 activations, float output: one b16 dispatch, one threadgroup row."""
+    rng = np.random.default_rng(16)
+    M, N, K = 16, 2048, 2048
+    hm = make(rng, "q4_sbf16", (N, K), 64)
+    x = rng.standard_normal((M, K)).astype(BF16)
+    g = rng.uniform(0.5, 1.5, K).astype(BF16)
+    y = np.zeros((M, N), np.float32)
+    with run("random", seed=4, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.qmv(enc, "bf16", hm.device(buf, gpu), buf(x), buf(y), M, True, norm_w=buf(g), eps=1e-6)
+    assert not SIM or dev.records()[0]["threadgroups"] == (N // 8, 1, 1)
+    xf = x.astype(np.float64)
+    xin = quant_bf16(quant_bf16(xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6)) * g.astype(np.float64))
+    assert rel_err(y, xin @ hm.ref.T) <= 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8, 16, 17, 33])
+def test_qmv_declared_bytes(batch):
+    """The costing sees the weight bytes (codes + scales + biases) once for up to 16 vectors (the skinny
+    variants read each weight once for all of them; larger batches once per chunk of 16), x read, y written,
+    and 2 N K flops per vector; the grid has one threadgroup row per chunk (each weight row is one SIMD-group's)."""
     rng = np.random.default_rng(1)
     N, K = 24, 256
     hm = make(rng, "q4_sbf16", (N, K), 64)
-    x = rng.standard_normal((2, K)).astype(np.float32)
-    y = np.zeros((2, N), np.float32)
-    with run() as (dev, enc, b):
+    x = rng.standard_normal((batch, K)).astype(np.float32)
+    y = np.zeros((batch, N), np.float32)
+    with run(keep_records=True) as (dev, enc, b):
         buf = raw(b)
-        ops.qmv(enc, "f32", hm.device(buf, gpu), buf(x), buf(y), 2)
-    assert enc.bytes_read == N * (K // 2 + 2 * (K // 64) * 2) + 2 * K * 4
-    assert enc.bytes_written == 2 * N * 4
+        ops.qmv(enc, "f32", hm.device(buf, gpu), buf(x), buf(y), batch)
+    chunks = -(-batch // 16)
+    assert enc.bytes_read == chunks * N * (K // 2 + 2 * (K // 64) * 2) + batch * K * 4
+    assert enc.bytes_written == batch * N * 4
+    assert enc.flops == 2 * N * K * batch
+    rec = dev.records()[0] if SIM else None
+    assert not SIM or rec["threadgroups"] == (N // 8, chunks, 1)
+    # one simd_sum per (vector, output row) in each of the N / 4 SIMD-groups: the vectors past the batch in a
+    # variant's last chunk are skipped, not computed
+    assert not SIM or rec["simd_ops"] == (N // 4) * 4 * batch
     assert rel_err(y, x.astype(np.float64) @ hm.ref.T) <= 1e-5
 
 
@@ -107,7 +142,7 @@ def test_embed(schedule, fmt, dtype, gs, n, rows, nid, seed):
 
 def test_embed_model_shape():
     """A 4-bit embedding table of 4096 rows x hidden 2048 (the real one has 248320 rows; the kernel
-    reads only the rows it is given), one bf16 token row, the declared bytes one row's."""
+    reads only the rows it is given), one bf16 token row, the declared bytes one row's, the flops its dequantization."""
     rng = np.random.default_rng(9)
     V, H = 4096, 2048
     hm = make(rng, "q4_sbf16", (V, H), 64, random_words=True)
@@ -119,6 +154,7 @@ def test_embed_model_shape():
     ref = hm.ref_of(1234)
     np.testing.assert_allclose(y[0].astype(np.float64), ref, rtol=2 ** -8, atol=1e-6 * np.abs(ref).max())
     assert enc.bytes_read == H // 2 + 2 * (H // 64) * 2 + 4
+    assert enc.flops == 2 * H  # one multiply-add (scale * q + bias) per value
 
 
 # ------------------------------------------------------------------------------------------ argument checks
@@ -205,49 +241,119 @@ def test_matrix_descriptor():
 
 
 # ------------------------------------------------------------------------------------------ qmv fusions
+class QmvCase:
+    """One qmv dispatch with its fusions and strides, and its float64 oracle: y = [r +] W (rmsnorm(x) * g | x)
+    per vector, optionally storing rmsnorm(x) * g to xn, the product rounded to T before a residual add (the bf16
+    graph adds two bf16 values) or for a float output with `round`."""
+
+    def __init__(self, rng, fmt, dtype, N, K, gs, batch, *, f32_out=False, pad=0, norm=False, xn_out=False,
+                 add=None, round_=False):
+        self.hm = make(rng, fmt, (N, K), gs)
+        self.dtype, self.batch, self.f32_out, self.N, self.K = dtype, batch, f32_out, N, K
+        self.norm, self.xn_out, self.add, self.round = norm, xn_out and norm, add, round_
+        self.xs, self.ys = K + pad, N + pad
+        out_dt = np.float32 if f32_out else ACT[dtype]
+        self.x = (3 * rng.standard_normal((batch, self.xs))).astype(ACT[dtype])
+        self.g = rng.uniform(0.5, 1.5, K).astype(ACT[dtype])
+        self.r = rng.standard_normal((batch, self.ys)).astype(out_dt)
+        self.y = self.r.copy() if add == "in_place" else np.full((batch, self.ys), 7, out_dt)
+        self.xn = np.full((batch, self.xs), 7, ACT[dtype])
+
+    def rows(self, lo, hi):
+        """vectors lo..hi-1 as a case of their own: the same weights, inputs and residual (row views), fresh outputs"""
+        c = object.__new__(QmvCase)
+        c.__dict__.update(self.__dict__)
+        c.batch = hi - lo
+        c.x, c.r, c.xn = self.x[lo:hi], self.r[lo:hi], self.xn[lo:hi].copy()
+        c.y = self.y[lo:hi].copy()
+        return c
+
+    def dispatch(self, enc, buf):
+        yb = buf(self.y)
+        kw = {}
+        if self.norm:
+            kw.update(norm_w=buf(self.g), eps=1e-6)
+            if self.xn_out:
+                kw["xn"] = buf(self.xn)
+        if self.add:
+            kw["residual"] = yb if self.add == "in_place" else buf(self.r)
+        ops.qmv(enc, self.dtype, self.hm.device(buf, gpu), buf(self.x), yb, self.batch, self.f32_out, self.xs,
+                self.ys, round=self.round, **kw)
+
+    def check(self):
+        K, N = self.K, self.N
+        xf = self.x[:, :K].astype(np.float64)
+        bf = self.dtype == "bf16"
+        r16 = quant_bf16 if bf else (lambda v: v)
+        # the RMSNorm as the bf16 graph rounds it: g * T(x * inv), rounded (float: x * inv * g)
+        xin = r16(r16(xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6)) * self.g.astype(np.float64)) \
+            if self.norm else xf
+        prod = xin @ self.hm.ref.T
+        rf = self.r[:, :N].astype(np.float64)
+        ref = r16(prod) + rf if self.add else r16(prod) if self.round else prod
+        bound = np.abs(xin) @ np.abs(self.hm.ref).T + (np.abs(rf) if self.add else 0)
+        # bf16: a chain of roundings with the norm or the add, one rounding of the product otherwise
+        mode = "f32" if not bf else "bf16x4" if self.norm or self.add else "bf16" if self.round or not self.f32_out \
+            else "f32"
+        assert_close(self.y[:, :N], ref, bound, mode)
+        pad = self.r[:, N:].astype(np.float32) if self.add == "in_place" else 7
+        assert (self.y[:, N:].astype(np.float32) == pad).all()  # the stride padding is not written
+        if self.xn_out:
+            assert_close(self.xn[:, :K], xin, np.abs(xin), "bf16x4" if bf else "f32")
+            assert (self.xn[:, K:].astype(np.float32) == 7).all()  # the stride padding is not written
+        else:
+            assert (self.xn.astype(np.float32) == 7).all()
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(fmt=st.sampled_from(FORMATS), dtype=st.sampled_from(["f32", "bf16"]), f32_out=st.booleans(),
-       n=st.integers(1, 4), N=st.integers(1, 40), batch=st.integers(1, 2), norm=st.booleans(), xn_out=st.booleans(),
-       add=st.sampled_from([None, "separate", "in_place"]), seed=st.integers(0, 2**31 - 1))
-def test_qmv_fusions(schedule, fmt, dtype, f32_out, n, N, batch, norm, xn_out, add, seed):
-    """y = [r +] W (rmsnorm(x) * g | x), optionally storing rmsnorm(x) * g to xn: the input norm and the
-    residual add fused into the GEMV, against the separate numpy steps."""
+       n=st.integers(1, 4), N=st.integers(1, 40), batch=st.integers(1, 17), pad=st.sampled_from([0, 4]),
+       norm=st.booleans(), xn_out=st.booleans(), add=st.sampled_from([None, "separate", "in_place"]),
+       round_=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_qmv_fusions(schedule, fmt, dtype, f32_out, n, N, batch, pad, norm, xn_out, add, round_, seed):
+    """The input norm (statistics per vector), the xn store, the residual add and the rounded float output fused
+    into the GEMV, strided, against the separate numpy steps, for single vectors and skinny batches."""
     rng = np.random.default_rng(seed)
-    gs = 32
-    K = cols_for(fmt, gs, n)
-    hm = make(rng, fmt, (N, K), gs)
-    x = (3 * rng.standard_normal((batch, K))).astype(ACT[dtype])
-    g = rng.uniform(0.5, 1.5, K).astype(ACT[dtype])
-    out_dt = np.float32 if f32_out else ACT[dtype]
-    r = rng.standard_normal((batch, N)).astype(out_dt)
-    y = r.copy() if add == "in_place" else np.full((batch, N), 7, out_dt)
-    xn = np.full((batch, K), 7, ACT[dtype])
-    xf = x.astype(np.float64)
-    bf = dtype == "bf16"
-    r16 = (lambda v: quant_bf16(v)) if bf else (lambda v: v)
-    # the RMSNorm as the bf16 graph rounds it: g * T(x * inv), rounded (float: x * inv * g)
-    xin = r16(r16(xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6)) * g.astype(np.float64)) if norm else xf
+    c = QmvCase(rng, fmt, dtype, N, cols_for(fmt, 32, n), 32, batch, f32_out=f32_out, pad=pad, norm=norm,
+                xn_out=xn_out, add=add, round_=round_ and f32_out)
     with run(schedule, seed=seed) as (dev, enc, b):
+        c.dispatch(enc, raw(b))
+    c.check()
+
+
+# the fusion sets the batch test rotates through (by format; every one meets every skinny variant)
+FUSIONS = [dict(pad=4), dict(pad=4, norm=True, xn_out=True, add="in_place"),
+           dict(f32_out=True, norm=True, add="separate"), dict(f32_out=True, round_=True, pad=4)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_qmv_batches(schedule, dtype):
+    """Every batch 1..17 (the first b of 17 vectors) for every weight format with a fusion set (FUSIONS, rotated by
+    format): against float64, and bit-equal to the same vectors run one at a time through the decode kernel (the
+    skinny variants do exactly the decode kernel's arithmetic per vector, only the weight loads are shared)."""
+    rng = np.random.default_rng(17)
+    bases = [(fmt, QmvCase(rng, fmt, dtype, 13, cols_for(fmt, 32, 2), 32, 17,
+                           **FUSIONS[(i + 2 * (dtype == "bf16")) % len(FUSIONS)])) for i, fmt in enumerate(FORMATS)]
+    runs = [(fmt, [base.rows(0, b) for b in range(1, 18)], [base.rows(i, i + 1) for i in range(17)])
+            for fmt, base in bases]
+    with run(schedule, seed=5, keep_records=True) as (dev, enc, b):
         buf = raw(b)
-        yb = buf(y)
-        kw = {}
-        if norm:
-            kw.update(norm_w=buf(g), eps=1e-6)
-            if xn_out:
-                kw["xn"] = buf(xn)
-        if add:
-            kw["residual"] = yb if add == "in_place" else buf(r)
-        ops.qmv(enc, dtype, hm.device(buf, gpu), buf(x), yb, batch, f32_out, **kw)
-    # the product is rounded to T before a residual add (a bf16 graph adds two bf16 values)
-    ref = (r16(xin @ hm.ref.T) + r.astype(np.float64)) if add else xin @ hm.ref.T
-    bound = np.abs(xin) @ np.abs(hm.ref).T + (np.abs(r.astype(np.float64)) if add else 0)
-    assert_close(y, ref, bound, "bf16x4" if bf else "f32")
-    if norm and xn_out:
-        assert_close(xn, xin, np.abs(xin), "bf16x4" if bf else "f32")
-    else:
-        assert (xn.astype(np.float32) == 7).all()
+        for _, batches, ones in runs:
+            for c in batches + ones:
+                c.dispatch(enc, buf)
+    kernels = [r["kernel"] for r in dev.records()] if SIM else []
+    for n, (fmt, batches, ones) in enumerate(runs):
+        assert not SIM or all(k.startswith(f"qmv_{fmt}_{dtype}") for k in kernels[34 * n + 17:34 * n + 34])
+        for c in batches:
+            c.check()
+            np.testing.assert_array_equal(c.y.view(np.uint8),
+                                          np.concatenate([o.y for o in ones[:c.batch]]).view(np.uint8))
+            np.testing.assert_array_equal(c.xn.view(np.uint8),
+                                          np.concatenate([o.xn for o in ones[:c.batch]]).view(np.uint8))
+            assert not SIM or kernels[34 * n + c.batch - 1].startswith(f"{qmv_prefix(c.batch)}{fmt}_{dtype}")
 
 
 def quant_bf16(v):

@@ -188,6 +188,18 @@ kernel void add_one(device const float* x [[buffer(0)]], device float* y [[buffe
     y[i] = x[i] + 1.0f;
 }
 
+// a pointer to the start of a threadgroup array declared right after another: it belongs to the second
+// array (an end pointer of the first is the same address), so every access here is in bounds
+kernel void tg_adjacent(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup float a[32];
+    threadgroup float b[32];
+    threadgroup float* pb = &b[0];
+    a[tid] = 1.0f;
+    pb[tid] = float(tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    y[tid] = a[tid] + pb[31 - tid];
+}
+
 // writes past the end of a threadgroup array (checked mode reports it)
 kernel void tg_oob(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
     threadgroup float t[64];

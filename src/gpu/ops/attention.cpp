@@ -78,18 +78,26 @@ std::string AttnPolicy::route(uint32_t n_keys) const {
 }
 
 void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
-                  const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out) {
+                  const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out,
+                  uint32_t rows, uint32_t proj_stride) {
     const char* op = "attn_prepare";
     check_heads(s, op);
     check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim && s.rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF, op,
           "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even, at most head_dim and at most " +
               std::to_string(2 * ATTN_MAX_ROTARY_HALF));
     check_cache(s, kv, op);
-    check(position < kv.capacity, op,
-          "position " + std::to_string(position) + " outside a cache of " + std::to_string(kv.capacity) + " rows");
+    check(rows > 0, op, "rows must be positive");
+    check(uint64_t(position) + rows <= kv.capacity, op,
+          (rows == 1 ? "position " + std::to_string(position)
+                     : "positions " + std::to_string(position) + ".." + std::to_string(uint64_t(position) + rows - 1)) +
+              " outside a cache of " + std::to_string(kv.capacity) + " rows");
     const uint64_t es = act_size(t), hd = s.head_dim, kvd = uint64_t(s.n_kv_heads) * hd;
-    const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
-    const uint64_t proj_bytes = (q_rows + 2 * kvd) * es, q_bytes = uint64_t(s.n_heads) * hd * es;
+    const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s), row_len = q_rows + 2 * kvd;
+    const uint64_t stride = proj_stride ? proj_stride : row_len;
+    check(stride >= row_len, op,
+          "proj_stride " + std::to_string(stride) + " below the stacked row of " + std::to_string(row_len));
+    const uint64_t proj_bytes = ((rows - 1) * stride + row_len) * es;
+    const uint64_t q_bytes = uint64_t(rows) * s.n_heads * hd * es;
     need(proj, proj_bytes, op, "proj");
     need(q_norm_w, hd * es, op, "q_norm_w");
     need(k_norm_w, hd * es, op, "k_norm_w");
@@ -104,14 +112,15 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
     p.q_rows = uint32_t(q_rows);
     p.position = position;
     p.capacity = kv.capacity;
+    p.proj_stride = uint32_t(stride);
     p.eps = s.eps;
     for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
         p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
     const uint32_t threads = std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS);
-    const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv);
+    const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv) * rows;
     e.dispatch(std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv),
-               Dims{s.n_heads + s.n_kv_heads, 1, 1}, Dims{threads, 1, 1},
-               {Arg::params(p), Arg::in(proj.view(0, proj_bytes), (uint64_t(s.n_heads) * hd + 2 * kvd) * es),
+               Dims{s.n_heads + s.n_kv_heads, rows, 1}, Dims{threads, 1, 1},
+               {Arg::params(p), Arg::in(proj.view(0, proj_bytes), rows * (uint64_t(s.n_heads) * hd + 2 * kvd) * es),
                 Arg::in(q_norm_w.view(0, hd * es)), Arg::in(k_norm_w.view(0, hd * es)),
                 Arg::out(q_out.view(0, q_bytes)), Arg::out(kv.k.view(0, cache_bytes), row_bytes),
                 Arg::out(kv.v.view(0, cache_bytes), row_bytes)});
@@ -197,6 +206,81 @@ void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& p
     e.dispatch(std::string("attn_decode_combine_") + act_suffix(t), Dims{s.n_heads, 1, 1},
                Dims{ceil_div(hd, 32) * 32, 1, 1},
                {Arg::params(c), Arg::in(sb), Arg::in(gate_src, gate_read), Arg::out(o.view(0, qo_bytes))});
+}
+
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M) {
+    const char* op = "attention_prefill";
+    check_heads(s, op);
+    check(s.head_dim % ATTN_MMA == 0 && s.head_dim <= ATTN_MAX_HEAD_DIM, op,
+          "head_dim " + std::to_string(s.head_dim) + " must be a multiple of " + std::to_string(ATTN_MMA) +
+              " and at most " + std::to_string(ATTN_MAX_HEAD_DIM));
+    const uint32_t group = s.n_heads / s.n_kv_heads;
+    check(group <= ATTN_PREFILL_MAX_SIMDGROUPS, op,
+          "n_heads / n_kv_heads = " + std::to_string(group) + " above the kernel's " +
+              std::to_string(ATTN_PREFILL_MAX_SIMDGROUPS) + " query heads per kv head");
+    check(M > 0, op, "M (rows) must be positive");
+    AttnPrefillGeometry g{};
+    // about ATTN_PREFILL_TARGET_SG SIMD-groups (8 rows of one head each), no more rows than the chunk has
+    const uint32_t rows_max = ATTN_MMA * std::max(1u, ATTN_PREFILL_TARGET_SG / group);
+    g.block_rows = std::min(rows_max, ceil_div(M, ATTN_MMA) * ATTN_MMA);
+    g.tile_keys = ATTN_TILE_FLOATS / s.head_dim / ATTN_MMA * ATTN_MMA;
+    g.threads = group * (g.block_rows / ATTN_MMA) * 32;
+    g.blocks = ceil_div(M, g.block_rows);
+    return g;
+}
+
+void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
+                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o) {
+    const char* op = "attention_prefill";
+    const AttnPrefillGeometry g = attention_prefill_geometry(s, M);
+    check_cache(s, kv, op);
+    check(uint64_t(p0) + M <= kv.capacity, op,
+          "keys 0.." + std::to_string(uint64_t(p0) + M - 1) + " outside a cache of " + std::to_string(kv.capacity) +
+              " rows");
+    const uint64_t es = act_size(t), hd = s.head_dim, kvd = uint64_t(s.n_kv_heads) * hd;
+    const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
+    const uint64_t stride = proj_stride ? proj_stride : q_rows + 2 * kvd;
+    check(stride >= q_rows, op,
+          "proj_stride " + std::to_string(stride) + " below the q rows of " + std::to_string(q_rows));
+    const uint64_t qo_bytes = uint64_t(M) * s.n_heads * hd * es;
+    need(q, qo_bytes, op, "q");
+    need(o, qo_bytes, op, "o");
+    const uint64_t proj_bytes = ((M - 1) * stride + q_rows) * es;
+    if (s.output_gate) need(proj, proj_bytes, op, "proj");
+    // without the gate the kernel never reads proj: any bound buffer will do
+    const Buffer gate_src = s.output_gate ? proj.view(0, proj_bytes) : q.view(0, qo_bytes);
+    const uint64_t gate_read = s.output_gate ? qo_bytes : 0;
+
+    AttnPrefillParams p{};
+    p.n_heads = s.n_heads;
+    p.n_kv_heads = s.n_kv_heads;
+    p.head_dim = s.head_dim;
+    p.group = s.n_heads / s.n_kv_heads;
+    p.block_rows = g.block_rows;
+    p.tile_keys = g.tile_keys;
+    p.rows = M;
+    p.p0 = p0;
+    p.capacity = kv.capacity;
+    p.q_stride = q_stride(s);
+    p.proj_stride = uint32_t(stride);
+    p.output_gate = s.output_gate ? 1 : 0;
+    p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
+
+    // block b reads keys 0 .. min(p0 + (b + 1) block_rows, p0 + M) - 1 of its kv head, once for all
+    // its query heads; the arithmetic is that of the visible (causal) scores: QK^T and PV,
+    // 2 hd flops per (query head, key) each
+    uint64_t keys_read = 0;
+    for (uint32_t b = 0; b < g.blocks; ++b) keys_read += std::min<uint64_t>(uint64_t(p0) + (b + 1) * g.block_rows, uint64_t(p0) + M);
+    const uint64_t kv_read = uint64_t(s.n_kv_heads) * keys_read * hd * kv_size(kv);
+    const uint64_t visible = uint64_t(M) * p0 + uint64_t(M) * (M + 1) / 2;
+    const uint64_t flops = 4 * uint64_t(s.n_heads) * hd * visible;
+    const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv);
+    e.dispatch(std::string("attn_prefill_") + act_suffix(t) + "_" + kv_suffix(kv), Dims{g.blocks, s.n_kv_heads, 1},
+               Dims{g.threads, 1, 1},
+               {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(gate_src, gate_read),
+                Arg::in(kv.k.view(0, cache_bytes), kv_read), Arg::in(kv.v.view(0, cache_bytes), kv_read),
+                Arg::out(o.view(0, qo_bytes))},
+               {}, flops);
 }
 
 }  // namespace qwenmetal::gpu::ops

@@ -20,10 +20,13 @@ struct KVCache {
     bool f32 = false;
 };
 
-// q/k RMSNorm (q_norm_w, k_norm_w T [head_dim]) + partial RoPE at `position` + KV write at row
-// `position`: proj T [q_rows + 2 * n_kv * hd]; q_out T [n_heads, head_dim]. One dispatch.
+// q/k RMSNorm (q_norm_w, k_norm_w T [head_dim]) + partial RoPE + KV write of `rows` tokens at
+// positions position .. position + rows - 1 (rows = 1: decode): proj T [rows, proj_stride], each
+// row [q_rows + 2 * n_kv * hd] (proj_stride 0: that length); q_out T [rows, n_heads * head_dim];
+// K/V rows written at those positions (once). One dispatch.
 void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
-                  const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out);
+                  const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out,
+                  uint32_t rows = 1, uint32_t proj_stride = 0);
 
 // o[h] = softmax(q_h K^T / sqrt(hd)) V over keys 0..n_keys-1, times sigmoid(gate_h) when the shape
 // has the output gate (gate: the proj rows after each head's q); o T [n_heads * head_dim].
@@ -42,5 +45,21 @@ uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const At
 void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
                       const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
                       const Buffer& o);
+
+// Causal flash attention for M query rows at positions p0 .. p0 + M - 1 (q T [M, n_heads * hd],
+// from attn_prepare with rows) over keys 0 .. p0 + M - 1 of the cache (earlier chunks + this
+// one): online softmax, S = Q K^T and O += P V on 8x8 simdgroup matrices, each K/V tile read once
+// per (query block, kv head) for all query heads of that kv head; gated by sigmoid(gate) from proj
+// rows [M, proj_stride] (0: the stacked row's length) when the shape has the output gate;
+// o T [M, n_heads * head_dim]. head_dim a multiple of 8, at most 256; n_heads / n_kv_heads <= 32.
+void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
+                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o);
+
+// How attention_prefill tiles a chunk of M rows (metal/attention.h): query rows per threadgroup,
+// keys per tile, threads per threadgroup, threadgroups along the query rows.
+struct AttnPrefillGeometry {
+    uint32_t block_rows, tile_keys, threads, blocks;
+};
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M);
 
 }  // namespace qwenmetal::gpu::ops

@@ -17,22 +17,34 @@ void same_format(const Matrix& a, const Matrix& b, const char* op, const char* w
 
 const Dims kGemvThreads{QMV_LANES, QMV_SIMDGROUPS, 1};
 
-}  // namespace
-
-void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, bool norm, const Buffer& ids,
-              const Buffer& weights) {
-    const char* op = "moe_topk";
+// moe_topk and moe_topk_rows: one kernel (moe_topk_<T>), `op` names the caller in errors
+void topk_rows(Encoder& e, Act t, const Buffer& logits, uint32_t M, uint32_t stride, uint32_t n_experts, uint32_t k,
+               bool norm, const Buffer& ids, const Buffer& weights, const char* op) {
     check(n_experts >= 1 && n_experts <= MOE_MAX_EXPERTS, op,
           "n_experts must be in [1, " + std::to_string(MOE_MAX_EXPERTS) + "], got " + std::to_string(n_experts));
     check(k >= 1 && k <= n_experts && k <= MOE_MAX_TOPK, op,
           "k must be in [1, min(n_experts, " + std::to_string(MOE_MAX_TOPK) + ")], got " + std::to_string(k));
-    need(logits, uint64_t(n_experts) * 4, op, "logits");
-    need(ids, uint64_t(k) * 4, op, "ids");
-    need(weights, uint64_t(k) * 4, op, "weights");
-    const MoeTopkParams p{n_experts, k, norm ? 1u : 0u};
-    e.dispatch("moe_topk_f32", Dims{1, 1, 1}, Dims{MOE_TOPK_THREADS, 1, 1},
-               {Arg::params(p), Arg::in(logits.view(0, uint64_t(n_experts) * 4)), Arg::out(ids.view(0, uint64_t(k) * 4)),
-                Arg::out(weights.view(0, uint64_t(k) * 4))});
+    check(M >= 1, op, "M must be at least 1");
+    check(stride >= n_experts, op,
+          "stride must be at least n_experts = " + std::to_string(n_experts) + ", got " + std::to_string(stride));
+    const uint64_t ln = (uint64_t(M - 1) * stride + n_experts) * 4, kn = uint64_t(M) * k * 4;
+    need(logits, ln, op, "logits");
+    need(ids, kn, op, "ids");
+    need(weights, kn, op, "weights");
+    const MoeTopkParams p{n_experts, k, norm ? 1u : 0u, M, stride};
+    // flops: max, exp, sum and divide per expert and row (the selection's compares are not arithmetic)
+    e.dispatch(std::string("moe_topk_") + act_suffix(t), Dims{ceil_div(M, MOE_TOPK_ROWS), 1, 1},
+               Dims{QMV_LANES * std::min(M, MOE_TOPK_ROWS), 1, 1},
+               {Arg::params(p), Arg::in(logits.view(0, ln), uint64_t(M) * n_experts * 4), Arg::out(ids.view(0, kn)),
+                Arg::out(weights.view(0, kn))},
+               {}, uint64_t(M) * n_experts * 4);
+}
+
+}  // namespace
+
+void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, bool norm, const Buffer& ids,
+              const Buffer& weights) {
+    topk_rows(e, Act::F32, logits, 1, n_experts, n_experts, k, norm, ids, weights, "moe_topk");
 }
 
 void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
@@ -152,6 +164,178 @@ void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, cons
     args.push_back(Arg::out(act.view(0, uint64_t(inter) * es)));
     e.dispatch("mlp_gate_up_" + gate_up.variant() + "_" + act_suffix(t), Dims{ceil_div(inter, QMV_TG_ROWS), 1, 1},
                kGemvThreads, args);
+}
+
+// ------------------------------------------------------------------------------------------ prefill
+void moe_topk_rows(Encoder& e, Act t, const Buffer& logits, uint32_t M, uint32_t stride, uint32_t n_experts,
+                   uint32_t k, bool norm, const Buffer& ids, const Buffer& weights) {
+    topk_rows(e, t, logits, M, stride, n_experts, k, norm, ids, weights, "moe_topk_rows");
+}
+
+uint32_t moe_tile_capacity(uint32_t S, uint32_t n_experts, uint32_t tile_rows) {
+    check(tile_rows >= 1, "moe_tile_capacity", "tile_rows must be at least 1");
+    const uint32_t n = std::min(n_experts, S);
+    return n + (S - n) / tile_rows;
+}
+
+uint32_t moe_tile_rows(uint32_t S, uint32_t n_experts) {
+    return uint64_t(S) >= 32ull * n_experts ? 32 : 16;
+}
+
+uint64_t moe_sort_scratch_bytes(uint32_t n_experts) { return uint64_t(MOE_SORT_BLOCKS) * n_experts * 4; }
+
+void moe_sort(Encoder& e, const Buffer& ids, uint32_t M, uint32_t k, uint32_t n_experts, const Buffer& scratch,
+              const Buffer& slot_rows, const Buffer& slot_of, const TileMap& tm) {
+    const char* op = "moe_sort";
+    check(M >= 1 && k >= 1, op, "M and k must be at least 1");
+    check(uint64_t(M) * k <= UINT32_MAX, op, "M * k must fit in 32 bits");
+    check(n_experts >= 1 && n_experts <= MOE_MAX_EXPERTS, op,
+          "n_experts must be in [1, " + std::to_string(MOE_MAX_EXPERTS) + "], got " + std::to_string(n_experts));
+    check(tm.tile_rows == 16 || tm.tile_rows == 32, op,
+          "tile_rows must be 16 or 32, got " + std::to_string(tm.tile_rows));
+    const uint32_t S = M * k, cap = moe_tile_capacity(S, n_experts, tm.tile_rows);
+    check(tm.capacity >= cap, op,
+          "tile map capacity must be at least moe_tile_capacity = " + std::to_string(cap) + ", got " +
+              std::to_string(tm.capacity));
+    const uint64_t sn = uint64_t(S) * 4, tn = uint64_t(tm.capacity) * 16;
+    need(ids, sn, op, "ids");
+    need(scratch, moe_sort_scratch_bytes(n_experts), op, "scratch");
+    need(slot_rows, sn, op, "slot_rows");
+    need(slot_of, sn, op, "slot_of");
+    need(tm.tiles, tn, op, "tiles");
+    const uint32_t block_tokens = ceil_div(M, MOE_SORT_BLOCKS), blocks = ceil_div(M, block_tokens);
+    const uint32_t threads = std::min(MOE_SORT_THREADS, ceil_div(n_experts, QMV_LANES) * QMV_LANES);
+    const MoeSortParams p{S, k, n_experts, block_tokens * k, blocks, tm.tile_rows, tm.capacity};
+    const Buffer idv = ids.view(0, sn), counts = scratch.view(0, uint64_t(blocks) * n_experts * 4);
+    const Dims grid{blocks, ceil_div(n_experts, threads), 1};
+    // integer counting only: no flops declared
+    e.dispatch("moe_sort_count", grid, Dims{threads, 1, 1}, {Arg::params(p), Arg::in(idv), Arg::out(counts)});
+    e.dispatch("moe_sort_scan", Dims{1, 1, 1}, Dims{MOE_SCAN_THREADS, 1, 1},
+               {Arg::params(p), Arg::inout(counts), Arg::out(tm.tiles.view(0, tn))});
+    e.dispatch("moe_sort_scatter", grid, Dims{threads, 1, 1},
+               {Arg::params(p), Arg::in(idv), Arg::in(counts), Arg::out(slot_of.view(0, sn)),
+                Arg::out(slot_rows.view(0, sn))});
+}
+
+void moe_combine(Encoder& e, Act t, const Buffer& y, const Buffer& slot_of, const Buffer& weights, uint32_t M,
+                 uint32_t k, uint32_t H, const Buffer* shared, const Buffer& logits, uint32_t logits_stride,
+                 uint32_t n_experts, const Buffer& x) {
+    const char* op = "moe_combine";
+    check(M >= 1 && k >= 1 && H >= 1, op, "M, k and H must be at least 1");
+    const uint64_t es = act_size(t), S = uint64_t(M) * k, yn = S * H * 4, kn = S * 4, xn = uint64_t(M) * H * es;
+    need(y, yn, op, "y");
+    need(slot_of, kn, op, "slot_of");
+    need(weights, kn, op, "weights");
+    need(x, xn, op, "x");
+    uint64_t ln = 0;
+    if (shared) {
+        check(logits_stride >= n_experts + 1, op,
+              "logits_stride must be at least n_experts + 1 = " + std::to_string(n_experts + 1) +
+                  " with a shared expert, got " + std::to_string(logits_stride));
+        need(*shared, xn, op, "shared");
+        ln = (uint64_t(M - 1) * logits_stride + n_experts + 1) * 4;
+        need(logits, ln, op, "logits");
+    }
+    const MoeCombineParams p{H, k, uint32_t(S), logits_stride, n_experts, shared ? 1u : 0u};
+    const uint32_t threads = std::min(MOE_COMBINE_THREADS, ceil_div(H, QMV_LANES) * QMV_LANES);
+    const Buffer wv = weights.view(0, kn);
+    std::vector<Arg> args{Arg::params(p), Arg::in(y.view(0, yn)), Arg::in(slot_of.view(0, kn)), Arg::in(wv)};
+    // without a shared expert: stand-ins, unread
+    args.push_back(shared ? Arg::in(shared->view(0, xn)) : Arg::in(wv, 0));
+    args.push_back(shared ? Arg::in(logits.view(0, ln), uint64_t(M) * 4) : Arg::in(wv, 0));
+    args.push_back(Arg::inout(x.view(0, xn)));
+    // flops: per output a multiply-add per expert, the gated shared term's multiply-add, the residual add
+    e.dispatch(std::string("moe_combine_") + act_suffix(t), Dims{ceil_div(H, threads), M, 1}, Dims{threads, 1, 1},
+               args, {}, uint64_t(M) * H * (2 * k + 1 + (shared ? 2 : 0)));
+}
+
+namespace {
+
+// the block's shapes, checked: n_experts, hidden, routed and shared intermediate sizes, logit columns
+struct BlockShape {
+    uint32_t E, H, I, Is, n_logits;
+};
+
+BlockShape block_shape(const MoeBlock& b, const char* op) {
+    check(b.router && !b.router->empty() && b.gate && b.up && b.down, op, "router, gate, up and down must be set");
+    check(bool(b.shared_gate_up) == bool(b.shared_down), op, "shared_gate_up and shared_down go together");
+    const Matrix& g = *b.gate;
+    BlockShape s{g.count, g.cols, g.rows, b.shared_down ? b.shared_down->cols : 0u, 0};
+    check(b.up->count == s.E && b.up->rows == s.I && b.up->cols == s.H && b.down->count == s.E &&
+              b.down->rows == s.H && b.down->cols == s.I,
+          op, "gate, up [E, I, H] and down [E, H, I] must have matching shapes");
+    check(b.k >= 1 && b.k <= s.E, op, "k must be in [1, n_experts = " + std::to_string(s.E) + "], got " +
+                                          std::to_string(b.k));
+    if (b.shared_gate_up)
+        check(b.shared_gate_up->rows == 2 * s.Is && b.shared_gate_up->cols == s.H && b.shared_down->rows == s.H, op,
+              "the shared expert must be [2 Is, H] and [H, Is]");
+    for (const Matrix& m : *b.router) {
+        check(m.cols == s.H, op, "router parts must have H columns");
+        s.n_logits += m.rows;
+    }
+    const uint32_t want = s.E + (b.shared_gate_up ? 1 : 0);
+    check(s.n_logits == want, op,
+          std::string("router rows must be n_experts") + (b.shared_gate_up ? " + 1 (shared gate)" : "") + " = " +
+              std::to_string(want) + ", got " + std::to_string(s.n_logits));
+    return s;
+}
+
+}  // namespace
+
+MoeScratch moe_prefill_scratch(Device& d, Act t, const MoeBlock& b, uint32_t max_rows) {
+    const BlockShape sh = block_shape(b, "moe_prefill_scratch");
+    check(max_rows >= 1, "moe_prefill_scratch", "max_rows must be at least 1");
+    const uint64_t es = act_size(t), M = max_rows, S = M * b.k;
+    MoeScratch s;
+    s.logits = d.alloc(M * sh.n_logits * 4, "moe_logits");
+    s.ids = d.alloc(S * 4, "moe_ids");
+    s.weights = d.alloc(S * 4, "moe_weights");
+    s.sort = d.alloc(moe_sort_scratch_bytes(sh.E), "moe_sort");
+    s.slot_rows = d.alloc(S * 4, "moe_slot_rows");
+    s.slot_of = d.alloc(S * 4, "moe_slot_of");
+    s.tiles = d.alloc(uint64_t(moe_tile_capacity(uint32_t(S), sh.E, 16)) * 16, "moe_tiles");
+    s.act = d.alloc(S * sh.I * es, "moe_act");
+    s.y = d.alloc(S * sh.H * 4, "moe_y");
+    if (sh.Is) {
+        s.shared_act = d.alloc(M * sh.Is * es, "moe_shared_act");
+        s.shared_out = d.alloc(M * sh.H * es, "moe_shared_out");
+    }
+    return s;
+}
+
+void moe_prefill(Encoder& e, Act t, const MoeBlock& b, const Buffer& xn, const Buffer& x, uint32_t M,
+                 const MoeScratch& s, GemmRoute route) {
+    const char* op = "moe_prefill";
+    const BlockShape sh = block_shape(b, op);
+    check(M >= 1, op, "M must be at least 1");
+    const uint32_t S = M * b.k;
+    // router logits [M, n_logits], float holding the product rounded to T (the bf16 graph's logits)
+    need(s.logits, uint64_t(M) * sh.n_logits * 4, op, "scratch.logits");
+    GemmFusion rf;
+    rf.round = true;
+    uint64_t col = 0;
+    for (const Matrix& part : *b.router) {
+        gemm(e, t, part, xn, s.logits.view(col * 4, s.logits.length - col * 4), M, true, sh.H, sh.n_logits, rf,
+             route);
+        col += part.rows;
+    }
+    // the shared expert reads only xn: encoded here, its gate/up shares the router's dependency level and
+    // its down the top-k's
+    if (b.shared_gate_up) {
+        GemmFusion sw;
+        sw.swiglu = true;
+        gemm(e, t, *b.shared_gate_up, xn, s.shared_act, M, false, 0, 0, sw, route);
+        gemm(e, t, *b.shared_down, s.shared_act, s.shared_out, M, false, 0, 0, GemmFusion(), route);
+    }
+    moe_topk_rows(e, t, s.logits, M, sh.n_logits, sh.E, b.k, b.norm, s.ids, s.weights);
+    const uint32_t tr = moe_tile_rows(S, sh.E);
+    const TileMap tm{s.tiles, moe_tile_capacity(S, sh.E, tr), tr};
+    moe_sort(e, s.ids, M, b.k, sh.E, s.sort, s.slot_rows, s.slot_of, tm);
+    gemm_grouped_swiglu(e, t, *b.gate, *b.up, xn.view(0, uint64_t(M) * sh.H * act_size(t)), s.slot_rows, tm, S, s.act,
+                        route);
+    gemm_grouped(e, t, *b.down, s.act, tm, S, s.y, route);
+    moe_combine(e, t, s.y, s.slot_of, s.weights, M, b.k, sh.H, b.shared_gate_up ? &s.shared_out : nullptr, s.logits,
+                sh.n_logits, sh.E, x);
 }
 
 }  // namespace ops

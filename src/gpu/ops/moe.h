@@ -1,13 +1,17 @@
 // Host functions of metal/moe.metal: the sparse MoE block of one decode token in three kernels after
-// the router GEMV (quant: qmv with f32 output over [router | shared_expert_gate] rows).
+// the router GEMV (quant: qmv with f32 output over [router | shared_expert_gate] rows), and the
+// prefill block of a chunk of M tokens (top-k for all rows, GPU counting sort + tile map, combine).
 #pragma once
+#include <vector>
+
+#include "gpu/ops/gemm.h"
 #include "gpu/ops/quant.h"
 
 namespace qwenmetal::gpu::ops {
 
 // logits f32 [n_experts (+ 1 shared-gate logit, ignored here)] -> softmax over the n_experts,
 // top-k (ties: lower index first), renormalised to sum 1 when `norm`; ids uint32 [k], weights f32 [k].
-// One threadgroup.
+// moe_topk_rows for one row, without roundings (float). One threadgroup.
 void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, bool norm, const Buffer& ids,
               const Buffer& weights);
 
@@ -37,5 +41,80 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
 // Dense SwiGLU MLP (qwen3_next layers without experts): act = silu(gate x) * up x, one dispatch over
 // the stacked [gate | up] rows; the down projection is qmv + the residual add by the caller.
 void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, const Buffer& act);
+
+// ------------------------------------------------------------------------------------------ prefill
+// logits f32 [M, stride] (router GEMM; column n_experts is the shared-expert gate logit) -> per row
+// softmax over n_experts, top-k (ties: lower index), renormalised when norm: ids u32 [M, k], w f32 [M, k].
+// The decode top-k's function (route_topk) per row; `t` selects the bfloat graph's roundings of the
+// weights (the selected probabilities, their sum, the quotient). One dispatch.
+void moe_topk_rows(Encoder& e, Act t, const Buffer& logits, uint32_t M, uint32_t stride, uint32_t n_experts,
+                   uint32_t k, bool norm, const Buffer& ids, const Buffer& weights);
+
+// The most tiles S slots over n_experts experts can need: with n = min(E, S) non-empty experts,
+// sum ceil(c_e / t) <= n + floor((S - n) / t) (attained by n - 1 experts of one slot and one with the
+// rest), so no routing overflows the map and none needs a read-back of the counts.
+uint32_t moe_tile_capacity(uint32_t S, uint32_t n_experts, uint32_t tile_rows);
+// The tile height for S slots over n_experts experts: 32 when the average rows per expert S / E is at
+// least 32 (an expert's weight tile is then staged once per 32 rows: half the weight traffic of 16, and
+// on average no more than one partly filled tile per expert), else 16 (less padding for sparse experts).
+uint32_t moe_tile_rows(uint32_t S, uint32_t n_experts);
+// bytes of moe_sort's scratch: one counter per (token block, expert)
+uint64_t moe_sort_scratch_bytes(uint32_t n_experts);
+
+// counting sort of the S = M*k (token, expert) pairs of ids u32 [M, k] by expert (histogram, scan,
+// scatter; stable: within an expert, slots in (token, j) order, whatever the schedule) + the tile map:
+// slot_rows u32 [S] (token of slot s), slot_of u32 [M*k] (slot of pair (m, j)), tm.tiles (each expert's
+// ceil(count / tile_rows) tiles in expert order, then empty entries up to tm.capacity, which must be at
+// least moe_tile_capacity(S, n_experts, tm.tile_rows); ops::TileMap: gemm.h). Ids >= n_experts count
+// as n_experts - 1.
+// `scratch`: moe_sort_scratch_bytes(n_experts). Three dispatches, nothing read back.
+void moe_sort(Encoder& e, const Buffer& ids, uint32_t M, uint32_t k, uint32_t n_experts, const Buffer& scratch,
+              const Buffer& slot_rows, const Buffer& slot_of, const TileMap& tm);
+
+// x[m] += sum_j w[m, j] * y[slot_of[m, j]] (+ sigmoid(logits[m, n_experts]) * shared[m] when shared is
+// given: T [M, H], the shared expert's output), summed in a fixed order (j ascending, then the shared
+// expert) with moe_down's roundings; y f32 [S, H] (the grouped down GEMM's rows); x T [M, H] in place.
+// One dispatch.
+void moe_combine(Encoder& e, Act t, const Buffer& y, const Buffer& slot_of, const Buffer& weights, uint32_t M,
+                 uint32_t k, uint32_t H, const Buffer* shared, const Buffer& logits, uint32_t logits_stride,
+                 uint32_t n_experts, const Buffer& x);
+
+// ------------------------------------------------------------------------------------------ the block
+// One MoE layer's matrices for moe_prefill. router: the parts of the stacked [E router rows | shared
+// gate row] in row order (one Matrix when the parts share a format; the graph's Stacked::parts).
+struct MoeBlock {
+    const std::vector<Matrix>* router = nullptr;
+    const Matrix* gate = nullptr;             // stack [E, I, H]
+    const Matrix* up = nullptr;               // stack [E, I, H]
+    const Matrix* down = nullptr;             // stack [E, H, I]
+    const Matrix* shared_gate_up = nullptr;   // [2 Is, H], or null: no shared expert
+    const Matrix* shared_down = nullptr;      // [H, Is]
+    uint32_t k = 0;                           // experts per token
+    bool norm = true;                         // renormalise the k weights (norm_topk_prob)
+};
+
+// moe_prefill's named scratch, bounded by the chunk (max_rows M, S = M k slots)
+struct MoeScratch {
+    Buffer logits;      // f32 [M, E (+1)]   router logits (+ the shared-gate logit)
+    Buffer ids;         // u32 [M, k]
+    Buffer weights;     // f32 [M, k]
+    Buffer sort;        // moe_sort_scratch_bytes(E)
+    Buffer slot_rows;   // u32 [S]
+    Buffer slot_of;     // u32 [S]
+    Buffer tiles;       // u32x4 [moe_tile_capacity(S, E, 16)] (16 rows: the larger map)
+    Buffer act;         // T [S, I]          routed SwiGLU activations, one row per slot
+    Buffer y;           // f32 [S, H]        routed expert outputs, one row per slot
+    Buffer shared_act;  // T [M, Is]         (shared expert only)
+    Buffer shared_out;  // T [M, H]          (shared expert only)
+};
+MoeScratch moe_prefill_scratch(Device& d, Act t, const MoeBlock& b, uint32_t max_rows);
+
+// The MoE block of a chunk of M rows, in place: x[m] += moe(xn[m]) for m < M; xn T [M, H] the
+// post-attention-normed input, x T [M, H] the residual stream. Encodes the router GEMM (float logits,
+// rounded to T) -> moe_topk_rows -> moe_sort (tile height moe_tile_rows(S, E)) -> gemm_grouped_swiglu ->
+// gemm_grouped -> the shared expert (gemm swiglu, gemm) -> moe_combine: 8 dependency levels (the shared
+// expert's two GEMMs share levels 1 and 2), nothing read back.
+void moe_prefill(Encoder& e, Act t, const MoeBlock& b, const Buffer& xn, const Buffer& x, uint32_t M,
+                 const MoeScratch& s, GemmRoute route = GemmRoute::Simdgroup);
 
 }  // namespace qwenmetal::gpu::ops

@@ -67,6 +67,14 @@ namespace {
 uint32_t vals_per_lane(WFormat f) {
     return f == WFormat::Q4 ? QMV_VALS_Q4 : f == WFormat::Q8 ? QMV_VALS_Q8 : QMV_VALS_DENSE;
 }
+// input vectors per threadgroup of qmv (the kernel variant): 1 (decode), else the smallest of 4, 8, 16
+// that holds the batch (the vectors past it are skipped), QMV_MULTI_MAX for larger batches (chunks of 16)
+uint32_t qmv_vectors(uint32_t batch) {
+    if (batch == 1) return 1;
+    uint32_t mb = QMV_MULTI_MIN;
+    while (mb < batch && mb < QMV_MULTI_MAX) mb *= 2;
+    return mb;
+}
 }  // namespace
 
 void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch, bool f32_out,
@@ -103,10 +111,12 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
         flags |= QMV_ADD;
     }
     if (fuse.round) flags |= QMV_ROUND;
-    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps};
-    const std::string kernel = "qmv_" + W.variant() + "_" + act_suffix(t) + (f32o ? "_f32out" : "");
+    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps, batch};
+    const uint32_t mb = qmv_vectors(batch), chunks = ceil_div(batch, mb);
+    const std::string kernel = std::string(mb == 1 ? "qmv_" : "qmv_b" + std::to_string(mb) + "_") + W.variant() +
+                               "_" + act_suffix(t) + (f32o ? "_f32out" : "");
     std::vector<Arg> args{Arg::params(p)};
-    matrix_args(args, W, W.rows);
+    matrix_args(args, W, uint64_t(W.rows) * chunks);  // each chunk of mb vectors reads the weights once
     // unused slots bind a buffer the dispatch binds anyway, declared as not accessed
     const Buffer xv = x.view(0, xn), yv = y.view(0, yn);
     args.push_back(Arg::in(xv, uint64_t(batch) * W.cols * es));
@@ -117,7 +127,8 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
     args.push_back(in_place ? Arg::inout(yv, uint64_t(batch) * W.rows * os, uint64_t(batch) * W.rows * os)
                             : Arg::out(yv, uint64_t(batch) * W.rows * os));
     args.push_back(fuse.xn ? Arg::out(fuse.xn->view(0, xn), uint64_t(batch) * W.cols * es) : Arg::in(xv, 0));
-    e.dispatch(kernel, Dims{ceil_div(W.rows, QMV_TG_ROWS), batch, 1}, Dims{QMV_LANES, QMV_SIMDGROUPS, 1}, args);
+    e.dispatch(kernel, Dims{ceil_div(W.rows, QMV_TG_ROWS), chunks, 1}, Dims{QMV_LANES, QMV_SIMDGROUPS, 1}, args, {},
+               2 * uint64_t(W.rows) * W.cols * batch);
 }
 
 void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, const Buffer& y) {
@@ -138,7 +149,9 @@ void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, co
     matrix_args(args, E, n < E.rows ? n : E.rows);
     args.push_back(Arg::in(ids.view(0, uint64_t(n) * 4)));
     args.push_back(Arg::out(y.view(0, yn)));
-    e.dispatch("embed_" + E.variant() + "_" + act_suffix(t), Dims{n, 1, 1}, Dims{threads, 1, 1}, args);
+    // a quantized value is one multiply-add (scale * q + bias); a dense one only a conversion
+    e.dispatch("embed_" + E.variant() + "_" + act_suffix(t), Dims{n, 1, 1}, Dims{threads, 1, 1}, args, {},
+               quantized(E.fmt) ? 2 * uint64_t(n) * E.cols : 0);
 }
 
 }  // namespace ops

@@ -66,7 +66,9 @@ struct QmvFusion {
 };
 
 // y[b, :rows] = W x[b, :cols] for b < batch; x [batch, x_stride] (T), y [batch, y_stride] (T, or
-// float with f32_out). Strides default to cols / rows. One dispatch.
+// float with f32_out). Strides default to cols / rows. One dispatch. Batch 1 is the decode kernel;
+// batch 2..QMV_MULTI_MAX (16: the skinny prefill rows) reads each weight once for all vectors (the
+// qmv_b<4|8|16> variants), larger batches once per chunk of 16 vectors. Every fusion is per vector.
 void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t batch = 1,
          bool f32_out = false, uint32_t x_stride = 0, uint32_t y_stride = 0, const QmvFusion& fuse = QmvFusion());
 

@@ -208,7 +208,42 @@ void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>&, thread co
 template <class TD, class TA, class TB>
 void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>&, thread const simdgroup_matrix<TA, 8, 8>&,
                         thread const simdgroup_matrix<TB, 8, 8>&);
+
+#if __cplusplus >= 202002L
+// Metal 4 tensors and MetalPerformancePrimitives' matmul2d: the subset msl_sim emulates (msl_sim/tensor.h),
+// for files that include <metal_tensor> (checked as C++20: the descriptor is a class-type template
+// parameter). The element type carries the address space: tensor<device float, ...> is built from a
+// device float*, tensor<threadgroup float, ...> from a threadgroup float*.
+constexpr size_t dynamic_extent = size_t(-1);
+template <class I, size_t R> struct dextents {
+    static_assert(R == 2, "rank-2 tensors only");
+    dextents(I, I);
+    I extent(size_t) const;
+    static constexpr size_t rank();
+};
+struct tensor_inline {};
+struct execution_simdgroup {};
+template <class T, class Extents, class Layout = tensor_inline> struct tensor;
+template <class T, class I> struct tensor<T, dextents<I, 2>, tensor_inline> {
+    typedef T element_type;
+    tensor(thread T*, dextents<I, 2>);
+    dextents<I, 2> extents() const;
+    tensor slice(I, I) const;
+};
+#endif
 }  // namespace metal
+
+#if __cplusplus >= 202002L
+#include "msl_sim/tensor_descriptor.h"
+namespace mpp {
+namespace tensor_ops {
+template <matmul2d_descriptor Descriptor, class Scope> class matmul2d {
+  public:
+    template <class L, class R, class D> void run(thread L&, thread R&, thread D&) const;
+};
+}  // namespace tensor_ops
+}  // namespace mpp
+#endif
 
 namespace msl_check {
 // MSL vector constructors (float4(x), float4(a.xy, b.zw), half4(f4), ...), rewritten by mslpp

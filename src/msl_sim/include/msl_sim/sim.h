@@ -251,27 +251,28 @@ template <class T> inline dptr<T> operator+(ptrdiff_t k, const dptr<T>& d) { ret
 
 // Checked threadgroup pointer (mslpp rewrites `threadgroup T*` to it in checked mode): bounds of
 // the threadgroup variable it points into, and the same poisoned-read tracking as tg_array.
+// The threadgroup variable a raw pointer points into. A pointer one past the end of a variable is
+// also the first byte of the next one when the two are adjacent in the arena: strict containment
+// wins, and the one-past-the-end match (an end pointer, never dereferenced) is the fallback.
 inline void find_tg_bounds(const void* p, const char** lo, const char** hi) {
     *lo = *hi = nullptr;
     Lane* l = cur();
     if (!l || !p) return;
     Group* G = l->grp;
     const char* q = static_cast<const char*>(p);
-    for (int i = 0; i < G->nvars; ++i) {
-        const char* a = G->arena + G->vars[i].off;
-        if (q >= a && q <= a + G->vars[i].size) {
-            *lo = a;
-            *hi = a + G->vars[i].size;
-            return;
-        }
-    }
-    for (int i = 0; i < G->ntg_args; ++i) {
-        const char* a = G->arena + G->tg_arg_off[i];
-        if (q >= a && q <= a + G->tg_arg_size[i]) {
-            *lo = a;
-            *hi = a + G->tg_arg_size[i];
-            return;
-        }
+    for (int end_ok = 0; end_ok < 2; ++end_ok) {
+        auto match = [&](const char* a, long size) {
+            if (q >= a && (q < a + size || (end_ok && q == a + size))) {
+                *lo = a;
+                *hi = a + size;
+                return true;
+            }
+            return false;
+        };
+        for (int i = 0; i < G->nvars; ++i)
+            if (match(G->arena + G->vars[i].off, long(G->vars[i].size))) return;
+        for (int i = 0; i < G->ntg_args; ++i)
+            if (match(G->arena + G->tg_arg_off[i], long(G->tg_arg_size[i]))) return;
     }
 }
 
@@ -435,6 +436,22 @@ inline void kernel_exit(Lane* l) {
     (void)l;
 }
 
+// Parks the current lane at a SIMD-group function: `in` / `out` are its operands and results (read and
+// written by `resolve` once every lane of the SIMD-group waits at the same call site).
+inline void park_at_simd(const void* in, void* out, int64_t aux, const char* op, const char* file, int line,
+                         ResolveFn resolve) {
+    Lane* l = cur();
+    l->in = in;
+    l->out = out;
+    l->aux = aux;
+    l->op = op;
+    l->file = file;
+    l->line = line;
+    l->resolve = resolve;
+    l->state = LANE_AT_SIMD;
+    park(l);
+}
+
 template <class T, class R, class Op> struct Collective {
     static const char* resolve(Lane* const* L, uint32_t act) {
         T in[32];
@@ -453,17 +470,8 @@ template <class T, class R, class Op> struct Collective {
     }
 };
 template <class R, class Op, class T> inline R collective(const T& x, int64_t aux, const char* op, const char* file, int line) {
-    Lane* l = cur();
     R out;
-    l->in = &x;
-    l->out = &out;
-    l->aux = aux;
-    l->op = op;
-    l->file = file;
-    l->line = line;
-    l->resolve = &Collective<T, R, Op>::resolve;
-    l->state = LANE_AT_SIMD;
-    park(l);
+    park_at_simd(&x, &out, aux, op, file, line, &Collective<T, R, Op>::resolve);
     return out;
 }
 
@@ -833,18 +841,10 @@ namespace metal {
 template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                                           const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c, MSL_SITE) {
-    msl::Lane* l = msl::cur();
     msl::MmaIn<TA, TB, TC> in{a.e, b.e, c.e};
     vec<TD, 2> out;
-    l->in = &in;
-    l->out = &out;
-    l->aux = 0;
-    l->op = "simdgroup_multiply_accumulate";
-    l->file = file_;
-    l->line = line_;
-    l->resolve = &msl::CollectiveMma<TA, TB, TC, TD>::resolve;
-    l->state = msl::LANE_AT_SIMD;
-    msl::park(l);
+    msl::park_at_simd(&in, &out, 0, "simdgroup_multiply_accumulate", file_, line_,
+                      &msl::CollectiveMma<TA, TB, TC, TD>::resolve);
     d.e = out;
 }
 template <class TD, class TA, class TB>

@@ -1,0 +1,139 @@
+// Tiled GEMM with the weight dequantization fused into the tile staging, on simdgroup_matrix (the
+// prefill projections on M1-M4; metal/gemm_tensor.metal is the Metal 4 tensor-op route for M5).
+//
+//   gemm_<w>_<T>          Y[m, :N] = X[m, :K] W^T, Y in T          (dense row blocks, or MoE tile maps)
+//   gemm_<w>_bf16_f32out  the same with bf16 X and float Y           (router logits, expert outputs)
+// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
+//
+// One kernel serves the dense GEMM (ops::gemm) and the MoE grouped GEMMs (ops::gemm_grouped,
+// ops::gemm_grouped_swiglu): GemmParams.flags select the rows of a tile (a row block, or a tile-map
+// entry whose rows are slots, gathered from token rows with GEMM_GATHER) and the epilogue (residual,
+// rounding, SwiGLU over a gate half and an up half of the weight tile). metal/gemm_tile.h does the
+// staging and the epilogue; this file only multiplies.
+//
+// Buffers: 0 GemmParams; 1-3 the weight (w, scales, biases; the gate part with SwiGLU); 4-6 the second
+// weight binding (the up part with SwiGLU: the same stacked matrix at row up_row, or the up stack);
+// 7 x T; 8 slot_rows uint (GEMM_GATHER); 9 tiles uint4 (GEMM_TILEMAP); 10 residual (like y); 11 y.
+// Unused slots bind a buffer of the dispatch again, declared unread by the host.
+//
+// Simulator-verified, hardware-unverified.
+#include "common.h"
+#include "gemm.h"
+#include "gemm_tile.h"
+#include "quant_dot.h"
+
+// Why fused: prefill is compute-bound, but dequantizing W into a separate dense copy would write and
+// re-read 4-8x the packed bytes; staging dequantizes each [GEMM_BN, GEMM_BK] weight tile once per
+// threadgroup straight from the packed words into threadgroup memory, where GEMM_BM rows of X reuse it.
+//
+// Thread mapping (MLX steel-like): a threadgroup is GEMM_SIMDGROUPS = 4 SIMD-groups (128 threads) and
+// computes a tile of bm = tile_rows (16 or 32) rows x GEMM_BN = 64 columns (SwiGLU: 32 gate and the 32
+// matching up columns, 32 outputs). Per K step of GEMM_BK = 32 the threadgroup stages the X tile
+// [bm, 32] and the W tile [64, 32] as float (gemm_tile.h; every thread one or two units), then
+// SIMD-group s multiplies the bm rows by tile columns [16 s, 16 s + 16): bm/8 x 2 accumulators
+// (simdgroup_float8x8), one 8x8x8 multiply-accumulate per pair per 8 inputs, W^T read as a transposed
+// load. Float tiles keep the dequantized weights exact (what qmv multiplies) and use one MMA type for
+// both activation types. After the K loop the accumulators go to a float tile [bm, 68] and the
+// threadgroup stores it with the fusions. Threadgroup memory 22,656 bytes. Grid (ceil(N / cols),
+// ceil(M / tile_rows) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns before any barrier
+// (its condition depends only on the threadgroup: uniform).
+template <int FMT, typename S, typename T, typename O>
+kernel void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                 device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                 device const uint32_t* w2 [[buffer(4)]], device const S* scales2 [[buffer(5)]],
+                 device const S* biases2 [[buffer(6)]], device const T* x [[buffer(7)]],
+                 device const uint* slot_rows [[buffer(8)]], device const uint4* tiles [[buffer(9)]],
+                 device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
+                 uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                 uint sg [[simdgroup_index_in_threadgroup]]) {
+    threadgroup float xt_[GEMM_BM * GEMM_LD];
+    threadgroup float wt_[GEMM_BN * GEMM_LD];
+    threadgroup float ct_[GEMM_BM * GEMM_LDC];
+    threadgroup uint xr_[GEMM_BM];
+    // the tiles as pointers: gemm_tile.h's helpers take deduced pointer types (an array would be copied
+    // into a by-value template parameter in the simulator)
+    threadgroup float* xt = xt_;
+    threadgroup float* wt = wt_;
+    threadgroup float* ct = ct_;
+    threadgroup uint* xr = xr_;
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    const bool tilemap = (p.flags & GEMM_TILEMAP) != 0u, swiglu = (p.flags & GEMM_SWIGLU) != 0u;
+    const GemmTile t = gemm_tile_of(p, tgid.y, tilemap ? tiles[tgid.y] : uint4(0u));
+    if (t.rows == 0u) {
+        return;
+    }
+    const uint bm = min(p.tile_rows, GEMM_BM), cols = swiglu ? GEMM_BN / 2u : GEMM_BN, n0 = tgid.x * cols;
+    gemm_tile_rows(p, t, slot_rows, xr, tid, GEMM_THREADS);
+    // the tile's matrix of each weight stack
+    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K);
+    const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
+    device const WV* wa = (device const WV*)w + wo;
+    device const WV* wb = (device const WV*)w2 + wo;
+    device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
+    simdgroup_float8x8 acc[GEMM_BM / 8u][2];
+    for (uint i = 0; i < GEMM_BM / 8u; ++i) {
+        for (uint j = 0; j < 2u; ++j) {
+            acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
+        gemm_stage_x<T, float>(x4, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
+        if (swiglu) {
+            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, k0, cols, wt,
+                                           GEMM_LD, tid, GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(wb, scales2 + so, biases2 + so, p.up_row + n0, p.up_row + p.N, p.K,
+                                           p.group_size, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid,
+                                           GEMM_THREADS);
+        } else {
+            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, k0, GEMM_BN,
+                                           wt, GEMM_LD, tid, GEMM_THREADS);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint kk = 0; kk < GEMM_BK; kk += 8u) {
+            simdgroup_float8x8 b[2];
+            for (uint j = 0; j < 2u; ++j) {
+                simdgroup_load(b[j], wt + (16u * sg + 8u * j) * GEMM_LD + kk, GEMM_LD, ulong2(0, 0), true);
+            }
+            for (uint i = 0; i < bm / 8u; ++i) {
+                simdgroup_float8x8 a;
+                simdgroup_load(a, xt + 8u * i * GEMM_LD + kk, GEMM_LD);
+                for (uint j = 0; j < 2u; ++j) {
+                    simdgroup_multiply_accumulate(acc[i][j], a, b[j], acc[i][j]);
+                }
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    for (uint i = 0; i < bm / 8u; ++i) {
+        for (uint j = 0; j < 2u; ++j) {
+            simdgroup_store(acc[i][j], ct + 8u * i * GEMM_LDC + 16u * sg + 8u * j, GEMM_LDC);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    gemm_store<T, O>(p, t, ct, GEMM_LDC, n0, cols, r, y, tid, GEMM_THREADS);
+}
+
+// ---- instantiations: every weight format x {float, bfloat activations, bfloat with float output}
+// (written out: the embedded-source table reads the host names literally) --------------------------
+INSTANTIATE_KERNEL("gemm_q4_sbf16_f32", gemm, WFMT_Q4, bfloat, float, float)
+INSTANTIATE_KERNEL("gemm_q4_sbf16_bf16", gemm, WFMT_Q4, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_q4_sbf16_bf16_f32out", gemm, WFMT_Q4, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("gemm_q4_sf32_f32", gemm, WFMT_Q4, float, float, float)
+INSTANTIATE_KERNEL("gemm_q4_sf32_bf16", gemm, WFMT_Q4, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_q4_sf32_bf16_f32out", gemm, WFMT_Q4, float, bfloat, float)
+INSTANTIATE_KERNEL("gemm_q8_sbf16_f32", gemm, WFMT_Q8, bfloat, float, float)
+INSTANTIATE_KERNEL("gemm_q8_sbf16_bf16", gemm, WFMT_Q8, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_q8_sbf16_bf16_f32out", gemm, WFMT_Q8, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("gemm_q8_sf32_f32", gemm, WFMT_Q8, float, float, float)
+INSTANTIATE_KERNEL("gemm_q8_sf32_bf16", gemm, WFMT_Q8, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_q8_sf32_bf16_f32out", gemm, WFMT_Q8, float, bfloat, float)
+INSTANTIATE_KERNEL("gemm_bf16_f32", gemm, WFMT_DENSE, bfloat, float, float)
+INSTANTIATE_KERNEL("gemm_bf16_bf16", gemm, WFMT_DENSE, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_bf16_bf16_f32out", gemm, WFMT_DENSE, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("gemm_f16_f32", gemm, WFMT_DENSE, half, float, float)
+INSTANTIATE_KERNEL("gemm_f16_bf16", gemm, WFMT_DENSE, half, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_f16_bf16_f32out", gemm, WFMT_DENSE, half, bfloat, float)
+INSTANTIATE_KERNEL("gemm_f32_f32", gemm, WFMT_DENSE, float, float, float)
+INSTANTIATE_KERNEL("gemm_f32_bf16", gemm, WFMT_DENSE, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_f32_bf16_f32out", gemm, WFMT_DENSE, float, bfloat, float)

@@ -24,9 +24,8 @@ struct GdnParams {
     uint32_t gate_stride;  // elements between rows of z, b and a (the stacked projection's row)
     uint32_t y_stride;     // elements between rows of y
     uint32_t block;        // gdn_chunk: tokens per block (1..GDN_CHUNK_MAX); the others: 0
-    uint32_t rows_pad;     // gdn_prep: rows written to the q/k/gate scratch (rows >= `rows` are zeros)
 };
-static_assert(sizeof(GdnParams) == 56, "GdnParams: 14 x 4 bytes, as the host packs it");
+static_assert(sizeof(GdnParams) == 52, "GdnParams: 13 x 4 bytes, as the host packs it");
 
 // gdn_conv: one thread per channel
 #define GDN_CONV_THREADS 256u

@@ -233,7 +233,7 @@ kernel void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[
 // log decay g, with exactly gdn_step's functions, into float scratch (the chunk kernel reads them as
 // simdgroup_matrix tiles, and each is read by every threadgroup of the head: normalising once is cheaper).
 //
-// Thread mapping: one SIMD-group per (key head kh, row m): grid (nk, rows_pad); the lanes hold q and k
+// Thread mapping: one SIMD-group per (key head kh, row m): grid (nk, M + pad8(block)); the lanes hold q and k
 // lane-strided as gdn_step's; lane j < group writes beta and g of value head kh * group + j. Rows
 // m >= rows (the padding the chunk kernel's last block reads past the chunk) are written as zeros.
 template <typename T>
@@ -290,16 +290,15 @@ inline void gdn_chunk_gram(threadgroup float* A, device const float* x, device c
     }
 }
 
-// The decay mask in log space on the lower blocks of A: A_ij = s_i A_ij exp(G_i - G_j) where kept (strict:
-// j < i, s = beta: the WY matrix L; else j <= i, s = 1: the intra-block attention M), 0 elsewhere; the exponent
-// is formed only for kept entries (j <= i, so G_i - G_j <= 0: no overflow).
+// The decay mask in log space on the lower blocks of A: A_ij = s_i A_ij exp(G_i - G_j) for j <= i, 0 above the
+// diagonal (s = beta: the WY matrix L, whose diagonal the solve never reads; s = 1: the intra-block attention M);
+// the exponent is formed only for j <= i, so G_i - G_j <= 0: no overflow.
 inline void gdn_chunk_mask(threadgroup float* A, threadgroup const float* G, threadgroup const float* B, uint cp,
-                           bool strict, uint tid, uint nthreads) {
+                           bool with_beta, uint tid, uint nthreads) {
     for (uint e = tid; e < cp * cp; e += nthreads) {
         const uint i = e / cp, j = e % cp;
         if (j / 8u <= i / 8u) {
-            const bool keep = strict ? j < i : j <= i;
-            A[e] = keep ? (strict ? B[i] : 1.0f) * A[e] * exp(G[i] - G[j]) : 0.0f;
+            A[e] = j <= i ? (with_beta ? B[i] : 1.0f) * A[e] * exp(G[i] - G[j]) : 0.0f;
         }
     }
 }
@@ -313,8 +312,8 @@ inline void gdn_chunk_mask(threadgroup float* A, threadgroup const float* G, thr
 //   S = Gamma_C S + K^T (exp(G_C - G) V_new)
 // which is U - W S with U = T^-1 (beta V), W = T^-1 (beta Gamma K) of model-spec §6 regrouped so that only
 // K S ([C, 8] per SIMD-group) is formed, not W; the triangular solve runs on the panel V_new itself (C
-// dependent rows), not on T^-1. Rows past the chunk (the last block's padding to a multiple of 8) have beta = 0,
-// g = 0: exact no-ops. The value columns are independent in every line above, so tiles of them run in parallel
+// dependent rows), not on T^-1. Rows past the block (its padding to a multiple of 8, and the chunk's end) are
+// exact no-ops: g = 0 in the cumsum, a zero right-hand side, no solve, no o stored. The value columns are independent in every line above, so tiles of them run in parallel
 // threadgroups (each recomputes the block's C x C matrices: cheap next to the [C, dk] x [dk, 8] products).
 //
 // Why fused: the state tile stays in registers (fp32) across all blocks of the chunk; q, k, beta, g come from
@@ -343,7 +342,7 @@ kernel void gdn_chunk(constant GdnParams& p [[buffer(0)]], device const T* act [
     threadgroup float A_tg[GDN_CHUNK_MAX * GDN_CHUNK_MAX];             // L, then M, of the block
     threadgroup float D_tg[GDN_CHUNK_MAX * 8];                         // diag(Gamma) of each 8-row block
     threadgroup float G_tg[GDN_CHUNK_MAX];                             // cumulative log decay
-    threadgroup float B_tg[GDN_CHUNK_MAX];                             // beta (0 on padded rows)
+    threadgroup float B_tg[GDN_CHUNK_MAX];                             // beta
     const uint h = tg.x, cb = tg.y * nsg + sg, dk = p.dk, dv = p.dv, nv = p.nv;
     const bool active = cb * 8u < dv;   // SIMD-group-uniform
     const uint kh = h / p.group, nkb = dk / 8u, bc = p.block, cp = (bc + 7u) & ~7u, nb = cp / 8u;
@@ -367,7 +366,7 @@ kernel void gdn_chunk(constant GdnParams& p [[buffer(0)]], device const T* act [
                 G += j < n ? g[ulong(m0 + j) * nv + h] : 0.0f;
             }
             G_tg[tid] = G;
-            B_tg[tid] = tid < n ? beta[ulong(m0 + tid) * nv + h] : 0.0f;
+            B_tg[tid] = beta[ulong(m0 + tid) * nv + h];   // rows >= n: unused (zero right-hand side, the solve stops at n)
             const float gam = exp(G);
             for (uint c = 0; c < 8u; ++c) {
                 D_tg[(tid / 8u) * 64u + (tid % 8u) * 8u + c] = (tid % 8u == c) ? gam : 0.0f;

@@ -85,7 +85,7 @@ uint64_t prep_bytes(const Sizes& z, uint32_t M) {
     return M * (2 * z.kd + 2 * z.nv) * z.es + 8 * z.nv + z.rows_pad * (2 * z.kd + 2 * z.nv) * 4;
 }
 uint64_t chunk_bytes(const Sizes& z, uint32_t M) {
-    return M * z.V * z.es + z.rows_pad * 2 * z.kd * 4 + M * 2 * z.nv * 4 + 2 * z.nst + M * z.V * 4;
+    return M * z.V * z.es + z.rows_pad * 2 * z.kd * 4 + (z.rows_pad + M) * z.nv * 4 + 2 * z.nst + M * z.V * 4;
 }
 uint64_t norm_bytes(const GdnShape& s, const Sizes& z, uint32_t M) {
     return M * z.V * 4 + M * z.V * z.es + s.dv * z.es + M * z.V * z.es;
@@ -105,10 +105,9 @@ bool check_head_buffers(const GdnShape& s, Act t, const Buffer& A_log, const Buf
     return same_or_disjoint(state_out, state, nst, op, "state_out", "state");
 }
 
-GdnParams make_params(const GdnShape& s, float eps, uint32_t rows, uint32_t gate_stride, uint32_t block,
-                      uint32_t rows_pad) {
+GdnParams make_params(const GdnShape& s, float eps, uint32_t rows, uint32_t gate_stride, uint32_t block) {
     return GdnParams{s.nk, s.nv, s.dk, s.dv, s.nv / s.nk, float(1.0 / std::sqrt(double(s.dk))), GDN_L2NORM_EPS, eps,
-                     rows, s.conv_dim(), gate_stride, s.value_dim(), block, rows_pad};
+                     rows, s.conv_dim(), gate_stride, s.value_dim(), block};
 }
 
 // gdn_step's kernel over `rows` tokens: the decode step (rows = 1) and the prefill scan
@@ -126,7 +125,7 @@ void encode_scan(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
     need(b, nh, op, "b");
     need(a, nh, op, "a");
     const bool same = check_head_buffers(s, t, A_log, dt_bias, norm_w, state, state_out, y, rows, op);
-    const GdnParams p = make_params(s, eps, rows, gate_stride, 0, 0);
+    const GdnParams p = make_params(s, eps, rows, gate_stride, 0);
     e.dispatch(std::string("gdn_step_") + act_suffix(t), Dims{s.nv, 1, 1}, Dims{32 * step_simdgroups(s), 1, 1},
                {Arg::params(p), Arg::in(act.view(0, nact)), Arg::in(z.view(0, nz), rows * V * es),
                 Arg::in(b.view(0, nh), rows * nv * es), Arg::in(a.view(0, nh), rows * nv * es),
@@ -260,7 +259,7 @@ void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
     need(scratch, 2 * nqk + 2 * ng + no, op, "scratch");
     const Buffer qn = scratch.view(0, nqk), kn = scratch.view(nqk, nqk), beta = scratch.view(2 * nqk, ng),
                  g = scratch.view(2 * nqk + ng, ng), o = scratch.view(2 * nqk + 2 * ng, no);
-    const GdnParams p = make_params(s, eps, M, proj_stride, bc, uint32_t(rp));
+    const GdnParams p = make_params(s, eps, M, proj_stride, bc);
     const std::string sfx = act_suffix(t);
     // q | k of every row (the views span the rows; the bytes declared are the q and k elements)
     const uint64_t nqk_act = (uint64_t(M - 1) * C + 2 * kd) * es;
@@ -273,7 +272,7 @@ void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
     const ChunkWork w = chunk_work(s, M, bc);
     e.dispatch("gdn_chunk_" + sfx, Dims{s.nv, chunk_tiles(s), 1}, Dims{32 * GDN_CHUNK_SIMDGROUPS, 1, 1},
                {Arg::params(p), Arg::in(act.view(0, nact), uint64_t(M) * V * es), Arg::in(qn), Arg::in(kn),
-                Arg::in(beta, uint64_t(M) * nv * 4), Arg::in(g, uint64_t(M) * nv * 4),
+                Arg::in(beta), Arg::in(g, uint64_t(M) * nv * 4),
                 same ? Arg::inout(state.view(0, nst)) : Arg::in(state.view(0, nst)),
                 same ? Arg::inout(state_out.view(0, nst), 0, 0) : Arg::out(state_out.view(0, nst)), Arg::out(o)},
                {}, w.flops);

@@ -4,29 +4,47 @@
 #pragma once
 
 struct GdnConvParams {
-    uint32_t C;     // channels (conv_dim = 2 nk dk + nv dv)
-    uint32_t K;     // taps (conv_kernel); the state holds K - 1 rows
+    uint32_t C;        // channels (conv_dim = 2 nk dk + nv dv)
+    uint32_t K;        // taps (conv_kernel); the state holds K - 1 rows
+    uint32_t rows;     // tokens of the chunk (oldest first); act is [rows, C]
+    uint32_t stride;   // elements between consecutive qkv rows (the stacked projection's row)
 };
-static_assert(sizeof(GdnConvParams) == 8, "GdnConvParams: 2 x 4 bytes, as the host packs it");
+static_assert(sizeof(GdnConvParams) == 16, "GdnConvParams: 4 x 4 bytes, as the host packs it");
 
-struct GdnStepParams {
-    uint32_t nk, nv;   // key heads, value heads (nv a multiple of nk)
-    uint32_t dk, dv;   // head dims
-    uint32_t group;    // nv / nk: value head h reads key head h / group
-    float q_scale;     // dk^-1/2, rounded to float by the host (as the reference's F32(dk ** -0.5))
-    float l2_eps;      // added to sum(x^2) in the q/k l2norm (GDN_L2NORM_EPS)
-    float eps;         // added to mean(o^2) in the gated RMSNorm (rms_norm_eps)
+// One struct for every recurrence kernel (gdn_step, gdn_prep, gdn_chunk, gdn_norm): each reads the fields it needs.
+struct GdnParams {
+    uint32_t nk, nv;       // key heads, value heads (nv a multiple of nk)
+    uint32_t dk, dv;       // head dims
+    uint32_t group;        // nv / nk: value head h reads key head h / group
+    float q_scale;         // dk^-1/2, rounded to float by the host (as the reference's F32(dk ** -0.5))
+    float l2_eps;          // added to sum(x^2) in the q/k l2norm (GDN_L2NORM_EPS)
+    float eps;             // added to mean(o^2) in the gated RMSNorm (rms_norm_eps)
+    uint32_t rows;         // M: tokens, in order
+    uint32_t act_stride;   // elements between rows of act (q | k | v)
+    uint32_t gate_stride;  // elements between rows of z, b and a (the stacked projection's row)
+    uint32_t y_stride;     // elements between rows of y
+    uint32_t block;        // gdn_chunk: tokens per block (1..GDN_CHUNK_MAX); the others: 0
 };
-static_assert(sizeof(GdnStepParams) == 32, "GdnStepParams: 8 x 4 bytes, as the host packs it");
+static_assert(sizeof(GdnParams) == 52, "GdnParams: 13 x 4 bytes, as the host packs it");
 
 // gdn_conv: one thread per channel
 #define GDN_CONV_THREADS 256u
-// gdn_step: one threadgroup per value head; min(dv, GDN_STEP_MAX_SIMDGROUPS) SIMD-groups, SIMD-group
-// sg owns state rows sg, sg + nsg, ...; lane l owns dk elements l, l + 32, ... of each row (at most
-// GDN_STEP_MAX_DK_PER_LANE of them, so dk <= 32 * GDN_STEP_MAX_DK_PER_LANE); o of the head is staged in
-// threadgroup memory for the norm (dv <= GDN_STEP_MAX_DV).
+// gdn_step (the decode step and the prefill scan): one threadgroup per value head; min(dv, GDN_STEP_MAX_SIMDGROUPS)
+// SIMD-groups, SIMD-group sg owns state rows sg, sg + nsg, ... (at most GDN_STEP_MAX_ROWS_PER_SG of them); lane l
+// owns dk elements l, l + 32, ... of each row (at most GDN_STEP_MAX_DK_PER_LANE), so the state stays in
+// registers (<= 4 x 8 floats per thread) across the tokens; o of the head is staged in threadgroup memory.
 #define GDN_STEP_MAX_SIMDGROUPS 32u
 #define GDN_STEP_MAX_DK_PER_LANE 8u
+#define GDN_STEP_MAX_ROWS_PER_SG 4u
 #define GDN_STEP_MAX_DK (32u * GDN_STEP_MAX_DK_PER_LANE)
-#define GDN_STEP_MAX_DV 1024u
+#define GDN_STEP_MAX_DV (GDN_STEP_MAX_SIMDGROUPS * GDN_STEP_MAX_ROWS_PER_SG)
 #define GDN_L2NORM_EPS 1e-6f
+// gdn_chunk (the prefill's chunked WY/UT route): one threadgroup per (value head, tile of
+// 8 * GDN_CHUNK_SIMDGROUPS value columns); blocks of up to GDN_CHUNK_MAX tokens (padded to a multiple of 8 with
+// no-op rows); the state tile [dk, 8] of each SIMD-group lives in dk / 8 simdgroup_float8x8 registers
+// (dk <= GDN_CHUNK_MAX_DK). Threadgroup memory: the block's [C, C] matrix, one [C, 8] panel per SIMD-group,
+// diag(Gamma) per 8-row block, G and beta = (C^2 + 8 C * GDN_CHUNK_SIMDGROUPS + 8 C + 2 C) * 4 bytes
+// = 27,136 B at C = 64 (the simulator's and Apple's limit is 32 KB; C = 72 would need 33,984 B).
+#define GDN_CHUNK_SIMDGROUPS 4u
+#define GDN_CHUNK_MAX 64u
+#define GDN_CHUNK_MAX_DK 128u

@@ -1,15 +1,21 @@
-// Gated DeltaNet decode, one token: the causal conv step and the recurrence step.
+// Gated DeltaNet: the causal conv and the recurrence, for one decode token or a prefill chunk of M tokens.
 //
-//   gdn_conv_{f32,bf16}:  act[c] = silu(sum_j conv_w[c, j] * win_j[c]),  win = (conv_state rows, oldest
-//                         first, then qkv[c]); conv_state shifted in place (drop the oldest row, append qkv)
-//   gdn_step_{f32,bf16}:  per value head h (key head kh = h / (nv / nk)):
+//   gdn_conv_{f32,bf16}:  act[m, c] = silu(sum_j conv_w[c, j] * win[m + j][c]),  win = (conv_state rows, oldest
+//                         first, then the M qkv rows); conv_out <- the last K-1 rows of win
+//   gdn_step_{f32,bf16}:  M tokens in order, per value head h (key head kh = h / (nv / nk)):
 //                         q = l2norm(q_kh) * dk^-1/2, k = l2norm(k_kh), beta = sigmoid(b[h]),
 //                         decay = exp(-exp(A_log[h]) * softplus(a[h] + dt_bias[h]));
 //                         S = decay S; kv = S k; S += (beta (v - kv)) k^T; o = S q   (S[h] is [dv, dk]);
 //                         y = o * rsqrt(mean(o^2) + eps) * norm_w * silu(z)
+//                         (the decode step: M = 1; the prefill's scan route: M = the chunk)
+//   the prefill's chunked route, three kernels over the same math (spec §6, WY/UT form):
+//   gdn_prep_{f32,bf16}:  normalised q, k (float [M, nk, dk]) and beta, g_log (float [M, nv]) into scratch
+//   gdn_chunk_{f32,bf16}: the recurrence over blocks of C tokens on simdgroup_matrix: o (float [M, nv dv])
+//   gdn_norm_{f32,bf16}:  the gated RMSNorm of o into y
 // Everything is computed in float (the conv and recurrent states are float); activations are read as T and
 // the outputs rounded to T once on store. The math and its order follow python/qwenmetal/reference.py
-// (causal_conv1d, silu, l2norm, sigmoid, softplus, gdn_recurrent, gated_rms_norm in float mode).
+// (causal_conv1d, silu, l2norm, sigmoid, softplus, gdn_recurrent / gdn_chunked, gated_rms_norm). The
+// normalisation, gates and gated norm are the inline functions below, shared by both routes.
 //
 // Simulator-verified, hardware-unverified.
 #include "common.h"
@@ -31,19 +37,74 @@ inline float gdn_softplus(float x) {
     return max(x, 0.0f) + l1p;
 }
 
-// Causal depthwise conv step fused with SiLU and the conv-state shift.
+// beta = sigmoid(b), rounded as the bf16 graph
+template <typename T>
+inline float gdn_beta(T b) {
+    return rnd<T>(gdn_sigmoid(float(b)));
+}
+
+// g = log decay = -exp(A_log) softplus(a + dt_bias) <= 0, float from the T-rounded a (HF's precision)
+inline float gdn_log_decay(float a, float A_log, float dt_bias) {
+    return -exp(A_log) * gdn_softplus(a + dt_bias);
+}
+
+// q and k of one key head, lane-strided (lane l holds elements l, l + 32, ...; zeros past dk), loaded and
+// normalised in float by one SIMD-group (two simd_sums): q = l2norm(q) q_scale, k = l2norm(k).
+template <typename T>
+inline void gdn_qk_normalize(device const T* qh, device const T* kh, uint dk, float q_scale, float l2_eps,
+                             uint lane, thread float* qv, thread float* kv) {
+    const uint nper = (dk + SIMD_WIDTH - 1u) / SIMD_WIDTH;
+    float qss = 0.0f, kss = 0.0f;
+    for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+        const uint i = lane + j * SIMD_WIDTH;
+        const bool in = j < nper && i < dk;
+        qv[j] = in ? float(qh[i]) : 0.0f;
+        kv[j] = in ? float(kh[i]) : 0.0f;
+        qss += qv[j] * qv[j];
+        kss += kv[j] * kv[j];
+    }
+    const float qsum = simd_sum(qss), ksum = simd_sum(kss);
+    if (sizeof(T) == 2) {
+        // the bf16 graph (MLX normalize_qk): n = T(x rsqrt(mean(x^2) + eps / dk)) = T(sqrt(dk) l2norm(x)),
+        // then q = T(n T(1/dk)), k = T(n T(dk^-1/2)) (MLX casts the Python float factors to bf16)
+        const float fdk = float(dk);
+        const float qn = rsqrt(qsum / fdk + l2_eps / fdk), kn = rsqrt(ksum / fdk + l2_eps / fdk);
+        const float qf = rnd<T>(1.0f / fdk), kf = rnd<T>(q_scale);
+        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+            qv[j] = rnd<T>(rnd<T>(qv[j] * qn) * qf);
+            kv[j] = rnd<T>(rnd<T>(kv[j] * kn) * kf);
+        }
+    } else {
+        const float qinv = rsqrt(qsum + l2_eps);
+        const float kinv = rsqrt(ksum + l2_eps);
+        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+            qv[j] = qv[j] * qinv * q_scale;
+            kv[j] = kv[j] * kinv;
+        }
+    }
+}
+
+// one element of the gated RMSNorm: o (already rounded to T) times inv = rsqrt(mean(o^2) + eps), the gain and
+// silu(z). bf16 graph: n = T(w T(o inv)), y = T(n silu_f32(z)); float: o inv w silu(z)
+template <typename T>
+inline T gdn_gated_out(float o, float inv, float w, float z) {
+    return T(rnd<T>(w * rnd<T>(o * inv)) * (z * gdn_sigmoid(z)));
+}
+
+// Causal depthwise conv over M rows fused with SiLU and the conv-state update.
 //
-// Why fused: the conv of one token is K multiply-adds per channel; the state shift and the SiLU touch the
+// Why fused: the conv of one token is K multiply-adds per channel; the state update and the SiLU touch the
 // same channel's values, so one pass reads qkv, the state and the taps once and writes act and the state
-// once (Lily's conv1d_step_bf16 does the same).
+// once (Lily's conv1d_step_bf16 / conv1d_prefill_bf16 do the same).
 //
 // Thread mapping: one thread per channel, GDN_CONV_THREADS threads per threadgroup, grid
-// ceil(C / GDN_CONV_THREADS) (threads past C return; there is no SIMD-group function or barrier). Tap j
-// of channel c is conv_w[c * K + j] (the canonical [conv_dim, K] layout: K consecutive floats per channel).
-// Step j reads window row j (state row j, or qkv for j = K-1) and writes it to row j-1 of conv_out, which
-// may be conv_state itself (step j-1 has already read that row) or the other half of a ping-pong pair
-// (the graph's: a discarded step leaves the state intact); no window copy in registers, any K >= 2 works. Consecutive
-// threads read consecutive channels of each state row (coalesced).
+// ceil(C / GDN_CONV_THREADS) (threads past C return; there is no SIMD-group function or barrier). The window
+// slides over the chunk: row m's output reads window rows m..m+K-1 (window row i < K-1 is state row i, later
+// ones qkv row i - (K-1), `stride` elements apart). Tap j of channel c is conv_w[c * K + j] (the canonical
+// [conv_dim, K] layout). After all outputs, window rows M..M+K-2 go to conv_out rows 0..K-2, which may be
+// conv_state itself (row r reads window row M + r > r, not yet overwritten) or the other half of a ping-pong
+// pair (the graph's: a discarded step leaves the state intact). Consecutive threads read consecutive
+// channels of each row (coalesced).
 template <typename T>
 kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qkv [[buffer(1)]],
                      device const float* conv_w [[buffer(2)]], device const float* conv_state [[buffer(3)]],
@@ -54,38 +115,41 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
     }
     const uint S = p.K - 1u;
     device const float* w = conv_w + ulong(c) * p.K;
-    float acc = 0.0f;
-    for (uint j = 0; j < p.K; ++j) {
-        const float x = j < S ? conv_state[ulong(j) * p.C + c] : float(qkv[c]);
-        acc += x * w[j];
-        if (j > 0) {
-            conv_out[ulong(j - 1u) * p.C + c] = x;
+    for (uint m = 0; m < p.rows; ++m) {
+        float acc = 0.0f;
+        for (uint j = 0; j < p.K; ++j) {
+            const uint i = m + j;
+            const float x = i < S ? conv_state[ulong(i) * p.C + c] : float(qkv[ulong(i - S) * p.stride + c]);
+            acc += x * w[j];
         }
+        const float xr = rnd<T>(acc);                           // as the bf16 graph: conv output rounded, then
+        act[ulong(m) * p.C + c] = T(xr * rnd<T>(gdn_sigmoid(xr)));  // MLX's silu (sigmoid rounded, product rounded)
     }
-    const float xr = rnd<T>(acc);                 // as the bf16 graph: conv output rounded, then MLX's silu
-    act[c] = T(xr * rnd<T>(gdn_sigmoid(xr)));     // (sigmoid rounded, product rounded); float: x * sigmoid(x)
+    for (uint r = 0; r < S; ++r) {
+        const uint i = p.rows + r;
+        conv_out[ulong(r) * p.C + c] = i < S ? conv_state[ulong(i) * p.C + c] : float(qkv[ulong(i - S) * p.stride + c]);
+    }
 }
 
-// One token of the gated delta rule for one value head, fused with the q/k l2norm, the gates and the
-// gated RMSNorm.
+// M tokens of the gated delta rule for one value head, in order, fused with the q/k l2norm, the gates and the
+// gated RMSNorm: the decode step (M = 1) and the prefill's register scan.
 //
-// Why fused: the state (nv * dv * dk floats: 2 MiB per layer for the real model) is the dominant traffic of
-// the step; it is read once and written once here. The q/k normalisation, beta and the decay are a few
-// hundred flops per head recomputed where they are used, and the gated norm needs only o of the head,
-// which the threadgroup holds, so no intermediate (normalised q/k, gates, o) goes through device memory
-// (Lily's gdn_step_gated fuses the same).
+// Why fused: the state (nv * dv * dk floats: 2 MiB per layer for the real model) is the dominant traffic; it is
+// read once and written once per call, and kept in registers across the M tokens. The q/k normalisation, beta
+// and the decay are a few hundred flops per head and token recomputed where they are used, and the gated norm
+// needs only o of the head, which the threadgroup holds, so no intermediate (normalised q/k, gates, o) goes
+// through device memory (Lily's gdn_step_gated / gdn_prefill_regscan fuse the same).
 //
 // Thread mapping: one threadgroup per value head (grid = (nv, 1, 1)), nsg = min(dv, 32) SIMD-groups.
-// Lane l of every SIMD-group holds elements l, l + 32, ... of the head's q and k in registers (each
-// SIMD-group loads and normalises them itself with two simd_sums: no barrier). SIMD-group sg walks the state
-// rows r = sg, sg + nsg, ... (dv index): per row the lanes load their strided dk slice (consecutive lanes,
-// consecutive floats: coalesced), decay it, reduce kv = S[r] . k with simd_sum, apply the rank-1 update,
-// reduce o[r] = S[r] . q with simd_sum and store the slice back; lane 0 stages o[r] in threadgroup memory.
-// Rows are independent, so a thread keeps only one row slice (<= GDN_STEP_MAX_DK_PER_LANE floats) in
-// registers at a time. The sum of o^2 over the head is reduced by threadgroup_sum (its barrier also
-// publishes the staged o), then all threads compute y in steps of the threadgroup size.
+// SIMD-group sg owns the state rows r = sg, sg + nsg, ... (dv index, <= GDN_STEP_MAX_ROWS_PER_SG of them), lane l
+// elements l, l + 32, ... of each (<= GDN_STEP_MAX_DK_PER_LANE): the thread's slice of the state lives in
+// registers from the first token to the last. Per token, every SIMD-group loads and normalises q and k itself
+// (two simd_sums: no barrier); per row, it decays its slice, reduces kv = S[r] . k with simd_sum, applies the
+// rank-1 update, reduces o[r] = S[r] . q with simd_sum; lane 0 stages o[r] in threadgroup memory. The sum of o^2
+// over the head is reduced by threadgroup_sum (its barrier also publishes the staged o), all threads compute y in
+// steps of the threadgroup size, and a barrier ends the token (o_tg and the partial sums are reused).
 template <typename T>
-kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+kernel void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
                      device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
                      device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
                      device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
@@ -99,85 +163,332 @@ kernel void gdn_step(constant GdnStepParams& p [[buffer(0)]], device const T* ac
     const uint dk = p.dk, dv = p.dv, key_dim = p.nk * p.dk;
     const uint kh = h / p.group;
     const uint nper = (dk + SIMD_WIDTH - 1u) / SIMD_WIDTH;   // <= GDN_STEP_MAX_DK_PER_LANE (host-checked)
+    const uint D = GDN_STEP_MAX_DK_PER_LANE;
 
-    // q and k of the key head, lane-strided, normalised in float
-    device const T* qh = act + ulong(kh) * dk;
-    device const T* kh_ptr = act + key_dim + ulong(kh) * dk;
-    float qv[GDN_STEP_MAX_DK_PER_LANE], kv[GDN_STEP_MAX_DK_PER_LANE];
-    float qss = 0.0f, kss = 0.0f;
-    for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-        const uint i = lane + j * SIMD_WIDTH;
-        const bool in = j < nper && i < dk;
-        qv[j] = in ? float(qh[i]) : 0.0f;
-        kv[j] = in ? float(kh_ptr[i]) : 0.0f;
-        qss += qv[j] * qv[j];
-        kss += kv[j] * kv[j];
-    }
-    const float qsum = simd_sum(qss), ksum = simd_sum(kss);
-    if (sizeof(T) == 2) {
-        // the bf16 graph (MLX normalize_qk): n = T(x rsqrt(mean(x^2) + eps / dk)) = T(sqrt(dk) l2norm(x)),
-        // then q = T(n T(1/dk)), k = T(n T(dk^-1/2)) (MLX casts the Python float factors to bf16)
-        const float fdk = float(dk);
-        const float qn = rsqrt(qsum / fdk + p.l2_eps / fdk), kn = rsqrt(ksum / fdk + p.l2_eps / fdk);
-        const float qf = rnd<T>(1.0f / fdk), kf = rnd<T>(p.q_scale);
-        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-            qv[j] = rnd<T>(rnd<T>(qv[j] * qn) * qf);
-            kv[j] = rnd<T>(rnd<T>(kv[j] * kn) * kf);
-        }
-    } else {
-        const float qinv = rsqrt(qsum + p.l2_eps);
-        const float kinv = rsqrt(ksum + p.l2_eps);
-        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-            qv[j] = qv[j] * qinv * p.q_scale;
-            kv[j] = kv[j] * kinv;
-        }
-    }
-
-    // gates (float, from the T-rounded projections)
-    const float beta = rnd<T>(gdn_sigmoid(float(b[h])));
-    const float g_log = -exp(A_log[h]) * gdn_softplus(float(a[h]) + dt_bias[h]);
-    const float decay = exp(g_log);
-
-    device const T* vh = act + 2u * key_dim + ulong(h) * dv;
+    // this thread's slice of the state: rows sg + i nsg, elements lane + 32 j (zeros outside)
     device const float* Sh = state + ulong(h) * dv * dk;
-    device float* Oh = state_out + ulong(h) * dv * dk;   // may be Sh (in place): each row is read, then written
-    float oss = 0.0f;
-    for (uint r = sg; r < dv; r += nsg) {   // SIMD-group-uniform: r depends on sg only
-        device const float* srow = Sh + ulong(r) * dk;
-        device float* orow = Oh + ulong(r) * dk;
-        float s[GDN_STEP_MAX_DK_PER_LANE];
-        float skv = 0.0f;
-        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-            const uint i = lane + j * SIMD_WIDTH;
-            s[j] = (j < nper && i < dk) ? srow[i] * decay : 0.0f;
-            skv += s[j] * kv[j];
+    float s[GDN_STEP_MAX_ROWS_PER_SG * GDN_STEP_MAX_DK_PER_LANE];
+    for (uint i = 0; i < GDN_STEP_MAX_ROWS_PER_SG; ++i) {
+        const uint r = sg + i * nsg;
+        for (uint j = 0; j < D; ++j) {
+            const uint e = lane + j * SIMD_WIDTH;
+            s[i * D + j] = (r < dv && j < nper && e < dk) ? Sh[ulong(r) * dk + e] : 0.0f;
         }
-        const float delta = (float(vh[r]) - simd_sum(skv)) * beta;
-        float so = 0.0f;
-        for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
-            s[j] += delta * kv[j];
-            so += s[j] * qv[j];
-            const uint i = lane + j * SIMD_WIDTH;
-            if (j < nper && i < dk) {
-                orow[i] = s[j];
+    }
+    const float A = A_log[h], dtb = dt_bias[h];
+    for (uint m = 0; m < p.rows; ++m) {
+        device const T* row = act + ulong(m) * p.act_stride;
+        float qv[GDN_STEP_MAX_DK_PER_LANE], kv[GDN_STEP_MAX_DK_PER_LANE];
+        gdn_qk_normalize<T>(row + ulong(kh) * dk, row + key_dim + ulong(kh) * dk, dk, p.q_scale, p.l2_eps, lane,
+                            qv, kv);
+        const ulong g = ulong(m) * p.gate_stride;
+        const float beta = gdn_beta<T>(b[g + h]);
+        const float decay = exp(gdn_log_decay(float(a[g + h]), A, dtb));
+        device const T* vh = row + 2u * key_dim + ulong(h) * dv;
+        float oss = 0.0f;
+        for (uint i = 0; i < GDN_STEP_MAX_ROWS_PER_SG; ++i) {
+            const uint r = sg + i * nsg;
+            if (r < dv) {   // SIMD-group-uniform: r depends on sg only
+                float skv = 0.0f;
+                for (uint j = 0; j < D; ++j) {
+                    s[i * D + j] *= decay;
+                    skv += s[i * D + j] * kv[j];
+                }
+                const float delta = (float(vh[r]) - simd_sum(skv)) * beta;
+                float so = 0.0f;
+                for (uint j = 0; j < D; ++j) {
+                    s[i * D + j] += delta * kv[j];
+                    so += s[i * D + j] * qv[j];
+                }
+                const float o = rnd<T>(simd_sum(so));   // the recurrence output, rounded as the bf16 graph does
+                if (lane == 0) {
+                    o_tg[r] = o;
+                }
+                oss += o * o;
             }
         }
-        const float o = rnd<T>(simd_sum(so));   // the recurrence output, rounded as the bf16 graph does
-        if (lane == 0) {
-            o_tg[r] = o;
+        // gated RMSNorm over the head's dv outputs (one SIMD-group's lanes all hold the same oss: count lane 0)
+        const float total = threadgroup_sum(lane == 0 ? oss : 0.0f, partial, lane, sg, nsg);
+        const float inv = rsqrt(total / float(dv) + p.eps);
+        device const T* zh = z + g + ulong(h) * dv;
+        device T* yh = y + ulong(m) * p.y_stride + ulong(h) * dv;
+        for (uint i = tid; i < dv; i += nthreads) {
+            yh[i] = gdn_gated_out<T>(o_tg[i], inv, float(norm_w[i]), float(zh[i]));
         }
-        oss += o * o;
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // o_tg and partial are rewritten by the next token
     }
+    device float* Oh = state_out + ulong(h) * dv * dk;   // may be Sh (in place): this head's rows only
+    for (uint i = 0; i < GDN_STEP_MAX_ROWS_PER_SG; ++i) {
+        const uint r = sg + i * nsg;
+        for (uint j = 0; j < D; ++j) {
+            const uint e = lane + j * SIMD_WIDTH;
+            if (r < dv && j < nper && e < dk) {
+                Oh[ulong(r) * dk + e] = s[i * D + j];
+            }
+        }
+    }
+}
 
-    // gated RMSNorm over the head's dv outputs (one SIMD-group's lanes all hold the same oss: count lane 0)
-    const float total = threadgroup_sum(lane == 0 ? oss : 0.0f, partial, lane, sg, nsg);
-    const float inv = rsqrt(total / float(dv) + p.eps);
-    device const T* zh = z + ulong(h) * dv;
-    device T* yh = y + ulong(h) * dv;
-    for (uint i = tid; i < dv; i += nthreads) {
-        const float zi = float(zh[i]);
-        // bf16 graph: n = T(w T(o inv)), y = T(n silu_f32(z)); float: o inv w silu(z)
-        yh[i] = T(rnd<T>(float(norm_w[i]) * rnd<T>(o_tg[i] * inv)) * (zi * gdn_sigmoid(zi)));
+// The chunked route's inputs: per (key head, token) the normalised q and k, per (value head, token) beta and the
+// log decay g, with exactly gdn_step's functions, into float scratch (the chunk kernel reads them as
+// simdgroup_matrix tiles, and each is read by every threadgroup of the head: normalising once is cheaper).
+//
+// Thread mapping: one SIMD-group per (key head kh, row m): grid (nk, M + pad8(block)); the lanes hold q and k
+// lane-strided as gdn_step's; lane j < group writes beta and g of value head kh * group + j. Rows
+// m >= rows (the padding the chunk kernel's last block reads past the chunk) are written as zeros.
+template <typename T>
+kernel void gdn_prep(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+                     device const T* b [[buffer(2)]], device const T* a [[buffer(3)]],
+                     device const float* A_log [[buffer(4)]], device const float* dt_bias [[buffer(5)]],
+                     device float* qn [[buffer(6)]], device float* kn [[buffer(7)]],
+                     device float* beta [[buffer(8)]], device float* g [[buffer(9)]],
+                     uint2 pos [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+    const uint kh = pos.x, m = pos.y, dk = p.dk;
+    const ulong o = (ulong(m) * p.nk + kh) * dk;
+    float qv[GDN_STEP_MAX_DK_PER_LANE], kv[GDN_STEP_MAX_DK_PER_LANE];
+    const bool real = m < p.rows;   // threadgroup-uniform
+    if (real) {
+        device const T* row = act + ulong(m) * p.act_stride;
+        gdn_qk_normalize<T>(row + ulong(kh) * dk, row + ulong(p.nk) * dk + ulong(kh) * dk, dk, p.q_scale,
+                            p.l2_eps, lane, qv, kv);
+    }
+    for (uint j = 0; j < GDN_STEP_MAX_DK_PER_LANE; ++j) {
+        const uint i = lane + j * SIMD_WIDTH;
+        if (i < dk) {
+            qn[o + i] = real ? qv[j] : 0.0f;
+            kn[o + i] = real ? kv[j] : 0.0f;
+        }
+    }
+    if (lane < p.group) {
+        const uint h = kh * p.group + lane;
+        const ulong gi = ulong(m) * p.gate_stride + h;
+        beta[ulong(m) * p.nv + h] = real ? gdn_beta<T>(b[gi]) : 0.0f;
+        g[ulong(m) * p.nv + h] = real ? gdn_log_decay(float(a[gi]), A_log[h], dt_bias[h]) : 0.0f;
+    }
+}
+
+// A[i, j] = x_i . y_j over dk for the 8x8 blocks (ib, jb <= ib) of the block's cp x cp matrix (row stride cp),
+// the blocks dealt round-robin to the nsg SIMD-groups; x_i, y_j are rows ld floats apart, read as tiles from
+// device memory (y transposed on load).
+inline void gdn_chunk_gram(threadgroup float* A, device const float* x, device const float* y, ulong ld, uint dk,
+                           uint cp, uint sg, uint nsg) {
+    const uint nb = cp / 8u;
+    uint t = 0;
+    for (uint ib = 0; ib < nb; ++ib) {
+        for (uint jb = 0; jb <= ib; ++jb, ++t) {
+            if (t % nsg == sg) {   // SIMD-group-uniform
+                simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+                for (uint kb = 0; kb < dk / 8u; ++kb) {
+                    simdgroup_float8x8 xa, yb;
+                    simdgroup_load(xa, x + ulong(ib) * 8u * ld + kb * 8u, ld);
+                    simdgroup_load(yb, y + ulong(jb) * 8u * ld + kb * 8u, ld, ulong2(0, 0), true);
+                    simdgroup_multiply_accumulate(acc, xa, yb, acc);
+                }
+                simdgroup_store(acc, A + ulong(ib) * 8u * cp + jb * 8u, cp);
+            }
+        }
+    }
+}
+
+// The decay mask in log space on the lower blocks of A: A_ij = s_i A_ij exp(G_i - G_j) for j <= i, 0 above the
+// diagonal (s = beta: the WY matrix L, whose diagonal the solve never reads; s = 1: the intra-block attention M);
+// the exponent is formed only for j <= i, so G_i - G_j <= 0: no overflow.
+inline void gdn_chunk_mask(threadgroup float* A, threadgroup const float* G, threadgroup const float* B, uint cp,
+                           bool with_beta, uint tid, uint nthreads) {
+    for (uint e = tid; e < cp * cp; e += nthreads) {
+        const uint i = e / cp, j = e % cp;
+        if (j / 8u <= i / 8u) {
+            A[e] = j <= i ? (with_beta ? B[i] : 1.0f) * A[e] * exp(G[i] - G[j]) : 0.0f;
+        }
+    }
+}
+
+// The recurrence over M tokens in blocks of C tokens, chunked (WY/UT) form on simdgroup_matrix, for one
+// value head and one tile of 8 * GDN_CHUNK_SIMDGROUPS value columns. Per block (HF layout: S is [dk, dv]), with
+// G = cumsum(g), Gamma = exp(G), D_ij = exp(G_i - G_j):
+//   L = strict_lower(beta_i k_i.k_j D_ij)                          (gram + mask)
+//   V_new = (I + L)^-1 [beta (V - Gamma (K S))]                     (KS tiles; forward substitution)
+//   O = Gamma (Q S) + lower_incl(q_i.k_j D_ij) V_new               (diag(Gamma) tile x QS tile + M V_new)
+//   S = Gamma_C S + K^T (exp(G_C - G) V_new)
+// which is U - W S with U = T^-1 (beta V), W = T^-1 (beta Gamma K) of model-spec §6 regrouped so that only
+// K S ([C, 8] per SIMD-group) is formed, not W; the triangular solve runs on the panel V_new itself (C
+// dependent rows), not on T^-1. Rows past the block (its padding to a multiple of 8, and the chunk's end) are
+// exact no-ops: g = 0 in the cumsum, a zero right-hand side, no solve, no o stored. The value columns are independent in every line above, so tiles of them run in parallel
+// threadgroups (each recomputes the block's C x C matrices: cheap next to the [C, dk] x [dk, 8] products).
+//
+// Why fused: the state tile stays in registers (fp32) across all blocks of the chunk; q, k, beta, g come from
+// gdn_prep's scratch and o goes to scratch for gdn_norm (the norm needs a whole head, split over tiles here).
+//
+// Thread mapping: grid (nv, ceil(dv / (8 nsg))), nsg = GDN_CHUNK_SIMDGROUPS SIMD-groups; SIMD-group sg owns
+// value columns [8 cb, 8 cb + 8), cb = tile nsg + sg (a SIMD-group past dv only helps with the gram matrices),
+// and holds its state tile as dk / 8 simdgroup_float8x8 (S[kb] = rows 8 kb.. of [dk, 8]). Per block: threads
+// t < cp compute G, beta, diag(Gamma); all SIMD-groups compute the lower 8x8 blocks of K K^T (then Q K^T) into
+// the shared cp x cp matrix, all threads mask it; each SIMD-group computes its K S panel into its own
+// threadgroup panel, forms the right-hand side, solves it (lane = column l % 8, quarter l / 8 of the sum over
+// j; two simd_shuffle_xor, one simdgroup_barrier per row), computes O and updates its state tile, and writes
+// its o panel. Threadgroup barriers separate the phases that share the cp x cp matrix.
+template <typename T>
+kernel void gdn_chunk(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+                      device const float* qn [[buffer(2)]], device const float* kn [[buffer(3)]],
+                      device const float* beta [[buffer(4)]], device const float* g [[buffer(5)]],
+                      device const float* state [[buffer(6)]], device float* state_out [[buffer(7)]],
+                      device float* o [[buffer(8)]],
+                      uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                      uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+    // X_tg first: the simulator resolves a pointer into a threadgroup array by address, and the start of an
+    // array declared right after another one is also that one's end
+    threadgroup float X_tg[GDN_CHUNK_SIMDGROUPS * GDN_CHUNK_MAX * 8];  // per SIMD-group: KS, V_new, O panels
+    threadgroup float A_tg[GDN_CHUNK_MAX * GDN_CHUNK_MAX];             // L, then M, of the block
+    threadgroup float D_tg[GDN_CHUNK_MAX * 8];                         // diag(Gamma) of each 8-row block
+    threadgroup float G_tg[GDN_CHUNK_MAX];                             // cumulative log decay
+    threadgroup float B_tg[GDN_CHUNK_MAX];                             // beta
+    const uint h = tg.x, cb = tg.y * nsg + sg, dk = p.dk, dv = p.dv, nv = p.nv;
+    const bool active = cb * 8u < dv;   // SIMD-group-uniform
+    const uint kh = h / p.group, nkb = dk / 8u, bc = p.block, cp = (bc + 7u) & ~7u, nb = cp / 8u;
+    const ulong ld = ulong(p.nk) * dk;   // row stride of qn, kn
+    device const float* qh = qn + ulong(kh) * dk;
+    device const float* kh_ = kn + ulong(kh) * dk;
+    threadgroup float* X = X_tg + sg * GDN_CHUNK_MAX * 8u;
+
+    // the state tile, transposed on load: S[kb](r, c) = state[h][8 cb + c][8 kb + r]
+    simdgroup_float8x8 S[GDN_CHUNK_MAX_DK / 8];
+    if (active) {
+        for (uint kb = 0; kb < nkb; ++kb) {
+            simdgroup_load(S[kb], state + (ulong(h) * dv + cb * 8u) * dk + kb * 8u, dk, ulong2(0, 0), true);
+        }
+    }
+    for (uint m0 = 0; m0 < p.rows; m0 += bc) {
+        const uint n = min(bc, p.rows - m0);
+        if (tid < cp) {
+            float G = 0.0f;   // cumsum in token order, as the reference
+            for (uint j = 0; j <= tid; ++j) {
+                G += j < n ? g[ulong(m0 + j) * nv + h] : 0.0f;
+            }
+            G_tg[tid] = G;
+            B_tg[tid] = beta[ulong(m0 + tid) * nv + h];   // rows >= n: unused (zero right-hand side, the solve stops at n)
+            const float gam = exp(G);
+            for (uint c = 0; c < 8u; ++c) {
+                D_tg[(tid / 8u) * 64u + (tid % 8u) * 8u + c] = (tid % 8u == c) ? gam : 0.0f;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        device const float* kb0 = kh_ + ulong(m0) * ld;
+        device const float* qb0 = qh + ulong(m0) * ld;
+        gdn_chunk_gram(A_tg, kb0, kb0, ld, dk, cp, sg, nsg);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        gdn_chunk_mask(A_tg, G_tg, B_tg, cp, true, tid, nthreads);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (active) {
+            for (uint ib = 0; ib < nb; ++ib) {   // X = K S
+                simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+                for (uint kb = 0; kb < nkb; ++kb) {
+                    simdgroup_float8x8 kt;
+                    simdgroup_load(kt, kb0 + ulong(ib) * 8u * ld + kb * 8u, ld);
+                    simdgroup_multiply_accumulate(acc, kt, S[kb], acc);
+                }
+                simdgroup_store(acc, X + ib * 64u, 8);
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            device const T* vcol = act + 2u * ulong(p.nk) * dk + ulong(h) * dv + cb * 8u;
+            for (uint e = lane; e < cp * 8u; e += SIMD_WIDTH) {   // X = beta (V - Gamma K S)
+                const uint i = e / 8u;
+                X[e] = i < n ? B_tg[i] * (float(vcol[ulong(m0 + i) * p.act_stride + e % 8u]) - exp(G_tg[i]) * X[e])
+                             : 0.0f;
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            const uint col = lane & 7u, part = lane >> 3;   // (I + L) V_new = X, row by row
+            for (uint i = 1; i < n; ++i) {
+                float acc = 0.0f;
+                for (uint j = part; j < i; j += 4u) {
+                    acc += A_tg[i * cp + j] * X[j * 8u + col];
+                }
+                acc += simd_shuffle_xor(acc, ushort(8));
+                acc += simd_shuffle_xor(acc, ushort(16));
+                if (part == 0) {
+                    X[i * 8u + col] -= acc;
+                }
+                simdgroup_barrier(mem_flags::mem_threadgroup);
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // every SIMD-group is done with L
+        gdn_chunk_gram(A_tg, qb0, kb0, ld, dk, cp, sg, nsg);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        gdn_chunk_mask(A_tg, G_tg, B_tg, cp, false, tid, nthreads);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (active) {
+            simdgroup_float8x8 O[GDN_CHUNK_MAX / 8];
+            for (uint ib = 0; ib < nb; ++ib) {   // O = diag(Gamma) (Q S) + M V_new
+                simdgroup_float8x8 qs = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+                for (uint kb = 0; kb < nkb; ++kb) {
+                    simdgroup_float8x8 qt;
+                    simdgroup_load(qt, qb0 + ulong(ib) * 8u * ld + kb * 8u, ld);
+                    simdgroup_multiply_accumulate(qs, qt, S[kb], qs);
+                }
+                simdgroup_float8x8 dg;
+                simdgroup_load(dg, D_tg + ib * 64u, 8);
+                simdgroup_multiply(O[ib], dg, qs);
+                for (uint jb = 0; jb <= ib; ++jb) {
+                    simdgroup_float8x8 mt, vt;
+                    simdgroup_load(mt, A_tg + ib * 8u * cp + jb * 8u, cp);
+                    simdgroup_load(vt, X + jb * 64u, 8);
+                    simdgroup_multiply_accumulate(O[ib], mt, vt, O[ib]);
+                }
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            const float Gc = G_tg[cp - 1u];   // G of the block's last token (padded rows add g = 0)
+            for (uint e = lane; e < cp * 8u; e += SIMD_WIDTH) {
+                X[e] *= exp(Gc - G_tg[e / 8u]);   // V_new scaled to the block's end
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            const float gc = exp(Gc);
+            for (uint kb = 0; kb < nkb; ++kb) {   // S = Gamma_C S + K^T (exp(G_C - G) V_new)
+                S[kb].thread_elements() *= gc;
+                for (uint jb = 0; jb < nb; ++jb) {
+                    simdgroup_float8x8 kt, vt;
+                    simdgroup_load(kt, kb0 + ulong(jb) * 8u * ld + kb * 8u, ld, ulong2(0, 0), true);
+                    simdgroup_load(vt, X + jb * 64u, 8);
+                    simdgroup_multiply_accumulate(S[kb], kt, vt, S[kb]);
+                }
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            for (uint ib = 0; ib < nb; ++ib) {
+                simdgroup_store(O[ib], X + ib * 64u, 8);
+            }
+            simdgroup_barrier(mem_flags::mem_threadgroup);
+            device float* ocol = o + ulong(h) * dv + cb * 8u;
+            for (uint e = lane; e < n * 8u; e += SIMD_WIDTH) {   // o rounded as the bf16 graph does
+                ocol[ulong(m0 + e / 8u) * nv * dv + e % 8u] = rnd<T>(X[e]);
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // G, beta, diag(Gamma), A are rewritten by the next block
+    }
+    if (active) {
+        for (uint kb = 0; kb < nkb; ++kb) {   // may be `state` (in place): this tile only, read before
+            simdgroup_store(S[kb], state_out + (ulong(h) * dv + cb * 8u) * dk + kb * 8u, dk, ulong2(0, 0), true);
+        }
+    }
+}
+
+// The gated RMSNorm of the chunked route's o (float scratch [M, nv dv], already rounded to T) with gdn_step's
+// per-element function: y[m, h] = gdn_gated_out(o, rsqrt(mean(o^2) + eps), norm_w, z).
+//
+// Thread mapping: one SIMD-group per (value head, row): grid (nv, M); lanes stride over dv, one simd_sum.
+template <typename T>
+kernel void gdn_norm(constant GdnParams& p [[buffer(0)]], device const float* o [[buffer(1)]],
+                     device const T* z [[buffer(2)]], device const T* norm_w [[buffer(3)]], device T* y [[buffer(4)]],
+                     uint2 pos [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+    const uint h = pos.x, m = pos.y, dv = p.dv;
+    device const float* oh = o + (ulong(m) * p.nv + h) * dv;
+    float ss = 0.0f;
+    for (uint i = lane; i < dv; i += SIMD_WIDTH) {
+        ss += oh[i] * oh[i];
+    }
+    const float inv = rsqrt(simd_sum(ss) / float(dv) + p.eps);
+    device const T* zh = z + ulong(m) * p.gate_stride + ulong(h) * dv;
+    device T* yh = y + ulong(m) * p.y_stride + ulong(h) * dv;
+    for (uint i = lane; i < dv; i += SIMD_WIDTH) {
+        yh[i] = gdn_gated_out<T>(oh[i], inv, float(norm_w[i]), float(zh[i]));
     }
 }
 
@@ -185,3 +496,9 @@ INSTANTIATE_KERNEL("gdn_conv_f32", gdn_conv, float)
 INSTANTIATE_KERNEL("gdn_conv_bf16", gdn_conv, bfloat)
 INSTANTIATE_KERNEL("gdn_step_f32", gdn_step, float)
 INSTANTIATE_KERNEL("gdn_step_bf16", gdn_step, bfloat)
+INSTANTIATE_KERNEL("gdn_prep_f32", gdn_prep, float)
+INSTANTIATE_KERNEL("gdn_prep_bf16", gdn_prep, bfloat)
+INSTANTIATE_KERNEL("gdn_chunk_f32", gdn_chunk, float)
+INSTANTIATE_KERNEL("gdn_chunk_bf16", gdn_chunk, bfloat)
+INSTANTIATE_KERNEL("gdn_norm_f32", gdn_norm, float)
+INSTANTIATE_KERNEL("gdn_norm_bf16", gdn_norm, bfloat)

@@ -37,7 +37,7 @@ CONT = [11, 12, 13]                        # the continuation that probes a stat
 OPTIONS = {"reference": {},
            # a small chunk: the prefills under test run several chunks (the C++ poll is between them)
            "cpu": dict(threads=2, kv_dtype="float32", prefill_chunk=4, activations="float"),
-           "metal-sim": dict(dtype="float32")}
+           "metal-sim": dict(dtype="float32", prefill_chunk=1)}
 # (what the session holds before the call, the prompt of the call, injection points): the simulator runs
 # about 3 tokens/s, so it gets short inputs and few random points (the last lines of a call, where it
 # commits, are always all tried)

@@ -1,4 +1,4 @@
-"""The Metal backends: the C++ decode graph (``src/gpu/``) on a GPU device.
+"""The Metal backends: the C++ decode and prefill graphs (``src/gpu/``) on a GPU device.
 
 * ``backend="metal"`` (macOS, Apple Silicon): the graph on the real GPU through ``MetalDevice``.
 * ``backend="metal-sim"`` (every platform): the same graph and the same kernels executed by the
@@ -18,10 +18,18 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
   defaults it to ``"float32"``.
 * ``attention``: overrides of the decode-attention policy, e.g. ``{"single_pass_max": 8}`` (tests use
   it to reach every route on short contexts).
+* ``prefill_chunk``: tokens per prefill chunk (default 4096, the modelled-cost optimum on the real config:
+  docs/metal.md, "The prefill graph"); each chunk is one command buffer and the prefill scratch is sized
+  for it. The prefix cache snapshots at these chunk boundaries (``Model.load`` sets its ``chunk_tokens``).
+* ``gemm_route``: the prefill GEMMs' route, ``"auto"`` (the device's: Metal 4 tensor ops on M5, else
+  ``simdgroup_matrix``), ``"simdgroup"`` or ``"tensor"``.
+* ``gdn_route``: the Gated DeltaNet prefill, ``"auto"`` (by chunk length from the cost model), ``"scan"``
+  or ``"chunked"`` (the WY/UT form).
 * metal-sim only: ``schedule`` (``"forward"``, ``"reverse"``, ``"random"``: the order the simulator
   runs the threads of a threadgroup in) and ``seed``.
 
-Prefill runs token by token through the decode graph (one command buffer per token). Weights are used
+Prefill runs the prompt in chunks of ``prefill_chunk`` tokens, one command buffer per chunk with no host
+read-back inside it (docs/metal.md, "The prefill graph"). Weights are used
 in place: each safetensors file is one device buffer wrapping its memory map, tensors are bound by
 offset (``weight_table``); the stacked projections are built at load (their bytes are reported as
 ``copied_bytes``).
@@ -37,6 +45,20 @@ from .weights import Weights
 from .weights_table import virtual_weight_table, weight_table
 
 DTYPES = ("bfloat16", "float32")
+GEMM_ROUTES = ("auto", "simdgroup", "tensor")
+GDN_ROUTES = ("auto", "scan", "chunked")
+DEFAULT_PREFILL_CHUNK = 4096
+
+
+def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str) -> dict:
+    """The engine's prefill options, validated (ValueError naming the option)."""
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+    if gemm_route not in GEMM_ROUTES:
+        raise ValueError(f"gemm_route must be one of {GEMM_ROUTES}, got {gemm_route!r}")
+    if gdn_route not in GDN_ROUTES:
+        raise ValueError(f"gdn_route must be one of {GDN_ROUTES}, got {gdn_route!r}")
+    return {"chunk": int(prefill_chunk), "gemm_route": gemm_route, "gdn_route": gdn_route}
 
 
 def _core():
@@ -51,7 +73,9 @@ class _GpuBackend:
     name = ""
 
     def __init__(self, weights: Weights, device, dtype: str = "bfloat16", kv_dtype: str | None = None,
-                 attention: dict | None = None):
+                 attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 gemm_route: str = "auto", gdn_route: str = "auto"):
+        prefill = prefill_options(prefill_chunk, gemm_route, gdn_route)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kv_dtype is None:
@@ -66,13 +90,22 @@ class _GpuBackend:
         self.device = device
         self.engine = _core().gpu.GpuEngine(device, config_dict(weights.config), mappings, tensors,
                                             "f32" if dtype == "float32" else "bf16", kv_dtype == "float32",
-                                            self.attention, keep)
+                                            self.attention, keep, prefill)
+        self.prefill_chunk = int(self.engine.prefill_chunk)
+        self.gemm_route = str(self.engine.gemm_route)
+        self.gdn_route = gdn_route
+
+    @property
+    def snapshot_chunk(self) -> int:
+        """The prefix cache's snapshot interval (``PrefixCache.chunk_tokens``): the prefill chunk, so every
+        snapshot is the state at a chunk boundary of the GPU prefill."""
+        return self.prefill_chunk
 
     def new_state(self):
         return self.engine.new_state()
 
     def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
-        """Run `ids` on `state` in place (all-or-nothing; a Ctrl-C between tokens restores it) and return
+        """Run `ids` on `state` in place (all-or-nothing; a Ctrl-C between chunks restores it) and return
         (state, logits); `ids` are appended to `consumed` (a session's token list) inside the call."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return state, self.engine.forward(state, ids, logits, consumed)
@@ -119,6 +152,7 @@ class _GpuBackend:
 
     def info(self) -> dict:
         return {"device": dict(self.device.info), "dtype": self.dtype, "kv_dtype": self.kv_dtype,
+                "prefill_chunk": self.prefill_chunk, "gemm_route": self.gemm_route, "gdn_route": self.gdn_route,
                 "weight_bytes": self.engine.weight_bytes, "copied_bytes": self.engine.copied_bytes,
                 "status": "simulator-verified, hardware-unverified"}
 
@@ -132,10 +166,11 @@ class MetalSimBackend(_GpuBackend):
     name = "metal-sim"
 
     def __init__(self, weights: Weights, dtype: str = "float32", kv_dtype: str | None = None,
-                 attention: dict | None = None, schedule: str = "forward", seed: int = 0):
+                 attention: dict | None = None, schedule: str = "forward", seed: int = 0,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gemm_route: str = "auto", gdn_route: str = "auto"):
         dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
         self.schedule = schedule
-        super().__init__(weights, dev, dtype, kv_dtype, attention)
+        super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route)
 
 
 class MetalBackend(_GpuBackend):
@@ -144,8 +179,10 @@ class MetalBackend(_GpuBackend):
     name = "metal"
 
     def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
-                 attention: dict | None = None):
-        super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention)
+                 attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 gemm_route: str = "auto", gdn_route: str = "auto"):
+        super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention, prefill_chunk, gemm_route,
+                         gdn_route)
 
 
 def sim_available() -> bool:
@@ -209,3 +246,82 @@ LEVEL_LATENCY_S = 4.0e-6
 def modelled_tok_s(bytes_per_token: float, levels: int, latency_s: float = LEVEL_LATENCY_S) -> dict:
     """tokens/s = 1 / (bytes / bandwidth + levels * latency) for each chip of CHIP_BANDWIDTH_GBS."""
     return {chip: 1.0 / (bytes_per_token / (bw * 1e9) + levels * latency_s) for chip, bw in CHIP_BANDWIDTH_GBS.items()}
+
+
+# ------------------------------------------------------------------------------------------ prefill costing
+# Peak arithmetic of each chip on the route its prefill GEMMs take (TFLOP/s; a multiply-add is 2):
+#   simdgroup_matrix (M1-M4): bf16/f16 simdgroup matrices run at the FP32 ALU rate on these GPUs, so the
+#   FP32 peak: Apple's figures for M1 Max (32-core GPU, 10.4) and M2 Max (38-core, 13.6); M3 Max and M4 Max
+#   (40-core; Apple publishes none) derived as cores x 128 FP32 lanes x 2 x clock (~1.6 GHz, ~1.8 GHz).
+#   Metal 4 tensor ops (M5 Max, 40-core): Apple's claim of over 4x the M4's peak GPU compute for AI, applied
+#   to the M4 Max figure (4 x 18.4). Lily's published M5 Max prefill (prior-art A.11), which uses these
+#   tensor ops, implies an achieved rate that `encode_only_prefill_cost` reports beside it as a check.
+CHIP_PEAK_TFLOPS = {"M1 Max": 10.4, "M2 Max": 13.6, "M3 Max": 16.4, "M4 Max": 18.4, "M5 Max": 73.6}
+# The rate Lily's published M5 Max 4K prefill (5724 tok/s) implies on this graph's declared FLOPs at 4K
+# (5.4 GFLOP/token: `lily_implied_tflops`), 42 % of the peak above: the M5 Max is also modelled at this
+# rate ("M5 Max (Lily's rate)"), i.e. as if our kernels reached only what Lily's reach.
+M5_LILY_RATE_TFLOPS = 30.9
+CHIP_ROUTE = {"M1 Max": "simdgroup", "M2 Max": "simdgroup", "M3 Max": "simdgroup", "M4 Max": "simdgroup",
+              "M5 Max": "tensor"}
+# Published M5 Max prefill tokens/s (prior-art A.11: Lily's 0.32.2-run column and MLX 0.32.2).
+PUBLISHED_PREFILL = {"Lily": {4096: 5724.4, 32768: 3927.5, 131072: 1792.7},
+                     "MLX 0.32.2": {4096: 5165.7, 32768: 3963.7, 131072: 2237.5}}
+
+
+def modelled_level_time(level_bytes, level_flops, bandwidth_gbs: float, peak_tflops: float,
+                        latency_s: float = LEVEL_LATENCY_S) -> float:
+    """Seconds for a command buffer's dependency levels: each level costs max(bytes / bandwidth,
+    flops / peak) + the per-level latency (the levels run one after another; a level's dispatches overlap)."""
+    b = np.asarray(level_bytes, dtype=np.float64)
+    f = np.asarray(level_flops, dtype=np.float64)
+    return float(np.maximum(b / (bandwidth_gbs * 1e9), f / (peak_tflops * 1e12)).sum() + len(b) * latency_s)
+
+
+def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PREFILL_CHUNK,
+                             dtype: str = "bfloat16", kv_dtype: str = "bfloat16", gdn_route: str = "auto") -> dict:
+    """Encode the prefill of ``config`` (a ModelConfig) for each prompt length, chunk by chunk (one command
+    buffer each), on an encode-only simulator device over virtual weights (the MLX 4-bit layout), once per
+    GEMM route of CHIP_ROUTE, and report per chunk and per prompt: dispatches, dependency levels, command
+    buffers, host waits, FLOPs and bytes as the host functions declare them, and a modelled tokens/s per
+    chip (`modelled_level_time` with CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS). A model, not a measurement."""
+    core = _core()
+    mappings, tensors, _ = virtual_weight_table(config)
+    out = {"chunk": int(chunk), "level_latency_us": LEVEL_LATENCY_S * 1e6, "peak_tflops": dict(CHIP_PEAK_TFLOPS),
+           "bandwidth_gbs": dict(CHIP_BANDWIDTH_GBS), "chip_route": dict(CHIP_ROUTE),
+           "m5_lily_rate_tflops": M5_LILY_RATE_TFLOPS, "prompts": {}}
+    for route in sorted(set(CHIP_ROUTE.values())):
+        dev = core.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")     # an M5-like device for "tensor"
+        eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+                                 kv_dtype == "float32", {}, [], prefill_options(chunk, route, gdn_route))
+        for n in lengths:
+            st = eng.new_state()
+            chunks = []
+            for p0 in range(0, int(n), int(chunk)):
+                c = eng.prefill_cost(st, min(int(chunk), int(n) - p0))
+                chunks.append({"position": p0, "rows": min(int(chunk), int(n) - p0), **c})
+            p = out["prompts"].setdefault(str(n), {"tokens": int(n), "routes": {}, "modelled_tok_s": {}})
+            keys = ("dispatches", "levels", "command_buffers", "host_waits", "flops", "bytes_read", "bytes_written")
+            p["routes"][route] = {
+                "chunks": [{k: int(c[k]) for k in ("position", "rows") + keys} for c in chunks],
+                **{k: int(sum(int(c[k]) for c in chunks)) for k in keys}}
+            for chip, r in CHIP_ROUTE.items():
+                if r != route:
+                    continue
+                t = sum(modelled_level_time(c["level_bytes"], c["level_flops"], CHIP_BANDWIDTH_GBS[chip],
+                                            CHIP_PEAK_TFLOPS[chip]) for c in chunks)
+                p["modelled_tok_s"][chip] = n / t
+                if chip == "M5 Max":
+                    t = sum(modelled_level_time(c["level_bytes"], c["level_flops"], CHIP_BANDWIDTH_GBS[chip],
+                                                M5_LILY_RATE_TFLOPS) for c in chunks)
+                    p["m5_max_at_lily_rate_tok_s"] = n / t
+    for n, p in out["prompts"].items():
+        tps = p["modelled_tok_s"]["M5 Max"]
+        p["published_m5_max"] = {k: v.get(int(n)) for k, v in PUBLISHED_PREFILL.items()}
+        p["m5_max_vs"] = {k: (tps / v if v else None) for k, v in p["published_m5_max"].items()}
+        p["m5_max_at_lily_rate_vs"] = {k: (p["m5_max_at_lily_rate_tok_s"] / v if v else None)
+                                       for k, v in p["published_m5_max"].items()}
+        lily = p["published_m5_max"]["Lily"]
+        m5 = p["routes"][CHIP_ROUTE["M5 Max"]]
+        # the arithmetic rate Lily's published time implies if it did this graph's FLOPs (a check of the peak)
+        p["lily_implied_tflops"] = (m5["flops"] / int(n) * lily / 1e12) if lily else None
+    return out

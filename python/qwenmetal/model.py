@@ -179,7 +179,10 @@ class Model:
             GenerationOptions().with_defaults(self.generation_config)
         except ValueError as e:
             raise CheckpointError(f"{gc_path}: {e}") from None
-        self.prefix_cache: PrefixCache | None = PrefixCache()
+        # a backend whose prefill runs in fixed chunks (metal, metal-sim) snapshots at its chunk boundaries:
+        # the state there is what one of its command buffers left, so a resume re-runs whole chunks
+        chunk = getattr(backend, "snapshot_chunk", None)
+        self.prefix_cache: PrefixCache | None = PrefixCache() if chunk is None else PrefixCache(chunk_tokens=chunk)
         self.transcripts: TranscriptStore | None = TranscriptStore()
         self._identity = None
 
@@ -194,7 +197,9 @@ class Model:
         ("bfloat16" | "float32"), prefill_chunk (tokens per chunk, default 512), quantize (None | 4 | 8:
         quantize a dense checkpoint at load, group 64); reference: dtype ("float32" | "bfloat16",
         rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
-        default 64).
+        default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
+        default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
+        "tensor"), gdn_route ("auto" | "scan" | "chunked"); see `qwenmetal.metal_backend`.
         """
         factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)

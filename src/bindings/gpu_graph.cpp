@@ -39,6 +39,26 @@ nb::ndarray<nb::numpy, T> copy_out(const void* src, std::vector<size_t> shape) {
     return nb::ndarray<nb::numpy, T>(p, shape.size(), shape.data(), owner);
 }
 
+// a StepCost as a dict; level_bytes / level_flops: u64 arrays, one entry per dependency level
+nb::dict cost_dict(const StepCost& c) {
+    nb::dict d;
+    d["dispatches"] = c.dispatches;
+    d["levels"] = c.levels;
+    d["command_buffers"] = c.command_buffers;
+    d["host_waits"] = c.host_waits;
+    d["bytes_read"] = c.bytes_read;
+    d["bytes_written"] = c.bytes_written;
+    d["flops"] = c.flops;
+    std::vector<uint64_t> b, f;
+    for (const LevelStats& l : c.per_level) {
+        b.push_back(l.bytes);
+        f.push_back(l.flops);
+    }
+    d["level_bytes"] = copy_out<uint64_t>(b.data(), {b.size()});
+    d["level_flops"] = copy_out<uint64_t>(f.data(), {f.size()});
+    return d;
+}
+
 void need_host(const Buffer& b, const char* what) {
     if (!b.data()) throw std::invalid_argument(std::string("metal backend: ") + what + " has no host contents (encode-only)");
 }
@@ -110,7 +130,7 @@ void register_gpu_graph(nb::module_& g) {
     nb::class_<PyGpuEngine>(g, "GpuEngine")
         .def("__init__",
              [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
-                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep) {
+                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill) {
                  Config c = parse_config(config);
                  WeightTable w = parse_table(mappings, tensors);
                  GpuOptions o;
@@ -126,6 +146,24 @@ void register_gpu_graph(nb::module_& g) {
                      else if (key == "kv_block") o.kv_block = nb::cast<uint32_t>(v);
                      else throw std::invalid_argument("unknown attention policy key '" + key + "'");
                  }
+                 for (auto [k, v] : prefill) {
+                     const std::string key = nb::cast<std::string>(k);
+                     if (key == "chunk") o.prefill_chunk = nb::cast<uint32_t>(v);
+                     else if (key == "gemm_route") {
+                         const std::string r = nb::cast<std::string>(v);
+                         o.gemm_route_auto = r == "auto";
+                         if (r == "tensor") o.gemm_route = ops::GemmRoute::Tensor;
+                         else if (r == "simdgroup") o.gemm_route = ops::GemmRoute::Simdgroup;
+                         else if (r != "auto")
+                             throw std::invalid_argument("gemm_route must be 'auto', 'simdgroup' or 'tensor', got '" + r + "'");
+                     } else if (key == "gdn_route") {
+                         const std::string r = nb::cast<std::string>(v);
+                         if (r == "auto") o.gdn_route = ops::GdnRoute::Auto;
+                         else if (r == "scan") o.gdn_route = ops::GdnRoute::Scan;
+                         else if (r == "chunked") o.gdn_route = ops::GdnRoute::Chunked;
+                         else throw std::invalid_argument("gdn_route must be 'auto', 'scan' or 'chunked', got '" + r + "'");
+                     } else throw std::invalid_argument("unknown prefill option '" + key + "'");
+                 }
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
@@ -134,7 +172,8 @@ void register_gpu_graph(nb::module_& g) {
                  }
                  self->keepalive = keep;
              },
-             "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a)
+             "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a,
+             "prefill"_a = nb::dict())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits, nb::handle consumed) {
@@ -177,14 +216,21 @@ void register_gpu_graph(nb::module_& g) {
                 nb::gil_scoped_release r;
                 c = e.engine->encode_cost(s);
             }
-            nb::dict d;
-            d["dispatches"] = c.dispatches;
-            d["levels"] = c.levels;
-            d["command_buffers"] = c.command_buffers;
-            d["bytes_read"] = c.bytes_read;
-            d["bytes_written"] = c.bytes_written;
-            return d;
+            return cost_dict(c);
         }, "state"_a)
+        .def("prefill_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows) {
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->prefill_cost(s, rows);
+            }
+            return cost_dict(c);
+        }, "state"_a, "rows"_a)
+        .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
+        .def_prop_ro("logits_rows", [](PyGpuEngine& e) { return e.engine->logits_rows(); })
+        .def_prop_ro("gemm_route", [](PyGpuEngine& e) {
+            return std::string(e.engine->gemm_route() == ops::GemmRoute::Tensor ? "tensor" : "simdgroup");
+        })
         .def_prop_ro("device", [](PyGpuEngine& e) { return e.model->device_ptr(); })
         .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })
         .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); });

@@ -16,14 +16,19 @@ void Encoder::dispatch(const std::string& kernel, Dims groups, Dims threads, con
         mine.push_back(r);
     }
     if (conflict) barrier();
-    if (stats_.levels == 0) stats_.levels = 1;
+    if (stats_.levels == 0) {
+        stats_.levels = 1;
+        per_level_.emplace_back();
+    }
     cb_.dispatch(kernel, groups, threads, args, tg_memory);
     level_.insert(level_.end(), mine.begin(), mine.end());
     ++stats_.dispatches;
     stats_.flops += flops;
+    per_level_.back().flops += flops;
     for (const Arg& a : args) {
         stats_.bytes_read += a.read;
         stats_.bytes_written += a.written;
+        per_level_.back().bytes += a.read + a.written;
     }
 }
 
@@ -32,6 +37,7 @@ void Encoder::barrier() {
     cb_.barrier();
     level_.clear();
     ++stats_.levels;
+    per_level_.emplace_back();
 }
 
 }  // namespace qwenmetal::gpu

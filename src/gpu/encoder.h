@@ -22,6 +22,11 @@ struct EncodeStats {
     uint64_t flops = 0;           // declared arithmetic (multiply-add = 2), summed over dispatches
 };
 
+// What one dependency level moves and computes (summed over its dispatches).
+struct LevelStats {
+    uint64_t bytes = 0, flops = 0;
+};
+
 class Encoder {
   public:
     Encoder(Device& dev, CommandBuffer& cb) : dev_(dev), cb_(cb) {}
@@ -35,6 +40,7 @@ class Encoder {
     // an explicit barrier (a host op that knows better than the declarations; rarely needed)
     void barrier();
     const EncodeStats& stats() const { return stats_; }
+    const std::vector<LevelStats>& level_stats() const { return per_level_; }
 
   private:
     struct Range {
@@ -45,6 +51,7 @@ class Encoder {
     CommandBuffer& cb_;
     std::vector<Range> level_;
     EncodeStats stats_;
+    std::vector<LevelStats> per_level_;
 };
 
 // Grid helpers for host op functions.

@@ -17,6 +17,24 @@
 //
 // Dependency levels per token: GDN layer 7 (in-proj, conv, step, out-proj, router, gate/up, down),
 // attention layer 8 or 9 (prepare, attention in 1 or 2 passes); embed, lm_head and argmax 4.
+//
+// The prefill graph (GpuEngine::forward): a chunk of M tokens at positions p0.. as one command buffer,
+// the same blocks over [M, ...] rows (chunk scratch, struct Chunk), nothing read back inside it:
+//
+//   x  = embed(ids)                                the host wrote the chunk's ids into ch.ids first
+//   for each layer:
+//       xn   = rmsnorm(x)                          rows
+//       proj = gemm(xn, W_in)                      stacked parts: one GEMM each into its columns
+//       mix  = attn_prepare + attention_prefill    (K/V rows written once; causal over cache + chunk)
+//            | gdn_conv + gdn_prefill              (GDN states: read the current half, write the other)
+//       x   += gemm(mix, W_out)                    the residual add fused
+//       xn = rmsnorm(x); router = gemm(xn, W_r)    f32 logits rounded to T
+//       x   += moe(xn)                             top-k rows, counting sort, grouped GEMMs, combine
+//            | gemm(gemm(xn, [gate|up], swiglu), down, residual)      (dense layers)
+//   logits = lm_head rmsnorm(x[M-1]) (want 1) | lm_head rmsnorm(x) (want 2, every row)
+//
+// The host waits once per chunk, then flips the GDN halves (GpuState::commit_step(M)), polls for an
+// interrupt and writes the next chunk's ids.
 #include <algorithm>
 #include <cstring>
 
@@ -84,8 +102,13 @@ struct GpuEngine::Scratch {
     Buffer sample;         // f32/u32            argmax / sampler scratch
 };
 
-GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m) : m_(std::move(m)), sc_(std::make_unique<Scratch>()) {
+GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
+    : m_(std::move(m)), sc_(std::make_unique<Scratch>()), ch_(std::make_unique<Chunk>()) {
     const Config& c = m_->config();
+    const GpuOptions& o = m_->options();
+    if (o.prefill_chunk < 1) throw std::invalid_argument("metal backend: prefill_chunk must be >= 1");
+    chunk_ = o.prefill_chunk;
+    gemm_route_ = o.gemm_route_auto ? ops::gemm_route(m_->device().info()) : o.gemm_route;
     Device& d = m_->device();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t);
@@ -186,6 +209,152 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
     }
 }
 
+// ---------------------------------------------------------------------------------------------- prefill
+namespace {
+ops::MoeBlock moe_block(const Config& c, const GpuLayer& L) {
+    ops::MoeBlock b;
+    b.router = &L.router.parts;
+    b.gate = &L.gate;
+    b.up = &L.up;
+    b.down = &L.down;
+    b.shared_gate_up = L.has_shared ? &L.shared_gate_up : nullptr;
+    b.shared_down = L.has_shared ? &L.shared_down : nullptr;
+    b.k = uint32_t(c.top_k);
+    b.norm = c.norm_topk;
+    return b;
+}
+}  // namespace
+
+// One buffer per logical tensor of a prefill chunk of C rows (C: the largest chunk run so far; grown
+// lazily, bounded by the chunk size). Row-major, one row per token of the chunk.
+struct GpuEngine::Chunk {
+    uint32_t rows = 0;        // C
+    bool all_logits = false;  // logits sized for every row
+    Buffer ids;               // u32 [C]                    the chunk's token ids (written by the host)
+    Buffer x;                 // T [C, H]                   residual stream
+    Buffer xn;                // T [C, H]                   normalised rows (input of a projection)
+    Buffer proj;              // T [C, max in rows]         stacked in-projection rows of the layer
+    Buffer conv_act;          // T [C, conv_dim]            GDN q | k | v after the conv and SiLU
+    Buffer gdn;               // gdn_prefill_scratch_bytes(C) the chunked GDN form's per-chunk tensors
+    Buffer q;                 // T [C, nh * hd]             attention queries after norm + RoPE
+    Buffer mix;               // T [C, max(value_dim, nh * hd)]  block output before the out projection
+    ops::MoeScratch moe;      // the MoE block's (ops::moe_prefill_scratch: router logits [C, E + 1], top-k,
+                              // sorted slots, tile map, expert rows [C * k, ...], shared expert rows)
+    Buffer mlp_act;           // T [C, I]                   dense-MLP SwiGLU rows
+    Buffer logits;            // f32 [C, V] (want 2; else [1, V] is the decode scratch's)
+};
+
+namespace {
+// A want-2 chunk holds the logits of all its rows: at most this many bytes of them.
+constexpr uint64_t kLogitsBytes = uint64_t(256) << 20;
+}  // namespace
+
+uint32_t GpuEngine::logits_rows() const {
+    const uint64_t V = uint64_t(m_->config().vocab);
+    return uint32_t(std::max<uint64_t>(1, std::min<uint64_t>(chunk_, kLogitsBytes / (V * 4))));
+}
+
+void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
+    Chunk& k = *ch_;
+    if (rows <= k.rows && (!all_logits || k.all_logits)) return;
+    const Config& c = m_->config();
+    Device& d = m_->device();
+    const uint64_t es = act_size(m_->options().act), C = std::max(rows, k.rows);
+    uint32_t in_rows = 0, dense = 0;
+    const GpuLayer* moe = nullptr;                     // every MoE layer has the config's shapes: one scratch
+    for (const GpuLayer& L : m_->layers) {
+        in_rows = std::max(in_rows, L.attention ? L.attn_in.rows : L.gdn_in.rows);
+        if (!L.moe) dense = std::max(dense, L.mlp_down.cols);
+        else if (!moe) moe = &L;
+    }
+    const uint64_t H = uint64_t(c.hidden), nhd = uint64_t(c.n_heads) * c.head_dim;
+    auto alloc = [&](uint64_t bytes, const char* label) { return d.alloc(std::max<uint64_t>(bytes, 16), label); };
+    Chunk n;                                           // everything allocated before anything changes
+    n.rows = uint32_t(C);
+    n.all_logits = all_logits || k.all_logits;
+    n.ids = alloc(C * 4, "prefill.ids");
+    n.x = alloc(C * H * es, "prefill.x");
+    n.xn = alloc(C * H * es, "prefill.xn");
+    n.proj = alloc(C * in_rows * es, "prefill.proj");
+    n.conv_act = alloc(C * uint64_t(std::max<int64_t>(c.conv_dim(), 0)) * es, "prefill.conv_act");
+    n.gdn = alloc(c.conv_dim() > 0 ? ops::gdn_prefill_scratch_bytes(gdn_shape(c), uint32_t(C)) : 0, "prefill.gdn");
+    n.q = alloc(C * nhd * es, "prefill.q");
+    n.mix = alloc(C * std::max<uint64_t>(uint64_t(std::max<int64_t>(c.value_dim(), 0)), nhd) * es, "prefill.mix");
+    if (moe) n.moe = ops::moe_prefill_scratch(d, m_->options().act, moe_block(c, *moe), uint32_t(C));
+    n.mlp_act = alloc(C * dense * es, "prefill.mlp_act");
+    n.logits = n.all_logits ? alloc(C * uint64_t(c.vocab) * 4, "prefill.logits") : Buffer();
+    k = std::move(n);
+}
+
+// One layer over the chunk's rows (positions p0 .. p0 + rows - 1): the decode graph's blocks with every
+// GEMV a GEMM over the rows and the recurrences / attention over the chunk.
+void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p0, uint32_t rows) {
+    const Config& c = m_->config();
+    const GpuLayer& L = m_->layers[li];
+    const Act t = m_->options().act;
+    const uint64_t es = act_size(t);
+    const uint32_t H = uint32_t(c.hidden);
+    const ops::GemmRoute gr = gemm_route_;
+    Chunk& ch = *ch_;
+    ops::GemmFusion res;
+    res.residual = &ch.x;
+    // proj[:, :sp.rows] = xn sp^T: one GEMM per part into its column range of proj's rows
+    auto stacked = [&](const Stacked& sp) {
+        uint64_t col = 0;
+        for (const Matrix& m : sp.parts) {
+            ops::gemm(e, t, m, ch.xn, ch.proj.view(col * es), rows, false, H, sp.rows, ops::GemmFusion(), gr);
+            col += m.rows;
+        }
+    };
+
+    ops::rmsnorm(e, t, ch.x, L.input_norm, ch.xn, rows, H, c.eps);                        // xn = rmsnorm(x)
+    if (L.attention) {
+        // ---- gated full attention ----
+        const ops::AttnShape as = attn_shape(c);
+        const ops::KVCache& kv = st.kv[L.state_index];
+        stacked(L.attn_in);                                                                // proj = [q+gate | k | v]
+        ops::attn_prepare(e, t, as, ch.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, ch.q, rows, L.attn_in.rows);
+        ops::attention_prefill(e, t, as, ch.q, ch.proj, L.attn_in.rows, kv, uint32_t(p0), rows, ch.mix);
+        ops::gemm(e, t, L.o_proj, ch.mix, ch.x, rows, false, 0, 0, res, gr);               // x += o_proj(mix)
+    } else {
+        // ---- Gated DeltaNet ----
+        const ops::GdnShape gs = gdn_shape(c);
+        const size_t gi = L.state_index;
+        stacked(L.gdn_in);                                                                 // proj = [qkv | z | b | a]
+        ops::gdn_conv(e, t, gs, ch.proj, L.conv_w, st.conv_in(gi), st.conv_next(gi), ch.conv_act, rows,
+                      L.gdn_in.rows);                                                      // window: cur -> next half
+        ops::gdn_prefill(e, t, gs, ch.conv_act, ch.proj, L.gdn_in.rows, L.A_log, L.dt_bias, L.gdn_norm, c.eps,
+                         st.ssm_in(gi), st.ssm_next(gi), ch.mix, rows, ch.gdn, m_->options().gdn_route);
+        ops::gemm(e, t, L.out_proj, ch.mix, ch.x, rows, false, 0, 0, res, gr);             // x += out_proj(mix)
+    }
+
+    ops::rmsnorm(e, t, ch.x, L.post_norm, ch.xn, rows, H, c.eps);                         // xn = rmsnorm(x)
+    if (L.moe) {
+        ops::moe_prefill(e, t, moe_block(c, L), ch.xn, ch.x, rows, ch.moe, gr);            // x += moe(xn)
+    } else {
+        ops::GemmFusion sw;
+        sw.swiglu = true;
+        ops::gemm(e, t, L.mlp_gate_up, ch.xn, ch.mlp_act, rows, false, 0, 0, sw, gr);       // act = swiglu(xn)
+        ops::gemm(e, t, L.mlp_down, ch.mlp_act, ch.x, rows, false, 0, 0, res, gr);          // x += down(act)
+    }
+}
+
+void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    const uint64_t es = act_size(t), H = uint64_t(c.hidden);
+    Chunk& ch = *ch_;
+    ops::embed(e, t, m_->embed, ch.ids.view(0, uint64_t(rows) * 4), rows, ch.x);          // x = embed(ids)
+    for (size_t li = 0; li < m_->layers.size(); ++li) encode_layer_rows(e, st, li, p0, rows);
+    if (want == 1)                                                                         // the last row only
+        ops::qmv(e, t, m_->lm_head, ch.x.view((rows - 1) * H * es, H * es), sc_->logits, 1, true, 0, 0,
+                 normed(m_->final_norm, c.eps));
+    else if (want == 2) {                                                                  // every row
+        ops::rmsnorm(e, t, ch.x, m_->final_norm, ch.xn, rows, uint32_t(H), c.eps);
+        ops::gemm(e, t, m_->lm_head, ch.xn, ch.logits, rows, true, 0, 0, ops::GemmFusion(), gemm_route_);
+    }
+}
+
 void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
@@ -195,25 +364,30 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot run forward()");
+    const int64_t C = want == 2 ? logits_rows() : chunk_;
     st.reserve(st.position + n);                       // KV growth first (strong guarantee)
-    const GpuState::Saved saved = n > 1 ? st.save() : GpuState::Saved{};
+    ensure_chunk(uint32_t(std::min<int64_t>(C, n)), want == 2);
+    // one chunk needs no copy: the GDN halves are flipped only once its command buffer succeeded
+    const bool multi = n > C;
+    const GpuState::Saved saved = multi ? st.save() : GpuState::Saved{};
     try {
-        for (int64_t i = 0; i < n; ++i) {
-            if (poll && i > 0) poll();                 // between tokens: nothing in flight
-            uint32_t tok = uint32_t(ids[i]);
-            std::memcpy(sc_->tokens.data(), &tok, 4);
+        for (int64_t i0 = 0; i0 < n; i0 += C) {
+            if (poll && i0 > 0) poll();                // between chunks: nothing in flight
+            const uint32_t M = uint32_t(std::min<int64_t>(C, n - i0));
+            uint32_t* dst = ch_->ids.as<uint32_t>();
+            for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
+            const bool last = i0 + M == n;
             auto cb = d.command_buffer();
             Encoder e(d, *cb);
-            encode_step(e, st, st.position, 0, 1, nullptr);
+            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0));
             cb->commit();
             cb->wait();
-            st.commit_step();
-            const bool keep = want == 2 || (want == 1 && i == n - 1);
-            if (keep)
-                std::memcpy(logits + (want == 2 ? i * c.vocab : 0), sc_->logits.data(), size_t(c.vocab) * 4);
+            st.commit_step(M);                         // the chunk's written halves become current
+            if (want == 2) std::memcpy(logits + i0 * c.vocab, ch_->logits.data(), size_t(M) * c.vocab * 4);
+            else if (want == 1 && last) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
         }
     } catch (...) {
-        if (n > 1) st.restore(saved);                  // one token: the ping-pong halves were not flipped
+        if (multi) st.restore(saved);
         throw;
     }
 }
@@ -284,6 +458,21 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
     return out;
 }
 
+namespace {
+StepCost cost_of(const Encoder& e, const Counters& k) {
+    StepCost r;
+    r.dispatches = e.stats().dispatches;
+    r.levels = e.stats().levels;
+    r.bytes_read = e.stats().bytes_read;
+    r.bytes_written = e.stats().bytes_written;
+    r.flops = e.stats().flops;
+    r.command_buffers = k.command_buffers;
+    r.host_waits = k.host_waits;
+    r.per_level = e.level_stats();
+    return r;
+}
+}  // namespace
+
 StepCost GpuEngine::encode_cost(GpuState& st) {
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
@@ -294,14 +483,23 @@ StepCost GpuEngine::encode_cost(GpuState& st) {
     encode_step(e, st, st.position, 0, 1, &greedy);
     cb->commit();
     cb->wait();
-    const Counters k = d.counters();
-    StepCost r;
-    r.dispatches = e.stats().dispatches;
-    r.levels = e.stats().levels;
-    r.bytes_read = e.stats().bytes_read;
-    r.bytes_written = e.stats().bytes_written;
-    r.command_buffers = k.command_buffers;
-    return r;
+    return cost_of(e, d.counters());
+}
+
+StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows) {
+    if (rows < 1) throw std::invalid_argument("prefill_cost: rows must be >= 1");
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    st.reserve(st.position + rows);
+    ensure_chunk(rows, false);
+    d.reset_counters();
+    auto cb = d.command_buffer();
+    Encoder e(d, *cb);
+    encode_chunk(e, st, st.position, rows, 1);
+    cb->commit();
+    cb->wait();
+    st.commit_step(rows);
+    return cost_of(e, d.counters());
 }
 
 }  // namespace qwenmetal::gpu

@@ -21,7 +21,9 @@
 #include "gpu/device.h"
 #include "gpu/encoder.h"
 #include "gpu/ops/attention.h"
+#include "gpu/ops/gemm.h"
 #include "gpu/ops/gdn.h"
+#include "gpu/ops/moe.h"
 #include "gpu/ops/quant.h"
 #include "gpu/ops/sample.h"
 
@@ -32,6 +34,13 @@ struct GpuOptions {
     bool kv_f32 = false;              // KV cache element type
     ops::AttnPolicy attn;             // decode attention routes
     uint32_t kv_block = 256;          // KV capacity grows in multiples of this
+    // prefill: rows per chunk (one command buffer each; scratch is sized for it). The default is the
+    // modelled-cost optimum on the real config (docs/metal.md, "The prefill graph")
+    uint32_t prefill_chunk = kDefaultPrefillChunk;
+    bool gemm_route_auto = true;                       // the GEMM route of the device (ops::gemm_route)
+    ops::GemmRoute gemm_route = ops::GemmRoute::Simdgroup;   // ... or this one when not auto
+    ops::GdnRoute gdn_route = ops::GdnRoute::Auto;     // GDN prefill: by length from the cost model, or forced
+    static constexpr uint32_t kDefaultPrefillChunk = 4096;
 };
 
 // A projection whose output rows are the concatenation of several checkpoint tensors (GDN
@@ -124,7 +133,8 @@ class GpuState {
     const Buffer& conv_next(size_t i) const { return conv[2 * i + 1 - cur]; }
     const Buffer& ssm_in(size_t i) const { return ssm[2 * i + cur]; }
     const Buffer& ssm_next(size_t i) const { return ssm[2 * i + 1 - cur]; }
-    void commit_step() { ++position; cur ^= 1u; }
+    // a decode step (1 token) or a prefill chunk (`rows` tokens) is now the state
+    void commit_step(uint32_t rows = 1) { position += rows; cur ^= 1u; }
 
     // backup / restore of the recurrent parts (the KV rows a failed call wrote are past `position`)
     struct Saved {
@@ -143,10 +153,12 @@ class GpuState {
     uint64_t kv_head_row_bytes_ = 0;
 };
 
-// What a decode step of the graph costs as encoded (encode-only or executed).
+// What a decode step or a prefill chunk of the graph costs as encoded (encode-only or executed);
+// per_level: the bytes and flops of each dependency level (the prefill costing's roofline).
 struct StepCost {
-    uint64_t dispatches = 0, levels = 0, command_buffers = 0;
-    uint64_t bytes_read = 0, bytes_written = 0;
+    uint64_t dispatches = 0, levels = 0, command_buffers = 0, host_waits = 0;
+    uint64_t bytes_read = 0, bytes_written = 0, flops = 0;
+    std::vector<LevelStats> per_level;
 };
 
 struct SamplingConfig {
@@ -162,11 +174,15 @@ class GpuEngine {
     const GpuModel& model() const { return *m_; }
     std::unique_ptr<GpuState> new_state() const { return std::make_unique<GpuState>(*m_); }
 
-    // Run `ids` (host token ids) through the decode graph one token at a time (prefill through the
-    // decode graph); logits of the last token (want 1), of every token (want 2) or none (0).
+    // Prefill `ids` (host token ids) in chunks of prefill_chunk rows, one command buffer per chunk with
+    // no host read-back inside it; logits of the last token (want 1), of every token (want 2: chunks
+    // of at most logits_rows() rows, so the logits scratch stays bounded) or none (0).
     // All-or-nothing: on an error the state is restored. `poll` (core/interrupt.h) is called between
-    // tokens; when it throws, the state is restored and the exception rethrown.
+    // chunks; when it throws, the state is restored and the exception rethrown.
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
+    uint32_t prefill_chunk() const { return chunk_; }
+    uint32_t logits_rows() const;                 // rows of a want-2 chunk
+    ops::GemmRoute gemm_route() const { return gemm_route_; }
 
     // Pipelined decode: `first` is the next input token; generates up to `n` tokens sampled on the
     // GPU (argmax or the GPU sampler), one command buffer per token with the next one committed
@@ -179,15 +195,25 @@ class GpuEngine {
 
     // Encode (without waiting) one decode step at s.position on a fresh command buffer; what it cost.
     StepCost encode_cost(GpuState& s);
+    // Encode, commit and wait one prefill chunk of `rows` tokens at s.position (logits of the last row),
+    // then advance the state: what it cost. For encode-only costing (token ids are not written: 0s).
+    StepCost prefill_cost(GpuState& s, uint32_t rows);
 
   private:
     struct Scratch;
+    struct Chunk;
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc);
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    void ensure_chunk(uint32_t rows, bool all_logits);
+    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want);
+    void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;
     std::unique_ptr<Scratch> sc_;
+    std::unique_ptr<Chunk> ch_;
+    uint32_t chunk_ = 0;
+    ops::GemmRoute gemm_route_ = ops::GemmRoute::Simdgroup;
     std::mutex mu_;
 };
 

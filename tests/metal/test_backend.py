@@ -2,7 +2,7 @@
 simulator, against the numpy reference and the CPU backend. Simulator-verified, hardware-unverified.
 
 * float build (dtype="float32", float KV) on every fixture format of both architectures: logits of the
-  prompt (token by token through the decode graph) and of 64 greedy decode steps within 1e-4 of the logit
+  prompt (the chunked prefill graph, tests/metal/test_prefill.py) and of 64 greedy decode steps within 1e-4 of the logit
   range of the reference, identical greedy tokens;
 * bfloat build against the reference's bfloat16 mode: teacher-forced top-1 agreement >= 95 % over 64
   positions (the max logit error is printed);
@@ -193,8 +193,9 @@ def test_generate_takes_the_pipelined_gpu_path(sim_model):
     gpu, host = runs[False], runs[True]
     assert gpu[0] == host[0] and gpu[1] == host[1] and gpu[2] == host[2]
     assert gpu[2] == len(PROMPT) + 39              # the last token is sampled, not consumed
-    # GPU path: one command buffer per prompt token and per decoded token, read back 4 bytes at a time
-    assert gpu[3]["command_buffers"] == len(PROMPT) + 39
+    # GPU path: one command buffer for the prompt (one prefill chunk) and one per decoded token, read back
+    # 4 bytes at a time
+    assert gpu[3]["command_buffers"] == 1 + 39
     seeded = [[o.token for o in m.generate(PROMPT, max_tokens=12, temperature=1.2, top_p=0.9, seed=5, cache=False)]
               for _ in range(2)]
     assert seeded[0] == seeded[1]

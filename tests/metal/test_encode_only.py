@@ -2,7 +2,9 @@
 simulator device over a virtual weights table (qwenmetal.metal_backend.encode_only_cost, and
 `qwenmetal bench --backend metal-sim --encode-only --json`). The counts are properties of the graph and
 the host functions, not timings, so the issue's targets are asserted here: bytes per token <= 1.05x the
-floor, <= 300 dependency levels, one command buffer per token, host waits only to read each token.
+floor, <= 300 dependency levels, one command buffer per token, host waits only to read each token; and
+of the chunked prefill: one command buffer and one host wait per chunk, per-chunk dispatch and level counts
+that do not grow with the chunk's rows, within bounds.
 """
 import json
 
@@ -10,8 +12,12 @@ import pytest
 
 from qwenmetal import bench, cli
 from qwenmetal.config import ModelConfig
-from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, encode_only_cost
+from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_only_prefill_cost
 
+# per prefill chunk of the real config (40 layers): bounds on the graph's size (measured: 622 levels, 702
+# dispatches with the chunked GDN form; 562 / 642 with the scan of short chunks)
+PREFILL_LEVELS_MAX = 16 * 40
+PREFILL_DISPATCHES_MAX = 18 * 40
 KEYS = ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token", "floor_bytes", "bytes_vs_floor",
         "modelled_tok_s")
 
@@ -58,3 +64,34 @@ def bench_args(**kw):
     for k, v in kw.items():
         setattr(a, k, v)
     return a
+
+
+# ---- prefill (metal_backend.encode_only_prefill_cost) ---------------------------------------------------
+def test_prefill_counts_per_chunk(real):
+    """The real config's prefill of 2.5 chunks: one command buffer and one host wait per chunk, the same
+    dispatches and levels for every chunk whatever its rows (no per-token loop), within the bounds."""
+    r = encode_only_prefill_cost(real, (640,), chunk=256)
+    p = r["prompts"]["640"]
+    for route in ("simdgroup", "tensor"):
+        chunks = p["routes"][route]["chunks"]
+        assert [c["rows"] for c in chunks] == [256, 256, 128]
+        for c in chunks:
+            assert c["command_buffers"] == 1 and c["host_waits"] == 1
+            assert c["dispatches"] == chunks[0]["dispatches"] and c["levels"] == chunks[0]["levels"]
+            assert c["levels"] <= PREFILL_LEVELS_MAX and c["dispatches"] <= PREFILL_DISPATCHES_MAX, c
+            assert c["flops"] > 0
+        assert p["routes"][route]["command_buffers"] == 3
+    assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
+
+
+def test_bench_cli_prefill_json(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert cli.main(["bench", "--backend", "metal-sim", "--encode-only", "--prefill", "4096", "--prefill-chunk",
+                     "2048", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "MODELLED, not measured" in text and "Lily 5724" in text and "MLX 0.32.2 5166" in text
+    pf = json.loads(out.read_text())["prefill"]
+    p = pf["prompts"]["4096"]
+    assert pf["chunk"] == 2048 and p["routes"]["tensor"]["command_buffers"] == 2
+    assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
+    assert p["m5_max_vs"]["MLX 0.32.2"] == pytest.approx(p["modelled_tok_s"]["M5 Max"] / 5165.7)

@@ -46,23 +46,32 @@ def ref_conv(qkv, conv_w, conv_state, bf16: bool):
     return act, new_state
 
 
-def ref_step(shape, act, z, b, a, A_log, dt_bias, norm_w, eps, state, bf16: bool):
-    """(y [nv*dv], new state [nv, dv, dk]) from the reference's q/k normalisation, gates, gdn_recurrent and
-    gated_rms_norm (bf16: the reference's bfloat16-mode rounding points, as gated_deltanet applies them)."""
+def ref_rows(shape, act, z, b, a, A_log, dt_bias, norm_w, eps, state, bf16: bool):
+    """(y [M, nv*dv], new state [nv, dv, dk]) for M consecutive rows from the reference's q/k normalisation,
+    gates, gdn_recurrent and gated_rms_norm (bf16: the reference's bfloat16-mode rounding points, as
+    gated_deltanet applies them). act [M, conv_dim], z [M, nv*dv], b, a [M, nv]."""
     nk, nv, dk, dv = shape.nk, shape.nv, shape.dk, shape.dv
     kd = nk * dk
     act = f32(act)
-    q, k = R._normalize_qk(act[:kd].reshape(1, nk, dk), act[kd:2 * kd].reshape(1, nk, dk), bf16)
-    v = act[2 * kd:2 * kd + nv * dv].reshape(1, nv, dv)
-    beta = R.sigmoid(f32(b))[None]
+    M = act.shape[0]
+    q, k = R._normalize_qk(act[:, :kd].reshape(M, nk, dk), act[:, kd:2 * kd].reshape(M, nk, dk), bf16)
+    v = act[:, 2 * kd:2 * kd + nv * dv].reshape(M, nv, dv)
+    beta = R.sigmoid(f32(b))
     if bf16:
         beta = R.to_bf16(beta)
-    g_log = (-np.exp(f32(A_log)) * R.softplus(f32(a) + f32(dt_bias)))[None]
+    g_log = -np.exp(f32(A_log)) * R.softplus(f32(a) + f32(dt_bias))
     o, new_state = R.gdn_recurrent(q, k, v, beta, g_log, f32(state))
     if bf16:
         o = R.to_bf16(o)
-    y = R.gated_rms_norm(o[0], f32(z).reshape(nv, dv), f32(norm_w), eps, bf16=bf16).ravel()
+    y = R.gated_rms_norm(o, f32(z).reshape(M, nv, dv), f32(norm_w), eps, bf16=bf16).reshape(M, nv * dv)
     return y, new_state
+
+
+def ref_step(shape, act, z, b, a, A_log, dt_bias, norm_w, eps, state, bf16: bool):
+    """One token of ref_rows: (y [nv*dv], new state)."""
+    y, new_state = ref_rows(shape, f32(act)[None], f32(z)[None], f32(b)[None], f32(a)[None], A_log, dt_bias,
+                            norm_w, eps, state, bf16)
+    return y[0], new_state
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,3 +292,306 @@ def test_argument_checks():
         x = buf(np.zeros(C, F32))
         with pytest.raises(ValueError, match="float32"):
             ops.gdn_conv(enc, "f16", shape, x, buf(np.zeros(4 * C, F32)), buf(np.zeros(3 * C, F32)), x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill: gdn_conv over rows, gdn_prefill (scan and chunked routes)
+# ---------------------------------------------------------------------------------------------------------
+BLOCKS = [1, 2, 3, 7, 8, 16, 31, 32, 64]
+
+
+class Chunk:
+    """M rows of a prefill chunk for L's shape: act [M, conv_dim] (the conv output: silu of normal values),
+    proj [M, proj_stride] the stacked projection rows [qkv | z | b | a | pad] (dtype T)."""
+
+    def __init__(self, L: Layer, M: int, extra: int = 3):
+        s, rng, T = L.shape, L.rng, L.T
+        C, V, nv = s.conv_dim, s.value_dim, s.nv
+        self.M, self.stride = M, C + V + 2 * nv + extra
+        self.act = R.silu(rng.normal(size=(M, C)).astype(F32)).astype(T)
+        proj = rng.normal(size=(M, self.stride)).astype(F32)
+        proj[:, C + V:C + V + nv] *= 2.0                                         # b: beta over its range
+        proj[:, C + V + nv:C + V + 2 * nv] *= L.a_scale
+        self.proj = proj.astype(T)
+
+    def rows(self, lo, hi, L: Layer):
+        s = L.shape
+        C, V, nv = s.conv_dim, s.value_dim, s.nv
+        p = self.proj[lo:hi]
+        return (self.act[lo:hi], p[:, C:C + V], p[:, C + V:C + V + nv], p[:, C + V + nv:C + V + 2 * nv])
+
+
+def run_prefill(L: Layer, ch: Chunk, route: str, block: int = 0, schedule: str = "forward", splits=None,
+                pingpong: bool = False):
+    """gdn_prefill over ch's rows (in one call, or one call per [lo, hi) of `splits`, in one command buffer);
+    returns (y [M, value_dim] as float, the state after the last row). L's state is not modified."""
+    s, T = L.shape, L.T
+    M = ch.M
+    splits = splits or [(0, M)]
+    y = padded(np.zeros(M * s.value_dim), T)
+    st = L.state.copy()
+    st2 = L.state.copy()
+    scratch = np.zeros(ops.gdn_prefill_scratch_bytes(s, M) // 4 + PAD, F32)
+    scratch[-PAD:] = np.nan
+    es = np.dtype(T).itemsize
+    with run(schedule) as (dev, enc, buf):
+        A, dtb, nw, act_b, proj_b, yb, sb = (buf(L.A_log), buf(L.dt_bias), buf(L.norm_w), buf(ch.act),
+                                             buf(ch.proj), buf(y), buf(scratch))
+        cur, nxt = buf(st), buf(st2)
+        for lo, hi in splits:
+            ops.gdn_prefill(enc, L.dtype, s, act_b.view(lo * s.conv_dim * es, (hi - lo) * s.conv_dim * es),
+                            proj_b.view(lo * ch.stride * es, (hi - lo) * ch.stride * es), ch.stride, A, dtb, nw,
+                            EPS, cur, yb.view(lo * s.value_dim * es, (hi - lo) * s.value_dim * es), hi - lo, sb,
+                            route=route, block=block, state_out=nxt if pingpong else None)
+            if pingpong:
+                cur, nxt = nxt, cur
+                st, st2 = st2, st
+    assert untouched_tail(y), "write past the end of y"
+    assert untouched_tail(st) and untouched_tail(scratch), "write past the end of the state / scratch"
+    n = s.nv * s.dv * s.dk
+    return f32(y[:M * s.value_dim]).reshape(M, s.value_dim), st[:n].reshape(s.nv, s.dv, s.dk).copy()
+
+
+def ref_prefill(L: Layer, ch: Chunk):
+    return ref_rows(L.shape, *ch.rows(0, ch.M, L), L.A_log, L.dt_bias, L.norm_w, EPS, state_view(L),
+                    L.dtype == "bf16")
+
+
+def check_close(y, S, y_ref, S_ref, tol_y, tol_s, what):
+    e_y, e_s = rel_err(y, y_ref), rel_err(S, S_ref)
+    assert e_y < tol_y, f"{what}: y rel err {e_y:.3g}"
+    assert e_s < tol_s, f"{what}: state rel err {e_s:.3g}"
+
+
+DIMS8 = st.sampled_from([8, 16, 24, 32, 40, 64])
+
+
+@st.composite
+def shapes8(draw):
+    """shapes the chunked kernel supports (dk, dv multiples of 8), non-powers of two included"""
+    nk = draw(st.sampled_from([1, 2]))
+    return ops.GdnShape(nk=nk, nv=nk * draw(st.sampled_from([1, 2, 3])), dk=draw(DIMS8), dv=draw(DIMS8),
+                        conv_kernel=4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(shape=shapes8(), M=st.integers(1, 40), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**31 - 1),
+       pingpong=st.booleans())
+def test_prefill_routes_f32(schedule, shape, M, block, seed, pingpong):
+    """f32: both routes against the reference recurrence (1e-5), and the chunked form against the scan (1e-5),
+    any block size and M (not divisible by the block), in place or ping-pong."""
+    L = Layer(shape, "f32", seed)
+    ch = Chunk(L, M)
+    y_ref, S_ref = ref_prefill(L, ch)
+    y_s, S_s = run_prefill(L, ch, "scan", schedule=schedule, pingpong=pingpong)
+    y_c, S_c = run_prefill(L, ch, "chunked", block, schedule=schedule, pingpong=pingpong)
+    check_close(y_s, S_s, y_ref, S_ref, 1e-5, 1e-5, "scan vs reference")
+    check_close(y_c, S_c, y_ref, S_ref, 1e-5, 1e-5, f"chunked (block {block}) vs reference")
+    check_close(y_c, S_c, y_s, S_s, 1e-5, 1e-5, f"chunked (block {block}) vs scan")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_chunked_block_sweep(block):
+    """Every block size of the sweep over 67 rows (no block divides it) with strong and weak decay heads and
+    beta near 0 and 1 (the log-space mask: Gamma underflows to 0 inside long blocks): chunked == scan to 1e-5."""
+    shape = ops.GdnShape(nk=2, nv=4, dk=16, dv=32, conv_kernel=4)
+    L = Layer(shape, "f32", 100 + block)
+    L.A_log[:] = np.array([2.0, 0.5, -1.0, -4.0], F32)
+    L.dt_bias[:] = np.array([3.0, 0.0, -2.0, -30.0], F32)
+    ch = Chunk(L, 67)
+    y_s, S_s = run_prefill(L, ch, "scan")
+    y_c, S_c = run_prefill(L, ch, "chunked", block, schedule="random")
+    check_close(y_c, S_c, y_s, S_s, 1e-5, 1e-5, f"block {block}")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(shape=shapes8(), M=st.integers(2, 24), block=st.sampled_from(BLOCKS), seed=st.integers(0, 2**31 - 1))
+def test_prefill_routes_bf16(shape, M, block, seed):
+    """bf16: both routes against the reference's bfloat16 mode (1e-2: a bf16 ulp where the summation order flips
+    a rounding); the float state to 1e-5, because q, k, beta are the same rounded values in kernel and oracle."""
+    L = Layer(shape, "bf16", seed)
+    ch = Chunk(L, M)
+    y_ref, S_ref = ref_prefill(L, ch)
+    for route in ("scan", "chunked"):
+        y, S = run_prefill(L, ch, route, block, schedule="random")
+        check_close(y, S, y_ref, S_ref, 1e-2, 1e-5, f"{route} (bf16)")
+
+
+@pytest.mark.parametrize("route", ["scan", "chunked"])
+def test_split_prefill(route):
+    """Two calls (a + b rows, the state carried in the buffer) equal one call of a + b rows, and equal the
+    other route (chunked: a block that divides neither part)."""
+    shape = ops.GdnShape(nk=2, nv=4, dk=24, dv=16, conv_kernel=4)
+    L = Layer(shape, "f32", 11)
+    ch = Chunk(L, 37)
+    y1, S1 = run_prefill(L, ch, route, 7)
+    for splits, pp in [([(0, 13), (13, 37)], False), ([(0, 1), (1, 30), (30, 37)], True)]:
+        y2, S2 = run_prefill(L, ch, route, 7, schedule="reverse", splits=splits, pingpong=pp)
+        check_close(y2, S2, y1, S1, 1e-6, 1e-6, f"{route} split {splits}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("K", [2, 4])
+def test_conv_rows(dtype, K):
+    """gdn_conv over M rows of a strided projection equals M single-row calls (bit-exact: the same sums), and
+    the reference causal_conv1d; conv_out in place and ping-pong; M < K-1 shifts part of the old window."""
+    shape = ops.GdnShape(nk=1, nv=2, dk=16, dv=8, conv_kernel=K)
+    C = shape.conv_dim
+    for M in (1, 2, 5):
+        L = Layer(shape, dtype, 30 + M)
+        stride = C + 7
+        qkv = L.rng.normal(size=(M, stride)).astype(F32).astype(L.T)
+        cs0 = conv_state_view(L).copy()
+        act_rows = padded(np.zeros(M * C), L.T)
+        act_one = [padded(np.zeros(C), L.T) for _ in range(M)]
+        cs_rows = L.conv_state.copy()
+        cs_out = np.full_like(L.conv_state, np.nan)
+        cs_one = L.conv_state.copy()
+        with run("random") as (dev, enc, buf):
+            cw = buf(L.conv_w)
+            ops.gdn_conv(enc, dtype, shape, buf(qkv), cw, buf(cs_rows), buf(act_rows), conv_out=buf(cs_out), rows=M,
+                         qkv_stride=stride)
+            ops.gdn_conv(enc, dtype, shape, buf(qkv), cw, buf(cs_rows), buf(act_rows), rows=M, qkv_stride=stride)
+            ob = buf(cs_one)
+            for m in range(M):
+                ops.gdn_conv(enc, dtype, shape, buf(np.ascontiguousarray(qkv[m, :C])), cw, ob, buf(act_one[m]))
+        assert untouched_tail(act_rows) and untouched_tail(cs_out) and untouched_tail(cs_rows)
+        got = f32(act_rows[:M * C]).reshape(M, C)
+        assert np.array_equal(got, np.stack([f32(x[:C]) for x in act_one])), f"M={M}: rows != token by token"
+        assert np.array_equal(cs_rows, cs_one, equal_nan=True), f"M={M}: in-place window != token by token"
+        assert np.array_equal(cs_out, cs_one, equal_nan=True), f"M={M}: ping-pong window != token by token"
+        out, new_state = R.causal_conv1d(f32(qkv[:, :C]), cs0, L.conv_w)
+        ref = R.silu(R.to_bf16(out), bf16=True) if dtype == "bf16" else R.silu(out)
+        assert rel_err(got, ref) < (1e-2 if dtype == "bf16" else 1e-6), f"M={M}: conv vs reference"
+        assert np.array_equal(cs_one[:-PAD].reshape(K - 1, C), new_state), f"M={M}: conv state vs reference"
+
+
+def test_prefill_realistic_shape():
+    """The real GDN layer (16 k-heads, 32 v-heads, 128 x 128): 24 rows, both routes (chunked: block 16, so
+    two blocks, the last one short) against the reference and each other."""
+    shape = ops.GdnShape(nk=16, nv=32, dk=128, dv=128, conv_kernel=4)
+    L = Layer(shape, "f32", 2027)
+    ch = Chunk(L, 24)
+    y_ref, S_ref = ref_prefill(L, ch)
+    y_s, S_s = run_prefill(L, ch, "scan", schedule="random")
+    y_c, S_c = run_prefill(L, ch, "chunked", 16, schedule="random")
+    check_close(y_s, S_s, y_ref, S_ref, 1e-5, 1e-5, "scan vs reference")
+    check_close(y_c, S_c, y_ref, S_ref, 1e-5, 1e-5, "chunked vs reference")
+    check_close(y_c, S_c, y_s, S_s, 1e-5, 1e-5, "chunked vs scan")
+
+
+def test_route_cost_model():
+    """gdn_route: the scan for short chunks, the chunked form from the crossover on (real shape: between 8 and
+    64 rows); Scan for shapes the chunked kernel does not fit; the declared flops and bytes of each route's
+    dispatches equal gdn_prefill_cost's (bf16 build)."""
+    real = ops.GdnShape(nk=16, nv=32, dk=128, dv=128, conv_kernel=4)
+    routes = {M: ops.gdn_route(real, M) for M in (1, 2, 8, 64, 512, 4096)}
+    assert routes[1] == routes[2] == routes[8] == "scan" and routes[64] == routes[512] == routes[4096] == "chunked"
+    cross = next(M for M in range(1, 65) if ops.gdn_route(real, M) == "chunked")
+    assert all(ops.gdn_route(real, M) == "chunked" for M in range(cross, 200))
+    assert ops.gdn_route(ops.GdnShape(nk=1, nv=1, dk=12, dv=16, conv_kernel=4), 4096) == "scan"
+    for M, route, block in [(64, "scan", 0), (64, "chunked", 0), (37, "chunked", 7)]:
+        dev = gpu.SimDevice(execute=False)
+        cb = dev.command_buffer()
+        enc = gpu.Encoder(dev, cb)
+        s = real
+        al = dev.alloc
+        ps = s.conv_dim + s.value_dim + 2 * s.nv
+        st_ = al(s.nv * s.dv * s.dk * 4)
+        ops.gdn_prefill(enc, "bf16", s, al(2 * M * s.conv_dim), al(2 * M * ps), ps, al(4 * s.nv), al(4 * s.nv),
+                        al(2 * s.dv), EPS, st_, al(2 * M * s.value_dim), M,
+                        al(ops.gdn_prefill_scratch_bytes(s, M)), route=route, block=block)
+        cost = ops.gdn_prefill_cost(s, M, route, block)
+        assert enc.dispatches == cost["dispatches"] == (1 if route == "scan" else 3)
+        assert enc.flops == cost["flops"] and enc.bytes_read + enc.bytes_written == cost["bytes"], (M, route)
+        cb.commit()
+        cb.wait()
+    c64 = ops.gdn_prefill_cost(real, 4096, "chunked")
+    s64 = ops.gdn_prefill_cost(real, 4096, "scan")
+    # more arithmetic, less time: the chunked route's critical path is ~M/64 blocks, not M tokens (~1.3x at 4K)
+    assert c64["flops"] > s64["flops"] and c64["seconds"] < 0.8 * s64["seconds"]
+
+
+def test_prefill_argument_checks():
+    shape = ops.GdnShape(nk=2, nv=4, dk=16, dv=8, conv_kernel=4)
+    C, V, nv, dk, dv = shape.conv_dim, shape.value_dim, shape.nv, shape.dk, shape.dv
+    M, ps = 5, C + V + 2 * nv
+    with run("forward") as (dev, enc, buf):
+        def pre(s=shape, route="chunked", M=M, ps=ps, block=0, **over):
+            x = dict(act=np.zeros(M * C, F32), proj=np.zeros(M * ps, F32), A_log=np.zeros(nv, F32),
+                     dt_bias=np.zeros(nv, F32), norm_w=np.zeros(dv, F32), state=np.zeros(nv * dv * dk, F32),
+                     y=np.zeros(M * V, F32), scratch=np.zeros(ops.gdn_prefill_scratch_bytes(shape, M) // 4, F32))
+            x.update(over)
+            b = {k: buf(v) for k, v in x.items()}
+            ops.gdn_prefill(enc, "f32", s, b["act"], b["proj"], ps, b["A_log"], b["dt_bias"], b["norm_w"], EPS,
+                            b["state"], b["y"], M, b["scratch"], route=route, block=block)
+
+        pre()
+        pre(route="scan")
+        for name, n in [("act", M * C - 1), ("proj", M * ps - 1), ("A_log", nv - 1), ("dt_bias", nv - 1),
+                        ("norm_w", dv - 1), ("state", nv * dv * dk - 1), ("y", M * V - 1)]:
+            for route in ("scan", "chunked"):
+                with pytest.raises(ValueError, match=f"gdn_prefill: {name} holds"):
+                    pre(route=route, **{name: np.zeros(n, F32)})
+        with pytest.raises(ValueError, match="gdn_prefill: scratch holds"):
+            pre(scratch=np.zeros(100, F32))
+        with pytest.raises(ValueError, match="proj_stride"):
+            pre(ps=ps - 1)
+        with pytest.raises(ValueError, match="M must be at least 1"):
+            pre(M=0)
+        with pytest.raises(ValueError, match="exceeds GDN_CHUNK_MAX"):
+            pre(block=65)
+        odd = ops.GdnShape(nk=1, nv=1, dk=12, dv=8, conv_kernel=4)
+        with pytest.raises(ValueError, match="multiples of 8"):
+            pre(s=odd)
+        with pytest.raises(ValueError, match="GDN_STEP_MAX_DV"):
+            pre(s=ops.GdnShape(nk=1, nv=1, dk=8, dv=136, conv_kernel=4), route="scan",
+                state=np.zeros(136 * 8, F32), y=np.zeros(M * 136, F32), norm_w=np.zeros(136, F32),
+                act=np.zeros(M * 152, F32), proj=np.zeros(M * 290, F32), ps=290)
+        with pytest.raises(ValueError, match="route must be"):
+            pre(route="fast")
+        x = np.zeros(3 * C, F32)
+        with pytest.raises(ValueError, match="gdn_conv: qkv holds"):
+            ops.gdn_conv(enc, "f32", shape, buf(x), buf(np.zeros(4 * C, F32)), buf(np.zeros(3 * C, F32)),
+                         buf(np.zeros(3 * C, F32)), rows=3, qkv_stride=C + 1)
+        with pytest.raises(ValueError, match="qkv_stride"):
+            ops.gdn_conv(enc, "f32", shape, buf(x), buf(np.zeros(4 * C, F32)), buf(np.zeros(3 * C, F32)),
+                         buf(np.zeros(3 * C, F32)), rows=3, qkv_stride=C - 1)
+        with pytest.raises(ValueError, match="rows must be at least 1"):
+            ops.gdn_conv(enc, "f32", shape, buf(x), buf(np.zeros(4 * C, F32)), buf(np.zeros(3 * C, F32)),
+                         buf(np.zeros(3 * C, F32)), rows=0)
+
+
+def test_checks_catch_planted_errors():
+    """The 1e-5 comparisons above are tight enough to see the bugs a prefill kernel is likely to have: the oracle
+    fed a plausible mistake (HF state layout, gates one row late, the other key head, the state not carried
+    across a split, one token dropped) no longer matches the chunked kernel."""
+    shape = ops.GdnShape(nk=2, nv=4, dk=16, dv=16, conv_kernel=4)
+    L = Layer(shape, "f32", 77)
+    ch = Chunk(L, 20)
+    y, S = run_prefill(L, ch, "chunked", 8)
+    act, z, b, a = ch.rows(0, 20, L)
+    args = (L.A_log, L.dt_bias, L.norm_w, EPS)
+    S0 = state_view(L)
+    check_close(y, S, *ref_rows(shape, act, z, b, a, *args, S0, False), 1e-5, 1e-5, "unmutated")
+    kd = shape.nk * shape.dk
+    qk_swapped = f32(act).copy()
+    for off in (0, kd):   # q and k of the two key heads swapped: every value head reads the wrong one
+        qk_swapped[:, off:off + kd] = np.roll(qk_swapped[:, off:off + kd].reshape(20, 2, 16), 1, axis=1).reshape(20, kd)
+    y_split, S_split = run_prefill(L, ch, "chunked", 8, splits=[(0, 10), (10, 20)])
+    y_half, S_half = ref_rows(shape, act[10:], z[10:], b[10:], a[10:], *args, S0, False)
+    mutants = {
+        "HF state layout": ref_rows(shape, act, z, b, a, *args, np.ascontiguousarray(S0.transpose(0, 2, 1)), False),
+        "gates one row late": ref_rows(shape, act, z, np.roll(b, 1, 0), np.roll(a, 1, 0), *args, S0, False),
+        "wrong key head": ref_rows(shape, qk_swapped, z, b, a, *args, S0, False),
+        "a token dropped": ref_rows(shape, np.delete(act, 5, 0), np.delete(z, 5, 0), np.delete(b, 5, 0),
+                                    np.delete(a, 5, 0), *args, S0, False),
+    }
+    for name, (y_m, S_m) in mutants.items():
+        if y_m.shape != y.shape:
+            y_m = np.concatenate([y_m[:5], y_m[4:5], y_m[5:]])   # align the rows (row 5's output is wrong anyway)
+        with pytest.raises(AssertionError, match="rel err"):
+            check_close(y, S, y_m, S_m, 1e-5, 1e-5, name)
+    with pytest.raises(AssertionError, match="rel err"):   # the second half alone: the carried state matters
+        check_close(y_split[10:], S_split, y_half, S_half, 1e-5, 1e-5, "state not carried")

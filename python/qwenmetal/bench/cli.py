@@ -241,7 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", help="cpu (default) | reference | any registered backend")
     p.add_argument("--threads", type=int, default=None, help="engine and bandwidth threads (default: usable CPUs)")
     p.add_argument("--kv-dtype", default=None, help="cpu backend KV cache dtype (bfloat16 | float32)")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="cpu backend prefill chunk")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="cpu backend prefill chunk; with --encode-only the metal prefill chunk (default 4096)")
     p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
                    help="another backend option, e.g. -o activations=int8 (repeatable)")
     p.add_argument("--prefill", default=None, help="prefill lengths, comma-separated (default 128,512,2048)")
@@ -257,13 +258,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--encode-only", action="store_true",
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
-                        "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s)")
+                        "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s); "
+                        "with --prefill, also the chunked prefill of those prompt lengths")
 
 
 def run_encode_only(args: argparse.Namespace) -> dict:
     """`qwenmetal bench --backend metal-sim --encode-only`: the decode step of the real config, costed."""
     from ..config import ModelConfig
-    from ..metal_backend import encode_only_cost
+    from ..metal_backend import DEFAULT_PREFILL_CHUNK, encode_only_cost, encode_only_prefill_cost
 
     if args.backend != "metal-sim":
         raise ValueError("--encode-only needs --backend metal-sim")
@@ -279,10 +281,14 @@ def run_encode_only(args: argparse.Namespace) -> dict:
     decode = {k: first[k] for k in ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token",
                                     "floor_bytes", "bytes_vs_floor", "modelled_tok_s")}
     decode.update(context=contexts[0], level_latency_us=first["level_latency_us"])
-    return {"backend": "metal-sim", "mode": "encode-only", "status": "simulator-verified, hardware-unverified",
-            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
-                       "hidden": c.hidden_size},
-            "decode": decode, "decode_by_context": by_ctx}
+    res = {"backend": "metal-sim", "mode": "encode-only", "status": "simulator-verified, hardware-unverified",
+           "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
+                      "hidden": c.hidden_size},
+           "decode": decode, "decode_by_context": by_ctx}
+    if args.prefill:
+        res["prefill"] = encode_only_prefill_cost(c, _ints(args.prefill), kv_dtype=kv,
+                                                  chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
+    return res
 
 
 def format_encode_only(res: Mapping[str, Any]) -> str:
@@ -298,6 +304,38 @@ def format_encode_only(res: Mapping[str, Any]) -> str:
                      f"{r['bytes_vs_floor']:>8.3f}  {tps}")
     lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
                  "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    if "prefill" in res:
+        lines.append(format_prefill_cost(res["prefill"]))
+    return "\n".join(lines)
+
+
+def format_prefill_cost(pf: Mapping[str, Any]) -> str:
+    """The encode-only prefill costing as a table (metal_backend.encode_only_prefill_cost)."""
+    chips = list(pf["peak_tflops"])
+    lines = [f"metal-sim encode-only prefill, chunks of {pf['chunk']} tokens (MODELLED, not measured; "
+             "simulator-verified, hardware-unverified)",
+             f"{'tokens':>7} {'route':>9} {'chunks':>6} {'cmdbufs':>7} {'waits':>5} {'disp/chunk':>10} "
+             f"{'levels/chunk':>12} {'TFLOP':>8} {'GB':>8}"]
+    for n, p in pf["prompts"].items():
+        for route, r in p["routes"].items():
+            k = len(r["chunks"])
+            lines.append(f"{n:>7} {route:>9} {k:>6} {r['command_buffers']:>7} {r['host_waits']:>5} "
+                         f"{max(c['dispatches'] for c in r['chunks']):>10} "
+                         f"{max(c['levels'] for c in r['chunks']):>12} {r['flops'] / 1e12:>8.2f} "
+                         f"{(r['bytes_read'] + r['bytes_written']) / 1e9:>8.1f}")
+    lines.append(f"{'tokens':>7}  " + "  ".join(f"{c:>8}" for c in chips) + f"  {'M5@Lily':>8}"
+                 + "   published M5 Max tok/s (modelled M5 Max / it; at Lily's rate / it)")
+    for n, p in pf["prompts"].items():
+        pub = p["published_m5_max"]
+        ref = "  ".join(f"{k} {v:.0f} ({p['m5_max_vs'][k]:.2f}x; {p['m5_max_at_lily_rate_vs'][k]:.2f}x)"
+                        for k, v in pub.items() if v)
+        lines.append(f"{n:>7}  " + "  ".join(f"{p['modelled_tok_s'][c]:>8.0f}" for c in chips)
+                     + f"  {p['m5_max_at_lily_rate_tok_s']:>8.0f}   {ref}")
+    lines.append("modelled tok/s: per dependency level max(bytes / bandwidth, FLOPs / peak) + "
+                 f"{pf['level_latency_us']:.1f} us; peaks (TFLOP/s) "
+                 + ", ".join(f"{c} {v} ({pf['chip_route'][c]})" for c, v in pf["peak_tflops"].items())
+                 + f"; M5@Lily: the M5 Max at the {pf['m5_lily_rate_tflops']} TFLOP/s Lily's 4K prefill implies "
+                 "(assumptions: docs/metal.md)")
     return "\n".join(lines)
 
 

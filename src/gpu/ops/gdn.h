@@ -1,5 +1,6 @@
-// Host functions of metal/gdn.metal: the Gated DeltaNet layer of one decode token after its
-// stacked input projection [qkv | z | b | a] (quant: qmv).
+// Host functions of metal/gdn.metal: the Gated DeltaNet layer after its stacked input projection
+// [qkv | z | b | a] (quant: qmv / gemm), for one decode token (gdn_conv, gdn_step) or a prefill chunk of M
+// tokens (gdn_conv with rows, gdn_prefill: the register scan or the chunked WY/UT form).
 #pragma once
 #include "gpu/ops/common.h"
 
@@ -11,12 +12,14 @@ struct GdnShape {
     uint32_t value_dim() const { return nv * dv; }
 };
 
-// Causal depthwise conv step + SiLU: act[c] = silu(sum_j conv_w[c, j] * window_j[c]) over the window
-// (conv_state rows oldest first, then qkv); the shifted window goes to conv_out (f32 [K-1, conv_dim]),
-// which may be conv_state itself (in place) or its ping-pong partner.
-// qkv (T) is the first conv_dim elements of the projection; conv_w f32 [conv_dim, K]; act T [conv_dim].
+// Causal depthwise conv + SiLU over `rows` tokens: act[m, c] = silu(sum_j conv_w[c, j] * win[m + j][c]) over the
+// window win = (conv_state rows oldest first, then the qkv rows); the last K-1 window rows go to conv_out
+// (f32 [K-1, conv_dim]), which may be conv_state itself (in place) or its ping-pong partner.
+// qkv T [rows, qkv_stride] (the first conv_dim columns: the projection rows; qkv_stride 0 = conv_dim);
+// conv_w f32 [conv_dim, K]; act T [rows, conv_dim].
 void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
-              const Buffer& conv_state, const Buffer& conv_out, const Buffer& act);
+              const Buffer& conv_state, const Buffer& conv_out, const Buffer& act, uint32_t rows = 1,
+              uint32_t qkv_stride = 0);
 
 // One token of the recurrence, per value head (one threadgroup each): q, k l2-normalised (q scaled
 // by dk^-1/2), beta = sigmoid(b), g = exp(-exp(A_log) * softplus(a + dt_bias)); S = g S;
@@ -27,5 +30,36 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
 void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& z, const Buffer& b,
               const Buffer& a, const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps,
               const Buffer& state, const Buffer& state_out, const Buffer& y);
+
+// M tokens of the recurrence after gdn_conv: act T [M, conv_dim] (q | k | v); proj T [M, proj_stride] the stacked
+// in-projection rows [qkv | z | b | a] (z at column conv_dim, b at conv_dim + value_dim, a after b); A_log,
+// dt_bias f32 [nv]; norm_w T [dv]; state f32 [nv, dv, dk] read, the state after the M tokens written to
+// state_out (same buffer or disjoint); y T [M, value_dim] (gated RMSNorm output, as gdn_step).
+//   Scan:    gdn_step's kernel over the M tokens (one dispatch, state in registers, tokens in order).
+//   Chunked: gdn_prep (normalised q/k, beta, g into scratch), gdn_chunk (blocks of `block` tokens, 1..64;
+//            0 = the fewest blocks of <= 64 tokens, balanced, on simdgroup_matrix), gdn_norm (3 dispatches); needs dk, dv multiples of 8 and
+//            dk <= GDN_CHUNK_MAX_DK, and scratch of gdn_prefill_scratch_bytes(s, M) bytes.
+//   Auto:    gdn_route(s, M).
+enum class GdnRoute : uint8_t { Auto = 0, Scan = 1, Chunked = 2 };
+void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& proj, uint32_t proj_stride,
+                 const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps, const Buffer& state,
+                 const Buffer& state_out, const Buffer& y, uint32_t M, const Buffer& scratch,
+                 GdnRoute route = GdnRoute::Auto, uint32_t block = 0);
+// scratch of the chunked route for up to max_rows tokens (float: q, k [max_rows + 64, nk, dk], beta, g
+// [max_rows + 64, nv], o [max_rows, nv dv])
+uint64_t gdn_prefill_scratch_bytes(const GdnShape& s, uint32_t max_rows);
+
+// The cost model of the two routes for M tokens (declared flops and bytes of their dispatches, and a
+// modelled time: see gdn_prefill_cost in gdn.cpp for the constants). A model, not a measurement.
+struct GdnCost {
+    uint64_t flops = 0, bytes = 0;   // summed over the route's dispatches, as they declare them
+    uint32_t dispatches = 0;
+    double seconds = 0;              // modelled: dispatch levels + critical path + max(flops, bytes) roofline
+};
+GdnCost gdn_prefill_cost(const GdnShape& s, uint32_t M, GdnRoute route, uint32_t block = 0);
+// Scan or Chunked: the route with the lower modelled time (Scan when the shape does not fit the chunked kernel)
+GdnRoute gdn_route(const GdnShape& s, uint32_t M);
+// whether the chunked kernel supports the shape (dk, dv multiples of 8, dk <= GDN_CHUNK_MAX_DK)
+bool gdn_chunked_fits(const GdnShape& s);
 
 }  // namespace qwenmetal::gpu::ops

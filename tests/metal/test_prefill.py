@@ -145,7 +145,7 @@ def test_interrupt_between_chunks_rolls_back(gpu):
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt, match="^$"):
             timer.start()
             m.prefill(s, PROMPT[3:23], return_logits="last")      # 4 chunks
     finally:

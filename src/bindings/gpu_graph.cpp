@@ -152,16 +152,9 @@ void register_gpu_graph(nb::module_& g) {
                      else if (key == "gemm_route") {
                          const std::string r = nb::cast<std::string>(v);
                          o.gemm_route_auto = r == "auto";
-                         if (r == "tensor") o.gemm_route = ops::GemmRoute::Tensor;
-                         else if (r == "simdgroup") o.gemm_route = ops::GemmRoute::Simdgroup;
-                         else if (r != "auto")
-                             throw std::invalid_argument("gemm_route must be 'auto', 'simdgroup' or 'tensor', got '" + r + "'");
+                         if (!o.gemm_route_auto) o.gemm_route = ops::parse_gemm_route(r);
                      } else if (key == "gdn_route") {
-                         const std::string r = nb::cast<std::string>(v);
-                         if (r == "auto") o.gdn_route = ops::GdnRoute::Auto;
-                         else if (r == "scan") o.gdn_route = ops::GdnRoute::Scan;
-                         else if (r == "chunked") o.gdn_route = ops::GdnRoute::Chunked;
-                         else throw std::invalid_argument("gdn_route must be 'auto', 'scan' or 'chunked', got '" + r + "'");
+                         o.gdn_route = ops::parse_gdn_route(nb::cast<std::string>(v));
                      } else throw std::invalid_argument("unknown prefill option '" + key + "'");
                  }
                  new (self) PyGpuEngine();
@@ -229,7 +222,7 @@ void register_gpu_graph(nb::module_& g) {
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
         .def_prop_ro("logits_rows", [](PyGpuEngine& e) { return e.engine->logits_rows(); })
         .def_prop_ro("gemm_route", [](PyGpuEngine& e) {
-            return std::string(e.engine->gemm_route() == ops::GemmRoute::Tensor ? "tensor" : "simdgroup");
+            return std::string(ops::gemm_route_name(e.engine->gemm_route()));
         })
         .def_prop_ro("device", [](PyGpuEngine& e) { return e.model->device_ptr(); })
         .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })

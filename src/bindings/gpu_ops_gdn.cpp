@@ -13,16 +13,6 @@ using namespace nb::literals;
 
 namespace qwenmetal::bindings {
 
-namespace {
-gpu::ops::GdnRoute parse_route(const std::string& r) {
-    if (r == "auto") return gpu::ops::GdnRoute::Auto;
-    if (r == "scan") return gpu::ops::GdnRoute::Scan;
-    if (r == "chunked") return gpu::ops::GdnRoute::Chunked;
-    throw std::invalid_argument("gdn route must be 'auto', 'scan' or 'chunked', got '" + r + "'");
-}
-const char* route_name(gpu::ops::GdnRoute r) { return r == gpu::ops::GdnRoute::Chunked ? "chunked" : "scan"; }
-}  // namespace
-
 void register_gpu_ops_gdn(nb::module_& ops) {
     using gpu::ops::GdnShape;
     nb::class_<GdnShape>(ops, "GdnShape")
@@ -65,16 +55,17 @@ void register_gpu_ops_gdn(nb::module_& ops) {
                               const gpu::Buffer& y, uint32_t M, const gpu::Buffer& scratch, const std::string& route,
                               std::optional<gpu::Buffer> state_out, uint32_t block) {
         gpu::ops::gdn_prefill(e, gpu::parse_act(t), s, act, proj, proj_stride, A_log, dt_bias, norm_w, eps, state,
-                              state_out ? *state_out : state, y, M, scratch, parse_route(route), block);
+                              state_out ? *state_out : state, y, M, scratch, gpu::ops::parse_gdn_route(route), block);
     }, "encoder"_a, "dtype"_a, "shape"_a, "act"_a, "proj"_a, "proj_stride"_a, "A_log"_a, "dt_bias"_a, "norm_w"_a,
        "eps"_a, "state"_a, "y"_a, "M"_a, "scratch"_a, "route"_a = "auto", "state_out"_a = nb::none(), "block"_a = 0,
        "M tokens of the recurrence; route: 'auto' (gdn_route), 'scan' or 'chunked'; block: the chunked route's "
        "tokens per block (0: the fewest blocks of <= 64 tokens, balanced); state_out: default state (in place)");
     ops.def("gdn_prefill_scratch_bytes", &gpu::ops::gdn_prefill_scratch_bytes, "shape"_a, "max_rows"_a);
-    ops.def("gdn_route", [](const GdnShape& s, uint32_t M) { return route_name(gpu::ops::gdn_route(s, M)); },
+    ops.def("gdn_route",
+            [](const GdnShape& s, uint32_t M) { return gpu::ops::gdn_route_name(gpu::ops::gdn_route(s, M)); },
             "shape"_a, "M"_a, "the route Auto takes for M tokens: 'scan' or 'chunked' (the cost model)");
     ops.def("gdn_prefill_cost", [](const GdnShape& s, uint32_t M, const std::string& route, uint32_t block) {
-        const gpu::ops::GdnCost c = gpu::ops::gdn_prefill_cost(s, M, parse_route(route), block);
+        const gpu::ops::GdnCost c = gpu::ops::gdn_prefill_cost(s, M, gpu::ops::parse_gdn_route(route), block);
         nb::dict d;
         d["flops"] = c.flops;
         d["bytes"] = c.bytes;

@@ -11,14 +11,6 @@ using namespace nb::literals;
 
 namespace qwenmetal::bindings {
 
-namespace {
-gpu::ops::GemmRoute parse_route(const std::string& s) {
-    if (s == "simdgroup") return gpu::ops::GemmRoute::Simdgroup;
-    if (s == "tensor") return gpu::ops::GemmRoute::Tensor;
-    throw std::invalid_argument("gemm route must be 'simdgroup' or 'tensor', got '" + s + "'");
-}
-}  // namespace
-
 void register_gpu_ops_gemm(nb::module_& ops) {
     nb::module_ g = nb::module_::import_("qwenmetal._core").attr("gpu");
     nb::class_<gpu::ops::TileMap>(g, "TileMap",
@@ -34,7 +26,7 @@ void register_gpu_ops_gemm(nb::module_& ops) {
         .def_rw("tile_rows", &gpu::ops::TileMap::tile_rows);
 
     ops.def("gemm_route", [](const gpu::Device& d) {
-        return gpu::ops::gemm_route(d.info()) == gpu::ops::GemmRoute::Tensor ? "tensor" : "simdgroup";
+        return gpu::ops::gemm_route_name(gpu::ops::gemm_route(d.info()));
     }, "device"_a, "The GEMM route of a device: 'tensor' where it has Metal 4 tensor ops (M5), else 'simdgroup'.");
     ops.def("gemm", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& x,
                        const gpu::Buffer& y, uint32_t M, bool f32_out, uint32_t x_stride, uint32_t y_stride,
@@ -43,7 +35,7 @@ void register_gpu_ops_gemm(nb::module_& ops) {
         f.residual = residual ? &*residual : nullptr;
         f.round = round;
         f.swiglu = swiglu;
-        gpu::ops::gemm(e, gpu::parse_act(t), W, x, y, M, f32_out, x_stride, y_stride, f, parse_route(route));
+        gpu::ops::gemm(e, gpu::parse_act(t), W, x, y, M, f32_out, x_stride, y_stride, f, gpu::ops::parse_gemm_route(route));
     }, "encoder"_a, "dtype"_a, "W"_a, "x"_a, "y"_a, "M"_a, "f32_out"_a = false, "x_stride"_a = 0, "y_stride"_a = 0,
        "residual"_a = nb::none(), "round"_a = false, "swiglu"_a = false, "route"_a = "simdgroup",
        "Y[m, :N] = X[m, :K] W^T for m < M (y float with f32_out; with residual y = residual + X W^T; with "
@@ -52,14 +44,14 @@ void register_gpu_ops_gemm(nb::module_& ops) {
                                       const gpu::Matrix& up, const gpu::Buffer& x, const gpu::Buffer& slot_rows,
                                       const gpu::ops::TileMap& tm, uint32_t S, const gpu::Buffer& act,
                                       const std::string& route) {
-        gpu::ops::gemm_grouped_swiglu(e, gpu::parse_act(t), gate, up, x, slot_rows, tm, S, act, parse_route(route));
+        gpu::ops::gemm_grouped_swiglu(e, gpu::parse_act(t), gate, up, x, slot_rows, tm, S, act, gpu::ops::parse_gemm_route(route));
     }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "x"_a, "slot_rows"_a, "tm"_a, "S"_a, "act"_a,
        "route"_a = "simdgroup",
        "act[s] = silu(gate_e x[slot_rows[s]]) * (up_e x[slot_rows[s]]) for every slot s of every tile-map entry.");
     ops.def("gemm_grouped", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& act,
                                const gpu::ops::TileMap& tm, uint32_t S, const gpu::Buffer& y,
                                const std::string& route) {
-        gpu::ops::gemm_grouped(e, gpu::parse_act(t), W, act, tm, S, y, parse_route(route));
+        gpu::ops::gemm_grouped(e, gpu::parse_act(t), W, act, tm, S, y, gpu::ops::parse_gemm_route(route));
     }, "encoder"_a, "dtype"_a, "W"_a, "act"_a, "tm"_a, "S"_a, "y"_a, "route"_a = "simdgroup",
        "y[s] = W_e act[s] (float, rounded to the activation type) for every slot s of every tile-map entry.");
 }

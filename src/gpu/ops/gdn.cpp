@@ -223,6 +223,17 @@ GdnRoute gdn_route(const GdnShape& s, uint32_t M) {
     return chunked ? GdnRoute::Chunked : GdnRoute::Scan;
 }
 
+GdnRoute parse_gdn_route(const std::string& name) {
+    if (name == "auto") return GdnRoute::Auto;
+    if (name == "scan") return GdnRoute::Scan;
+    if (name == "chunked") return GdnRoute::Chunked;
+    throw std::invalid_argument("gdn route must be 'auto', 'scan' or 'chunked', got '" + name + "'");
+}
+
+const char* gdn_route_name(GdnRoute r) {
+    return r == GdnRoute::Auto ? "auto" : r == GdnRoute::Chunked ? "chunked" : "scan";
+}
+
 void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& proj, uint32_t proj_stride,
                  const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps, const Buffer& state,
                  const Buffer& state_out, const Buffer& y, uint32_t M, const Buffer& scratch, GdnRoute route,

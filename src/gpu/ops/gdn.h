@@ -59,6 +59,9 @@ struct GdnCost {
 GdnCost gdn_prefill_cost(const GdnShape& s, uint32_t M, GdnRoute route, uint32_t block = 0);
 // Scan or Chunked: the route with the lower modelled time (Scan when the shape does not fit the chunked kernel)
 GdnRoute gdn_route(const GdnShape& s, uint32_t M);
+// "auto" / "scan" / "chunked" (the Python options' and bindings' names); parse throws invalid_argument
+GdnRoute parse_gdn_route(const std::string& name);
+const char* gdn_route_name(GdnRoute r);
 // whether the chunked kernel supports the shape (dk, dv multiples of 8, dk <= GDN_CHUNK_MAX_DK)
 bool gdn_chunked_fits(const GdnShape& s);
 

@@ -55,7 +55,8 @@ void encode(Encoder& e, Act t, const GemmCall& c) {
     if (c.residual && !in_place) args.push_back(Arg::in(c.residual->view(0, c.y.length), c.y_written));
     else args.push_back(Arg::in(c.y, 0));
     args.push_back(in_place ? Arg::inout(c.y, c.y_written, c.y_written) : Arg::out(c.y, c.y_written));
-    const std::string kernel = std::string(c.route == GemmRoute::Tensor ? "gemm_tensor_" : "gemm_") + c.wa->variant() + "_" + act_suffix(t) + (c.f32_out ? "_f32out" : "");
+    const std::string kernel = std::string(c.route == GemmRoute::Tensor ? "gemm_tensor_" : "gemm_") +
+                               c.wa->variant() + "_" + act_suffix(t) + (c.f32_out ? "_f32out" : "");
     e.dispatch(kernel, c.groups, Dims{GEMM_THREADS, 1, 1}, args, {}, c.flops);
 }
 
@@ -76,6 +77,14 @@ GemmParams grouped_params(const Matrix& W, const TileMap& tm, uint32_t S, uint32
 }  // namespace
 
 GemmRoute gemm_route(const DeviceInfo& info) { return info.tensor_ops ? GemmRoute::Tensor : GemmRoute::Simdgroup; }
+
+GemmRoute parse_gemm_route(const std::string& name) {
+    if (name == "simdgroup") return GemmRoute::Simdgroup;
+    if (name == "tensor") return GemmRoute::Tensor;
+    throw std::invalid_argument("gemm route must be 'simdgroup' or 'tensor', got '" + name + "'");
+}
+
+const char* gemm_route_name(GemmRoute r) { return r == GemmRoute::Tensor ? "tensor" : "simdgroup"; }
 
 void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, uint32_t M, bool f32_out,
           uint32_t x_stride, uint32_t y_stride, const GemmFusion& f, GemmRoute route) {

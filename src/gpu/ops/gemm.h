@@ -12,6 +12,9 @@ enum class GemmRoute : uint8_t { Simdgroup = 0, Tensor = 1 };
 // The route of a device: Tensor where DeviceInfo::tensor_ops (M5, GPU family apple10; a SimDevice that
 // claims it), else Simdgroup. Tensor on a device without tensor ops is an invalid_argument in every GEMM.
 GemmRoute gemm_route(const DeviceInfo& info);
+// "simdgroup" / "tensor" (the Python options' and bindings' names); parse throws invalid_argument
+GemmRoute parse_gemm_route(const std::string& name);
+const char* gemm_route_name(GemmRoute r);
 
 struct GemmFusion {
     const Buffer* residual = nullptr;  // y = residual + X W^T (may be y itself; product rounded to T first, as qmv)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from oracles import require  # fails in CI, skips elsewhere
-from qwenmetal.quant import dequantize, infer_bits_and_group_size, pack, quantize, unpack
+from qwenmetal.quant import SUPPORTED_BITS, dequantize, infer_bits_and_group_size, pack, quantize, unpack
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -49,7 +49,7 @@ GROUP_KINDS = ("random", "constant", "zero", "positive", "negative", "one_outlie
 
 @st.composite
 def weight_cases(draw):
-    bits = draw(st.sampled_from([4, 8, 2]))
+    bits = draw(st.sampled_from(SUPPORTED_BITS))
     gs = draw(st.sampled_from([32, 64, 128]))
     lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))       # e.g. stacked experts
     out = draw(st.integers(1, 5))
@@ -100,7 +100,7 @@ def test_quantize_and_dequantize_match_mlx(case):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([4, 8]), st.sampled_from([32, 64]),
+@given(st.sampled_from(SUPPORTED_BITS), st.sampled_from([32, 64]),
        hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.just(64)),
                   elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)))
 def test_quantize_matches_mlx_on_adversarial_values(bits, gs, w):
@@ -137,7 +137,7 @@ def test_default_scale_dtype_is_bf16_and_float32_input_rounds_only_scales():
     np.testing.assert_array_equal(b, b32.astype(BF16))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_quantize_in_row_chunks_is_exact(monkeypatch, bits):
     """quantize works on bounded chunks of rows (a real-width expert tensor never needs a whole float32
     copy); chunk boundaries anywhere, also inside a stacked expert, give the same bytes."""
@@ -154,10 +154,11 @@ def test_quantize_in_row_chunks_is_exact(monkeypatch, bits):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.sampled_from([2, 4, 8]), st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.integers(1, 3))
-def test_pack_unpack_round_trip(bits, seed, rows, words):
+@given(st.sampled_from(SUPPORTED_BITS), st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.integers(1, 3))
+def test_pack_unpack_round_trip(bits, seed, rows, blocks):
     rng = np.random.default_rng(seed)
-    q = rng.integers(0, 1 << bits, size=(rows, words * 32 // bits), dtype=np.uint8)
+    words = blocks * bits                   # 32 values: a whole number of words at every width
+    q = rng.integers(0, 1 << bits, size=(rows, blocks * 32), dtype=np.uint8)
     p = pack(q, bits)
     assert p.dtype == np.uint32 and p.shape == (rows, words)
     np.testing.assert_array_equal(unpack(p, bits), q)
@@ -171,6 +172,13 @@ def test_packing_is_lsb_first_little_endian():
     assert p[0, 0] == 0x76543210
     assert p.tobytes() == bytes([0x10, 0x32, 0x54, 0x76])     # element 0 in the low nibble of byte 0
     assert pack(np.array([[1, 2, 3, 4]], np.uint8), 8).tobytes() == bytes([1, 2, 3, 4])
+    # 3 bits: one stream, so value 10 (bits 30..32) straddles words 0 and 1
+    q3 = np.zeros((1, 32), np.uint8)
+    q3[0, 10] = 0b111
+    assert pack(q3, 3)[0].tolist() == [0xC0000000, 0x1, 0x0]
+    q6 = np.arange(16, dtype=np.uint8)[None] * 4 + 3          # 6 bits: 4 values in 3 bytes
+    b6 = pack(q6, 6).tobytes()
+    assert int.from_bytes(b6[:3], "little") == sum(int(v) << (6 * i) for i, v in enumerate(q6[0, :4]))
 
 
 def test_infer_bits_and_group_size():
@@ -179,8 +187,11 @@ def test_infer_bits_and_group_size():
     assert infer_bits_and_group_size(64, 8, 512) == (4, 64)
     assert infer_bits_and_group_size(16, 1, 128) == (4, 128)
     assert infer_bits_and_group_size(8, 4, 128) == (2, 32)
+    assert infer_bits_and_group_size(12, 2, 128) == (3, 64)
+    assert infer_bits_and_group_size(320, 32, 2048) == (5, 64)
+    assert infer_bits_and_group_size(384, 16, 2048) == (6, 128)
     for args, msg in [((256, 33, 2048), "multiple"), ((100, 32, 2048), "whole number"),
-                      ((192, 32, 2048), "bits"), ((256, 8, 2048), "group_size"), ((0, 32, 2048), "positive"),
+                      ((448, 32, 2048), "bits"), ((256, 8, 2048), "group_size"), ((0, 32, 2048), "positive"),
                       ((256, 32, 2048.5), "integer")]:
         with pytest.raises(ValueError, match=msg):
             infer_bits_and_group_size(*args)
@@ -188,7 +199,7 @@ def test_infer_bits_and_group_size():
 
 def test_errors():
     w = np.zeros((2, 64), np.float32)
-    for kwargs, msg in [(dict(bits=3), "bits"), (dict(bits=4, group_size=48), "group_size"),
+    for kwargs, msg in [(dict(bits=7), "bits"), (dict(bits=4, group_size=48), "group_size"),
                         (dict(bits=4, group_size=128), "divisible")]:
         with pytest.raises(ValueError, match=msg):
             quantize(w, kwargs.get("bits", 4), kwargs.get("group_size", 64))

@@ -2,8 +2,10 @@
 
 Format (model-spec §3): a weight ``W[..., out, in]`` is cut along its last axis into groups of
 ``group_size`` consecutive elements. Each group has one ``scale`` and one ``bias``; element k holds an
-unsigned ``q`` in ``[0, 2**bits - 1]`` and means ``scale * q + bias``. The q values are packed LSB-first
-into little-endian uint32 words, ``32 // bits`` per word (bits 2, 4, 8).
+unsigned ``q`` in ``[0, 2**bits - 1]`` and means ``scale * q + bias``. The q values of a row are one
+LSB-first bit stream, ``bits`` bits each, stored as little-endian uint32 words (``in * bits / 32`` per row).
+At bits 2, 4 and 8 that is ``32 // bits`` whole values per word; at bits 3, 5 and 6 MLX packs 8, 8 and 4
+values into 3, 5 and 3 bytes, which is the same stream, so a value may straddle two words.
 
 The quantizer follows MLX's CPU kernel (``mlx/backend/cpu/quantized.cpp``, ``quantize<T, U>``), all in
 float32:
@@ -26,7 +28,7 @@ import numpy as np
 __all__ = ["quantize", "dequantize", "pack", "unpack", "infer_bits_and_group_size",
            "SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES"]
 
-SUPPORTED_BITS = (2, 4, 8)            # power-of-two widths: plain uint32 packing
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)   # MLX's affine widths (all one LSB-first bit stream per row)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _EPS = np.float32(1e-7)
@@ -48,18 +50,25 @@ def _check_group_size(group_size: int) -> int:
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned values ``q[..., n]`` (each < 2**bits) into uint32 words ``[..., n * bits // 32]``.
 
-    Element k goes to word ``k // (32 // bits)`` at bit offset ``bits * (k % (32 // bits))`` (LSB first).
+    Element k occupies bits ``[bits * k, bits * (k + 1))`` of the row's little-endian bit stream (LSB
+    first); at bits 2/4/8 that is word ``k // (32 // bits)`` at offset ``bits * (k % (32 // bits))``.
     """
     bits = _check_bits(bits)
     q = np.asarray(q)
-    per = 32 // bits
-    if q.ndim == 0 or q.shape[-1] % per:
-        raise ValueError(f"last dim {q.shape[-1] if q.ndim else None} is not a multiple of {per} (bits={bits})")
+    if q.ndim == 0 or (q.shape[-1] * bits) % 32:
+        raise ValueError(f"last dim {q.shape[-1] if q.ndim else None} times {bits} bits is not a whole number "
+                         "of uint32 words")
     if q.size and (q.min() < 0 or q.max() >= (1 << bits)):
         raise ValueError(f"values must lie in [0, {(1 << bits) - 1}] for bits={bits}")
-    q32 = q.astype(np.uint32).reshape(*q.shape[:-1], q.shape[-1] // per, per)
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    return np.bitwise_or.reduce(q32 << shifts, axis=-1).astype(np.uint32)
+    n = q.shape[-1]
+    if 32 % bits == 0:
+        per = 32 // bits
+        q32 = q.astype(np.uint32).reshape(*q.shape[:-1], n // per, per)
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        return np.bitwise_or.reduce(q32 << shifts, axis=-1).astype(np.uint32)
+    # 3/5/6 bits: the stream's bits, 8 per byte, LSB first
+    stream = ((q.astype(np.uint8)[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(*q.shape[:-1], n * bits)
+    return np.packbits(stream, axis=-1, bitorder="little").view("<u4").astype(np.uint32)
 
 
 def unpack(wq: np.ndarray, bits: int) -> np.ndarray:
@@ -70,9 +79,14 @@ def unpack(wq: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError(f"packed weights must be uint32, got {wq.dtype}")
     if wq.ndim == 0:
         raise ValueError("packed weights must have at least one dimension")
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    q = (wq[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    return q.reshape(*wq.shape[:-1], wq.shape[-1] * (32 // bits)).astype(np.uint8)
+    if 32 % bits == 0:
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        q = (wq[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+        return q.reshape(*wq.shape[:-1], wq.shape[-1] * (32 // bits)).astype(np.uint8)
+    n = wq.shape[-1] * 32 // bits
+    stream = np.unpackbits(np.ascontiguousarray(wq, "<u4").view(np.uint8), axis=-1, bitorder="little")
+    stream = stream.reshape(*wq.shape[:-1], n, bits)
+    return (stream << np.arange(bits, dtype=np.uint8)).sum(axis=-1, dtype=np.uint8)
 
 
 def quantize(w: np.ndarray, bits: int, group_size: int, scale_dtype=ml_dtypes.bfloat16):

@@ -9,8 +9,15 @@ root=$(pwd)
 bdir="$root/build/dev-cmake"
 exec 9>/tmp/qwenmetal-build.lock
 flock 9
+# ccache, when installed, shares objects between worktrees of one checkout (paths made relative to
+# the directory above the repository, so /work/main and /work/wt-x hit the same entries)
+launcher=()
+if command -v ccache >/dev/null; then
+    export CCACHE_BASEDIR="$(dirname "$root")" CCACHE_NOHASHDIR=1
+    launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+fi
 if [ ! -f "$bdir/build.ninja" ]; then
-    cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD_PROJECT_NAME=qwenmetal \
+    cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD_PROJECT_NAME=qwenmetal "${launcher[@]}" \
         -DPython_EXECUTABLE="$(command -v python3)" -Dnanobind_DIR="$(python3 -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi
 cmake --build "$bdir" -j2 "$@"

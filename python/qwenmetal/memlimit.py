@@ -72,6 +72,12 @@ class LimitedRun:
     seconds: float
     cgroup_version: int
 
+    def summary(self) -> dict:
+        """The memory figures of the run, for a benchmark's JSON."""
+        return {"limit_bytes": self.limit_bytes, "peak_bytes": self.peak_bytes, "peak_method": self.peak_method,
+                "vmhwm_bytes": self.vmhwm_bytes, "oom_kills": self.oom_kills, "limit_hits": self.limit_hits,
+                "cgroup_version": self.cgroup_version, "returncode": self.returncode, "seconds": self.seconds}
+
     def check(self) -> "LimitedRun":
         """Raise RuntimeError with the child's stderr unless it exited 0 and reported a result."""
         if self.returncode != 0 or self.result is None:
@@ -292,13 +298,20 @@ def drop_page_cache(paths: Iterable[str | os.PathLike]) -> None:
                 os.close(fd)
 
 
-def run_python(code: str, limit_bytes: int, *, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               timeout: float | None = None, drop_cache: Iterable[str | os.PathLike] = ()) -> LimitedRun:
-    """Run ``python -c code *args`` in a new memory cgroup limited to `limit_bytes` (RSS + page cache, no
-    swap) and return what happened (:class:`LimitedRun`); the child hands back a value with :func:`report`.
-    `env` replaces the environment (default: ours); `timeout` seconds, after which the child is killed;
-    `drop_cache`: files / directories to evict from the page cache first (see the module docstring).
-    Raises MemoryLimitUnavailable where the OS gives no way to limit memory."""
+def run_python(code: str, limit_bytes: int, *, args: Sequence[str] = (), **kw) -> LimitedRun:
+    """:func:`run` of ``python -c code *args``; the child hands back a value with :func:`report`."""
+    return run([sys.executable, "-c", code, *args], limit_bytes, **kw)
+
+
+def run(argv: Sequence[str], limit_bytes: int, *, env: Mapping[str, str] | None = None,
+        timeout: float | None = None, drop_cache: Iterable[str | os.PathLike] = (),
+        stderr_to_ours: bool = False) -> LimitedRun:
+    """Run the command `argv` in a new memory cgroup limited to `limit_bytes` (RSS + page cache, no swap)
+    and return what happened (:class:`LimitedRun`). `env` replaces the environment (default: ours);
+    `timeout` seconds, after which the child is killed; `drop_cache`: files / directories to evict from
+    the page cache first (see the module docstring); `stderr_to_ours`: the child's stderr goes to ours
+    (progress of a long run) instead of into ``LimitedRun.stderr``. Raises MemoryLimitUnavailable where
+    the OS gives no way to limit memory."""
     if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes <= 0:
         raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
     cg_info = find_memory_cgroup()
@@ -311,8 +324,8 @@ def run_python(code: str, limit_bytes: int, *, args: Sequence[str] = (), env: Ma
         try:
             with open(os.path.join(tmp, "out"), "w+b") as out, open(os.path.join(tmp, "err"), "w+b") as err:
                 t0 = time.perf_counter()
-                proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=err, preexec_fn=cg.join_self)
+                proc = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=None if stderr_to_ours else err, preexec_fn=cg.join_self)
                 cg.start_sampling()
                 timer = threading.Timer(timeout, proc.kill) if timeout else None
                 if timer:

@@ -78,9 +78,9 @@ class LimitedRun:
                 "vmhwm_bytes": self.vmhwm_bytes, "oom_kills": self.oom_kills, "limit_hits": self.limit_hits,
                 "cgroup_version": self.cgroup_version, "returncode": self.returncode, "seconds": self.seconds}
 
-    def check(self) -> "LimitedRun":
-        """Raise RuntimeError with the child's stderr unless it exited 0 and reported a result."""
-        if self.returncode != 0 or self.result is None:
+    def check(self, result: bool = True) -> "LimitedRun":
+        """Raise RuntimeError with the child's stderr unless it exited 0 and (with `result`) reported a result."""
+        if self.returncode != 0 or (result and self.result is None):
             what = (f"killed by signal {-self.returncode}" if self.returncode < 0 else f"exit status {self.returncode}")
             raise RuntimeError(f"the child under a {self.limit_bytes / 2**20:.0f} MiB memory limit failed ({what}, "
                                f"{self.oom_kills} OOM kills, cgroup peak {self.peak_bytes / 2**20:.1f} MiB); "

@@ -81,8 +81,8 @@ def test_checkpoint_twice_the_limit_generates_the_resident_tokens():
     assert run.peak_bytes <= limit, f"cgroup peak {run.peak_bytes} > limit {limit}"
     assert experts["streaming"] is True and experts["slots_per_layer"] == SLOTS, experts
     assert experts["bytes_read"] > 0 and experts["hit_rate"] < 1.0, experts
-    # the pressure was real: the kernel had to reclaim to keep the child inside the limit
-    assert run.limit_hits > 0, f"the child never reached its {limit / 2**20:.1f} MiB limit (peak {run.peak_bytes})"
+    # the pressure was real: the child filled its limit (with page cache the kernel then had to reclaim)
+    assert run.peak_bytes > 0.9 * limit, f"the child never came near its {limit} byte limit (peak {run.peak_bytes})"
     # memory_budget="auto" sees the cgroup's limit
     assert 0 < run.result["auto_budget"] <= limit, run.result["auto_budget"]
 

@@ -140,27 +140,20 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         "prefill": [], "decode": [],
     }
 
-    # expert streaming (a backend that reports expert-cache counters): per-token figures of each timed block
-    streams = bool((expert_counters(model) or {}).get("streaming"))
-    counters = (lambda: expert_counters(model)) if streams else None
-    if streams:
-        from ..streaming import plan
-        shape = plan(c, sizes, None)        # the expert sizes and counts (budget None: never streams)
-        lookups, e_bytes = shape.moe_layers * shape.top_k, shape.expert_bytes
-    else:
-        lookups, e_bytes = 0, 0
+    # expert streaming (a backend with expert-cache counters): per-token figures of each timed block
+    counters = (lambda: expert_counters(model)) if expert_counters(model) else None
 
     fl = ForeignLoad().__enter__()
     for n in prefill_lens:
         before = counters() if counters else None
         r = time_prefill(model, n, repeats, max_context=max_context)
-        r["experts"] = per_token(before, counters() if counters else None, n * (1 + repeats), lookups, e_bytes)
+        r["experts"] = per_token(before, counters() if counters else None, n * (1 + repeats))
         result["prefill"].append(r)
         log(f"  prefill {n:6d} tokens: {r['tokens_per_second']:9.1f} tok/s ({r['seconds']:.3f} s)"
             + _experts_note(r["experts"]))
     for ctx in contexts:
         r = time_decode(model, ctx, steps, repeats, max_context=max_context, counters=counters)
-        r["experts"] = per_token(*r.pop("counters"), steps * repeats, lookups, e_bytes)
+        r["experts"] = per_token(*r.pop("counters"), steps * repeats)
         b = decode_bytes(c, sizes, ctx, kv_el)
         r["bytes_per_token"] = b["total"]
         r["bytes"] = b

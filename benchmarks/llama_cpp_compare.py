@@ -556,30 +556,22 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from qwenmetal.bench.cli import write_json
     if a.markdown:
         with open(a.markdown, encoding="utf-8") as f:
             print(format_markdown(json.load(f)))
         return 0
     if a.worker:
         a.flash_attn = a.flash_attn == "on"
-        res = llama_worker(a)
-        if a.json:
-            with open(a.json, "w", encoding="utf-8") as f:
-                json.dump(res, f, indent=2)
+        write_json(a.json, llama_worker(a))
         return 0
     if a.validate_only:
         from qwenmetal.paths import cache_dir
-        rows = validate(a.threads, cache_dir("bench"))
-        if a.json:
-            with open(a.json, "w", encoding="utf-8") as f:
-                json.dump({"validation": rows}, f, indent=2)
+        write_json(a.json, {"validation": validate(a.threads, cache_dir("bench"))})
         return 0
     result = compare(a)
     print(format_summary(result))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(a.json, result)
     return 0
 
 

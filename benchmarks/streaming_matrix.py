@@ -135,17 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--markdown", default=None, metavar="JSON", help="print the table of an earlier run and exit")
     a = p.parse_args(argv)
-    if a.markdown:
-        with open(a.markdown, encoding="utf-8") as f:
-            print(format_markdown(json.load(f)))
-        return 0
+    from qwenmetal.bench.cli import write_json
     a.policies = [x for x in a.policies.split(",") if x]
-    result = run_matrix(a)
+    result = json.loads(Path(a.markdown).read_text(encoding="utf-8")) if a.markdown else run_matrix(a)
     print(format_markdown(result))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    if not a.markdown:
+        write_json(a.json, result)
     return 0
 
 

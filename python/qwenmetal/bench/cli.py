@@ -454,11 +454,16 @@ def main_args(args: argparse.Namespace) -> int:
     else:
         res = run_limited(args, log=log) if args.memory_limit else run(args, log=log)
         print(format_table(res))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+    write_json(args.json, res)
     return 0
+
+
+def write_json(path: str | None, obj) -> None:
+    """Write a benchmark's results as indented JSON to `path` (nothing when it is None)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,8 @@ cgroups of --limits percent of its size (qwenmetal with each --policies expert-c
 
     python benchmarks/streaming_matrix.py --json streaming.json          # 100/50/25 %, lru/lfu/os, + llama.cpp
     python benchmarks/streaming_matrix.py --markdown streaming.json      # the table of an earlier run
+    python benchmarks/streaming_matrix.py --skip-llama --json a.json; ... --skip-qwenmetal --json b.json
+    python benchmarks/streaming_matrix.py --markdown a.json b.json       # the two halves in one table
 
 Every arm is a fresh process (`qwenmetal bench --memory-limit`, `llama_cpp_compare.py --worker` inside
 `qwenmetal.memlimit.run`), the checkpoint (or GGUF) evicted from the page cache first, so each limited arm
@@ -42,12 +44,12 @@ def run_matrix(a) -> dict:
               "--repeats", str(a.repeats), "--decode-steps", str(a.decode_steps)]
     qm = [sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--bandwidth-bytes", "0"] + common
     llama = [sys.executable, str(HERE / "llama_cpp_compare.py"), "--worker", "--gguf", str(gguf)] + common
-    arms = [("qwenmetal", None, None, qm)]
+    arms = [] if a.skip_qwenmetal else [("qwenmetal", None, None, qm)]
     if not a.skip_llama:
         arms.append(("llama.cpp", None, None, llama))
     for pct in a.limits:
         limit = size * pct // 100
-        for policy in (a.policies if pct < 100 else a.policies[:1]):
+        for policy in ([] if a.skip_qwenmetal else a.policies if pct < 100 else a.policies[:1]):
             arms.append(("qwenmetal", pct, policy, qm + ["--memory-limit", str(limit), "--expert-policy", policy]))
         if not a.skip_llama:
             arms.append(("llama.cpp", pct, None, llama + ["--no-repack"]))
@@ -132,12 +134,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--skip-qwenmetal", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--markdown", default=None, metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument("--markdown", default=None, nargs="+", metavar="JSON",
+                   help="print the table of earlier runs (their arms in order; bandwidths: the best of all) and exit")
     a = p.parse_args(argv)
     from qwenmetal.bench.cli import write_json
     a.policies = [x for x in a.policies.split(",") if x]
-    result = json.loads(Path(a.markdown).read_text(encoding="utf-8")) if a.markdown else run_matrix(a)
+    if a.markdown:
+        runs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in a.markdown]
+        result = dict(runs[0], arms=[x for r in runs for x in r["arms"]],
+                      bandwidth=[x for r in runs for x in r["bandwidth"]], disk=[x for r in runs for x in r["disk"]])
+    else:
+        result = run_matrix(a)
     print(format_markdown(result))
     if not a.markdown:
         write_json(a.json, result)

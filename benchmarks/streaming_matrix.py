@@ -29,7 +29,7 @@ from llama_cpp_compare import _csv, _run_json, convert_gguf, log  # noqa: E402
 
 
 def run_matrix(a) -> dict:
-    from qwenmetal.bench import ensure_checkpoint, measure_read_bandwidth, resolve_config
+    from qwenmetal.bench import ForeignLoad, ensure_checkpoint, measure_read_bandwidth, resolve_config
     from qwenmetal.bench.bandwidth import measure_file_read
     from qwenmetal.bench.cli import checkpoint_bytes
 
@@ -59,14 +59,15 @@ def run_matrix(a) -> dict:
     for engine, pct, policy, cmd in arms:
         limit = size * pct // 100 if pct else None
         t = time.perf_counter()
-        try:
-            # qwenmetal bench puts itself in the cgroup (--memory-limit); llama.cpp's worker is put there here
-            res = _run_json(cmd, f"{engine} {pct or 'resident'}% {policy or ''}",
-                            limit if engine == "llama.cpp" else None, drop_cache=[gguf] if limit else ())
-        except Exception as e:                      # an OOM-killed or failed arm is a result too
-            res = {"error": str(e)[-2000:]}
+        with ForeignLoad() as fl:       # the CPU time other processes took meanwhile (the box is shared)
+            try:
+                # qwenmetal bench puts itself in the cgroup (--memory-limit); llama.cpp's worker is put there here
+                res = _run_json(cmd, f"{engine} {pct or 'resident'}% {policy or ''}",
+                                limit if engine == "llama.cpp" else None, drop_cache=[gguf] if limit else ())
+            except Exception as e:                      # an OOM-killed or failed arm is a result too
+                res = {"error": str(e)[-2000:]}
         result["arms"].append({"engine": engine, "limit_percent": pct, "limit_bytes": limit, "policy": policy,
-                               "wall_seconds": time.perf_counter() - t, "result": res})
+                               "wall_seconds": time.perf_counter() - t, "foreign_load": fl.fraction, "result": res})
         log(format_row(result["arms"][-1]))
     result["bandwidth"].append(measure_read_bandwidth(a.threads))
     result["disk"].append(measure_file_read(shards))
@@ -85,7 +86,8 @@ def _row_values(arm: dict) -> dict:
             "hit_rate": e.get("hit_rate"), "mb_read_per_token": (e.get("bytes_read_per_token") or 0) / 1e6,
             "io_ms_per_token": 1e3 * (e.get("io_seconds_per_token") or 0), "slots": e.get("slots_per_layer"),
             "peak_gib": ml["peak_bytes"] / 2**30 if ml else res.get("peak_rss_bytes", 0) / 2**30,
-            "peak_kind": "cgroup peak" if ml else "peak RSS", "digest": d["digest"]}
+            "peak_kind": "cgroup peak" if ml else "peak RSS", "digest": d["digest"],
+            "foreign_load": arm.get("foreign_load", res.get("foreign_load"))}
 
 
 def format_row(arm: dict) -> str:
@@ -106,17 +108,18 @@ def format_markdown(result: dict) -> str:
     out = [f"Checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB; {result['threads']} threads; memory read bandwidth "
            f"{bw:.1f} GB/s, disk cold read {disk:.2f} GB/s (best of the runs before and after).", "",
            "| engine | memory limit | policy | slots / layer | decode tok/s | prefill tok/s | hit rate "
-           "| MB read / token | I/O ms / token | peak (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| MB read / token | I/O ms / token | peak (GiB) | other load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm in result["arms"]:
         v = _row_values(arm)
         lim = f"{arm['limit_percent']} % ({arm['limit_bytes'] / 2**30:.2f} GiB)" if arm["limit_percent"] else "none"
         if "error" in v:
-            out.append(f"| {arm['engine']} | {lim} | {arm['policy'] or '-'} | | failed: {v['error']} | | | | | |")
+            out.append(f"| {arm['engine']} | {lim} | {arm['policy'] or '-'} | | failed: {v['error']} | | | | | | |")
             continue
         hr = "-" if v["hit_rate"] is None else f"{100 * v['hit_rate']:.1f} %"
         out.append(f"| {arm['engine']} | {lim} | {arm['policy'] or '-'} | {v['slots'] or '-'} | {v['decode_tok_s']:.2f} | "
                    f"{v['prefill_tok_s']:.1f} | {hr} | {v['mb_read_per_token']:.1f} | {v['io_ms_per_token']:.1f} | "
-                   f"{v['peak_gib']:.2f} ({v['peak_kind']}) |")
+                   f"{v['peak_gib']:.2f} ({v['peak_kind']}) | "
+                   + ("-" if v["foreign_load"] is None else f"{100 * v['foreign_load']:.0f} %") + " |")
     return "\n".join(out)
 
 

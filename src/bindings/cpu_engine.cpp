@@ -50,13 +50,19 @@ const void* ptr_of(const nb::handle& h) {
     return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
 }
 
-TensorDesc parse_desc(const nb::dict& d) {
+// a tensor's format and shape: {bits, dtype, sdtype, group_size, shape}
+TensorDesc parse_format(const nb::dict& d) {
     TensorDesc t;
     t.bits = nb::cast<int>(d["bits"]);
     t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
     t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
     t.group_size = nb::cast<int>(d["group_size"]);
     for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
+    return t;
+}
+
+TensorDesc parse_desc(const nb::dict& d) {
+    TensorDesc t = parse_format(d);
     t.data = ptr_of(d["data"]);
     t.scales = ptr_of(d["scales"]);
     t.biases = ptr_of(d["biases"]);
@@ -122,16 +128,8 @@ StreamSpec parse_stream(const nb::dict& d) {
     }
     s.cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
     s.cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
-    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"])) {
-        nb::dict x = nb::cast<nb::dict>(v);
-        TensorDesc t;
-        t.bits = nb::cast<int>(x["bits"]);
-        t.group_size = nb::cast<int>(x["group_size"]);
-        t.dtype = parse_dtype(nb::cast<std::string>(x["dtype"]));
-        t.sdtype = parse_dtype(nb::cast<std::string>(x["sdtype"]));
-        for (nb::handle h : nb::cast<nb::list>(x["shape"])) t.shape.push_back(nb::cast<int64_t>(h));
-        s.stacks[nb::cast<std::string>(k)] = std::move(t);
-    }
+    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"]))
+        s.stacks[nb::cast<std::string>(k)] = parse_format(nb::cast<nb::dict>(v));
     return s;
 }
 

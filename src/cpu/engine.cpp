@@ -362,7 +362,8 @@ Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
     cpu::rope_inv_freq(c.rope_theta, c.rotary_dim, inv_freq_.data());
     if (stream) {
         if (stream->layers.size() != slot_bases.size())
-            throw std::invalid_argument("cpu engine: streaming: expert parts given for a layer that is not a MoE layer");
+            throw std::invalid_argument("cpu engine: streaming: expert parts given for a layer that is not a "
+                                        "MoE layer");
         ExpertCacheOptions co = stream->cache;
         co.num_experts = static_cast<int>(c.n_experts);
         cache_ = std::make_unique<ExpertCache>(stream->files, stream->layers, co, std::move(slot_bases));

@@ -6,7 +6,7 @@
     qwenmetal chat --model PATH_OR_ID    # interactive; /reset /save /load /history /stats /help /exit
     qwenmetal serve --model PATH_OR_ID [--port 8000] [--api-key KEY]   # OpenAI-compatible server
     qwenmetal convert --model HF_PATH_OR_ID --out DIR [--q-bits 4]     # as mlx_lm.convert -q
-    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate
+    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate, expert streaming
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
     qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
     qwenmetal selftest [--sim]           # the Metal backend on this machine's device, a report to paste
@@ -169,6 +169,9 @@ def cmd_info(args) -> int:
     for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
+    from . import streaming
+    for line in streaming.describe(streaming.plan(c, model.weights, args.memory_budget), args.hit_rate):
+        print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
     print(f"stop ids: {list(model.eos_token_ids)}")
@@ -392,6 +395,10 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
     _add_model_args(p, required=True)
+    p.add_argument("--memory-budget", default="auto", help="bytes the model may use ('auto': what this machine "
+                   "has free; or e.g. 12GiB): whether it streams its experts, and with how many cache slots")
+    p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
+                   "cache hit rate (0..1)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

@@ -6,6 +6,7 @@
     qwenmetal chat --model PATH_OR_ID    # interactive; /reset /save /load /history /stats /help /exit
     qwenmetal serve --model PATH_OR_ID [--port 8000] [--api-key KEY]   # OpenAI-compatible server
     qwenmetal convert --model HF_PATH_OR_ID --out DIR [--q-bits 4]     # as mlx_lm.convert -q
+    qwenmetal convert SRC DST --bits 4 --expert-bits 2    # routed experts at 2 bits, the rest at 4
     qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
     qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 
+from .errors import InputError
 from .paths import cache_dir
 
 DEMO_PROMPT = "The quick brown fox"
@@ -353,13 +355,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _either(args, positional: str, option: str):
+    """The value given as the positional argument or as --option (exactly one of them)."""
+    a, b = getattr(args, positional), getattr(args, option)
+    if (a is None) == (b is None):
+        raise InputError(f"give {positional.upper()} or --{option} (exactly one)", param=option)
+    return a if a is not None else b
+
+
 def cmd_convert(args) -> int:
     from .convert import convert
 
+    src, dst = _either(args, "src", "model"), _either(args, "dst", "out")
+    if args.no_quantize and args.expert_bits is not None:
+        raise InputError("--expert-bits needs quantization (drop --no-quantize)", param="expert_bits")
     t = time.perf_counter()
-    out = convert(args.model, args.out, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
-                  q_group_size=args.q_group_size, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                  progress=not args.quiet)
+    out = convert(src, dst, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
+                  q_group_size=args.q_group_size, expert_bits=args.expert_bits,
+                  max_shard_bytes=int(args.max_shard_gb * 2**30), progress=not args.quiet)
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
     print(f"wrote {out} ({size / 2**20:.1f} MiB of weights) in {time.perf_counter() - t:.1f} s")
     return 0
@@ -445,10 +458,14 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("convert", help="HF bf16 checkpoint -> MLX layout, 4-bit (as mlx_lm.convert -q)")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or hub id")
+    p.add_argument("src", nargs="?", help="Hugging Face checkpoint directory or hub id (or --model)")
+    p.add_argument("dst", nargs="?", help="output directory (or --out)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory or hub id")
     p.add_argument("--revision", default=None)
-    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--out", help="output directory (must not exist or be empty)")
+    p.add_argument("--q-bits", "--bits", dest="q_bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="routed experts' width (default: --q-bits); config.json records it per expert stack")
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--no-quantize", action="store_true", help="keep the weights unquantized (mlx_lm.convert without -q)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .errors import InputError
 from .fileio import atomic_dir, check_free_dir
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
 from .safetensors_io import SafetensorsWriter
@@ -236,13 +237,13 @@ def mlx_build(hf: Mapping[str, Lazy], cfg: dict, bits: int | None, group_size: i
     w = mlx_cast(mlx_sanitize(hf, cfg, c), cfg)
     if bits is None:
         if expert_bits is not None:
-            raise ValueError("expert_bits needs a quantized conversion (q_bits)")
+            raise InputError("expert_bits needs a quantized conversion (q_bits)", param="expert_bits")
         return w, None
     for name, b in (("q_bits", bits), ("expert_bits", expert_bits)):
         if b is not None and b not in SUPPORTED_BITS:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {b}")
+            raise InputError(f"{name} must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {b}", param=name)
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"q_group_size must be 32, 64 or 128, got {group_size}")
+        raise InputError(f"q_group_size must be 32, 64 or 128, got {group_size}", param="q_group_size")
     w, overrides = mlx_quantize(w, cfg, c, bits, group_size, expert_bits)
     return w, {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
 

@@ -151,9 +151,49 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _info_from_config(path: str, args) -> int:
+    """`info` on a directory with a config.json and no weights: sizes from the config alone, in the MLX
+    layout at the config's quantization block's widths, or at --bits / --expert-bits."""
+    import numpy as np
+
+    from .config import ModelConfig
+    from .weights_table import config_widths, virtual_weight_table
+
+    c = ModelConfig.from_file(path)
+    widths = config_widths(c) if args.bits is None else {"bits": args.bits}
+    widths.setdefault("bits", 4)
+    if args.expert_bits is not None:
+        widths["expert_bits"] = args.expert_bits
+    _, tensors, sizes = virtual_weight_table(c, **widths)
+    print(repr(c))
+    n_params = sum(int(np.prod(t["shape"])) for t in tensors.values())
+    routed = sum(v for k, v in sizes.items() if ".switch_mlp." in k)
+    total = sum(sizes.values())
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    eb = widths.get("expert_bits", widths["bits"])
+    print(f"no weights in {path}: sizes from config.json, MLX layout at {widths['bits']} bits "
+          f"(routed experts {eb}, group {widths.get('group_size', 64)})")
+    print(f"parameters (text model): {n_params / 1e9:.3f} B")
+    print(f"weights: {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB); routed experts {routed / 1e9:.2f} GB, "
+          f"everything else {(total - routed) / 1e9:.2f} GB")
+    if moe_layers:
+        print(f"one expert of one layer: {routed // (moe_layers * c.num_experts):,} bytes; "
+              f"{c.num_experts_per_tok} active per token over {moe_layers} MoE layers: "
+              f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
+    return 0
+
+
 def cmd_info(args) -> int:
     import numpy as np
 
+    from .model import resolve_checkpoint
+
+    path = resolve_checkpoint(args.model, getattr(args, "revision", None))
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return _info_from_config(path, args)
+    if args.bits is not None or args.expert_bits is not None:
+        raise InputError("--bits / --expert-bits size a config-only directory; this one has weights",
+                         param="bits" if args.bits is not None else "expert_bits")
     model = _load(args, quiet=True)
     c = model.config
     print(repr(model))
@@ -405,6 +445,10 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
     _add_model_args(p, required=True)
+    p.add_argument("--bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="a directory with only config.json: size it at this width (default: its quantization, else 4)")
+    p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="a directory with only config.json: the routed experts' width (default: --bits)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

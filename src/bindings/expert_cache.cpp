@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings/expert_cache.h"
 #include "bindings/registry.h"
 #include "core/expert_cache.h"
 
@@ -90,6 +91,13 @@ nb::dict stats(PyExpertCache& c) {
         std::lock_guard<std::mutex> lk(c.mu);
         s = c.cache->stats();
     }
+    return bindings::expert_stats_dict(s);
+}
+
+}  // namespace
+
+namespace qwenmetal::bindings {
+nb::dict expert_stats_dict(const ExpertCacheStats& s) {
     nb::dict d;
     d["lookups"] = s.lookups;
     d["hits"] = s.hits;
@@ -99,9 +107,6 @@ nb::dict stats(PyExpertCache& c) {
     return d;
 }
 
-}  // namespace
-
-namespace qwenmetal::bindings {
 void register_expert_cache(nb::module_& m) {
     nb::class_<PyExpertCache>(m, "ExpertCache",
                               "Fixed slots per MoE layer of routed experts streamed from files with parallel pread.")

@@ -4,11 +4,17 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <map>
+#include <optional>
+#include <tuple>
 
 #include "bindings/config.h"
+#include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/gpu.h"
 #include "bindings/weights_table.h"
@@ -57,6 +63,31 @@ nb::dict cost_dict(const StepCost& c) {
     d["level_bytes"] = copy_out<uint64_t>(b.data(), {b.size()});
     d["level_flops"] = copy_out<uint64_t>(f.data(), {f.size()});
     return d;
+}
+
+// The engine's `streaming` argument (metal_backend.py, from streaming.backend_streaming):
+// {"files": [path], "layers": {layer: [(file, offset, stride, nbytes) per part]}, "slots": S,
+//  "policy": "lru" | "lfu" | "os", optional "io_threads", "direct_io"}
+ExpertStreaming parse_streaming(nb::dict d, const Config& c) {
+    using PartTuple = std::tuple<int32_t, uint64_t, uint64_t, uint64_t>;
+    ExpertStreaming s;
+    for (const char* key : {"files", "layers", "slots", "policy"})
+        if (!d.contains(key)) throw std::invalid_argument(std::string("streaming: missing '") + key + "'");
+    for (auto [k, v] : d) {
+        const std::string key = nb::cast<std::string>(k);
+        if (key == "files") s.files = nb::cast<std::vector<std::string>>(v);
+        else if (key == "layers") {
+            for (auto& [l, parts] : nb::cast<std::map<int, std::vector<PartTuple>>>(v))
+                for (const auto& [file, offset, stride, nbytes] : parts)
+                    s.layers[l].push_back(ExpertPart{file, offset, stride, nbytes});
+        } else if (key == "slots") s.cache.slots_per_layer = nb::cast<int>(v);
+        else if (key == "policy") s.cache.policy = parse_cache_policy(nb::cast<std::string>(v));
+        else if (key == "io_threads") s.cache.io_threads = nb::cast<int>(v);
+        else if (key == "direct_io") s.cache.direct_io = nb::cast<bool>(v);
+        else throw std::invalid_argument("streaming: unknown key '" + key + "'");
+    }
+    s.cache.num_experts = int(c.n_experts);
+    return s;
 }
 
 void need_host(const Buffer& b, const char* what) {
@@ -130,7 +161,8 @@ void register_gpu_graph(nb::module_& g) {
     nb::class_<PyGpuEngine>(g, "GpuEngine")
         .def("__init__",
              [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
-                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill) {
+                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill,
+                nb::object streaming) {
                  Config c = parse_config(config);
                  WeightTable w = parse_table(mappings, tensors);
                  GpuOptions o;
@@ -157,16 +189,18 @@ void register_gpu_graph(nb::module_& g) {
                          o.gdn_route = ops::parse_gdn_route(nb::cast<std::string>(v));
                      } else throw std::invalid_argument("unknown prefill option '" + key + "'");
                  }
+                 std::optional<ExpertStreaming> stream;
+                 if (!streaming.is_none()) stream = parse_streaming(nb::cast<nb::dict>(streaming), c);
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
-                     self->model = std::make_shared<GpuModel>(dev, c, w, o);
+                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream);
                      self->engine = std::make_unique<GpuEngine>(self->model);
                  }
                  self->keepalive = keep;
              },
              "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a,
-             "prefill"_a = nb::dict())
+             "prefill"_a = nb::dict(), "streaming"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits, nb::handle consumed) {
@@ -226,7 +260,18 @@ void register_gpu_graph(nb::module_& g) {
         })
         .def_prop_ro("device", [](PyGpuEngine& e) { return e.model->device_ptr(); })
         .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })
-        .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); });
+        .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); })
+        .def_prop_ro("slot_bytes", [](PyGpuEngine& e) { return e.model->slot_bytes(); })
+        // streaming mode: the expert cache's counters (None when every expert is resident)
+        .def("expert_stats", [](PyGpuEngine& e) -> nb::object {
+            if (!e.model->experts()) return nb::none();
+            ExpertCacheStats st;
+            {
+                nb::gil_scoped_release r;          // waits for a running call (the engine's lock)
+                st = e.engine->expert_stats();
+            }
+            return expert_stats_dict(st);
+        });
 }
 
 }  // namespace qwenmetal::bindings

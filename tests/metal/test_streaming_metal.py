@@ -6,6 +6,7 @@ token. Against the same checkpoint fully resident on the same backend:
   (the same kernels on the same bytes), with fewer slots (batches, x rounded per batch) within tolerance;
 * prefill (token by token through the decode kernels, vs the resident chunked GEMMs): logits within the
   float build's tolerance;
+* command buffers and host waits per token: one per batch of each MoE layer's routing, plus one;
 * the routed experts are never bound from the mapping (weight_bytes drops by exactly their bytes; the slots
   hold slots x expert bytes per MoE layer), the cache's counters are reported, bad options are rejected.
 Simulator-verified, hardware-unverified.
@@ -63,7 +64,12 @@ def test_streaming_matches_resident(slots, resident):
     assert model._backend.engine.weight_bytes - be.engine.weight_bytes == plan.checkpoint_bytes - plan.resident_bytes
     assert be.engine.slot_bytes == plan.moe_layers * S * plan.expert_bytes
 
+    be.device.reset_counters()
     toks, state = _decode(be, arrays)
+    # per token: one wait after each MoE layer's top-k batch of the routing (ceil(k / S) each), one at the end
+    k_ = be.device.counters()
+    per_token = plan.moe_layers * -(-c.num_experts_per_tok // S) + 1
+    assert k_["host_waits"] == k_["command_buffers"] == N_DECODE * per_token
     assert toks == want_toks
     for k, want in want_state.items():
         if S >= c.num_experts_per_tok:          # one batch per layer: the resident step's arithmetic exactly

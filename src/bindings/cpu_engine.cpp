@@ -50,13 +50,19 @@ const void* ptr_of(const nb::handle& h) {
     return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
 }
 
-TensorDesc parse_desc(const nb::dict& d) {
+// a tensor's format and shape: {bits, dtype, sdtype, group_size, shape}
+TensorDesc parse_format(const nb::dict& d) {
     TensorDesc t;
     t.bits = nb::cast<int>(d["bits"]);
     t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
     t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
     t.group_size = nb::cast<int>(d["group_size"]);
     for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
+    return t;
+}
+
+TensorDesc parse_desc(const nb::dict& d) {
+    TensorDesc t = parse_format(d);
     t.data = ptr_of(d["data"]);
     t.scales = ptr_of(d["scales"]);
     t.biases = ptr_of(d["biases"]);
@@ -104,6 +110,49 @@ WMat wmat_of(const TensorDesc& d) {
     m.scales = d.scales;
     m.biases = d.biases;
     return m;
+}
+
+// The streaming spec cpu_backend.py hands over: {files: [path], layers: {layer: [(file, offset, stride,
+// nbytes)]}, slots_per_layer, policy ("lru" | "lfu" | "os"), stacks: {name: {bits, group_size, dtype,
+// sdtype, shape}}} (the stacks' format; no data pointers); the I/O options are ExpertCacheOptions' defaults
+StreamSpec parse_stream(const nb::dict& d) {
+    StreamSpec s;
+    for (nb::handle f : nb::cast<nb::list>(d["files"])) s.files.push_back(nb::cast<std::string>(f));
+    for (auto [k, v] : nb::cast<nb::dict>(d["layers"])) {
+        std::vector<ExpertPart>& parts = s.layers[nb::cast<int>(k)];
+        for (nb::handle h : nb::cast<nb::list>(v)) {
+            nb::tuple t = nb::cast<nb::tuple>(h);
+            parts.push_back(ExpertPart{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2]),
+                                       nb::cast<uint64_t>(t[3])});
+        }
+    }
+    s.cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
+    s.cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
+    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"]))
+        s.stacks[nb::cast<std::string>(k)] = parse_format(nb::cast<nb::dict>(v));
+    return s;
+}
+
+// ExpertCache statistics since the last reset, plus the tokens run through the engine in that time
+nb::dict expert_stats(Engine& e) {
+    nb::dict d;
+    const ExpertCache* c = e.expert_cache();
+    int64_t tokens = 0;
+    ExpertCacheStats st;
+    {
+        nb::gil_scoped_release release;
+        st = e.expert_stats(&tokens);
+    }
+    d["streaming"] = c != nullptr;
+    d["slots_per_layer"] = c ? c->slots_per_layer() : int(e.config().n_experts);
+    d["policy"] = c ? nb::cast(std::string(cache_policy_name(c->options().policy))) : nb::none();
+    d["lookups"] = st.lookups;
+    d["hits"] = st.hits;
+    d["misses"] = st.misses;
+    d["bytes_read"] = st.bytes_read;
+    d["io_seconds"] = st.io_seconds;
+    d["tokens"] = tokens;
+    return d;
 }
 
 struct PyEngine {
@@ -369,7 +418,8 @@ void register_cpu_engine(nb::module_& m) {
     nb::class_<PyEngine>(m, "CpuEngine", "The C++ CPU engine over one checkpoint's weights.")
         .def("__init__",
              [](PyEngine* self, nb::dict config, nb::list mappings, nb::dict tensors, nb::dict small, int threads,
-                bool kv_f32, int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations) {
+                bool kv_f32, int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations,
+                nb::object stream) {
                  Config c = parse_config(config);
                  const WeightTable w = bindings::parse_table(mappings, tensors);
                  std::map<std::string, TensorDesc> t;
@@ -385,15 +435,17 @@ void register_cpu_engine(nb::module_& m) {
                  o.prefill_chunk = prefill_chunk;
                  o.quantize = quantize;
                  o.act_planes = activation_planes(activations);
+                 std::unique_ptr<StreamSpec> spec;
+                 if (!stream.is_none()) spec = std::make_unique<StreamSpec>(parse_stream(nb::cast<nb::dict>(stream)));
                  std::unique_ptr<Engine> e;
                  {
                      nb::gil_scoped_release release;
-                     e = std::make_unique<Engine>(c, t, s, o);
+                     e = std::make_unique<Engine>(c, t, s, o, spec.get());
                  }
                  new (self) PyEngine{std::move(e), keepalive};
              },
              "config"_a, "mappings"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
-             "keepalive"_a, "activations"_a = "float")
+             "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
@@ -411,7 +463,12 @@ void register_cpu_engine(nb::module_& m) {
         .def_prop_ro("weight_nbytes", [](PyEngine& pe) { return pe.engine->weight_bytes(); },
                      "bytes of weights the forward pass reads from (mapped + owned)")
         .def_prop_ro("owned_weight_nbytes", [](PyEngine& pe) { return pe.engine->owned_weight_bytes(); },
-                     "bytes of weights held in engine memory (quantized at load)");
+                     "bytes of weights held in engine memory (quantized at load, streamed experts' slots)")
+        .def("expert_stats", [](PyEngine& pe) { return expert_stats(*pe.engine); },
+             "{streaming, slots_per_layer, policy, lookups, hits, misses, bytes_read, io_seconds, tokens} since "
+             "the last reset_expert_stats (all zero when not streaming)")
+        .def("reset_expert_stats", [](PyEngine& pe) { pe.engine->reset_expert_stats(); },
+             nb::call_guard<nb::gil_scoped_release>());
 
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");

@@ -45,9 +45,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .cpu_backend import config_dict
+from .cpu_backend import config_dict, stream_spec
+from .generation import expert_stats
 from .session_io import gdn_state_arrays, gdn_state_vectors
-from .streaming import backend_streaming, expert_stats_dict
+from .streaming import plan as stream_plan
 from .weights import Weights
 from .weights_table import virtual_weight_table, weight_table
 
@@ -84,7 +85,9 @@ class _GpuBackend:
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
                  expert_policy=None):
         prefill = prefill_options(prefill_chunk, gemm_route, gdn_route)
-        self.stream_plan, streaming = backend_streaming(weights, memory_budget, expert_slots, expert_policy)
+        self.plan = stream_plan(weights.config, weights, memory_budget, slots_per_layer=expert_slots,
+                                policy=expert_policy)
+        streaming = stream_spec(weights, self.plan) if self.plan.stream else None
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kv_dtype is None:
@@ -159,16 +162,20 @@ class _GpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
-    def expert_stats(self) -> dict:
-        """The streaming state and the expert cache's counters since load (contract §5's "experts" dict;
-        ``streaming`` False and zeros when every expert is resident)."""
-        return expert_stats_dict(self.stream_plan, self.engine.expert_stats())
+    # ---- expert streaming statistics (generation.expert_stats summarises them) -------------------
+    def expert_counters(self) -> dict:
+        """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
+        policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
+        return self.engine.expert_stats()
+
+    def reset_expert_stats(self) -> None:
+        self.engine.reset_expert_stats()
 
     def info(self) -> dict:
         return {"device": dict(self.device.info), "dtype": self.dtype, "kv_dtype": self.kv_dtype,
                 "prefill_chunk": self.prefill_chunk, "gemm_route": self.gemm_route, "gdn_route": self.gdn_route,
                 "weight_bytes": self.engine.weight_bytes, "copied_bytes": self.engine.copied_bytes,
-                "slot_bytes": self.engine.slot_bytes, "experts": self.expert_stats(),
+                "slot_bytes": self.engine.slot_bytes, "experts": expert_stats(self.expert_counters()),
                 "status": "simulator-verified, hardware-unverified"}
 
     def __repr__(self) -> str:

@@ -325,26 +325,3 @@ def describe(p: StreamPlan, hit_rate: float | None = None) -> list[str]:
         lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {_size(p.bytes_per_token(h))} per token")
     return lines
 
-
-# ---------------------------------------------------------------------------------------------------
-def backend_streaming(weights, memory_budget="auto", expert_slots=None, expert_policy=None
-                      ) -> tuple[StreamPlan, dict | None]:
-    """Model.load's streaming options for a backend engine (one parser for cpu and metal): the plan of
-    `weights` under them (InputError naming the option on a bad value) and, when it streams, the engine's
-    ``streaming`` argument {"files", "layers" (as `cache_tables`), "slots", "policy"}; else None."""
-    p = plan(weights.config, weights, memory_budget, slots_per_layer=expert_slots, policy=expert_policy)
-    if not p.stream:
-        return p, None
-    files, layers = cache_tables(expert_layout(weights))
-    return p, {"files": files, "layers": layers, "slots": p.slots_per_layer, "policy": p.policy}
-
-
-def expert_stats_dict(p: StreamPlan, counters: dict | None, tokens: int | None = None) -> dict:
-    """The ``"experts"`` entry of a backend's info() and of generation stats: the plan's streaming state and
-    the cache's counters (``_core`` ExpertCache stats; None or zeros when not streaming). `tokens`: the
-    tokens the counters cover (bytes_per_token = bytes_read / tokens; None: not reported)."""
-    c = counters or {}
-    lookups, hits, read = int(c.get("lookups", 0)), int(c.get("hits", 0)), int(c.get("bytes_read", 0))
-    return {"streaming": p.stream, "slots_per_layer": p.slots_per_layer, "policy": p.policy,
-            "hit_rate": hits / lookups if lookups else None, "bytes_read": read,
-            "bytes_per_token": read / tokens if tokens else None, "io_seconds": float(c.get("io_seconds", 0.0))}

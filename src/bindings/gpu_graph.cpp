@@ -4,14 +4,10 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
-#include <nanobind/stl/map.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
-#include <map>
 #include <optional>
-#include <tuple>
 
 #include "bindings/config.h"
 #include "bindings/expert_cache.h"
@@ -63,31 +59,6 @@ nb::dict cost_dict(const StepCost& c) {
     d["level_bytes"] = copy_out<uint64_t>(b.data(), {b.size()});
     d["level_flops"] = copy_out<uint64_t>(f.data(), {f.size()});
     return d;
-}
-
-// The engine's `streaming` argument (metal_backend.py, from streaming.backend_streaming):
-// {"files": [path], "layers": {layer: [(file, offset, stride, nbytes) per part]}, "slots": S,
-//  "policy": "lru" | "lfu" | "os", optional "io_threads", "direct_io"}
-ExpertStreaming parse_streaming(nb::dict d, const Config& c) {
-    using PartTuple = std::tuple<int32_t, uint64_t, uint64_t, uint64_t>;
-    ExpertStreaming s;
-    for (const char* key : {"files", "layers", "slots", "policy"})
-        if (!d.contains(key)) throw std::invalid_argument(std::string("streaming: missing '") + key + "'");
-    for (auto [k, v] : d) {
-        const std::string key = nb::cast<std::string>(k);
-        if (key == "files") s.files = nb::cast<std::vector<std::string>>(v);
-        else if (key == "layers") {
-            for (auto& [l, parts] : nb::cast<std::map<int, std::vector<PartTuple>>>(v))
-                for (const auto& [file, offset, stride, nbytes] : parts)
-                    s.layers[l].push_back(ExpertPart{file, offset, stride, nbytes});
-        } else if (key == "slots") s.cache.slots_per_layer = nb::cast<int>(v);
-        else if (key == "policy") s.cache.policy = parse_cache_policy(nb::cast<std::string>(v));
-        else if (key == "io_threads") s.cache.io_threads = nb::cast<int>(v);
-        else if (key == "direct_io") s.cache.direct_io = nb::cast<bool>(v);
-        else throw std::invalid_argument("streaming: unknown key '" + key + "'");
-    }
-    s.cache.num_experts = int(c.n_experts);
-    return s;
 }
 
 void need_host(const Buffer& b, const char* what) {
@@ -189,8 +160,14 @@ void register_gpu_graph(nb::module_& g) {
                          o.gdn_route = ops::parse_gdn_route(nb::cast<std::string>(v));
                      } else throw std::invalid_argument("unknown prefill option '" + key + "'");
                  }
+                 // streaming: cpu_backend.stream_spec's dict (its "stacks" unused: the GPU model reads the
+                 // stacks' formats from the weights table)
                  std::optional<ExpertStreaming> stream;
-                 if (!streaming.is_none()) stream = parse_streaming(nb::cast<nb::dict>(streaming), c);
+                 if (!streaming.is_none()) {
+                     stream.emplace();
+                     parse_stream_tables(nb::cast<nb::dict>(streaming), stream->files, stream->layers, stream->cache);
+                     stream->cache.num_experts = int(c.n_experts);
+                 }
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
@@ -262,16 +239,18 @@ void register_gpu_graph(nb::module_& g) {
         .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })
         .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); })
         .def_prop_ro("slot_bytes", [](PyGpuEngine& e) { return e.model->slot_bytes(); })
-        // streaming mode: the expert cache's counters (None when every expert is resident)
-        .def("expert_stats", [](PyGpuEngine& e) -> nb::object {
-            if (!e.model->experts()) return nb::none();
+        .def("expert_stats", [](PyGpuEngine& e) {
+            int64_t tokens = 0;
             ExpertCacheStats st;
             {
                 nb::gil_scoped_release r;          // waits for a running call (the engine's lock)
-                st = e.engine->expert_stats();
+                st = e.engine->expert_stats(&tokens);
             }
-            return expert_stats_dict(st);
-        });
+            return engine_expert_stats(e.model->experts(), st, tokens, int(e.model->config().n_experts));
+        }, "{streaming, slots_per_layer, policy, lookups, hits, misses, bytes_read, io_seconds, tokens} since the "
+           "last reset_expert_stats (zeros when not streaming)")
+        .def("reset_expert_stats", [](PyGpuEngine& e) { e.engine->reset_expert_stats(); },
+             nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace qwenmetal::bindings

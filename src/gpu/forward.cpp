@@ -301,6 +301,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
     if (logits || sc) encode_head(*e, position, out_slot, sc);
     cb->commit();
     cb->wait();
+    ++stream_tokens_;
 }
 
 // ---------------------------------------------------------------------------------------------- prefill
@@ -490,9 +491,16 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     }
 }
 
-ExpertCacheStats GpuEngine::expert_stats() {
+ExpertCacheStats GpuEngine::expert_stats(int64_t* tokens) {
     std::lock_guard<std::mutex> lock(mu_);
+    *tokens = stream_tokens_;
     return m_->experts() ? m_->experts()->stats() : ExpertCacheStats{};
+}
+
+void GpuEngine::reset_expert_stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (m_->experts()) m_->experts()->reset_stats();
+    stream_tokens_ = 0;
 }
 
 // Streaming prefill: each token is one stream_step (the routing of a token is known only after its

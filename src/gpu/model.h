@@ -205,8 +205,10 @@ class GpuEngine {
     uint32_t prefill_chunk() const { return chunk_; }
     uint32_t logits_rows() const;                 // rows of a want-2 chunk
     ops::GemmRoute gemm_route() const { return gemm_route_; }
-    // streaming mode: the expert cache's counters since load (between calls: takes the engine's lock)
-    ExpertCacheStats expert_stats();
+    // streaming mode: the expert cache's counters and the tokens run (decoded or prefilled) since the last
+    // reset_expert_stats(); zeros when not streaming. Both wait for a running call (the engine's lock).
+    ExpertCacheStats expert_stats(int64_t* tokens);
+    void reset_expert_stats();
 
     // Pipelined decode: `first` is the next input token; generates up to `n` tokens sampled on the
     // GPU (argmax or the GPU sampler), one command buffer per token with the next one committed
@@ -244,6 +246,7 @@ class GpuEngine {
     std::unique_ptr<Scratch> sc_;
     std::unique_ptr<Chunk> ch_;
     uint32_t chunk_ = 0;
+    int64_t stream_tokens_ = 0;                   // streaming: tokens run since reset_expert_stats()
     ops::GemmRoute gemm_route_ = ops::GemmRoute::Simdgroup;
     std::mutex mu_;
 };

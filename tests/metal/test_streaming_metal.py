@@ -58,7 +58,7 @@ def test_streaming_matches_resident(slots, resident):
     S = {"one": 1, "top_k": c.num_experts_per_tok, "all": c.num_experts}[slots]
     m = qm.Model.load(model.path, backend=BACKEND, dtype="float32", expert_slots=S, expert_policy="lru")
     be = m._backend
-    plan = be.stream_plan
+    plan = be.plan
     assert plan.stream and plan.slots_per_layer == S
     # the routed experts are not bound from the mapping: only the slot stacks hold them
     assert model._backend.engine.weight_bytes - be.engine.weight_bytes == plan.checkpoint_bytes - plan.resident_bytes
@@ -81,15 +81,21 @@ def test_streaming_matches_resident(slots, resident):
     pre = m.prefill(s, PROMPT[:-1], return_logits="all")
     assert rel_range_err(pre, want_pre) < 1e-4
 
-    st = be.expert_stats()
-    lookups = (len(PROMPT) - 1 + N_DECODE) * plan.moe_layers * c.num_experts_per_tok
-    assert st["streaming"] and st["slots_per_layer"] == S and st["policy"] == "lru"
-    assert 0.0 <= st["hit_rate"] <= 1.0
-    raw = be.engine.expert_stats()
-    assert raw["lookups"] == lookups and raw["hits"] + raw["misses"] == lookups
-    assert st["bytes_read"] == raw["misses"] * plan.expert_bytes > 0
+    raw = be.expert_counters()
+    tokens = len(PROMPT) - 1 + N_DECODE
+    lookups = tokens * plan.moe_layers * c.num_experts_per_tok
+    assert raw["streaming"] and raw["slots_per_layer"] == S and raw["policy"] == "lru"
+    assert raw["tokens"] == tokens and raw["lookups"] == lookups and raw["hits"] + raw["misses"] == lookups
+    assert raw["bytes_read"] == raw["misses"] * plan.expert_bytes > 0
     if S == c.num_experts:                      # every expert read at most once
         assert raw["misses"] <= plan.moe_layers * c.num_experts
+    st = be.info()["experts"]
+    assert st["hit_rate"] == raw["hits"] / lookups and st["bytes_per_token"] == raw["bytes_read"] / tokens
+    if slots == "top_k":                        # a generation reports its own expert stats
+        out = list(m.generate(PROMPT, max_tokens=2, temperature=0))[-1]
+        g = out.stats["experts"]
+        assert g["streaming"] and g["slots_per_layer"] == S and 0.0 <= g["hit_rate"] <= 1.0
+        assert g["bytes_read"] == be.expert_counters()["bytes_read"] and g["bytes_per_token"] >= 0
 
 
 def test_streaming_bfloat_build_exact(resident):
@@ -111,14 +117,14 @@ def test_streaming_other_formats(preset, fmt, resident):
     assert toks == want_toks
     for k, want in want_state.items():
         assert rel_range_err(state[k], want) < 1e-4, k
-    assert m._backend.expert_stats()["policy"] == "lfu"
+    assert m._backend.expert_counters()["policy"] == "lfu"
 
 
 def test_resident_when_it_fits():
     m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend=BACKEND)
-    st = m._backend.expert_stats()
-    assert not st["streaming"] and st["bytes_read"] == 0 and st["hit_rate"] is None
-    assert m._backend.info()["experts"] == st and m._backend.engine.slot_bytes == 0
+    st = m._backend.info()["experts"]
+    assert not st["streaming"] and st["bytes_read"] == 0 and np.isnan(st["hit_rate"])
+    assert not m._backend.plan.stream and m._backend.engine.slot_bytes == 0
 
 
 @pytest.mark.parametrize("options,match", [

@@ -35,6 +35,18 @@ void store_act(Act t, float v, uint8_t* dst, size_t i) {
 
 constexpr uint64_t kAlign = 16;   // vector loads of weights / scales
 
+// streaming: MoE layer `layer`'s expert parts in the layout, which must be `count` of them
+const std::vector<ExpertPart>& layer_parts(const ExpertStreaming& st, int layer, size_t count) {
+    static const std::vector<ExpertPart> none;
+    const auto it = st.layers.find(layer);
+    const std::vector<ExpertPart>& p = it == st.layers.end() ? none : it->second;
+    if (p.size() != count)
+        throw std::invalid_argument("metal backend: streaming: MoE layer " + std::to_string(layer) + " has " +
+                                    std::to_string(p.size()) + " expert parts in the layout, its stacks need " +
+                                    std::to_string(count));
+    return p;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -271,25 +283,15 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
             if (!stream) {
                 for (int j = 0; j < 3; ++j) *dst[j] = matrix(w, m + "switch_mlp." + mats[j]);
             } else {
-                auto it = stream->layers.find(int(i));
-                if (it == stream->layers.end())
-                    throw std::invalid_argument("metal backend: streaming: no expert layout for MoE layer " +
-                                                std::to_string(i));
-                const std::vector<ExpertPart>& parts = it->second;
-                std::vector<void*>& b = bases[int(i)];
-                size_t p0 = 0;
-                for (int j = 0; j < 3; ++j) {
-                    const size_t np = w.get(m + "switch_mlp." + mats[j]).bits ? 3 : 1;
-                    if (p0 + np > parts.size())
-                        throw std::invalid_argument("metal backend: streaming: layer " + std::to_string(i) +
-                                                    " has " + std::to_string(parts.size()) + " expert parts, too few");
-                    *dst[j] = slot_stack(w, m + "switch_mlp." + mats[j], parts.data() + p0, uint32_t(S), b);
-                    p0 += np;
+                // the layer's parts: 3 per quantized stack (weight, scales, biases), 1 per dense one
+                size_t want = 0;
+                for (const char* mat : mats) want += w.get(m + "switch_mlp." + mat).bits ? 3 : 1;
+                const std::vector<ExpertPart>& parts = layer_parts(*stream, int(i), want);
+                for (int j = 0, p0 = 0; j < 3; ++j) {
+                    *dst[j] = slot_stack(w, m + "switch_mlp." + mats[j], parts.data() + p0, uint32_t(S),
+                                         bases[int(i)]);
+                    p0 += quantized(dst[j]->fmt) ? 3 : 1;
                 }
-                if (p0 != parts.size())
-                    throw std::invalid_argument("metal backend: streaming: layer " + std::to_string(i) + " has " +
-                                                std::to_string(parts.size()) + " expert parts, expected " +
-                                                std::to_string(p0));
             }
             if (L.has_shared) {
                 Stacked gu = stacked(w, {m + "shared_expert.gate_proj", m + "shared_expert.up_proj"});

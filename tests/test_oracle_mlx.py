@@ -2,7 +2,8 @@
 
 The random HF models of ``test_oracle_hf`` are converted with ``mlx_lm.convert`` exactly as a real checkpoint
 is: 4-bit group-64 affine with bf16 scales/biases, router and shared_expert_gate 8-bit, stacked experts, norms
-stored shifted (1 + w), conv1d as [C, K, 1]. mlx-lm runs the *same quantized weights* with every floating
+stored shifted (1 + w), conv1d as [C, K, 1]; our own fixtures at 3/5 bits and with 2-bit experts, and
+`qwenmetal convert --expert-bits 2`'s output, are run by mlx-lm as they are. mlx-lm runs the *same quantized weights* with every floating
 parameter cast to float32 (bf16 -> f32 is exact), so the reference, which dequantizes to float32, must agree
 with it to 1e-4. The unquantized conversion (float32) must agree with both mlx-lm and HF.
 """
@@ -75,6 +76,33 @@ def test_quantized_checkpoint_matches_mlx(oracle, case):
     assert_close(f"{_id(case)} prefill logits vs mlx-lm", pre, ref.pre, ATOL)
     assert_close(f"{_id(case)} decode logits vs mlx-lm", dec, ref.dec, ATOL)
     assert_same_greedy(_id(case), toks, ref.toks, greedy_rows(ref.pre, ref.dec))
+
+
+@pytest.fixture(scope="module")
+def converted_e2(tmp_path_factory):
+    """`qwenmetal convert --bits 4 --expert-bits 2` of the tiny hf-bf16 fixture."""
+    from qwenmetal.convert import convert
+    from qwenmetal.testing import cached_checkpoint
+    return convert(cached_checkpoint("tiny", "hf-bf16"), tmp_path_factory.mktemp("e2") / "out", expert_bits=2)
+
+
+@pytest.mark.parametrize("source", ["mlx-q3", "mlx-q5", "mlx-q4-e2", "convert --expert-bits 2"])
+def test_low_bit_and_mixed_checkpoints_match_mlx(source, request):
+    """Our fixtures at 3 and 5 bits, with 2-bit experts (config.json's per-path overrides), and the output of
+    `convert --expert-bits 2`, as mlx-lm loads them (each SwitchLinear at the width the file says): a 16-token
+    prefill and 4 greedy decode steps agree with mlx-lm float32 within 1e-4 on the reference backend."""
+    from qwenmetal.testing import cached_checkpoint
+    path = request.getfixturevalue("converted_e2") if source.startswith("convert") else cached_checkpoint("tiny", source)
+    mx_model = mlx_load_f32(path)
+    bits, expert_bits = {"mlx-q3": (3, 3), "mlx-q5": (5, 5)}.get(source, (4, 2))
+    lm = mx_model.language_model.model
+    assert (lm.embed_tokens.bits, lm.layers[0].mlp.switch_mlp.up_proj.bits) == (bits, expert_bits)
+    ids = prompt(16, 414, seed=7)
+    pre, dec, toks = mlx_logits(mx_model, ids, 4)
+    got_pre, got_dec, got_toks = qm_logits(load(path), ids, 4, forced_tokens=toks)
+    assert_close(f"{source} prefill vs mlx-lm", got_pre, pre, ATOL)
+    assert_close(f"{source} decode vs mlx-lm", got_dec, dec, ATOL)
+    assert_same_greedy(source, got_toks, toks, greedy_rows(pre, dec))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -103,8 +103,25 @@ def test_qwen35_397b_from_its_config_alone(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"weights: {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB)" in out and "7,077,888 bytes" in out
     assert "10 active per token over 60 MoE layers" in out
-    assert main(["info", "--model", str(d), "--expert-bits", "2"]) == 0
-    assert f"weights: {sum(low.values()) / 1e9:.2f} GB" in capsys.readouterr().out
+    assert main(["info", "--model", str(d), "--expert-bits", "2", "--memory-budget", "48GiB", "--hit-rate", "0.71"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights: {sum(low.values()) / 1e9:.2f} GB" in out and "expert streaming: yes" in out
+    assert "at hit rate 71.0% (given)" in out
     # on a checkpoint with weights the widths are the files': --bits is refused
     assert main(["info", "--model", str(cached_checkpoint("tiny", "mlx-q4", seed=0)), "--bits", "2"]) == 2
     assert "--bits / --expert-bits size a config-only directory" in capsys.readouterr().err
+
+
+def test_config_widths_refuses_per_layer_expert_widths():
+    """A recipe giving layers' experts different widths (mlx-lm's mixed_3_6) cannot be sized from one
+    expert width: a CheckpointError, not a wrong total."""
+    from qwenmetal.config import ModelConfig
+    from qwenmetal.errors import CheckpointError
+    from qwenmetal.testing import PRESETS
+    from qwenmetal.weights_table import config_widths
+    cfg = json.loads(json.dumps(PRESETS["tiny"]))
+    p = "language_model.model.layers.{}.mlp.switch_mlp.down_proj"
+    cfg["quantization"] = {"group_size": 64, "bits": 3, p.format(0): {"group_size": 64, "bits": 3},
+                           p.format(3): {"group_size": 64, "bits": 6}}
+    with pytest.raises(CheckpointError, match="different widths per layer: sizing it needs the weights"):
+        config_widths(ModelConfig.from_dict(cfg))

@@ -156,6 +156,7 @@ def _info_from_config(path: str, args) -> int:
     layout at the config's quantization block's widths, or at --bits / --expert-bits."""
     import numpy as np
 
+    from . import streaming
     from .config import ModelConfig
     from .weights_table import config_widths, virtual_weight_table
 
@@ -167,7 +168,7 @@ def _info_from_config(path: str, args) -> int:
     _, tensors, sizes = virtual_weight_table(c, **widths)
     print(repr(c))
     n_params = sum(int(np.prod(t["shape"])) for t in tensors.values())
-    routed = sum(v for k, v in sizes.items() if ".switch_mlp." in k)
+    routed = sum(v for k, v in sizes.items() if streaming.is_routed_expert(k))
     total = sum(sizes.values())
     moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     eb = widths.get("expert_bits", widths["bits"])
@@ -180,15 +181,9 @@ def _info_from_config(path: str, args) -> int:
         print(f"one expert of one layer: {routed // (moe_layers * c.num_experts):,} bytes; "
               f"{c.num_experts_per_tok} active per token over {moe_layers} MoE layers: "
               f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
-    _print_streaming(c, sizes, args)
-    return 0
-
-
-def _print_streaming(config, weights_or_sizes, args) -> None:
-    """info's expert-streaming lines: the plan under --memory-budget here, SSD bytes per token at --hit-rate."""
-    from . import streaming
-    for line in streaming.describe(streaming.plan(config, weights_or_sizes, args.memory_budget), args.hit_rate):
+    for line in streaming.describe(streaming.plan(c, sizes, args.memory_budget), args.hit_rate):
         print(line)
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -219,7 +214,9 @@ def cmd_info(args) -> int:
     for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
-    _print_streaming(c, model.weights, args)
+    from . import streaming
+    for line in streaming.describe(streaming.plan(c, model.weights, args.memory_budget), args.hit_rate):
+        print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
     print(f"stop ids: {list(model.eos_token_ids)}")
@@ -454,14 +451,14 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
     _add_model_args(p, required=True)
-    p.add_argument("--memory-budget", default="auto", help="bytes the model may use ('auto': what this machine "
-                   "has free; or e.g. 12GiB): whether it streams its experts, and with how many cache slots")
-    p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
-                   "cache hit rate (0..1)")
     p.add_argument("--bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
                    help="a directory with only config.json: size it at this width (default: its quantization, else 4)")
     p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
                    help="a directory with only config.json: the routed experts' width (default: --bits)")
+    p.add_argument("--memory-budget", default="auto", help="bytes the model may use ('auto': what this machine "
+                   "has free; or e.g. 12GiB): whether it streams its experts, and with how many cache slots")
+    p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
+                   "cache hit rate (0..1)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

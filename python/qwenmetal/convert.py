@@ -40,6 +40,7 @@ from .errors import InputError
 from .fileio import atomic_dir, check_free_dir
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
 from .safetensors_io import SafetensorsWriter
+from .streaming import is_routed_expert
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_SHARD_BYTES = 5 << 30                    # mlx-lm's MAX_FILE_SIZE_GB = 5
@@ -180,11 +181,6 @@ def mlx_cast(w: dict[str, Lazy], cfg: dict) -> dict[str, Lazy]:
     keep_a_log = family(cfg) == "qwen3_5"            # qwen3_5's cast_predicate skips A_log
     return {k: (v if (keep_a_log and k.endswith("A_log")) else
                 Lazy(v.shape, dt, lambda v=v: v.load().astype(dt))) for k, v in w.items()}
-
-
-def is_routed_expert(path: str) -> bool:
-    """Whether module path `path` is a routed-expert stack (``...mlp.switch_mlp.{gate,up,down}_proj``)."""
-    return ".switch_mlp." in path
 
 
 _MODULE_RANK = ("mlp.gate", "switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj", "shared_expert_gate")

@@ -200,10 +200,12 @@ def config_widths(config) -> dict:
     ``group_size`` its default, ``router_bits`` the router's override, ``expert_bits`` the routed
     experts' override), or {} for a dense config. CheckpointError when the routed experts' overrides
     differ between layers (a per-layer recipe only the weights themselves can size)."""
+    from .streaming import is_routed_expert      # (streaming builds on this module)
+
     q = config.quantization
     if q is None:
         return {}
-    routed = {(s.bits, s.group_size) for p, s in q.overrides.items() if ".switch_mlp." in p}
+    routed = {(s.bits, s.group_size) for p, s in q.overrides.items() if is_routed_expert(p)}
     routers = {s.bits for p, s in q.overrides.items() if p.endswith("mlp.gate")}
     if len(routed) > 1 or len(routers) > 1 or any(g != q.default.group_size for _, g in routed):
         raise CheckpointError("config.json's quantization block gives the routed experts (or routers) different "

@@ -61,7 +61,7 @@ PyExpertCache::PyExpertCache(std::vector<std::string> files, std::map<int, std::
         for (size_t p = 0; p < ps.size(); ++p) {
             const auto& [file, offset, stride, nbytes] = ps[p];
             Bytes& a = s->second[p];
-            if (slots_per_layer < 1 || a.shape(0) != uint64_t(slots_per_layer) * nbytes)
+            if (a.shape(0) != uint64_t(slots_per_layer) * nbytes)
                 throw std::invalid_argument("slots[" + std::to_string(l) + "][" + std::to_string(p) + "] must have " +
                                             "slots_per_layer * nbytes bytes, has " + std::to_string(a.shape(0)));
             parts[l].push_back(ExpertPart{file, offset, stride, nbytes});

@@ -8,10 +8,13 @@ token. Against the same checkpoint fully resident on the same backend:
   float build's tolerance;
 * command buffers and host waits per token: one per batch of each MoE layer's routing, plus one;
 * the routed experts are never bound from the mapping (weight_bytes drops by exactly their bytes; the slots
-  hold slots x expert bytes per MoE layer), the cache's counters are reported, bad options are rejected.
+  hold slots x expert bytes per MoE layer) nor touched through it (/proc/self/pagemap), the cache's
+  counters are reported, bad options are rejected.
 Simulator-verified, hardware-unverified.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from qwenmetal.errors import InputError
 from qwenmetal.testing import cached_checkpoint
 
 from model_runs import rel_range_err
+from test_streaming_cpu import CFG, mapped_expert_pages
 
 from .gpu_harness import BACKEND
 
@@ -108,9 +112,10 @@ def test_streaming_bfloat_build_exact(resident):
         assert np.array_equal(state[k], want), k
 
 
-@pytest.mark.parametrize("preset,fmt", [("tiny", "mlx-bf16"), ("tiny-qwen3-next", "mlx-q8")])
+@pytest.mark.parametrize("preset,fmt", [("tiny", "hf-bf16"), ("tiny-qwen3-next", "mlx-q8")])
 def test_streaming_other_formats(preset, fmt, resident):
-    """Dense (one part per matrix) and 8-bit expert stacks, and Qwen3-Next, with one slot per layer."""
+    """Dense expert stacks (one part per matrix) that are strided views of HF's fused gate_up, 8-bit stacks,
+    and Qwen3-Next, with one slot per layer."""
     model, _, arrays, (want_toks, want_state) = resident(preset, fmt, "float32")
     m = qm.Model.load(model.path, backend=BACKEND, dtype="float32", expert_slots=1, expert_policy="lfu")
     toks, state = _decode(m._backend, arrays)
@@ -138,3 +143,16 @@ def test_resident_when_it_fits():
 def test_streaming_options_rejected(options, match):
     with pytest.raises(InputError, match=match):
         qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend=BACKEND, **options)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux /proc/self/pagemap")
+def test_streamed_experts_never_mapped():
+    """No page of the streamed experts' bytes is ever in this process's page tables after a streaming run
+    (the probe and its control, a resident run that maps most of them: tests/test_streaming_cpu.py)."""
+    m = qm.Model.load(cached_checkpoint(CFG, "mlx-q4", seed=2, name="stream-cpu"), backend=BACKEND,
+                      expert_slots=1, expert_policy="os")
+    s = m.new_session()
+    m.prefill(s, PROMPT[:2], return_logits="last")
+    assert m._backend.expert_counters()["bytes_read"] > 0
+    present, checked = mapped_expert_pages(m)
+    assert checked and present == 0, f"{present} of {checked} streamed expert pages mapped"

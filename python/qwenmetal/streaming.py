@@ -324,4 +324,3 @@ def describe(p: StreamPlan, hit_rate: float | None = None) -> list[str]:
     for what, h in rates:
         lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {_size(p.bytes_per_token(h))} per token")
     return lines
-

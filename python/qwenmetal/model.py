@@ -203,7 +203,8 @@ class Model:
         rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
         default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
         default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
-        "tensor"), gdn_route ("auto" | "scan" | "chunked"); see `qwenmetal.metal_backend`.
+        "tensor"), gdn_route ("auto" | "scan" | "chunked"), and memory_budget / expert_slots / expert_policy
+        as on cpu (slots in device buffers, per-layer command buffers); see `qwenmetal.metal_backend`.
         """
         factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)

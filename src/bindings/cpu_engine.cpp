@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/config.h"
+#include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/registry.h"
 #include "bindings/weights_table.h"
@@ -117,17 +118,7 @@ WMat wmat_of(const TensorDesc& d) {
 // sdtype, shape}}} (the stacks' format; no data pointers); the I/O options are ExpertCacheOptions' defaults
 StreamSpec parse_stream(const nb::dict& d) {
     StreamSpec s;
-    for (nb::handle f : nb::cast<nb::list>(d["files"])) s.files.push_back(nb::cast<std::string>(f));
-    for (auto [k, v] : nb::cast<nb::dict>(d["layers"])) {
-        std::vector<ExpertPart>& parts = s.layers[nb::cast<int>(k)];
-        for (nb::handle h : nb::cast<nb::list>(v)) {
-            nb::tuple t = nb::cast<nb::tuple>(h);
-            parts.push_back(ExpertPart{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2]),
-                                       nb::cast<uint64_t>(t[3])});
-        }
-    }
-    s.cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
-    s.cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
+    bindings::parse_stream_tables(d, s.files, s.layers, s.cache);
     for (auto [k, v] : nb::cast<nb::dict>(d["stacks"]))
         s.stacks[nb::cast<std::string>(k)] = parse_format(nb::cast<nb::dict>(v));
     return s;
@@ -135,24 +126,13 @@ StreamSpec parse_stream(const nb::dict& d) {
 
 // ExpertCache statistics since the last reset, plus the tokens run through the engine in that time
 nb::dict expert_stats(Engine& e) {
-    nb::dict d;
-    const ExpertCache* c = e.expert_cache();
     int64_t tokens = 0;
     ExpertCacheStats st;
     {
         nb::gil_scoped_release release;
         st = e.expert_stats(&tokens);
     }
-    d["streaming"] = c != nullptr;
-    d["slots_per_layer"] = c ? c->slots_per_layer() : int(e.config().n_experts);
-    d["policy"] = c ? nb::cast(std::string(cache_policy_name(c->options().policy))) : nb::none();
-    d["lookups"] = st.lookups;
-    d["hits"] = st.hits;
-    d["misses"] = st.misses;
-    d["bytes_read"] = st.bytes_read;
-    d["io_seconds"] = st.io_seconds;
-    d["tokens"] = tokens;
-    return d;
+    return bindings::engine_expert_stats(e.expert_cache(), st, tokens, int(e.config().n_experts));
 }
 
 struct PyEngine {

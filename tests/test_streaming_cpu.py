@@ -4,14 +4,17 @@ from the files into a few cache slots per layer, the output equals the resident 
 snapshot, save/load) work; bad options are refused naming them; a Ctrl-C mid-prefill leaves the session
 unchanged; and no page of a streamed expert is ever mapped into this process through the checkpoint's
 mmap (/proc/self/pagemap)."""
+import json
 import mmap
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 import qwenmetal as qm
 from qwenmetal.errors import InputError
+from qwenmetal.safetensors_io import SafetensorsWriter, TensorSource
 from qwenmetal.streaming import expert_layout
 from qwenmetal.testing import PRESETS, cached_checkpoint
 
@@ -139,6 +142,36 @@ def test_sigint_mid_streaming_prefill(ckpt, default_sigint):
     while (t := timed(lambda: m.prefill(s.fork(), ids, return_logits="none"))) < 0.4 and 2 * len(ids) < 4000:
         ids = ids * 2                           # enough chunks to take ~0.5 s on this machine
     interrupt_mid_compute(m, s, lambda: m.prefill(s, ids, return_logits="none"), t)
+
+
+def test_failed_expert_read_leaves_session_unchanged(ckpt, tmp_path):
+    """An expert read that fails in the last layer (after every GDN layer has updated its state) raises,
+    and the session is as before the call, for a one-chunk decode step and a multi-chunk prefill."""
+    last = CFG["num_hidden_layers"] - 1
+    d = tmp_path / "split"                      # the last layer's experts in a shard of their own
+    shutil.copytree(ckpt, d, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    src = TensorSource(ckpt)
+    own = [k for k in src.keys() if f"layers.{last}.mlp.switch_mlp." in k]
+    assert len(own) == 9
+    shards = {"model-00001-of-00002.safetensors": [k for k in src.keys() if k not in own],
+              "model-00002-of-00002.safetensors": own}
+    for fn, keys in shards.items():
+        with SafetensorsWriter(d / fn, {k: (src.get(k).dtype, src.get(k).shape) for k in keys}) as w:
+            for k in keys:
+                w.write(k, src.get(k))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: fn for fn, keys in shards.items() for k in keys}}))
+    m = qm.Model.load(d, backend="cpu", memory_budget=None, expert_slots=1, expert_policy="lru", **OPTS)
+    s = session_at(m, PROMPT[:7])
+    before = s.fork()
+    head = 8 + int.from_bytes((d / "model-00002-of-00002.safetensors").read_bytes()[:8], "little")
+    os.truncate(d / "model-00002-of-00002.safetensors", head)   # the experts' bytes are gone
+    with pytest.raises(RuntimeError, match="model-00002-of-00002.safetensors"):
+        m.decode_step(s, 5)
+    same_state(s, before)
+    with pytest.raises(RuntimeError, match="model-00002-of-00002.safetensors"):
+        m.prefill(s, PROMPT)
+    same_state(s, before)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/config.h"
+#include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/registry.h"
 #include "bindings/weights_table.h"
@@ -50,13 +51,19 @@ const void* ptr_of(const nb::handle& h) {
     return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
 }
 
-TensorDesc parse_desc(const nb::dict& d) {
+// a tensor's format and shape: {bits, dtype, sdtype, group_size, shape}
+TensorDesc parse_format(const nb::dict& d) {
     TensorDesc t;
     t.bits = nb::cast<int>(d["bits"]);
     t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
     t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
     t.group_size = nb::cast<int>(d["group_size"]);
     for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
+    return t;
+}
+
+TensorDesc parse_desc(const nb::dict& d) {
+    TensorDesc t = parse_format(d);
     t.data = ptr_of(d["data"]);
     t.scales = ptr_of(d["scales"]);
     t.biases = ptr_of(d["biases"]);
@@ -111,50 +118,21 @@ WMat wmat_of(const TensorDesc& d) {
 // sdtype, shape}}} (the stacks' format; no data pointers); the I/O options are ExpertCacheOptions' defaults
 StreamSpec parse_stream(const nb::dict& d) {
     StreamSpec s;
-    for (nb::handle f : nb::cast<nb::list>(d["files"])) s.files.push_back(nb::cast<std::string>(f));
-    for (auto [k, v] : nb::cast<nb::dict>(d["layers"])) {
-        std::vector<ExpertPart>& parts = s.layers[nb::cast<int>(k)];
-        for (nb::handle h : nb::cast<nb::list>(v)) {
-            nb::tuple t = nb::cast<nb::tuple>(h);
-            parts.push_back(ExpertPart{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2]),
-                                       nb::cast<uint64_t>(t[3])});
-        }
-    }
-    s.cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
-    s.cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
-    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"])) {
-        nb::dict x = nb::cast<nb::dict>(v);
-        TensorDesc t;
-        t.bits = nb::cast<int>(x["bits"]);
-        t.group_size = nb::cast<int>(x["group_size"]);
-        t.dtype = parse_dtype(nb::cast<std::string>(x["dtype"]));
-        t.sdtype = parse_dtype(nb::cast<std::string>(x["sdtype"]));
-        for (nb::handle h : nb::cast<nb::list>(x["shape"])) t.shape.push_back(nb::cast<int64_t>(h));
-        s.stacks[nb::cast<std::string>(k)] = std::move(t);
-    }
+    bindings::parse_stream_tables(d, s.files, s.layers, s.cache);
+    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"]))
+        s.stacks[nb::cast<std::string>(k)] = parse_format(nb::cast<nb::dict>(v));
     return s;
 }
 
 // ExpertCache statistics since the last reset, plus the tokens run through the engine in that time
 nb::dict expert_stats(Engine& e) {
-    nb::dict d;
-    const ExpertCache* c = e.expert_cache();
     int64_t tokens = 0;
     ExpertCacheStats st;
     {
         nb::gil_scoped_release release;
         st = e.expert_stats(&tokens);
     }
-    d["streaming"] = c != nullptr;
-    d["slots_per_layer"] = c ? c->slots_per_layer() : int(e.config().n_experts);
-    d["policy"] = c ? nb::cast(std::string(cache_policy_name(c->options().policy))) : nb::none();
-    d["lookups"] = st.lookups;
-    d["hits"] = st.hits;
-    d["misses"] = st.misses;
-    d["bytes_read"] = st.bytes_read;
-    d["io_seconds"] = st.io_seconds;
-    d["tokens"] = tokens;
-    return d;
+    return bindings::engine_expert_stats(e.expert_cache(), st, tokens, int(e.config().n_experts));
 }
 
 struct PyEngine {
@@ -195,6 +173,7 @@ int activation_planes(const std::string& a) {
 nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
     const TensorDesc d = parse_desc(desc);
     const WMat W = wmat_of(d);
+    if (W.quantized()) cpu::check_affine("desc", W.bits, W.group_size, W.cols);
     if (static_cast<int64_t>(X.shape(1)) != W.cols) throw std::invalid_argument("X has the wrong width");
     const int64_t M = static_cast<int64_t>(X.shape(0));
     auto Y = new_array({size_t(M), size_t(W.rows)});
@@ -320,7 +299,7 @@ nb::tuple k_route(In<float, 1> logits, int64_t k, bool norm_topk) {
 
 nb::tuple k_quantize(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w, int bits, int group_size) {
     const int64_t rows = w.shape(0), cols = w.shape(1);
-    if ((bits != 4 && bits != 8) || cols % group_size) throw std::invalid_argument("quantize: bad bits/group size");
+    cpu::check_affine("quantize", bits, group_size, cols);
     uint32_t* wq = new uint32_t[size_t(rows * cols * bits / 32)];
     uint16_t* s = new uint16_t[size_t(rows * (cols / group_size))];
     uint16_t* b = new uint16_t[size_t(rows * (cols / group_size))];

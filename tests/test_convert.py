@@ -46,12 +46,30 @@ def test_cli_convert_is_byte_identical_to_mlx_q4(root):
 
 @pytest.mark.parametrize("preset, fmt, bits", [("tiny", "mlx-q8", 8), ("tiny", "mlx-bf16", None),
                                                ("tiny-text", "mlx-q4", 4), ("tiny-qwen3-next", "mlx-q4", 4),
-                                               ("tiny-qwen3-next", "mlx-bf16", None)])
+                                               ("tiny-qwen3-next", "mlx-bf16", None), ("tiny", "mlx-q5", 5)])
 def test_convert_matches_every_mlx_fixture(root, preset, fmt, bits):
     hf = make_checkpoint(root / f"hf-{preset}-{fmt}", preset, "hf-bf16", seed=1)
     ref = make_checkpoint(root / f"{preset}-{fmt}", preset, fmt, seed=1)
     out = convert(hf, root / f"out-{preset}-{fmt}", q_bits=bits)
     assert digests(out) == digests(ref)
+
+
+def test_cli_convert_expert_bits_is_the_mixed_fixture(root):
+    """`convert SRC DST --bits 4 --expert-bits 2|3` writes the mlx-q4-e2 / -e3 fixtures byte for byte (which
+    tests/test_fixtures.py checks against mlx_lm.convert with the same quant_predicate); bad combinations are
+    refused naming the option."""
+    from qwenmetal.cli import main
+    hf = make_checkpoint(root / "hf-e", "tiny", "hf-bf16", seed=0)
+    for eb in (2, 3):
+        assert main(["convert", str(hf), str(root / f"e{eb}"), "--bits", "4", "--expert-bits", str(eb), "--quiet"]) == 0
+        assert digests(root / f"e{eb}") == digests(make_checkpoint(root / f"ref-e{eb}", "tiny", f"mlx-q4-e{eb}"))
+    # --expert-bits equal to --bits is the plain checkpoint (no per-expert overrides)
+    assert digests(convert(hf, root / "e4", expert_bits=4)) == digests(make_checkpoint(root / "ref4", "tiny", "mlx-q4"))
+    with pytest.raises(qm.errors.InputError, match="expert_bits needs a quantized conversion"):
+        convert(hf, root / "bad", q_bits=None, expert_bits=2)
+    assert main(["convert", str(hf), str(root / "bad"), "--no-quantize", "--expert-bits", "2"]) == 2
+    assert main(["convert", str(hf), str(root / "bad"), "--model", str(hf)]) == 2      # SRC and --model
+    assert not (root / "bad").exists()
 
 
 def test_sharded_output_loads_and_agrees(root):

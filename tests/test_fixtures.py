@@ -317,7 +317,23 @@ def test_hf_bf16_is_what_transformers_saves(name, hf_dirs, tmp_path):
 
 # ---- mlx formats vs mlx_lm.convert -------------------------------------------------------------------
 _MLX_CASES = [("tiny", "mlx-q4"), ("tiny", "mlx-bf16"), ("tiny", "mlx-q8"), ("tiny-text", "mlx-q4"),
-              ("tiny-qwen3-next", "mlx-q4"), ("tiny-qwen3-next", "mlx-bf16"), ("next-dense-layer", "mlx-q4")]
+              ("tiny-qwen3-next", "mlx-q4"), ("tiny-qwen3-next", "mlx-bf16"), ("next-dense-layer", "mlx-q4"),
+              ("tiny", "mlx-q3"), ("tiny", "mlx-q6"), ("tiny", "mlx-q4-e2"), ("tiny-qwen3-next", "mlx-q4-e3")]
+# format -> (bits, routed-expert bits or None: as the rest)
+_MLX_BITS = {"mlx-q2": (2, None), "mlx-q3": (3, None), "mlx-q4": (4, None), "mlx-q5": (5, None),
+             "mlx-q6": (6, None), "mlx-q8": (8, None), "mlx-q4-e2": (4, 2), "mlx-q4-e3": (4, 3)}
+
+
+def expert_bits_predicate(expert_bits):
+    """The ``quant_predicate`` a user hands ``mlx_lm.convert`` for routed experts at `expert_bits`: the
+    model's own rule (router and shared-expert gate at 8 bits), plus ``switch_mlp.*`` at that width."""
+    def predicate(path, module):
+        if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        if ".switch_mlp." in path:
+            return {"group_size": 64, "bits": expert_bits, "mode": "affine"}
+        return True
+    return predicate
 
 
 @pytest.mark.parametrize("name, fmt", _MLX_CASES)
@@ -333,9 +349,10 @@ def test_mlx_format_is_what_mlx_lm_convert_writes(name, fmt, hf_dirs, tmp_path):
             json.dumps(wrap_text_config(json.loads((src / "config.json").read_text())), indent=2, sort_keys=True))
     real = tmp_path / "real"
     q = fmt != "mlx-bf16"
+    bits, expert_bits = _MLX_BITS.get(fmt, (None, None))
+    kw = {"quant_predicate": expert_bits_predicate(expert_bits)} if expert_bits else {}
     with contextlib.redirect_stdout(io.StringIO()):
-        mlx_lm.convert(str(src), str(real), quantize=q, q_bits=(8 if fmt == "mlx-q8" else 4) if q else None,
-                       q_group_size=64 if q else None)
+        mlx_lm.convert(str(src), str(real), quantize=q, q_bits=bits, q_group_size=64 if q else None, **kw)
     ours = make_checkpoint(tmp_path / "ours", CONFIGS[name], fmt, seed=0)
 
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in real.iterdir())
@@ -362,7 +379,8 @@ def test_mlx_format_is_what_mlx_lm_convert_writes(name, fmt, hf_dirs, tmp_path):
         model, tok = mlx_lm.load(str(ours))
         lm = model.language_model.model if hasattr(model, "language_model") else model.model
         assert lm.layers[0].mlp.gate.bits == 8 and lm.layers[0].mlp.shared_expert_gate.bits == 8
-        assert lm.embed_tokens.bits == (8 if fmt == "mlx-q8" else 4)
+        assert lm.embed_tokens.bits == bits
+        assert lm.layers[0].mlp.switch_mlp.down_proj.bits == (expert_bits or bits)
         import mlx.core as mx
         logits = model(mx.array([tok.encode("hello world")]))
         assert logits.shape[-1] == 512 and bool(mx.all(mx.isfinite(logits.astype(mx.float32))))

@@ -330,3 +330,41 @@ def test_config_file_errors(tmp_path):
         f.write_bytes(text)
         with pytest.raises(CheckpointError, match=rf"{f}: .*{msg}"):
             ModelConfig.from_file(f)
+
+
+@pytest.mark.parametrize("fmt, bits, expert_bits", [("mlx-q3", 3, 3), ("mlx-q6", 6, 6), ("mlx-q4-e2", 4, 2)])
+def test_every_width_and_mixed_expert_widths_load(tmp_path, fmt, bits, expert_bits):
+    """Each tensor's width comes from its shapes and agrees with config.json's per-path spec; the values
+    are the quantization of the bf16 weights at that width."""
+    from qwenmetal.quant import quantize
+    d = make_checkpoint(tmp_path / fmt, "tiny", fmt, seed=0)
+    w = load_weights(d, ModelConfig.from_file(d / "config.json"))
+    assert (w["embed_tokens"].bits, w["layers.0.linear_attn.in_proj_qkv"].bits) == (bits, bits)
+    assert w["layers.0.mlp.gate"].bits == w["layers.0.mlp.shared_expert_gate"].bits == 8
+    for i in range(4):
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            t = w[f"layers.{i}.mlp.switch_mlp.{m}"]
+            assert (t.bits, t.group_size) == (expert_bits, 64)
+        assert w[f"layers.{i}.mlp.shared_expert.down_proj"].bits == bits
+    dense = load_weights(ref := make_checkpoint(tmp_path / "bf16", "tiny", "mlx-bf16", seed=0),
+                         ModelConfig.from_file(ref / "config.json"))
+    for name in ("layers.3.mlp.switch_mlp.down_proj", "layers.3.self_attn.o_proj"):
+        t = w[name]
+        for got, want in zip((t.weight, t.scales, t.biases), quantize(np.asarray(dense[name]), t.bits, 64)):
+            assert got.tobytes() == want.tobytes(), name
+
+
+def test_mixed_width_contradicting_config_is_refused(tmp_path):
+    d = make_checkpoint(tmp_path / "e2", "tiny", "mlx-q4-e2", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    path = "language_model.model.layers.1.mlp.switch_mlp.up_proj"
+    for block in ("quantization", "quantization_config"):
+        del cfg[block][path]                 # the config now says 4 bits for a 2-bit expert stack
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"switch_mlp\.up_proj\.weight'.*2-bit group 64.*4-bit group 64"):
+        load_weights(d, ModelConfig.from_file(d / "config.json"))
+    for block in ("quantization", "quantization_config"):
+        cfg[block][path] = {"group_size": 64, "bits": 7}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"switch_mlp\.up_proj' 'bits' is 7: MLX affine quantization has bits"):
+        ModelConfig.from_file(d / "config.json")

@@ -2,7 +2,8 @@
 
 The random HF models of ``test_oracle_hf`` are converted with ``mlx_lm.convert`` exactly as a real checkpoint
 is: 4-bit group-64 affine with bf16 scales/biases, router and shared_expert_gate 8-bit, stacked experts, norms
-stored shifted (1 + w), conv1d as [C, K, 1]. mlx-lm runs the *same quantized weights* with every floating
+stored shifted (1 + w), conv1d as [C, K, 1]; our own fixtures at 3/5 bits and with 2-bit experts, and
+`qwenmetal convert --expert-bits 2`'s output, and mlx-lm's mixed_3_6 recipe are run by mlx-lm as they are. mlx-lm runs the *same quantized weights* with every floating
 parameter cast to float32 (bf16 -> f32 is exact), so the reference, which dequantizes to float32, must agree
 with it to 1e-4. The unquantized conversion (float32) must agree with both mlx-lm and HF.
 """
@@ -75,6 +76,56 @@ def test_quantized_checkpoint_matches_mlx(oracle, case):
     assert_close(f"{_id(case)} prefill logits vs mlx-lm", pre, ref.pre, ATOL)
     assert_close(f"{_id(case)} decode logits vs mlx-lm", dec, ref.dec, ATOL)
     assert_same_greedy(_id(case), toks, ref.toks, greedy_rows(ref.pre, ref.dec))
+
+
+@pytest.fixture(scope="module")
+def converted_e2(tmp_path_factory):
+    """`qwenmetal convert --bits 4 --expert-bits 2` of the tiny hf-bf16 fixture."""
+    from qwenmetal.convert import convert
+    from qwenmetal.testing import cached_checkpoint
+    return convert(cached_checkpoint("tiny", "hf-bf16"), tmp_path_factory.mktemp("e2") / "out", expert_bits=2)
+
+
+@pytest.fixture(scope="module")
+def mlx_mixed_3_6(tmp_path_factory):
+    """`mlx_lm.convert(..., quant_predicate="mixed_3_6")` of the tiny hf-bf16 fixture: mlx-lm's own mixed
+    recipe (3 bits, 6 for lm_head and some layers' v_proj / down_proj), a width per path in config.json."""
+    import contextlib
+    import io
+
+    import mlx_lm
+    from qwenmetal.testing import cached_checkpoint
+    out = tmp_path_factory.mktemp("mixed") / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlx_lm.convert(str(cached_checkpoint("tiny", "hf-bf16")), str(out), quantize=True, q_group_size=64,
+                       quant_predicate="mixed_3_6")
+    return out
+
+
+# source -> (embedding bits, layer 0's / layer 3's routed down_proj bits)
+LOW_BIT_SOURCES = {"mlx-q3": (3, 3, 3), "mlx-q5": (5, 5, 5), "mlx-q4-e2": (4, 2, 2),
+                   "convert --expert-bits 2": (4, 2, 2), "mlx_lm.convert mixed_3_6": (3, 3, 6)}
+
+
+@pytest.mark.parametrize("source", LOW_BIT_SOURCES)
+def test_low_bit_and_mixed_checkpoints_match_mlx(source, request):
+    """Our fixtures at 3 and 5 bits and with 2-bit experts (config.json's per-path overrides), the output of
+    `convert --expert-bits 2`, and mlx-lm's own mixed_3_6 recipe (widths differing per layer), as mlx-lm loads
+    them (each layer at the width the file says): a 16-token prefill and 4 greedy decode steps agree with
+    mlx-lm float32 within 1e-4 on the reference backend."""
+    from qwenmetal.testing import cached_checkpoint
+    path = (request.getfixturevalue("converted_e2") if source.startswith("convert") else
+            request.getfixturevalue("mlx_mixed_3_6") if source.startswith("mlx_lm") else cached_checkpoint("tiny", source))
+    mx_model = mlx_load_f32(path)
+    lm = mx_model.language_model.model
+    assert (lm.embed_tokens.bits, lm.layers[0].mlp.switch_mlp.down_proj.bits,
+            lm.layers[3].mlp.switch_mlp.down_proj.bits) == LOW_BIT_SOURCES[source]
+    ids = prompt(16, 414, seed=7)
+    pre, dec, toks = mlx_logits(mx_model, ids, 4)
+    got_pre, got_dec, got_toks = qm_logits(load(path), ids, 4, forced_tokens=toks)
+    assert_close(f"{source} prefill vs mlx-lm", got_pre, pre, ATOL)
+    assert_close(f"{source} decode vs mlx-lm", got_dec, dec, ATOL)
+    assert_same_greedy(source, got_toks, toks, greedy_rows(pre, dec))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,8 +13,10 @@ numpy reference's :func:`qwenmetal.reference.random_params` -- so there is one s
   residual-dominated model (see :data:`INITS`). Both: zero-centred norms ~ N(0, 0.1) (the model applies
   ``1 + w``), ``linear_attn.norm`` ~ N(1, 0.1), conv taps ~ N(0, 0.3).
 * **Layouts.** ``hf-bf16`` (what transformers' ``save_pretrained`` writes, see :func:`hf_tensors`),
-  ``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8`` (what ``mlx_lm.convert`` makes of it, by the product code
-  :mod:`qwenmetal.convert`).
+  ``mlx-bf16`` / ``mlx-q{2,3,4,5,6,8}`` (what ``mlx_lm.convert -q --q-bits B --q-group-size 64`` makes of
+  it) and ``mlx-q4-e2`` / ``mlx-q4-e3`` (routed experts at 2/3 bits, the rest at 4: ``mlx_lm.convert``
+  with a ``quant_predicate`` giving ``switch_mlp.*`` that width, which config.json records per path), all
+  by the product code :mod:`qwenmetal.convert`.
 * **Writing.** :func:`write_checkpoint` streams: every tensor is computed when it is written (lazily,
   through :class:`qwenmetal.convert.Lazy`), into safetensors shards of at most ``max_shard_bytes``
   (mlx-lm's 5 GiB by default), so memory stays near the largest tensor, not the model. The directory
@@ -39,8 +41,10 @@ __all__ = ["LAYOUTS", "INITS", "Init", "Spec", "text_specs", "draw", "hf_tensors
            "check_supported", "write_checkpoint"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-LAYOUTS = ("hf-bf16", "mlx-bf16", "mlx-q4", "mlx-q8")
-_BITS = {"mlx-q4": 4, "mlx-q8": 8, "mlx-bf16": None}
+#: layout -> (bits, routed-expert bits) of its MLX quantization (None: unquantized); all at group size 64
+_BITS = {"mlx-bf16": (None, None), **{f"mlx-q{b}": (b, b) for b in (2, 3, 4, 5, 6, 8)},
+         "mlx-q4-e2": (4, 2), "mlx-q4-e3": (4, 3)}
+LAYOUTS = ("hf-bf16", *_BITS)
 _CHUNK_ELEMENTS = 1 << 24            # rows drawn at a time: ~64 MB of float32
 
 
@@ -313,12 +317,13 @@ def hf_tensors(cfg: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
 def _mlx_lazy(cfg: dict, layout: str, seed: int):
     if layout not in _BITS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
-    return _convert.mlx_build(_hf_lazy(cfg, seed), cfg, _BITS[layout], 64)
+    bits, expert_bits = _BITS[layout]
+    return _convert.mlx_build(_hf_lazy(cfg, seed), cfg, bits, 64, expert_bits)
 
 
 def mlx_tensors(cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0) -> dict[str, np.ndarray]:
-    """The tensors of an MLX layout (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``: ``mlx_lm.convert`` of the
-    ``hf-bf16`` tensors, 4/8-bit g64) by file key."""
+    """The tensors of an MLX layout (``mlx-bf16``, ``mlx-q{2,3,4,5,6,8}``, ``mlx-q4-e{2,3}``:
+    ``mlx_lm.convert`` of the ``hf-bf16`` tensors, g64) by file key."""
     return _convert.materialize(_mlx_lazy(dict(cfg), layout, seed)[0])
 
 

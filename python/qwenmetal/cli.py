@@ -6,7 +6,8 @@
     qwenmetal chat --model PATH_OR_ID    # interactive; /reset /save /load /history /stats /help /exit
     qwenmetal serve --model PATH_OR_ID [--port 8000] [--api-key KEY]   # OpenAI-compatible server
     qwenmetal convert --model HF_PATH_OR_ID --out DIR [--q-bits 4]     # as mlx_lm.convert -q
-    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate
+    qwenmetal convert SRC DST --bits 4 --expert-bits 2    # routed experts at 2 bits, the rest at 4
+    qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate, expert streaming
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
     qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
     qwenmetal selftest [--sim]           # the Metal backend on this machine's device, a report to paste
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 
+from .errors import InputError
 from .paths import cache_dir
 
 DEMO_PROMPT = "The quick brown fox"
@@ -149,9 +151,52 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _info_from_config(path: str, args) -> int:
+    """`info` on a directory with a config.json and no weights: sizes from the config alone, in the MLX
+    layout at the config's quantization block's widths, or at --bits / --expert-bits."""
+    import numpy as np
+
+    from . import streaming
+    from .config import ModelConfig
+    from .weights_table import config_widths, virtual_weight_table
+
+    c = ModelConfig.from_file(path)
+    widths = config_widths(c) if args.bits is None else {"bits": args.bits}
+    widths.setdefault("bits", 4)
+    if args.expert_bits is not None:
+        widths["expert_bits"] = args.expert_bits
+    _, tensors, sizes = virtual_weight_table(c, **widths)
+    print(repr(c))
+    n_params = sum(int(np.prod(t["shape"])) for t in tensors.values())
+    routed = sum(v for k, v in sizes.items() if streaming.is_routed_expert(k))
+    total = sum(sizes.values())
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    eb = widths.get("expert_bits", widths["bits"])
+    print(f"no weights in {path}: sizes from config.json, MLX layout at {widths['bits']} bits "
+          f"(routed experts {eb}, group {widths.get('group_size', 64)})")
+    print(f"parameters (text model): {n_params / 1e9:.3f} B")
+    print(f"weights: {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB); routed experts {routed / 1e9:.2f} GB, "
+          f"everything else {(total - routed) / 1e9:.2f} GB")
+    if moe_layers:
+        print(f"one expert of one layer: {routed // (moe_layers * c.num_experts):,} bytes; "
+              f"{c.num_experts_per_tok} active per token over {moe_layers} MoE layers: "
+              f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
+    for line in streaming.describe(streaming.plan(c, sizes, args.memory_budget), args.hit_rate):
+        print(line)
+    return 0
+
+
 def cmd_info(args) -> int:
     import numpy as np
 
+    from .model import resolve_checkpoint
+
+    path = resolve_checkpoint(args.model, getattr(args, "revision", None))
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return _info_from_config(path, args)
+    if args.bits is not None or args.expert_bits is not None:
+        raise InputError("--bits / --expert-bits size a config-only directory; this one has weights",
+                         param="bits" if args.bits is not None else "expert_bits")
     model = _load(args, quiet=True)
     c = model.config
     print(repr(model))
@@ -169,6 +214,9 @@ def cmd_info(args) -> int:
     for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
+    from . import streaming
+    for line in streaming.describe(streaming.plan(c, model.weights, args.memory_budget), args.hit_rate):
+        print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
     print(f"stop ids: {list(model.eos_token_ids)}")
@@ -353,13 +401,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _either(args, positional: str, option: str):
+    """The value given as the positional argument or as --option (exactly one of them)."""
+    a, b = getattr(args, positional), getattr(args, option)
+    if (a is None) == (b is None):
+        raise InputError(f"give {positional.upper()} or --{option} (exactly one)", param=option)
+    return a if a is not None else b
+
+
 def cmd_convert(args) -> int:
     from .convert import convert
 
+    src, dst = _either(args, "src", "model"), _either(args, "dst", "out")
+    if args.no_quantize and args.expert_bits is not None:
+        raise InputError("--expert-bits needs quantization (drop --no-quantize)", param="expert_bits")
     t = time.perf_counter()
-    out = convert(args.model, args.out, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
-                  q_group_size=args.q_group_size, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                  progress=not args.quiet)
+    out = convert(src, dst, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
+                  q_group_size=args.q_group_size, expert_bits=args.expert_bits,
+                  max_shard_bytes=int(args.max_shard_gb * 2**30), progress=not args.quiet)
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
     print(f"wrote {out} ({size / 2**20:.1f} MiB of weights) in {time.perf_counter() - t:.1f} s")
     return 0
@@ -392,6 +451,14 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
     _add_model_args(p, required=True)
+    p.add_argument("--bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="a directory with only config.json: size it at this width (default: its quantization, else 4)")
+    p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="a directory with only config.json: the routed experts' width (default: --bits)")
+    p.add_argument("--memory-budget", default="auto", help="bytes the model may use ('auto': what this machine "
+                   "has free; or e.g. 12GiB): whether it streams its experts, and with how many cache slots")
+    p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
+                   "cache hit rate (0..1)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
@@ -445,10 +512,14 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("convert", help="HF bf16 checkpoint -> MLX layout, 4-bit (as mlx_lm.convert -q)")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or hub id")
+    p.add_argument("src", nargs="?", help="Hugging Face checkpoint directory or hub id (or --model)")
+    p.add_argument("dst", nargs="?", help="output directory (or --out)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory or hub id")
     p.add_argument("--revision", default=None)
-    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--out", help="output directory (must not exist or be empty)")
+    p.add_argument("--q-bits", "--bits", dest="q_bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="routed experts' width (default: --q-bits); config.json records it per expert stack")
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--no-quantize", action="store_true", help="keep the weights unquantized (mlx_lm.convert without -q)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")

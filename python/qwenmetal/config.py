@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from .errors import CheckpointError
 from .fileio import parse_json
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -63,17 +64,27 @@ class QuantizationConfig:
         for key in ("bits", "group_size"):
             if key not in d:
                 raise CheckpointError(f"quantization block lacks {key!r}")
-        default = QuantSpec(_positive_int(d["bits"], "quantization field 'bits'"),
-                            _positive_int(d["group_size"], "quantization field 'group_size'"), mode)
+        default = _spec(d["bits"], d["group_size"], "quantization field", mode)
         overrides = {}
         for k, v in d.items():
             if isinstance(v, Mapping):
                 if v.get("mode", mode) != "affine":
                     raise CheckpointError(f"quantization mode {v.get('mode')!r} for {k!r} is not supported")
-                overrides[k] = QuantSpec(_positive_int(v.get("bits", default.bits), f"quantization {k!r} 'bits'"),
-                                         _positive_int(v.get("group_size", default.group_size),
-                                                       f"quantization {k!r} 'group_size'"), mode)
+                overrides[k] = _spec(v.get("bits", default.bits), v.get("group_size", default.group_size),
+                                     f"quantization {k!r}", mode)
         return cls(default, overrides)
+
+
+def _spec(bits, group_size, what: str, mode: str) -> QuantSpec:
+    """A QuantSpec of MLX's affine widths and group sizes (`what` names the entry in errors)."""
+    bits = _positive_int(bits, f"{what} 'bits'")
+    group_size = _positive_int(group_size, f"{what} 'group_size'")
+    if bits not in SUPPORTED_BITS:
+        raise CheckpointError(f"{what} 'bits' is {bits}: MLX affine quantization has bits {SUPPORTED_BITS}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise CheckpointError(f"{what} 'group_size' is {group_size}: supported group sizes are "
+                              f"{SUPPORTED_GROUP_SIZES}")
+    return QuantSpec(bits, group_size, mode)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,11 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .errors import InputError
 from .fileio import atomic_dir, check_free_dir
-from .quant import quantize
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
 from .safetensors_io import SafetensorsWriter
+from .streaming import is_routed_expert
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_SHARD_BYTES = 5 << 30                    # mlx-lm's MAX_FILE_SIZE_GB = 5
@@ -181,10 +183,19 @@ def mlx_cast(w: dict[str, Lazy], cfg: dict) -> dict[str, Lazy]:
                 Lazy(v.shape, dt, lambda v=v: v.load().astype(dt))) for k, v in w.items()}
 
 
-def mlx_quantize(w: dict[str, Lazy], cfg: dict, c: ModelConfig, bits: int, group_size: int):
-    """``mlx_lm.utils.quantize_model`` with the model's ``quant_predicate``. Returns (tensors, overrides)."""
+_MODULE_RANK = ("mlp.gate", "switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj", "shared_expert_gate")
+
+
+def mlx_quantize(w: dict[str, Lazy], cfg: dict, c: ModelConfig, bits: int, group_size: int,
+                 expert_bits: int | None = None):
+    """``mlx_lm.utils.quantize_model`` with the model's ``quant_predicate`` (router ``mlp.gate`` and
+    ``shared_expert_gate`` at 8 bits g64) extended, when ``expert_bits`` differs from ``bits``, by routed
+    experts (``switch_mlp.*``) at ``expert_bits``: the predicate a caller passes to ``mlx_lm.convert(...,
+    quant_predicate=...)`` for an expert-only low-bit checkpoint, written (as mlx-lm's own mixed recipes
+    do) as ``{"group_size", "bits", "mode"}`` per path. Returns (tensors, overrides in module order)."""
     fam = family(cfg)
     use_predicate = fam == "qwen3_next" or c.num_experts > 0
+    experts_differ = expert_bits is not None and expert_bits != bits
     out: dict[str, Lazy] = {}
     overrides = {}
     for k, v in w.items():
@@ -197,31 +208,39 @@ def mlx_quantize(w: dict[str, Lazy], cfg: dict, c: ModelConfig, bits: int, group
         if use_predicate and (path.endswith("mlp.gate") or path.endswith("shared_expert_gate")):
             b, g = 8, 64
             overrides[path] = {"group_size": 64, "bits": 8}
+        elif experts_differ and is_routed_expert(path):
+            b = expert_bits
+            overrides[path] = {"group_size": g, "bits": b, "mode": "affine"}
         lead, n_in = v.shape[:-1], v.shape[-1]
         sh = _Shared(lambda v=v, b=b, g=g: quantize(v.load(), b, g, scale_dtype=v.dtype), 3)
         out[k] = Lazy(lead + (n_in * b // 32,), np.uint32, lambda sh=sh: sh.part(0))
         out[path + ".scales"] = Lazy(lead + (n_in // g,), v.dtype, lambda sh=sh: sh.part(1))
         out[path + ".biases"] = Lazy(lead + (n_in // g,), v.dtype, lambda sh=sh: sh.part(2))
 
-    def order(path):        # module traversal order: layer index, then gate before shared_expert_gate
+    def order(path):        # mlx's module traversal: by layer, then the MoE block's attribute order
         parts = path.split(".")
         i = parts.index("layers")
-        return int(parts[i + 1]), path.endswith("shared_expert_gate")
+        return int(parts[i + 1]), next(r for r, m in enumerate(_MODULE_RANK) if path.endswith(m))
 
     return out, {p: overrides[p] for p in sorted(overrides, key=order)}
 
 
-def mlx_build(hf: Mapping[str, Lazy], cfg: dict, bits: int | None, group_size: int = 64):
-    """HF file tensors -> (MLX tensors, quantization block or None), all lazy."""
+def mlx_build(hf: Mapping[str, Lazy], cfg: dict, bits: int | None, group_size: int = 64,
+              expert_bits: int | None = None):
+    """HF file tensors -> (MLX tensors, quantization block or None), all lazy. ``expert_bits``: the
+    routed experts' width (default ``bits``), recorded as per-path overrides."""
     c = ModelConfig.from_dict(cfg)
     w = mlx_cast(mlx_sanitize(hf, cfg, c), cfg)
     if bits is None:
+        if expert_bits is not None:
+            raise InputError("expert_bits needs a quantized conversion (q_bits)", param="expert_bits")
         return w, None
-    if bits not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"q_bits must be one of 2, 3, 4, 5, 6, 8, got {bits}")
-    if group_size not in (32, 64, 128):
-        raise ValueError(f"q_group_size must be 32, 64 or 128, got {group_size}")
-    w, overrides = mlx_quantize(w, cfg, c, bits, group_size)
+    for name, b in (("q_bits", bits), ("expert_bits", expert_bits)):
+        if b is not None and b not in SUPPORTED_BITS:
+            raise InputError(f"{name} must be one of {', '.join(map(str, SUPPORTED_BITS))}, got {b}", param=name)
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise InputError(f"q_group_size must be 32, 64 or 128, got {group_size}", param="q_group_size")
+    w, overrides = mlx_quantize(w, cfg, c, bits, group_size, expert_bits)
     return w, {"group_size": group_size, "bits": bits, "mode": "affine", **overrides}
 
 
@@ -321,11 +340,13 @@ def write_mlx_checkpoint(dst, w: Mapping[str, Lazy], quant: dict | None, hf_conf
 
 
 def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_group_size: int = 64,
-            max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
+            expert_bits: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
     """Convert the HF checkpoint at ``src`` (directory or hub id) to MLX layout in ``dst``.
 
-    ``q_bits`` None -> unquantized (``mlx_lm.convert`` without ``-q``). ``dst`` must not exist (or be
-    empty); the result appears atomically (built in a temporary sibling, then renamed).
+    ``q_bits`` None -> unquantized (``mlx_lm.convert`` without ``-q``). ``expert_bits``: the routed
+    experts' width (default ``q_bits``); when it differs, config.json records each expert stack's width as
+    a per-path override (what ``mlx_lm.convert`` writes given the same ``quant_predicate``). ``dst`` must
+    not exist (or be empty); the result appears atomically (built in a temporary sibling, then renamed).
     """
     from .model import resolve_checkpoint
     from .safetensors_io import DTYPES, TensorSource
@@ -341,7 +362,7 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     if any(k.startswith("language_model.model.") for k in ts.keys()):
         raise ValueError(f"{src}: this is already in the MLX layout")
     hf = {k: Lazy(ts.shape(k), DTYPES[ts.dtype_name(k)], lambda k=k: ts.get(k)) for k in ts.keys()}
-    w, quant = mlx_build(hf, cfg, q_bits, q_group_size)
+    w, quant = mlx_build(hf, cfg, q_bits, q_group_size, expert_bits)
     gen_path = src / "generation_config.json"
     gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
     with atomic_dir(dst) as tmp:            # only writes inside: an OSError here is about dst

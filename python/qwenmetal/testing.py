@@ -11,10 +11,14 @@
   Qwen's own releases. Norms are zero-centred (the model applies ``1 + w``).
 * ``"mlx-bf16"`` -- what ``mlx_lm.convert`` writes from that HF checkpoint: sanitized keys, experts
   stacked into ``switch_mlp``, conv1d ``[C, K, 1]``, ``bf16(1 + w)`` norms.
-* ``"mlx-q4"`` / ``"mlx-q8"`` -- ``mlx_lm.convert -q --q-bits 4|8 --q-group-size 64``: every Linear /
-  Embedding / SwitchLinear with an input dim divisible by 64 affine-quantized (uint32 weights, scales
-  and biases in the weight dtype), router ``mlp.gate`` and ``mlp.shared_expert_gate`` at 8 bits, the
-  ``quantization`` block (+ per-path overrides) in config.json, duplicated as ``quantization_config``.
+* ``"mlx-q4"`` / ``"mlx-q8"`` (and ``"mlx-q2"``, ``"mlx-q3"``, ``"mlx-q5"``, ``"mlx-q6"``) --
+  ``mlx_lm.convert -q --q-bits B --q-group-size 64``: every Linear / Embedding / SwitchLinear with an
+  input dim divisible by 64 affine-quantized (uint32 weights, scales and biases in the weight dtype),
+  router ``mlp.gate`` and ``mlp.shared_expert_gate`` at 8 bits, the ``quantization`` block (+ per-path
+  overrides) in config.json, duplicated as ``quantization_config``.
+* ``"mlx-q4-e2"`` / ``"mlx-q4-e3"`` -- the same at 4 bits with the routed experts (``switch_mlp.*``) at
+  2 / 3 bits: ``mlx_lm.convert(..., quant_predicate=...)`` with the model's predicate plus that rule;
+  config.json gets a ``{"group_size": 64, "bits": B, "mode": "affine"}`` entry per expert stack.
 
 mlx-lm has no ``qwen3_5_moe_text`` model: for that model type the MLX formats wrap the text config the way
 the real multimodal checkpoint does (``{"model_type": "qwen3_5_moe", "text_config": {...}}``) -- the

@@ -37,11 +37,11 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .quant import infer_bits_and_group_size
 from .safetensors_io import TensorSource
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 SHIFTED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-SUPPORTED_BITS = (4, 8)
 
 
 @dataclass
@@ -243,14 +243,11 @@ class _Reader:
         if tuple(w.shape[:-1]) != lead or tuple(s.shape[:-1]) != lead:
             raise CheckpointError(f"{self.where(parts['weight'])}: shape {list(w.shape)} (scales {list(s.shape)}) "
                                   f"does not fit logical shape {list(shape)}")
-        packed, ngroups = w.shape[-1], s.shape[-1]
-        if ngroups == 0 or in_features % ngroups or (32 * packed) % in_features:
-            raise CheckpointError(f"{self.where(parts['weight'])}: packed width {packed} / {ngroups} groups "
-                                  f"cannot hold {in_features} inputs")
-        bits, gs = 32 * packed // in_features, in_features // ngroups
-        if bits not in SUPPORTED_BITS:
-            raise CheckpointError(f"{self.where(parts['weight'])}: {bits}-bit quantization is not supported "
-                                  f"(supported: {SUPPORTED_BITS})")
+        try:
+            bits, gs = infer_bits_and_group_size(w.shape[-1], s.shape[-1], in_features)
+        except ValueError as e:
+            raise CheckpointError(f"{self.where(parts['weight'])}: packed width {w.shape[-1]} / {s.shape[-1]} "
+                                  f"groups for {in_features} inputs: {e}") from None
         q = self.config.quantization
         if q is not None:
             file_path = key[: -len(".weight")] if key.endswith(".weight") else key

@@ -3,14 +3,17 @@ checkpoint's file mappings -- {mapping, offset, dtype, shape, bits, group} -- fo
 
 ``weight_table(weights)`` describes the loaded tensors in place: one mapping per safetensors file (the
 tensors viewing it are bound by offset), one per array the loader had to build (shifted norms, split
-projections, stacked experts). ``virtual_weight_table(config)`` describes a checkpoint in the MLX 4-bit
-layout from the config alone, over a virtual mapping, for costing the real model without its weights.
+projections, stacked experts). ``virtual_weight_table(config, bits, expert_bits=...)`` describes a
+checkpoint in the MLX layout (any width, routed experts at their own) from the config alone, over a
+virtual mapping, for costing or sizing the real model without its weights.
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
+from .errors import CheckpointError, InputError
+from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from .weights import QuantizedTensor, Weights
 
 _NP_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
@@ -104,12 +107,19 @@ def weight_table(weights: Weights, tensors: dict | None = None):
     return t.mappings, t.tensors, t.keep
 
 
-def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bits: int = 8):
-    """The weights table of a checkpoint in the MLX 4-bit layout of ``config`` (mlx-community's
-    conversion: every linear at ``bits``/``group_size`` with bf16 scales, the router and
-    shared_expert_gate at ``router_bits``; norms and GDN vectors dense), over virtual mappings: for
-    costing the real model on an encode-only device without its weights. Returns (mappings, tensors,
-    sizes) with sizes = canonical name -> bytes."""
+def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bits: int = 8,
+                         expert_bits: int | None = None):
+    """The weights table of a checkpoint in the MLX layout of ``config`` (mlx-community's conversion:
+    every linear at ``bits``/``group_size`` with bf16 scales, the routed experts at ``expert_bits``
+    (default ``bits``), the router and shared_expert_gate at ``router_bits``; norms and GDN vectors
+    dense), over virtual mappings: for costing or sizing a model without its weights. Returns
+    (mappings, tensors, sizes) with sizes = canonical name -> bytes."""
+    for name, b in (("bits", bits), ("router_bits", router_bits), ("expert_bits", expert_bits)):
+        if b is not None and b not in SUPPORTED_BITS:
+            raise InputError(f"{name} must be one of {SUPPORTED_BITS}, got {b!r}", param=name)
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise InputError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size!r}", param="group_size")
+    expert_bits = bits if expert_bits is None else expert_bits
     c = config
     tensors: dict[str, dict] = {}
     sizes: dict[str, int] = {}
@@ -168,9 +178,9 @@ def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bit
         if c.is_moe_layer(i):
             E, inter = c.num_experts, c.moe_intermediate_size
             lin(m + "gate", E, H, b=router_bits)
-            lin(m + "switch_mlp.gate_proj", inter, H, (E,))
-            lin(m + "switch_mlp.up_proj", inter, H, (E,))
-            lin(m + "switch_mlp.down_proj", H, inter, (E,))
+            lin(m + "switch_mlp.gate_proj", inter, H, (E,), b=expert_bits)
+            lin(m + "switch_mlp.up_proj", inter, H, (E,), b=expert_bits)
+            lin(m + "switch_mlp.down_proj", H, inter, (E,), b=expert_bits)
             if c.shared_expert_intermediate_size:
                 s = c.shared_expert_intermediate_size
                 lin(m + "shared_expert.gate_proj", s, H)
@@ -183,3 +193,26 @@ def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bit
             lin(m + "down_proj", H, c.intermediate_size)
     mappings[0] = ("virtual checkpoint", 0, cursor[0])
     return mappings, tensors, sizes
+
+
+def config_widths(config) -> dict:
+    """The ``virtual_weight_table`` widths a config.json's MLX quantization block describes (``bits`` /
+    ``group_size`` its default, ``router_bits`` the router's override, ``expert_bits`` the routed
+    experts' override), or {} for a dense config. CheckpointError when the routed experts' overrides
+    differ between layers (a per-layer recipe only the weights themselves can size)."""
+    from .streaming import is_routed_expert      # (streaming builds on this module)
+
+    q = config.quantization
+    if q is None:
+        return {}
+    routed = {(s.bits, s.group_size) for p, s in q.overrides.items() if is_routed_expert(p)}
+    routers = {s.bits for p, s in q.overrides.items() if p.endswith("mlp.gate")}
+    if len(routed) > 1 or len(routers) > 1 or any(g != q.default.group_size for _, g in routed):
+        raise CheckpointError("config.json's quantization block gives the routed experts (or routers) different "
+                              "widths per layer: sizing it needs the weights")
+    out = dict(bits=q.default.bits, group_size=q.default.group_size)
+    if routed:
+        out["expert_bits"] = next(iter(routed))[0]
+    if routers:
+        out["router_bits"] = next(iter(routers))
+    return out

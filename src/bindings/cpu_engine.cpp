@@ -144,6 +144,7 @@ int activation_planes(const std::string& a) {
 nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
     const TensorDesc d = parse_desc(desc);
     const WMat W = wmat_of(d);
+    if (W.quantized()) cpu::check_affine("desc", W.bits, W.group_size, W.cols);
     if (static_cast<int64_t>(X.shape(1)) != W.cols) throw std::invalid_argument("X has the wrong width");
     const int64_t M = static_cast<int64_t>(X.shape(0));
     auto Y = new_array({size_t(M), size_t(W.rows)});
@@ -269,7 +270,7 @@ nb::tuple k_route(In<float, 1> logits, int64_t k, bool norm_topk) {
 
 nb::tuple k_quantize(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w, int bits, int group_size) {
     const int64_t rows = w.shape(0), cols = w.shape(1);
-    if ((bits != 4 && bits != 8) || cols % group_size) throw std::invalid_argument("quantize: bad bits/group size");
+    cpu::check_affine("quantize", bits, group_size, cols);
     uint32_t* wq = new uint32_t[size_t(rows * cols * bits / 32)];
     uint16_t* s = new uint16_t[size_t(rows * (cols / group_size))];
     uint16_t* b = new uint16_t[size_t(rows * (cols / group_size))];

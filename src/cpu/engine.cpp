@@ -142,10 +142,7 @@ static WMat wmat_of(const TensorDesc& d, int64_t rows, int64_t cols) {
 static void check_quant(const TensorDesc& d, const std::string& name) {
     if (d.bits == 0) return;
     const int64_t cols = d.shape.back();
-    if ((d.bits != 4 && d.bits != 8) || (d.group_size != 32 && d.group_size != 64 && d.group_size != 128) ||
-        cols % d.group_size != 0)
-        throw std::invalid_argument("cpu engine: " + name + ": unsupported quantization (" + std::to_string(d.bits) +
-                                    "-bit, group " + std::to_string(d.group_size) + ")");
+    cpu::check_affine("cpu engine: " + name, d.bits, d.group_size, cols);
     if (d.sdtype != DType::BF16 && d.sdtype != DType::F32)
         throw std::invalid_argument("cpu engine: " + name + ": scales must be bf16 or float32");
 }

@@ -3,6 +3,8 @@
 // they are reached only through the dispatch table after cpuid said the CPU has the features (so
 // no AVX instruction can leak into code that runs on an older CPU, unlike per-file -m flags whose
 // inline functions may be merged with the baseline copies by the linker).
+#include <cstring>
+
 #include "cpu/kernels.h"
 #include "cpu/amx.h"
 
@@ -14,6 +16,40 @@ namespace qwenmetal::cpu {
 // int8 GEMV: prefetch (T0) this far ahead in the weight stream (docs/cpu.md: NTA / 512 B streamed at
 // 6.4 GB/s, T0 / 4 KiB at 12.4 GB/s = the single-core DRAM bandwidth of the test machine)
 constexpr int64_t kQ8Prefetch = 4096;
+
+// Tables of the SIMD unpack of one 2/3/5/6-bit chunk (32 values = BITS dwords of the row's bit stream)
+// into 32/W vectors of W int32 lanes, value W·j + i in lane i of vector j. The chunk is loaded with a
+// dword mask (exactly its BITS dwords: nothing past the row is touched, the rest reads as zero). For
+// vector j, `win` copies the 4 chunk dwords from d0 = ⌊BITS·W·j / 32⌋ into every 128-bit lane (a 16-byte
+// window that holds all of the vector's bits); `ctrl` (pshufb) puts into 32-bit lane i the two window
+// bytes that contain value W·j + i (a value of ≤ 6 bits at an in-byte offset ≤ 7 spans ≤ 2 bytes) and
+// `shift` (srlv) moves it down by its offset in the first byte; then AND with 2^BITS − 1.
+// At 2 bits no value straddles a byte and W values lie in one dword: `shift` alone (over that dword
+// broadcast) does it, `win`/`ctrl` are unused.
+template <int W>
+struct alignas(64) QbTable {
+    int32_t win[32 / W][W];
+    int8_t ctrl[32 / W][4 * W];
+    int32_t shift[32 / W][W];
+};
+template <int BITS, int W>
+constexpr QbTable<W> make_qb_table() {
+    QbTable<W> t{};
+    for (int j = 0; j < 32 / W; ++j) {
+        const int d0 = BITS * W * j / 32;
+        for (int i = 0; i < W; ++i) {
+            const int bit = BITS * (W * j + i) - 32 * d0, byte = bit / 8;   // value W·j+i's bit in the window
+            t.win[j][i] = d0 + i % 4;
+            t.ctrl[j][4 * i] = static_cast<int8_t>(byte);
+            t.ctrl[j][4 * i + 1] = static_cast<int8_t>(byte + 1 < 16 ? byte + 1 : -128);
+            t.ctrl[j][4 * i + 2] = t.ctrl[j][4 * i + 3] = -128;                        // -128: a zero byte
+            t.shift[j][i] = BITS == 2 ? 2 * ((W * j) % 16 + i) : bit % 8;
+        }
+    }
+    return t;
+}
+template <int BITS, int W>
+inline constexpr QbTable<W> kQb = make_qb_table<BITS, W>();
 
 // ------------------------------------------------------------------------------------------------
 #if defined(__clang__)
@@ -112,8 +148,31 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
+    // 2/3/5/6 bits: one 32-value chunk -> 4 vectors (tables: QbTable)
+    template <int BITS>
+    static inline void qb(const uint8_t* p, V* out) {
+        constexpr const QbTable<8>& t = kQb<BITS, 8>;
+        const __m256i m = _mm256_set1_epi32((1 << BITS) - 1);
+        if constexpr (BITS == 2) {
+            for (int j = 0; j < 4; ++j) {
+                int32_t w;
+                std::memcpy(&w, p + 4 * (j / 2), 4);
+                const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift[j])));
+                out[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m));
+            }
+        } else {
+            const __m256i c = _mm256_maskload_epi32(reinterpret_cast<const int*>(p),
+                                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(BITS), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            for (int j = 0; j < 4; ++j) {
+                __m256i v = _mm256_permutevar8x32_epi32(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.win[j])));
+                v = _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.ctrl[j])));
+                v = _mm256_srlv_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift[j])));
+                out[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m));
+            }
+        }
+    }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one group (32 weight bytes) per step
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = false, XQ_SIMD = false;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = true;
     static constexpr int Q8B = 32, Q8E = 1;
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
         if (X.planes == 2)
@@ -243,6 +302,28 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     }
+    // 2/3/5/6 bits: one 32-value chunk -> 2 vectors (tables: QbTable)
+    template <int BITS>
+    static inline void qb(const uint8_t* p, V* out) {
+        constexpr const QbTable<16>& t = kQb<BITS, 16>;
+        const __m512i m = _mm512_set1_epi32((1 << BITS) - 1);
+        if constexpr (BITS == 2) {
+            for (int j = 0; j < 2; ++j) {
+                int32_t w;
+                std::memcpy(&w, p + 4 * j, 4);
+                const __m512i v = _mm512_srlv_epi32(_mm512_set1_epi32(w), _mm512_load_si512(t.shift[j]));
+                out[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
+            }
+        } else {
+            const __m512i c = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi32(static_cast<__mmask8>((1u << BITS) - 1u), p));
+            for (int j = 0; j < 2; ++j) {
+                __m512i v = _mm512_permutexvar_epi32(_mm512_load_si512(t.win[j]), c);
+                v = _mm512_shuffle_epi8(v, _mm512_load_si512(t.ctrl[j]));
+                v = _mm512_srlv_epi32(v, _mm512_load_si512(t.shift[j]));
+                out[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
+            }
+        }
+    }
     // acc + Σ lo·xe + hi·xo per int32 lane (4 byte pairs each): vpdpbusd, or the AVX512BW pair
     // maddubs (u8 ≤ 15 × s8, ≤ 3810 per pair: no int16 saturation) + madd with ones
     template <bool VNNI>
@@ -258,7 +339,7 @@ struct VT {
     }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
     // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true, QB_SIMD = true;
     // one group of 64 inputs -> its int8 plane(s) (kernels.inc xq_prepare: same integers as the scalar
     // code there): the even / odd elements separated on floats (4 permutes), x·inv rounded to nearest
     // even by cvtps2dq, the residual (x − sx·q)·256·inv likewise, each narrowed to 16 bytes by vpmovdb.

@@ -3,30 +3,33 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace qwenmetal::cpu {
 
+void check_affine(const std::string& name, int bits, int group_size, int64_t cols) {
+    const bool width = bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+    const bool group = group_size == 32 || group_size == 64 || group_size == 128;
+    if (!width || !group || cols <= 0 || cols % group_size != 0)
+        throw std::invalid_argument(name + ": unsupported quantization (" + std::to_string(bits) + "-bit, group " +
+                                    std::to_string(group_size) + ", " + std::to_string(cols) +
+                                    " inputs): the CPU kernels take bits 2, 3, 4, 5, 6, 8 and groups 32, 64, 128");
+}
+
 void dequantize_affine(const uint32_t* w, const float* scales, const float* biases, float* out,
                        size_t rows, size_t in_features, int bits, int group_size) {
-    const size_t per_word = 32 / bits;
-    const size_t words = in_features / per_word;
+    const size_t row_bytes = in_features * bits / 8;
     const size_t groups = in_features / group_size;
-    const uint32_t mask = (1u << bits) - 1u;
     for (size_t r = 0; r < rows; ++r) {
-        const uint32_t* wr = w + r * words;
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w) + r * row_bytes;
         const float* sr = scales + r * groups;
         const float* br = biases + r * groups;
         float* o = out + r * in_features;
-        for (size_t k = 0; k < words; ++k) {
-            uint32_t word = wr[k];
-            const size_t base = k * per_word;
-            const size_t g = base / group_size;  // a word never straddles a group (group_size % per_word == 0)
-            const float s = sr[g], b = br[g];
-            for (size_t j = 0; j < per_word; ++j) {
-                o[base + j] = s * static_cast<float>(word & mask) + b;
-                word >>= bits;
-            }
+        for (size_t k = 0; k < in_features; ++k) {
+            const size_t g = k / group_size;
+            o[k] = sr[g] * static_cast<float>(affine_q(wr, bits, int64_t(k))) + br[g];
         }
     }
 }
@@ -35,9 +38,8 @@ void quantize_affine(const void* src, DType dtype, int64_t ld, int64_t rows, int
                      uint32_t* wq, uint16_t* scales, uint16_t* biases) {
     const float n_bins = static_cast<float>((1 << bits) - 1);
     const float eps = 1e-7f;
-    const int per_word = 32 / bits;
     const int64_t groups = cols / group_size;
-    const int64_t words = cols / per_word;
+    const int64_t words = cols * bits / 32;
     float buf[128];
     for (int64_t r = 0; r < rows; ++r) {
         uint32_t* wr = wq + r * words;
@@ -59,14 +61,17 @@ void quantize_affine(const void* src, DType dtype, int64_t ld, int64_t rows, int
                 scale = edge / q0;
                 bias = edge;
             }
-            for (int i = 0; i < group_size; i += per_word) {
-                uint32_t word = 0;
-                for (int j = 0; j < per_word; ++j) {
-                    float q = std::nearbyint((buf[i + j] - bias) / scale);
-                    q = q < 0.f ? 0.f : (q > n_bins ? n_bins : q);
-                    word |= static_cast<uint32_t>(q) << (bits * j);
-                }
-                wr[(g * group_size + i) / per_word] = word;
+            // the group's values into the row's bit stream (a group is group_size·bits/32 whole words,
+            // zeroed first; a 3/5/6-bit value may straddle two words)
+            uint32_t* wg = wr + g * group_size * bits / 32;
+            std::memset(wg, 0, size_t(group_size) * bits / 8);
+            for (int i = 0; i < group_size; ++i) {
+                float q = std::nearbyint((buf[i] - bias) / scale);
+                q = q < 0.f ? 0.f : (q > n_bins ? n_bins : q);
+                const uint32_t v = static_cast<uint32_t>(q);
+                const int bit = bits * i, s = bit & 31;
+                wg[bit >> 5] |= v << s;
+                if (s + bits > 32) wg[(bit >> 5) + 1] |= v >> (32 - s);
             }
             scales[r * groups + g] = f32_to_bf16(scale);
             biases[r * groups + g] = f32_to_bf16(bias);

@@ -1,12 +1,14 @@
 // MLX affine quantization (model-spec §3): value = scale * q + bias per group of `group_size`
-// consecutive inputs of a row; q packed LSB-first into uint32 words (8 per word at 4 bits,
-// 4 per word at 8 bits).
+// consecutive inputs of a row; the q values of a row are one LSB-first bit stream in uint32 words
+// (cols * bits / 32 words; 16/8/4 whole values per word at 2/4/8 bits, at 3/5/6 bits a value may
+// straddle two words). Widths 2, 3, 4, 5, 6, 8; groups 32, 64, 128 (a group = whole 32-value chunks
+// of `bits` words each).
 //
 // Kernels of the "quant" family: the linear layers y = W x of every format the loader produces.
 //  * decode (few rows of x): GEMV, memory-bound. Per group the factored form
 //    scale·Σ q·x + bias·Σ x, x pre-converted to fp32 (and pre-permuted to the nibble order the
 //    unpack produces), 4 weight rows per pass sharing every x load, no dequantized weight ever
-//    written to memory (kernels.inc: q4_rows / q8_rows / dense_rows).
+//    written to memory (kernels.inc: q_rows over every width / dense_rows).
 //  * prefill (many rows of x): a task dequantizes a 16-row weight tile once into a per-thread
 //    fp32 buffer (L2-resident) and multiplies every row of x with it (gemm_tile, 4x3 register
 //    blocks of dot products over the whole K).
@@ -16,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cpu/tensor.h"
@@ -23,6 +26,10 @@
 #include "cpu/kernels.h"
 
 namespace qwenmetal::cpu {
+
+// Throws std::invalid_argument naming `name` unless (bits, group_size) is a width / group the CPU
+// kernels run (bits 2, 3, 4, 5, 6, 8; group 32, 64, 128) and `cols` a whole number of groups.
+void check_affine(const std::string& name, int bits, int group_size, int64_t cols);
 
 // Dequantize `rows` rows of `in_features` values into float32 `out` [rows, in_features].
 // w: [rows, in_features * bits / 32]; scales, biases: [rows, in_features / group_size].

@@ -1,5 +1,5 @@
 // Weight descriptors of the CPU engine (pointers into memory it can read): a matrix is either dense (bf16/f16/f32) or MLX
-// affine-quantized (4 or 8 bits, per-group scale and bias). Descriptors point into memory owned
+// affine-quantized (2, 3, 4, 5, 6 or 8 bits, per-group scale and bias). Descriptors point into memory owned
 // elsewhere (the mmap'd checkpoint, kept alive by Python, or buffers the engine owns after
 // quantizing at load); nothing here copies weights.
 #pragma once
@@ -20,7 +20,7 @@ namespace qwenmetal {
 // One [rows, cols] matrix, y = W x. Rows are contiguous: a dense row is `cols` values, a quantized
 // row is cols*bits/32 uint32 words plus cols/group_size scales and biases.
 struct WMat {
-    int bits = 0;                  // 0 = dense, else 4 or 8 (MLX affine)
+    int bits = 0;                  // 0 = dense, else 2, 3, 4, 5, 6 or 8 (MLX affine)
     DType dtype = DType::F32;      // dense: element type
     DType sdtype = DType::BF16;    // quantized: scale/bias type (BF16 or F32; F16 is converted at load)
     int group_size = 0;
@@ -39,6 +39,18 @@ struct WMat {
     const uint8_t* brow(int64_t r) const { return static_cast<const uint8_t*>(biases) + size_t(r) * srow_bytes(); }
     size_t nbytes() const { return size_t(rows) * (row_bytes() + (quantized() ? 2 * srow_bytes() : 0)); }
 };
+
+// Value k (< 2^bits) of a packed MLX affine row: the row is one LSB-first stream of `bits`-bit values
+// over its little-endian bytes, so value k sits at bits [bits·k, bits·(k+1)). At 3/5/6 bits a value may
+// straddle two bytes (never more: bits ≤ 8 and the in-byte offset ≤ 7). Byte reads: no alignment needed,
+// and nothing past the value's last byte is read.
+inline uint32_t affine_q(const uint8_t* row, int bits, int64_t k) {
+    const int64_t bit = int64_t(bits) * k;
+    const int s = static_cast<int>(bit & 7);
+    uint32_t v = uint32_t(row[bit >> 3]) >> s;
+    if (s + bits > 8) v |= uint32_t(row[(bit >> 3) + 1]) << (8 - s);
+    return v & ((1u << bits) - 1u);
+}
 
 // A stack of matrices (the routed experts): matrix e starts at byte offset e*stride of each array.
 struct WStack {

@@ -53,12 +53,21 @@ def decode_bytes(config, sizes: Mapping[str, int], context: int, kv_element_byte
             n = n // c.vocab_size
         parts[cat] += int(n)
     weights = sum(parts.values())
-    n_attn = len(c.full_attention_layers)
-    n_gdn = len(c.linear_attention_layers)
-    kv_token = 2 * c.num_key_value_heads * c.head_dim * kv_element_bytes       # K and V, one layer, one token
-    kv = n_attn * kv_token * (int(context) + 1)
-    state = n_gdn * 2 * state_element_bytes * (
-        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        + c.conv_dim * (c.linear_conv_kernel_dim - 1))
+    held = session_bytes(c, int(context) + 1, kv_element_bytes, state_element_bytes)
+    kv = held["kv_cache"]
+    state = 2 * held["gdn_state"]      # read and written
     return {"total": weights + kv + state, "weights": weights, "kv_cache": kv, "gdn_state": state,
             "weight_parts": parts}
+
+
+def session_bytes(config, context: int, kv_element_bytes: int = 2,
+                  state_element_bytes: int = STATE_ELEMENT_BYTES) -> dict:
+    """Bytes one session holds at `context` tokens: the KV cache (K and V of every attention layer) and the
+    GDN state (recurrent [nv, dk, dv] and conv [conv_dim, K-1] of every linear layer)."""
+    c = config
+    kv_token = 2 * c.num_key_value_heads * c.head_dim * kv_element_bytes       # K and V, one layer, one token
+    kv = len(c.full_attention_layers) * kv_token * int(context)
+    state = len(c.linear_attention_layers) * state_element_bytes * (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        + c.conv_dim * (c.linear_conv_kernel_dim - 1))
+    return {"kv_cache": kv, "gdn_state": state}

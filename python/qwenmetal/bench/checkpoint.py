@@ -19,9 +19,11 @@ def layer_types(n: int, interval: int = 4) -> list:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
 
 
-def real_config(layers: int = 8, vocab_size: int = 248320, num_experts: int = 256) -> dict:
-    """A config.json dict (nested ``qwen3_5_moe`` form, as released) with Qwen3.6-35B-A3B's per-layer
-    dimensions and ``layers`` layers."""
+def _family_config(layers: int, **dims) -> dict:
+    """A config.json dict (nested ``qwen3_5_moe`` form, as released) of a Qwen3.5/3.6-MoE family member:
+    the fields every released size shares (the values of Qwen3.6-35B-A3B's config.json, prior-art §C), with
+    ``dims`` (text_config fields: widths, head and expert counts) replacing them, and ``layers`` layers
+    (every fourth full attention)."""
     if layers < 1:
         raise ValueError("layers must be at least 1")
     text = {
@@ -32,16 +34,51 @@ def real_config(layers: int = 8, vocab_size: int = 248320, num_experts: int = 25
         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
         "linear_num_value_heads": 32, "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
         "max_position_embeddings": 262144, "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 512,
-        "num_attention_heads": 16, "num_experts": num_experts, "num_experts_per_tok": 8,
+        "num_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8,
         "num_hidden_layers": layers, "num_key_value_heads": 2, "output_router_logits": False,
         "pad_token_id": None, "rms_norm_eps": 1e-06,
         "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
                             "rope_theta": 10000000.0, "rope_type": "default"},
         "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
-        "use_cache": True, "vocab_size": vocab_size,
+        "use_cache": True, "vocab_size": 248320,
     }
+    unknown = set(dims) - set(text)
+    if unknown:
+        raise ValueError(f"unknown text_config fields {sorted(unknown)}")
+    text.update(dims)
     return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "dtype": "bfloat16",
-            "model_type": "qwen3_5_moe", "text_config": dict(sorted(text.items())), "tie_word_embeddings": False}
+            "model_type": "qwen3_5_moe", "text_config": dict(sorted(text.items())),
+            "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
+def real_config(layers: int = 8, vocab_size: int = 248320, num_experts: int = 256) -> dict:
+    """A config.json dict (nested ``qwen3_5_moe`` form, as released) with Qwen3.6-35B-A3B's per-layer
+    dimensions and ``layers`` layers."""
+    return _family_config(layers, vocab_size=vocab_size, num_experts=num_experts)
+
+
+def qwen35_397b_config(layers: int = 60) -> dict:
+    """The config.json dict of Qwen3.5-397B-A17B (``layers`` layers; 60 as released: 45 GDN + 15 full
+    attention), parsed by ModelConfig like any other size.
+
+    Where the values come from:
+
+    * prior-art §B.2 (Flash-MoE, which runs this model): 60 layers (45 GDN + 15 attention), hidden 4096,
+      512 experts, moe_intermediate 1024, GDN 64 value / 16 key heads, 10 experts per token (Flash-MoE's
+      7,077,888-byte 4-bit expert blob = 3 x 1024 x 4096 weights at 4 bits + bf16 scales and biases at
+      group 64 confirms hidden x moe_intermediate);
+    * mlx-community/Qwen3.5-397B-A17B-4bit's model card (a conversion of the released config.json):
+      attention 32 query / 2 KV heads of head_dim 256, GDN head dim 128, one shared expert, context
+      262,144, vocabulary 248,320;
+    * assumptions (the family's values, not checked against the 397B's own config.json here):
+      shared_expert_intermediate_size 1024 (= moe_intermediate, as in the 35B where both are 512),
+      conv kernel 4, rope (theta 1e7, partial 0.25, mrope [11, 11, 10]), rms_norm_eps 1e-6, untied
+      embeddings, eos 248044 -- the 35B's values.
+    """
+    return _family_config(layers, hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                         linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                         moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
 
 
 def resolve_config(spec: str | Mapping[str, Any] = "real", layers: int | None = None) -> dict:

@@ -1,0 +1,326 @@
+"""Expert streaming: where each routed expert lives in the checkpoint's files, and the plan that decides
+whether a model streams its experts under a memory budget and how many cache slots each MoE layer gets.
+
+A model whose weights do not fit keeps every non-routed-expert weight resident (attention, GDN, shared
+experts, router, embedding, lm_head, norms) and reads the routed experts a token needs from the files
+into a bounded cache of fixed slots per MoE layer (``qwenmetal._core.ExpertCache``,
+src/core/expert_cache.h). This module is the Python half: `expert_layout` finds each expert's bytes in
+the files (the cache preads them; the mapping is never touched), `plan` sizes the cache from the budget,
+`available_memory` resolves ``memory_budget="auto"``. The design is in docs/streaming.md.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from .errors import CheckpointError, InputError
+from .weights import QuantizedTensor
+from .weights_table import _ptr, _root_buffer
+
+# the routed-expert matrices of one MoE layer, in the order of its parts
+EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+POLICIES = ("lru", "lfu", "os")
+DEFAULT_POLICY = "lru"
+# What the planner keeps free of expert slots for one session: its KV cache at RESERVE_CONTEXT tokens and
+# its GDN state (from the config), plus SCRATCH_BYTES for activations, the interpreter and its libraries.
+RESERVE_CONTEXT = 8192
+SCRATCH_BYTES = 256 << 20
+# "auto" leaves this share of the memory it finds to the kernel (Linux: reclaim headroom above MemAvailable
+# or the cgroup limit) or to macOS and the other apps (macOS: of physical memory, as Metal's default
+# working-set limit does).
+AUTO_HEADROOM = {"linux": 1 / 16, "darwin": 1 / 4}
+_UNLIMITED = 1 << 60     # cgroup v1 writes "no limit" as 2^63 rounded down to a page
+
+
+def expert_names(layer: int) -> list[str]:
+    """Canonical names of one MoE layer's routed-expert stacks, in part order."""
+    return [f"layers.{layer}.mlp.switch_mlp.{m}" for m in EXPERT_MATRICES]
+
+
+def moe_layers(config) -> list[int]:
+    return [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".mlp.switch_mlp." in name
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One matrix of an expert stack in a file: expert e's bytes are [offset + e*stride, + nbytes) of `path`."""
+
+    path: str
+    offset: int
+    stride: int
+    nbytes: int
+
+
+def _expert_part(label: str, a: np.ndarray, num_experts: int, files: dict, where: str) -> ExpertPart:
+    root = _root_buffer(a)
+    sf = files.get(id(root))
+    if sf is None:
+        raise CheckpointError(
+            f"{where}: routed-expert tensor {label!r} is not a view of a safetensors file (the loader built it, "
+            f"e.g. from per-expert keys), so its experts cannot be read from disk; `qwenmetal convert` writes "
+            f"a checkpoint whose expert stacks can stream")
+    if a.ndim < 2 or a.shape[0] != num_experts:
+        raise CheckpointError(f"{sf.path}: routed-expert tensor {label!r} has shape {a.shape}, "
+                              f"expected {num_experts} experts first")
+    inner = a[0]
+    if not inner.flags.c_contiguous or a.strides[0] < inner.nbytes:
+        raise CheckpointError(f"{sf.path}: routed-expert tensor {label!r}: one expert's matrix is not one "
+                              f"contiguous byte range (strides {a.strides}), so it cannot be read with one pread")
+    offset = _ptr(a) - _ptr(np.frombuffer(root, np.uint8))
+    part = ExpertPart(sf.path, int(offset), int(a.strides[0]), int(inner.nbytes))
+    if offset < 0 or offset + (num_experts - 1) * part.stride + part.nbytes > sf.size:
+        raise CheckpointError(f"{sf.path}: routed-expert tensor {label!r} lies outside the file")
+    return part
+
+
+def expert_layout(weights) -> dict[int, list[ExpertPart]]:
+    """MoE layer index -> its routed experts' parts, in the fixed order: for gate_proj, up_proj, down_proj,
+    the matrix's weight, scales and biases when quantized, or the matrix alone when dense.
+
+    Raises CheckpointError when a routed-expert tensor is not a view of a safetensors file's map (an HF
+    checkpoint with per-expert keys, stacked at load), naming it."""
+    c = weights.config
+    src = getattr(weights, "source", None)
+    files = {id(sf._mmap): sf for sf in src.files.values()} if src is not None else {}
+    out: dict[int, list[ExpertPart]] = {}
+    for i in moe_layers(c):
+        parts = []
+        for name in expert_names(i):
+            t = weights.tensors[name]
+            arrays = ([(name + ".weight", t.weight), (name + ".scales", t.scales), (name + ".biases", t.biases)]
+                      if isinstance(t, QuantizedTensor) else [(name, t)])
+            for label, a in arrays:
+                parts.append(_expert_part(label, a, c.num_experts, files, weights.path))
+        out[i] = parts
+    return out
+
+
+def cache_tables(layout: Mapping[int, list[ExpertPart]]) -> tuple[list[str], dict[int, list[tuple]]]:
+    """The layout as the C++ cache takes it: (files, {layer: [(file index, offset, stride, nbytes)]})."""
+    files: list[str] = []
+    index: dict[str, int] = {}
+    layers = {}
+    for layer, parts in layout.items():
+        row = []
+        for p in parts:
+            if p.path not in index:
+                index[p.path] = len(files)
+                files.append(p.path)
+            row.append((index[p.path], p.offset, p.stride, p.nbytes))
+        layers[layer] = row
+    return files, layers
+
+
+# ---------------------------------------------------------------------------------------------------
+def _read_int(path: str) -> int | None:
+    """The integer in a cgroup/proc file, None if absent or not a number ("max")."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def cgroup_memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, v1
+    memory.limit_in_bytes), or None. Paths in /proc/self/cgroup are tried under `cgroup_root` (v1: under its
+    memory/ hierarchy), walking up to the root: in a container the namespace root's files hold the limit."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            base, fname = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, fname = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            v = _read_int(os.path.join(base, rel, fname))
+            if v is not None and 0 < v < _UNLIMITED:
+                limits.append(v)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return min(limits) if limits else None
+
+
+def mem_available(proc: str = "/proc") -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None."""
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            for line in f:
+                m = re.match(r"MemAvailable:\s+(\d+)\s+kB", line)
+                if m:
+                    return int(m.group(1)) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", platform: str | None = None) -> int:
+    """Bytes a model may use here, what ``memory_budget="auto"`` resolves to. Linux: min(MemAvailable, the
+    cgroup memory limit) less AUTO_HEADROOM; macOS: physical memory (hw.memsize) less AUTO_HEADROOM;
+    elsewhere physical memory as sysconf reports it."""
+    platform = platform or sys.platform
+    if platform.startswith("linux"):
+        found = [v for v in (mem_available(proc), cgroup_memory_limit(proc, cgroup_root)) if v is not None]
+        if found:
+            return int(min(found) * (1 - AUTO_HEADROOM["linux"]))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")    # hw.memsize on macOS
+    return int(total * (1 - AUTO_HEADROOM.get("darwin" if platform == "darwin" else "linux")))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_budget(value, param: str = "memory_budget"):
+    """A memory budget as given: None, "auto", an int of bytes, or a string "<number>[unit]" (K/M/G/T and
+    KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal) -> None | "auto" | int bytes."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"{param} must be 'auto', None, a number of bytes or a string like '8GiB', "
+                         f"got {value!r}", param)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InputError(f"{param} must be 'auto', a number of bytes or a size like '8GiB', got {value!r}", param)
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise InputError(f"{param} must be positive, got {value}", param)
+    return value
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Whether a model streams its routed experts, and the cache it gets (`plan`)."""
+
+    stream: bool               # False: everything resident, nothing changes
+    budget: int                # bytes the plan had to fit (resolved from "auto"; the checkpoint's size for None)
+    checkpoint_bytes: int      # every tensor as stored
+    resident_bytes: int        # every tensor but the routed experts
+    expert_bytes: int          # one expert of one MoE layer, all parts (the mean over MoE layers)
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    slots_per_layer: int       # 1..num_experts (num_experts when not streaming)
+    policy: str                # "lru" | "lfu" | "os"
+    reserve_bytes: int = 0     # kept free for one session's KV/state and scratch when sizing the slots
+
+    @property
+    def slot_bytes(self) -> int:
+        """Memory of the expert slots of every MoE layer."""
+        return self.moe_layers * self.slots_per_layer * self.expert_bytes
+
+    @property
+    def naive_hit_rate(self) -> float:
+        """The hit rate if every expert were equally likely and routing had no memory: slots / experts."""
+        return self.slots_per_layer / self.num_experts if self.num_experts else 1.0
+
+    def bytes_per_token(self, hit_rate: float) -> float:
+        """Expected bytes read from the files per decoded token at a cache hit rate (0 when not streaming)."""
+        if isinstance(hit_rate, bool) or not isinstance(hit_rate, (int, float)) or not 0.0 <= hit_rate <= 1.0:
+            raise InputError(f"hit_rate must be a number in [0, 1], got {hit_rate!r}", "hit_rate")
+        if not self.stream:
+            return 0.0
+        return self.moe_layers * self.top_k * self.expert_bytes * (1.0 - float(hit_rate))
+
+
+def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int | None = None,
+         policy: str | None = None) -> StreamPlan:
+    """Plan expert streaming for `config` with the tensors of `weights_or_sizes` (a Weights, or a mapping
+    canonical name -> bytes as stored) under `memory_budget` (None: never stream; "auto": available_memory();
+    bytes, or a size string as `parse_budget` reads).
+
+    Streams iff the checkpoint does not fit the budget, or `slots_per_layer` is given (tests force streaming
+    that way). Slots per layer: `slots_per_layer`, else what the budget leaves after the resident weights and
+    the reserve (one session's KV cache at RESERVE_CONTEXT tokens + GDN state + SCRATCH_BYTES), clamped to
+    [1, num_experts]. Raises InputError naming memory_budget when the budget cannot hold the resident weights
+    and the slots (at least one per layer)."""
+    budget = parse_budget(memory_budget)
+    if slots_per_layer is not None and (isinstance(slots_per_layer, bool) or not isinstance(slots_per_layer, int)):
+        raise InputError(f"expert_slots must be an int, got {slots_per_layer!r}", "expert_slots")
+    if policy is not None and policy not in POLICIES:
+        raise InputError(f"expert_policy must be one of {', '.join(POLICIES)}, got {policy!r}", "expert_policy")
+    policy = policy or DEFAULT_POLICY
+    sizes = ({k: int(v.nbytes) for k, v in weights_or_sizes.tensors.items()}
+             if hasattr(weights_or_sizes, "tensors") else {k: int(v) for k, v in weights_or_sizes.items()})
+    layers = moe_layers(config)
+    E = config.num_experts
+    expert_total = 0
+    for i in layers:
+        for name in expert_names(i):
+            if name not in sizes:
+                raise CheckpointError(f"no tensor {name!r} among the weights of this MoE model")
+            if sizes[name] % E:
+                raise CheckpointError(f"tensor {name!r}: {sizes[name]} bytes do not split into {E} experts")
+            expert_total += sizes[name]
+    checkpoint = sum(sizes.values())
+    resident = checkpoint - expert_total
+    per_slot = expert_total // E if E else 0             # one expert of every MoE layer
+    expert_bytes = per_slot // len(layers) if layers else 0
+    if slots_per_layer is not None and not 1 <= slots_per_layer <= max(E, 1):
+        raise InputError(f"expert_slots must be in [1, {E}] (the experts per layer), got {slots_per_layer}",
+                         "expert_slots")
+    if budget == "auto":
+        budget = available_memory()
+    from .bench.bytes_model import session_bytes
+    held = session_bytes(config, RESERVE_CONTEXT)
+    reserve = held["kv_cache"] + held["gdn_state"] + SCRATCH_BYTES
+    common = dict(checkpoint_bytes=checkpoint, resident_bytes=resident, expert_bytes=expert_bytes,
+                  moe_layers=len(layers), num_experts=E, top_k=config.num_experts_per_tok, policy=policy,
+                  reserve_bytes=reserve)
+    fits = budget is None or checkpoint <= budget
+    if not layers or (fits and slots_per_layer is None):
+        return StreamPlan(stream=False, budget=checkpoint if budget is None else budget, slots_per_layer=E, **common)
+    if slots_per_layer is None:
+        slots_per_layer = int(min(max((budget - resident - reserve) // per_slot, 1), E))
+    if budget is not None and budget < resident + slots_per_layer * per_slot:
+        raise InputError(
+            f"memory_budget {budget} bytes cannot hold the resident weights ({resident} bytes) and "
+            f"{slots_per_layer} expert slot(s) per MoE layer ({slots_per_layer * per_slot} bytes)", "memory_budget")
+    return StreamPlan(stream=True, budget=checkpoint if budget is None else budget,
+                      slots_per_layer=slots_per_layer, **common)
+
+
+def _size(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:,.2f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
+def describe(p: StreamPlan, hit_rate: float | None = None) -> list[str]:
+    """Lines for `qwenmetal info`: whether the model streams under the plan's budget, what stays resident,
+    the slots, and the expected bytes read per token (at the naive hit rate and at `hit_rate` if given)."""
+    lines = [f"memory budget: {_size(p.budget)}; checkpoint {_size(p.checkpoint_bytes)}, resident (all but "
+             f"routed experts) {_size(p.resident_bytes)}, one expert {_size(p.expert_bytes)} x {p.num_experts} "
+             f"experts x {p.moe_layers} MoE layers"]
+    if not p.stream:
+        lines.append("expert streaming: no (the checkpoint fits the budget: every weight stays resident)")
+        return lines
+    lines.append(f"expert streaming: yes, {p.slots_per_layer} of {p.num_experts} expert slots per MoE layer "
+                 f"({_size(p.slot_bytes)}), policy {p.policy}")
+    rates = [("naive: slots / experts", p.naive_hit_rate)] + ([("given", hit_rate)] if hit_rate is not None else [])
+    for what, h in rates:
+        lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {_size(p.bytes_per_token(h))} per token")
+    return lines

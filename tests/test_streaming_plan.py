@@ -1,0 +1,236 @@
+"""qwenmetal.streaming: the expert layout points at exactly each expert's bytes in the checkpoint files (and
+the C++ cache reads them from there), the planner's arithmetic, "auto" from a fake /proc + cgroup tree,
+budget parsing and its errors, and the streaming lines of `qwenmetal info`."""
+import os
+
+import numpy as np
+import pytest
+
+from qwenmetal import _core, cli, streaming
+from qwenmetal.config import ModelConfig
+from qwenmetal.errors import CheckpointError, InputError
+from qwenmetal.testing import PRESETS, cached_checkpoint
+from qwenmetal.weights import QuantizedTensor, load_weights
+
+
+def _load(fmt):
+    d = cached_checkpoint("tiny", fmt)
+    c = ModelConfig.from_file(d / "config.json")
+    return c, load_weights(d, c)
+
+
+def _arrays(t):
+    return [t.weight, t.scales, t.biases] if isinstance(t, QuantizedTensor) else [t]
+
+
+@pytest.mark.parametrize("fmt", ["mlx-q4", "mlx-bf16", "hf-bf16"])   # hf-bf16: fused gate_up, strided views
+def test_layout_points_at_each_experts_bytes_and_the_cache_reads_them(fmt):
+    c, w = _load(fmt)
+    layout = streaming.expert_layout(w)
+    assert sorted(layout) == streaming.moe_layers(c) == list(range(c.num_hidden_layers))
+    raw = {}
+    for layer, parts in layout.items():
+        arrays = [a for name in streaming.expert_names(layer) for a in _arrays(w.tensors[name])]
+        assert len(parts) == len(arrays) == (9 if fmt == "mlx-q4" else 3)
+        for p, a in zip(parts, arrays):
+            data = raw.setdefault(p.path, open(p.path, "rb").read())
+            for e in range(c.num_experts):
+                assert data[p.offset + e * p.stride:p.offset + e * p.stride + p.nbytes] == \
+                    np.ascontiguousarray(a[e]).tobytes()
+    # the same layout through the C++ cache: slot contents equal the loaded tensors
+    files, layers = streaming.cache_tables(layout)
+    S = 2
+    slots = {l: [np.zeros(S * nb, np.uint8) for (_, _, _, nb) in ps] for l, ps in layers.items()}
+    cache = _core.ExpertCache(files, layers, slots, num_experts=c.num_experts, slots_per_layer=S)
+    layer = streaming.moe_layers(c)[-1]
+    experts = [c.num_experts - 1, 3]
+    got = cache.acquire(layer, np.array(experts, np.int32))
+    arrays = [a for name in streaming.expert_names(layer) for a in _arrays(w.tensors[name])]
+    for e, s in zip(experts, got):
+        for buf, a in zip(slots[layer], arrays):
+            nb = a[0].nbytes
+            assert buf[s * nb:(s + 1) * nb].tobytes() == np.ascontiguousarray(a[e]).tobytes()
+
+
+def test_layout_refuses_experts_the_loader_built():
+    c, w = _load("mlx-q4")
+    name = streaming.expert_names(0)[1]
+    t = w.tensors[name]
+    w.tensors[name] = QuantizedTensor(t.weight.copy(), t.scales, t.biases, t.bits, t.group_size)
+    with pytest.raises(CheckpointError, match=r"routed-expert tensor 'layers\.0\.mlp\.switch_mlp\.up_proj\.weight' "
+                                              r"is not a view of a safetensors file.*qwenmetal convert"):
+        streaming.expert_layout(w)
+
+
+# ---- the planner -------------------------------------------------------------------------------------
+CFG = ModelConfig.from_dict(PRESETS["tiny"])
+E, L = CFG.num_experts, len(streaming.moe_layers(CFG))
+X = 10_000_000    # bytes of one expert of one matrix: the experts (960 MB) dwarf the reserve (~270 MB)
+RESIDENT = 50_000_000
+SIZES = {"embed_tokens": RESIDENT - 1000, "norm": 1000}
+for _i in streaming.moe_layers(CFG):
+    for _n in streaming.expert_names(_i):
+        SIZES[_n] = X * E
+PER_SLOT = 3 * X * L                       # one expert of every MoE layer
+CHECKPOINT = RESIDENT + PER_SLOT * E
+
+
+def test_reserve_is_one_sessions_kv_and_state_plus_scratch():
+    p = streaming.plan(CFG, SIZES, None)
+    kv = len(CFG.full_attention_layers) * 2 * CFG.num_key_value_heads * CFG.head_dim * 2 * streaming.RESERVE_CONTEXT
+    state = len(CFG.linear_attention_layers) * 4 * (
+        CFG.linear_num_value_heads * CFG.linear_key_head_dim * CFG.linear_value_head_dim
+        + CFG.conv_dim * (CFG.linear_conv_kernel_dim - 1))
+    assert p.reserve_bytes == kv + state + streaming.SCRATCH_BYTES
+
+
+def test_plan_arithmetic():
+    reserve = streaming.plan(CFG, SIZES, None).reserve_bytes
+    p = streaming.plan(CFG, SIZES, CHECKPOINT)
+    assert not p.stream and p.slots_per_layer == E and p.budget == CHECKPOINT
+    assert (p.checkpoint_bytes, p.resident_bytes, p.expert_bytes, p.moe_layers, p.top_k) == (
+        CHECKPOINT, RESIDENT, 3 * X, L, CFG.num_experts_per_tok)
+    assert p.bytes_per_token(0.0) == 0.0                  # resident: nothing read
+    assert not streaming.plan(CFG, SIZES, None).stream
+    # short of the checkpoint: streams, with the slots the budget leaves after resident + reserve
+    budget = RESIDENT + reserve + 5 * PER_SLOT + PER_SLOT // 2
+    p = streaming.plan(CFG, SIZES, budget)
+    assert p.stream and p.slots_per_layer == 5 and p.policy == "lru" and p.slot_bytes == 5 * PER_SLOT
+    assert p.naive_hit_rate == 5 / E
+    assert p.bytes_per_token(0.25) == L * CFG.num_experts_per_tok * 3 * X * 0.75
+    p = streaming.plan(CFG, SIZES, CHECKPOINT - 1)          # one byte short: what is left after the reserve
+    assert p.stream and p.slots_per_layer == (CHECKPOINT - 1 - RESIDENT - reserve) // PER_SLOT == 5
+    # the reserve does not fit, but one slot per layer does: one slot
+    assert streaming.plan(CFG, SIZES, RESIDENT + PER_SLOT).slots_per_layer == 1
+    with pytest.raises(InputError, match=rf"memory_budget {RESIDENT + PER_SLOT - 1} bytes cannot hold the resident "
+                                         rf"weights \({RESIDENT} bytes\) and 1 expert slot\(s\) per MoE layer "
+                                         rf"\({PER_SLOT} bytes\)"):
+        streaming.plan(CFG, SIZES, RESIDENT + PER_SLOT - 1)
+
+
+def test_overrides_force_streaming():
+    p = streaming.plan(CFG, SIZES, None, slots_per_layer=1, policy="lfu")
+    assert p.stream and p.slots_per_layer == 1 and p.policy == "lfu"
+    p = streaming.plan(CFG, SIZES, "1GiB", slots_per_layer=E, policy="os")   # "all": every expert has a slot
+    assert p.stream and p.slots_per_layer == E and p.budget == 1 << 30
+    assert streaming.plan(CFG, SIZES, None, policy="os").policy == "os"
+    with pytest.raises(InputError, match=r"cannot hold the resident weights .* and 3 expert slot\(s\)"):
+        streaming.plan(CFG, SIZES, RESIDENT + 2 * PER_SLOT, slots_per_layer=3)
+    for bad in (0, E + 1):
+        with pytest.raises(InputError, match=rf"expert_slots must be in \[1, {E}\] .*got {bad}") as ei:
+            streaming.plan(CFG, SIZES, None, slots_per_layer=bad)
+        assert ei.value.param == "expert_slots"
+    with pytest.raises(InputError, match="expert_slots must be an int, got 1.5"):
+        streaming.plan(CFG, SIZES, None, slots_per_layer=1.5)
+    with pytest.raises(InputError, match="expert_policy must be one of lru, lfu, os, got 'fifo'"):
+        streaming.plan(CFG, SIZES, None, policy="fifo")
+    p = streaming.plan(CFG, SIZES, None, slots_per_layer=1)
+    for bad in (-0.1, 1.5, "0.5", True):
+        with pytest.raises(InputError, match="hit_rate must be a number in"):
+            p.bytes_per_token(bad)
+
+
+def test_plan_checks_the_expert_tensors():
+    sizes = dict(SIZES)
+    del sizes[streaming.expert_names(2)[2]]
+    with pytest.raises(CheckpointError, match=r"no tensor 'layers\.2\.mlp\.switch_mlp\.down_proj'"):
+        streaming.plan(CFG, sizes, None)
+    sizes = dict(SIZES, **{streaming.expert_names(0)[0]: X * E + 1})
+    with pytest.raises(CheckpointError, match=rf"{X * E + 1} bytes do not split into {E} experts"):
+        streaming.plan(CFG, sizes, None)
+
+
+def test_plan_from_weights_and_auto():
+    c, w = _load("mlx-q4")
+    p = streaming.plan(c, w, w.nbytes)
+    assert not p.stream and p.checkpoint_bytes == w.nbytes
+    expert = sum(w.tensors[n].nbytes for i in streaming.moe_layers(c) for n in streaming.expert_names(i))
+    assert p.resident_bytes == w.nbytes - expert and p.expert_bytes * c.num_experts * p.moe_layers == expert
+    assert streaming.plan(c, w, w.nbytes - 1).stream
+    auto = streaming.plan(c, w)                         # this machine has more than a tiny fixture
+    assert not auto.stream and auto.budget == pytest.approx(streaming.available_memory(), rel=0.05)
+
+
+@pytest.mark.parametrize("value,want", [
+    (None, None), ("auto", "auto"), (12345, 12345), ("8GiB", 8 << 30), ("8G", 8 << 30), ("1.5 GB", 1_500_000_000),
+    ("100MiB", 100 << 20), ("64k", 64 << 10), ("4096", 4096)])
+def test_parse_budget(value, want):
+    assert streaming.parse_budget(value) == want
+
+
+@pytest.mark.parametrize("value,match", [
+    (0, "memory_budget must be positive, got 0"), (-5, "must be positive"), ("0GiB", "must be positive"),
+    ("lots", "memory_budget must be 'auto', a number of bytes or a size like '8GiB', got 'lots'"),
+    ("8 parsecs", "got '8 parsecs'"), (True, "got True"), (1.5e9, "got 1500000000.0")])
+def test_parse_budget_errors(value, match):
+    with pytest.raises(InputError, match=match) as ei:
+        streaming.parse_budget(value)
+    assert ei.value.param == "memory_budget"
+
+
+# ---- "auto" ------------------------------------------------------------------------------------------
+def _tree(tmp_path, cgroup_lines, files, mem_available_kb=8 << 20):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("".join(l + "\n" for l in cgroup_lines))
+    (proc / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {mem_available_kb} kB\n")
+    root = tmp_path / "cg"
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(proc), str(root)
+
+
+def _auto(proc, root):
+    return streaming.available_memory(proc=proc, cgroup_root=root, platform="linux")
+
+
+def test_auto_cgroup_v1_takes_the_tightest_limit_on_the_path(tmp_path):
+    proc, root = _tree(tmp_path, ["5:cpu,cpuacct:/a", "4:memory:/a/b", "0::/"], {
+        "memory/a/b/memory.limit_in_bytes": "9223372036854771712\n",   # unlimited
+        "memory/a/memory.limit_in_bytes": str(3 << 30),
+        "memory/memory.limit_in_bytes": "9223372036854771712\n"})
+    headroom = 1 - streaming.AUTO_HEADROOM["linux"]
+    assert streaming.cgroup_memory_limit(proc, root) == 3 << 30
+    assert _auto(proc, root) == int((3 << 30) * headroom)
+    # MemAvailable below the limit wins
+    proc, root = _tree(tmp_path / "2", ["4:memory:/a"], {"memory/a/memory.limit_in_bytes": str(16 << 30)},
+                       mem_available_kb=2 << 20)
+    assert _auto(proc, root) == int((2 << 30) * headroom)
+
+
+def test_auto_cgroup_v2_and_a_namespace_root(tmp_path):
+    proc, root = _tree(tmp_path, ["0::/user.slice/job"], {
+        "user.slice/job/memory.max": "max\n", "user.slice/memory.max": str(1 << 30)})
+    assert streaming.cgroup_memory_limit(proc, root) == 1 << 30
+    # inside a container the path names the host's cgroup; the limit is at the namespace root
+    proc, root = _tree(tmp_path / "2", ["0::/host/path/not/here"], {"memory.max": str(5 << 30)})
+    assert streaming.cgroup_memory_limit(proc, root) == 5 << 30
+    # no limit anywhere, no cgroup file at all: MemAvailable
+    proc, root = _tree(tmp_path / "3", ["0::/"], {"memory.max": "max\n"}, mem_available_kb=1 << 20)
+    assert streaming.cgroup_memory_limit(proc, root) is None
+    assert _auto(proc, root) == int((1 << 30) * (1 - streaming.AUTO_HEADROOM["linux"]))
+    os.remove(os.path.join(proc, "self", "cgroup"))
+    assert streaming.cgroup_memory_limit(proc, root) is None
+
+
+def test_auto_on_macos_is_physical_memory_less_headroom():
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert streaming.available_memory(platform="darwin") == int(phys * (1 - streaming.AUTO_HEADROOM["darwin"]))
+
+
+# ---- qwenmetal info ----------------------------------------------------------------------------------
+def test_info_reports_streaming(capsys):
+    d = cached_checkpoint("tiny", "mlx-q4")
+    c, w = _load("mlx-q4")
+    p = streaming.plan(c, w, w.nbytes - 1)
+    assert cli.main(["info", "--model", str(d), "--memory-budget", str(w.nbytes - 1), "--hit-rate", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert f"expert streaming: yes, {p.slots_per_layer} of 8 expert slots per MoE layer" in out
+    assert f"hit rate 12.5% (naive: slots / experts): {streaming._size(p.bytes_per_token(0.125))} per token" in out
+    assert f"hit rate 50.0% (given): {streaming._size(p.bytes_per_token(0.5))} per token" in out
+    assert cli.main(["info", "--model", str(d)]) == 0
+    assert "expert streaming: no (the checkpoint fits the budget" in capsys.readouterr().out
+    assert cli.main(["info", "--model", str(d), "--memory-budget", "1000"]) == 2
+    assert "memory_budget 1000 bytes cannot hold the resident weights" in capsys.readouterr().err

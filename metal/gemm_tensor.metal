@@ -99,7 +99,8 @@ kernel void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint3
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
         gemm_stage_x<T, float>((device const vec<T, 4>*)x, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
         for (uint q = 0; q < parts; ++q) {
-            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, p.bits, k0, GEMM_BN / parts,
+            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, p.bits, k0,
+                                           GEMM_BN / parts,
                                            wt + q * cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);

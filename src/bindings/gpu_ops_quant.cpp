@@ -13,7 +13,9 @@ namespace qwenmetal::bindings {
 
 namespace {
 gpu::WFormat parse_format(const std::string& s) {
-    if (s.size() == 2 && s[0] == 'q' && s[1] >= '0' && s[1] <= '9') return gpu::quantized_format(uint32_t(s[1] - '0'), "gpu.Matrix fmt");
+    // 'q<digit>': quantized at that width (quantized_format refuses the widths MLX affine has not)
+    if (s.size() == 2 && s[0] == 'q' && s[1] >= '0' && s[1] <= '9')
+        return gpu::quantized_format(uint32_t(s[1] - '0'), "gpu.Matrix fmt");
     if (s == "bf16" || s == "bfloat16") return gpu::WFormat::BF16;
     if (s == "f16" || s == "float16") return gpu::WFormat::F16;
     if (s == "f32" || s == "float32") return gpu::WFormat::F32;

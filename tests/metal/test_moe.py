@@ -903,7 +903,8 @@ def test_moe_decode_qn(fmt, dtype):
     rng = np.random.default_rng(fmt_bits(fmt) * 2 + (dtype == "bf16"))
     E, k, H, inter, Is, n_experts = 5, 3, cols_for(fmt, 64, 2), 64, 96, 5
     q4 = "q4_" + fmt.split("_")[1]
-    gate, up, down = make(rng, fmt, (E, inter, H), 64), make(rng, fmt, (E, inter, H), 64), make(rng, fmt, (E, H, inter), 32)
+    gate, up = make(rng, fmt, (E, inter, H), 64), make(rng, fmt, (E, inter, H), 64)
+    down = make(rng, fmt, (E, H, inter), 32)
     gu = make(rng, fmt, (2 * inter, H), 32)
     ids = rng.choice(E, k, replace=False).astype(np.uint32)
     w = rng.dirichlet(np.ones(k)).astype(np.float32)
@@ -961,8 +962,8 @@ def test_moe_qn_pairing_checks():
                                              r"\(qn_sbf16, q2\)"):
             ops.moe_gate_up(enc, "f32", G, up3.device(buf, gpu), None, buf(x), buf(ids), 2, buf(act))
         with pytest.raises(ValueError, match=r"moe_down: shared_down \(bf16, bf16\) cannot run"):
-            ops.moe_down(enc, "f32", down.device(buf, gpu), sd_dense.device(buf, gpu), buf(np.zeros((3, 64), np.float32)),
-                         buf(ids), buf(w), buf(logits), 4, 2, buf(x))
+            ops.moe_down(enc, "f32", down.device(buf, gpu), sd_dense.device(buf, gpu),
+                         buf(np.zeros((3, 64), np.float32)), buf(ids), buf(w), buf(logits), 4, 2, buf(x))
         assert enc.dispatches == 0
 
 

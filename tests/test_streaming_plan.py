@@ -234,3 +234,19 @@ def test_info_reports_streaming(capsys):
     assert "expert streaming: no (the checkpoint fits the budget" in capsys.readouterr().out
     assert cli.main(["info", "--model", str(d), "--memory-budget", "1000"]) == 2
     assert "memory_budget 1000 bytes cannot hold the resident weights" in capsys.readouterr().err
+
+
+def test_info_on_a_config_only_397b_directory_plans_streaming(tmp_path, capsys):
+    import json
+
+    from qwenmetal import bench
+    from qwenmetal.weights_table import virtual_weight_table
+    cfg = bench.qwen35_397b_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    c = ModelConfig.from_dict(cfg)
+    p = streaming.plan(c, virtual_weight_table(c)[2], "48GB")
+    assert p.stream and p.expert_bytes == 7_077_888 and 1 < p.slots_per_layer < 512
+    assert cli.main(["info", "--model", str(tmp_path), "--memory-budget", "48GB", "--hit-rate", "0.71"]) == 0
+    out = capsys.readouterr().out
+    assert f"expert streaming: yes, {p.slots_per_layer} of 512 expert slots per MoE layer" in out
+    assert f"hit rate 71.0% (given): {streaming._size(p.bytes_per_token(0.71))} per token" in out

@@ -1,6 +1,6 @@
 """The C++ CPU backend (``backend="cpu"``): a thin wrapper over ``qwenmetal._core.CpuEngine``.
 
-The loader (`weights.py`) has already mapped and checked every tensor. This module only hands C++ the
+The loader (`weights.py`) has already mapped and checked every tensor. This module hands C++ the
 weights table (`weights_table.weight_table`: each linear tensor as a span of one of the checkpoint's file
 mappings, as the Metal backend gets it) and keeps the numpy views alive for as long as the engine lives,
 so the weights are used in place: nothing is copied at load and resident memory grows only as pages are
@@ -26,6 +26,16 @@ Options (``Model.load(path, backend="cpu", **options)``):
   - ``"auto"`` (default): ``"int16"`` where the CPU has the SIMD integer kernels (AVX2, AVX-512),
     ``"float"`` elsewhere (the portable and NEON integer paths are scalar).
 
+* ``memory_budget``: ``"auto"`` (default: the memory available to this process), bytes, or ``None``
+  (never stream). When the checkpoint does not fit (`qwenmetal.streaming.plan`), the non-expert
+  weights stay mapped and the routed experts are **streamed**: the engine owns ``expert_slots`` slots
+  per MoE layer, and after routing each layer reads its missing experts with parallel ``pread`` into
+  them (`_core.ExpertCache`); the experts' bytes are never read through the mapping. Streaming output
+  equals resident output bit for bit (docs/cpu.md, "Streaming experts").
+* ``expert_slots``: slots per MoE layer (1 .. num_experts; default: the planner's, from the budget);
+  ``expert_policy``: ``"lru"``, ``"lfu"`` or ``"os"`` (default: the planner's). Giving either forces
+  the plan's choice (tests stream tiny fixtures with them).
+
 State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
 the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
 before touching the state, so an error leaves it unchanged, and the GIL is released during compute.
@@ -49,6 +59,8 @@ _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"
                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # canonical tensors passed as float32 vectors (everything else is a linear layer)
 _SMALL_SUFFIXES = ("layernorm", "q_norm", "k_norm", "linear_attn.norm", "conv1d", "dt_bias", "A_log")
+# the routed-expert stacks of a MoE layer (streamed when the plan says so)
+_EXPERT_STACKS = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
 
 
 def _core():
@@ -97,6 +109,30 @@ def describe(t, keep: list) -> dict:
                 data=_ptr(a), scales=0, biases=0, stride=int(a.strides[0]) if a.ndim == 3 else 0, sstride=0)
 
 
+def _format(t) -> dict:
+    """The format and shape of a linear tensor, without its data (a streamed stack's descriptor)."""
+    if isinstance(t, QuantizedTensor):
+        sd = t.scales.dtype
+        return dict(bits=t.bits, group_size=t.group_size, dtype="float32",
+                    sdtype=_DTYPE_NAMES.get(sd, str(sd)), shape=list(t.shape))
+    a = np.asarray(t)
+    return dict(bits=0, group_size=0, dtype=_DTYPE_NAMES.get(a.dtype, str(a.dtype)), sdtype="bfloat16",
+                shape=list(a.shape))
+
+
+def stream_spec(weights: Weights, plan) -> dict:
+    """The engine's streaming spec for a streaming `plan`: the checkpoint files, each MoE layer's expert
+    parts (`qwenmetal.streaming.expert_layout`) as (file, offset, stride, nbytes), the slots and policy,
+    and the stacks' formats."""
+    from .streaming import cache_tables, expert_layout
+
+    files, layers = cache_tables(expert_layout(weights))
+    stacks = {f"layers.{i}.mlp.{n}": _format(weights.tensors[f"layers.{i}.mlp.{n}"])
+              for i in layers for n in _EXPERT_STACKS}
+    return dict(files=files, layers=layers, slots_per_layer=int(plan.slots_per_layer), policy=plan.policy,
+                stacks=stacks)
+
+
 def config_dict(c) -> dict:
     return dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -131,7 +167,9 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
-                 prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto"):
+                 prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto",
+                 memory_budget: int | str | None = "auto", expert_slots: int | None = None,
+                 expert_policy: str | None = None):
         core = _core()
         if threads is None:
             threads = core.cpu_physical_cores()
@@ -147,9 +185,15 @@ class CpuBackend:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         if activations == "auto":
             activations = "int16" if core.cpu_isa() in ("avx2", "avx512") else "float"
+        from .streaming import plan as stream_plan
+
         c = weights.config
+        self.plan = stream_plan(c, weights, memory_budget, slots_per_layer=expert_slots, policy=expert_policy)
+        stream = stream_spec(weights, self.plan) if self.plan.stream else None
         linear, small = {}, {}
         for name, t in weights.tensors.items():
+            if stream is not None and name in stream["stacks"]:
+                continue                      # streamed: never handed over as pointers into the mapping
             if name.endswith(_SMALL_SUFFIXES) or name == "norm":
                 small[name] = np.ascontiguousarray(np.asarray(t, np.float32).reshape(-1))
             elif isinstance(t, QuantizedTensor) and t.scales.dtype == np.dtype(np.float16):
@@ -167,7 +211,7 @@ class CpuBackend:
         self.activations = activations
         self.engine = core.CpuEngine(config_dict(c), mappings, tensors, small, self.threads, kv_dtype == "float32",
                                      self.prefill_chunk, int(quantize or 0), keep,
-                                     activations=activations)
+                                     activations=activations, stream=stream)
         self.impl = _Impl(self.engine)
 
     def new_state(self):
@@ -209,12 +253,25 @@ class CpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
+    # ---- expert streaming statistics (generation.expert_stats summarises them) -------------------
+    def expert_counters(self) -> dict:
+        """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
+        policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
+        return self.engine.expert_stats()
+
+    def reset_expert_stats(self) -> None:
+        self.engine.reset_expert_stats()
+
     def info(self) -> dict:
-        """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX."""
+        """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX, and
+        the expert streaming state with its statistics since the last generation started."""
+        from .generation import expert_stats
+
         core = _core()
         return {"isa": core.cpu_isa(), "activations": self.activations,
                 "amx": core.cpu_amx(),
-                "threads": self.threads, "kv_dtype": self.kv_dtype, "prefill_chunk": self.prefill_chunk}
+                "threads": self.threads, "kv_dtype": self.kv_dtype, "prefill_chunk": self.prefill_chunk,
+                "experts": expert_stats(self.expert_counters())}
 
     def __repr__(self) -> str:
         return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "

@@ -134,6 +134,9 @@ def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOp
 def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
          skip_special_tokens, progress, cancel, vocab_used):
     tok = model.tokenizer
+    counters = getattr(model._backend, "expert_counters", None)   # backends that can stream experts
+    if counters is not None:
+        model._backend.reset_expert_stats()       # the stats are per generation
     t0 = time.perf_counter()
     base = s.position
     n_prompt = len(ids)
@@ -178,6 +181,7 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
     if pc is not None and cached < n_prompt and s.nbytes <= pc.max_bytes:
         pc.put(s.tokens, s.snapshot(), logits=logits, kind="prompt")
     t1 = time.perf_counter()
+    at_decode = counters() if counters is not None else None
 
     decoder = tok.stream_decoder(skip_special_tokens) if tok is not None else None
     matcher = StopStringMatcher(stop)
@@ -228,8 +232,10 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
             logits = None                 # the GPU path reads no logits back: the turn is kept without them
         if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
             pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
-        yield GenerationOutput(t, text, n, reason, _stats(n_prompt, cached, len(generated), t0, t1, t2, reason),
-                               lp, top, hit)
+        stats = _stats(n_prompt, cached, len(generated), t0, t1, t2, reason)
+        if counters is not None:
+            stats["experts"] = expert_stats(counters(), at_decode)
+        yield GenerationOutput(t, text, n, reason, stats, lp, top, hit)
         return
 
 
@@ -281,6 +287,24 @@ def _keep_boundary(k: int, last_k: int) -> bool:
     resumes within two chunks of the divergence and one that diverges early from a power-of-two
     boundary."""
     return k >= last_k - 1 or (k & (k - 1)) == 0
+
+
+def expert_stats(c: dict, at_decode: dict | None = None) -> dict:
+    """A generation's (or a backend's, since its last generation started) expert streaming statistics from
+    the backend's raw counters `c` (``expert_counters()``): streaming, slots_per_layer, policy, hit_rate
+    (hits / lookups), bytes_read and io_seconds (SSD reads into the expert cache), bytes_per_token (bytes
+    read per token run through the model, prompt and generated); with `at_decode` (the counters when
+    decoding started) also decode_bytes_per_token, the decode phase's bytes per decoded token (what
+    `qwenmetal.streaming.StreamPlan.bytes_per_token` predicts)."""
+    nan = float("nan")
+    out = {"streaming": bool(c["streaming"]), "slots_per_layer": int(c["slots_per_layer"]), "policy": c["policy"],
+           "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else nan,
+           "bytes_read": int(c["bytes_read"]), "io_seconds": float(c["io_seconds"]),
+           "bytes_per_token": c["bytes_read"] / c["tokens"] if c["tokens"] else nan}
+    if at_decode is not None:
+        steps = c["tokens"] - at_decode["tokens"]
+        out["decode_bytes_per_token"] = (c["bytes_read"] - at_decode["bytes_read"]) / steps if steps else nan
+    return out
 
 
 def _stats(n_prompt, cached, n_gen, t0, t1, t2, reason) -> dict:

@@ -25,6 +25,12 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
   ``simdgroup_matrix``), ``"simdgroup"`` or ``"tensor"``.
 * ``gdn_route``: the Gated DeltaNet prefill, ``"auto"`` (by chunk length from the cost model), ``"scan"``
   or ``"chunked"`` (the WY/UT form).
+* ``memory_budget`` (``"auto"``, the default: the memory available here; bytes; or ``None``: never stream),
+  ``expert_slots``, ``expert_policy`` (``"lru"`` | ``"lfu"`` | ``"os"``): expert streaming
+  (``qwenmetal.streaming``). When the checkpoint does not fit the budget, the routed experts are read from
+  the files into ``expert_slots`` slot stacks per MoE layer (device buffers) as the routing asks for them,
+  and a token runs as per-layer command buffers (docs/metal.md, "Streaming mode"); everything else stays
+  as below. ``expert_slots`` / ``expert_policy`` force streaming on any checkpoint (tests).
 * metal-sim only: ``schedule`` (``"forward"``, ``"reverse"``, ``"random"``: the order the simulator
   runs the threads of a threadgroup in) and ``seed``.
 
@@ -39,8 +45,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .cpu_backend import config_dict
+from .cpu_backend import config_dict, stream_spec
+from .generation import expert_stats
 from .session_io import gdn_state_arrays, gdn_state_vectors
+from .streaming import plan as stream_plan
 from .weights import Weights
 from .weights_table import virtual_weight_table, weight_table
 
@@ -74,8 +82,12 @@ class _GpuBackend:
 
     def __init__(self, weights: Weights, device, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 gemm_route: str = "auto", gdn_route: str = "auto"):
+                 gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
+                 expert_policy=None):
         prefill = prefill_options(prefill_chunk, gemm_route, gdn_route)
+        self.plan = stream_plan(weights.config, weights, memory_budget, slots_per_layer=expert_slots,
+                                policy=expert_policy)
+        streaming = stream_spec(weights, self.plan) if self.plan.stream else None
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kv_dtype is None:
@@ -90,7 +102,7 @@ class _GpuBackend:
         self.device = device
         self.engine = _core().gpu.GpuEngine(device, config_dict(weights.config), mappings, tensors,
                                             "f32" if dtype == "float32" else "bf16", kv_dtype == "float32",
-                                            self.attention, keep, prefill)
+                                            self.attention, keep, prefill, streaming)
         self.prefill_chunk = int(self.engine.prefill_chunk)
         self.gemm_route = str(self.engine.gemm_route)
         self.gdn_route = gdn_route
@@ -150,10 +162,20 @@ class _GpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
+    # ---- expert streaming statistics (generation.expert_stats summarises them) -------------------
+    def expert_counters(self) -> dict:
+        """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
+        policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
+        return self.engine.expert_stats()
+
+    def reset_expert_stats(self) -> None:
+        self.engine.reset_expert_stats()
+
     def info(self) -> dict:
         return {"device": dict(self.device.info), "dtype": self.dtype, "kv_dtype": self.kv_dtype,
                 "prefill_chunk": self.prefill_chunk, "gemm_route": self.gemm_route, "gdn_route": self.gdn_route,
                 "weight_bytes": self.engine.weight_bytes, "copied_bytes": self.engine.copied_bytes,
+                "slot_bytes": self.engine.slot_bytes, "experts": expert_stats(self.expert_counters()),
                 "status": "simulator-verified, hardware-unverified"}
 
     def __repr__(self) -> str:
@@ -167,10 +189,12 @@ class MetalSimBackend(_GpuBackend):
 
     def __init__(self, weights: Weights, dtype: str = "float32", kv_dtype: str | None = None,
                  attention: dict | None = None, schedule: str = "forward", seed: int = 0,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gemm_route: str = "auto", gdn_route: str = "auto"):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gemm_route: str = "auto", gdn_route: str = "auto",
+                 memory_budget="auto", expert_slots=None, expert_policy=None):
         dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
         self.schedule = schedule
-        super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route)
+        super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route,
+                         memory_budget, expert_slots, expert_policy)
 
 
 class MetalBackend(_GpuBackend):
@@ -180,9 +204,10 @@ class MetalBackend(_GpuBackend):
 
     def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 gemm_route: str = "auto", gdn_route: str = "auto"):
+                 gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
+                 expert_policy=None):
         super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention, prefill_chunk, gemm_route,
-                         gdn_route)
+                         gdn_route, memory_budget, expert_slots, expert_policy)
 
 
 def sim_available() -> bool:

@@ -195,11 +195,16 @@ class Model:
         float32 on dequantized weights) or "auto" (the fastest available here: cpu, then reference).
         Other keyword options go to the backend — cpu: threads (default: physical cores), kv_dtype
         ("bfloat16" | "float32"), prefill_chunk (tokens per chunk, default 512), quantize (None | 4 | 8:
-        quantize a dense checkpoint at load, group 64); reference: dtype ("float32" | "bfloat16",
+        quantize a dense checkpoint at load, group 64), memory_budget ("auto" (default: the memory
+        available here) | bytes | a size like "8GiB" | None: never stream; a checkpoint larger than the
+        budget keeps its non-expert weights mapped and streams the routed experts from the files into a
+        bounded expert cache, output unchanged), expert_slots (cache slots per MoE layer, 1..num_experts;
+        giving it forces streaming) and expert_policy ("lru" | "lfu" | "os"); reference: dtype ("float32" | "bfloat16",
         rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
         default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
         default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
-        "tensor"), gdn_route ("auto" | "scan" | "chunked"); see `qwenmetal.metal_backend`.
+        "tensor"), gdn_route ("auto" | "scan" | "chunked"), and memory_budget / expert_slots / expert_policy
+        as on cpu (slots in device buffers, per-layer command buffers); see `qwenmetal.metal_backend`.
         """
         factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/config.h"
+#include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/registry.h"
 #include "bindings/weights_table.h"
@@ -50,13 +51,19 @@ const void* ptr_of(const nb::handle& h) {
     return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
 }
 
-TensorDesc parse_desc(const nb::dict& d) {
+// a tensor's format and shape: {bits, dtype, sdtype, group_size, shape}
+TensorDesc parse_format(const nb::dict& d) {
     TensorDesc t;
     t.bits = nb::cast<int>(d["bits"]);
     t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
     t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
     t.group_size = nb::cast<int>(d["group_size"]);
     for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
+    return t;
+}
+
+TensorDesc parse_desc(const nb::dict& d) {
+    TensorDesc t = parse_format(d);
     t.data = ptr_of(d["data"]);
     t.scales = ptr_of(d["scales"]);
     t.biases = ptr_of(d["biases"]);
@@ -106,6 +113,28 @@ WMat wmat_of(const TensorDesc& d) {
     return m;
 }
 
+// The streaming spec cpu_backend.py hands over: {files: [path], layers: {layer: [(file, offset, stride,
+// nbytes)]}, slots_per_layer, policy ("lru" | "lfu" | "os"), stacks: {name: {bits, group_size, dtype,
+// sdtype, shape}}} (the stacks' format; no data pointers); the I/O options are ExpertCacheOptions' defaults
+StreamSpec parse_stream(const nb::dict& d) {
+    StreamSpec s;
+    bindings::parse_stream_tables(d, s.files, s.layers, s.cache);
+    for (auto [k, v] : nb::cast<nb::dict>(d["stacks"]))
+        s.stacks[nb::cast<std::string>(k)] = parse_format(nb::cast<nb::dict>(v));
+    return s;
+}
+
+// ExpertCache statistics since the last reset, plus the tokens run through the engine in that time
+nb::dict expert_stats(Engine& e) {
+    int64_t tokens = 0;
+    ExpertCacheStats st;
+    {
+        nb::gil_scoped_release release;
+        st = e.expert_stats(&tokens);
+    }
+    return bindings::engine_expert_stats(e.expert_cache(), st, tokens, int(e.config().n_experts));
+}
+
 struct PyEngine {
     std::unique_ptr<Engine> engine;
     nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
@@ -141,7 +170,9 @@ int activation_planes(const std::string& a) {
     throw std::invalid_argument("activations must be 'float', 'int8' or 'int16', not '" + a + "'");
 }
 
-nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
+// Y = X W^T, `repeats` times on one pool and workspace; *best = the fastest call's seconds
+nb::object linear_impl(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes,
+                       int repeats, double* best) {
     const TensorDesc d = parse_desc(desc);
     const WMat W = wmat_of(d);
     if (W.quantized()) cpu::check_affine("desc", W.bits, W.group_size, W.cols);
@@ -156,9 +187,27 @@ nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std
         ws.planes = planes;
         ws.reserve(cpu::linear_thread_floats(W.cols), cpu::linear_xvec_floats(W.cols, M), size_t(M));
         cpu::LinearOut o = {&W, Y.data(), W.rows, false};
-        cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
+        *best = 1e30;
+        for (int r = 0; r < repeats; ++r) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
+            *best = std::min(*best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
     }
     return nb::cast(Y);
+}
+
+nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
+    double best;
+    return linear_impl(desc, X, threads, isa, planes, 1, &best);
+}
+
+nb::tuple k_linear_timed(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes,
+                         int repeats) {
+    if (repeats < 1) throw std::invalid_argument("linear: repeats must be >= 1");
+    double best;
+    nb::object y = linear_impl(desc, X, threads, isa, planes, repeats, &best);
+    return nb::make_tuple(y, best);
 }
 
 // Gated delta rule on one head: q, k [L, dk], v [L, dv], beta, g [L]; state [dv, dk] updated in place.
@@ -370,7 +419,8 @@ void register_cpu_engine(nb::module_& m) {
     nb::class_<PyEngine>(m, "CpuEngine", "The C++ CPU engine over one checkpoint's weights.")
         .def("__init__",
              [](PyEngine* self, nb::dict config, nb::list mappings, nb::dict tensors, nb::dict small, int threads,
-                bool kv_f32, int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations) {
+                bool kv_f32, int64_t prefill_chunk, int quantize, nb::object keepalive, const std::string& activations,
+                nb::object stream) {
                  Config c = parse_config(config);
                  const WeightTable w = bindings::parse_table(mappings, tensors);
                  std::map<std::string, TensorDesc> t;
@@ -386,15 +436,17 @@ void register_cpu_engine(nb::module_& m) {
                  o.prefill_chunk = prefill_chunk;
                  o.quantize = quantize;
                  o.act_planes = activation_planes(activations);
+                 std::unique_ptr<StreamSpec> spec;
+                 if (!stream.is_none()) spec = std::make_unique<StreamSpec>(parse_stream(nb::cast<nb::dict>(stream)));
                  std::unique_ptr<Engine> e;
                  {
                      nb::gil_scoped_release release;
-                     e = std::make_unique<Engine>(c, t, s, o);
+                     e = std::make_unique<Engine>(c, t, s, o, spec.get());
                  }
                  new (self) PyEngine{std::move(e), keepalive};
              },
              "config"_a, "mappings"_a, "tensors"_a, "small"_a, "threads"_a, "kv_f32"_a, "prefill_chunk"_a, "quantize"_a,
-             "keepalive"_a, "activations"_a = "float")
+             "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
@@ -412,7 +464,12 @@ void register_cpu_engine(nb::module_& m) {
         .def_prop_ro("weight_nbytes", [](PyEngine& pe) { return pe.engine->weight_bytes(); },
                      "bytes of weights the forward pass reads from (mapped + owned)")
         .def_prop_ro("owned_weight_nbytes", [](PyEngine& pe) { return pe.engine->owned_weight_bytes(); },
-                     "bytes of weights held in engine memory (quantized at load)");
+                     "bytes of weights held in engine memory (quantized at load, streamed experts' slots)")
+        .def("expert_stats", [](PyEngine& pe) { return expert_stats(*pe.engine); },
+             "{streaming, slots_per_layer, policy, lookups, hits, misses, bytes_read, io_seconds, tokens} since "
+             "the last reset_expert_stats (all zero when not streaming)")
+        .def("reset_expert_stats", [](PyEngine& pe) { pe.engine->reset_expert_stats(); },
+             nb::call_guard<nb::gil_scoped_release>());
 
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
@@ -433,6 +490,8 @@ void register_cpu_engine(nb::module_& m) {
     m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
           "Y = X W^T through the engine's GEMV (<= 3 rows) or GEMM path (tests); planes 1 / 2: inputs "
           "quantized per group of 64 to int8 / two int8 planes (activations='int8' / 'int16').");
+    m.def("cpu_linear_timed", &k_linear_timed, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
+          "repeats"_a = 10, "cpu_linear run `repeats` times on one pool; (Y, fastest call in seconds) (benchmarks).");
     m.def("cpu_amx", [] { return cpu::amx_enabled(); }, "prefill GEMMs use the AMX tile unit (activations int8/int16)");
     m.def("cpu_amx_available", [] { return cpu::amx_available(); },
           "the CPU has AMX-INT8/BF16 and the OS granted the tile state (QWENMETAL_AMX=0 turns it off)");

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bindings/expert_cache.h"
 #include "bindings/registry.h"
 #include "core/expert_cache.h"
 
@@ -90,6 +91,13 @@ nb::dict stats(PyExpertCache& c) {
         std::lock_guard<std::mutex> lk(c.mu);
         s = c.cache->stats();
     }
+    return bindings::expert_stats_dict(s);
+}
+
+}  // namespace
+
+namespace qwenmetal::bindings {
+nb::dict expert_stats_dict(const ExpertCacheStats& s) {
     nb::dict d;
     d["lookups"] = s.lookups;
     d["hits"] = s.hits;
@@ -99,9 +107,30 @@ nb::dict stats(PyExpertCache& c) {
     return d;
 }
 
-}  // namespace
+nb::dict engine_expert_stats(const ExpertCache* cache, const ExpertCacheStats& s, int64_t tokens, int n_experts) {
+    nb::dict d = expert_stats_dict(s);
+    d["streaming"] = cache != nullptr;
+    d["slots_per_layer"] = cache ? cache->slots_per_layer() : n_experts;
+    d["policy"] = cache ? nb::cast(std::string(cache_policy_name(cache->options().policy))) : nb::none();
+    d["tokens"] = tokens;
+    return d;
+}
 
-namespace qwenmetal::bindings {
+void parse_stream_tables(const nb::dict& d, std::vector<std::string>& files,
+                         std::map<int, std::vector<ExpertPart>>& layers, ExpertCacheOptions& cache) {
+    for (nb::handle f : nb::cast<nb::list>(d["files"])) files.push_back(nb::cast<std::string>(f));
+    for (auto [k, v] : nb::cast<nb::dict>(d["layers"])) {
+        std::vector<ExpertPart>& parts = layers[nb::cast<int>(k)];
+        for (nb::handle h : nb::cast<nb::list>(v)) {
+            nb::tuple t = nb::cast<nb::tuple>(h);
+            parts.push_back(ExpertPart{nb::cast<int32_t>(t[0]), nb::cast<uint64_t>(t[1]), nb::cast<uint64_t>(t[2]),
+                                       nb::cast<uint64_t>(t[3])});
+        }
+    }
+    cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
+    cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
+}
+
 void register_expert_cache(nb::module_& m) {
     nb::class_<PyExpertCache>(m, "ExpertCache",
                               "Fixed slots per MoE layer of routed experts streamed from files with parallel pread.")

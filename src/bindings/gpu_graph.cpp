@@ -7,8 +7,10 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <optional>
 
 #include "bindings/config.h"
+#include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/gpu.h"
 #include "bindings/weights_table.h"
@@ -130,7 +132,8 @@ void register_gpu_graph(nb::module_& g) {
     nb::class_<PyGpuEngine>(g, "GpuEngine")
         .def("__init__",
              [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
-                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill) {
+                const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill,
+                nb::object streaming) {
                  Config c = parse_config(config);
                  WeightTable w = parse_table(mappings, tensors);
                  GpuOptions o;
@@ -157,16 +160,24 @@ void register_gpu_graph(nb::module_& g) {
                          o.gdn_route = ops::parse_gdn_route(nb::cast<std::string>(v));
                      } else throw std::invalid_argument("unknown prefill option '" + key + "'");
                  }
+                 // streaming: cpu_backend.stream_spec's dict (its "stacks" unused: the GPU model reads the
+                 // stacks' formats from the weights table)
+                 std::optional<ExpertStreaming> stream;
+                 if (!streaming.is_none()) {
+                     stream.emplace();
+                     parse_stream_tables(nb::cast<nb::dict>(streaming), stream->files, stream->layers, stream->cache);
+                     stream->cache.num_experts = int(c.n_experts);
+                 }
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
-                     self->model = std::make_shared<GpuModel>(dev, c, w, o);
+                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream);
                      self->engine = std::make_unique<GpuEngine>(self->model);
                  }
                  self->keepalive = keep;
              },
              "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a,
-             "prefill"_a = nb::dict())
+             "prefill"_a = nb::dict(), "streaming"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits, nb::handle consumed) {
@@ -226,7 +237,20 @@ void register_gpu_graph(nb::module_& g) {
         })
         .def_prop_ro("device", [](PyGpuEngine& e) { return e.model->device_ptr(); })
         .def_prop_ro("weight_bytes", [](PyGpuEngine& e) { return e.model->weight_bytes(); })
-        .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); });
+        .def_prop_ro("copied_bytes", [](PyGpuEngine& e) { return e.model->copied_bytes(); })
+        .def_prop_ro("slot_bytes", [](PyGpuEngine& e) { return e.model->slot_bytes(); })
+        .def("expert_stats", [](PyGpuEngine& e) {
+            int64_t tokens = 0;
+            ExpertCacheStats st;
+            {
+                nb::gil_scoped_release r;          // waits for a running call (the engine's lock)
+                st = e.engine->expert_stats(&tokens);
+            }
+            return engine_expert_stats(e.model->experts(), st, tokens, int(e.model->config().n_experts));
+        }, "{streaming, slots_per_layer, policy, lookups, hits, misses, bytes_read, io_seconds, tokens} since the "
+           "last reset_expert_stats (zeros when not streaming)")
+        .def("reset_expert_stats", [](PyGpuEngine& e) { e.engine->reset_expert_stats(); },
+             nb::call_guard<nb::gil_scoped_release>());
 }
 
 }  // namespace qwenmetal::bindings

@@ -166,7 +166,7 @@ ExpertCache::ExpertCache(std::vector<std::string> files, std::map<int, std::vect
                                          " of expert " + std::to_string(E - 1) + " ends at byte " +
                                          std::to_string(end) + " (truncated?)");
         }
-    pool_ = std::make_unique<ThreadPool>(opt.io_threads);
+    pool_ = std::make_unique<ThreadPool>(opt.io_threads, ThreadPool::Wait::Sleep);
     if (opt.direct_io) {
         for (int t = 0; t < opt.io_threads; ++t) {
             void* p = std::aligned_alloc(kDirectAlign, round_up(opt.read_chunk, kDirectAlign) + kDirectAlign);

@@ -206,12 +206,54 @@ WStack Engine::make_stack(const std::map<std::string, TensorDesc>& t, const std:
     return s;
 }
 
+WStack Engine::make_slot_stack(const TensorDesc& d, const std::string& name, const std::vector<ExpertPart>& parts,
+                               size_t first, int64_t slots, int64_t rows, int64_t cols, std::vector<void*>& bases) {
+    if (d.shape != std::vector<int64_t>{cfg_.n_experts, rows, cols})
+        throw std::invalid_argument("cpu engine: " + name + " has shape " + shape_str(d.shape) + ", expected " +
+                                    shape_str({cfg_.n_experts, rows, cols}));
+    check_quant(d, name);
+    WStack s;
+    s.n = slots;
+    s.base = wmat_of(d, rows, cols);
+    // the parts of one expert of this matrix as the kernels read them: its rows, then (quantized) its
+    // scale and bias rows
+    std::vector<size_t> sizes{size_t(rows) * s.base.row_bytes()};
+    if (d.bits) sizes.insert(sizes.end(), 2, size_t(rows) * s.base.srow_bytes());
+    if (first + sizes.size() > parts.size())
+        throw std::invalid_argument("cpu engine: streamed " + name + ": the layer has " + std::to_string(parts.size()) +
+                                    " expert parts, too few for its format");
+    for (size_t j = 0; j < sizes.size(); ++j) {
+        if (parts[first + j].nbytes != sizes[j])
+            throw std::invalid_argument("cpu engine: streamed " + name + ": expert part " + std::to_string(first + j) +
+                                        " is " + std::to_string(parts[first + j].nbytes) + " bytes, expected " +
+                                        std::to_string(sizes[j]));
+        const size_t bytes = ((size_t(slots) * sizes[j] + 63) / 64) * 64;
+        void* p = std::aligned_alloc(64, bytes ? bytes : 64);
+        if (!p) throw std::bad_alloc();
+        slot_mem_.emplace_back(static_cast<uint8_t*>(p));
+        bases.push_back(p);
+        owned_bytes_ += size_t(slots) * sizes[j];
+    }
+    s.base.data = bases[bases.size() - sizes.size()];
+    s.stride = sizes[0];
+    if (d.bits) {
+        s.base.scales = bases[bases.size() - 2];
+        s.base.biases = bases[bases.size() - 1];
+        s.sstride = sizes[1];
+    }
+    return s;
+}
+
 Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
-               const std::map<std::string, std::vector<float>>& small, const Options& opt)
+               const std::map<std::string, std::vector<float>>& small, const Options& opt, const StreamSpec* stream)
     : cfg_(c), opt_(opt) {
     cfg_.validate();
     if (opt_.quantize != 0 && opt_.quantize != 4 && opt_.quantize != 8)
         throw std::invalid_argument("cpu engine: quantize must be None, 4 or 8");
+    if (stream && opt_.quantize)
+        throw std::invalid_argument("cpu engine: quantize (at load) cannot be combined with streamed experts: "
+                                    "quantize the checkpoint with `qwenmetal convert` instead");
+    std::map<int, std::vector<void*>> slot_bases;
     if (opt_.prefill_chunk < 1) throw std::invalid_argument("cpu engine: prefill_chunk must be >= 1");
     if (opt_.threads <= 0) opt_.threads = physical_cores();
     pool_ = std::make_unique<ThreadPool>(opt_.threads);
@@ -271,9 +313,33 @@ Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
         if (L.moe) {
             const int64_t E = c.n_experts, I = c.moe_inter, Is = c.shared_inter;
             L.moe_w.router = make_linear(t, m + "gate", E, H, true);
-            L.moe_w.gate = make_stack(t, m + "switch_mlp.gate_proj", E, I, H);
-            L.moe_w.up = make_stack(t, m + "switch_mlp.up_proj", E, I, H);
-            L.moe_w.down = make_stack(t, m + "switch_mlp.down_proj", E, H, I);
+            if (stream) {
+                auto lp = stream->layers.find(int(i));
+                if (lp == stream->layers.end())
+                    throw std::invalid_argument("cpu engine: streaming: no expert parts for MoE layer " +
+                                                std::to_string(i));
+                const std::vector<ExpertPart>& parts = lp->second;
+                std::vector<void*>& bases = slot_bases[int(i)];
+                const int64_t S = stream->cache.slots_per_layer;
+                const char* names[3] = {"gate_proj", "up_proj", "down_proj"};
+                WStack* stacks[3] = {&L.moe_w.gate, &L.moe_w.up, &L.moe_w.down};
+                for (int j = 0; j < 3; ++j) {
+                    const std::string name = m + "switch_mlp." + names[j];
+                    auto it = stream->stacks.find(name);
+                    if (it == stream->stacks.end())
+                        throw std::invalid_argument("cpu engine: streaming: missing descriptor of " + name);
+                    *stacks[j] = make_slot_stack(it->second, name, parts, bases.size(), S, j < 2 ? I : H,
+                                                 j < 2 ? H : I, bases);
+                }
+                if (bases.size() != parts.size())
+                    throw std::invalid_argument("cpu engine: streamed layer " + std::to_string(i) + " has " +
+                                                std::to_string(parts.size()) + " expert parts, its format needs " +
+                                                std::to_string(bases.size()));
+            } else {
+                L.moe_w.gate = make_stack(t, m + "switch_mlp.gate_proj", E, I, H);
+                L.moe_w.up = make_stack(t, m + "switch_mlp.up_proj", E, I, H);
+                L.moe_w.down = make_stack(t, m + "switch_mlp.down_proj", E, H, I);
+            }
             L.moe_w.has_shared = Is > 0;
             if (Is > 0) {
                 L.moe_w.shared_gate_proj = make_linear(t, m + "shared_expert.gate_proj", Is, H, false);
@@ -291,6 +357,14 @@ Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
     }
     inv_freq_.resize(std::max<int64_t>(1, c.rotary_dim / 2));
     cpu::rope_inv_freq(c.rope_theta, c.rotary_dim, inv_freq_.data());
+    if (stream) {
+        if (stream->layers.size() != slot_bases.size())
+            throw std::invalid_argument("cpu engine: streaming: expert parts given for a layer that is not a "
+                                        "MoE layer");
+        ExpertCacheOptions co = stream->cache;
+        co.num_experts = static_cast<int>(c.n_experts);
+        cache_ = std::make_unique<ExpertCache>(stream->files, stream->layers, co, std::move(slot_bases));
+    }
 }
 
 size_t Engine::weight_bytes() const {
@@ -309,6 +383,18 @@ size_t Engine::weight_bytes() const {
         }
     }
     return n;
+}
+
+ExpertCacheStats Engine::expert_stats(int64_t* tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *tokens = tokens_;
+    return cache_ ? cache_->stats() : ExpertCacheStats{};
+}
+
+void Engine::reset_expert_stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cache_) cache_->reset_stats();
+    tokens_ = 0;
 }
 
 void Engine::check_state(const State& s) const {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/expert_cache.h"
 #include "core/interrupt.h"
 #include "core/state_layout.h"
 #include "cpu/tensor.h"
@@ -38,6 +39,17 @@ struct Options {
     int64_t prefill_chunk = 512;
     int quantize = 0;                   // 0, 4 or 8: quantize dense linears at load (group 64)
     int act_planes = 0;                 // activations: 0 "float", 1 "int8", 2 "int16" (docs/cpu.md)
+};
+
+// Routed experts streamed from the checkpoint files instead of read through the mapping (docs/cpu.md,
+// "Streaming experts"): the files, each MoE layer's expert parts (contract order: gate, up, down, each
+// weight | scales | biases, or just the matrix when dense), the cache's options, and the descriptors of
+// the three stacks per layer (format and shape only: their data pointers are ignored).
+struct StreamSpec {
+    std::vector<std::string> files;
+    std::map<int, std::vector<ExpertPart>> layers;
+    ExpertCacheOptions cache;
+    std::map<std::string, TensorDesc> stacks;    // "layers.{i}.mlp.switch_mlp.{gate,up,down}_proj"
 };
 
 struct AttnLayer {
@@ -112,8 +124,12 @@ private:
 
 class Engine {
 public:
+    // stream: null = every weight in `tensors`; else the routed experts are streamed through an
+    // ExpertCache into slot memory the engine owns (the stacks named in stream->stacks are not read
+    // from `tensors`)
     Engine(const Config& c, const std::map<std::string, TensorDesc>& tensors,
-           const std::map<std::string, std::vector<float>>& small, const Options& opt);
+           const std::map<std::string, std::vector<float>>& small, const Options& opt,
+           const StreamSpec* stream = nullptr);
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
 
@@ -125,12 +141,19 @@ public:
     // Run `ids` at state.position..; logits rows for the last token (want == 1), every token
     // (want == 2) or none (0) written to `logits` ([1 or n, vocab], caller-allocated).
     // Everything that can fail (argument checks, KV growth, scratch) happens before the state is
-    // touched; after that only `poll` can throw (called between chunks, core/interrupt.h), and then
-    // the state is restored to the call's start: a failed or interrupted call leaves it unchanged.
+    // touched; after that only `poll` (called between chunks, core/interrupt.h) and, when streaming,
+    // an expert read can throw, and then the state is restored to the call's start: a failed or
+    // interrupted call leaves it unchanged.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
     // bytes of weights the engine owns (quantized at load); the rest is the caller's mmap
     size_t owned_weight_bytes() const { return owned_bytes_; }
     size_t weight_bytes() const;
+    // the expert cache when streaming, else null
+    const ExpertCache* expert_cache() const { return cache_.get(); }
+    // the cache's statistics (zero when not streaming) and the tokens run through forward() since the
+    // last reset_expert_stats(); both wait for a running forward (they share its lock)
+    ExpertCacheStats expert_stats(int64_t* tokens);
+    void reset_expert_stats();
 
 private:
     void check_state(const State& s) const;
@@ -141,6 +164,10 @@ private:
                      int64_t cols, bool router);
     WStack make_stack(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t n, int64_t rows,
                       int64_t cols);
+    // a stack of `slots` matrices over slot memory for the streamed parts parts[first..]; the bases of
+    // the parts go to `bases`
+    WStack make_slot_stack(const TensorDesc& d, const std::string& name, const std::vector<ExpertPart>& parts,
+                           size_t first, int64_t slots, int64_t rows, int64_t cols, std::vector<void*>& bases);
     WMat quantize_owned(const void* src, DType dt, int64_t rows, int64_t cols, int bits);
 
     Config cfg_;
@@ -155,6 +182,12 @@ private:
     std::vector<float> inv_freq_;
     std::vector<std::unique_ptr<uint8_t[]>> owned_;
     size_t owned_bytes_ = 0;
+    struct FreeAligned {
+        void operator()(void* p) const { std::free(p); }
+    };
+    std::vector<std::unique_ptr<uint8_t, FreeAligned>> slot_mem_;   // streamed experts' slots (64-aligned)
+    std::unique_ptr<ExpertCache> cache_;
+    int64_t tokens_ = 0;
     // activations of one chunk
     FBuf x_, xn_, buf_a_, buf_b_, buf_c_, shared_;
     // the GDN conv and recurrent states at the start of an interruptible multi-chunk call (the KV

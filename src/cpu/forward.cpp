@@ -75,8 +75,9 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
     s.reserve(s.position + n);                       // KV growth (strong guarantee)
     reserve_scratch(std::min(n, chunk), s.position + n);
     const bool interruptible = poll && n > chunk;    // a poll between chunks needs a way back
+    const bool save = interruptible || cache_;       // ... and so does an expert read that fails
     const size_t conv = size_t(s.conv_floats()), ssm = size_t(s.ssm_floats()), n_gdn = size_t(s.n_gdn());
-    if (interruptible) {
+    if (save) {
         saved_.resize(n_gdn * (conv + ssm));
         for (size_t i = 0; i < n_gdn; ++i) {
             std::copy_n(s.conv(i), conv, saved_.data() + i * (conv + ssm));
@@ -84,25 +85,27 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
         }
     }
     const int64_t pos0 = s.position;
-    // ---- nothing below can throw but the poll: the state is only changed by complete computations ----
-    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
-        if (interruptible && c0 > 0) {
-            try {
-                poll();
-            } catch (...) {
-                for (size_t i = 0; i < n_gdn; ++i) {
-                    std::copy_n(saved_.data() + i * (conv + ssm), conv, s.conv(i));
-                    std::copy_n(saved_.data() + i * (conv + ssm) + conv, ssm, s.ssm(i));
-                }
-                s.position = pos0;
-                throw;
-            }
+    // ---- nothing below can throw but the poll and an expert read: the state is only changed by
+    //      complete calls ----
+    try {
+        for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+            if (interruptible && c0 > 0) poll();
+            const int64_t L = std::min(chunk, n - c0);
+            const bool last = c0 + L == n;
+            forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
+                          want == 2 ? logits + c0 * cfg_.vocab : logits);
         }
-        const int64_t L = std::min(chunk, n - c0);
-        const bool last = c0 + L == n;
-        forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
-                      want == 2 ? logits + c0 * cfg_.vocab : logits);
+    } catch (...) {
+        if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
+            for (size_t i = 0; i < n_gdn; ++i) {
+                std::copy_n(saved_.data() + i * (conv + ssm), conv, s.conv(i));
+                std::copy_n(saved_.data() + i * (conv + ssm) + conv, ssm, s.ssm(i));
+            }
+            s.position = pos0;
+        }
+        throw;
     }
+    tokens_ += n;
 }
 
 void Engine::lm_head(const float* xn, int64_t rows, float* out) {
@@ -207,6 +210,8 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
                 w.shared_down_proj = &m.shared_down_proj;
                 w.shared_expert_gate = &m.shared_expert_gate;
             }
+            w.cache = cache_.get();
+            w.layer = static_cast<int>(li);
             w.top_k = c.top_k;
             w.norm_topk = c.norm_topk;
             moe_forward(pool, ws_, shared_.data(), w, moe_dims(c), xn, L, x);

@@ -40,14 +40,15 @@ void route_token(const float* logits, int64_t E, int64_t k, bool norm_topk, int3
 }
 
 // shared layout (floats): logits L*E | probs E | wts L*k | sg L | hs L*2*Is | idx L*k (int) | pair order
-// L*k (int) | expert start E+1 (int) | He L*k*I (SwiGLU outputs, in expert order) | decode down outputs
-// (L*k + L)*H for L <= kGemvMaxRows. L is the largest chunk; a call's last chunk may be shorter and take
-// the decode path, so that part is sized for min(L, kGemvMaxRows) tokens whatever L is.
+// L*k (int) | expert start E+1 (int) | slot of each expert E (int) | slots of a batch E (int) | He L*k*I
+// (SwiGLU outputs, in expert order) | decode down outputs (L*k + L)*H for L <= kGemvMaxRows. L is the
+// largest chunk; a call's last chunk may be shorter and take the decode path, so that part is sized for
+// min(L, kGemvMaxRows) tokens whatever L is.
 size_t moe_shared_floats(const MoeDims& d, int64_t L) {
     const int64_t P = L * d.k;
     // decode (a chunk of <= kGemvMaxRows tokens — also the last chunk of a longer call): per-slot down outputs
     const int64_t Ld = L < kGemvMaxRows ? L : kGemvMaxRows, dec = (Ld * d.k + Ld) * d.H;
-    return size_t(L * d.E + d.E + P + L + 2 * L * d.Is + P + P + d.E + 1 + P * d.I + dec + 64);
+    return size_t(L * d.E + d.E + P + L + 2 * L * d.Is + P + P + d.E + 1 + 2 * d.E + P * d.I + dec + 64);
 }
 
 size_t moe_thread_floats(const MoeDims& d, int64_t L) {
@@ -75,7 +76,9 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
     int32_t* idx = reinterpret_cast<int32_t*>(hs + 2 * L * Is);
     int32_t* order = idx + P;                            // pairs sorted by expert (pair = t*k + slot)
     int32_t* estart = order + P;                         // [E+1]
-    float* He = reinterpret_cast<float*>(estart + E + 1);   // [P][I] in expert order
+    int32_t* slot_of = estart + E + 1;                   // [E]: the stack index holding expert e
+    int32_t* bslot = slot_of + E;                        // [E]: slots of one streamed batch
+    float* He = reinterpret_cast<float*>(bslot + E);     // [P][I] in expert order
 
     // 1. router logits, shared-expert gate/up and the shared-expert gate scalar: one section on xn
     //    (this also prepares the L token rows as XVecs 0..L-1, reused by the experts below)
@@ -113,73 +116,127 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
     const XVec** xv = ws.xvp.data();
     const XVec** tok_of_slot = xv + L + P + L;           // scratch pointer array: token XVec of each slot
     for (int64_t q = 0; q < P; ++q) tok_of_slot[q] = xv[order[q] / k];
+    const size_t xoff = size_t(L) * xvec_floats(H);      // the SwiGLU rows' XVec data, then the shared rows'
+    if (has_shared) prepare_xvecs(ws, hs, L, 2 * Is, Is, L + P, xoff + size_t(P) * xvec_floats(I));
 
-    // 3. gate/up + SwiGLU: tasks = (expert with tokens) x (block of rows of I); an expert's weights are
-    //    read once for all of its tokens
     const bool dec = L <= kGemvMaxRows;
     const int64_t RG = dec ? kMoeDecodeRowsGU : kMoeRows;
     const int64_t nb_i = (I + RG - 1) / RG;
-    pool.run(n_active * nb_i, [&](int64_t task, int th) {
-        const int64_t e = elist[task / nb_i];
-        const int64_t r0 = (task % nb_i) * RG, r1 = (r0 + RG < I) ? r0 + RG : I;
-        const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
-        const WMat Wg = w.gate->at(e), Wu = w.up->at(e);
-        float* gb = ws.t(th);                           // [up to 64 tokens][RG]
-        float* ub = gb + kMoeRows * 64;
-        for (int64_t q0 = 0; q0 < ne; q0 += 64) {
-            const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
-            const XVec* const* X = tok_of_slot + p0 + q0;
-            if (nq <= kGemvMaxRows)
-                for (int64_t q = 0; q < nq; ++q) {
-                    kk.gemv(Wg, *X[q], gb + q * RG - r0, r0, r1, false);
-                    kk.gemv(Wu, *X[q], ub + q * RG - r0, r0, r1, false);
+    float* Y = He + P * I;                               // decode: [P + L][H] pair outputs, then shared rows
+    // The active experts elist[b0, b1) (their pairs are the contiguous run estart[elist[b0]] ..
+    // estart[elist[b1-1] + 1) of the expert order), read from stack index slot_of[e]; `last`: the shared
+    // expert's down projection too. Resident: one batch of all active experts, slot_of[e] = e.
+    auto run_batch = [&](int64_t b0, int64_t b1, bool last) {
+        const int64_t nbe = b1 - b0, q_lo = estart[elist[b0]], q_hi = estart[elist[b1 - 1] + 1];
+        // 3. gate/up + SwiGLU: tasks = (expert with tokens) x (block of rows of I); an expert's weights
+        //    are read once for all of its tokens
+        pool.run(nbe * nb_i, [&](int64_t task, int th) {
+            const int64_t e = elist[b0 + task / nb_i];
+            const int64_t r0 = (task % nb_i) * RG, r1 = (r0 + RG < I) ? r0 + RG : I;
+            const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
+            const WMat Wg = w.gate->at(slot_of[e]), Wu = w.up->at(slot_of[e]);
+            float* gb = ws.t(th);                           // [up to 64 tokens][RG]
+            float* ub = gb + kMoeRows * 64;
+            for (int64_t q0 = 0; q0 < ne; q0 += 64) {
+                const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
+                const XVec* const* X = tok_of_slot + p0 + q0;
+                if (nq <= kGemvMaxRows)
+                    for (int64_t q = 0; q < nq; ++q) {
+                        kk.gemv(Wg, *X[q], gb + q * RG - r0, r0, r1, false);
+                        kk.gemv(Wu, *X[q], ub + q * RG - r0, r0, r1, false);
+                    }
+                else {
+                    kk.gemm_x(Wg, X, nq, gb - r0, kMoeRows, r0, r1, false);
+                    kk.gemm_x(Wu, X, nq, ub - r0, kMoeRows, r0, r1, false);
                 }
-            else {
-                kk.gemm_x(Wg, X, nq, gb - r0, kMoeRows, r0, r1, false);
-                kk.gemm_x(Wu, X, nq, ub - r0, kMoeRows, r0, r1, false);
+                for (int64_t q = 0; q < nq; ++q) {
+                    float* hq = He + (p0 + q0 + q) * I + r0;
+                    for (int64_t r = 0; r < r1 - r0; ++r) hq[r] = gb[q * RG + r];
+                    kk.silu_mul(hq, ub + q * RG, r1 - r0);
+                }
             }
-            for (int64_t q = 0; q < nq; ++q) {
-                float* hq = He + (p0 + q0 + q) * I + r0;
-                for (int64_t r = 0; r < r1 - r0; ++r) hq[r] = gb[q * RG + r];
-                kk.silu_mul(hq, ub + q * RG, r1 - r0);
-            }
+        });
+        // prepare the batch's SwiGLU rows as inputs of the down projections
+        {
+            float* base = ws.xvec.data() + xoff;
+            const int q8 = ws.planes;
+            pool.run((q_hi - q_lo + 15) / 16, [&](int64_t b, int) {
+                for (int64_t q = q_lo + b * 16; q < q_hi && q < q_lo + (b + 1) * 16; ++q) {
+                    kk.xvec_prepare(He + q * I, I, base + q * xvec_floats(I), &ws.xv[L + q], q8);
+                    ws.xvp[L + q] = &ws.xv[L + q];
+                }
+            });
         }
-    });
-    // prepare the SwiGLU rows and the shared rows as inputs of the down projections
-    {
-        const size_t off = size_t(L) * xvec_floats(H);
-        float* base = ws.xvec.data() + off;
-        const int64_t nb = (P + 15) / 16;
-        const int q8 = ws.planes;
-        pool.run(nb, [&](int64_t b, int) {
-            for (int64_t q = b * 16; q < P && q < (b + 1) * 16; ++q) {
-                kk.xvec_prepare(He + q * I, I, base + q * xvec_floats(I), &ws.xv[L + q], q8);
-                ws.xvp[L + q] = &ws.xv[L + q];
+        // 4. down projections. Decode: one task per (matrix, 256-row block), each a single weight
+        //    stream, into per-pair rows Y (summed into x after the last batch). Prefill: tasks own
+        //    blocks of 64 output rows and loop over the batch's experts (ascending id), then the shared
+        //    expert after the last batch, so each (token, row) is summed by one task at a time in a
+        //    fixed order. Neither depends on the thread count or on the batching.
+        if (dec) {
+            const int64_t RD = kMoeDecodeRowsDown, nbd = (H + RD - 1) / RD;
+            const int64_t n_mat = nbe + (last && has_shared ? 1 : 0);
+            pool.run(n_mat * nbd, [&](int64_t task, int) {
+                const int64_t a = task / nbd, r0 = (task % nbd) * RD, r1 = (r0 + RD < H) ? r0 + RD : H;
+                if (a < nbe) {
+                    const int64_t e = elist[b0 + a], p0 = estart[e], ne = estart[e + 1] - p0;
+                    const WMat Wd = w.down->at(slot_of[e]);
+                    for (int64_t q = 0; q < ne; ++q) kk.gemv(Wd, *ws.xvp[L + p0 + q], Y + (p0 + q) * H, r0, r1, false);
+                } else {
+                    for (int64_t t = 0; t < L; ++t)
+                        kk.gemv(*w.shared_down_proj, *ws.xvp[L + P + t], Y + (P + t) * H, r0, r1, false);
+                }
+            });
+            return;
+        }
+        const int64_t nb_h = (H + kMoeRows - 1) / kMoeRows;
+        pool.run(nb_h, [&](int64_t task, int th) {
+            const int64_t r0 = task * kMoeRows, r1 = (r0 + kMoeRows < H) ? r0 + kMoeRows : H, n = r1 - r0;
+            float* yb = ws.t(th);                           // [up to 64 tokens][kMoeRows]
+            for (int64_t a = b0; a < b1; ++a) {
+                const int64_t e = elist[a];
+                const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
+                const WMat Wd = w.down->at(slot_of[e]);
+                for (int64_t q0 = 0; q0 < ne; q0 += 64) {
+                    const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
+                    const XVec* const* X = ws.xvp.data() + L + p0 + q0;
+                    if (nq <= kGemvMaxRows)
+                        for (int64_t q = 0; q < nq; ++q) kk.gemv(Wd, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
+                    else
+                        kk.gemm_x(Wd, X, nq, yb - r0, kMoeRows, r0, r1, false);
+                    for (int64_t q = 0; q < nq; ++q) {
+                        const int64_t p = order[p0 + q0 + q], t = p / k;
+                        const float wt = wts[p];
+                        for (int64_t r = 0; r < n; ++r) x[t * H + r0 + r] += wt * yb[q * kMoeRows + r];
+                    }
+                }
             }
+            if (last && has_shared)
+                for (int64_t t0 = 0; t0 < L; t0 += 64) {
+                    const int64_t nt = (L - t0 < 64) ? L - t0 : 64;
+                    const XVec* const* X = ws.xvp.data() + L + P + t0;
+                    if (nt <= kGemvMaxRows)
+                        for (int64_t q = 0; q < nt; ++q)
+                            kk.gemv(*w.shared_down_proj, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
+                    else
+                        kk.gemm_x(*w.shared_down_proj, X, nt, yb - r0, kMoeRows, r0, r1, false);
+                    for (int64_t q = 0; q < nt; ++q)
+                        for (int64_t r = 0; r < n; ++r) x[(t0 + q) * H + r0 + r] += sg[t0 + q] * yb[q * kMoeRows + r];
+                }
         });
-        if (has_shared)
-            prepare_xvecs(ws, hs, L, 2 * Is, Is, L + P, off + size_t(P) * xvec_floats(I));
+    };
+    if (w.cache == nullptr) {
+        for (int64_t e = 0; e < E; ++e) slot_of[e] = static_cast<int32_t>(e);
+        run_batch(0, n_active, true);
+    } else {
+        const int64_t S = w.cache->slots_per_layer();
+        for (int64_t b0 = 0; b0 < n_active; b0 += S) {     // n_active >= 1: every token picks k >= 1 experts
+            const int64_t b1 = (b0 + S < n_active) ? b0 + S : n_active;
+            w.cache->acquire(w.layer, elist + b0, static_cast<int>(b1 - b0), bslot);
+            for (int64_t a = b0; a < b1; ++a) slot_of[elist[a]] = bslot[a - b0];
+            run_batch(b0, b1, b1 == n_active);
+        }
     }
-    // 4. down projections x routing weights + gated shared expert, summed into x. Decode: one task per
-    //    (matrix, 256-row block), each a single weight stream, into per-slot rows Y; then Y is summed
-    //    into x in a fixed order (experts ascending, then the shared expert). Prefill: tasks own blocks
-    //    of 64 output rows and loop over every active expert (ascending id), so each (token, row) is
-    //    summed by one task in a fixed order. Neither depends on the thread count.
-    if (dec) {
-        float* Y = He + P * I;                           // [P + L][H]: slot outputs, then shared rows
-        const int64_t RD = kMoeDecodeRowsDown, nbd = (H + RD - 1) / RD;
-        const int64_t n_mat = n_active + (has_shared ? 1 : 0);
-        pool.run(n_mat * nbd, [&](int64_t task, int) {
-            const int64_t a = task / nbd, r0 = (task % nbd) * RD, r1 = (r0 + RD < H) ? r0 + RD : H;
-            if (a < n_active) {
-                const int64_t e = elist[a], p0 = estart[e], ne = estart[e + 1] - p0;
-                const WMat Wd = w.down->at(e);
-                for (int64_t q = 0; q < ne; ++q) kk.gemv(Wd, *ws.xvp[L + p0 + q], Y + (p0 + q) * H, r0, r1, false);
-            } else {
-                for (int64_t t = 0; t < L; ++t)
-                    kk.gemv(*w.shared_down_proj, *ws.xvp[L + P + t], Y + (P + t) * H, r0, r1, false);
-            }
-        });
+    if (dec) {                                           // the decode sums, experts ascending then shared
         for (int64_t a = 0; a < n_active; ++a) {
             const int64_t e = elist[a];
             for (int64_t q = estart[e]; q < estart[e + 1]; ++q) {
@@ -189,43 +246,7 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
         }
         if (has_shared)
             for (int64_t t = 0; t < L; ++t) kk.axpy(x + t * H, sg[t], Y + (P + t) * H, H);
-        return;
     }
-    const int64_t nb_h = (H + kMoeRows - 1) / kMoeRows;
-    pool.run(nb_h, [&](int64_t task, int th) {
-        const int64_t r0 = task * kMoeRows, r1 = (r0 + kMoeRows < H) ? r0 + kMoeRows : H, n = r1 - r0;
-        float* yb = ws.t(th);                           // [up to 64 tokens][kMoeRows]
-        for (int64_t a = 0; a < n_active; ++a) {
-            const int64_t e = elist[a];
-            const int64_t p0 = estart[e], ne = estart[e + 1] - p0;
-            const WMat Wd = w.down->at(e);
-            for (int64_t q0 = 0; q0 < ne; q0 += 64) {
-                const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
-                const XVec* const* X = ws.xvp.data() + L + p0 + q0;
-                if (nq <= kGemvMaxRows)
-                    for (int64_t q = 0; q < nq; ++q) kk.gemv(Wd, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
-                else
-                    kk.gemm_x(Wd, X, nq, yb - r0, kMoeRows, r0, r1, false);
-                for (int64_t q = 0; q < nq; ++q) {
-                    const int64_t p = order[p0 + q0 + q], t = p / k;
-                    const float wt = wts[p];
-                    for (int64_t r = 0; r < n; ++r) x[t * H + r0 + r] += wt * yb[q * kMoeRows + r];
-                }
-            }
-        }
-        if (has_shared)
-            for (int64_t t0 = 0; t0 < L; t0 += 64) {
-                const int64_t nt = (L - t0 < 64) ? L - t0 : 64;
-                const XVec* const* X = ws.xvp.data() + L + P + t0;
-                if (nt <= kGemvMaxRows)
-                    for (int64_t q = 0; q < nt; ++q)
-                        kk.gemv(*w.shared_down_proj, *X[q], yb + q * kMoeRows - r0, r0, r1, false);
-                else
-                    kk.gemm_x(*w.shared_down_proj, X, nt, yb - r0, kMoeRows, r0, r1, false);
-                for (int64_t q = 0; q < nt; ++q)
-                    for (int64_t r = 0; r < n; ++r) x[(t0 + q) * H + r0 + r] += sg[t0 + q] * yb[q * kMoeRows + r];
-            }
-    });
 }
 
 size_t mlp_shared_floats(int64_t I, int64_t L) { return size_t(2 * L * I + 16); }

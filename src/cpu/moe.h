@@ -6,9 +6,15 @@
 // straight into the residual stream by tasks that each own a block of output rows.
 // Decode (few tokens) uses GEMV for every expert; prefill dequantizes one 16-row tile of an expert
 // and multiplies all of that expert's tokens with it.
+// Streaming (docs/cpu.md, "Streaming experts"): the stacks hold the cache's slots instead of all E
+// experts; after routing, the active experts (ascending) are taken in batches of at most
+// slots_per_layer: the batch is made resident (ExpertCache::acquire), its gate/up and down
+// projections run on the slots, and every output element is summed in the resident order (experts
+// ascending, then the shared expert), so streaming output equals resident output bit for bit.
 #pragma once
 #include <cstdint>
 
+#include "core/expert_cache.h"
 #include "cpu/tensor.h"
 #include "cpu/threadpool.h"
 #include "cpu/quant.h"
@@ -17,9 +23,11 @@ namespace qwenmetal::cpu {
 
 struct MoeWeights {
     const WMat* router = nullptr;                       // [E, H]
-    const WStack* gate = nullptr;                       // [E][I, H]
+    const WStack* gate = nullptr;                       // [E][I, H] (streaming: [slots][I, H])
     const WStack* up = nullptr;
-    const WStack* down = nullptr;                       // [E][H, I]
+    const WStack* down = nullptr;                       // [E][H, I] (streaming: [slots][H, I])
+    ExpertCache* cache = nullptr;                       // non-null: the stacks are this cache's slots
+    int layer = 0;                                      // the model's layer index (the cache's key)
     const WMat* shared_gate_proj = nullptr;             // [Is, H]  (null: no shared expert)
     const WMat* shared_up_proj = nullptr;
     const WMat* shared_down_proj = nullptr;             // [H, Is]

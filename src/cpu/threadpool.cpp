@@ -20,7 +20,7 @@
 
 namespace qwenmetal {
 
-ThreadPool::ThreadPool(int n_threads) : n_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads, Wait wait) : n_(n_threads < 1 ? 1 : n_threads), wait_(wait) {
     for (int i = 1; i < n_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
 
@@ -52,7 +52,10 @@ void ThreadPool::work(int id, uint64_t gen) {
         if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire))
             continue;                                              // t reloaded
         fn(ctx, task, id);
-        done_.fetch_add(1, std::memory_order_acq_rel);
+        if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n && wait_ == Wait::Sleep && id != 0) {
+            std::lock_guard<std::mutex> lk(done_mu_);   // under the lock: the caller cannot miss it
+            done_cv_.notify_one();
+        }
         t = ticket_.load(std::memory_order_acquire);
     }
 }
@@ -68,7 +71,7 @@ void ThreadPool::worker(int id) {
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
-        if (g == seen) {
+        if (g == seen && wait_ == Wait::Spin) {
             const auto t0 = std::chrono::steady_clock::now();
             for (int spin = 0; g == seen; ++spin) {
                 QM_PAUSE();
@@ -111,6 +114,11 @@ void ThreadPool::run_impl(int64_t n_tasks, Fn fn, void* ctx) {
     cv_.notify_all();
     work(0, gen);
     // wait for tasks other threads claimed and are still running (not for workers still asleep)
+    if (wait_ == Wait::Sleep) {
+        std::unique_lock<std::mutex> lk(done_mu_);
+        done_cv_.wait(lk, [&] { return done_.load(std::memory_order_acquire) == n_tasks; });
+        return;
+    }
     for (int spin = 0; done_.load(std::memory_order_acquire) != n_tasks; ++spin) {
         if (spin < 4096) QM_PAUSE();
         else std::this_thread::yield();     // a worker was descheduled mid-task: give it the core

@@ -6,6 +6,9 @@
 // task of that section, by compare-and-swap on the ticket, so it never runs or skips a task of a
 // later section. Kernels make each task write its own outputs with a fixed
 // summation order, so results never depend on the number of threads or on who ran what.
+// Wait::Sleep is for pools whose tasks block (the expert cache's preads): idle workers sleep at once
+// instead of spinning for the next section, and the caller sleeps until the last task is done instead of
+// spinning on the count.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -20,8 +23,9 @@ namespace qwenmetal {
 class ThreadPool {
 public:
     using Fn = void (*)(void* ctx, int64_t task, int thread);
+    enum class Wait { Spin, Sleep };
 
-    explicit ThreadPool(int n_threads);
+    explicit ThreadPool(int n_threads, Wait wait = Wait::Spin);
     ~ThreadPool();
     ThreadPool(const ThreadPool&) = delete;
     ThreadPool& operator=(const ThreadPool&) = delete;
@@ -42,6 +46,7 @@ private:
     void work(int id, uint64_t gen);
 
     int n_;
+    Wait wait_;
     std::vector<std::thread> threads_;
     std::mutex mu_;
     std::condition_variable cv_;
@@ -54,6 +59,8 @@ private:
     std::atomic<Fn> fn_{nullptr};
     std::atomic<void*> ctx_{nullptr};
     std::atomic<bool> stop_{false};
+    std::mutex done_mu_;                  // Wait::Sleep: the caller waits on done_cv_ for done_ == n
+    std::condition_variable done_cv_;
 };
 
 // Physical cores available to this process (hyper-threads counted once), at least 1.

@@ -37,6 +37,7 @@
 // interrupt and writes the next chunk's ids.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "gpu/model.h"
 #include "gpu/ops/moe.h"
@@ -95,6 +96,7 @@ struct GpuEngine::Scratch {
     Buffer router;         // f32 [E + 1]        router logits (+ the shared-expert gate logit)
     Buffer topk_ids;       // u32 [k]
     Buffer topk_w;         // f32 [k]
+    Buffer slot_ids;       // u32 [k]            streaming: the expert cache slots of topk_ids (host-written)
     Buffer moe_act;        // T [k + 1, max(I, Is)]  SwiGLU activations of the routed + shared experts
     Buffer mlp_act;        // T [I]              dense-MLP SwiGLU activations
     Buffer logits;         // f32 [V]
@@ -133,6 +135,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     s.router = d.alloc((c.n_experts + 1) * 4, "router");
     s.topk_ids = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_ids");
     s.topk_w = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_w");
+    s.slot_ids = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "slot_ids");
     s.moe_act = d.alloc(std::max<uint64_t>((c.top_k + 1) * uint64_t(inter), 1) * es, "moe_act");
     s.mlp_act = d.alloc(std::max<int64_t>(any_mlp ? c.dense_inter : 1, 1) * es, "mlp_act");
     s.logits = d.alloc(c.vocab * 4, "logits");
@@ -142,14 +145,13 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
 
 GpuEngine::~GpuEngine() = default;
 
-void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+// x += attention(x) | gdn(x) of layer li (its input norm fused into the in-projection)
+void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
     const uint64_t es = act_size(t);
-    const uint32_t H = uint32_t(c.hidden);
     Scratch& s = *sc_;
-
     if (L.attention) {
         // ---- gated full attention ----
         const ops::AttnShape as = attn_shape(c);
@@ -171,7 +173,25 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
                       st.ssm_in(gi), st.ssm_next(gi), s.mix);                           // mix = gated-normed output
         ops::qmv(e, t, L.out_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));         // x += out_proj(mix)
     }
+}
 
+// x += mlp(rmsnorm(x)) of the dense layer li
+void GpuEngine::encode_mlp(Encoder& e, size_t li) {
+    const Config& c = m_->config();
+    const GpuLayer& L = m_->layers[li];
+    const Act t = m_->options().act;
+    Scratch& s = *sc_;
+    ops::rmsnorm(e, t, s.x, L.post_norm, s.xn, 1, uint32_t(c.hidden), c.eps);
+    ops::mlp_gate_up(e, t, L.mlp_gate_up, s.xn, s.mlp_act);
+    ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));         // x += mlp(xn)
+}
+
+void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+    const Config& c = m_->config();
+    const GpuLayer& L = m_->layers[li];
+    const Act t = m_->options().act;
+    Scratch& s = *sc_;
+    encode_mixer(e, st, li, position);
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
@@ -183,19 +203,24 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
         ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, s.moe_act, s.topk_ids, s.topk_w,
                       s.router, E, k, s.x);                                             // x += moe(xn)
     } else {
-        ops::rmsnorm(e, t, s.x, L.post_norm, s.xn, 1, H, c.eps);
-        ops::mlp_gate_up(e, t, L.mlp_gate_up, s.xn, s.mlp_act);
-        ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));     // x += mlp(xn)
+        encode_mlp(e, li);
     }
 }
 
 void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot,
                             const SamplingConfig* sc) {
-    const Config& c = m_->config();
     const Act t = m_->options().act;
     Scratch& s = *sc_;
     ops::embed(e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);                // x = embed(token)
     for (size_t li = 0; li < m_->layers.size(); ++li) encode_layer(e, st, li, position);
+    encode_head(e, position, out_slot, sc);
+}
+
+// logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given
+void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    Scratch& s = *sc_;
     ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0, normed(m_->final_norm, c.eps));   // logits (f32)
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
@@ -207,6 +232,76 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
             ops::sample(e, s.logits, V, p, tok, s.sample);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------- streaming
+// One token in streaming mode (docs/metal.md, "Streaming mode"): the host must read a MoE layer's
+// routing before it knows which experts to load, so the token is cut at every MoE layer's top-k:
+//
+//   cb 0:   embed, layer 0's mixer (+ the dense MLP of dense layers), router logits + xn, top-k
+//   wait;   host reads the k ids; per batch of <= S experts: acquire (pread the misses into the slot
+//           stacks), write the batch's slot ids; a batch before the last: its expert pass, commit, wait
+//   cb l:   the last batch's expert pass (+ the shared expert), the next layer's mixer ... top-k
+//   ...
+//   cb L:   the last layer's expert pass, lm_head, argmax | sample
+//
+// The last batch's expert pass is never waited on alone: it opens the next command buffer (the host
+// needs nothing from it). Host waits per token: sum over MoE layers of ceil(k / S), plus one.
+// Every kernel is the resident graph's, with the slot stacks for the checkpoint stacks and slot ids for
+// the expert ids; top-k is the same function as the fused one (moe_topk_rows: route_topk<T>), so with
+// S >= k the token's arithmetic is the resident step's exactly. With S < k the routed sum is added to x
+// batch by batch (one rounding of x per batch): equal within the backend's tolerance.
+void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
+                            const SamplingConfig* sc) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    Device& d = m_->device();
+    ExpertCache& cache = *m_->experts();
+    Scratch& s = *sc_;
+    const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k), S = uint32_t(cache.slots_per_layer());
+    std::unique_ptr<CommandBuffer> cb = d.command_buffer();
+    std::optional<Encoder> e(std::in_place, d, *cb);
+    auto run = [&] {                                   // commit and wait the open command buffer, open the next
+        cb->commit();
+        cb->wait();
+        cb = d.command_buffer();
+        e.emplace(d, *cb);
+    };
+    std::vector<int32_t> ids(k), slots(k);
+    ops::embed(*e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);              // x = embed(token)
+    for (size_t li = 0; li < m_->layers.size(); ++li) {
+        const GpuLayer& L = m_->layers[li];
+        encode_mixer(*e, st, li, position);
+        if (!L.moe) {
+            encode_mlp(*e, li);
+            continue;
+        }
+        ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
+        rf.round = true;                                                               // bf16 logits, as MLX
+        stacked_qmv(*e, t, L.router, s.x, s.router, true, rf);                         // router logits, xn
+        ops::moe_topk_rows(*e, t, s.router, 1, E, E, k, c.norm_topk, s.topk_ids, s.topk_w);
+        run();                                                                         // the host reads the ids
+        const uint32_t* top = s.topk_ids.as<uint32_t>();
+        for (uint32_t j = 0; j < k; ++j) ids[j] = int32_t(top[j]);
+        for (uint32_t b0 = 0; b0 < k; b0 += S) {
+            const uint32_t n = std::min(S, k - b0);
+            const bool last = b0 + n == k;
+            cache.acquire(int(li), ids.data() + b0, int(n), slots.data() + b0);       // misses: pread into slots
+            uint32_t* dst = s.slot_ids.as<uint32_t>() + b0;
+            for (uint32_t j = 0; j < n; ++j) dst[j] = uint32_t(slots[b0 + j]);
+            const Buffer sid = s.slot_ids.view(b0 * 4, n * 4), w = s.topk_w.view(b0 * 4, n * 4);
+            // the shared expert rides with the last batch (moe_down adds it after the routed slots)
+            ops::moe_gate_up(*e, t, L.gate, L.up, last && L.has_shared ? &L.shared_gate_up : nullptr, s.xn, sid, n,
+                             s.moe_act);                                               // SwiGLU of the batch
+            ops::moe_down(*e, t, L.down, last && L.has_shared ? &L.shared_down : nullptr, s.moe_act, sid, w,
+                          s.router, E, n, s.x);                                        // x += the batch's sum
+            if (!last) run();                                                          // its slots are reused next
+        }
+    }
+    if (logits || sc) encode_head(*e, position, out_slot, sc);
+    cb->commit();
+    cb->wait();
+    ++stream_tokens_;
 }
 
 // ---------------------------------------------------------------------------------------------- prefill
@@ -364,6 +459,10 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot run forward()");
+    if (m_->experts()) {                               // streaming: token by token through the expert cache
+        stream_forward(st, ids, n, want, logits, poll);
+        return;
+    }
     const int64_t C = want == 2 ? logits_rows() : chunk_;
     st.reserve(st.position + n);                       // KV growth first (strong guarantee)
     ensure_chunk(uint32_t(std::min<int64_t>(C, n)), want == 2);
@@ -392,6 +491,42 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     }
 }
 
+ExpertCacheStats GpuEngine::expert_stats(int64_t* tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *tokens = stream_tokens_;
+    return m_->experts() ? m_->experts()->stats() : ExpertCacheStats{};
+}
+
+void GpuEngine::reset_expert_stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (m_->experts()) m_->experts()->reset_stats();
+    stream_tokens_ = 0;
+}
+
+// Streaming prefill: each token is one stream_step (the routing of a token is known only after its
+// top-k), the state advanced after each; all-or-nothing like the chunked prefill.
+void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits,
+                               InterruptPoll poll) {
+    const Config& c = m_->config();
+    st.reserve(st.position + n);
+    const GpuState::Saved saved = st.save();
+    try {
+        for (int64_t i = 0; i < n; ++i) {
+            if (poll && i > 0) poll();                 // between tokens: nothing in flight
+            const uint32_t id = uint32_t(ids[i]);
+            std::memcpy(sc_->tokens.data(), &id, 4);
+            const bool want_logits = want == 2 || (want == 1 && i + 1 == n);
+            stream_step(st, st.position, 0, 1, want_logits, nullptr);
+            st.commit_step();
+            if (want == 2) std::memcpy(logits + i * c.vocab, sc_->logits.data(), size_t(c.vocab) * 4);
+            else if (want_logits) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+        }
+    } catch (...) {
+        st.restore(saved);
+        throw;
+    }
+}
+
 std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, const SamplingConfig& sc,
                                        const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll) {
     const Config& c = m_->config();
@@ -405,6 +540,28 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
     uint32_t tok0 = uint32_t(first);
     if (sc_->tokens.data()) std::memcpy(sc_->tokens.data(), &tok0, 4);
     const int64_t p0 = st.position;
+    auto token_of = [&](int64_t i) {                   // the token step i wrote (slot (i + 1) % 4)
+        uint32_t tok = 0;
+        if (sc_->tokens.data()) std::memcpy(&tok, sc_->tokens.as<uint8_t>() + ((i + 1) % kSlots) * 4, 4);
+        return int32_t(tok);
+    };
+    auto stops = [&](int32_t tok) { return std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end(); };
+    if (m_->experts()) {                               // streaming: one stream_step per token, none in flight
+        const GpuState::Saved saved = st.save();
+        try {
+            for (int64_t i = 0; i < n; ++i) {
+                if (poll && i > 0) poll();
+                stream_step(st, p0 + i, uint32_t(i % kSlots), uint32_t((i + 1) % kSlots), true, &sc);
+                st.commit_step();
+                out.push_back(token_of(i));
+                if (stops(out.back())) break;
+            }
+        } catch (...) {
+            st.restore(saved);
+            throw;
+        }
+        return out;
+    }
     auto encode = [&](int64_t i) {                     // step i: position p0 + i, slots i % 4 -> (i + 1) % 4
         auto cb = d.command_buffer();
         Encoder e(d, *cb);
@@ -440,11 +597,8 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
                 throw;
             }
             st.commit_step();                              // step i is now the state
-            uint32_t tok = 0;
-            if (sc_->tokens.data()) std::memcpy(&tok, sc_->tokens.as<uint8_t>() + ((i + 1) % kSlots) * 4, 4);
-            out.push_back(int32_t(tok));
-            const bool stop = std::find(stop_ids.begin(), stop_ids.end(), int32_t(tok)) != stop_ids.end();
-            if (stop || i + 1 == n) {
+            out.push_back(token_of(i));
+            if (stops(out.back()) || i + 1 == n) {
                 if (next) next->wait();                    // discarded: its halves are never made current
                 break;
             }

@@ -35,6 +35,18 @@ void store_act(Act t, float v, uint8_t* dst, size_t i) {
 
 constexpr uint64_t kAlign = 16;   // vector loads of weights / scales
 
+// streaming: MoE layer `layer`'s expert parts in the layout, which must be `count` of them
+const std::vector<ExpertPart>& layer_parts(const ExpertStreaming& st, int layer, size_t count) {
+    static const std::vector<ExpertPart> none;
+    const auto it = st.layers.find(layer);
+    const std::vector<ExpertPart>& p = it == st.layers.end() ? none : it->second;
+    if (p.size() != count)
+        throw std::invalid_argument("metal backend: streaming: MoE layer " + std::to_string(layer) + " has " +
+                                    std::to_string(p.size()) + " expert parts in the layout, its stacks need " +
+                                    std::to_string(count));
+    return p;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -52,7 +64,12 @@ Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& wh
     if (s.offset + s.nbytes > mp.size)
         throw std::invalid_argument("metal backend: tensor '" + what + "' lies outside its mapping " + mp.name);
     weight_bytes_ += s.nbytes;
-    if (s.offset % kAlign == 0) return maps_[size_t(s.mapping)].view(s.offset, s.nbytes);
+    if (s.offset % kAlign == 0) {
+        if (!maps_.empty()) return maps_[size_t(s.mapping)].view(s.offset, s.nbytes);
+        // streaming: each tensor wraps only its own pages, so no buffer covers a routed expert's pages
+        // (a whole-file buffer would make the device map, and on a GPU make resident, the expert stacks)
+        return dev_->wrap(static_cast<const uint8_t*>(mp.base) + s.offset, s.nbytes, what, nullptr);
+    }
     // a tensor whose offset in its file is not 16-byte aligned: one aligned copy
     Buffer b = owned(s.nbytes, what);
     if (const uint8_t* src = w.host(s)) std::memcpy(b.data(), src, s.nbytes);
@@ -73,8 +90,9 @@ Buffer GpuModel::gathered(const WeightTable& w, const Span& s, uint64_t stride, 
     return b;
 }
 
-Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
-    const WeightDesc& d = w.get(name);
+namespace {
+// a matrix's format and shape from its description (no buffers)
+Matrix matrix_shape(const WeightDesc& d, const std::string& name) {
     if (d.shape.size() < 2) throw std::invalid_argument("metal backend: '" + name + "' is not a matrix");
     Matrix m;
     m.fmt = format_of(d, name);
@@ -82,6 +100,13 @@ Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
     m.cols = uint32_t(d.cols());
     m.count = uint32_t(d.count());
     m.group_size = uint32_t(d.group_size);
+    return m;
+}
+}  // namespace
+
+Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
+    const WeightDesc& d = w.get(name);
+    Matrix m = matrix_shape(d, name);
     const uint64_t wmat = uint64_t(m.rows) * m.row_bytes(), smat = uint64_t(m.rows) * m.srow_bytes();
     const bool strided = m.count > 1 && d.stride && d.stride != wmat;
     m.w = strided ? gathered(w, d.data, d.stride, m.count, wmat, name + ".weight") : span(w, d.data, name + ".weight");
@@ -112,6 +137,37 @@ Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
                 m.biases = span(w, d.biases, name + ".biases");
             }
         }
+    }
+    m.validate(name.c_str());
+    return m;
+}
+
+// Streaming mode: the stack `name` as `slots` slot matrices in fresh device buffers (one per part:
+// weight, scales, biases; or the dense weight), whose contents the expert cache fills: slot s of part p
+// at bases[p] + s * parts[p].nbytes, so the slot stack has the checkpoint stack's layout with E -> S and
+// the MoE kernels index it by slot id as they index the checkpoint stack by expert id.
+Matrix GpuModel::slot_stack(const WeightTable& w, const std::string& name, const ExpertPart* parts, uint32_t slots,
+                            std::vector<void*>& bases) {
+    const WeightDesc& d = w.get(name);
+    Matrix m = matrix_shape(d, name);
+    if (quantized(m.fmt) && d.sdtype == DType::F16)
+        throw std::invalid_argument("metal backend: streaming '" + name +
+                                    "': float16 scales of routed experts are not supported (the kernels read bf16 or "
+                                    "f32 scales; `qwenmetal convert` writes bf16)");
+    m.scales_f32 = d.sdtype == DType::F32;
+    m.count = slots;
+    const uint64_t want[3] = {uint64_t(m.rows) * m.row_bytes(), uint64_t(m.rows) * m.srow_bytes(),
+                              uint64_t(m.rows) * m.srow_bytes()};
+    const char* suffix[3] = {".weight", ".scales", ".biases"};
+    Buffer* dst[3] = {&m.w, &m.scales, &m.biases};
+    for (int i = 0; i < (quantized(m.fmt) ? 3 : 1); ++i) {
+        if (parts[i].nbytes != want[i])
+            throw std::invalid_argument("metal backend: streaming '" + name + suffix[i] + "': an expert is " +
+                                        std::to_string(parts[i].nbytes) + " bytes in the layout, the shape needs " +
+                                        std::to_string(want[i]));
+        *dst[i] = dev_->alloc(uint64_t(slots) * want[i], name + suffix[i] + " slots");
+        slot_bytes_ += uint64_t(slots) * want[i];
+        bases.push_back(dst[i]->data());
     }
     m.validate(name.c_str());
     return m;
@@ -169,16 +225,25 @@ Buffer GpuModel::small(const WeightTable& w, const std::string& name, bool f32, 
     return b;
 }
 
-GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt)
+GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
+                   const std::optional<ExpertStreaming>& stream)
     : dev_(std::move(dev)), cfg_(c), opt_(opt) {
     cfg_.validate();
     const bool virt = w.is_virtual();
     if (virt && dev_->info().executes)
         throw std::invalid_argument("metal backend: a virtual weights table can only be encoded (encode-only device)");
-    for (const Mapping& mp : w.mappings) {
-        if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
-        else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr));
-    }
+    if (stream && (virt || !dev_->info().executes))
+        throw std::invalid_argument("metal backend: streaming needs an executing device and real weights");
+    const int S = stream ? stream->cache.slots_per_layer : 0;
+    if (stream && (S < 1 || S > c.n_experts))
+        throw std::invalid_argument("metal backend: expert_slots must be in [1, " + std::to_string(c.n_experts) +
+                                    "], got " + std::to_string(S));
+    if (!stream)
+        for (const Mapping& mp : w.mappings) {
+            if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
+            else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr));
+        }
+    std::map<int, std::vector<void*>> bases;      // streaming: each MoE layer's slot stacks, in part order
     const int64_t H = c.hidden;
     int64_t n_attention = 0, n_gdn = 0;
     embed = matrix(w, "embed_tokens");
@@ -213,9 +278,21 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
             std::vector<std::string> r = {m + "gate"};
             if (L.has_shared) r.push_back(m + "shared_expert_gate");
             L.router = stacked(w, r);
-            L.gate = matrix(w, m + "switch_mlp.gate_proj");
-            L.up = matrix(w, m + "switch_mlp.up_proj");
-            L.down = matrix(w, m + "switch_mlp.down_proj");
+            const char* mats[3] = {"gate_proj", "up_proj", "down_proj"};
+            Matrix* dst[3] = {&L.gate, &L.up, &L.down};
+            if (!stream) {
+                for (int j = 0; j < 3; ++j) *dst[j] = matrix(w, m + "switch_mlp." + mats[j]);
+            } else {
+                // the layer's parts: 3 per quantized stack (weight, scales, biases), 1 per dense one
+                size_t want = 0;
+                for (const char* mat : mats) want += w.get(m + "switch_mlp." + mat).bits ? 3 : 1;
+                const std::vector<ExpertPart>& parts = layer_parts(*stream, int(i), want);
+                for (int j = 0, p0 = 0; j < 3; ++j) {
+                    *dst[j] = slot_stack(w, m + "switch_mlp." + mats[j], parts.data() + p0, uint32_t(S),
+                                         bases[int(i)]);
+                    p0 += quantized(dst[j]->fmt) ? 3 : 1;
+                }
+            }
             if (L.has_shared) {
                 Stacked gu = stacked(w, {m + "shared_expert.gate_proj", m + "shared_expert.up_proj"});
                 if (gu.parts.size() != 1)
@@ -232,6 +309,7 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
         }
         layers.push_back(std::move(L));
     }
+    if (stream) experts_ = std::make_unique<ExpertCache>(stream->files, stream->layers, stream->cache, bases);
 }
 
 // ------------------------------------------------------------------------------------------------

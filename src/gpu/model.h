@@ -6,15 +6,19 @@
 //   GpuState   one sequence: KV cache [n_kv, capacity, head_dim] per attention layer (bf16, or f32 for
 //              exact tests), conv [K-1, conv_dim] and recurrent [nv, dv, dk] f32 per GDN layer
 //   GpuEngine  scratch (one named buffer per logical tensor), the decode graph (forward.cpp), the
-//              pipelined decode loop (one command buffer per token, two in flight)
+//              pipelined decode loop (one command buffer per token, two in flight), or in streaming
+//              mode the per-layer command buffers around the expert cache's loads
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/config.h"
+#include "core/expert_cache.h"
 #include "core/interrupt.h"
 #include "core/state_layout.h"
 #include "core/weights.h"
@@ -43,6 +47,15 @@ struct GpuOptions {
     static constexpr uint32_t kDefaultPrefillChunk = 4096;
 };
 
+// Streaming mode (docs/metal.md, "Streaming mode"): the routed experts of every MoE layer are not bound
+// from the mapping but read from their files by an ExpertCache into slot stacks (device buffers) when the
+// routing asks for them. files / layers: as ExpertCache takes them (contract: core/expert_cache.h).
+struct ExpertStreaming {
+    std::vector<std::string> files;
+    std::map<int, std::vector<ExpertPart>> layers;   // MoE layer index -> its parts (gate, up, down order)
+    ExpertCacheOptions cache;
+};
+
 // A projection whose output rows are the concatenation of several checkpoint tensors (GDN
 // [qkv | z | b | a], attention [q+gate | k | v], shared expert [gate | up], [router | shared gate]).
 // Built at load as one Matrix when the parts share format, group size and scale type (rows are
@@ -68,7 +81,8 @@ struct GpuLayer {
     Buffer gdn_norm;                             // T [dv]
     // sparse MoE
     Stacked router;                              // [E (+1 shared gate), H], f32 logits
-    Matrix gate, up, down;                       // stacks [E, I, H], [E, I, H], [E, H, I]
+    Matrix gate, up, down;                       // stacks [E, I, H], [E, I, H], [E, H, I]; streaming:
+                                                 // the slot stacks [S, I, H], [S, I, H], [S, H, I]
     bool has_shared = false;
     Matrix shared_gate_up;                       // [2 Is, H]
     Matrix shared_down;                          // [H, Is]
@@ -78,13 +92,18 @@ struct GpuLayer {
 
 class GpuModel {
   public:
-    GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt);
+    // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache)
+    GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
+             const std::optional<ExpertStreaming>& stream = std::nullopt);
     Device& device() const { return *dev_; }
     const std::shared_ptr<Device>& device_ptr() const { return dev_; }
     const Config& config() const { return cfg_; }
     const GpuOptions& options() const { return opt_; }
     uint64_t weight_bytes() const { return weight_bytes_; }       // bytes of all weights as bound
     uint64_t copied_bytes() const { return copied_bytes_; }       // of which copied at load (stacking, alignment)
+    // streaming mode: the cache that fills the slot stacks (null when every expert is resident)
+    ExpertCache* experts() const { return experts_.get(); }
+    uint64_t slot_bytes() const { return slot_bytes_; }           // device bytes of the slot stacks
 
     Matrix embed, lm_head;
     Buffer final_norm;                                            // T [H]
@@ -92,6 +111,8 @@ class GpuModel {
 
   private:
     Buffer span(const WeightTable& w, const Span& s, const std::string& what);
+    Matrix slot_stack(const WeightTable& w, const std::string& name, const ExpertPart* parts, uint32_t slots,
+                      std::vector<void*>& bases);
     Buffer gathered(const WeightTable& w, const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
                     const std::string& what);
     Matrix matrix(const WeightTable& w, const std::string& name);
@@ -102,8 +123,9 @@ class GpuModel {
     std::shared_ptr<Device> dev_;
     Config cfg_;
     GpuOptions opt_;
-    std::vector<Buffer> maps_;
-    uint64_t weight_bytes_ = 0, copied_bytes_ = 0;
+    std::vector<Buffer> maps_;       // one per mapping (resident mode; empty when streaming: see span())
+    std::unique_ptr<ExpertCache> experts_;
+    uint64_t weight_bytes_ = 0, copied_bytes_ = 0, slot_bytes_ = 0;
 };
 
 class GpuState {
@@ -183,6 +205,10 @@ class GpuEngine {
     uint32_t prefill_chunk() const { return chunk_; }
     uint32_t logits_rows() const;                 // rows of a want-2 chunk
     ops::GemmRoute gemm_route() const { return gemm_route_; }
+    // streaming mode: the expert cache's counters and the tokens run (decoded or prefilled) since the last
+    // reset_expert_stats(); zeros when not streaming. Both wait for a running call (the engine's lock).
+    ExpertCacheStats expert_stats(int64_t* tokens);
+    void reset_expert_stats();
 
     // Pipelined decode: `first` is the next input token; generates up to `n` tokens sampled on the
     // GPU (argmax or the GPU sampler), one command buffer per token with the next one committed
@@ -205,6 +231,13 @@ class GpuEngine {
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc);
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    void encode_mlp(Encoder& e, size_t li);
+    void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc);
+    // streaming mode: one token as per-layer command buffers around the expert cache (forward.cpp)
+    void stream_step(GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
+                     const SamplingConfig* sc);
+    void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll);
     void ensure_chunk(uint32_t rows, bool all_logits);
     void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
@@ -213,6 +246,7 @@ class GpuEngine {
     std::unique_ptr<Scratch> sc_;
     std::unique_ptr<Chunk> ch_;
     uint32_t chunk_ = 0;
+    int64_t stream_tokens_ = 0;                   // streaming: tokens run since reset_expert_stats()
     ops::GemmRoute gemm_route_ = ops::GemmRoute::Simdgroup;
     std::mutex mu_;
 };

@@ -72,8 +72,20 @@ def _import_llama():
 
 
 def open_llama(gguf: str, threads: int, n_ctx: int, n_batch: int, flash_attn: bool, kv_f32: bool = False,
-               logits_all: bool = False):
+               logits_all: bool = False, repack: bool = True):
+    """`repack=False`: no extra buffer types, so the weights are used straight from the mmap'd file instead
+    of repacked copies in anonymous memory (as large as the weights: they cannot fit a memory limit below
+    twice the model)."""
     llama_cpp = _import_llama()
+    if not repack:
+        import llama_cpp.llama_cpp as lib
+        default = lib.llama_model_default_params
+
+        def no_extra_bufts():
+            params = default()
+            params.use_extra_bufts = False
+            return params
+        lib.llama_model_default_params = no_extra_bufts
     kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(512, n_batch),
               n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, logits_all=logits_all,
               use_mmap=True, verbose=False)
@@ -123,10 +135,10 @@ def llama_worker(a) -> dict:
     n_ctx = max(prefill + contexts) + a.decode_steps + 16
     n_batch = min(2048, max(prefill + contexts))
     t = time.perf_counter()
-    llm = open_llama(a.gguf, a.threads, n_ctx, n_batch, a.flash_attn)
+    llm = open_llama(a.gguf, a.threads, n_ctx, n_batch, a.flash_attn, repack=not a.no_repack)
     load_s = time.perf_counter() - t
     V = llm.n_vocab()
-    res = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__,
+    res = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "repacked": not a.no_repack,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
            "threads": a.threads, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": a.flash_attn,
            "kv_dtype": "float16", "load_seconds": load_s, "prefill": [], "decode": [],
@@ -325,14 +337,25 @@ def validate(threads: int, out_dir: Path, n_prompt: int = 24, n_decode: int = 8)
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _run_json(cmd: list, what: str) -> dict:
+def _run_json(cmd: list, what: str, limit: int | None = None, drop_cache=()) -> dict:
+    """Run an arm (`cmd --json PATH`) and return its JSON; with `limit`, inside a memory cgroup of that
+    many bytes (qwenmetal.memlimit; `drop_cache` evicted from the page cache first), the cgroup's figures
+    under ``memory_limit``."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     try:
-        log(f"[{what}] " + " ".join(cmd))
-        subprocess.run(cmd + ["--json", path], check=True, stdout=sys.stderr)
+        log(f"[{what}] " + " ".join(cmd) + (f"  (memory limit {limit} bytes)" if limit else ""))
+        if limit:
+            from qwenmetal import memlimit
+            r = memlimit.run(cmd + ["--json", path], limit, drop_cache=drop_cache, stderr_to_ours=True)
+            r.check(result=False)
+        else:
+            subprocess.run(cmd + ["--json", path], check=True, stdout=sys.stderr)
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            res = json.load(f)
+        if limit:
+            res["memory_limit"] = r.summary()
+        return res
     finally:
         os.unlink(path)
 
@@ -354,8 +377,10 @@ def compare(a) -> dict:
         convert_gguf(ckpt, gguf, "q4_0", log=log)
         log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
     c = ModelConfig.from_file(ckpt)
+    from qwenmetal.bench.cli import checkpoint_bytes, parse_size
+    limit = parse_size(a.memory_limit, "--memory-limit", checkpoint_bytes(ckpt)) if a.memory_limit else None
     result = {"schema": "qwenmetal-llama-compare/1", "checkpoint": str(ckpt), "gguf": str(gguf),
-              "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "memory_limit": limit}
     if a.validate:
         result["validation"] = validate(a.threads, ckpt.parent)
     common = ["--threads", str(a.threads), "--prefill", _csv(a.prefill), "--contexts", _csv(a.contexts),
@@ -363,22 +388,25 @@ def compare(a) -> dict:
     arms = []
     if not a.skip_qwenmetal:
         opts = [x for o in a.option or () for x in ("--option", o)]
+        # under a memory limit the bench puts itself in the cgroup (qwenmetal bench --memory-limit)
         arms.append(("qwenmetal", [sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend",
-                                   a.backend, "--bandwidth-bytes", "0"] + opts + common))
+                                   a.backend, "--bandwidth-bytes", "0"] + opts + common
+                     + (["--memory-limit", str(limit)] if limit else []), None))
     if not a.skip_llama:
+        # under a memory limit: llama.cpp's mmap'd run (its repacked copies of the weights could not fit)
         arms.append(("llama.cpp", [sys.executable, str(Path(__file__).resolve()), "--worker", "--gguf", str(gguf),
-                                   "--flash-attn", a.flash_attn] + common))
+                                   "--flash-attn", a.flash_attn] + common + (["--no-repack"] if limit else []), limit))
     from qwenmetal.bench import wait_quiet
     from qwenmetal.bench import ForeignLoad
     bw_runs = []           # read bandwidth before every arm and at the end: it moves with the host's load
     for r in range(a.rounds):
-        for name, cmd in (arms if r % 2 == 0 else arms[::-1]):       # alternate the order between rounds
+        for name, cmd, arm_limit in (arms if r % 2 == 0 else arms[::-1]):   # alternate the order between rounds
             best = None
             for attempt in range(1 + a.retries):
                 busy = wait_quiet(a.wait_quiet, log=log) if a.wait_quiet else None
                 bw_runs.append(measure_read_bandwidth(a.threads))
                 with ForeignLoad() as fl:
-                    res = _run_json(cmd, name)
+                    res = _run_json(cmd, name, arm_limit, drop_cache=[gguf])
                 res["busy_before"] = busy
                 res["foreign_load_arm"] = fl.fraction
                 log(f"[{name}] other processes used {100 * fl.fraction:.0f}% of the CPUs during this arm")
@@ -515,6 +543,12 @@ def main(argv=None) -> int:
     p.add_argument("--validate-only", action="store_true")
     p.add_argument("--skip-qwenmetal", action="store_true")
     p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--memory-limit", default=None, metavar="L",
+                   help="run both arms in a memory cgroup of L bytes, a size or N%% of the checkpoint (qwenmetal "
+                        "streams its experts: `qwenmetal bench --memory-limit`; llama.cpp runs on its mmap'd GGUF "
+                        "without repacked copies)")
+    p.add_argument("--no-repack", action="store_true",
+                   help="llama.cpp without extra buffer types (no repacked weight copies; mmap'd weights only)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--markdown", default=None, metavar="JSON",
                    help="print the Markdown tables of an earlier run's JSON and exit")
@@ -522,30 +556,22 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from qwenmetal.bench.cli import write_json
     if a.markdown:
         with open(a.markdown, encoding="utf-8") as f:
             print(format_markdown(json.load(f)))
         return 0
     if a.worker:
         a.flash_attn = a.flash_attn == "on"
-        res = llama_worker(a)
-        if a.json:
-            with open(a.json, "w", encoding="utf-8") as f:
-                json.dump(res, f, indent=2)
+        write_json(a.json, llama_worker(a))
         return 0
     if a.validate_only:
         from qwenmetal.paths import cache_dir
-        rows = validate(a.threads, cache_dir("bench"))
-        if a.json:
-            with open(a.json, "w", encoding="utf-8") as f:
-                json.dump({"validation": rows}, f, indent=2)
+        write_json(a.json, {"validation": validate(a.threads, cache_dir("bench"))})
         return 0
     result = compare(a)
     print(format_summary(result))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_json(a.json, result)
     return 0
 
 

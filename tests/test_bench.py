@@ -265,3 +265,47 @@ def test_read_bandwidth_kernel():
         assert core.bench_read_bytes(a) == int(np.bitwise_xor.reduce(a)) if n else core.bench_read_bytes(a) == 0
     r = bench.measure_read_bandwidth(threads=2, nbytes=16 << 20, repeats=1)
     assert r["method"] == "qwenmetal._core.bench_read_bytes" and r["read_gbps"] > 0 and r["threads"] == 2
+
+
+def test_bench_streaming_under_a_memory_limit(tmp_path):
+    """`qwenmetal bench --memory-limit`: the run happens in a memory cgroup (its peak reported, inside the
+    limit), streams the experts (forced with --expert-slots) with per-token hit rate / bytes read, and
+    decodes the same greedy tokens (digests) as the resident run."""
+    from oracles import unavailable
+    from qwenmetal import memlimit
+    if (why := memlimit.unavailable_reason()) is not None:
+        unavailable(f"no way to limit memory here: {why}")
+    common = ["bench", "--quick", "--config", "tiny", "--backend", "cpu", "--threads", "2", "--bandwidth-bytes", "0"]
+    resident, streamed = tmp_path / "resident.json", tmp_path / "streamed.json"
+    r = _run_cli(common + ["--json", str(resident)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    limit = 256 << 20
+    r = _run_cli(common + ["--memory-limit", str(limit), "--expert-slots", "2", "--expert-policy", "lru",
+                           "--json", str(streamed)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "memory limit 0.25 GiB" in r.stdout and "hit rate" in r.stdout
+    want, res = json.loads(resident.read_text()), json.loads(streamed.read_text())
+    ml = res["memory_limit"]
+    assert ml["limit_bytes"] == limit and 0 < ml["peak_bytes"] <= limit and ml["oom_kills"] == 0
+    assert res["disk"]["read_gbps"] > 0
+    assert [d["digest"] for d in res["decode"]] == [d["digest"] for d in want["decode"]]
+    for d in res["decode"] + res["prefill"]:
+        e = d["experts"]
+        assert e["streaming"] is True and e["slots_per_layer"] == 2 and e["policy"] == "lru", e
+        assert 0.0 <= e["hit_rate"] < 1.0 and e["bytes_read_per_token"] > 0, e
+    assert all(d.get("experts") is None for d in want["decode"])
+
+
+def test_bench_size_arguments():
+    from qwenmetal.bench.cli import parse_size
+    from qwenmetal.errors import InputError
+    assert parse_size("50%", "--memory-limit", 1000) == 500
+    assert parse_size("2GiB", "--memory-limit", 1) == 2 << 30
+    assert parse_size("auto", "--memory-budget", 1) == "auto"
+    assert parse_size("none", "--memory-budget", 1) is None
+    with pytest.raises(ValueError, match="--memory-limit: expected N% of the checkpoint"):
+        parse_size("x%", "--memory-limit", 1000)
+    with pytest.raises(ValueError, match="--memory-limit must be positive"):
+        parse_size("0%", "--memory-limit", 1000)
+    with pytest.raises(InputError, match="--memory-budget must be 'auto'"):
+        parse_size("lots", "--memory-budget", 1)

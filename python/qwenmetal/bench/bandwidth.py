@@ -48,3 +48,52 @@ def measure_read_bandwidth(threads: int = 2, nbytes: int = 2 << 30, repeats: int
     out = subprocess.run([sys.executable, "-c", _BW_CHILD, str(int(nbytes)), str(int(threads)), str(int(repeats))],
                          check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_file_read(paths, nbytes: int = 1 << 30, threads: int = 4, chunk: int = 4 << 20) -> dict:
+    """Cold read bandwidth of the disk holding `paths` (files, e.g. the checkpoint's shards): their pages
+    are evicted from the page cache first (POSIX_FADV_DONTNEED), then up to `nbytes` of them are read with
+    `threads` threads of `chunk`-byte preads -- the access pattern of expert streaming's I/O pool, at a
+    larger request size. GB/s = 1e9 bytes. Evicted again afterwards, so the benchmark starts cold."""
+    import threading
+    import time
+
+    from ..memlimit import drop_page_cache
+
+    spans, left = [], int(nbytes)
+    for p in paths:
+        n = min(os.path.getsize(p), left)
+        spans += [(str(p), off, min(chunk, n - off)) for off in range(0, n, chunk)]
+        left -= n
+        if left <= 0:
+            break
+    drop_page_cache(paths)
+    lock, todo = threading.Lock(), list(reversed(spans))
+
+    def worker():
+        fds = {}
+        try:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    path, off, n = todo.pop()
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                os.pread(fd, n, off)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    ths = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    dt = time.perf_counter() - t
+    drop_page_cache(paths)
+    total = sum(s[2] for s in spans)
+    return {"read_gbps": total / dt / 1e9, "bytes": total, "threads": threads, "chunk_bytes": chunk,
+            "method": "cold pread of the checkpoint files after POSIX_FADV_DONTNEED"}

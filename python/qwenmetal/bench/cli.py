@@ -45,9 +45,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .bandwidth import measure_read_bandwidth
+from .bandwidth import measure_file_read, measure_read_bandwidth
 from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, tensor_sizes
 from .checkpoint import ensure_checkpoint, resolve_config
+from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
 from .timing import machine_info, peak_rss_bytes, time_decode, time_prefill
 
@@ -95,6 +96,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             options["prefill_chunk"] = args.prefill_chunk
     elif args.kv_dtype or args.prefill_chunk:
         raise ValueError("--kv-dtype and --prefill-chunk apply to the cpu backend")
+    if args.memory_budget is not None:
+        options["memory_budget"] = parse_size(args.memory_budget, "--memory-budget", checkpoint_bytes(path))
+    if args.expert_slots is not None:
+        options["expert_slots"] = args.expert_slots
+    if args.expert_policy is not None:
+        options["expert_policy"] = args.expert_policy
     for kv in args.option or ():
         k, sep, v = kv.partition("=")
         if not sep or not k:
@@ -133,20 +140,27 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         "prefill": [], "decode": [],
     }
 
+    # expert streaming (a backend with expert-cache counters): per-token figures of each timed block
+    counters = (lambda: expert_counters(model)) if expert_counters(model) else None
+
     fl = ForeignLoad().__enter__()
     for n in prefill_lens:
+        before = counters() if counters else None
         r = time_prefill(model, n, repeats, max_context=max_context)
+        r["experts"] = per_token(before, counters() if counters else None, n * (1 + repeats))
         result["prefill"].append(r)
-        log(f"  prefill {n:6d} tokens: {r['tokens_per_second']:9.1f} tok/s ({r['seconds']:.3f} s)")
+        log(f"  prefill {n:6d} tokens: {r['tokens_per_second']:9.1f} tok/s ({r['seconds']:.3f} s)"
+            + _experts_note(r["experts"]))
     for ctx in contexts:
-        r = time_decode(model, ctx, steps, repeats, max_context=max_context)
+        r = time_decode(model, ctx, steps, repeats, max_context=max_context, counters=counters)
+        r["experts"] = per_token(*r.pop("counters"), steps * repeats)
         b = decode_bytes(c, sizes, ctx, kv_el)
         r["bytes_per_token"] = b["total"]
         r["bytes"] = b
         r["effective_gbps"] = b["total"] * r["tokens_per_second"] / 1e9
         result["decode"].append(r)
         log(f"  decode @ {ctx:6d}: {r['ms_per_token']:8.2f} ms/token, {r['tokens_per_second']:7.2f} tok/s, "
-            f"{b['total'] / 1e6:.1f} MB/token, {r['effective_gbps']:.2f} GB/s")
+            f"{b['total'] / 1e6:.1f} MB/token, {r['effective_gbps']:.2f} GB/s" + _experts_note(r["experts"]))
     fl.__exit__(None, None, None)
     result["foreign_load"] = fl.fraction
     result["peak_rss_bytes"] = peak_rss_bytes()
@@ -200,6 +214,19 @@ def format_table(res: Mapping[str, Any]) -> str:
                      f"{r['bytes_per_token'] / 1e6:>9.2f} {r['effective_gbps']:>7.2f} {ratio:>6}  "
                      f"{b['weights'] / 1e6:>8.2f} {b['kv_cache'] / 1e6:>7.2f} {b['gdn_state'] / 1e6:>6.2f}  "
                      f"{r['digest']}{'' if r['digest_stable'] else ' (UNSTABLE)'}")
+    for kind, key in (("prefill", "tokens"), ("decode", "context")):
+        for r in res[kind]:
+            if r.get("experts"):
+                lines.append(f"experts, {kind} {r[key]}:" + _experts_note(r["experts"]))
+    ml = res.get("memory_limit")
+    if ml:
+        lines.append(f"memory limit {ml['limit_bytes'] / 2**30:.2f} GiB ({ml.get('fraction_of_checkpoint', 0):.0%} of the "
+                     f"checkpoint; cgroup v{ml['cgroup_version']}): cgroup peak (RSS + page cache) "
+                     f"{ml['peak_bytes'] / 2**30:.2f} GiB, VmHWM {ml['vmhwm_bytes'] / 2**30:.2f} GiB, "
+                     f"{ml['limit_hits']} limit hits, {ml['oom_kills']} OOM kills")
+    if res.get("disk"):
+        lines.append(f"disk: cold read {res['disk']['read_gbps']:.2f} GB/s ({res['disk']['threads']} threads x "
+                     f"{res['disk']['chunk_bytes'] >> 20} MiB preads of the checkpoint, {res['disk']['bytes'] / 1e9:.1f} GB)")
     if res["decode"]:
         wp = res["decode"][0]["bytes"]["weight_parts"]
         lines.append("weights per token (MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in wp.items()))
@@ -210,6 +237,77 @@ def format_table(res: Mapping[str, Any]) -> str:
                  + (f"; other processes used {100 * res['foreign_load']:.0f}% of the CPUs meanwhile"
                     if res.get("foreign_load") is not None else ""))
     return "\n".join(lines)
+
+
+def _experts_note(e) -> str:
+    if not e:
+        return ""
+    hr = "-" if e["hit_rate"] is None else f"{100 * e['hit_rate']:.1f}%"
+    return (f" [experts: {e['policy']}, {e['slots_per_layer']} slots/layer, hit rate {hr}, "
+            f"{e['bytes_read_per_token'] / 1e6:.2f} MB read/token, {1e3 * e['io_seconds_per_token']:.2f} ms I/O/token]")
+
+
+def checkpoint_bytes(path) -> int:
+    """Bytes of the checkpoint's safetensors files."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def parse_size(value: str, what: str, whole: int):
+    """A size argument: "auto", "none", bytes or a size like "8GiB" (streaming.parse_budget), or "N%" of
+    `whole` (the checkpoint's bytes)."""
+    from ..streaming import parse_budget
+    v = str(value).strip()
+    if v.lower() == "none":
+        return None
+    if v.endswith("%"):
+        try:
+            pct = float(v[:-1])
+        except ValueError:
+            raise ValueError(f"{what}: expected N% of the checkpoint, got {value!r}") from None
+        if pct <= 0:
+            raise ValueError(f"{what} must be positive, got {value!r}")
+        return int(whole * pct / 100)
+    return parse_budget(v, what)
+
+
+_LIMITED_CHILD = ("import argparse, json, sys; from qwenmetal import memlimit; from qwenmetal.bench.cli import run; "
+                  "memlimit.report(run(argparse.Namespace(**json.loads(sys.argv[1])), "
+                  "log=lambda m: print(m, file=sys.stderr, flush=True)))")
+
+
+def run_limited(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    """`qwenmetal bench --memory-limit L`: the run in a child process inside a memory cgroup of L bytes
+    (qwenmetal.memlimit: RSS + page cache, no swap), the checkpoint evicted from the page cache first.
+    The checkpoint is generated and the memory and disk read bandwidths are measured here, outside the
+    limit (their buffers would not fit it)."""
+    from .. import memlimit
+
+    if args.model:
+        path = Path(args.model)
+    else:
+        path = ensure_checkpoint(resolve_config(args.config, args.layers), args.seed, log=log)
+    size = checkpoint_bytes(path)
+    limit = parse_size(args.memory_limit, "--memory-limit", size)
+    if not isinstance(limit, int):
+        raise ValueError(f"--memory-limit needs a size or a percentage, got {args.memory_limit!r}")
+    threads = args.threads or _usable_cpus()
+    bw_bytes = args.bandwidth_bytes if args.bandwidth_bytes is not None else ((512 << 20) if args.quick else (2 << 30))
+    bw = measure_read_bandwidth(threads, bw_bytes, 2 if args.quick else 5) if bw_bytes else None
+    shards = sorted(str(path / f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    disk = measure_file_read(shards, min(size, 1 << 30))
+    log(f"memory limit {limit / 2**30:.2f} GiB ({limit / size:.0%} of the {size / 2**30:.2f} GiB checkpoint); "
+        f"disk cold read {disk['read_gbps']:.2f} GB/s")
+    child = dict(vars(args), model=str(path), memory_limit=None, bandwidth_bytes=0, json=None)
+    child.pop("func", None)
+    r = memlimit.run_python(_LIMITED_CHILD, limit, args=[json.dumps(child)], drop_cache=[path], stderr_to_ours=True)
+    res = r.check().result
+    res["memory_limit"] = dict(r.summary(), fraction_of_checkpoint=limit / size, checkpoint_bytes=size)
+    res["disk"] = disk
+    if bw:
+        res["bandwidth"] = dict(bw, runs_gbps=[bw["read_gbps"]])
+        for d in res["decode"]:
+            d["bandwidth_ratio"] = d["effective_gbps"] / bw["read_gbps"]
+    return res
 
 
 def _usable_cpus() -> int:
@@ -255,6 +353,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first wait up to this long for other processes to leave the CPUs idle")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: prefill 16,64, contexts 16,64, 1 repeat, 4 decode steps, 512 MiB buffer")
+    p.add_argument("--memory-budget", default=None, metavar="B",
+                   help="the backend's memory_budget: auto, none, bytes, a size (8GiB) or N%% of the checkpoint; "
+                        "routed experts stream from disk when the checkpoint does not fit (docs/streaming.md)")
+    p.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per MoE layer (forces streaming)")
+    p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "os"), help="expert cache replacement policy")
+    p.add_argument("--memory-limit", default=None, metavar="L",
+                   help="run under a real memory limit: a memory cgroup of L bytes, a size or N%% of the checkpoint "
+                        "(RSS + page cache, no swap; Linux, root or a delegated cgroup)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--encode-only", action="store_true",
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
@@ -346,13 +452,18 @@ def main_args(args: argparse.Namespace) -> int:
         res = run_encode_only(args)
         print(format_encode_only(res))
     else:
-        res = run(args, log=log)
+        res = run_limited(args, log=log) if args.memory_limit else run(args, log=log)
         print(format_table(res))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+    write_json(args.json, res)
     return 0
+
+
+def write_json(path: str | None, obj) -> None:
+    """Write a benchmark's results as indented JSON to `path` (nothing when it is None)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
 
 
 def main(argv=None) -> int:

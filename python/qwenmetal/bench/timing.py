@@ -51,7 +51,9 @@ def time_prefill(model, n: int, repeats: int, warmup: int = 1, max_context: int 
 
 
 def time_decode(model, context: int, steps: int, repeats: int, warmup_steps: int = 4,
-                max_context: int | None = None) -> dict:
+                max_context: int | None = None, counters=None) -> dict:
+    """`counters`: an optional callable read just before the first and after the last timed step (the
+    expert-cache counters of a streaming backend); its two readings are returned as ``counters``."""
     V = model.config.vocab_size
     s = model.new_session(max_context=max_context)
     t = time.perf_counter()
@@ -65,6 +67,7 @@ def time_decode(model, context: int, steps: int, repeats: int, warmup_steps: int
             tok = int(np.argmax(model.decode_step(w, tok)))
         del w
     samples, digests = [], []
+    before = counters() if counters else None
     for _ in range(repeats):
         f = s.fork()
         gc.collect()
@@ -76,8 +79,9 @@ def time_decode(model, context: int, steps: int, repeats: int, warmup_steps: int
         samples.append((time.perf_counter() - t) / steps)
         digests.append(fnv1a(toks))
         del f
+    after = counters() if counters else None
     med = _median(samples)
-    return {"context": context, "steps": steps, "seconds_per_token": med, "ms_per_token": 1e3 * med,
+    return {"context": context, "steps": steps, "counters": [before, after], "seconds_per_token": med, "ms_per_token": 1e3 * med,
             "tokens_per_second": 1.0 / med, "samples_ms": [1e3 * x for x in samples],
             "digest": digests[0], "digest_stable": len(set(digests)) == 1,
             "context_prefill_seconds": prefill_s}

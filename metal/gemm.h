@@ -26,8 +26,9 @@ struct GemmParams {
     uint32_t w_rows;      // rows of one matrix of the weight stack (the stride between experts)
     uint32_t n_experts;   // matrices in the stack (a tile-map entry naming expert >= it is skipped)
     uint32_t up_row;      // swiglu: first up row in the second weight binding (stacked [gate|up]: N; else 0)
+    uint32_t bits;        // WFMT_QN: the weights' width (2, 3, 5, 6); other formats: unused
 };
-static_assert(sizeof(GemmParams) == 48, "GemmParams: 12 x 4 bytes, as the host packs it");
+static_assert(sizeof(GemmParams) == 52, "GemmParams: 13 x 4 bytes, as the host packs it");
 
 // flags (uniform over a dispatch)
 #define GEMM_ADD 1u      // y = residual + T(X W^T) (residual may be y: each element read and written once)

@@ -3,7 +3,8 @@
 //
 //   gemm_<w>_<T>          Y[m, :N] = X[m, :K] W^T, Y in T          (dense row blocks, or MoE tile maps)
 //   gemm_<w>_bf16_f32out  the same with bf16 X and float Y           (router logits, expert outputs)
-// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
+// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, qn_sbf16, qn_sf32 (2, 3, 5, 6 bits: GemmParams.bits), bf16,
+// f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
 //
 // One kernel serves the dense GEMM (ops::gemm) and the MoE grouped GEMMs (ops::gemm_grouped,
 // ops::gemm_grouped_swiglu): GemmParams.flags select the rows of a tile (a row block, or a tile-map
@@ -65,7 +66,7 @@ kernel void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
     const uint bm = min(p.tile_rows, GEMM_BM), cols = swiglu ? GEMM_BN / 2u : GEMM_BN, n0 = tgid.x * cols;
     gemm_tile_rows(p, t, slot_rows, xr, tid, GEMM_THREADS);
     // the tile's matrix of each weight stack
-    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K);
+    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K, p.bits);
     const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
     device const WV* wa = (device const WV*)w + wo;
     device const WV* wb = (device const WV*)w2 + wo;
@@ -80,14 +81,14 @@ kernel void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
         gemm_stage_x<T, float>(x4, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
         if (swiglu) {
-            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, k0, cols, wt,
-                                           GEMM_LD, tid, GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, p.bits, k0, cols,
+                                           wt, GEMM_LD, tid, GEMM_THREADS);
             gemm_stage_w<FMT, S, T, float>(wb, scales2 + so, biases2 + so, p.up_row + n0, p.up_row + p.N, p.K,
-                                           p.group_size, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid,
+                                           p.group_size, p.bits, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid,
                                            GEMM_THREADS);
         } else {
-            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, k0, GEMM_BN,
-                                           wt, GEMM_LD, tid, GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, p.bits, k0,
+                                           GEMM_BN, wt, GEMM_LD, tid, GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         for (uint kk = 0; kk < GEMM_BK; kk += 8u) {
@@ -128,6 +129,12 @@ INSTANTIATE_KERNEL("gemm_q8_sbf16_bf16_f32out", gemm, WFMT_Q8, bfloat, bfloat, f
 INSTANTIATE_KERNEL("gemm_q8_sf32_f32", gemm, WFMT_Q8, float, float, float)
 INSTANTIATE_KERNEL("gemm_q8_sf32_bf16", gemm, WFMT_Q8, float, bfloat, bfloat)
 INSTANTIATE_KERNEL("gemm_q8_sf32_bf16_f32out", gemm, WFMT_Q8, float, bfloat, float)
+INSTANTIATE_KERNEL("gemm_qn_sbf16_f32", gemm, WFMT_QN, bfloat, float, float)
+INSTANTIATE_KERNEL("gemm_qn_sbf16_bf16", gemm, WFMT_QN, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_qn_sbf16_bf16_f32out", gemm, WFMT_QN, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("gemm_qn_sf32_f32", gemm, WFMT_QN, float, float, float)
+INSTANTIATE_KERNEL("gemm_qn_sf32_bf16", gemm, WFMT_QN, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_qn_sf32_bf16_f32out", gemm, WFMT_QN, float, bfloat, float)
 INSTANTIATE_KERNEL("gemm_bf16_f32", gemm, WFMT_DENSE, bfloat, float, float)
 INSTANTIATE_KERNEL("gemm_bf16_bf16", gemm, WFMT_DENSE, bfloat, bfloat, bfloat)
 INSTANTIATE_KERNEL("gemm_bf16_bf16_f32out", gemm, WFMT_DENSE, bfloat, bfloat, float)

@@ -4,7 +4,8 @@
 //
 //   gemm_tensor_<w>_<T>          Y[m, :N] = X[m, :K] W^T, Y in T     (dense row blocks, or MoE tile maps)
 //   gemm_tensor_<w>_bf16_f32out  the same with bf16 X and float Y      (router logits, expert outputs)
-// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
+// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, qn_sbf16, qn_sf32 (2, 3, 5, 6 bits: GemmParams.bits), bf16,
+// f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
 //
 // Only the multiply differs from gemm.metal: metal/gemm_tile.h stages the X tile and the dequantized W
 // tile as float in threadgroup memory (the fusion: each packed weight tile is dequantized once per
@@ -79,8 +80,8 @@ kernel void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint3
     // of the second; the tile's matrix of each stack
     const uint parts = swiglu ? 2u : 1u, n0 = tgid.x * cols;
     const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
-    device const WV* wp[2] = {(device const WV*)w + ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K),
-                              (device const WV*)w2 + ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K)};
+    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K, p.bits);
+    device const WV* wp[2] = {(device const WV*)w + wo, (device const WV*)w2 + wo};
     device const S* sp[2] = {scales + so, scales2 + so};
     device const S* bp[2] = {biases + so, biases2 + so};
     const uint r0[2] = {n0, p.up_row + n0};
@@ -98,7 +99,8 @@ kernel void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint3
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
         gemm_stage_x<T, float>((device const vec<T, 4>*)x, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
         for (uint q = 0; q < parts; ++q) {
-            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, k0, GEMM_BN / parts,
+            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, p.bits, k0,
+                                           GEMM_BN / parts,
                                            wt + q * cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -122,6 +124,12 @@ INSTANTIATE_KERNEL("gemm_tensor_q8_sbf16_bf16_f32out", gemm_tensor, WFMT_Q8, bfl
 INSTANTIATE_KERNEL("gemm_tensor_q8_sf32_f32", gemm_tensor, WFMT_Q8, float, float, float)
 INSTANTIATE_KERNEL("gemm_tensor_q8_sf32_bf16", gemm_tensor, WFMT_Q8, float, bfloat, bfloat)
 INSTANTIATE_KERNEL("gemm_tensor_q8_sf32_bf16_f32out", gemm_tensor, WFMT_Q8, float, bfloat, float)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sbf16_f32", gemm_tensor, WFMT_QN, bfloat, float, float)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sbf16_bf16", gemm_tensor, WFMT_QN, bfloat, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sbf16_bf16_f32out", gemm_tensor, WFMT_QN, bfloat, bfloat, float)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sf32_f32", gemm_tensor, WFMT_QN, float, float, float)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sf32_bf16", gemm_tensor, WFMT_QN, float, bfloat, bfloat)
+INSTANTIATE_KERNEL("gemm_tensor_qn_sf32_bf16_f32out", gemm_tensor, WFMT_QN, float, bfloat, float)
 INSTANTIATE_KERNEL("gemm_tensor_bf16_f32", gemm_tensor, WFMT_DENSE, bfloat, float, float)
 INSTANTIATE_KERNEL("gemm_tensor_bf16_bf16", gemm_tensor, WFMT_DENSE, bfloat, bfloat, bfloat)
 INSTANTIATE_KERNEL("gemm_tensor_bf16_bf16_f32out", gemm_tensor, WFMT_DENSE, bfloat, bfloat, float)

@@ -104,21 +104,22 @@ inline void gemm_stage_x(XP x4, XRP xr, uint x_stride, uint bm, uint K, uint k0,
 }
 
 // tile[i * ld + j] = W[r0 + i, k0 + j] dequantized, for i < count, j < GEMM_BK (zero for rows >= rlim
-// and k0 + j >= K). w, scales, biases: one matrix of the stack at its row 0 (w as WDot's wvec); rlim
+// and k0 + j >= K). w, scales, biases: one matrix of the stack at its row 0 (w as WDot's wvec; bits the
+// run-time width of WFMT_QN, whose unit of 32 values is one whole GEMM_BK step of a row); rlim
 // bounds the rows this part may read (so the gate part of a stacked [gate | up] never reads up rows).
 // Values are WDot::dequant's (scale * q + bias in float, as every GEMV of the project computes them).
 template <int FMT, typename S, typename T, typename TT, typename WP, typename SP, typename TP>
-inline void gemm_stage_w(WP w, SP scales, SP biases, uint r0, uint rlim, uint K, uint gs, uint k0, uint count,
-                         TP tile, uint ld, uint tid, uint nthreads) {
+inline void gemm_stage_w(WP w, SP scales, SP biases, uint r0, uint rlim, uint K, uint gs, uint bits, uint k0,
+                         uint count, TP tile, uint ld, uint tid, uint nthreads) {
     typedef WDot<FMT, S, T> D;
     const uint per_row = GEMM_BK / D::VALS;
-    const ulong upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
+    const ulong upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
     for (uint u = tid; u < count * per_row; u += nthreads) {
         const uint i = u / per_row, j = D::VALS * (u % per_row), k = k0 + j;
         const uint row = r0 + i;
         float v[D::VALS];
         if (row < rlim && k < K) {
-            D::dequant(w + ulong(row) * upr, scales + ulong(row) * spr, biases + ulong(row) * spr, k, gs, v);
+            D::dequant(w + ulong(row) * upr, scales + ulong(row) * spr, biases + ulong(row) * spr, k, gs, bits, v);
         } else {
             for (uint c = 0; c < D::VALS; ++c) {
                 v[c] = 0.0f;

@@ -26,8 +26,10 @@ struct MoeGateUpParams {
     uint32_t act_stride;         // elements between act rows: max(inter, shared_inter)
     uint32_t n_experts;          // router logits (fused top-k)
     uint32_t topk;               // MOE_TOPK_FUSED | MOE_TOPK_NORM, or 0: ids read from device memory
+    uint32_t bits;               // WFMT_QN: the routed experts' width; other formats: unused
+    uint32_t shared_bits;        // WFMT_QN: the shared expert's width
 };
-static_assert(sizeof(MoeGateUpParams) == 40, "MoeGateUpParams: 10 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeGateUpParams) == 48, "MoeGateUpParams: 12 x 4 bytes, as the host packs it");
 #define MOE_TOPK_FUSED 1u
 #define MOE_TOPK_NORM 2u
 
@@ -41,16 +43,19 @@ struct MoeDownParams {
     uint32_t shared_inter;       // columns of the shared down projection; 0: no shared expert
     uint32_t shared_group_size;
     uint32_t act_stride;
+    uint32_t bits;               // WFMT_QN: the routed experts' width; other formats: unused
+    uint32_t shared_bits;        // WFMT_QN: the shared expert's width
 };
-static_assert(sizeof(MoeDownParams) == 32, "MoeDownParams: 8 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeDownParams) == 40, "MoeDownParams: 10 x 4 bytes, as the host packs it");
 
 // mlp_gate_up: act = silu(gate x) * up x over one stacked [gate | up] matrix
 struct MlpGateUpParams {
     uint32_t K;                  // input features
     uint32_t inter;              // gate rows (the matrix has 2 * inter)
     uint32_t group_size;
+    uint32_t bits;               // WFMT_QN: the matrix's width; other formats: unused
 };
-static_assert(sizeof(MlpGateUpParams) == 12, "MlpGateUpParams: 3 x 4 bytes, as the host packs it");
+static_assert(sizeof(MlpGateUpParams) == 16, "MlpGateUpParams: 4 x 4 bytes, as the host packs it");
 
 // moe_topk: one SIMD-group per row, up to MOE_TOPK_ROWS rows per threadgroup; each lane owns experts
 // lane, lane + 32, ... in registers

@@ -8,8 +8,9 @@
 //   moe_down_<w>_<T>    x[:H] += sum_s weights[s] down_{ids[s]} act[s]
 //                                + sigmoid(logits[E]) shared_down act[k]     (in place: the residual add)
 //   mlp_gate_up_<w>_<T> act[:inter] = silu(gate x) * up x over one stacked [gate | up] matrix
-// <w> as in quant.metal (q4_sbf16, ..., bf16, f16, f32); the shared expert has the routed experts'
-// format (its group size may differ).
+// <w> as in quant.metal (q4_sbf16, ..., qn_sbf16, qn_sf32, bf16, f16, f32); the shared expert has the
+// routed experts' format (its group size may differ), or both are taken as qn with a width each
+// (MoeGateUpParams.bits / shared_bits: 2- or 3-bit routed experts beside a 4-bit shared expert).
 //
 // Prefill (a chunk of M tokens, below): moe_topk over the M rows, the counting sort of the (token,
 // expert) pairs with the grouped GEMM's tile map (moe_sort_count / _scan / _scatter), and
@@ -130,11 +131,11 @@ inline float moe_plus_shared(float routed, float gate, float d) {
 // 4 outputs act[row0 .. row0+3] = silu(g) * u of one SIMD-group: rows_dot over the gate rows, then
 // over the up rows (qmv's loop twice; x is re-read from cache, weights once).
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
-inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K, uint gsz, uint row0, uint nrows,
-                        uint lane, device T* act) {
+inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K, uint gsz, uint bits, uint row0,
+                        uint nrows, uint lane, device T* act) {
     float g[QMV_ROWS], u[QMV_ROWS];
-    rows_dot<FMT, S, T>(gw, gs_, gb, x4, K, gsz, row0, nrows, lane, g);
-    rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, row0, nrows, lane, u);
+    rows_dot<FMT, S, T>(gw, gs_, gb, x4, K, gsz, bits, row0, nrows, lane, g);
+    rows_dot<FMT, S, T>(uw, us, ub, x4, K, gsz, bits, row0, nrows, lane, u);
     if (lane == 0) {
         for (uint r = 0; r < QMV_ROWS && row0 + r < nrows; ++r) {
             act[row0 + r] = T(swiglu_act<T>(g[r], u[r]));   // rounded as the bf16 graph (common.h)
@@ -192,19 +193,19 @@ kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const 
             return;
         }
         const ulong e = min(expert, p.count - 1u);
-        const ulong wo = e * matrix_units<FMT, S, T>(p.inter, p.K);
+        const ulong wo = e * matrix_units<FMT, S, T>(p.inter, p.K, p.bits);
         const ulong so = e * matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
         swiglu_rows<FMT, S, T>((device const WV*)gw + wo, gsc + so, gbi + so, (device const WV*)uw + wo, usc + so,
-                               ubi + so, x4, p.K, p.group_size, row0, p.inter, lane, arow);
+                               ubi + so, x4, p.K, p.group_size, p.bits, row0, p.inter, lane, arow);
     } else {
         if (row0 >= p.shared_inter) {
             return;
         }
-        const ulong wo = matrix_units<FMT, S, T>(p.shared_inter, p.K);
+        const ulong wo = matrix_units<FMT, S, T>(p.shared_inter, p.K, p.shared_bits);
         const ulong so = matrix_scales<FMT, S, T>(p.shared_inter, p.K, p.shared_group_size);
         device const WV* sw = (device const WV*)shw;
-        swiglu_rows<FMT, S, T>(sw, shsc, shbi, sw + wo, shsc + so, shbi + so, x4, p.K, p.shared_group_size, row0,
-                               p.shared_inter, lane, arow);
+        swiglu_rows<FMT, S, T>(sw, shsc, shbi, sw + wo, shsc + so, shbi + so, x4, p.K, p.shared_group_size,
+                               p.shared_bits, row0, p.shared_inter, lane, arow);
     }
 }
 
@@ -235,7 +236,7 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
     if (row0 >= p.H) {
         return;
     }
-    const ulong wpe = matrix_units<FMT, S, T>(p.H, p.inter);
+    const ulong wpe = matrix_units<FMT, S, T>(p.H, p.inter, p.bits);
     const ulong spe = matrix_scales<FMT, S, T>(p.H, p.inter, p.group_size);
     device const WV* dv = (device const WV*)dw;
     float total[QMV_ROWS];
@@ -247,7 +248,8 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
         const float ws = weights[s];
         device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(s) * p.act_stride);
         float d[QMV_ROWS];
-        rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, row0, p.H, lane, d);
+        rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, p.bits, row0, p.H,
+                            lane, d);
         for (uint r = 0; r < QMV_ROWS; ++r) {
             total[r] += moe_weighted<T>(ws, d[r]);   // bf16 graph: expert output and weighted output rounded
         }
@@ -258,8 +260,8 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
     if (p.shared_inter != 0) {
         device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(p.k) * p.act_stride);
         float d[QMV_ROWS];
-        rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size, row0, p.H,
-                            lane, d);
+        rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size,
+                            p.shared_bits, row0, p.H, lane, d);
         const float gate = moe_shared_gate<T>(shared_logit[0]);
         for (uint r = 0; r < QMV_ROWS; ++r) {
             total[r] = moe_plus_shared<T>(total[r], gate, d[r]);   // routed + gated shared, rounded
@@ -286,11 +288,11 @@ kernel void mlp_gate_up(constant MlpGateUpParams& p [[buffer(0)]], device const 
     if (row0 >= p.inter) {
         return;
     }
-    const ulong wo = matrix_units<FMT, S, T>(p.inter, p.K);
+    const ulong wo = matrix_units<FMT, S, T>(p.inter, p.K, p.bits);
     const ulong so = matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
     device const WV* wv = (device const WV*)w;
     swiglu_rows<FMT, S, T>(wv, scales, biases, wv + wo, scales + so, biases + so, (device const vec<T, 4>*)x, p.K,
-                           p.group_size, row0, p.inter, lane, act);
+                           p.group_size, p.bits, row0, p.inter, lane, act);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -496,6 +498,19 @@ INSTANTIATE_KERNEL("moe_down_q8_sf32_f32", moe_down, WFMT_Q8, float, float)
 INSTANTIATE_KERNEL("moe_down_q8_sf32_bf16", moe_down, WFMT_Q8, float, bfloat)
 INSTANTIATE_KERNEL("mlp_gate_up_q8_sf32_f32", mlp_gate_up, WFMT_Q8, float, float)
 INSTANTIATE_KERNEL("mlp_gate_up_q8_sf32_bf16", mlp_gate_up, WFMT_Q8, float, bfloat)
+// the run-time width (routed experts at 2, 3, 5, 6 bits, or two widths in one block)
+INSTANTIATE_KERNEL("moe_gate_up_qn_sbf16_f32", moe_gate_up, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("moe_gate_up_qn_sbf16_bf16", moe_gate_up, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_down_qn_sbf16_f32", moe_down, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("moe_down_qn_sbf16_bf16", moe_down, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("mlp_gate_up_qn_sbf16_f32", mlp_gate_up, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("mlp_gate_up_qn_sbf16_bf16", mlp_gate_up, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_qn_sf32_f32", moe_gate_up, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("moe_gate_up_qn_sf32_bf16", moe_gate_up, WFMT_QN, float, bfloat)
+INSTANTIATE_KERNEL("moe_down_qn_sf32_f32", moe_down, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("moe_down_qn_sf32_bf16", moe_down, WFMT_QN, float, bfloat)
+INSTANTIATE_KERNEL("mlp_gate_up_qn_sf32_f32", mlp_gate_up, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("mlp_gate_up_qn_sf32_bf16", mlp_gate_up, WFMT_QN, float, bfloat)
 INSTANTIATE_KERNEL("moe_gate_up_bf16_f32", moe_gate_up, WFMT_DENSE, bfloat, float)
 INSTANTIATE_KERNEL("moe_gate_up_bf16_bf16", moe_gate_up, WFMT_DENSE, bfloat, bfloat)
 INSTANTIATE_KERNEL("moe_down_bf16_f32", moe_down, WFMT_DENSE, bfloat, float)

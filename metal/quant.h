@@ -15,8 +15,9 @@ struct QmvParams {
     uint32_t flags;       // QMV_NORM | QMV_NORM_OUT | QMV_ADD | QMV_ROUND
     float eps;            // QMV_NORM: added to mean(x^2)
     uint32_t batch;       // input vectors in all (the last threadgroup row may hold fewer than MB)
+    uint32_t bits;        // WFMT_QN: the weights' width (2, 3, 4, 5, 6, 8); other formats: unused
 };
-static_assert(sizeof(QmvParams) == 32, "QmvParams: 8 x 4 bytes, as the host packs it");
+static_assert(sizeof(QmvParams) == 36, "QmvParams: 9 x 4 bytes, as the host packs it");
 // qmv fusions (flags): the input is rmsnorm(x) * g (QMV_NORM; with QMV_NORM_OUT threadgroup 0 also
 // stores that normalised input to xn, for the next kernels that read it), and the output is added to r
 // (QMV_ADD: y = r + W x, r may be y itself: the residual add in place)
@@ -31,8 +32,9 @@ struct EmbedParams {
     uint32_t K;           // columns of the table (the hidden size)
     uint32_t rows;        // rows of the table (ids >= rows produce a zero row)
     uint32_t group_size;
+    uint32_t bits;        // WFMT_QN: the table's width; other formats: unused
 };
-static_assert(sizeof(EmbedParams) == 12, "EmbedParams: 3 x 4 bytes, as the host packs it");
+static_assert(sizeof(EmbedParams) == 16, "EmbedParams: 4 x 4 bytes, as the host packs it");
 
 // GEMV mapping (MLX's qmv_fast): QMV_ROWS consecutive output rows per SIMD-group, QMV_SIMDGROUPS
 // SIMD-groups (of 32 lanes) per threadgroup, so a threadgroup covers QMV_ROWS * QMV_SIMDGROUPS rows.
@@ -47,10 +49,14 @@ static_assert(sizeof(EmbedParams) == 12, "EmbedParams: 3 x 4 bytes, as the host 
 // for 21 more instantiations, ~7 s more simulator compile; docs/metal.md.)
 #define QMV_MULTI_MIN 4u
 #define QMV_MULTI_MAX 16u
-// inputs a lane takes per step (one 8-byte word pair at 4 and 8 bits; two 4-vectors dense). The
-// weight's columns must be a multiple of this (quantized: implied by the group size).
+// inputs a lane takes per step (one 8-byte word pair at 4 and 8 bits; two 4-vectors dense; at a
+// run-time width (WFMT_QN) 32 values = `bits` whole words). The weight's columns must be a multiple
+// of this (quantized: implied by the group size, 32 at least).
 #define QMV_VALS_Q4 16u
 #define QMV_VALS_Q8 8u
 #define QMV_VALS_DENSE 8u
+#define QMV_VALS_QN 32u
+// WFMT_QN: the widest run-time width (words per 32-value unit a lane holds)
+#define QN_MAX_BITS 8u
 // embed: threads per threadgroup, at most (each dequantizes QMV_VALS_* consecutive values per step)
 #define EMBED_MAX_THREADS 256u

@@ -3,7 +3,8 @@
 //
 // Weight formats (metal/quant_dot.h): MLX affine 4- and 8-bit (uint32 words, lowest bits first; one
 // scale and one bias per group of group_size inputs of a row, w = scale * q + bias, scales/biases
-// bfloat or float: a template argument of their own, independent of the activation type), or dense
+// bfloat or float: a template argument of their own, independent of the activation type), MLX affine
+// at 2, 3, 5, 6 bits as one format of run-time width (WFMT_QN, `qn`: QmvParams.bits), or dense
 // bfloat / half / float. Activations T: float (exact tests) or bfloat (production). Accumulation is
 // float throughout; the output is rounded once on store.
 //
@@ -12,7 +13,8 @@
 //   qmv_b<MB>_<w>_<T>[_f32out]  the same for MB = 4, 8, 16 vectors per threadgroup (skinny prefill rows):
 //                          each weight read once for all of them
 //   embed_<w>_<T>          y[i, :K] = row ids[i] of W, dequantized to T
-// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, bf16, f16, f32 (gpu::Matrix::variant()).
+// <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, qn_sbf16, qn_sf32, bf16, f16, f32 (gpu::Matrix::variant());
+// qn has only the decode kernel and b16 (below).
 //
 // Buffers: params first, then the weight (w, scales, biases; a dense weight binds w in the scales
 // and biases slots, unused), then inputs, then outputs.
@@ -87,8 +89,8 @@ kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[
     device const vec<T, 4>* x4 = (device const vec<T, 4>*)xb;
     device const vec<T, 4>* g4 = (device const vec<T, 4>*)g;
     float out[MB * QMV_ROWS];
-    rows_dot_norm<FMT, S, T, MB>(wv, scales, biases, x4, p.x_stride / 4u, g4, inv, norm, p.K, p.group_size, row0,
-                                 p.N, nb, lane, out);
+    rows_dot_norm<FMT, S, T, MB>(wv, scales, biases, x4, p.x_stride / 4u, g4, inv, norm, p.K, p.group_size, p.bits,
+                                 row0, p.N, nb, lane, out);
     const bool add = (p.flags & QMV_ADD) != 0u, round = (p.flags & QMV_ROUND) != 0u;
     if (lane == 0) {
         for (uint b = 0; b < MB; ++b) {
@@ -125,11 +127,11 @@ kernel void embed(constant EmbedParams& p [[buffer(0)]], device const uint32_t* 
         }
         return;
     }
-    device const WV* wr = (device const WV*)w + ulong(id) * D::units_per_row(p.K);
+    device const WV* wr = (device const WV*)w + ulong(id) * D::units_per_row(p.K, p.bits);
     const ulong so = ulong(id) * D::scales_per_row(p.K, p.group_size);
     for (uint k = tid * D::VALS; k < p.K; k += nthreads * D::VALS) {
         float v[D::VALS];
-        D::dequant(wr, scales + so, biases + so, k, p.group_size, v);
+        D::dequant(wr, scales + so, biases + so, k, p.group_size, p.bits, v);
         for (uint j = 0; j < D::VALS; ++j) {
             yr[k + j] = T(v[j]);
         }
@@ -195,6 +197,25 @@ INSTANTIATE_KERNEL("qmv_b8_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, fl
 INSTANTIATE_KERNEL("qmv_b16_q8_sf32_bf16_f32out", qmv, WFMT_Q8, float, bfloat, float, 16u)
 INSTANTIATE_KERNEL("embed_q8_sf32_f32", embed, WFMT_Q8, float, float)
 INSTANTIATE_KERNEL("embed_q8_sf32_bf16", embed, WFMT_Q8, float, bfloat)
+// the run-time width (2, 3, 5, 6 bits): the decode kernel and b16 only -- a skinny batch of 2..16 takes
+// b16 (the vectors past the batch are skipped, at b16's registers), which saves 12 instantiations of a
+// format that is rare in a checkpoint; embed for the tables of a whole-model low-bit conversion
+INSTANTIATE_KERNEL("qmv_qn_sbf16_f32", qmv, WFMT_QN, bfloat, float, float, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sbf16_f32", qmv, WFMT_QN, bfloat, float, float, 16u)
+INSTANTIATE_KERNEL("qmv_qn_sbf16_bf16", qmv, WFMT_QN, bfloat, bfloat, bfloat, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sbf16_bf16", qmv, WFMT_QN, bfloat, bfloat, bfloat, 16u)
+INSTANTIATE_KERNEL("qmv_qn_sbf16_bf16_f32out", qmv, WFMT_QN, bfloat, bfloat, float, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sbf16_bf16_f32out", qmv, WFMT_QN, bfloat, bfloat, float, 16u)
+INSTANTIATE_KERNEL("embed_qn_sbf16_f32", embed, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("embed_qn_sbf16_bf16", embed, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("qmv_qn_sf32_f32", qmv, WFMT_QN, float, float, float, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sf32_f32", qmv, WFMT_QN, float, float, float, 16u)
+INSTANTIATE_KERNEL("qmv_qn_sf32_bf16", qmv, WFMT_QN, float, bfloat, bfloat, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sf32_bf16", qmv, WFMT_QN, float, bfloat, bfloat, 16u)
+INSTANTIATE_KERNEL("qmv_qn_sf32_bf16_f32out", qmv, WFMT_QN, float, bfloat, float, 1u)
+INSTANTIATE_KERNEL("qmv_b16_qn_sf32_bf16_f32out", qmv, WFMT_QN, float, bfloat, float, 16u)
+INSTANTIATE_KERNEL("embed_qn_sf32_f32", embed, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("embed_qn_sf32_bf16", embed, WFMT_QN, float, bfloat)
 // dense weights of type W
 INSTANTIATE_KERNEL("qmv_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 1u)
 INSTANTIATE_KERNEL("qmv_b4_bf16_f32", qmv, WFMT_DENSE, bfloat, float, float, 4u)

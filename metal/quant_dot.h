@@ -7,19 +7,31 @@
 //   WFMT_Q4, WFMT_Q8  MLX affine: uint32 words of 8 (4-bit) or 4 (8-bit) values, lowest bits first;
 //                     per group of `gs` consecutive inputs of a row one scale and one bias (S),
 //                     w = scale * q + bias
+//   WFMT_QN           MLX affine at a run-time width `bits` (2, 3, 5, 6 -- and 4, 8 when a kernel
+//                     pairs matrices of two widths): one LSB-first bit stream per row (value k at bits
+//                     [bits k, bits (k + 1)) of the row's words), so at 3, 5, 6 bits a value may straddle
+//                     two words; 32 values are `bits` whole words (a unit), per group one scale and bias
 //   WFMT_DENSE        S[rows, K] (bfloat, half or float)
 //
+// Why one run-time-width format and not one compile-time format per width: every format multiplies the
+// kernel instantiations of qmv, embed, the MoE kernels and both GEMMs (x scale types x activation
+// types x vector counts), and each instantiation costs simulator and ASan build time in CI; the low
+// widths are rare in a checkpoint (the routed experts of a 2/3-bit conversion, or a whole small
+// model), so they share one instantiation whose width is a params field (`bits`), the extraction a
+// 64-bit window shift.
+//
 // Each format is a WDot<FMT, S, T> with
-//   wvec               the unit a lane loads per step (uint2 quantized, vec<S, 4> dense)
-//   VALS               inputs per lane per step (16 at 4 bits, 8 at 8 bits, 8 dense)
-//   units_per_row(K)   wvec units per row;  scales_per_row(K, gs): scales per row (0 dense)
+//   wvec               the unit a lane loads per step (uint2 at 4/8 bits, uint words at QN, vec<S, 4> dense)
+//   VALS               inputs per lane per step (16 at 4 bits, 8 at 8 bits, 32 at QN, 8 dense)
+//   units_per_row(K, bits)  wvec units per row;  scales_per_row(K, gs): scales per row (0 dense)
 //   load_x(x4, g4, inv, norm, k, xs)  the lane's VALS inputs x[k, k + VALS) (times inv * g with a fused
 //                      RMSNorm) into float registers (at 4 bits
 //                      pre-scaled by 1, 1/16, 1/256, 1/4096 by position); returns their sum
-//   Unit, load(row..., k, gs)  one row's weights of a step: its wvec(s) and the group's scale and bias
+//   Unit, load(row..., k, gs, bits)  one row's weights of a step: its wvec(s) and the group's scale and bias
 //   dot(unit, xs, xsum)  this step's part of the row's dot product, in float (the unit loaded once and
 //                      reused for every batch row)
-//   dequant(row..., k, out)  the VALS weights w[k, k + VALS) of a row, in float
+//   dequant(row..., k, gs, bits, out)  the VALS weights w[k, k + VALS) of a row, in float
+// (`bits` is the run-time width of WFMT_QN; the other formats know theirs and ignore it)
 //
 // Pointers are template parameters here (deduced: `const device uint2*`, ... on a GPU; the
 // simulator's checked pointers in the simulator), because this header is included as it is while
@@ -29,7 +41,7 @@
 #include "common.h"
 #include "quant.h"
 
-enum : int { WFMT_Q4 = 0, WFMT_Q8 = 1, WFMT_DENSE = 2 };
+enum : int { WFMT_Q4 = 0, WFMT_Q8 = 1, WFMT_DENSE = 2, WFMT_QN = 3 };
 
 template <int FMT, typename S, typename T>
 struct WDot;
@@ -82,7 +94,7 @@ template <typename S, typename T>
 struct WDot<WFMT_Q4, S, T> {
     typedef uint2 wvec;
     enum : uint { VALS = QMV_VALS_Q4 };
-    static uint units_per_row(uint K) { return K / 16u; }
+    static uint units_per_row(uint K, uint) { return K / 16u; }
     static uint scales_per_row(uint K, uint gs) { return K / gs; }
 
     // x pre-scaled by 1, 1/16, 1/256, 1/4096 by position inside each 16-bit half of a word, so the
@@ -105,7 +117,7 @@ struct WDot<WFMT_Q4, S, T> {
 
     typedef QUnit Unit;
     template <typename WP, typename SP>
-    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs) {
+    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs, uint) {
         return load_qunit(wrow, srow, brow, k / 16u, k / gs);
     }
 
@@ -125,7 +137,7 @@ struct WDot<WFMT_Q4, S, T> {
     }
 
     template <typename WP, typename SP>
-    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, thread float* out) {
+    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, uint, thread float* out) {
         const uint2 q = wrow[k / 16u];
         const uint g = k / gs;
         const float s = float(srow[g]), b = float(brow[g]);
@@ -139,7 +151,7 @@ template <typename S, typename T>
 struct WDot<WFMT_Q8, S, T> {
     typedef uint2 wvec;
     enum : uint { VALS = QMV_VALS_Q8 };
-    static uint units_per_row(uint K) { return K / 8u; }
+    static uint units_per_row(uint K, uint) { return K / 8u; }
     static uint scales_per_row(uint K, uint gs) { return K / gs; }
 
     template <typename XP>
@@ -149,7 +161,7 @@ struct WDot<WFMT_Q8, S, T> {
 
     typedef QUnit Unit;
     template <typename WP, typename SP>
-    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs) {
+    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs, uint) {
         return load_qunit(wrow, srow, brow, k / 8u, k / gs);
     }
 
@@ -165,7 +177,7 @@ struct WDot<WFMT_Q8, S, T> {
     }
 
     template <typename WP, typename SP>
-    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, thread float* out) {
+    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, uint, thread float* out) {
         const uint2 q = wrow[k / 8u];
         const uint g = k / gs;
         const float s = float(srow[g]), b = float(brow[g]);
@@ -179,7 +191,7 @@ template <typename S, typename T>
 struct WDot<WFMT_DENSE, S, T> {
     typedef vec<S, 4> wvec;
     enum : uint { VALS = QMV_VALS_DENSE };
-    static uint units_per_row(uint K) { return K / 4u; }
+    static uint units_per_row(uint K, uint) { return K / 4u; }
     static uint scales_per_row(uint, uint) { return 0u; }
 
     template <typename XP>
@@ -191,7 +203,7 @@ struct WDot<WFMT_DENSE, S, T> {
         vec<S, 4> w[2];
     };
     template <typename WP, typename SP>
-    static Unit load(WP wrow, SP, SP, uint k, uint) {
+    static Unit load(WP wrow, SP, SP, uint k, uint, uint) {
         Unit u;
         for (uint i = 0; i < 2u; ++i) {
             u.w[i] = wrow[k / 4u + i];
@@ -210,12 +222,74 @@ struct WDot<WFMT_DENSE, S, T> {
     }
 
     template <typename WP, typename SP>
-    static void dequant(WP wrow, SP, SP, uint k, uint, thread float* out) {
+    static void dequant(WP wrow, SP, SP, uint k, uint, uint, thread float* out) {
         for (uint i = 0; i < 2u; ++i) {
             const vec<S, 4> w = wrow[k / 4u + i];
             for (int j = 0; j < 4; ++j) {
                 out[4u * i + uint(j)] = float(w[j]);
             }
+        }
+    }
+};
+
+// Code i (0 <= i < 32) of a QN unit: q[0, bits) the unit's words, value i at bits [bits i, bits (i + 1))
+// of their little-endian concatenation. A 64-bit window over the word holding its first bit and the
+// next one (read only when the value straddles into it) is shifted down and masked.
+inline uint qn_code(thread const uint* q, uint i, uint bits) {
+    const uint at = i * bits, wi = at / 32u, sh = at % 32u;
+    ulong win = ulong(q[wi]);
+    if (sh + bits > 32u) {
+        win |= ulong(q[wi + 1u]) << 32;
+    }
+    return uint(win >> sh) & ((1u << bits) - 1u);
+}
+
+template <typename S, typename T>
+struct WDot<WFMT_QN, S, T> {
+    typedef uint wvec;
+    enum : uint { VALS = QMV_VALS_QN };
+    // a row of K values is K bits / 32 words (K a multiple of 32: the group size divides it)
+    static uint units_per_row(uint K, uint bits) { return K / 32u * bits; }
+    static uint scales_per_row(uint K, uint gs) { return K / gs; }
+
+    template <typename XP>
+    static float load_x(XP x4, XP g4, float inv, bool norm, uint k, thread float* xs) {
+        return load_x_plain<T>(x4, g4, inv, norm, k, VALS, xs);
+    }
+
+    // the unit's `bits` words (a constant-bound loop: the words past `bits` are zero, never read), the
+    // width, and the group's scale and bias (32 values never span two groups: gs is 32, 64 or 128)
+    struct Unit {
+        uint q[QN_MAX_BITS];
+        uint bits;
+        float s, b;
+    };
+    template <typename WP, typename SP>
+    static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs, uint bits) {
+        Unit u;
+        const ulong base = ulong(k / 32u) * bits;
+        for (uint j = 0; j < QN_MAX_BITS; ++j) {
+            u.q[j] = j < bits ? wrow[base + j] : 0u;
+        }
+        u.bits = bits;
+        u.s = float(srow[k / gs]);
+        u.b = float(brow[k / gs]);
+        return u;
+    }
+
+    static float dot(Unit u, thread const float* xs, float xsum) {
+        float acc = 0.0f;
+        for (uint i = 0; i < VALS; ++i) {
+            acc += xs[i] * float(qn_code(u.q, i, u.bits));
+        }
+        return u.s * acc + u.b * xsum;
+    }
+
+    template <typename WP, typename SP>
+    static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, uint bits, thread float* out) {
+        const Unit u = load(wrow, srow, brow, k, gs, bits);
+        for (uint i = 0; i < VALS; ++i) {
+            out[i] = u.s * float(qn_code(u.q, i, bits)) + u.b;
         }
     }
 };
@@ -238,10 +312,10 @@ struct WDot<WFMT_DENSE, S, T> {
 // loaded (rows_dot below: one plain vector, the decode projections).
 template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
 inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, thread const float* inv, bool norm,
-                          uint K, uint gs, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
+                          uint K, uint gs, uint bits, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
     typedef WDot<FMT, S, T> D;
     typedef typename D::Unit U;
-    const uint upr = D::units_per_row(K), spr = D::scales_per_row(K, gs);
+    const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
     ulong wo[QMV_ROWS], so[QMV_ROWS];
     for (uint r = 0; r < QMV_ROWS; ++r) {
         const ulong row = min(row0 + r, nrows - 1u);
@@ -255,7 +329,7 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, th
     for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
         U u[QMV_ROWS];
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs);
+            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs, bits);
         }
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {
@@ -277,10 +351,10 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, th
 }
 
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
-inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint row0, uint nrows, uint lane,
+inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint bits, uint row0, uint nrows, uint lane,
                      thread float* out) {
     const float one[1] = {1.0f};
-    rows_dot_norm<FMT, S, T, 1u>(w, scales, biases, x4, 0u, x4, one, false, K, gs, row0, nrows, 1u, lane, out);
+    rows_dot_norm<FMT, S, T, 1u>(w, scales, biases, x4, 0u, x4, one, false, K, gs, bits, row0, nrows, 1u, lane, out);
 }
 
 // inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an
@@ -297,8 +371,8 @@ inline float rms_inv(XP x, uint K, float eps, uint lane) {
 
 // wvec units / scales of one matrix [rows, K] of a stack (the stride between experts)
 template <int FMT, typename S, typename T>
-inline ulong matrix_units(uint rows, uint K) {
-    return ulong(rows) * WDot<FMT, S, T>::units_per_row(K);
+inline ulong matrix_units(uint rows, uint K, uint bits) {
+    return ulong(rows) * WDot<FMT, S, T>::units_per_row(K, bits);
 }
 template <int FMT, typename S, typename T>
 inline ulong matrix_scales(uint rows, uint K, uint gs) {

@@ -89,6 +89,25 @@ def test_generate_command(tmp_path):
     assert r.returncode == 2 and "--system needs --chat" in r.stderr
 
 
+def test_generate_streams_experts_with_the_same_tokens(tmp_path):
+    """--expert-slots / --memory-budget reach the backend: a streamed run prints the resident run's text and
+    the expert cache's statistics; a budget below the resident weights is a one-line error."""
+    d = _ckpt(tmp_path)
+    args = ["generate", "--model", str(d), "--prompt", "Hello", "--max-tokens", "8", "--temperature", "0",
+            "--ignore-eos", "--backend", "cpu"]
+    resident = run(args + ["--memory-budget", "none"], tmp_path)
+    assert resident.returncode == 0, resident.stderr
+    assert "experts streamed" not in resident.stderr
+    streamed = run(args + ["--expert-slots", "1", "--expert-policy", "lru"], tmp_path)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == resident.stdout
+    assert re.search(r"experts streamed: 1 slots/layer \(lru\), hit rate [\d.]+ %", streamed.stderr)
+    r = run(args + ["--memory-budget", "10KB"], tmp_path)
+    assert r.returncode == 2 and "memory_budget" in r.stderr and "resident weights" in r.stderr
+    r = run(["info", "--model", str(d), "--expert-slots", "2"], tmp_path)
+    assert r.returncode == 0 and "2 of 8" in r.stdout, r.stdout
+
+
 def test_stop_escapes():
     """`--stop "\\n\\n"` (as the README writes it) is a blank line; other backslashes are kept."""
     from qwenmetal.cli import unescape_stop

@@ -6,7 +6,8 @@
   dequantized weights; integer activations fall back to that exact float path at these widths;
 * the SIMD unpack reads nothing past a row's last byte (a matrix ending at an inaccessible page);
 * widths the kernels cannot run are refused with an error naming the tensor and the width;
-* end to end: the cpu backend on fixtures of each width equals the reference backend.
+* end to end: the cpu backend on the fixtures of each width (mlx-q2/q3/q5/q6, mlx-q4-e2/e3) equals the
+  reference backend as tests/test_cpu_engine.py checks it at 4 and 8 bits.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from qwenmetal.cpu_backend import describe
 from qwenmetal.quant import dequantize, quantize
 from qwenmetal.weights import QuantizedTensor
 
-from test_cpu_engine import FAMILY_ISAS, need_isa
+from model_runs import rel_range_err, run_greedy
+from qwenmetal.testing import cached_checkpoint
+from test_cpu_engine import FAMILY_ISAS, N_DECODE, PROMPT, need_isa, reference_runs  # noqa: F401 (fixture)
 
 NEW_BITS = (2, 3, 5, 6)
 BF16 = ml_dtypes.bfloat16
@@ -127,3 +130,18 @@ def test_unsupported_width_is_refused():
         _core.cpu_quantize(np.zeros((2, 64), np.float32), 1, 64)
     with pytest.raises(ValueError, match="bits must be 2, 3, 4, 5, 6 or 8, got 9"):
         _core.dequantize_affine(t.weight, t.scales.astype(np.float32), t.biases.astype(np.float32), 9, 64)
+
+
+@pytest.mark.parametrize("preset, fmt", [("tiny", f) for f in ("mlx-q2", "mlx-q3", "mlx-q5", "mlx-q6", "mlx-q4-e2",
+                                                                 "mlx-q4-e3")] + [("tiny-qwen3-next", "mlx-q3")])
+def test_matches_reference(preset, fmt, reference_runs):
+    """Whole model at each width (the mixed formats: routed experts at 2/3 bits, the rest 4-bit on the int16
+    kernels): within 1e-3 of the reference's logit range over the prompt and 64 greedy steps, same tokens."""
+    want_pre, want_dec, want_toks = reference_runs(preset, fmt, PROMPT)
+    model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="cpu", kv_dtype="float32", threads=2,
+                          prefill_chunk=8)
+    pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
+    assert rel_range_err(pre, want_pre) < 1e-3
+    for j in range(N_DECODE):
+        assert rel_range_err(dec[j], want_dec[j]) < 1e-3, f"decode step {j}"
+    assert toks == want_toks

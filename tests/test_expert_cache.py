@@ -129,6 +129,9 @@ def _drop_page_cache(path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+        # twice: the first call only drains the per-CPU batches that pages just read still sit in, which
+        # the kernel cannot drop from (measured: one call left 30 of 40 fresh files cached)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -145,11 +148,16 @@ def test_os_policy_rereads_every_time_and_counts_page_cache_hits(files):
     if _page_cache_probe_works(paths[0]):
         # the files were just written and read: all in the page cache
         assert st["hits"] == 4 and st["misses"] == 0
-        for p in paths:
-            _drop_page_cache(p)
-        c.reset_stats()
-        acquire(c, 4, [3, 0])
-        # the first read misses; the kernel's readahead for it may bring the other expert's pages in first
+        # out of the page cache, a read misses (the kernel's readahead for it may bring the other expert's
+        # pages in first). DONTNEED is best effort: pages the I/O threads just read can still be held where
+        # the kernel cannot drop them, so it is tried until a drop took
+        for _ in range(20):
+            for p in paths:
+                _drop_page_cache(p)
+            c.reset_stats()
+            acquire(c, 4, [3, 0])
+            if c.stats()["misses"]:
+                break
         assert c.stats()["misses"] >= 1
     else:   # macOS (no probe) and filesystems without RWF_NOWAIT count every lookup a miss
         assert st["misses"] == 4

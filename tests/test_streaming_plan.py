@@ -95,7 +95,7 @@ def test_plan_arithmetic():
     # short of the checkpoint: streams, with the slots the budget leaves after resident + reserve
     budget = RESIDENT + reserve + 5 * PER_SLOT + PER_SLOT // 2
     p = streaming.plan(CFG, SIZES, budget)
-    assert p.stream and p.slots_per_layer == 5 and p.policy == "lru" and p.slot_bytes == 5 * PER_SLOT
+    assert p.stream and p.slots_per_layer == 5 and p.policy == "lfu" and p.slot_bytes == 5 * PER_SLOT
     assert p.naive_hit_rate == 5 / E
     assert p.bytes_per_token(0.25) == L * CFG.num_experts_per_tok * 3 * X * 0.75
     p = streaming.plan(CFG, SIZES, CHECKPOINT - 1)          # one byte short: what is left after the reserve

@@ -41,6 +41,28 @@ def _add_model_args(p, default_model=None, required=False):
                    help=f"auto (default: metal on a Mac, else cpu) | {' | '.join(ALL_BACKENDS)} "
                         f"(available here: {', '.join(BACKENDS)})")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) with a hub id")
+    from .streaming import POLICIES
+    g = p.add_argument_group("models larger than memory (docs/streaming.md)")
+    g.add_argument("--memory-budget", default="auto", metavar="BYTES",
+                   help="bytes the model may use ('auto', the default: what this machine has free; 'none': never "
+                        "stream; or e.g. 12GiB): a checkpoint larger than this streams its routed experts from disk")
+    g.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="expert cache slots per MoE layer (forces streaming; default: as many as the budget holds)")
+    g.add_argument("--expert-policy", default=None, choices=POLICIES,
+                   help="expert cache replacement policy (default: the planner's, lfu)")
+
+
+def _load_options(args) -> dict:
+    """The backend options the streaming flags set (`Model.load(**options)`); flags left at their defaults
+    are left out, so backends that cannot stream (reference) load as before."""
+    o = {}
+    if str(args.memory_budget).lower() != "auto":
+        o["memory_budget"] = None if str(args.memory_budget).lower() == "none" else args.memory_budget
+    if args.expert_slots is not None:
+        o["expert_slots"] = args.expert_slots
+    if args.expert_policy is not None:
+        o["expert_policy"] = args.expert_policy
+    return o
 
 
 #: what each sampling flag's neutral value is (the flags are qm.GenerationOptions' sampling fields)
@@ -80,14 +102,14 @@ def _load(args, quiet: bool = False):
     path = resolve_checkpoint(args.model, getattr(args, "revision", None))
     show = not quiet and sys.stderr.isatty()
     if not show:
-        model = qm.Model.load(path, backend=args.backend)
+        model = qm.Model.load(path, backend=args.backend, **_load_options(args))
     else:
         from tqdm.auto import tqdm
         box: dict = {}
 
         def work():
             try:
-                box["model"] = qm.Model.load(path, backend=args.backend)
+                box["model"] = qm.Model.load(path, backend=args.backend, **_load_options(args))
             except BaseException as e:  # re-raised in the main thread
                 box["error"] = e
 
@@ -111,8 +133,13 @@ def _stats_line(st: dict) -> str:
     pre = (f"{st['prefill_tokens_per_second']:.1f} tok/s prefill" if st["prefill_tokens"] else "no prefill")
     dec = st["decode_tokens_per_second"]
     dec = f"{dec:.1f} tok/s decode" if dec == dec else "-"
-    return (f"prompt {st['prompt_tokens']} tokens ({st['cached_tokens']} cached), {pre}; "
+    line = (f"prompt {st['prompt_tokens']} tokens ({st['cached_tokens']} cached), {pre}; "
             f"generated {st['generated_tokens']} tokens, {dec}; finish: {st['finish_reason']}")
+    ex = st.get("experts")
+    if ex and ex["streaming"]:
+        line += (f"; experts streamed: {ex['slots_per_layer']} slots/layer ({ex['policy']}), hit rate "
+                 f"{100 * ex['hit_rate']:.1f} %, {ex['bytes_read'] / 2**20:,.1f} MiB read in {ex['io_seconds']:.2f} s")
+    return line
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,7 +156,7 @@ def cmd_demo(args) -> int:
     else:
         path = args.model
     t = time.perf_counter()
-    model = qm.Model.load(path, backend=args.backend)
+    model = qm.Model.load(path, backend=args.backend, **_load_options(args))
     print(f"loaded on backend {model.backend!r} in {time.perf_counter() - t:.2f} s")
     print(repr(model.config))
     print(f"\nprompt: {args.prompt!r}\n" + "-" * 60)
@@ -181,14 +208,22 @@ def _info_from_config(path: str, args) -> int:
         print(f"one expert of one layer: {routed // (moe_layers * c.num_experts):,} bytes; "
               f"{c.num_experts_per_tok} active per token over {moe_layers} MoE layers: "
               f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
-    for line in streaming.describe(streaming.plan(c, sizes, args.memory_budget), args.hit_rate):
+    for line in streaming.describe(_info_plan(c, sizes, args), args.hit_rate):
         print(line)
     return 0
+
+
+def _info_plan(config, weights_or_sizes, args):
+    from . import streaming
+    o = _load_options(args)
+    return streaming.plan(config, weights_or_sizes, o.get("memory_budget", "auto"),
+                          slots_per_layer=o.get("expert_slots"), policy=o.get("expert_policy"))
 
 
 def cmd_info(args) -> int:
     import numpy as np
 
+    from . import streaming
     from .model import resolve_checkpoint
 
     path = resolve_checkpoint(args.model, getattr(args, "revision", None))
@@ -214,8 +249,7 @@ def cmd_info(args) -> int:
     for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
-    from . import streaming
-    for line in streaming.describe(streaming.plan(c, model.weights, args.memory_budget), args.hit_rate):
+    for line in streaming.describe(_info_plan(c, model.weights, args), args.hit_rate):
         print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
@@ -455,8 +489,6 @@ def main(argv=None) -> int:
                    help="a directory with only config.json: size it at this width (default: its quantization, else 4)")
     p.add_argument("--expert-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
                    help="a directory with only config.json: the routed experts' width (default: --bits)")
-    p.add_argument("--memory-budget", default="auto", help="bytes the model may use ('auto': what this machine "
-                   "has free; or e.g. 12GiB): whether it streams its experts, and with how many cache slots")
     p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
                    "cache hit rate (0..1)")
     p.set_defaults(func=cmd_info)

@@ -233,14 +233,17 @@ def metal_available() -> bool:
 
 # ------------------------------------------------------------------------------------------ costing
 def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                     tokens: int = 4, attention: dict | None = None) -> dict:
+                     tokens: int = 4, attention: dict | None = None, bits: int = 4,
+                     expert_bits: int | None = None) -> dict:
     """Encode decode steps of ``config`` (a ModelConfig) on an encode-only simulator device with virtual
-    weights (the MLX 4-bit layout) at ``context`` cached tokens, and report what one step costs:
-    dispatches, dependency levels, command buffers and host waits per token of the pipelined decode loop,
-    bytes per token as declared by the host functions against the floor (weights touched + GDN state + KV)."""
+    weights (the MLX layout at ``bits``, the routed experts at ``expert_bits``, default ``bits``) at
+    ``context`` cached tokens, and report what one step costs: dispatches, dependency levels, command buffers
+    and host waits per token of the pipelined decode loop, bytes per token as declared by the host functions
+    (a matrix's rows * cols * bits / 8 + scales and biases, so they follow the width) against the floor
+    (weights touched + GDN state + KV)."""
     from .bench import decode_bytes
     core = _core()
-    mappings, tensors, sizes = virtual_weight_table(config)
+    mappings, tensors, sizes = virtual_weight_table(config, bits=bits, expert_bits=expert_bits)
     dev = core.gpu.SimDevice(execute=False)
     eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                              kv_dtype == "float32", dict(attention or {}), [])

@@ -199,9 +199,9 @@ class Model:
         available here) | bytes | a size like "8GiB" | None: never stream; a checkpoint larger than the
         budget keeps its non-expert weights mapped and streams the routed experts from the files into a
         bounded expert cache, output unchanged), expert_slots (cache slots per MoE layer, 1..num_experts;
-        giving it forces streaming) and expert_policy ("lru" | "lfu" | "os"); reference: dtype ("float32" | "bfloat16",
-        rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size (GDN prefill chunk,
-        default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
+        giving it forces streaming) and expert_policy ("lfu", the default | "lru" | "os"); reference: dtype
+        ("float32" | "bfloat16", rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size
+        (GDN prefill chunk, default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
         default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
         "tensor"), gdn_route ("auto" | "scan" | "chunked"), and memory_budget / expert_slots / expert_policy
         as on cpu (slots in device buffers, per-layer command buffers); see `qwenmetal.metal_backend`.

@@ -170,7 +170,9 @@ int activation_planes(const std::string& a) {
     throw std::invalid_argument("activations must be 'float', 'int8' or 'int16', not '" + a + "'");
 }
 
-nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
+// Y = X W^T, `repeats` times on one pool and workspace; *best = the fastest call's seconds
+nb::object linear_impl(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes,
+                       int repeats, double* best) {
     const TensorDesc d = parse_desc(desc);
     const WMat W = wmat_of(d);
     if (W.quantized()) cpu::check_affine("desc", W.bits, W.group_size, W.cols);
@@ -185,9 +187,27 @@ nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std
         ws.planes = planes;
         ws.reserve(cpu::linear_thread_floats(W.cols), cpu::linear_xvec_floats(W.cols, M), size_t(M));
         cpu::LinearOut o = {&W, Y.data(), W.rows, false};
-        cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
+        *best = 1e30;
+        for (int r = 0; r < repeats; ++r) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cpu::linear(pool, ws, X.data(), M, W.cols, &o, 1);
+            *best = std::min(*best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
     }
     return nb::cast(Y);
+}
+
+nb::object k_linear(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes) {
+    double best;
+    return linear_impl(desc, X, threads, isa, planes, 1, &best);
+}
+
+nb::tuple k_linear_timed(const nb::dict& desc, In<float, 2> X, int threads, const std::string& isa, int planes,
+                         int repeats) {
+    if (repeats < 1) throw std::invalid_argument("linear: repeats must be >= 1");
+    double best;
+    nb::object y = linear_impl(desc, X, threads, isa, planes, repeats, &best);
+    return nb::make_tuple(y, best);
 }
 
 // Gated delta rule on one head: q, k [L, dk], v [L, dv], beta, g [L]; state [dv, dk] updated in place.
@@ -470,6 +490,8 @@ void register_cpu_engine(nb::module_& m) {
     m.def("cpu_linear", &k_linear, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
           "Y = X W^T through the engine's GEMV (<= 3 rows) or GEMM path (tests); planes 1 / 2: inputs "
           "quantized per group of 64 to int8 / two int8 planes (activations='int8' / 'int16').");
+    m.def("cpu_linear_timed", &k_linear_timed, "desc"_a, "x"_a, "threads"_a = 1, "isa"_a = "", "planes"_a = 0,
+          "repeats"_a = 10, "cpu_linear run `repeats` times on one pool; (Y, fastest call in seconds) (benchmarks).");
     m.def("cpu_amx", [] { return cpu::amx_enabled(); }, "prefill GEMMs use the AMX tile unit (activations int8/int16)");
     m.def("cpu_amx_available", [] { return cpu::amx_available(); },
           "the CPU has AMX-INT8/BF16 and the OS granted the tile state (QWENMETAL_AMX=0 turns it off)");

@@ -13,12 +13,14 @@ namespace qwenmetal::bindings {
 
 namespace {
 gpu::WFormat parse_format(const std::string& s) {
-    if (s == "q4") return gpu::WFormat::Q4;
-    if (s == "q8") return gpu::WFormat::Q8;
+    // 'q<digit>': quantized at that width (quantized_format refuses the widths MLX affine has not)
+    if (s.size() == 2 && s[0] == 'q' && s[1] >= '0' && s[1] <= '9')
+        return gpu::quantized_format(uint32_t(s[1] - '0'), "gpu.Matrix fmt");
     if (s == "bf16" || s == "bfloat16") return gpu::WFormat::BF16;
     if (s == "f16" || s == "float16") return gpu::WFormat::F16;
     if (s == "f32" || s == "float32") return gpu::WFormat::F32;
-    throw std::invalid_argument("weight format must be 'q4', 'q8', 'bf16', 'f16' or 'f32', got '" + s + "'");
+    throw std::invalid_argument("weight format must be 'q2', 'q3', 'q4', 'q5', 'q6', 'q8', 'bf16', 'f16' or 'f32', got '" +
+                                s + "'");
 }
 }  // namespace
 
@@ -26,8 +28,8 @@ void register_gpu_ops_quant(nb::module_& ops) {
     nb::module_ g = nb::module_::import_("qwenmetal._core").attr("gpu");
     nb::class_<gpu::Matrix>(g, "Matrix",
                             "A [rows, cols] weight matrix, or a stack of `count` of them, in device buffers.\n"
-                            "fmt 'q4'/'q8' (MLX affine: w uint32 words, scales and biases bf16, or float32 with\n"
-                            "scales_f32) or 'bf16'/'f16'/'f32' (dense: w only).")
+                            "fmt 'q2'/'q3'/'q4'/'q5'/'q6'/'q8' (MLX affine: w uint32 words, scales and biases bf16,\n"
+                            "or float32 with scales_f32) or 'bf16'/'f16'/'f32' (dense: w only).")
         .def("__init__",
              [](gpu::Matrix* m, const std::string& fmt, uint32_t rows, uint32_t cols, const gpu::Buffer& w,
                 const gpu::Buffer* scales, const gpu::Buffer* biases, uint32_t group_size, uint32_t count,

@@ -19,12 +19,13 @@ using Mat = nb::ndarray<const T, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize(Mat<uint32_t> w, Mat<float> scales, Mat<float> biases,
                                                       int bits, int group_size) {
-    if (bits <= 0 || bits > 8) throw std::invalid_argument("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+    if (bits <= 0 || bits > 8)
+        throw std::invalid_argument("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
     const size_t rows = w.shape(0), packed = w.shape(1);
     const size_t in_features = packed * 32 / bits;
     if (packed * 32 % bits != 0)
-        throw std::invalid_argument(std::to_string(packed) + " words are not a whole number of " + std::to_string(bits) +
-                                    "-bit values");
+        throw std::invalid_argument(std::to_string(packed) + " words are not a whole number of " +
+                                    std::to_string(bits) + "-bit values");
     qwenmetal::cpu::check_affine("dequantize_affine (bits / group_size)", bits, group_size, int64_t(in_features));
     const size_t groups = in_features / group_size;
     if (scales.shape(0) != rows || scales.shape(1) != groups || biases.shape(0) != rows || biases.shape(1) != groups)

@@ -148,26 +148,35 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
+    // the shifted lanes of qb -> float values: at 2/3 bits vpermps (which reads the low 3 bits of each
+    // index) from a table of 0..2^BITS-1, one shuffle instead of AND + convert
+    template <int BITS>
+    static inline V qb_value(__m256i v) {
+        constexpr int k = (1 << BITS) - 1;
+        if constexpr (BITS <= 3)
+            return _mm256_permutevar8x32_ps(_mm256_setr_ps(0, 1 & k, 2 & k, 3 & k, 4 & k, 5 & k, 6 & k, 7 & k), v);
+        else return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(k)));
+    }
+    static inline __m256i ldi(const void* q) { return _mm256_load_si256(static_cast<const __m256i*>(q)); }
     // 2/3/5/6 bits: one 32-value chunk -> 4 vectors (tables: QbTable)
     template <int BITS>
     static inline void qb(const uint8_t* p, V* out) {
         constexpr const QbTable<8>& t = kQb<BITS, 8>;
-        const __m256i m = _mm256_set1_epi32((1 << BITS) - 1);
         if constexpr (BITS == 2) {
             for (int j = 0; j < 4; ++j) {
                 int32_t w;
                 std::memcpy(&w, p + 4 * (j / 2), 4);
-                const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift[j])));
-                out[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m));
+                const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), ldi(t.shift[j]));
+                out[j] = qb_value<BITS>(v);
             }
         } else {
-            const __m256i c = _mm256_maskload_epi32(reinterpret_cast<const int*>(p),
-                                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(BITS), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(BITS), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256i c = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), first);   // the BITS dwords
             for (int j = 0; j < 4; ++j) {
-                __m256i v = _mm256_permutevar8x32_epi32(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.win[j])));
-                v = _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.ctrl[j])));
-                v = _mm256_srlv_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift[j])));
-                out[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m));
+                __m256i v = _mm256_permutevar8x32_epi32(c, ldi(t.win[j]));
+                v = _mm256_shuffle_epi8(v, ldi(t.ctrl[j]));
+                v = _mm256_srlv_epi32(v, ldi(t.shift[j]));
+                out[j] = qb_value<BITS>(v);
             }
         }
     }
@@ -302,25 +311,35 @@ struct VT {
     static inline V q8(const uint8_t* p) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     }
+    // the shifted lanes of qb -> float values: at 2/3 bits vpermps (which reads the low 4 bits of each
+    // index) from a table of (0..15) & (2^BITS-1), one shuffle instead of AND + convert
+    template <int BITS>
+    static inline V qb_value(__m512i v) {
+        constexpr int k = (1 << BITS) - 1;
+        if constexpr (BITS <= 3)
+            return _mm512_permutexvar_ps(v, _mm512_setr_ps(0, 1 & k, 2 & k, 3 & k, 4 & k, 5 & k, 6 & k, 7 & k, 8 & k,
+                                                           9 & k, 10 & k, 11 & k, 12 & k, 13 & k, 14 & k, 15 & k));
+        else return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(k)));
+    }
     // 2/3/5/6 bits: one 32-value chunk -> 2 vectors (tables: QbTable)
     template <int BITS>
     static inline void qb(const uint8_t* p, V* out) {
         constexpr const QbTable<16>& t = kQb<BITS, 16>;
-        const __m512i m = _mm512_set1_epi32((1 << BITS) - 1);
         if constexpr (BITS == 2) {
             for (int j = 0; j < 2; ++j) {
                 int32_t w;
                 std::memcpy(&w, p + 4 * j, 4);
                 const __m512i v = _mm512_srlv_epi32(_mm512_set1_epi32(w), _mm512_load_si512(t.shift[j]));
-                out[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
+                out[j] = qb_value<BITS>(v);
             }
         } else {
-            const __m512i c = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi32(static_cast<__mmask8>((1u << BITS) - 1u), p));
+            const __mmask8 first = static_cast<__mmask8>((1u << BITS) - 1u);
+            const __m512i c = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi32(first, p));   // the BITS dwords
             for (int j = 0; j < 2; ++j) {
                 __m512i v = _mm512_permutexvar_epi32(_mm512_load_si512(t.win[j]), c);
                 v = _mm512_shuffle_epi8(v, _mm512_load_si512(t.ctrl[j]));
                 v = _mm512_srlv_epi32(v, _mm512_load_si512(t.shift[j]));
-                out[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
+                out[j] = qb_value<BITS>(v);
             }
         }
     }

@@ -8,10 +8,10 @@ namespace qwenmetal::gpu {
 
 namespace {
 
-WFormat format_of(const WeightDesc& d) {
-    if (d.bits == 4) return WFormat::Q4;
-    if (d.bits == 8) return WFormat::Q8;
-    if (d.bits != 0) throw std::invalid_argument("metal backend: " + std::to_string(d.bits) + "-bit weights are not supported");
+// the kernel format of tensor `name`: quantized at its width (the kernels take 2, 3, 4, 5, 6, 8 bits;
+// another width is refused naming the tensor), or dense by its dtype
+WFormat format_of(const WeightDesc& d, const std::string& name) {
+    if (d.bits != 0) return quantized_format(uint32_t(d.bits), "metal backend: tensor '" + name + "'");
     switch (d.dtype) {
         case DType::BF16: return WFormat::BF16;
         case DType::F16: return WFormat::F16;
@@ -95,7 +95,7 @@ namespace {
 Matrix matrix_shape(const WeightDesc& d, const std::string& name) {
     if (d.shape.size() < 2) throw std::invalid_argument("metal backend: '" + name + "' is not a matrix");
     Matrix m;
-    m.fmt = format_of(d);
+    m.fmt = format_of(d, name);
     m.rows = uint32_t(d.rows());
     m.cols = uint32_t(d.cols());
     m.count = uint32_t(d.count());

@@ -54,6 +54,28 @@ def test_float_build_matches_reference(preset, fmt, reference_runs):
     assert toks == want_toks
 
 
+# the low-bit fixtures: every linear at 2, 3, 5, 6 bits (the qn kernels everywhere, embed and lm_head included),
+# and 4 bits with the routed experts at 2 or 3 (qn expert kernels beside 4-bit shared experts); two of them with a
+# prompt past the skinny bound (the tiled and grouped prefill GEMMs at the low width), the others through the
+# skinny prefill (qmv_b16_qn)
+LOW_BIT = [("mlx-q3", 20), ("mlx-q4-e2", 20), ("mlx-q2", 8), ("mlx-q5", 8), ("mlx-q6", 8), ("mlx-q4-e3", 8)]
+
+
+@pytest.mark.parametrize("fmt,n_prompt", LOW_BIT)
+def test_low_bit_fixtures_match_reference(fmt, n_prompt):
+    """The float build on the 2/3/5/6-bit and expert-only 2/3-bit fixtures of tiny: the prompt's logits and 3 greedy
+    decode steps within 1e-4 of the reference's logit range, the same tokens (about 3 s each: 3 decode steps, not
+    64, keep this inside the CI budget)."""
+    path = cached_checkpoint("tiny", fmt, seed=0)
+    prompt = (PROMPT * 3)[:n_prompt]
+    want_pre, want_dec, want_toks = run_greedy(qm.Model.load(path, backend="reference"), prompt, 3)
+    pre, dec, toks = run_greedy(qm.Model.load(path, backend=BACKEND, dtype="float32"), prompt, 3)
+    assert rel_range_err(pre, want_pre) < 1e-4
+    for j in range(3):
+        assert rel_range_err(dec[j], want_dec[j]) < 1e-4, f"decode step {j}"
+    assert toks == want_toks
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
     """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions."""

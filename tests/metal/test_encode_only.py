@@ -27,6 +27,18 @@ def real():
     return ModelConfig.from_dict(bench.real_config(40))
 
 
+def test_real_config_bytes_follow_the_expert_width(real):
+    """With the routed experts at 2 bits (convert --expert-bits 2) the declared bytes of a decode step drop by
+    exactly the packed codes of the k experts' gate, up and down per MoE layer at 2 bits less (their scales and
+    biases are the same groups), and still meet the floor."""
+    r4 = encode_only_cost(real, context=256, tokens=1)
+    r2 = encode_only_cost(real, context=256, tokens=1, expert_bits=2)
+    moe_layers = sum(1 for i in range(real.num_hidden_layers) if real.is_moe_layer(i))
+    codes = 3 * real.moe_intermediate_size * real.hidden_size // 8     # gate + up + down, bytes per bit of width
+    assert r4["bytes_per_token"] - r2["bytes_per_token"] == moe_layers * real.num_experts_per_tok * codes * (4 - 2)
+    assert r2["bytes_vs_floor"] <= 1.05 and r2["levels"] == r4["levels"]
+
+
 @pytest.mark.parametrize("context", [256, 4096])
 def test_real_config_targets(real, context):
     r = encode_only_cost(real, context=context)

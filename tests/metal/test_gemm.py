@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
 from .test_moe import gate_up_ref, rnd, tol
-from .wmat import FORMATS, assert_close, cols_for, make, raw
+from .wmat import FORMATS, QN_FORMATS, assert_close, cols_for, make, raw, variant
 
 HYP = settings(max_examples=30, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -32,11 +32,12 @@ def product_ref(hm, x, K):
 
 
 # ------------------------------------------------------------------------------------------ dense gemm
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + QN_FORMATS)
 @pytest.mark.parametrize("dtype,f32_out", [("f32", False), ("bf16", False), ("bf16", True)])
 def test_gemm_formats(fmt, dtype, f32_out):
-    """Each format x activation type x output type at one edge shape: M = 37 (a full and a partial row
-    block), N = 70 (a partial column tile), K with a partial K step for dense weights."""
+    """Each format (the run-time widths 2, 3, 5, 6 too) x activation type x output type at one edge shape:
+    M = 37 (a full and a partial row block), N = 70 (a partial column tile), K with a partial K step for dense
+    weights."""
     rng = np.random.default_rng(abs(hash((fmt, dtype, f32_out))) % 2**31)
     M, N = 37, 70
     K = cols_for(fmt, 32, 3) if fmt.startswith("q") else 8 * 13   # 96 / 104: 104 = 3 K steps + 8
@@ -50,7 +51,7 @@ def test_gemm_formats(fmt, dtype, f32_out):
     assert_close(y, ref, bound, "f32" if f32_out else dtype, fmt)
     assert rel_err(y, ref) <= (1e-5 if dtype == "f32" or f32_out else 1e-2)
     suffix = "_f32out" if f32_out and dtype == "bf16" else ""
-    assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}{suffix}"
+    assert not SIM or kernel_of(dev) == f"gemm_{variant(fmt)}_{dtype}{suffix}"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -210,7 +211,8 @@ def tile_map(counts, tile_rows, empty_at=(), extra_empty=0, bogus_expert=None):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tile_rows", [16, 32])
-@pytest.mark.parametrize("fmt,dtype", [("q4_sbf16", "bf16"), ("q8_sf32", "f32"), ("bf16", "bf16"), ("f32", "f32")])
+@pytest.mark.parametrize("fmt,dtype", [("q4_sbf16", "bf16"), ("q8_sf32", "f32"), ("bf16", "bf16"), ("f32", "f32"),
+                                       ("q2_sbf16", "bf16"), ("q6_sf32", "f32")])
 def test_gemm_grouped_swiglu(schedule, tile_rows, fmt, dtype):
     """act[s] = silu(gate_e x[slot_rows[s]]) * (up_e x[slot_rows[s]]) over a tile map: an expert with no slots,
     one with several tiles (a partial last one), empty entries between and after, an entry past the stack."""
@@ -233,13 +235,14 @@ def test_gemm_grouped_swiglu(schedule, tile_rows, fmt, dtype):
         e = expert[s]
         ref, bound = gate_up_ref(gate.ref[e], up.ref[e], xf[slot_rows[s]], dtype)
         assert_close(act[s], ref, bound, tol(dtype), f"slot {s} (expert {e})")
-    assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}"
+    assert not SIM or kernel_of(dev) == f"gemm_{variant(fmt)}_{dtype}"
     assert not SIM or dev.records()[0]["threadgroups"] == (2, len(tiles), 1)   # ceil(40 / 32) column tiles
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tile_rows", [16, 32])
-@pytest.mark.parametrize("fmt,dtype", [("q4_sf32", "bf16"), ("q8_sbf16", "f32"), ("f16", "bf16")])
+@pytest.mark.parametrize("fmt,dtype", [("q4_sf32", "bf16"), ("q8_sbf16", "f32"), ("f16", "bf16"), ("q3_sf32", "bf16"),
+                                       ("q5_sbf16", "f32")])
 def test_gemm_grouped(schedule, tile_rows, fmt, dtype):
     """y[s] = T(W_e act[s]) in float over a tile map; slots no entry covers are not written."""
     rng = np.random.default_rng(100 + tile_rows)
@@ -268,7 +271,7 @@ def test_gemm_grouped(schedule, tile_rows, fmt, dtype):
     if dtype == "bf16":   # the float output holds bf16 values (the bf16 graph's rounded expert outputs)
         np.testing.assert_array_equal(y, y.astype(BF16).astype(np.float32))
     suffix = "_f32out" if dtype == "bf16" else ""
-    assert not SIM or kernel_of(dev) == f"gemm_{fmt}_{dtype}{suffix}"
+    assert not SIM or kernel_of(dev) == f"gemm_{variant(fmt)}_{dtype}{suffix}"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, run
 from .test_gemm import product_ref, tile_map
 from .test_moe import gate_up_ref, rnd, tol
-from .wmat import FORMATS, assert_close, cols_for, make, raw
+from .wmat import FORMATS, QN_FORMATS, assert_close, cols_for, make, raw, variant
 
 ROUTES = ("simdgroup", "tensor")
 HYP = settings(max_examples=10, deadline=None, derandomize=True,
@@ -105,16 +105,17 @@ def dense_case(rng, fmt, dtype, M, N, gs=32, groups=2, *, f32_out=False, fusion=
         assert (y[:, N:] == y0[:, N:]).all()
 
     suffix = "_f32out" if f32_out and dtype == "bf16" else ""
-    return Case(call, y0, expect, f"gemm_{fmt}_{dtype}{suffix}", lambda y: y[:, :N],
+    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}", lambda y: y[:, :N],
                 8e-3 if fusion == "round" else 0.0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + QN_FORMATS)
 @pytest.mark.parametrize("dtype,f32_out", [("f32", False), ("bf16", False), ("bf16", True)])
 def test_formats(fmt, dtype, f32_out):
-    """Each format x activation x output at M = 37 (a full and a partial row block), N = 70 (a partial column
-    tile), 3 quantization groups or a partial K step of dense weights, padded strides."""
-    rng = np.random.default_rng(FORMATS.index(fmt) * 10 + 2 * (dtype == "bf16") + f32_out)
+    """Each format (the run-time widths 2, 3, 5, 6 too) x activation x output at M = 37 (a full and a partial row
+    block), N = 70 (a partial column tile), 3 quantization groups or a partial K step of dense weights, padded
+    strides."""
+    rng = np.random.default_rng((FORMATS + QN_FORMATS).index(fmt) * 10 + 2 * (dtype == "bf16") + f32_out)
     execute(dense_case(rng, fmt, dtype, 37, 70, groups=3, f32_out=f32_out, pads=(4, 3)), "forward")
 
 
@@ -188,14 +189,15 @@ def grouped_case(rng, fmt, dtype, tile_rows, swiglu):
                 assert_close(y[s], rnd(W.ref[e] @ xf[s], dtype), np.abs(W.ref[e]) @ np.abs(xf[s]), dtype, f"slot {s}")
 
     suffix = "_f32out" if dtype == "bf16" and not swiglu else ""
-    return Case(call, y0, expect, f"gemm_{fmt}_{dtype}{suffix}")
+    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tile_rows", [16, 32])
 @pytest.mark.parametrize("swiglu,fmt,dtype", [(True, "q4_sbf16", "bf16"), (True, "q8_sf32", "f32"),
                                               (True, "f16", "f32"), (False, "q4_sf32", "bf16"),
-                                              (False, "q8_sbf16", "f32"), (False, "bf16", "bf16")])
+                                              (False, "q8_sbf16", "f32"), (False, "bf16", "bf16"),
+                                              (True, "q3_sbf16", "bf16"), (False, "q5_sf32", "f32")])
 def test_grouped(schedule, tile_rows, swiglu, fmt, dtype):
     rng = np.random.default_rng(tile_rows + 7 * swiglu)
     execute(grouped_case(rng, fmt, dtype, tile_rows, swiglu), schedule, seed=tile_rows)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from qwenmetal import reference
 
 from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
-from .wmat import FORMATS, assert_close, cols_for, make, raw
+from .wmat import FORMATS, QN_FORMATS, assert_close, cols_for, fmt_bits, make, raw, variant
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -699,19 +699,21 @@ def prefill_scratch(dtype, M, E, k, H, I, Is):
 
 
 class Block:
-    """One MoE layer for moe_prefill: 4-bit gs-64 expert stacks (down: gs down_gs), an 8-bit router over
-    [E rows | shared gate] in one part or, with split_router, the shared-gate row as a dense bf16 part of its
-    own; a shared expert of Is (0: none); inputs xn (the normed rows, small) and x (the residual)."""
+    """One MoE layer for moe_prefill: gs-64 expert stacks of format `fmt` (4-bit by default; down: gs down_gs),
+    an 8-bit router over [E rows | shared gate] in one part or, with split_router, the shared-gate row as a dense
+    bf16 part of its own; a shared expert of Is (0: none) of format `shared_fmt`; inputs xn (the normed rows,
+    small) and x (the residual)."""
 
-    def __init__(self, rng, dtype, M, E, k, H, I, Is, split_router=False, down_gs=64):
+    def __init__(self, rng, dtype, M, E, k, H, I, Is, split_router=False, down_gs=64, fmt="q4_sbf16",
+                 shared_fmt="q4_sbf16"):
         self.dtype, self.M, self.E, self.k, self.Is = dtype, M, E, k, Is
         n = E + (1 if Is else 0)
         self.router = ([make(rng, "q8_sbf16", (E, H), 64), make(rng, "bf16", (1, H))] if split_router
                        else [make(rng, "q8_sbf16", (n, H), 64)])
-        self.gate, self.up = make(rng, "q4_sbf16", (E, I, H), 64), make(rng, "q4_sbf16", (E, I, H), 64)
-        self.down = make(rng, "q4_sbf16", (E, H, I), down_gs)
-        self.sgu = make(rng, "q4_sbf16", (2 * Is, H), 64) if Is else None
-        self.sdown = make(rng, "q4_sbf16", (H, Is), 64) if Is else None
+        self.gate, self.up = make(rng, fmt, (E, I, H), 64), make(rng, fmt, (E, I, H), 64)
+        self.down = make(rng, fmt, (E, H, I), down_gs)
+        self.sgu = make(rng, shared_fmt, (2 * Is, H), 64) if Is else None
+        self.sdown = make(rng, shared_fmt, (H, Is), 64) if Is else None
         self.xn = (rng.standard_normal((M, H)) * 0.1).astype(ACT[dtype])
         self.x = rng.standard_normal((M, H)).astype(ACT[dtype])
         self.x0 = self.x.copy()
@@ -886,6 +888,98 @@ def test_moe_prefill_small_chunks_and_router_parts(dtype, M):
     sc = prefill_scratch(dtype, M, E, k, H, I, Is)
     with run("reverse", seed=M) as (dev, enc, b):
         blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
+    want_ids, want = blk.reference()
+    np.testing.assert_array_equal(sc["ids"], want_ids)
+    blk.check_rows(want)
+
+
+# ------------------------------------------------------------------------------------------ run-time widths (qn)
+@pytest.mark.parametrize("fmt", QN_FORMATS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_moe_decode_qn(fmt, dtype):
+    """The decode MoE kernels at 2, 3, 5, 6 bits (moe_gate_up_qn_*, moe_down_qn_*, mlp_gate_up_qn_*): routed experts at
+    the low width beside a 4-bit shared expert of the same scale type (an mlx-q4-e2/e3 layer: one qn dispatch,
+    a width per matrix), and beside a shared expert at the routed width; the dense MLP at the low width."""
+    rng = np.random.default_rng(fmt_bits(fmt) * 2 + (dtype == "bf16"))
+    E, k, H, inter, Is, n_experts = 5, 3, cols_for(fmt, 64, 2), 64, 96, 5
+    q4 = "q4_" + fmt.split("_")[1]
+    gate, up = make(rng, fmt, (E, inter, H), 64), make(rng, fmt, (E, inter, H), 64)
+    down = make(rng, fmt, (E, H, inter), 32)
+    gu = make(rng, fmt, (2 * inter, H), 32)
+    ids = rng.choice(E, k, replace=False).astype(np.uint32)
+    w = rng.dirichlet(np.ones(k)).astype(np.float32)
+    logits = (rng.standard_normal(n_experts + 1) * 2).astype(np.float32)
+    x = rng.standard_normal(H).astype(ACT[dtype])
+    xf = x.astype(np.float64)
+    for shared_fmt in (q4, fmt):
+        sgu, sdown = make(rng, shared_fmt, (2 * Is, H), 64), make(rng, shared_fmt, (H, Is), 32)
+        act = np.full((k + 1, Is), 7, ACT[dtype])
+        xd = rng.standard_normal(H).astype(ACT[dtype])
+        x0 = xd.astype(np.float64)
+        mlp = np.full(inter, 7, ACT[dtype])
+        with run("random", seed=fmt_bits(fmt), keep_records=True) as (dev, enc, b):
+            buf = raw(b)
+            ab = buf(act)
+            ops.moe_gate_up(enc, dtype, gate.device(buf, gpu), up.device(buf, gpu), sgu.device(buf, gpu), buf(x),
+                            buf(ids), k, ab)
+            ops.moe_down(enc, dtype, down.device(buf, gpu), sdown.device(buf, gpu), ab, buf(ids), buf(w),
+                         buf(logits), n_experts, k, buf(xd))
+            ops.mlp_gate_up(enc, dtype, gu.device(buf, gpu), buf(x), buf(mlp))
+        for s in range(k):
+            ref, bound = gate_up_ref(gate.ref[ids[s]], up.ref[ids[s]], xf, dtype)
+            assert_close(act[s, :inter], ref, bound, tol(dtype), f"slot {s}")
+        assert_close(act[k], *gate_up_ref(sgu.ref[:Is], sgu.ref[Is:], xf, dtype), tol(dtype), "shared")
+        a = act.astype(np.float64)
+        y, bound = down_ref([down.ref[ids[s]] for s in range(k)], [a[s, :inter] for s in range(k)], w, dtype,
+                            (sdown.ref, a[k], logits[n_experts]))
+        assert_close(xd, x0 + y, np.abs(x0) + bound, tol(dtype))
+        assert_close(mlp, *gate_up_ref(gu.ref[:inter], gu.ref[inter:], xf, dtype), tol(dtype), "mlp")
+        v = variant(fmt)
+        assert not SIM or [r["kernel"] for r in dev.records()] == [f"moe_gate_up_{v}_{dtype}", f"moe_down_{v}_{dtype}",
+                                                                   f"mlp_gate_up_{v}_{dtype}"]
+
+
+def test_moe_qn_pairing_checks():
+    """Routed experts and the shared expert run in one dispatch: at two quantized widths only with one scale
+    type (the qn kernel takes a width each), never quantized beside dense; gate and up of one format."""
+    rng = np.random.default_rng(1)
+    gate, up = make(rng, "q2_sbf16", (4, 16, 128), 64), make(rng, "q2_sbf16", (4, 16, 128), 64)
+    up3 = make(rng, "q3_sbf16", (4, 16, 128), 64)
+    down = make(rng, "q3_sbf16", (4, 128, 64), 32)
+    sh_f32, sh_dense = make(rng, "q4_sf32", (32, 128), 64), make(rng, "bf16", (32, 128))
+    sd_dense = make(rng, "bf16", (128, 64))
+    act, ids, w = np.zeros((3, 16), np.float32), np.zeros(2, np.uint32), np.zeros(2, np.float32)
+    x, logits = np.zeros(128, np.float32), np.zeros(5, np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        G, U = gate.device(buf, gpu), up.device(buf, gpu)
+        with pytest.raises(ValueError, match=r"moe_gate_up: shared_gate_up \(q4, q4_sf32\) cannot run in one "
+                                             r"dispatch with the routed experts \(q2, qn_sbf16\)"):
+            ops.moe_gate_up(enc, "f32", G, U, sh_f32.device(buf, gpu), buf(x), buf(ids), 2, buf(act))
+        with pytest.raises(ValueError, match=r"moe_gate_up: shared_gate_up \(bf16, bf16\) cannot run"):
+            ops.moe_gate_up(enc, "f32", G, U, sh_dense.device(buf, gpu), buf(x), buf(ids), 2, buf(act))
+        with pytest.raises(ValueError, match=r"moe_gate_up: up \(qn_sbf16, q3\) must have the format of gate "
+                                             r"\(qn_sbf16, q2\)"):
+            ops.moe_gate_up(enc, "f32", G, up3.device(buf, gpu), None, buf(x), buf(ids), 2, buf(act))
+        with pytest.raises(ValueError, match=r"moe_down: shared_down \(bf16, bf16\) cannot run"):
+            ops.moe_down(enc, "f32", down.device(buf, gpu), sd_dense.device(buf, gpu),
+                         buf(np.zeros((3, 64), np.float32)), buf(ids), buf(w), buf(logits), 4, 2, buf(x))
+        assert enc.dispatches == 0
+
+
+@pytest.mark.parametrize("fmt,dtype", [("q2_sbf16", "bf16"), ("q3_sf32", "f32")])
+def test_moe_prefill_block_qn(fmt, dtype):
+    """The prefill MoE block (ops::moe_prefill) of an mlx-q4-e2/e3 layer: routed experts at 2 or 3 bits through the
+    grouped qn GEMMs, the 4-bit shared expert through its own GEMMs, against reference.sparse_moe + the residual."""
+    M, E, k, H, I, Is = 20, 6, 2, 128, 64, 64
+    blk = Block(np.random.default_rng(fmt_bits(fmt)), dtype, M, E, k, H, I, Is, fmt=fmt,
+                shared_fmt="q4_" + fmt.split("_")[1])
+    sc = prefill_scratch(dtype, M, E, k, H, I, Is)
+    with run("random", seed=M, keep_records=True) as (dev, enc, b):
+        blk.encode(enc, raw(b), {n: raw(b)(a) for n, a in sc.items()})
+    names = [r["kernel"] for r in dev.records()] if SIM else []
+    assert not SIM or names[-3:-1] == [f"gemm_{variant(fmt)}_{dtype}", f"gemm_{variant(fmt)}_{dtype}" +
+                                       ("_f32out" if dtype == "bf16" else "")]
     want_ids, want = blk.reference()
     np.testing.assert_array_equal(sc["ids"], want_ids)
     blk.check_rows(want)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from qwenmetal import quant
 
 from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
-from .wmat import FORMATS, assert_close, cols_for, make, raw
+from .wmat import FORMATS, QN_FORMATS, assert_close, cols_for, fmt_bits, make, raw, variant
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -203,7 +203,9 @@ def test_qmv_argument_checks():
         with pytest.raises(ValueError, match="count 1"):
             ops.qmv(enc, "f32", stack, buf(x), buf(y))
         with pytest.raises(ValueError, match="weight format"):
-            gpu.Matrix("q3", 16, 128, buf(hm.w))
+            gpu.Matrix("int3", 16, 128, buf(hm.w))
+        with pytest.raises(ValueError, match="gpu.Matrix fmt: 7-bit weights are not supported"):
+            gpu.Matrix("q7", 16, 128, buf(hm.w))
         assert enc.dispatches == 0
 
 
@@ -374,3 +376,74 @@ def test_qmv_fusion_argument_checks():
         yb = buf(y)
         with pytest.raises(ValueError, match="overlap"):
             ops.qmv(enc, "f32", W, buf(x), yb.view(0, 64), residual=yb.view(4, 64))
+
+
+# ------------------------------------------------------------------------------------------ run-time widths (qn)
+@pytest.mark.parametrize("fmt", QN_FORMATS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_qmv_qn(fmt, dtype):
+    """qmv at 2, 3, 5, 6 bits (the run-time-width kernels: qmv_qn_* for one vector, qmv_b16_qn_* for 2..16 and in
+    chunks of 16 past that) with group sizes 32 and 128 and a fusion set each: batches 1, 5 and 17 against float64
+    on the same codes, each bit-equal to its vectors run one at a time through the decode kernel."""
+    rng = np.random.default_rng(fmt_bits(fmt) * 2 + (dtype == "bf16"))
+    with run("random", seed=fmt_bits(fmt), keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        cases = []
+        for gs, fuse in ((32, FUSIONS[1]), (128, FUSIONS[2 + (dtype == "bf16")])):
+            base = QmvCase(rng, fmt, dtype, 13, cols_for(fmt, gs, 3 if gs == 32 else 2), gs, 17, **fuse)
+            batches, ones = [base.rows(0, n) for n in (1, 5, 17)], [base.rows(i, i + 1) for i in range(17)]
+            for c in batches + ones:
+                c.dispatch(enc, buf)
+            cases.append((batches, ones))
+    for batches, ones in cases:
+        for c in batches:
+            c.check()
+            np.testing.assert_array_equal(c.y.view(np.uint8),
+                                          np.concatenate([o.y for o in ones[:c.batch]]).view(np.uint8))
+    kernels = {r["kernel"] for r in dev.records()} if SIM else set()
+    v = variant(fmt)
+    assert not SIM or {k.split(f"_{v}_")[0] for k in kernels} == {"qmv", "qmv_b16"}
+    assert not SIM or all(f"_{v}_{dtype}" in k for k in kernels)
+
+
+@pytest.mark.parametrize("fmt", QN_FORMATS)
+def test_qmv_qn_model_shape(fmt):
+    """An expert-sized projection (512 x 2048: every lane takes two 32-value units of a row) at each low width,
+    bf16 activations with float and bf16 output in one command buffer, the declared weight bytes
+    rows * cols * bits / 8 + scales and biases."""
+    rng = np.random.default_rng(fmt_bits(fmt))
+    N, K = 512, 2048
+    hm = make(rng, fmt, (N, K), 64, random_words=True)
+    x = rng.standard_normal(K).astype(BF16)
+    y, yf = np.zeros(N, BF16), np.zeros(N, np.float32)
+    with run("reverse") as (dev, enc, b):
+        buf = raw(b)
+        W = hm.device(buf, gpu)
+        ops.qmv(enc, "bf16", W, buf(x), buf(yf), f32_out=True)
+        ops.qmv(enc, "bf16", W, buf(x), buf(y))
+    ssize = 4 if fmt.endswith("sf32") else 2
+    assert enc.bytes_read == 2 * (N * (K * fmt_bits(fmt) // 8 + 2 * (K // 64) * ssize) + K * 2)
+    ref = hm.ref @ x.astype(np.float64)
+    assert rel_err(yf, ref) <= 1e-5
+    np.testing.assert_array_equal(yf.astype(BF16), y)
+
+
+@pytest.mark.parametrize("fmt", QN_FORMATS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_embed_qn(fmt, dtype):
+    """embed at each low width: rows of 3 groups of 32 (a thread per 32-value unit) and of 8 groups of 128, an id
+    past the table (a zero row); the flops one multiply-add per value."""
+    rng = np.random.default_rng(10 * fmt_bits(fmt) + (dtype == "bf16"))
+    for gs, n in ((32, 3), (128, 8)):
+        K = cols_for(fmt, gs, n)
+        hm = make(rng, fmt, (5, K), gs)
+        ids = np.array([4, 0, 9, 2], np.uint32)
+        y = np.full((4, K), 7, ACT[dtype])
+        with run("random", seed=n, keep_records=True) as (dev, enc, b):
+            buf = raw(b)
+            ops.embed(enc, dtype, hm.device(buf, gpu), buf(ids), 4, buf(y))
+        ref = np.stack([hm.ref[i] if i < 5 else np.zeros(K) for i in ids])
+        np.testing.assert_allclose(y.astype(np.float64), ref, rtol=2.5e-7 if dtype == "f32" else 2 ** -8,
+                                   atol=1e-6 * np.abs(ref).max())
+        assert enc.flops == 2 * 4 * K
+        assert not SIM or dev.records()[0]["kernel"] == f"embed_{variant(fmt)}_{dtype}"

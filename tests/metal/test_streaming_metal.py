@@ -156,3 +156,15 @@ def test_streamed_experts_never_mapped():
     assert m._backend.expert_counters()["bytes_read"] > 0
     present, checked = mapped_expert_pages(m)
     assert checked and present == 0, f"{present} of {checked} streamed expert pages mapped"
+
+
+def test_streaming_low_bit_experts(resident):
+    """Routed experts at 2 bits beside 4-bit shared experts (mlx-q4-e2) streamed into slot stacks: the qn expert
+    kernels over slot ids, with slots = top_k, decode the resident step's tokens and state bit for bit."""
+    model, _, arrays, (want_toks, want_state) = resident("tiny", "mlx-q4-e2", "float32")
+    m = qm.Model.load(model.path, backend=BACKEND, dtype="float32", expert_slots=model.config.num_experts_per_tok)
+    assert m._backend.plan.stream
+    toks, state = _decode(m._backend, arrays)
+    assert toks == want_toks
+    for k, want in want_state.items():
+        assert np.array_equal(state[k], want), k

@@ -17,6 +17,8 @@ from qwenmetal import quant
 
 BF16 = ml_dtypes.bfloat16
 FORMATS = ["q4_sbf16", "q4_sf32", "q8_sbf16", "q8_sf32", "bf16", "f16", "f32"]
+# the run-time-width kernels' widths (WFMT_QN, kernel variant qn_*), each width once, the scale types alternating
+QN_FORMATS = ["q2_sbf16", "q3_sf32", "q5_sbf16", "q6_sf32"]
 DENSE = {"bf16": BF16, "f16": np.float16, "f32": np.float32}
 
 
@@ -37,7 +39,7 @@ class HostMatrix:
 
     @property
     def bits(self):
-        return 4 if self.fmt.startswith("q4") else 8
+        return fmt_bits(self.fmt)
 
     @property
     def ref(self):
@@ -63,6 +65,18 @@ class HostMatrix:
                           count=count, scales_f32=self.fmt.endswith("sf32"))
 
 
+def fmt_bits(fmt: str) -> int:
+    """the width of a quantized format name: "q3_sf32" -> 3"""
+    return int(fmt.split("_")[0][1:])
+
+
+def variant(fmt: str) -> str:
+    """the kernel-name part gpu.Matrix.variant gives a format: the run-time-width kernels' qn_* at 2, 3, 5, 6 bits"""
+    if fmt.startswith("q") and fmt_bits(fmt) in (2, 3, 5, 6):
+        return "qn_" + fmt.split("_")[1]
+    return fmt
+
+
 def _ref(wq, s, b, bits, gs):
     q = quant.unpack(wq, bits).astype(np.float64)
     lead, K = q.shape[:-1], q.shape[-1]
@@ -74,7 +88,7 @@ def make(rng, fmt: str, shape, gs: int = 64, *, random_words: bool = False) -> H
     shape = tuple(shape)
     if fmt in DENSE:
         return HostMatrix(fmt, shape, 0, (rng.standard_normal(shape) * 0.5).astype(DENSE[fmt]))
-    bits = 4 if fmt.startswith("q4") else 8
+    bits = fmt_bits(fmt)
     sdt = np.float32 if fmt.endswith("sf32") else BF16
     if random_words:
         lead, K = shape[:-1], shape[-1]

@@ -71,7 +71,7 @@ void check_tile_map(const TileMap& tm, uint32_t S, const char* op) {
 
 GemmParams grouped_params(const Matrix& W, const TileMap& tm, uint32_t S, uint32_t x_rows, uint32_t flags) {
     return GemmParams{S, W.rows, W.cols, quantized(W.fmt) ? W.group_size : 0, W.cols, W.rows, flags,
-                      tm.tile_rows, x_rows, W.rows, W.count, 0};
+                      tm.tile_rows, x_rows, W.rows, W.count, 0, W.qbits()};
 }
 
 }  // namespace
@@ -129,7 +129,7 @@ void gemm(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, 
     GemmCall c;
     c.route = route;
     c.p = GemmParams{M, N, K, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, bm, M, W.rows, 1,
-                     f.swiglu ? N : 0};
+                     f.swiglu ? N : 0, W.qbits()};
     c.wa = c.wb = &W;
     // Weights declared read once per dispatch: the ideal (each weight tile is re-read by every row
     // block of M, from the cache on a GPU whose L2 holds the matrix); x read once, y written once.

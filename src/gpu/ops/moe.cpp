@@ -9,12 +9,6 @@ namespace qwenmetal::gpu::ops {
 
 namespace {
 
-// `b` has the format and scale type of `a` (one kernel instantiation serves both)
-void same_format(const Matrix& a, const Matrix& b, const char* op, const char* what) {
-    check(a.variant() == b.variant(), op,
-          std::string(what) + " must have the format of the routed experts (" + a.variant() + "), got " + b.variant());
-}
-
 const Dims kGemvThreads{QMV_LANES, QMV_SIMDGROUPS, 1};
 
 // moe_topk and moe_topk_rows: one kernel (moe_topk_<T>), `op` names the caller in errors
@@ -52,17 +46,21 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
     const char* op = "moe_gate_up";
     gate.validate("moe_gate_up: gate");
     up.validate("moe_gate_up: up");
-    same_format(gate, up, op, "up");
+    check(up.fmt == gate.fmt && up.scales_f32 == gate.scales_f32, op,
+          "up (" + up.variant() + ", " + format_name(up.fmt) + ") must have the format of gate (" + gate.variant() +
+              ", " + format_name(gate.fmt) + ")");
     check(up.rows == gate.rows && up.cols == gate.cols && up.count == gate.count && up.group_size == gate.group_size,
           op, "gate and up stacks must have the same shape");
     check(k >= 1 && k <= gate.count, op,
           "k must be in [1, experts in the stack = " + std::to_string(gate.count) + "], got " + std::to_string(k));
     const uint32_t H = gate.cols, inter = gate.rows;
-    uint32_t shared_inter = 0, shared_gs = 0;
+    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
+    std::string variant = gate.variant();
     if (shared_gate_up) {
         const Matrix& s = *shared_gate_up;
         s.validate("moe_gate_up: shared_gate_up");
-        same_format(gate, s, op, "shared_gate_up");
+        variant = paired_variant(gate, s, op, "shared_gate_up");
+        shared_bits = s.qbits();
         check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
               "shared_gate_up must be one [2 * shared_inter, H] matrix");
         shared_inter = s.rows / 2;
@@ -84,7 +82,7 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
         topk = MOE_TOPK_FUSED | (route->norm ? MOE_TOPK_NORM : 0u);
     }
     const MoeGateUpParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k, shared_inter,
-                            shared_gs, stride, route ? route->n_experts : 0u, topk};
+                            shared_gs, stride, route ? route->n_experts : 0u, topk, gate.qbits(), shared_bits};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, gate, uint64_t(k) * inter);  // only the k chosen experts' rows are read
     matrix_args(args, up, uint64_t(k) * inter);
@@ -99,7 +97,7 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
     args.push_back(route ? Arg::out(ids.view(0, uint64_t(k) * 4)) : Arg::in(ids.view(0, uint64_t(k) * 4)));
     args.push_back(Arg::out(av, (uint64_t(k) * inter + shared_inter) * es));
     args.push_back(route ? Arg::out(route->weights.view(0, uint64_t(k) * 4)) : Arg::in(av, 0));
-    e.dispatch("moe_gate_up_" + gate.variant() + "_" + act_suffix(t), Dims{ceil_div(stride, QMV_TG_ROWS), slots, 1},
+    e.dispatch("moe_gate_up_" + variant + "_" + act_suffix(t), Dims{ceil_div(stride, QMV_TG_ROWS), slots, 1},
                kGemvThreads, args);
 }
 
@@ -111,11 +109,13 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     check(k >= 1 && k <= down.count, op,
           "k must be in [1, experts in the stack = " + std::to_string(down.count) + "], got " + std::to_string(k));
     const uint32_t H = down.rows, inter = down.cols;
-    uint32_t shared_inter = 0, shared_gs = 0;
+    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
+    std::string variant = down.variant();
     if (shared_down) {
         const Matrix& s = *shared_down;
         s.validate("moe_down: shared_down");
-        same_format(down, s, op, "shared_down");
+        variant = paired_variant(down, s, op, "shared_down");
+        shared_bits = s.qbits();
         check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
         shared_inter = s.cols;
         shared_gs = quantized(s.fmt) ? s.group_size : 0;
@@ -129,7 +129,7 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     need(weights, uint64_t(k) * 4, op, "weights");
     need(x, xn, op, "x");
     const MoeDownParams p{H, inter, quantized(down.fmt) ? down.group_size : 0, down.count, k, shared_inter,
-                          shared_gs, stride};
+                          shared_gs, stride, down.qbits(), shared_bits};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, down, uint64_t(k) * H);  // only the k chosen experts' rows are read
     if (shared_down) {
@@ -144,7 +144,7 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     // the shared-gate logit alone (logits[n_experts]); without a shared expert a stand-in, unread
     args.push_back(shared_down ? Arg::in(logits.view(uint64_t(n_experts) * 4, 4)) : Arg::in(wv, 0));
     args.push_back(Arg::inout(x.view(0, xn)));
-    e.dispatch("moe_down_" + down.variant() + "_" + act_suffix(t), Dims{ceil_div(H, QMV_TG_ROWS), 1, 1},
+    e.dispatch("moe_down_" + variant + "_" + act_suffix(t), Dims{ceil_div(H, QMV_TG_ROWS), 1, 1},
                kGemvThreads, args);
 }
 
@@ -157,7 +157,7 @@ void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, cons
     need(x, uint64_t(K) * es, op, "x");
     need(act, uint64_t(inter) * es, op, "act");
     check(x.offset % (4 * es) == 0, op, "x offset must be 4-element aligned");
-    const MlpGateUpParams p{K, inter, quantized(gate_up.fmt) ? gate_up.group_size : 0};
+    const MlpGateUpParams p{K, inter, quantized(gate_up.fmt) ? gate_up.group_size : 0, gate_up.qbits()};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, gate_up, gate_up.rows);
     args.push_back(Arg::in(x.view(0, uint64_t(K) * es)));

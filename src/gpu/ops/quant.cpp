@@ -6,7 +6,11 @@ namespace qwenmetal::gpu {
 
 const char* format_name(WFormat f) {
     switch (f) {
+        case WFormat::Q2: return "q2";
+        case WFormat::Q3: return "q3";
         case WFormat::Q4: return "q4";
+        case WFormat::Q5: return "q5";
+        case WFormat::Q6: return "q6";
         case WFormat::Q8: return "q8";
         case WFormat::BF16: return "bf16";
         case WFormat::F16: return "f16";
@@ -19,7 +23,25 @@ namespace {
 [[noreturn]] void bad(const char* what, const std::string& msg) {
     throw std::invalid_argument(std::string(what) + ": " + msg);
 }
+// the formats of the run-time-width kernels (WFMT_QN)
+bool runtime_width(WFormat f) {
+    return f == WFormat::Q2 || f == WFormat::Q3 || f == WFormat::Q5 || f == WFormat::Q6;
+}
 }  // namespace
+
+WFormat quantized_format(uint32_t bits, const std::string& what) {
+    switch (bits) {
+        case 2: return WFormat::Q2;
+        case 3: return WFormat::Q3;
+        case 4: return WFormat::Q4;
+        case 5: return WFormat::Q5;
+        case 6: return WFormat::Q6;
+        case 8: return WFormat::Q8;
+        default:
+            throw std::invalid_argument(what + ": " + std::to_string(bits) +
+                                        "-bit weights are not supported (bits 2, 3, 4, 5, 6 or 8)");
+    }
+}
 
 void Matrix::validate(const char* what) const {
     if (rows == 0 || cols == 0 || count == 0)
@@ -45,7 +67,16 @@ void Matrix::validate(const char* what) const {
 
 std::string Matrix::variant() const {
     if (!quantized(fmt)) return format_name(fmt);
-    return std::string(format_name(fmt)) + (scales_f32 ? "_sf32" : "_sbf16");
+    return std::string(runtime_width(fmt) ? "qn" : format_name(fmt)) + (scales_f32 ? "_sf32" : "_sbf16");
+}
+
+std::string paired_variant(const Matrix& a, const Matrix& b, const char* op, const char* what) {
+    if (a.variant() == b.variant()) return a.variant();
+    if (quantized(a.fmt) && quantized(b.fmt) && a.scales_f32 == b.scales_f32)
+        return a.scales_f32 ? "qn_sf32" : "qn_sbf16";
+    throw std::invalid_argument(std::string(op) + ": " + what + " (" + format_name(b.fmt) + ", " + b.variant() +
+                                ") cannot run in one dispatch with the routed experts (" + format_name(a.fmt) + ", " +
+                                a.variant() + "): both must have one format, or both be quantized with one scale type");
 }
 
 void matrix_args(std::vector<Arg>& args, const Matrix& M, uint64_t rows_read) {
@@ -65,12 +96,15 @@ namespace ops {
 
 namespace {
 uint32_t vals_per_lane(WFormat f) {
+    if (runtime_width(f)) return QMV_VALS_QN;
     return f == WFormat::Q4 ? QMV_VALS_Q4 : f == WFormat::Q8 ? QMV_VALS_Q8 : QMV_VALS_DENSE;
 }
 // input vectors per threadgroup of qmv (the kernel variant): 1 (decode), else the smallest of 4, 8, 16
-// that holds the batch (the vectors past it are skipped), QMV_MULTI_MAX for larger batches (chunks of 16)
-uint32_t qmv_vectors(uint32_t batch) {
+// that holds the batch (the vectors past it are skipped), QMV_MULTI_MAX for larger batches (chunks of 16);
+// the run-time-width format has only the decode kernel and b16 (metal/quant.metal's instantiations)
+uint32_t qmv_vectors(WFormat f, uint32_t batch) {
     if (batch == 1) return 1;
+    if (runtime_width(f)) return QMV_MULTI_MAX;
     uint32_t mb = QMV_MULTI_MIN;
     while (mb < batch && mb < QMV_MULTI_MAX) mb *= 2;
     return mb;
@@ -111,8 +145,8 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
         flags |= QMV_ADD;
     }
     if (fuse.round) flags |= QMV_ROUND;
-    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps, batch};
-    const uint32_t mb = qmv_vectors(batch), chunks = ceil_div(batch, mb);
+    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps, batch, W.qbits()};
+    const uint32_t mb = qmv_vectors(W.fmt, batch), chunks = ceil_div(batch, mb);
     const std::string kernel = std::string(mb == 1 ? "qmv_" : "qmv_b" + std::to_string(mb) + "_") + W.variant() +
                                "_" + act_suffix(t) + (f32o ? "_f32out" : "");
     std::vector<Arg> args{Arg::params(p)};
@@ -143,7 +177,7 @@ void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, co
     const uint32_t per = ceil_div(E.cols, vals_per_lane(E.fmt));
     uint32_t threads = (per + 31) / 32 * 32;
     if (threads > EMBED_MAX_THREADS) threads = EMBED_MAX_THREADS;
-    const EmbedParams p{E.cols, E.rows, quantized(E.fmt) ? E.group_size : 0};
+    const EmbedParams p{E.cols, E.rows, quantized(E.fmt) ? E.group_size : 0, E.qbits()};
     // n ids touch at most n rows of the table
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, E, n < E.rows ? n : E.rows);

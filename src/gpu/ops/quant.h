@@ -8,20 +8,28 @@
 
 namespace qwenmetal::gpu {
 
-// Storage format of a linear weight: MLX affine 4/8-bit (uint32 words, lowest bits first, one
-// scale + bias per group of `group_size` inputs of a row) or dense 16/32-bit floats.
-enum class WFormat : uint8_t { Q4 = 0, Q8 = 1, BF16 = 2, F16 = 3, F32 = 4 };
+// Storage format of a linear weight: MLX affine 2/3/4/5/6/8-bit (uint32 words holding one LSB-first bit
+// stream per row, one scale + bias per group of `group_size` inputs of a row) or dense 16/32-bit floats.
+// Q4 and Q8 have kernels of their own; Q2, Q3, Q5, Q6 share the run-time-width kernels (WFMT_QN,
+// variant "qn_*", the width in the params: metal/quant_dot.h says why).
+enum class WFormat : uint8_t { Q4 = 0, Q8 = 1, BF16 = 2, F16 = 3, F32 = 4, Q2 = 5, Q3 = 6, Q5 = 7, Q6 = 8 };
 
-inline bool quantized(WFormat f) { return f == WFormat::Q4 || f == WFormat::Q8; }
 inline uint32_t format_bits(WFormat f) {
     switch (f) {
+        case WFormat::Q2: return 2;
+        case WFormat::Q3: return 3;
         case WFormat::Q4: return 4;
+        case WFormat::Q5: return 5;
+        case WFormat::Q6: return 6;
         case WFormat::Q8: return 8;
         case WFormat::F32: return 32;
         default: return 16;
     }
 }
-// kernel-name part: "q4", "q8", "bf16", "f16", "f32"
+inline bool quantized(WFormat f) { return f != WFormat::BF16 && f != WFormat::F16 && f != WFormat::F32; }
+// the quantized format of width `bits` (2, 3, 4, 5, 6, 8); std::invalid_argument naming `what` otherwise
+WFormat quantized_format(uint32_t bits, const std::string& what);
+// kernel-name part: "q2", "q3", "q4", "q5", "q6", "q8", "bf16", "f16", "f32"
 const char* format_name(WFormat f);
 
 // A [rows, cols] matrix, or a stack of `count` of them (routed experts: [count, rows, cols],
@@ -34,14 +42,22 @@ struct Matrix {
     Buffer w, scales, biases;
 
     uint64_t row_bytes() const { return uint64_t(cols) * format_bits(fmt) / 8; }
+    // the width a kernel's params carry (`bits`: read by the qn kernels), 0 for a dense matrix
+    uint32_t qbits() const { return quantized(fmt) ? format_bits(fmt) : 0; }
     uint64_t srow_bytes() const { return quantized(fmt) ? uint64_t(cols / group_size) * (scales_f32 ? 4 : 2) : 0; }
     // bytes of one matrix of the stack (weights + scales + biases): what a GEMV over it reads
     uint64_t matrix_bytes() const { return uint64_t(rows) * (row_bytes() + 2 * srow_bytes()); }
     // checks the buffers against the shape; throws std::invalid_argument naming `what`
     void validate(const char* what) const;
-    // "q4_sbf16", "q8_sf32", "bf16", ...: the weight-format part of kernel names
+    // "q4_sbf16", "q8_sf32", "qn_sbf16" (2, 3, 5, 6 bits), "bf16", ...: the weight-format part of kernel names
     std::string variant() const;
 };
+
+// The weight-format part of the kernel that runs `a` and `b` in one dispatch (the MoE kernels: routed
+// experts and the shared expert): their common variant, or "qn_*" for two quantized widths with one
+// scale type (the run-time-width kernel takes a width per matrix). std::invalid_argument naming `op`
+// and `what` (b) otherwise.
+std::string paired_variant(const Matrix& a, const Matrix& b, const char* op, const char* what);
 
 // Appends the three kernel arguments of M (w, scales, biases: views over the whole stack), declaring
 // `rows_read` rows as read (e.g. k * rows for the k selected experts of a stack: the costing counts

@@ -70,6 +70,28 @@ def test_streaming_equals_resident(ckpt, expected, slots, policy):
         assert st["bytes_read"] <= moe * E * m._backend.plan.expert_bytes and st["hit_rate"] > 0
 
 
+def test_direct_io_equals_resident(ckpt, expected):
+    """expert_direct_io reads the experts past the page cache: the cache's descriptors of the checkpoint
+    files are O_DIRECT (Linux; none without the option), and the logits are the resident ones."""
+    def direct_fds():       # this process's descriptors of the checkpoint's files: how many have O_DIRECT
+        flags = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.realpath(ckpt)):
+                    flags.append(int(open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8))
+            except (FileNotFoundError, IndexError):
+                continue
+        return sum(bool(f & os.O_DIRECT) for f in flags)
+
+    buffered = qm.Model.load(ckpt, backend="cpu", memory_budget=None, expert_slots=2, **OPTS)
+    assert direct_fds() == 0
+    del buffered
+    m = qm.Model.load(ckpt, backend="cpu", memory_budget=None, expert_slots=2, expert_direct_io=True, **OPTS)
+    assert m._backend.plan.direct_io and direct_fds() >= 1
+    np.testing.assert_array_equal(run(m), expected)
+    assert m._backend.info()["experts"]["bytes_read"] > 0
+
+
 def test_generate_stats_and_tokens(ckpt, resident):
     m = qm.Model.load(ckpt, backend="cpu", memory_budget=None, expert_slots=1, expert_policy="lru", **OPTS)
     want = list(resident.generate(PROMPT, max_tokens=6, temperature=0, cache=False))
@@ -116,6 +138,10 @@ def test_bad_options_rejected(ckpt):
         load(memory_budget="lots")
     with pytest.raises(InputError, match="memory_budget 1000 bytes cannot hold the resident weights"):
         load(memory_budget=1000)
+    with pytest.raises(InputError, match="expert_direct_io cannot be used with expert_policy 'os'"):
+        load(expert_slots=1, expert_policy="os", expert_direct_io=True)
+    with pytest.raises(InputError, match="expert_direct_io must be True or False, got 1"):
+        load(expert_slots=1, expert_direct_io=1)
 
 
 def test_quantize_at_load_cannot_stream():

@@ -50,6 +50,9 @@ def _add_model_args(p, default_model=None, required=False):
                    help="expert cache slots per MoE layer (forces streaming; default: as many as the budget holds)")
     g.add_argument("--expert-policy", default=None, choices=POLICIES,
                    help="expert cache replacement policy (default: the planner's, lfu)")
+    g.add_argument("--expert-direct-io", action="store_true",
+                   help="read streamed experts past the page cache (O_DIRECT / F_NOCACHE): their bytes are held "
+                        "once, in the cache's slots")
 
 
 def _load_options(args) -> dict:
@@ -62,6 +65,8 @@ def _load_options(args) -> dict:
         o["expert_slots"] = args.expert_slots
     if args.expert_policy is not None:
         o["expert_policy"] = args.expert_policy
+    if args.expert_direct_io:
+        o["expert_direct_io"] = True
     return o
 
 
@@ -217,7 +222,8 @@ def _info_plan(config, weights_or_sizes, args):
     from . import streaming
     o = _load_options(args)
     return streaming.plan(config, weights_or_sizes, o.get("memory_budget", "auto"),
-                          slots_per_layer=o.get("expert_slots"), policy=o.get("expert_policy"))
+                          slots_per_layer=o.get("expert_slots"), policy=o.get("expert_policy"),
+                          direct_io=o.get("expert_direct_io", False))
 
 
 def cmd_info(args) -> int:

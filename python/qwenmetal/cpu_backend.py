@@ -34,7 +34,8 @@ Options (``Model.load(path, backend="cpu", **options)``):
   equals resident output bit for bit (docs/cpu.md, "Streaming experts").
 * ``expert_slots``: slots per MoE layer (1 .. num_experts; default: the planner's, from the budget);
   ``expert_policy``: ``"lru"``, ``"lfu"`` or ``"os"`` (default: the planner's). Giving either forces
-  the plan's choice (tests stream tiny fixtures with them).
+  the plan's choice (tests stream tiny fixtures with them). ``expert_direct_io``: read the experts past
+  the page cache (O_DIRECT / F_NOCACHE), so their bytes are held once, in the slots (default False).
 
 State (``CpuState``) lives in C++: ``position``, ``nbytes``, ``copy()`` (deep). ``forward`` updates
 the state in place and returns it: the engine reserves everything it needs (KV growth, scratch)
@@ -130,7 +131,7 @@ def stream_spec(weights: Weights, plan) -> dict:
     stacks = {f"layers.{i}.mlp.{n}": _format(weights.tensors[f"layers.{i}.mlp.{n}"])
               for i in layers for n in _EXPERT_STACKS}
     return dict(files=files, layers=layers, slots_per_layer=int(plan.slots_per_layer), policy=plan.policy,
-                stacks=stacks)
+                direct_io=bool(plan.direct_io), stacks=stacks)
 
 
 def config_dict(c) -> dict:
@@ -169,7 +170,7 @@ class CpuBackend:
     def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
                  prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto",
                  memory_budget: int | str | None = "auto", expert_slots: int | None = None,
-                 expert_policy: str | None = None):
+                 expert_policy: str | None = None, expert_direct_io: bool = False):
         core = _core()
         if threads is None:
             threads = core.cpu_physical_cores()
@@ -188,7 +189,8 @@ class CpuBackend:
         from .streaming import plan as stream_plan
 
         c = weights.config
-        self.plan = stream_plan(c, weights, memory_budget, slots_per_layer=expert_slots, policy=expert_policy)
+        self.plan = stream_plan(c, weights, memory_budget, slots_per_layer=expert_slots, policy=expert_policy,
+                                direct_io=expert_direct_io)
         stream = stream_spec(weights, self.plan) if self.plan.stream else None
         linear, small = {}, {}
         for name, t in weights.tensors.items():

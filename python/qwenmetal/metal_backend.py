@@ -26,7 +26,7 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
 * ``gdn_route``: the Gated DeltaNet prefill, ``"auto"`` (by chunk length from the cost model), ``"scan"``
   or ``"chunked"`` (the WY/UT form).
 * ``memory_budget`` (``"auto"``, the default: the memory available here; bytes; or ``None``: never stream),
-  ``expert_slots``, ``expert_policy`` (``"lru"`` | ``"lfu"`` | ``"os"``): expert streaming
+  ``expert_slots``, ``expert_policy`` (``"lfu"`` | ``"lru"`` | ``"os"``), ``expert_direct_io``: expert streaming
   (``qwenmetal.streaming``). When the checkpoint does not fit the budget, the routed experts are read from
   the files into ``expert_slots`` slot stacks per MoE layer (device buffers) as the routing asks for them,
   and a token runs as per-layer command buffers (docs/metal.md, "Streaming mode"); everything else stays
@@ -83,10 +83,10 @@ class _GpuBackend:
     def __init__(self, weights: Weights, device, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
-                 expert_policy=None):
+                 expert_policy=None, expert_direct_io=False):
         prefill = prefill_options(prefill_chunk, gemm_route, gdn_route)
         self.plan = stream_plan(weights.config, weights, memory_budget, slots_per_layer=expert_slots,
-                                policy=expert_policy)
+                                policy=expert_policy, direct_io=expert_direct_io)
         streaming = stream_spec(weights, self.plan) if self.plan.stream else None
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -190,11 +190,11 @@ class MetalSimBackend(_GpuBackend):
     def __init__(self, weights: Weights, dtype: str = "float32", kv_dtype: str | None = None,
                  attention: dict | None = None, schedule: str = "forward", seed: int = 0,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gemm_route: str = "auto", gdn_route: str = "auto",
-                 memory_budget="auto", expert_slots=None, expert_policy=None):
+                 memory_budget="auto", expert_slots=None, expert_policy=None, expert_direct_io=False):
         dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
         self.schedule = schedule
         super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route,
-                         memory_budget, expert_slots, expert_policy)
+                         memory_budget, expert_slots, expert_policy, expert_direct_io)
 
 
 class MetalBackend(_GpuBackend):
@@ -205,9 +205,9 @@ class MetalBackend(_GpuBackend):
     def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
-                 expert_policy=None):
+                 expert_policy=None, expert_direct_io=False):
         super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention, prefill_chunk, gemm_route,
-                         gdn_route, memory_budget, expert_slots, expert_policy)
+                         gdn_route, memory_budget, expert_slots, expert_policy, expert_direct_io)
 
 
 def sim_available() -> bool:

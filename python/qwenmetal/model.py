@@ -199,7 +199,8 @@ class Model:
         available here) | bytes | a size like "8GiB" | None: never stream; a checkpoint larger than the
         budget keeps its non-expert weights mapped and streams the routed experts from the files into a
         bounded expert cache, output unchanged), expert_slots (cache slots per MoE layer, 1..num_experts;
-        giving it forces streaming) and expert_policy ("lfu", the default | "lru" | "os"); reference: dtype
+        giving it forces streaming), expert_policy ("lfu", the default | "lru" | "os") and expert_direct_io
+        (read the experts past the page cache, default False); reference: dtype
         ("float32" | "bfloat16", rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size
         (GDN prefill chunk, default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
         default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |

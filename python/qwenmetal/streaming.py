@@ -227,6 +227,7 @@ class StreamPlan:
     slots_per_layer: int       # 1..num_experts (num_experts when not streaming)
     policy: str                # "lru" | "lfu" | "os"
     reserve_bytes: int = 0     # kept free for one session's KV/state and scratch when sizing the slots
+    direct_io: bool = False    # read experts past the page cache (Linux O_DIRECT, macOS F_NOCACHE)
 
     @property
     def slot_bytes(self) -> int:
@@ -248,7 +249,7 @@ class StreamPlan:
 
 
 def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int | None = None,
-         policy: str | None = None) -> StreamPlan:
+         policy: str | None = None, direct_io: bool = False) -> StreamPlan:
     """Plan expert streaming for `config` with the tensors of `weights_or_sizes` (a Weights, or a mapping
     canonical name -> bytes as stored) under `memory_budget` (None: never stream; "auto": available_memory();
     bytes, or a size string as `parse_budget` reads).
@@ -257,13 +258,19 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
     that way). Slots per layer: `slots_per_layer`, else what the budget leaves after the resident weights and
     the reserve (one session's KV cache at RESERVE_CONTEXT tokens + GDN state + SCRATCH_BYTES), clamped to
     [1, num_experts]. Raises InputError naming memory_budget when the budget cannot hold the resident weights
-    and the slots (at least one per layer)."""
+    and the slots (at least one per layer). `direct_io`: the cache reads past the page cache (so a streamed
+    expert's bytes are held once, in its slot); not with policy "os", which relies on the page cache."""
     budget = parse_budget(memory_budget)
     if slots_per_layer is not None and (isinstance(slots_per_layer, bool) or not isinstance(slots_per_layer, int)):
         raise InputError(f"expert_slots must be an int, got {slots_per_layer!r}", "expert_slots")
     if policy is not None and policy not in POLICIES:
         raise InputError(f"expert_policy must be one of {', '.join(POLICIES)}, got {policy!r}", "expert_policy")
     policy = policy or DEFAULT_POLICY
+    if not isinstance(direct_io, bool):
+        raise InputError(f"expert_direct_io must be True or False, got {direct_io!r}", "expert_direct_io")
+    if direct_io and policy == "os":
+        raise InputError("expert_direct_io cannot be used with expert_policy 'os' (it relies on the page cache)",
+                         "expert_direct_io")
     sizes = ({k: int(v.nbytes) for k, v in weights_or_sizes.tensors.items()}
              if hasattr(weights_or_sizes, "tensors") else {k: int(v) for k, v in weights_or_sizes.items()})
     layers = moe_layers(config)
@@ -290,7 +297,7 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
     reserve = held["kv_cache"] + held["gdn_state"] + SCRATCH_BYTES
     common = dict(checkpoint_bytes=checkpoint, resident_bytes=resident, expert_bytes=expert_bytes,
                   moe_layers=len(layers), num_experts=E, top_k=config.num_experts_per_tok, policy=policy,
-                  reserve_bytes=reserve)
+                  reserve_bytes=reserve, direct_io=direct_io)
     fits = budget is None or checkpoint <= budget
     if not layers or (fits and slots_per_layer is None):
         return StreamPlan(stream=False, budget=checkpoint if budget is None else budget, slots_per_layer=E, **common)

@@ -129,6 +129,7 @@ void parse_stream_tables(const nb::dict& d, std::vector<std::string>& files,
     }
     cache.slots_per_layer = nb::cast<int>(d["slots_per_layer"]);
     cache.policy = parse_cache_policy(nb::cast<std::string>(d["policy"]));
+    cache.direct_io = d.contains("direct_io") && nb::cast<bool>(d["direct_io"]);
 }
 
 void register_expert_cache(nb::module_& m) {

@@ -102,6 +102,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         options["expert_slots"] = args.expert_slots
     if args.expert_policy is not None:
         options["expert_policy"] = args.expert_policy
+    if args.expert_direct_io:
+        options["expert_direct_io"] = True
     for kv in args.option or ():
         k, sep, v = kv.partition("=")
         if not sep or not k:
@@ -358,6 +360,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "routed experts stream from disk when the checkpoint does not fit (docs/streaming.md)")
     p.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per MoE layer (forces streaming)")
     p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "os"), help="expert cache replacement policy")
+    p.add_argument("--expert-direct-io", action="store_true", help="read streamed experts past the page cache")
     p.add_argument("--memory-limit", default=None, metavar="L",
                    help="run under a real memory limit: a memory cgroup of L bytes, a size or N%% of the checkpoint "
                         "(RSS + page cache, no swap; Linux, root or a delegated cgroup)")

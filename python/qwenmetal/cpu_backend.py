@@ -125,9 +125,11 @@ def stream_spec(weights: Weights, plan) -> dict:
     """The engine's streaming spec for a streaming `plan`: the checkpoint files, each MoE layer's expert
     parts (`qwenmetal.streaming.expert_layout`) as (file, offset, stride, nbytes), the slots and policy,
     and the stacks' formats."""
-    from .streaming import cache_tables, expert_layout
+    from .streaming import cache_tables, expert_layout, keep_unmapped
 
-    files, layers = cache_tables(expert_layout(weights))
+    layout = expert_layout(weights)
+    keep_unmapped(weights, layout)
+    files, layers = cache_tables(layout)
     stacks = {f"layers.{i}.mlp.{n}": _format(weights.tensors[f"layers.{i}.mlp.{n}"])
               for i in layers for n in _EXPERT_STACKS}
     return dict(files=files, layers=layers, slots_per_layer=int(plan.slots_per_layer), policy=plan.policy,

@@ -24,7 +24,7 @@ from qwenmetal.errors import InputError
 from qwenmetal.testing import cached_checkpoint
 
 from model_runs import rel_range_err
-from test_streaming_cpu import CFG, mapped_expert_pages
+from test_streaming_cpu import CFG, evict_page_cache, mapped_expert_pages
 
 from .gpu_harness import BACKEND
 
@@ -149,8 +149,9 @@ def test_streaming_options_rejected(options, match):
 def test_streamed_experts_never_mapped():
     """No page of the streamed experts' bytes is ever in this process's page tables after a streaming run
     (the probe and its control, a resident run that maps most of them: tests/test_streaming_cpu.py)."""
-    m = qm.Model.load(cached_checkpoint(CFG, "mlx-q4", seed=2, name="stream-cpu"), backend=BACKEND,
-                      expert_slots=1, expert_policy="os")
+    ckpt = cached_checkpoint(CFG, "mlx-q4", seed=2, name="stream-cpu")
+    evict_page_cache(ckpt)
+    m = qm.Model.load(ckpt, backend=BACKEND, expert_slots=1, expert_policy="os")
     s = m.new_session()
     m.prefill(s, PROMPT[:2], return_logits="last")
     assert m._backend.expert_counters()["bytes_read"] > 0

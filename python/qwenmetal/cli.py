@@ -41,11 +41,17 @@ def _add_model_args(p, default_model=None, required=False):
                    help=f"auto (default: metal on a Mac, else cpu) | {' | '.join(ALL_BACKENDS)} "
                         f"(available here: {', '.join(BACKENDS)})")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) with a hub id")
-    from .streaming import POLICIES
     g = p.add_argument_group("models larger than memory (docs/streaming.md)")
     g.add_argument("--memory-budget", default="auto", metavar="BYTES",
                    help="bytes the model may use ('auto', the default: what this machine has free; 'none': never "
                         "stream; or e.g. 12GiB): a checkpoint larger than this streams its routed experts from disk")
+    add_expert_args(g)
+
+
+def add_expert_args(g) -> None:
+    """--expert-slots, --expert-policy, --expert-direct-io (`expert_options` reads them); `qwenmetal bench`
+    adds them beside its own --memory-budget."""
+    from .streaming import POLICIES
     g.add_argument("--expert-slots", type=int, default=None, metavar="N",
                    help="expert cache slots per MoE layer (forces streaming; default: as many as the budget holds)")
     g.add_argument("--expert-policy", default=None, choices=POLICIES,
@@ -55,12 +61,9 @@ def _add_model_args(p, default_model=None, required=False):
                         "once, in the cache's slots")
 
 
-def _load_options(args) -> dict:
-    """The backend options the streaming flags set (`Model.load(**options)`); flags left at their defaults
-    are left out, so backends that cannot stream (reference) load as before."""
+def expert_options(args) -> dict:
+    """The backend options the expert flags set; flags left at their defaults are left out."""
     o = {}
-    if str(args.memory_budget).lower() != "auto":
-        o["memory_budget"] = None if str(args.memory_budget).lower() == "none" else args.memory_budget
     if args.expert_slots is not None:
         o["expert_slots"] = args.expert_slots
     if args.expert_policy is not None:
@@ -69,6 +72,13 @@ def _load_options(args) -> dict:
         o["expert_direct_io"] = True
     return o
 
+def _load_options(args) -> dict:
+    """The backend options the streaming flags set (`Model.load(**options)`); flags left at their defaults
+    are left out, so backends that cannot stream (reference) load as before."""
+    o = {}
+    if str(args.memory_budget).lower() != "auto":
+        o["memory_budget"] = None if str(args.memory_budget).lower() == "none" else args.memory_budget
+    return o | expert_options(args)
 
 #: what each sampling flag's neutral value is (the flags are qm.GenerationOptions' sampling fields)
 _SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",

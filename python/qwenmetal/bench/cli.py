@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..cli import add_expert_args, expert_options
 from .bandwidth import measure_file_read, measure_read_bandwidth
 from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, tensor_sizes
 from .checkpoint import ensure_checkpoint, resolve_config
@@ -98,12 +99,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         raise ValueError("--kv-dtype and --prefill-chunk apply to the cpu backend")
     if args.memory_budget is not None:
         options["memory_budget"] = parse_size(args.memory_budget, "--memory-budget", checkpoint_bytes(path))
-    if args.expert_slots is not None:
-        options["expert_slots"] = args.expert_slots
-    if args.expert_policy is not None:
-        options["expert_policy"] = args.expert_policy
-    if args.expert_direct_io:
-        options["expert_direct_io"] = True
+    options |= expert_options(args)
     for kv in args.option or ():
         k, sep, v = kv.partition("=")
         if not sep or not k:
@@ -358,9 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, metavar="B",
                    help="the backend's memory_budget: auto, none, bytes, a size (8GiB) or N%% of the checkpoint; "
                         "routed experts stream from disk when the checkpoint does not fit (docs/streaming.md)")
-    p.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per MoE layer (forces streaming)")
-    p.add_argument("--expert-policy", default=None, choices=("lru", "lfu", "os"), help="expert cache replacement policy")
-    p.add_argument("--expert-direct-io", action="store_true", help="read streamed experts past the page cache")
+    add_expert_args(p)
     p.add_argument("--memory-limit", default=None, metavar="L",
                    help="run under a real memory limit: a memory cgroup of L bytes, a size or N%% of the checkpoint "
                         "(RSS + page cache, no swap; Linux, root or a delegated cgroup)")

@@ -24,6 +24,7 @@
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
 #include "cpu/amx.h"
+#include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 #include "cpu/moe.h"
 #include "cpu/quant.h"
@@ -473,6 +474,25 @@ void register_cpu_engine(nb::module_& m) {
 
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
+    m.def("cpu_info", [] {
+        const cpu::CpuInfo& ci = cpu::cpu_info();
+        nb::dict d, kernels;
+        d["vendor"] = ci.vendor;
+        d["model_name"] = ci.model_name;
+        d["family"] = ci.family;
+        d["model"] = ci.model;
+        d["stepping"] = ci.stepping;
+        d["uarch"] = ci.uarch;
+        d["isa"] = std::string(cpu::kernels().name);
+        nb::list features;
+        for (const std::string& f : ci.feature_names()) features.append(f);
+        d["features"] = features;
+        d["amx"] = cpu::amx_enabled();
+        for (const auto& [family, variant] : cpu::kernel_choices()) kernels[family.c_str()] = variant;
+        d["kernels"] = kernels;
+        return d;
+    }, "this CPU: {vendor, model_name, family, model, stepping, uarch, isa (== cpu_isa()), features, amx "
+       "(AMX in use now), kernels: {kernel family: the variant it uses now}} (detected once, src/cpu/cpu_info.cpp)");
     m.def("cpu_isas", [] {
         nb::list l;
         for (cpu::Isa i : {cpu::Isa::Portable, cpu::Isa::AVX2, cpu::Isa::AVX512, cpu::Isa::NEON})

@@ -7,6 +7,7 @@
 
 #include "cpu/kernels.h"
 #include "cpu/amx.h"
+#include "cpu/cpu_info.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -581,18 +582,12 @@ struct VT {
 #endif
 
 const Kernels* kernels_avx2() {
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
-        return nullptr;
+    if (!cpu_info().f.avx2_core()) return nullptr;
     return avx2::table(Isa::AVX2, "avx2");
 }
 
 const Kernels* kernels_avx512() {
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
-        return nullptr;
+    if (!cpu_info().f.avx512_core()) return nullptr;
     return avx512::table(Isa::AVX512, "avx512");
 }
 

@@ -17,10 +17,10 @@ import pytest
 from oracles import unavailable  # fails in CI, skips elsewhere
 
 ROOT = Path(__file__).resolve().parent.parent
-# the CPU kernels and what the checker links against (quantizer, thread pool); the x86 files compile to
-# their "not this architecture" stubs
+# the CPU kernels and what the checker links against (CPU detection, quantizer, thread pool); the x86
+# files compile to their "not this architecture" stubs
 SOURCES = ["src/cpu/kernels_portable.cpp", "src/cpu/kernels_neon.cpp", "src/cpu/kernels_x86.cpp",
-           "src/cpu/kernels_amx.cpp", "src/cpu/quant.cpp", "src/cpu/threadpool.cpp",
+           "src/cpu/kernels_amx.cpp", "src/cpu/cpu_info.cpp", "src/cpu/quant.cpp", "src/cpu/threadpool.cpp",
            "tests/native/kernel_check.cpp"]
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 # emulated CPU -> the integer variant the detection must pick there
@@ -55,6 +55,12 @@ def test_neon_kernels_under_qemu(checker, cpu):
     lines = r.stdout.splitlines()
     assert lines[0] == "checking neon against portable", r.stdout
     assert f"neon_dot: {CPUS[cpu]}" in lines, r.stdout
+    # cpu_info() sees the same features, and its kernel report names the variants in use
+    features = next(ln for ln in lines if ln.startswith("features:")).split()[1:]
+    assert ("dotprod" in features) == (CPUS[cpu] != "neon"), features
+    assert ("i8mm" in features) == (CPUS[cpu] == "i8mm"), features
+    assert f"kernel gemm_int: neon-{CPUS[cpu]}" in lines, r.stdout
+    assert f"kernel gemv_int: neon-{'neon' if CPUS[cpu] == 'neon' else 'dotprod'}" in lines, r.stdout
     # every variant up to the detected one was compared (int8 and int16, GEMV and GEMM)
     variants = list(CPUS.values())[::-1]
     for v in variants[:variants.index(CPUS[cpu]) + 1]:

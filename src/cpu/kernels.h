@@ -98,8 +98,8 @@ bool vnni_enabled();
 
 // The int8/int16-activation kernels of the NEON table (kernels_neon.cpp) in three variants with the
 // same integers and the same result bits: plain NEON widening multiplies (smull/sadalp), FEAT_DotProd
-// (sdot) and FEAT_I8MM (smmla in the prefill GEMM; its GEMV is sdot's). The CPU's is detected at run
-// time (getauxval on Linux, sysctlbyname on macOS); tests cap it to force each one.
+// (sdot) and FEAT_I8MM (smmla in the prefill GEMM; its GEMV is sdot's). The CPU's comes from
+// cpu_info() (getauxval on Linux, sysctlbyname on macOS); tests cap it to force each one.
 enum class NeonDot : int { Plain = 0, DotProd = 1, I8MM = 2 };
 NeonDot neon_dot_available();   // Plain off arm64
 void set_neon_dot(NeonDot cap); // use at most this variant (default: the best the CPU has)

@@ -2,26 +2,16 @@
 // chosen at run time: plain NEON (every arm64 CPU), FEAT_DotProd (sdot: Apple M1+, Graviton2+,
 // Cortex-A76+) and FEAT_I8MM (smmla: Apple M2+, Graviton3+). The file is built for the baseline
 // armv8-a; the sdot / smmla code sits in `#pragma GCC target` regions and is reached only after
-// getauxval / sysctlbyname said the CPU has the feature (as kernels_x86.cpp does with cpuid).
+// cpu_info() (getauxval on Linux, sysctlbyname on macOS) said the CPU has the feature.
 #include <atomic>
 #include <cmath>
 #include <cstring>
 
+#include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 
 #if defined(__aarch64__)
 #include <arm_neon.h>
-#if defined(__linux__)
-#include <sys/auxv.h>
-#ifndef HWCAP_ASIMDDP
-#define HWCAP_ASIMDDP (1 << 20)   // (uapi asm/hwcap.h values, for older libc headers)
-#endif
-#ifndef HWCAP2_I8MM
-#define HWCAP2_I8MM (1 << 13)
-#endif
-#elif defined(__APPLE__)
-#include <sys/sysctl.h>
-#endif
 
 namespace qwenmetal::cpu {
 
@@ -161,29 +151,9 @@ void VT::q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, in
 }
 }  // namespace neon
 
-#if defined(__APPLE__)
-bool sysctl_flag(const char* name) {
-    int v = 0;
-    size_t n = sizeof(v);
-    return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
-}
-#endif
 }  // namespace
 
 const Kernels* kernels_neon() { return neon::table(Isa::NEON, "neon"); }
-
-NeonDot neon_dot_available() {
-#if defined(__linux__)
-    const unsigned long h = getauxval(AT_HWCAP), h2 = getauxval(AT_HWCAP2);
-    const bool dotprod = h & HWCAP_ASIMDDP, i8mm = h2 & HWCAP2_I8MM;
-#elif defined(__APPLE__)
-    const bool dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd"), i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
-#else
-    const bool dotprod = false, i8mm = false;
-#endif
-    // (every i8mm CPU has dotprod, and the i8mm GEMM's tails use sdot)
-    return dotprod ? (i8mm ? NeonDot::I8MM : NeonDot::DotProd) : NeonDot::Plain;
-}
 
 }  // namespace qwenmetal::cpu
 
@@ -191,7 +161,6 @@ NeonDot neon_dot_available() {
 
 namespace qwenmetal::cpu {
 const Kernels* kernels_neon() { return nullptr; }
-NeonDot neon_dot_available() { return NeonDot::Plain; }
 }  // namespace qwenmetal::cpu
 
 #endif
@@ -199,6 +168,10 @@ NeonDot neon_dot_available() { return NeonDot::Plain; }
 namespace qwenmetal::cpu {
 namespace {
 std::atomic<int> g_neon_dot_cap{static_cast<int>(NeonDot::I8MM)};
+}
+NeonDot neon_dot_available() {   // (every i8mm CPU has dotprod, and the i8mm GEMM's tails use sdot)
+    const CpuFeatures& f = cpu_info().f;
+    return f.dotprod ? (f.i8mm ? NeonDot::I8MM : NeonDot::DotProd) : NeonDot::Plain;
 }
 void set_neon_dot(NeonDot cap) { g_neon_dot_cap.store(static_cast<int>(cap), std::memory_order_relaxed); }
 NeonDot neon_dot() {

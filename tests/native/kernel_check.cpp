@@ -4,8 +4,8 @@
 // kernels and runs it under qemu-aarch64 as three CPUs (-cpu max: i8mm, cortex-a76: dotprod,
 // cortex-a72: neither); by hand:
 //   aarch64-linux-gnu-g++ -std=c++17 -O2 -static -Isrc tests/native/kernel_check.cpp src/cpu/kernels_portable.cpp
-//       src/cpu/kernels_neon.cpp src/cpu/kernels_x86.cpp src/cpu/kernels_amx.cpp src/cpu/quant.cpp
-//       src/cpu/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 -cpu max /tmp/kc
+//       src/cpu/kernels_neon.cpp src/cpu/kernels_x86.cpp src/cpu/kernels_amx.cpp src/cpu/cpu_info.cpp
+//       src/cpu/quant.cpp src/cpu/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 -cpu max /tmp/kc
 // (the same command with g++ checks the best x86 table, integer kernels within a tolerance).
 // Prints one line per check and "all ok" / "FAILED n"; the exit status is non-zero on any failure.
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <vector>
+#include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 #include "cpu/quant.h"
 using namespace qwenmetal;
@@ -73,6 +74,11 @@ int main() {
     const bool neon = A->isa == Isa::NEON;
     std::printf("checking %s against %s\n", A->name, P->name);
     std::printf("neon_dot: %s\n", neon ? neon_dot_name(neon_dot_available()) : "-");
+    std::printf("features:");
+    for (const std::string& f : cpu_info().feature_names()) std::printf(" %s", f.c_str());
+    std::printf("\n");
+    for (const auto& [family, variant] : kernel_choices())
+        std::printf("kernel %s: %s\n", family.c_str(), variant.c_str());
     int fails = 0;
     const int64_t R = 37, K = 256;
     std::vector<float> w(R * K), x(9 * K);
@@ -136,7 +142,8 @@ int main() {
                         }
                         const double d = maxdiff(a, b);
                         const bool ok = nan_ok && d < (planes == 2 ? 1e-4 : 5e-2);
-                        std::printf("int%d M %d vs float: %.2e%s\n", planes == 2 ? 16 : 8, M, d, nan_ok ? "" : " NaN MISMATCH");
+                        std::printf("int%d M %d vs float: %.2e%s\n", planes == 2 ? 16 : 8, M, d,
+                                    nan_ok ? "" : " NaN MISMATCH");
                         fails += !ok;
                     }
             }

@@ -49,12 +49,14 @@ struct VT {
     static inline void reduce_w(const V* a, float* out) {   // pairwise adds: out = (Σa0, Σa1, Σa2, Σa3)
         vst1q_f32(out, vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])));
     }
-    static constexpr bool EXP_POLY = false;   // vexp: std::exp per lane
-    static inline V exp(V a) {
-        float t[4];
-        vst1q_f32(t, a);
-        for (float& x : t) x = std::exp(x);
-        return vld1q_f32(t);
+    // for the exp of kernels.inc (vexp, the polynomial instead of std::exp per lane): round to nearest
+    // (frintn), p·2^n for integral n in [-126, 127] by building 2^n's exponent bits
+    static constexpr bool EXP_POLY = true;
+    static inline V min(V a, V b) { return vminq_f32(a, b); }
+    static inline V round(V x) { return vrndnq_f32(x); }
+    static inline V pow2n(V p, V n) {
+        const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+        return vmulq_f32(p, vreinterpretq_f32_s32(e));
     }
     static inline V load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
     static inline V loadn_bf16(const uint16_t* p, int n) {

@@ -161,6 +161,44 @@ int main() {
     double d = std::fmax(maxdiff(oa, op), maxdiff(S, S2)); std::printf("gdn_step: %.2e\n", d); fails += d > 1e-5;
     d = std::fabs(A->dot(x.data(), w.data(), 37) - P->dot(x.data(), w.data(), 37));
     std::printf("dot: %.2e\n", d); fails += d > 1e-4;
+
+    // SiLU (the table's exp: a polynomial where VT::EXP_POLY) on [-8, 8] and at ±100 (the clamp keeps it
+    // finite), with and without the multiplier, 37 values (a tail)
+    {
+        std::vector<float> g(37), u(37), ga, gp;
+        for (int i = 0; i < 37; ++i) { g[i] = -8.f + 16.f * i / 36.f + 0.1f * rnd(); u[i] = rnd(); }
+        g[0] = -100.f;
+        g[36] = 100.f;
+        for (bool mul : {false, true}) {
+            ga = gp = g;
+            A->silu_mul(ga.data(), mul ? u.data() : nullptr, 37);
+            P->silu_mul(gp.data(), mul ? u.data() : nullptr, 37);
+            bool finite = true;
+            for (float t : ga) finite &= std::isfinite(t);
+            d = maxdiff(ga, gp); std::printf("silu_mul%s: %.2e\n", mul ? " u" : "", d); fails += d > 1e-5 || !finite;
+        }
+    }
+    // one attention block (online softmax + P·V), 5 heads sharing 13 keys of 20 dims, f32 and bf16 cache
+    for (bool f32 : {true, false}) {
+        const int64_t G = 5, nb = 13, hd = 20, lds = 16;
+        std::vector<float> qh(G * hd), kf(nb * hd), vf(nb * hd);
+        std::vector<uint16_t> kb(nb * hd), vb(nb * hd);
+        for (auto& t : qh) t = rnd();
+        for (size_t i = 0; i < kf.size(); ++i) { kf[i] = rnd(); vf[i] = rnd(); kb[i] = f32_to_bf16(kf[i]); vb[i] = f32_to_bf16(vf[i]); }
+        std::vector<const float*> qp(G);
+        for (int64_t g = 0; g < G; ++g) qp[g] = qh.data() + g * hd;
+        std::vector<float> out[2];
+        int t = 0;
+        for (const Kernels* T : {A, P}) {
+            std::vector<float> m(G, -INFINITY), l(G, 0.f), acc(G * hd, 0.f), sc(G * lds);
+            const void* kk = f32 ? static_cast<const void*>(kf.data()) : kb.data();
+            const void* vv = f32 ? static_cast<const void*>(vf.data()) : vb.data();
+            T->attn_block(qp.data(), G, kk, vv, f32, hd, nb, hd, 0.3f, m.data(), l.data(), acc.data(), sc.data(), lds);
+            for (int64_t g = 0; g < G; ++g) acc.push_back(l[g]), acc.push_back(m[g]);
+            out[t++] = acc;
+        }
+        d = maxdiff(out[0], out[1]); std::printf("attn_block %s: %.2e\n", f32 ? "f32" : "bf16", d); fails += d > 1e-5;
+    }
     std::printf(fails ? "FAILED %d\n" : "all ok\n", fails);
     return fails != 0;
 }

@@ -68,3 +68,27 @@ def test_neon_kernels_under_qemu(checker, cpu):
             assert f"{planes} {v} M 1 rows [0, 37): same bits (0.00e+00)" in lines, r.stdout
             assert f"{planes} {v} M 9 rows [0, 37): same bits (0.00e+00)" in lines, r.stdout
     assert r.returncode == 0 and lines[-1] == "all ok", r.stdout + r.stderr
+
+
+def test_neon_dot_switch_follows_the_cpu():
+    """cpu_set_neon_dot takes each variant the CPU has (cpu_neon_dot and cpu_info()["kernels"] follow it)
+    and refuses the others by name; on x86 only "neon" (the NEON table is not built there)."""
+    from qwenmetal import _core
+
+    features = set(_core.cpu_info()["features"])
+    have = ["neon"] + (["dotprod"] if "dotprod" in features else []) + \
+        (["i8mm"] if {"dotprod", "i8mm"} <= features else [])
+    assert _core.cpu_neon_dot() == have[-1]
+    try:
+        for v in have:
+            _core.cpu_set_neon_dot(v)
+            assert _core.cpu_neon_dot() == v
+            if _core.cpu_isa() == "neon":
+                assert _core.cpu_info()["kernels"]["gemm_int"] == f"neon-{v}"
+        for v in ["neon", "dotprod", "i8mm"][len(have):]:
+            with pytest.raises(ValueError, match=f"variant '{v}' is not available on this CPU"):
+                _core.cpu_set_neon_dot(v)
+        with pytest.raises(ValueError, match=r"unknown variant 'sve' \(neon, dotprod, i8mm\)"):
+            _core.cpu_set_neon_dot("sve")
+    finally:
+        _core.cpu_set_neon_dot(have[-1])

@@ -102,41 +102,35 @@ constexpr int kDot = 0;
 #undef QM_NEON_I8MM
 }  // namespace plain
 
+// a region whose functions are built for extra arm64 features: gcc's target pragma (arm_neon.h declares
+// sdot for +dotprod and smmla for armv8.2-a+i8mm; FEAT_DotProd is an armv8.2 option), clang's attribute
+#define QM_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#define QM_TARGET_BEGIN(gcc_arch, clang_features) \
+    QM_PRAGMA(clang attribute push(__attribute__((target(clang_features))), apply_to = function))
+#define QM_TARGET_END QM_PRAGMA(clang attribute pop)
 #else
-#pragma GCC push_options
-#pragma GCC target("arch=armv8.2-a+dotprod")   // (FEAT_DotProd is an armv8.2 option)
+#define QM_TARGET_BEGIN(gcc_arch, clang_features) QM_PRAGMA(GCC push_options) QM_PRAGMA(GCC target(gcc_arch))
+#define QM_TARGET_END QM_PRAGMA(GCC pop_options)
 #endif
+
+QM_TARGET_BEGIN("arch=armv8.2-a+dotprod", "dotprod")
 namespace sdot {
 constexpr int kDot = 1;
 #define QM_NEON_I8MM 0
 #include "cpu/kernels_neon_int.inc"
 #undef QM_NEON_I8MM
 }  // namespace sdot
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+QM_TARGET_END
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("dotprod,i8mm"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("arch=armv8.2-a+dotprod+i8mm")   // (arm_neon.h declares smmla for armv8.2-a+i8mm)
-#endif
+QM_TARGET_BEGIN("arch=armv8.2-a+dotprod+i8mm", "dotprod,i8mm")
 namespace mmla {
 constexpr int kDot = 2;
 #define QM_NEON_I8MM 1
 #include "cpu/kernels_neon_int.inc"
 #undef QM_NEON_I8MM
 }  // namespace mmla
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+QM_TARGET_END
 
 // the GEMV needs no i8mm (one input: half of each smmla block would be wasted), so it is sdot's there
 void VT::q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {

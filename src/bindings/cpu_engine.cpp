@@ -521,7 +521,8 @@ void register_cpu_engine(nb::module_& m) {
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
-          "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");
+          "allow (default) or forbid VNNI in the int8 GEMV: AVX512-VNNI in the avx512 kernels, AVX-VNNI in the "
+          "avx2 ones (tests: the AVX512BW / AVX2 vpmaddubsw fallbacks)");
     m.def("cpu_gdn", &k_gdn, "q"_a, "k"_a, "v"_a, "beta"_a, "g"_a, "state"_a, "chunked"_a, "isa"_a = "",
           "Gated delta rule on one head, recurrent or chunked (tests).");
     m.def("cpu_attention", &k_attention, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a, "threads"_a = 1,

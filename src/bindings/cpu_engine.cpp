@@ -521,7 +521,8 @@ void register_cpu_engine(nb::module_& m) {
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
-          "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");
+          "allow (default) or forbid VNNI in the int8 GEMV: AVX512-VNNI in the avx512 kernels, AVX-VNNI in the "
+          "avx2 ones (tests: the AVX512BW / AVX2 vpmaddubsw fallbacks)");
     m.def("cpu_neon_dot", [] { return std::string(cpu::neon_dot_name(cpu::neon_dot())); },
           "the NEON integer kernels in use: 'i8mm', 'dotprod' or 'neon' (plain; also off arm64)");
     m.def("cpu_set_neon_dot", [](const std::string& variant) {

@@ -257,7 +257,7 @@ std::vector<std::pair<std::string, std::string>> kernel_choices() {
     // the int8/int16-activation GEMV (kernels.inc q4i8_gemv): the ISA's SIMD kernel, else scalar code
     std::string gemv_int = "scalar";
     if (k.isa == Isa::AVX512) gemv_int = vnni_enabled() ? "avx512-vnni" : "avx512bw";
-    else if (k.isa == Isa::AVX2) gemv_int = "avx2";
+    else if (k.isa == Isa::AVX2) gemv_int = avx_vnni_enabled() ? "avx-vnni" : "avx2";
     else if (k.isa == Isa::NEON) {   // the NEON integer variant in use (the i8mm one's GEMV is sdot's)
         const NeonDot d = neon_dot();
         return {{"gemv", k.name},

@@ -175,6 +175,10 @@ bool vnni_enabled() {
     static const bool avail = vnni_available();
     return avail && g_vnni.load(std::memory_order_relaxed);
 }
+bool avx_vnni_enabled() {
+    static const bool avail = cpu_info().f.avx_vnni && kernels_avx2() != nullptr;
+    return avail && g_vnni.load(std::memory_order_relaxed);
+}
 
 bool set_isa(Isa isa) {
     const Kernels* k = kernels_for(isa);

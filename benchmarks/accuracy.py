@@ -6,8 +6,8 @@ the reference's own greedy continuation.
     flock /tmp/qwenmetal-bench.lock python benchmarks/accuracy.py --real 4 --prompt 32 --steps 16
 
 ``--real N`` runs the `qwenmetal bench` checkpoint (Qwen3.6-35B-A3B widths, N layers, random weights,
-MLX 4-bit) instead: the reference dequantizes every weight to float32 (about 16 GiB at 4 layers), so the
-float and bfloat16 reference share one copy of them, and the sequence is kept short. ``--json`` writes
+MLX 4-bit) instead: the reference dequantizes every weight to float32 (about 16 GiB at 4 layers; the
+float and bfloat16 reference share that copy, `accuracy.load_mode`), and the sequence is kept short. ``--json`` writes
 the figures with the CPU they came from.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 import qwenmetal as qm
 from qwenmetal import _core
 from qwenmetal import accuracy as A
-from qwenmetal.reference import ReferenceModel
 
 
 def cpu_record() -> dict:
@@ -38,14 +37,9 @@ def run(path, prompt_len: int, steps: int, seed: int, log) -> dict:
     tokens, want = A.greedy_sequence(ref, ids, steps)
     log(f"  float32 reference: {len(tokens)} positions in {time.time() - t0:.0f} s")
     out = {}
-    for name, (backend, options) in A.MODES.items():
+    for name, (backend, _) in A.MODES.items():
         t0 = time.time()
-        if backend == "reference":
-            # the same dequantized float32 weights with MLX's bf16 rounding points (no second copy of them)
-            ref._backend.impl = ReferenceModel(ref.config, ref._backend.impl.params, **options)
-            model = ref
-        else:
-            model = qm.Model.load(path, backend=backend, **options)
+        model = A.load_mode(name, path, ref)
         out[name] = A.compare(model, want, tokens, prompt_len)
         if backend == "cpu":
             out[name]["resolved"] = {"activations": model._backend.activations, "kv_dtype": model._backend.kv_dtype}

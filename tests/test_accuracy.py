@@ -14,7 +14,6 @@ import pytest
 import qwenmetal as qm
 from qwenmetal import _core
 from qwenmetal import accuracy as A
-from qwenmetal.reference import ReferenceModel
 from qwenmetal.testing import cached_checkpoint
 
 PROMPT_LEN, STEPS = 20, 32
@@ -102,19 +101,12 @@ def figures():
         path = cached_checkpoint(preset, fmt, seed=0)
         ref = qm.Model.load(path, backend="reference")
         tokens, want = A.greedy_sequence(ref, A.prompt(ref.config.vocab_size, PROMPT_LEN), STEPS)
-        res = {}
-        for name, (backend, options) in A.MODES.items():
-            if backend == "reference":      # the same dequantized weights, bf16 rounding points
-                ref._backend.impl = ReferenceModel(ref.config, ref._backend.impl.params, **options)
-                res[name] = A.compare(ref, want, tokens, PROMPT_LEN)
-            else:
-                res[name] = A.compare(qm.Model.load(path, backend=backend, threads=2, **options), want, tokens,
-                                      PROMPT_LEN)
+        res = {name: A.compare(A.load_mode(name, path, ref), want, tokens, PROMPT_LEN) for name in A.MODES}
         saved = _core.cpu_isa()
         try:
             for isa in _core.cpu_isas():
                 _core.cpu_set_isa(isa)        # "auto" resolves per the kernels in use at load
-                m = qm.Model.load(path, backend="cpu", threads=2)
+                m = qm.Model.load(path, backend="cpu")
                 res[f"cpu default @{isa}"] = A.compare(m, want, tokens, PROMPT_LEN)
         finally:
             _core.cpu_set_isa(saved)
@@ -148,3 +140,19 @@ def test_each_mode_within_its_bound(case, figures):
     bar = res["reference bfloat16"]
     assert res["cpu int16, f32 KV"]["kl_mean"] < 1e-3 * bar["kl_mean"]
     assert res["cpu float, f32 KV"]["kl_mean"] < 1e-3 * bar["kl_mean"]
+
+
+def test_bf16_mode_is_a_twin_of_the_float_reference():
+    """load_mode's bf16 reference shares the float reference's weights, rounds where MLX rounds (its logits
+    differ), and leaves the float reference as it was."""
+    path = cached_checkpoint("tiny", "mlx-q4", seed=0)
+    ref = qm.Model.load(path, backend="reference")
+    ids = A.prompt(ref.config.vocab_size, 5, seed=1)
+    before = A.teacher_forced(ref, ids, 5)
+    twin = A.load_mode("reference bfloat16", path, ref)
+    assert twin._backend.impl.bf16 and twin._backend.dtype == "bfloat16"
+    assert twin._backend.impl.params["lm_head"] is ref._backend.impl.params["lm_head"]
+    fresh = qm.Model.load(path, backend="reference", dtype="bfloat16")
+    np.testing.assert_array_equal(A.teacher_forced(twin, ids, 5), A.teacher_forced(fresh, ids, 5))
+    assert not np.array_equal(A.teacher_forced(twin, ids, 5), before)
+    np.testing.assert_array_equal(A.teacher_forced(ref, ids, 5), before)

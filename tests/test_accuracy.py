@@ -24,9 +24,11 @@ CASES = [(p, f) for p in ("tiny", "tiny-qwen3-next") for f in ("mlx-q4", "mlx-q8
 BOUNDS = {
     "cpu float, f32 KV": dict(max_abs_err_rel=1e-4, top1_agree=1.0),      # observed <= 7e-6
     "cpu int16, f32 KV": dict(max_abs_err_rel=1e-3, top1_agree=1.0),      # observed <= 2.3e-4
-    "cpu float": dict(max_abs_err_rel=3e-3, top1_agree=1.0),              # bf16 KV cache: observed <= 8.6e-4
-    "cpu int16": dict(max_abs_err_rel=3e-3, top1_agree=1.0),
-    "cpu default": dict(max_abs_err_rel=3e-3, top1_agree=1.0),
+    # with the bf16 KV cache (observed <= 8.6e-4) one flip is allowed: the closest top-2 pair of the
+    # reference's logits is 1.3e-4 of the range apart (mlx-q8), below the cache's rounding error
+    "cpu float": dict(max_abs_err_rel=3e-3, top1_agree_min=0.98),
+    "cpu int16": dict(max_abs_err_rel=3e-3, top1_agree_min=0.98),
+    "cpu default": dict(max_abs_err_rel=3e-3, top1_agree_min=0.98),
     "cpu int8, f32 KV": dict(max_abs_err_rel=0.3, kl_mean=5e-3),          # observed 0.145, 1.4e-3
     "cpu int8": dict(max_abs_err_rel=0.3, kl_mean=5e-3),
     # the bar itself: MLX's bf16 rounding points cost accuracy, but a bar this loose or looser would mean

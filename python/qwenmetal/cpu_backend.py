@@ -26,7 +26,8 @@ Options (``Model.load(path, backend="cpu", **options)``):
   - ``"float"``: fp32 FMAs on the dequantized weights, the reference arithmetic;
   - ``"auto"`` (default): the fastest mode that meets the accuracy contract (`qwenmetal.accuracy`: at
     least as accurate as the reference's bfloat16 mode): ``"int16"`` where the CPU has the SIMD integer
-    kernels (AVX2, AVX-512), ``"float"`` elsewhere (the portable and NEON integer paths are scalar).
+    kernels (AVX2, AVX-512), ``"float"`` elsewhere (the portable integer path is scalar; the NEON one is
+    qemu-verified only, with no arm64 timing to choose it by).
 
 * ``memory_budget``: ``"auto"`` (default: the memory available to this process), bytes, or ``None``
   (never stream). When the checkpoint does not fit (`qwenmetal.streaming.plan`), the non-expert

@@ -463,7 +463,8 @@ AMX = _core.cpu_amx_available()
 # the VNNI and AMX switches only affect the avx512 path: other ISAs run once; AMX (prefill GEMMs) with
 # its operand orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
 INT_PATHS = ([(i, True, False, 0) for i in FAMILY_ISAS]
-             + ([("avx512", False, False, 0)] + [("avx512", True, True, o) for o in (0, 1, 2)] if X86 else []))
+             + ([("avx512", False, False, 0), ("avx2", False, False, 0)]
+                + [("avx512", True, True, o) for o in (0, 1, 2)] if X86 else []))
 NO_AMX = "no usable AMX tile unit (CPU or OS): cpu_amx_available() is False"
 
 

@@ -64,6 +64,13 @@ def test_kernels_follow_the_switches():
         _core.cpu_set_isa("portable")
         k = _core.cpu_info()["kernels"]
         assert k["gemv"] == "portable" and k["gemv_int"] == "scalar"
+        if "avx2" in _core.cpu_isas():   # AVX-VNNI where the CPU has it, unless forbidden
+            _core.cpu_set_isa("avx2")
+            vnni = "avx_vnni" in _core.cpu_info()["features"]
+            assert _core.cpu_info()["kernels"]["gemv_int"] == ("avx-vnni" if vnni else "avx2")
+            _core.cpu_set_vnni(False)
+            assert _core.cpu_info()["kernels"]["gemv_int"] == "avx2"
+            _core.cpu_set_vnni(True)
         if "avx512" in _core.cpu_isas():
             _core.cpu_set_isa("avx512")
             _core.cpu_set_amx(False)

@@ -75,13 +75,13 @@ PER_SLOT = 3 * X * L                       # one expert of every MoE layer
 CHECKPOINT = RESIDENT + PER_SLOT * E
 
 
-def test_reserve_is_one_sessions_kv_and_state_plus_scratch():
+def test_reserve_is_one_sessions_kv_and_twice_its_state_plus_scratch():
     p = streaming.plan(CFG, SIZES, None)
     kv = len(CFG.full_attention_layers) * 2 * CFG.num_key_value_heads * CFG.head_dim * 2 * streaming.RESERVE_CONTEXT
     state = len(CFG.linear_attention_layers) * 4 * (
         CFG.linear_num_value_heads * CFG.linear_key_head_dim * CFG.linear_value_head_dim
         + CFG.conv_dim * (CFG.linear_conv_kernel_dim - 1))
-    assert p.reserve_bytes == kv + state + streaming.SCRATCH_BYTES
+    assert p.reserve_bytes == kv + 2 * state + streaming.SCRATCH_BYTES    # state: live + the rollback copy
 
 
 def test_plan_arithmetic():

@@ -21,10 +21,13 @@ Options (``Model.load(path, backend="cpu", **options)``):
     x ≈ sx·(xq + xq2/256) (≈ 16-bit fixed point per group, relative error ≤ 2^-16 of the group's
     max), and multiplied with exact integer dot products (AVX512-VNNI, AMX for prefill, AVX2 maddubs);
     as accurate as fp32 at the tolerances that matter (1e-5 of the logit range on the fixtures);
-  - ``"int8"``: one plane (x ≈ sx·xq, like llama.cpp's Q8 activations) — faster, approximate;
+  - ``"int8"``: one plane (x ≈ sx·xq, like llama.cpp's Q8 activations) — faster, approximate: it does
+    not meet the accuracy contract (KL ~1.5x the bf16 reference's), so it is opt-in;
   - ``"float"``: fp32 FMAs on the dequantized weights, the reference arithmetic;
-  - ``"auto"`` (default): ``"int16"`` where the CPU has the SIMD integer kernels (AVX2, AVX-512),
-    ``"float"`` elsewhere (the portable and NEON integer paths are scalar).
+  - ``"auto"`` (default): the fastest mode that meets the accuracy contract (`qwenmetal.accuracy`: at
+    least as accurate as the reference's bfloat16 mode): ``"int16"`` where the CPU has the SIMD integer
+    kernels (AVX2, AVX-512), ``"float"`` elsewhere (the portable integer path is scalar; the NEON one is
+    qemu-verified only, with no arm64 timing to choose it by).
 
 * ``memory_budget``: ``"auto"`` (default: the memory available to this process), bytes, or ``None``
   (never stream). When the checkpoint does not fit (`qwenmetal.streaming.plan`), the non-expert

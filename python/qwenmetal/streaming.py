@@ -284,7 +284,8 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
 
     Streams iff the checkpoint does not fit the budget, or `slots_per_layer` is given (tests force streaming
     that way). Slots per layer: `slots_per_layer`, else what the budget leaves after the resident weights and
-    the reserve (one session's KV cache at RESERVE_CONTEXT tokens + GDN state + SCRATCH_BYTES), clamped to
+    the reserve (one session's KV cache at RESERVE_CONTEXT tokens + its GDN state twice, live and the
+    copy a streaming call restores on failure, + SCRATCH_BYTES), clamped to
     [1, num_experts]. Raises InputError naming memory_budget when the budget cannot hold the resident weights
     and the slots (at least one per layer). `direct_io`: the cache reads past the page cache (so a streamed
     expert's bytes are held once, in its slot); not with policy "os", which relies on the page cache."""
@@ -322,7 +323,9 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
         budget = available_memory()
     from .bench.bytes_model import session_bytes
     held = session_bytes(config, RESERVE_CONTEXT)
-    reserve = held["kv_cache"] + held["gdn_state"] + SCRATCH_BYTES
+    # a streaming forward also holds a copy of the GDN state, to restore it if an expert read fails mid-call
+    # (src/cpu/forward.cpp, src/gpu/forward.cpp: all-or-nothing calls)
+    reserve = held["kv_cache"] + 2 * held["gdn_state"] + SCRATCH_BYTES
     common = dict(checkpoint_bytes=checkpoint, resident_bytes=resident, expert_bytes=expert_bytes,
                   moe_layers=len(layers), num_experts=E, top_k=config.num_experts_per_tok, policy=policy,
                   reserve_bytes=reserve, direct_io=direct_io)

@@ -521,7 +521,20 @@ void register_cpu_engine(nb::module_& m) {
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
-          "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");
+          "allow (default) or forbid VNNI in the int8 GEMV: AVX512-VNNI in the avx512 kernels, AVX-VNNI in the "
+          "avx2 ones (tests: the AVX512BW / AVX2 vpmaddubsw fallbacks)");
+    m.def("cpu_neon_dot", [] { return std::string(cpu::neon_dot_name(cpu::neon_dot())); },
+          "the NEON integer kernels in use: 'i8mm', 'dotprod' or 'neon' (plain; also off arm64)");
+    m.def("cpu_set_neon_dot", [](const std::string& variant) {
+        for (cpu::NeonDot d : {cpu::NeonDot::Plain, cpu::NeonDot::DotProd, cpu::NeonDot::I8MM})
+            if (variant == cpu::neon_dot_name(d)) {
+                if (d > cpu::neon_dot_available())
+                    throw std::invalid_argument("variant '" + variant + "' is not available on this CPU");
+                cpu::set_neon_dot(d);
+                return;
+            }
+        throw std::invalid_argument("unknown variant '" + variant + "' (neon, dotprod, i8mm)");
+    }, "variant", "use the NEON integer kernels up to `variant` (tests: each one the CPU has)");
     m.def("cpu_gdn", &k_gdn, "q"_a, "k"_a, "v"_a, "beta"_a, "g"_a, "state"_a, "chunked"_a, "isa"_a = "",
           "Gated delta rule on one head, recurrent or chunked (tests).");
     m.def("cpu_attention", &k_attention, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a, "threads"_a = 1,

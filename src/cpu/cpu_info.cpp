@@ -257,7 +257,13 @@ std::vector<std::pair<std::string, std::string>> kernel_choices() {
     // the int8/int16-activation GEMV (kernels.inc q4i8_gemv): the ISA's SIMD kernel, else scalar code
     std::string gemv_int = "scalar";
     if (k.isa == Isa::AVX512) gemv_int = vnni_enabled() ? "avx512-vnni" : "avx512bw";
-    else if (k.isa == Isa::AVX2) gemv_int = "avx2";
+    else if (k.isa == Isa::AVX2) gemv_int = avx_vnni_enabled() ? "avx-vnni" : "avx2";
+    else if (k.isa == Isa::NEON) {   // the NEON integer variant in use (the i8mm one's GEMV is sdot's)
+        const NeonDot d = neon_dot();
+        return {{"gemv", k.name},
+                {"gemv_int", std::string("neon-") + neon_dot_name(d == NeonDot::I8MM ? NeonDot::DotProd : d)},
+                {"gemm_int", std::string("neon-") + neon_dot_name(d)}};
+    }
     // its prefill GEMM: AMX tiles, the AVX-512 register tile, else the GEMV once per input row
     std::string gemm_int = gemv_int + "-rows";
     if (k.isa == Isa::AVX512) gemm_int = amx_enabled() ? "amx" : gemv_int;

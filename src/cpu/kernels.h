@@ -91,10 +91,22 @@ struct Kernels {
 size_t xvec_floats(int64_t K);
 
 // The int8-activation GEMV on AVX-512 uses VNNI (vpdpbusd) when the CPU has it, else AVX512BW
-// vpmaddubsw + vpmaddwd (same integers, same result). Tests switch it off to check the fallback.
+// vpmaddubsw + vpmaddwd (same integers, same result); on AVX2 likewise AVX-VNNI (VEX vpdpbusd on ymm)
+// else vpmaddubsw. One switch for both (tests switch it off to check the fallbacks).
 bool vnni_available();
 void set_vnni(bool on);
-bool vnni_enabled();
+bool vnni_enabled();       // AVX512-VNNI in the avx512 kernels
+bool avx_vnni_enabled();   // AVX-VNNI in the avx2 kernels
+
+// The int8/int16-activation kernels of the NEON table (kernels_neon.cpp) in three variants with the
+// same integers and the same result bits: plain NEON widening multiplies (smull/sadalp), FEAT_DotProd
+// (sdot) and FEAT_I8MM (smmla in the prefill GEMM; its GEMV is sdot's). The CPU's comes from
+// cpu_info() (getauxval on Linux, sysctlbyname on macOS); tests cap it to force each one.
+enum class NeonDot : int { Plain = 0, DotProd = 1, I8MM = 2 };
+NeonDot neon_dot_available();   // Plain off arm64
+void set_neon_dot(NeonDot cap); // use at most this variant (default: the best the CPU has)
+NeonDot neon_dot();             // the variant in use: min(available, cap)
+const char* neon_dot_name(NeonDot d);   // "neon", "dotprod", "i8mm"
 
 // The kernels in use (best for this CPU, or QWENMETAL_ISA=portable|avx2|avx512 to force one).
 const Kernels& kernels();

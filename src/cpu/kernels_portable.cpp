@@ -1,5 +1,5 @@
 // Portable instantiation of kernels.inc (plain C++ over 4-float blocks that compilers vectorise for
-// the baseline ISA), the NEON one on arm64, and the run-time choice between all of them.
+// the baseline ISA) and the run-time choice between all the instantiations.
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -9,9 +9,6 @@
 #include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#endif
 
 namespace qwenmetal::cpu {
 
@@ -109,90 +106,9 @@ struct VT {
 };
 #include "cpu/kernels.inc"
 }  // namespace portable
-
-#if defined(__aarch64__)
-namespace neon {
-struct VT {
-    static constexpr int W = 4;
-    static constexpr int MM_NR = 1, MM_MX = 4;
-    static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
-    static constexpr bool Q8_SIMD = false, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = false;
-    static constexpr int Q8B = 32, Q8E = 1;
-    using V = float32x4_t;
-    static inline V zero() { return vdupq_n_f32(0.f); }
-    static inline V set1(float a) { return vdupq_n_f32(a); }
-    static inline V load(const float* p) { return vld1q_f32(p); }
-    static inline V loadn(const float* p, int n) {
-        float t[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int i = 0; i < n; ++i) t[i] = p[i];
-        return vld1q_f32(t);
-    }
-    static inline void store(float* p, V a) { vst1q_f32(p, a); }
-    static inline void storen(float* p, V a, int n) {
-        float t[4];
-        vst1q_f32(t, a);
-        for (int i = 0; i < n; ++i) p[i] = t[i];
-    }
-    static inline V fma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
-    static inline V mul(V a, V b) { return vmulq_f32(a, b); }
-    static inline float reduce(V a) { return vaddvq_f32(a); }
-    static inline V add(V a, V b) { return vaddq_f32(a, b); }
-    static inline V div(V a, V b) { return vdivq_f32(a, b); }
-    static inline V max(V a, V b) { return vmaxq_f32(a, b); }
-    static inline float reduce_max(V a) { return vmaxvq_f32(a); }
-    static inline void reduce_w(const V* a, float* out) {   // pairwise adds: out = (Σa0, Σa1, Σa2, Σa3)
-        vst1q_f32(out, vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3])));
-    }
-    static constexpr bool EXP_POLY = false;   // vexp: std::exp per lane
-    static inline V exp(V a) {
-        float t[4];
-        vst1q_f32(t, a);
-        for (float& x : t) x = std::exp(x);
-        return vld1q_f32(t);
-    }
-    static inline V load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
-    static inline V loadn_bf16(const uint16_t* p, int n) {
-        uint16_t t[4] = {0, 0, 0, 0};
-        for (int i = 0; i < n; ++i) t[i] = p[i];
-        return load_bf16(t);
-    }
-    static inline V load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
-    static inline V loadn_f16(const uint16_t* p, int n) {
-        uint16_t t[4] = {0, 0, 0, 0};
-        for (int i = 0; i < n; ++i) t[i] = p[i];
-        return load_f16(t);
-    }
-    static inline uint32x4_t bytes4(const uint8_t* p) {
-        uint32_t w;
-        std::memcpy(&w, p, 4);
-        const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(w));
-        return vmovl_u16(vget_low_u16(vmovl_u8(b)));
-    }
-    static inline void q4(const uint8_t* p, V& even, V& odd) {
-        const uint32x4_t v = bytes4(p);
-        even = vcvtq_f32_u32(vandq_u32(v, vdupq_n_u32(15)));
-        odd = vcvtq_f32_u32(vshrq_n_u32(v, 4));
-    }
-    static inline void q4_natural(const uint8_t* p, V& a, V& b) {
-        V e, o;
-        q4(p, e, o);
-        a = vzip1q_f32(e, o);
-        b = vzip2q_f32(e, o);
-    }
-    static inline V q8(const uint8_t* p) { return vcvtq_f32_u32(bytes4(p)); }
-};
-#include "cpu/kernels.inc"
-}  // namespace neon
-#endif
 }  // namespace
 
 const Kernels* kernels_portable() { return portable::table(Isa::Portable, "portable"); }
-
-#if defined(__aarch64__)
-const Kernels* kernels_neon() { return neon::table(Isa::NEON, "neon"); }
-#else
-const Kernels* kernels_neon() { return nullptr; }
-#endif
 
 // x, sums per 32/64/128, then (16-float aligned) the integer planes xq, xq2, xg, xg2 (K bytes each),
 // the scales (K/8 floats), the sums per group (K/64) and the scales once per group (K/64)
@@ -257,6 +173,10 @@ bool vnni_available() {
 void set_vnni(bool on) { g_vnni.store(on, std::memory_order_relaxed); }
 bool vnni_enabled() {
     static const bool avail = vnni_available();
+    return avail && g_vnni.load(std::memory_order_relaxed);
+}
+bool avx_vnni_enabled() {
+    static const bool avail = cpu_info().f.avx_vnni && kernels_avx2() != nullptr;
     return avail && g_vnni.load(std::memory_order_relaxed);
 }
 

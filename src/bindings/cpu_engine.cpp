@@ -24,6 +24,7 @@
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
 #include "cpu/amx.h"
+#include "cpu/gemm_vnni.h"
 #include "cpu/kernels.h"
 #include "cpu/moe.h"
 #include "cpu/quant.h"
@@ -499,6 +500,11 @@ void register_cpu_engine(nb::module_& m) {
           "tests: the AMX kernel's operand orientation, 0 = by its cost model, 1 = weights as B, 2 = weights as A");
     m.def("cpu_set_amx", [](bool on) { cpu::set_amx(on); }, "on",
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
+    m.def("cpu_set_vnni_gemm", [](bool on) { cpu::set_vnni_gemm(on); }, "on",
+          "allow (default) or forbid the AVX-512 VNNI prefill GEMM when AMX is not in use (tests: the older "
+          "register tile)");
+    m.def("cpu_gemm_int", [] { return std::string(cpu::gemm_int_variant()); },
+          "the integer prefill GEMM in use: amx, avx512-vnni, avx512-vnni-tile, avx512bw-tile or none");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
           "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");

@@ -460,12 +460,12 @@ def _int_gemv_reference(x, t, planes):
 
 
 AMX = _core.cpu_amx_available()
-# the VNNI, VNNI-GEMM and AMX switches only affect the avx512 path: other ISAs run once; on avx512 the
-# prefill GEMM (M > 3) is the VNNI GEMM (default without AMX), the older VNNI register tile (VNNI GEMM
-# off), the AVX512BW tile (VNNI off), or AMX with its operand orientation chosen by its cost model,
-# forced to weights-as-B (1) and weights-as-A (2)
+# the VNNI, VNNI-GEMM and AMX switches only affect the avx512 path (VNNI also the avx2 one: AVX-VNNI):
+# other ISAs run once; on avx512 the prefill GEMM (M > 3) is the VNNI GEMM (default without AMX), the
+# older VNNI register tile (VNNI GEMM off), the AVX512BW tile (VNNI off), or AMX with its operand
+# orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
 INT_PATHS = ([(i, True, True, False, 0) for i in FAMILY_ISAS]
-             + ([("avx512", True, False, False, 0), ("avx512", False, False, False, 0)]
+             + ([("avx512", True, False, False, 0), ("avx512", False, False, False, 0), ("avx2", False, False, False, 0)]
                 + [("avx512", True, True, True, o) for o in (0, 1, 2)] if X86 else []))
 NO_AMX = "no usable AMX tile unit (CPU or OS): cpu_amx_available() is False"
 VNNI = "avx512" in ISAS and _core.cpu_vnni()
@@ -502,8 +502,8 @@ def test_linear_int_kernels(isa, vnni, vnni_gemm, amx, orientation, M, planes):
             saved = _core.cpu_isa()
             _core.cpu_set_isa("avx512")
             try:
-                assert _core.cpu_gemm_int() == ("amx" if amx else "avx512-vnni" if vnni_gemm else
-                                                "avx512-vnni-tile" if vnni else "avx512bw-tile")
+                assert _core.cpu_info()["kernels"]["gemm_int"] == (
+                    "amx" if amx else "avx512-vnni-gemm" if vnni_gemm else "avx512-vnni" if vnni else "avx512bw")
             finally:
                 _core.cpu_set_isa(saved)
         for threads in (1, 3):

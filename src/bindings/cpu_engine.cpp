@@ -25,6 +25,7 @@
 #include "cpu/gdn.h"
 #include "cpu/amx.h"
 #include "cpu/gemm_vnni.h"
+#include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 #include "cpu/moe.h"
 #include "cpu/quant.h"
@@ -474,6 +475,25 @@ void register_cpu_engine(nb::module_& m) {
 
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
+    m.def("cpu_info", [] {
+        const cpu::CpuInfo& ci = cpu::cpu_info();
+        nb::dict d, kernels;
+        d["vendor"] = ci.vendor;
+        d["model_name"] = ci.model_name;
+        d["family"] = ci.family;
+        d["model"] = ci.model;
+        d["stepping"] = ci.stepping;
+        d["uarch"] = ci.uarch;
+        d["isa"] = std::string(cpu::kernels().name);
+        nb::list features;
+        for (const std::string& f : ci.feature_names()) features.append(f);
+        d["features"] = features;
+        d["amx"] = cpu::amx_enabled();
+        for (const auto& [family, variant] : cpu::kernel_choices()) kernels[family.c_str()] = variant;
+        d["kernels"] = kernels;
+        return d;
+    }, "this CPU: {vendor, model_name, family, model, stepping, uarch, isa (== cpu_isa()), features, amx "
+       "(AMX in use now), kernels: {kernel family: the variant it uses now}} (detected once, src/cpu/cpu_info.cpp)");
     m.def("cpu_isas", [] {
         nb::list l;
         for (cpu::Isa i : {cpu::Isa::Portable, cpu::Isa::AVX2, cpu::Isa::AVX512, cpu::Isa::NEON})
@@ -502,12 +522,11 @@ void register_cpu_engine(nb::module_& m) {
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
     m.def("cpu_set_vnni_gemm", [](bool on) { cpu::set_vnni_gemm(on); }, "on",
           "allow (default) or forbid the AVX-512 VNNI prefill GEMM when AMX is not in use (tests: the older "
-          "register tile)");
-    m.def("cpu_gemm_int", [] { return std::string(cpu::gemm_int_variant()); },
-          "the integer prefill GEMM in use: amx, avx512-vnni, avx512-vnni-tile, avx512bw-tile or none");
+          "register tile); cpu_info()['kernels']['gemm_int'] names the kernel in use");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
-          "allow (default) or forbid VNNI in the int8 GEMV (tests: the AVX512BW fallback)");
+          "allow (default) or forbid VNNI in the int8 GEMV: AVX512-VNNI in the avx512 kernels, AVX-VNNI in the "
+          "avx2 ones (tests: the AVX512BW / AVX2 vpmaddubsw fallbacks)");
     m.def("cpu_gdn", &k_gdn, "q"_a, "k"_a, "v"_a, "beta"_a, "g"_a, "state"_a, "chunked"_a, "isa"_a = "",
           "Gated delta rule on one head, recurrent or chunked (tests).");
     m.def("cpu_attention", &k_attention, "q"_a, "keys"_a, "values"_a, "pos0"_a, "kv_f32"_a, "threads"_a = 1,

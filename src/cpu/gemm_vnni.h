@@ -24,9 +24,4 @@ bool vnni_gemm_enabled();
 void q4_gemm_vnni(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                   bool accumulate);
 
-// The integer prefill kernel the active kernels() use now: "amx", "avx512-vnni", "avx512-vnni-tile"
-// (the 1-row × 16-input register tile), "avx512bw-tile", or "none" (ISAs without an integer GEMM: their
-// prefill runs the int8 GEMV per input row, or the float tiles).
-const char* gemm_int_variant();
-
 }  // namespace qwenmetal::cpu

@@ -91,10 +91,12 @@ struct Kernels {
 size_t xvec_floats(int64_t K);
 
 // The int8-activation GEMV on AVX-512 uses VNNI (vpdpbusd) when the CPU has it, else AVX512BW
-// vpmaddubsw + vpmaddwd (same integers, same result). Tests switch it off to check the fallback.
+// vpmaddubsw + vpmaddwd (same integers, same result); on AVX2 likewise AVX-VNNI (VEX vpdpbusd on ymm)
+// else vpmaddubsw. One switch for both (tests switch it off to check the fallbacks).
 bool vnni_available();
 void set_vnni(bool on);
-bool vnni_enabled();
+bool vnni_enabled();       // AVX512-VNNI in the avx512 kernels
+bool avx_vnni_enabled();   // AVX-VNNI in the avx2 kernels
 
 // The kernels in use (best for this CPU, or QWENMETAL_ISA=portable|avx2|avx512 to force one).
 const Kernels& kernels();

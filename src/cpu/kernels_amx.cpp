@@ -39,6 +39,7 @@
 // chunk's partial sums are added into Y in chunk order, so results do not depend on how rows or inputs
 // are split between calls or threads.
 #include "cpu/amx.h"
+#include "cpu/cpu_info.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -46,7 +47,6 @@
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #define QM_HAVE_AMX 1
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -99,20 +99,8 @@ namespace {
 
 bool detect_amx() {
     if (const char* e = std::getenv("QWENMETAL_AMX"); e && std::strcmp(e, "0") == 0) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    const bool osxsave = c & (1u << 27), fma = c & (1u << 12);
-    if (!osxsave || !fma) return false;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31))   // F DQ BW VL
-                        && (c & (1u << 8));                                                              // GFNI
-    const bool amx = (d & (1u << 22)) && (d & (1u << 24)) && (d & (1u << 25));   // AMX-BF16, AMX-TILE, AMX-INT8
-    if (!avx512 || !amx) return false;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    const uint64_t xcr0 = (uint64_t(hi) << 32) | lo;
-    const uint64_t need = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);   // SSE AVX opmask ZMM XTILECFG XTILEDATA
-    if ((xcr0 & need) != need) return false;
+    const CpuFeatures& f = cpu_info().f;   // CPU support and XCR0 tile state (cpu_info.cpp)
+    if (!(f.avx512_core() && f.gfni && f.amx_tile && f.amx_int8 && f.amx_bf16)) return false;
     // Linux ≥ 5.16: a process must ask for the (8 KB) tile data state before its first tile instruction;
     // the permission is per process (all threads, present and future)
     constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 
 #if defined(__aarch64__)
@@ -251,16 +252,15 @@ namespace {
 std::atomic<bool> g_vnni{true};
 }
 bool vnni_available() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && kernels_avx512() != nullptr;
-#else
-    return false;
-#endif
+    return cpu_info().f.avx512_vnni && kernels_avx512() != nullptr;
 }
 void set_vnni(bool on) { g_vnni.store(on, std::memory_order_relaxed); }
 bool vnni_enabled() {
     static const bool avail = vnni_available();
+    return avail && g_vnni.load(std::memory_order_relaxed);
+}
+bool avx_vnni_enabled() {
+    static const bool avail = cpu_info().f.avx_vnni && kernels_avx2() != nullptr;
     return avail && g_vnni.load(std::memory_order_relaxed);
 }
 

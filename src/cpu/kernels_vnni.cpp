@@ -27,8 +27,6 @@
 #include <atomic>
 #include <cstring>
 
-#include "cpu/amx.h"
-
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QM_HAVE_VNNI_GEMM 1
 #include <immintrin.h>
@@ -44,13 +42,6 @@ std::atomic<bool> g_vnni_gemm_on{true};
 
 void set_vnni_gemm(bool on) { g_vnni_gemm_on.store(on, std::memory_order_relaxed); }
 bool vnni_gemm_enabled() { return vnni_enabled() && g_vnni_gemm_on.load(std::memory_order_relaxed); }
-
-const char* gemm_int_variant() {
-    if (kernels().isa != Isa::AVX512) return "none";
-    if (amx_enabled()) return "amx";
-    if (vnni_gemm_enabled()) return "avx512-vnni";
-    return vnni_enabled() ? "avx512-vnni-tile" : "avx512bw-tile";
-}
 
 #if QM_HAVE_VNNI_GEMM
 

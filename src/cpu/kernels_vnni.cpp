@@ -45,13 +45,8 @@ bool vnni_gemm_enabled() { return vnni_enabled() && g_vnni_gemm_on.load(std::mem
 
 #if QM_HAVE_VNNI_GEMM
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
-#endif
+// every function here that uses the instructions (this file is built for the baseline ISA)
+#define QM_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 
 namespace {
 
@@ -67,7 +62,7 @@ struct alignas(64) Block {
     float bv[kChunk][16];         // biases [group][row]
 };
 
-inline __m512i bcast4(const int8_t* p) {   // the 4 bytes at p in every dword (folds into a {1to16} operand)
+QM_VNNI_TARGET inline __m512i bcast4(const int8_t* p) {   // the 4 bytes at p in every dword (folds into a {1to16} operand)
     int32_t v;
     std::memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
@@ -76,7 +71,7 @@ inline __m512i bcast4(const int8_t* p) {   // the 4 bytes at p in every dword (f
 // MI inputs X[0..MI) × the block's 16 rows × the chunk's gn groups (input groups from g0); adds (or,
 // store_only, writes) the chunk's sums into Y[m·ldy + n] for n < nr
 template <int P, int MI>
-inline void tile(const Block& bk, int gn, const XVec* const* X, int64_t g0, float* Y, int64_t ldy, int nr,
+QM_VNNI_TARGET inline void tile(const Block& bk, int gn, const XVec* const* X, int64_t g0, float* Y, int64_t ldy, int nr,
                  bool store_only) {
     const int8_t* x1[MI];
     const int8_t* x2[MI];
@@ -127,7 +122,7 @@ inline void tile(const Block& bk, int gn, const XVec* const* X, int64_t g0, floa
 }
 
 template <int P>
-void gemm(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
+QM_VNNI_TARGET void gemm(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
           bool accumulate) {
     const int64_t G = W.cols / 64;
     Block bk;
@@ -150,12 +145,6 @@ void gemm(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy,
 }
 
 }  // namespace
-
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
 
 void q4_gemm_vnni(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                   bool accumulate) {

@@ -24,7 +24,6 @@
 // so results do not depend on M, r0/r1 or the thread partition.
 #include "cpu/gemm_vnni.h"
 
-#include <atomic>
 #include <cstring>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -35,13 +34,6 @@
 #endif
 
 namespace qwenmetal::cpu {
-
-namespace {
-std::atomic<bool> g_vnni_gemm_on{true};
-}
-
-void set_vnni_gemm(bool on) { g_vnni_gemm_on.store(on, std::memory_order_relaxed); }
-bool vnni_gemm_enabled() { return vnni_enabled() && g_vnni_gemm_on.load(std::memory_order_relaxed); }
 
 #if QM_HAVE_VNNI_GEMM
 

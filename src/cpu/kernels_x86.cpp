@@ -8,6 +8,7 @@
 #include "cpu/kernels.h"
 #include "cpu/amx.h"
 #include "cpu/cpu_info.h"
+#include "cpu/gemm_vnni.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -579,6 +580,10 @@ struct VT {
                           int64_t r1, bool accumulate) {
         if (amx_enabled()) {   // the tile unit where the CPU and the OS allow it (kernels_amx.cpp)
             q4_gemm_amx(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            return;
+        }
+        if (vnni_gemm_enabled()) {   // else the VNNI GEMM, rows in lanes (kernels_vnni.cpp)
+            q4_gemm_vnni(Wm, X, M, Y, ldy, r0, r1, accumulate);
             return;
         }
         const bool two = X[0]->planes == 2;

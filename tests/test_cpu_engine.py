@@ -460,23 +460,35 @@ def _int_gemv_reference(x, t, planes):
 
 
 AMX = _core.cpu_amx_available()
-# the VNNI and AMX switches only affect the avx512 path: other ISAs run once; AMX (prefill GEMMs) with
-# its operand orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
-INT_PATHS = ([(i, True, False, 0) for i in FAMILY_ISAS]
-             + ([("avx512", False, False, 0), ("avx2", False, False, 0)]
-                + [("avx512", True, True, o) for o in (0, 1, 2)] if X86 else []))
+# the VNNI, VNNI-GEMM and AMX switches only affect the avx512 path (VNNI also the avx2 one: AVX-VNNI):
+# other ISAs run once; on avx512 the prefill GEMM (M > 3) is the VNNI GEMM (default without AMX), the
+# older VNNI register tile (VNNI GEMM off), the AVX512BW tile (VNNI off), or AMX with its operand
+# orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
+INT_PATHS = ([(i, True, True, False, 0) for i in FAMILY_ISAS]
+             + ([("avx512", True, False, False, 0), ("avx512", False, False, False, 0), ("avx2", False, False, False, 0)]
+                + [("avx512", True, True, True, o) for o in (0, 1, 2)] if X86 else []))
 NO_AMX = "no usable AMX tile unit (CPU or OS): cpu_amx_available() is False"
+VNNI = "avx512" in ISAS and _core.cpu_vnni()
 
 
-@pytest.mark.parametrize("isa, vnni, amx, orientation", INT_PATHS)
+def _force_gemm(vnni, vnni_gemm, amx, orientation=0):
+    _core.cpu_set_vnni(vnni)
+    _core.cpu_set_vnni_gemm(vnni_gemm)
+    _core.cpu_set_amx(amx)
+    _core.cpu_amx_orientation(orientation)
+
+
+@pytest.mark.parametrize("isa, vnni, vnni_gemm, amx, orientation", INT_PATHS)
 @pytest.mark.parametrize("M", [1, 3, 4, 7, 11, 19, 40])
 @pytest.mark.parametrize("planes", [1, 2])
-def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
-    """GEMV (M <= 3) and GEMM (M > 3: AVX-512 register tile or AMX) on int8 / int16 inputs, vs the same
-    math in numpy; int16 is also within 1e-4 of the exact product."""
+def test_linear_int_kernels(isa, vnni, vnni_gemm, amx, orientation, M, planes):
+    """GEMV (M <= 3) and GEMM (M > 3: AVX-512 VNNI GEMM, register tiles or AMX) on int8 / int16 inputs, vs
+    the same math in numpy; int16 is also within 1e-4 of the exact product."""
     need_isa(isa)
     if amx and not AMX:
         pytest.skip(NO_AMX)
+    if isa == "avx512" and vnni and not VNNI:
+        pytest.skip("no AVX512-VNNI on this CPU")
     rng = np.random.default_rng(M)
     rows, cols = 37, 384                                 # 3 blocks of 128; row tails
     t, dense = _weights("q4", rows, cols, rng, 64)
@@ -484,10 +496,16 @@ def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
     x[0, 64:128] = 0.0                                   # an all-zero group (sx = 0)
     x[-1, 5] = 40.0                                      # an outlier
     keep = []
-    _core.cpu_set_vnni(vnni)
-    _core.cpu_set_amx(amx)
-    _core.cpu_amx_orientation(orientation)
+    _force_gemm(vnni, vnni_gemm, amx, orientation)
     try:
+        if isa == "avx512":   # the switches reach the kernel choice
+            saved = _core.cpu_isa()
+            _core.cpu_set_isa("avx512")
+            try:
+                assert _core.cpu_info()["kernels"]["gemm_int"] == (
+                    "amx" if amx else "avx512-vnni-gemm" if vnni_gemm else "avx512-vnni" if vnni else "avx512bw")
+            finally:
+                _core.cpu_set_isa(saved)
         for threads in (1, 3):
             y = _core.cpu_linear(describe(t, keep), x, threads, isa, planes=planes)
             exact = x.astype(np.float64) @ dense.T.astype(np.float64)
@@ -502,9 +520,7 @@ def test_linear_int_kernels(isa, vnni, amx, orientation, M, planes):
             if plain.any():
                 assert np.abs(y - exact)[plain].max() < 2e-2 * np.abs(exact).max()
     finally:
-        _core.cpu_set_vnni(True)
-        _core.cpu_set_amx(True)
-        _core.cpu_amx_orientation(0)
+        _force_gemm(True, True, True)
 
 
 def test_amx_switch_follows_the_hardware():
@@ -547,6 +563,44 @@ def test_amx_orientations_bit_identical(rows, cols, M):
     np.testing.assert_allclose(outs[0], tile, rtol=0, atol=1e-6 * np.abs(tile).max())
     exact = x.astype(np.float64) @ dense.T.astype(np.float64)
     assert np.abs(outs[0] - exact).max() < 1e-4 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_vnni_gemm_tails_splits_and_amx(planes):
+    """The AVX-512 VNNI prefill GEMM: K with a partial chunk (18 groups = 16 + 2), rows not a multiple
+    of 16, inputs through every register-tile width (8/4/2/1): the same integer math as numpy (to 2e-5 of
+    the range: numpy's quantization of x can round a borderline element the other way); the same
+    bits for 1/2/3 threads and whatever other inputs share the call (an input alone in a 5-row call
+    or among 27); within fp32 rounding of AMX (same integers and fold, bias sums rounded differently)
+    and of the older register tile."""
+    need_isa("avx512")
+    if not VNNI:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    rng = np.random.default_rng(14 + planes)
+    rows, cols = 83, 18 * 64
+    t, dense = _weights("q4", rows, cols, rng, 64)
+    x = rng.normal(size=(27, cols)).astype(np.float32)
+    x[3, 1024:1088] = 0.0                                 # an all-zero group in the partial chunk
+    d = describe(t, [])
+    try:
+        _force_gemm(True, True, False)
+        outs = [_core.cpu_linear(d, x, th, "avx512", planes=planes) for th in (1, 2, 3)]
+        alone = _core.cpu_linear(d, x[22:], 1, "avx512", planes=planes)   # rows 22..26: tiles 4 + 1
+        _force_gemm(True, False, False)
+        tile = _core.cpu_linear(d, x, 1, "avx512", planes=planes)
+        _force_gemm(True, True, True)
+        amx = _core.cpu_linear(d, x, 1, "avx512", planes=planes) if AMX else None
+    finally:
+        _force_gemm(True, True, True)
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+    np.testing.assert_array_equal(alone, outs[0][22:])
+    want = _int_gemv_reference(x, t, planes)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-5 * scale)   # as test_linear_int_kernels
+    np.testing.assert_allclose(outs[0], tile, rtol=0, atol=2e-6 * scale)
+    if amx is not None:
+        np.testing.assert_allclose(outs[0], amx, rtol=0, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("planes", [1, 2])

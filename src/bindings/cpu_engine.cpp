@@ -24,6 +24,7 @@
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
 #include "cpu/amx.h"
+#include "cpu/gemm_vnni.h"
 #include "cpu/cpu_info.h"
 #include "cpu/kernels.h"
 #include "cpu/moe.h"
@@ -519,6 +520,9 @@ void register_cpu_engine(nb::module_& m) {
           "tests: the AMX kernel's operand orientation, 0 = by its cost model, 1 = weights as B, 2 = weights as A");
     m.def("cpu_set_amx", [](bool on) { cpu::set_amx(on); }, "on",
           "allow (default, if available) or forbid AMX in the prefill GEMMs (tests: the AVX-512 kernels)");
+    m.def("cpu_set_vnni_gemm", [](bool on) { cpu::set_vnni_gemm(on); }, "on",
+          "allow (default) or forbid the AVX-512 VNNI prefill GEMM when AMX is not in use (tests: the older "
+          "register tile); cpu_info()['kernels']['gemm_int'] names the kernel in use");
     m.def("cpu_vnni", [] { return cpu::vnni_enabled(); }, "the int8 GEMV uses AVX512-VNNI");
     m.def("cpu_set_vnni", [](bool on) { cpu::set_vnni(on); },
           "allow (default) or forbid VNNI in the int8 GEMV: AVX512-VNNI in the avx512 kernels, AVX-VNNI in the "

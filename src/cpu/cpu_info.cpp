@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cpu/amx.h"
+#include "cpu/gemm_vnni.h"
 #include "cpu/kernels.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -264,9 +265,10 @@ std::vector<std::pair<std::string, std::string>> kernel_choices() {
                 {"gemv_int", std::string("neon-") + neon_dot_name(d == NeonDot::I8MM ? NeonDot::DotProd : d)},
                 {"gemm_int", std::string("neon-") + neon_dot_name(d)}};
     }
-    // its prefill GEMM: AMX tiles, the AVX-512 register tile, else the GEMV once per input row
+    // its prefill GEMM: AMX tiles, the AVX-512 VNNI GEMM (kernels_vnni.cpp), the AVX-512 register tile,
+    // else the GEMV once per input row
     std::string gemm_int = gemv_int + "-rows";
-    if (k.isa == Isa::AVX512) gemm_int = amx_enabled() ? "amx" : gemv_int;
+    if (k.isa == Isa::AVX512) gemm_int = amx_enabled() ? "amx" : vnni_gemm_enabled() ? "avx512-vnni-gemm" : gemv_int;
     return {{"gemv", k.name}, {"gemv_int", gemv_int}, {"gemm_int", gemm_int}};
 }
 

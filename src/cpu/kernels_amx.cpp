@@ -50,6 +50,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "cpu/q4_tiles.h"
 #endif
 
 namespace qwenmetal::cpu {
@@ -168,33 +170,6 @@ inline void load_tile_config() {
     _tile_loadconfig(&cfg);
 }
 
-// 16×16 transpose of 32-bit elements: r[i] lane j -> r[j] lane i (unpack 32, unpack 64, 128-bit shuffles)
-inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {   // r[4i+j] 128-bit lane L: rows 4i..4i+3 of column 4L+j
-        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; ++j) {   // gather lane L of r[j], r[4+j], r[8+j], r[12+j] into column 4L+j
-        const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
-        const __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88),
-                      d = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
-        t[j] = _mm512_shuffle_i32x4(a, c, 0x88);
-        t[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);
-        t[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);
-        t[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);
-    }
-    for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-inline __mmask16 mask16(int n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u); }
-
 // xqx (n ≤ 16 groups of one input) split into three bf16 rows hi + mid + lo = xqx exactly (truncations:
 // x − hi keeps the low 16 significant bits, r − mid the low 8, which a bf16 holds): the bias operand
 // of tdpbf16ps. out[i] gets 16 bf16 (32 bytes).
@@ -246,27 +221,9 @@ struct PassR {
 // B tiles, scales and bias tile of rows [rb, rb + nr) for the chunk's groups [g0, g0 + gn)
 template <int P>
 inline void r_prepare_weights(const WMat& W, int64_t rb, int nr, int64_t g0, int gn, PassR<P>& ps, int blk) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    q4_rows_in_lanes(W, rb, nr, g0, gn, ps.wb[blk]);
+    q4_params_in_lanes(W, false, rb, nr, g0, gn, ps.sv[blk]);
     __m512i v[16];
-    for (int g = 0; g < gn; g += 2) {       // two groups = 64 packed bytes per row
-        for (int n = 0; n < 16; ++n)
-            v[n] = n < nr ? _mm512_loadu_si512(W.row(rb + n) + 32 * (g0 + g)) : _mm512_setzero_si512();
-        transpose16(v);                      // v[d] = dword d of each of the 16 rows
-        for (int h = 0; h < 2; ++h)
-            for (int j = 0; j < 8; ++j) {
-                const __m512i d = v[8 * h + j];
-                _mm512_store_si512(ps.wb[blk][g + h][j], _mm512_and_si512(d, m4));
-                _mm512_store_si512(ps.wb[blk][g + h][8 + j], _mm512_and_si512(_mm512_srli_epi16(d, 4), m4));
-            }
-    }
-    // scales: ≤ 16 groups × 16 rows of bf16 -> fp32, transposed to [group][row]
-    for (int n = 0; n < 16; ++n)
-        v[n] = n < nr ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                                              mask16(gn), reinterpret_cast<const uint16_t*>(W.srow(rb + n)) + g0)),
-                                          16)
-                      : _mm512_setzero_si512();
-    transpose16(v);
-    for (int g = 0; g < gn; ++g) _mm512_store_si512(ps.sv[blk][g], v[g]);
     // biases: the raw bf16 pairs of 16 rows (≤ 8 dwords per row), transposed as dwords
     for (int n = 0; n < 16; ++n)
         v[n] = n < nr ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(

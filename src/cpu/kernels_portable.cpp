@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cpu/cpu_info.h"
+#include "cpu/gemm_vnni.h"
 #include "cpu/kernels.h"
 
 
@@ -166,6 +167,7 @@ const Kernels& kernels() {
 
 namespace {
 std::atomic<bool> g_vnni{true};
+std::atomic<bool> g_vnni_gemm{true};
 }
 bool vnni_available() {
     return cpu_info().f.avx512_vnni && kernels_avx512() != nullptr;
@@ -175,6 +177,10 @@ bool vnni_enabled() {
     static const bool avail = vnni_available();
     return avail && g_vnni.load(std::memory_order_relaxed);
 }
+// the VNNI prefill GEMM (kernels_vnni.cpp); the switch lives with the other kernel switches so that
+// cpu_info's report links without the x86 kernels (the arm64 checker)
+void set_vnni_gemm(bool on) { g_vnni_gemm.store(on, std::memory_order_relaxed); }
+bool vnni_gemm_enabled() { return vnni_enabled() && g_vnni_gemm.load(std::memory_order_relaxed); }
 bool avx_vnni_enabled() {
     static const bool avail = cpu_info().f.avx_vnni && kernels_avx2() != nullptr;
     return avail && g_vnni.load(std::memory_order_relaxed);

@@ -8,6 +8,7 @@
 #include "cpu/kernels.h"
 #include "cpu/amx.h"
 #include "cpu/cpu_info.h"
+#include "cpu/gemm_vnni.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -219,20 +220,31 @@ struct VT {
         const uint8_t* wr = Wm.row(r);
         const uint16_t* sr = reinterpret_cast<const uint16_t*>(Wm.srow(r));
         const uint16_t* br = reinterpret_cast<const uint16_t*>(Wm.brow(r));
-        __m256 acc = _mm256_setzero_ps();
-        float bsum = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-            _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * g + kQ8Prefetch), _MM_HINT_T0);
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
-            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            const auto ld = [&](const int8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); };
-            __m256i is = dot4<VNNI>(_mm256_setzero_si256(), lo, hi, ld(X.xq + 64 * g), ld(X.xq + 64 * g + 32));
-            if constexpr (PL == 2)
-                is = dot4<VNNI>(_mm256_slli_epi32(is, 8), lo, hi, ld(X.xq2 + 64 * g), ld(X.xq2 + 64 * g + 32));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(bf16_to_f32(sr[g]) * X.xqs[g]), acc);
-            bsum += bf16_to_f32(br[g]) * X.xqx[g];
+        __m256 acc = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();
+        // per 8 groups: their scales s·sx as one vector (bf16 load + shift + multiply) and the bias term
+        // b·Σx̂ by one FMA; each group's scale then reaches all lanes by one vpermps (instead of a scalar
+        // bf16 convert, multiply and broadcast per group, and a scalar bias FMA)
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int n = G - g0 < 8 ? static_cast<int>(G - g0) : 8;
+            const __m256 s8 = _mm256_mul_ps(n == 8 ? load_bf16(sr + g0) : loadn_bf16(sr + g0, n),
+                                            n == 8 ? load(X.xsg + g0) : loadn(X.xsg + g0, n));
+            bacc = _mm256_fmadd_ps(n == 8 ? load_bf16(br + g0) : loadn_bf16(br + g0, n),
+                                   n == 8 ? load(X.xqx + g0) : loadn(X.xqx + g0, n), bacc);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) {
+                const int64_t g = g0 + j;
+                if (g == G) break;
+                _mm_prefetch(reinterpret_cast<const char*>(wr + 32 * g + kQ8Prefetch), _MM_HINT_T0);
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const auto ld = [&](const int8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); };
+                __m256i is = dot4<VNNI>(_mm256_setzero_si256(), lo, hi, ld(X.xq + 64 * g), ld(X.xq + 64 * g + 32));
+                if constexpr (PL == 2)
+                    is = dot4<VNNI>(_mm256_slli_epi32(is, 8), lo, hi, ld(X.xq2 + 64 * g), ld(X.xq2 + 64 * g + 32));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(j)), acc);
+            }
         }
-        const float v = reduce(acc) + bsum;
+        const float v = reduce(acc) + reduce(bacc);
         y[r] = accumulate ? y[r] + v : v;
     }
 };
@@ -568,6 +580,10 @@ struct VT {
                           int64_t r1, bool accumulate) {
         if (amx_enabled()) {   // the tile unit where the CPU and the OS allow it (kernels_amx.cpp)
             q4_gemm_amx(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            return;
+        }
+        if (vnni_gemm_enabled()) {   // else the VNNI GEMM, rows in lanes (kernels_vnni.cpp)
+            q4_gemm_vnni(Wm, X, M, Y, ldy, r0, r1, accumulate);
             return;
         }
         const bool two = X[0]->planes == 2;

@@ -601,7 +601,10 @@ def format_markdown(result: dict) -> str:
     """The summary as Markdown tables (for docs/benchmarks.md), headed by the machine."""
     s = result.get("summary") or {}
     bw = result["bandwidth"]["read_gbps"]
-    out = [f"Machine: {result.get('machine_label') or describe_machine(result['machine'], bw, result['threads'])}.", ""]
+    out = [f"Machine: {result.get('machine_label') or describe_machine(result['machine'], bw, result['threads'])}.",
+           "Other processes' share of the CPUs during each arm: " + ", ".join(
+               f"{a} {100 * result[a][0]['foreign_load_arm']:.0f} %" for a in result.get("arms", [])
+               if result.get(a) and result[a][0].get("foreign_load_arm") is not None) + ".", ""]
     if not s.get("prefill"):
         return "\n".join(out)
     arms, qms = list(s["prefill"][0]["tok_s"]), list(s["prefill"][0]["ratio"])

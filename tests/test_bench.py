@@ -400,3 +400,4 @@ def test_compare_summary_races_the_faster_gguf_against_the_targets():
     for out in (text, md):
         assert result["machine_label"] in out and "uarch sapphirerapids" in out
         assert all(a in out for a in result["arms"]) and "MISSED" in out and "2.00x met" in out
+    assert f"{qm} 0 %" in md                   # each arm's foreign load: a contended arm is visible

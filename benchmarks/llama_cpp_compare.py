@@ -4,21 +4,32 @@
     python benchmarks/llama_cpp_compare.py                # 8 layers, 2 threads, prefill 128/512/2048, decode @128/1024/4096
     python benchmarks/llama_cpp_compare.py --validate     # check the GGUF against qwenmetal's reference logits first
     python benchmarks/llama_cpp_compare.py --layers 4 --json out.json
+    python benchmarks/llama_cpp_compare.py --layers 4 --amx both --gguf-source both   # both host kinds, both GGUFs
 
 Steps:
 
 1. The benchmark checkpoint of ``qwenmetal bench`` (random weights, real Qwen3.6-35B-A3B per-layer widths,
    MLX 4-bit), generated once and cached (``qwenmetal.bench.ensure_checkpoint``).
-2. The same weights as a GGUF for llama.cpp (``benchmarks/mlx_to_gguf.py``): every 4-bit matrix requantized
-   to Q4_0 -- the embedding and lm_head too -- and the 8-bit router / shared-expert gate to Q8_0, so that both
-   engines read the same number of weight bytes per token (4.5 and 8.5 bits per weight). Cached beside the
-   checkpoint.
+2. Two GGUFs for llama.cpp (``--gguf-source``, default both; one llama.cpp arm each), cached beside the
+   checkpoint:
+
+   * ours (``benchmarks/mlx_to_gguf.py``): the same weights, every 4-bit matrix requantized to Q4_0 -- the
+     embedding and lm_head too -- and the 8-bit router / shared-expert gate to Q8_0, so that both engines
+     read the same number of weight bytes per token (4.5 and 8.5 bits per weight);
+   * llama.cpp's own (``benchmarks/llama_cpp_gguf.py``): the unquantized bf16 original of the same random
+     weights through llama.cpp's converter (``convert_hf_to_gguf.py``) and quantizer
+     (``llama_model_quantize``, Q4_0, lm_head forced to Q4_0): the peer's own layout, as a user makes it.
 3. Each engine runs in a fresh process (prior art's method), same threads, same synthetic prompt
    (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
    median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
    llama.cpp: the sequence state saved after the context prefill and restored before each repeat).
-4. The table: prefill tok/s and decode ms/token of both, the ratios (targets: qwenmetal decode >= 1.3x and
-   prefill >= 1.0x llama.cpp), each engine's effective GB/s and its fraction of the measured read bandwidth.
+   ``--amx both`` runs qwenmetal twice: as it finds the CPU, and with ``QWENMETAL_AMX=0`` (what a CPU
+   without AMX, e.g. Zen 4, runs; llama.cpp is built without AMX either way).
+4. The table, headed by the machine (``_core.cpu_info()``: CPU model, vendor, family / model,
+   micro-architecture, ISA, kernels chosen, AMX; the measured read bandwidth): prefill tok/s and decode
+   ms/token of every arm, each qwenmetal arm against the faster llama.cpp arm at that point, against
+   issue #14's targets (decode >= 1.5x llama.cpp or >= 85 % of the measured read bandwidth, whichever is
+   lower; prefill >= 2x with AMX, >= 1.3x without), each arm's fraction of the measured read bandwidth.
 
 llama.cpp settings: n_threads = n_threads_batch = --threads, n_batch = the longest prompt (<= 2048),
 n_ubatch 512 (llama.cpp's default), KV cache f16 (its default; qwenmetal's default is bf16: the same bytes),
@@ -50,7 +61,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from llama_cpp_gguf import ensure_llama_gguf  # noqa: E402
+from llama_cpp_gguf import provenance as llama_provenance  # noqa: E402
 from mlx_to_gguf import convert as convert_gguf  # noqa: E402
+from qwenmetal.bench import describe_machine  # noqa: E402
 
 GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
 
@@ -138,7 +152,7 @@ def llama_worker(a) -> dict:
     llm = open_llama(a.gguf, a.threads, n_ctx, n_batch, a.flash_attn, repack=not a.no_repack)
     load_s = time.perf_counter() - t
     V = llm.n_vocab()
-    res = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "repacked": not a.no_repack,
+    res = {"engine": "llama.cpp", "gguf": a.gguf, "llama_cpp_python": llama_cpp.__version__, "repacked": not a.no_repack,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
            "threads": a.threads, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": a.flash_attn,
            "kv_dtype": "float16", "load_seconds": load_s, "prefill": [], "decode": [],
@@ -337,20 +351,22 @@ def validate(threads: int, out_dir: Path, n_prompt: int = 24, n_decode: int = 8)
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
-def _run_json(cmd: list, what: str, limit: int | None = None, drop_cache=()) -> dict:
-    """Run an arm (`cmd --json PATH`) and return its JSON; with `limit`, inside a memory cgroup of that
-    many bytes (qwenmetal.memlimit; `drop_cache` evicted from the page cache first), the cgroup's figures
-    under ``memory_limit``."""
+def _run_json(cmd: list, what: str, limit: int | None = None, drop_cache=(), env: dict | None = None) -> dict:
+    """Run an arm (`cmd --json PATH`, our environment plus `env`) and return its JSON; with `limit`, inside
+    a memory cgroup of that many bytes (qwenmetal.memlimit; `drop_cache` evicted from the page cache
+    first), the cgroup's figures under ``memory_limit``."""
+    full_env = dict(os.environ, **(env or {}))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     try:
-        log(f"[{what}] " + " ".join(cmd) + (f"  (memory limit {limit} bytes)" if limit else ""))
+        log(f"[{what}] " + "".join(f"{k}={v} " for k, v in (env or {}).items()) + " ".join(cmd)
+            + (f"  (memory limit {limit} bytes)" if limit else ""))
         if limit:
             from qwenmetal import memlimit
-            r = memlimit.run(cmd + ["--json", path], limit, drop_cache=drop_cache, stderr_to_ours=True)
+            r = memlimit.run(cmd + ["--json", path], limit, env=full_env, drop_cache=drop_cache, stderr_to_ours=True)
             r.check(result=False)
         else:
-            subprocess.run(cmd + ["--json", path], check=True, stdout=sys.stderr)
+            subprocess.run(cmd + ["--json", path], check=True, stdout=sys.stderr, env=full_env)
         with open(path, encoding="utf-8") as f:
             res = json.load(f)
         if limit:
@@ -364,49 +380,70 @@ def _csv(xs) -> str:
     return ",".join(str(x) for x in xs)
 
 
+# arm names: qwenmetal as the engine finds the CPU, and with AMX turned off (the no-AMX host kind);
+# llama.cpp on the GGUF qwenmetal writes (benchmarks/mlx_to_gguf.py) and on the one llama.cpp's own converter
+# and quantizer make (benchmarks/llama_cpp_gguf.py)
+QM_ARMS = {"auto": "qwenmetal", "off": "qwenmetal/no-amx"}
+LLAMA_ARMS = {"ours": "llama.cpp/our-gguf", "llama.cpp": "llama.cpp/its-gguf"}
+# the issue-#14 targets: decode >= 1.5x llama.cpp or >= 85 % of the measured read bandwidth, whichever is
+# lower; prefill >= 2x llama.cpp with AMX, >= 1.3x without
+DECODE_SPEEDUP_TARGET, DECODE_BANDWIDTH_TARGET = 1.5, 0.85
+PREFILL_TARGET = {True: 2.0, False: 1.3}
+
+
 def compare(a) -> dict:
-    from qwenmetal.bench import ensure_checkpoint, measure_read_bandwidth, resolve_config
+    from qwenmetal.bench import ensure_checkpoint, machine_info, measure_read_bandwidth, resolve_config
+    from qwenmetal.bench.cli import checkpoint_bytes, parse_size
     from qwenmetal.config import ModelConfig
 
     cfg = resolve_config(a.config, a.layers)
     ckpt = ensure_checkpoint(cfg, a.seed, log=log)
-    gguf = ckpt.parent / f"{ckpt.name}.q4_0.gguf"
-    if not gguf.exists():
-        log(f"writing {gguf} (one-time) ...")
-        t = time.perf_counter()
-        convert_gguf(ckpt, gguf, "q4_0", log=log)
-        log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
+    ggufs = {}             # GGUF source -> path, for the llama.cpp arms
+    if a.gguf_source in ("ours", "both") and not a.skip_llama:
+        ggufs["ours"] = ckpt.parent / f"{ckpt.name}.q4_0.gguf"
+        if not ggufs["ours"].exists():
+            log(f"writing {ggufs['ours']} (one-time) ...")
+            t = time.perf_counter()
+            convert_gguf(ckpt, ggufs["ours"], "q4_0", log=log)
+            log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
+    if a.gguf_source in ("llama.cpp", "both") and not a.skip_llama:
+        ggufs["llama.cpp"] = ensure_llama_gguf(cfg, a.seed, ckpt, a.threads, log=log)
     c = ModelConfig.from_file(ckpt)
-    from qwenmetal.bench.cli import checkpoint_bytes, parse_size
     limit = parse_size(a.memory_limit, "--memory-limit", checkpoint_bytes(ckpt)) if a.memory_limit else None
-    result = {"schema": "qwenmetal-llama-compare/1", "checkpoint": str(ckpt), "gguf": str(gguf),
-              "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "memory_limit": limit}
+    result = {"schema": "qwenmetal-llama-compare/2", "checkpoint": str(ckpt),
+              "ggufs": {src: {"path": str(p), "bytes": p.stat().st_size,
+                              "made_by": "qwenmetal benchmarks/mlx_to_gguf.py" if src == "ours" else llama_provenance()}
+                        for src, p in ggufs.items()},
+              "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "memory_limit": limit,
+              "machine": machine_info(), "arms": []}
     if a.validate:
         result["validation"] = validate(a.threads, ckpt.parent)
     common = ["--threads", str(a.threads), "--prefill", _csv(a.prefill), "--contexts", _csv(a.contexts),
               "--repeats", str(a.repeats), "--decode-steps", str(a.decode_steps)]
-    arms = []
+    arms = []              # (name, command, memory limit of the arm's process, extra environment)
     if not a.skip_qwenmetal:
         opts = [x for o in a.option or () for x in ("--option", o)]
         # under a memory limit the bench puts itself in the cgroup (qwenmetal bench --memory-limit)
-        arms.append(("qwenmetal", [sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend",
-                                   a.backend, "--bandwidth-bytes", "0"] + opts + common
-                     + (["--memory-limit", str(limit)] if limit else []), None))
+        cmd = ([sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend", a.backend,
+                "--bandwidth-bytes", "0"] + opts + common + (["--memory-limit", str(limit)] if limit else []))
+        for amx in (("auto", "off") if a.amx == "both" else (a.amx,)):
+            arms.append((QM_ARMS[amx], cmd, None, {"QWENMETAL_AMX": "0"} if amx == "off" else {}))
     if not a.skip_llama:
         # under a memory limit: llama.cpp's mmap'd run (its repacked copies of the weights could not fit)
-        arms.append(("llama.cpp", [sys.executable, str(Path(__file__).resolve()), "--worker", "--gguf", str(gguf),
-                                   "--flash-attn", a.flash_attn] + common + (["--no-repack"] if limit else []), limit))
-    from qwenmetal.bench import wait_quiet
-    from qwenmetal.bench import ForeignLoad
+        for src, g in ggufs.items():
+            arms.append((LLAMA_ARMS[src], [sys.executable, str(Path(__file__).resolve()), "--worker", "--gguf", str(g),
+                                           "--flash-attn", a.flash_attn] + common + (["--no-repack"] if limit else []),
+                         limit, {}))
+    from qwenmetal.bench import ForeignLoad, wait_quiet
     bw_runs = []           # read bandwidth before every arm and at the end: it moves with the host's load
     for r in range(a.rounds):
-        for name, cmd, arm_limit in (arms if r % 2 == 0 else arms[::-1]):   # alternate the order between rounds
+        for name, cmd, arm_limit, env in (arms if r % 2 == 0 else arms[::-1]):   # alternate the order between rounds
             best = None
             for attempt in range(1 + a.retries):
                 busy = wait_quiet(a.wait_quiet, log=log) if a.wait_quiet else None
                 bw_runs.append(measure_read_bandwidth(a.threads))
                 with ForeignLoad() as fl:
-                    res = _run_json(cmd, name, arm_limit, drop_cache=[gguf])
+                    res = _run_json(cmd, name, arm_limit, drop_cache=list(ggufs.values()), env=env)
                 res["busy_before"] = busy
                 res["foreign_load_arm"] = fl.fraction
                 log(f"[{name}] other processes used {100 * fl.fraction:.0f}% of the CPUs during this arm")
@@ -417,22 +454,26 @@ def compare(a) -> dict:
                 log(f"[{name}] more than {100 * a.max_foreign:.0f}%: timings not comparable, "
                     + ("running the arm again" if attempt < a.retries else "keeping the least loaded run"))
             best["contended"] = best["foreign_load_arm"] > a.max_foreign
+            best["env"] = env
             result.setdefault(name, []).append(best)
+    result["arms"] = [name for name, *_ in arms]
     log("measuring read bandwidth ...")
     bw_runs.append(measure_read_bandwidth(a.threads))
     result["bandwidth"] = dict(max(bw_runs, key=lambda r: r["read_gbps"]))
     result["bandwidth"]["runs_gbps"] = [r["read_gbps"] for r in bw_runs]
     bw = result["bandwidth"]["read_gbps"]
-    sizes = gguf_tensor_sizes(gguf)
-    for res in result.get("llama.cpp", []):
-        for d in res["decode"]:
-            b = gguf_decode_bytes(c, sizes, d["context"], 2)
-            d["bytes_per_token"], d["bytes"] = b["total"], b
-            d["effective_gbps"] = b["total"] * d["tokens_per_second"] / 1e9
-            d["bandwidth_ratio"] = d["effective_gbps"] / bw
-    for res in result.get("qwenmetal", []):
-        for d in res["decode"]:
-            d["bandwidth_ratio"] = d["effective_gbps"] / bw
+    for src, g in ggufs.items():
+        sizes = gguf_tensor_sizes(g)
+        for res in result.get(LLAMA_ARMS[src], []):
+            for d in res["decode"]:
+                b = gguf_decode_bytes(c, sizes, d["context"], 2)
+                d["bytes_per_token"], d["bytes"] = b["total"], b
+                d["effective_gbps"] = b["total"] * d["tokens_per_second"] / 1e9
+    for name in result["arms"]:
+        for res in result.get(name, []):
+            for d in res["decode"]:
+                d["bandwidth_ratio"] = d["effective_gbps"] / bw
+    result["machine_label"] = describe_machine(result["machine"], bw, a.threads)
     result["summary"] = summarize(result)
     return result
 
@@ -447,31 +488,77 @@ def _best(results: list, kind: str, key: str, value: str, better=max):
     return out
 
 
+def _uses_amx(result: dict, arm: str) -> bool:
+    return any((res.get("engine") or {}).get("amx") for res in result.get(arm, []))
+
+
 def summarize(result: dict) -> dict:
-    qm, ll = result.get("qwenmetal", []), result.get("llama.cpp", [])
+    """Per prefill length and decode context: every arm's best figure over the rounds, each qwenmetal arm
+    against the faster llama.cpp arm at that point (the peer's best GGUF), and whether the point meets
+    the targets (DECODE_*_TARGET, PREFILL_TARGET; with AMX or without, as that qwenmetal arm ran)."""
+    arms = result.get("arms", [])
+    qms = [n for n in arms if n.startswith("qwenmetal") and result.get(n)]
+    lls = [n for n in arms if n.startswith("llama.cpp") and result.get(n)]
     s = {"prefill": [], "decode": []}
-    if qm and ll:
-        qp, lp = _best(qm, "prefill", "tokens", "tokens_per_second"), _best(ll, "prefill", "tokens", "tokens_per_second")
-        for n in sorted(qp):
-            s["prefill"].append({"tokens": n, "qwenmetal_tok_s": qp[n], "llama_tok_s": lp.get(n),
-                                 "ratio": qp[n] / lp[n] if lp.get(n) else None})
-        qd = _best(qm, "decode", "context", "ms_per_token", min)
-        ld = _best(ll, "decode", "context", "ms_per_token", min)
-        qr = _best(qm, "decode", "context", "bandwidth_ratio")
-        lr = _best(ll, "decode", "context", "bandwidth_ratio")
-        for ctx in sorted(qd):
-            s["decode"].append({"context": ctx, "qwenmetal_ms": qd[ctx], "llama_ms": ld.get(ctx),
-                                "speedup": ld[ctx] / qd[ctx] if ld.get(ctx) else None,
-                                "qwenmetal_bandwidth_ratio": qr.get(ctx), "llama_bandwidth_ratio": lr.get(ctx)})
+    if not (qms and lls):
+        return s
+    bw = result["bandwidth"]["read_gbps"]
+    tok_s = {n: _best(result[n], "prefill", "tokens", "tokens_per_second") for n in qms + lls}
+    for n in sorted(tok_s[qms[0]]):
+        peer = max(lls, key=lambda ll: tok_s[ll].get(n, 0))
+        row = {"tokens": n, "tok_s": {a: tok_s[a].get(n) for a in qms + lls}, "llama_best": peer, "ratio": {},
+               "target": {}, "met": {}}
+        for q in qms:
+            row["ratio"][q] = tok_s[q][n] / tok_s[peer][n] if tok_s[peer].get(n) else None
+            row["target"][q] = PREFILL_TARGET[_uses_amx(result, q)]
+            row["met"][q] = row["ratio"][q] is not None and row["ratio"][q] >= row["target"][q]
+        s["prefill"].append(row)
+    ms = {n: _best(result[n], "decode", "context", "ms_per_token", min) for n in qms + lls}
+    ratio = {n: _best(result[n], "decode", "context", "bandwidth_ratio") for n in qms + lls}
+    for ctx in sorted(ms[qms[0]]):
+        peer = min(lls, key=lambda ll: ms[ll].get(ctx, float("inf")))
+        row = {"context": ctx, "ms": {a: ms[a].get(ctx) for a in qms + lls}, "llama_best": peer,
+               "bandwidth_ratio": {a: ratio[a].get(ctx) for a in qms + lls}, "speedup": {}, "target_ms": {}, "met": {}}
+        for q in qms:
+            qm_bytes = next(d["bytes_per_token"] for d in result[q][0]["decode"] if d["context"] == ctx)
+            row["speedup"][q] = ms[peer][ctx] / ms[q][ctx] if ms[peer].get(ctx) else None
+            # the lower of the two target speeds is the slower time per token
+            target_ms = max(ms[peer][ctx] / DECODE_SPEEDUP_TARGET, 1e3 * qm_bytes / (DECODE_BANDWIDTH_TARGET * bw * 1e9))
+            row["target_ms"][q] = target_ms
+            row["met"][q] = ms[q][ctx] <= target_ms
+        s["decode"].append(row)
     return s
+
+
+def _machine_lines(result: dict) -> list:
+    """The machine of the figures, and what each qwenmetal arm's engine chose on it (ISA, AMX, kernels)."""
+    lines = [f"machine: {result.get('machine_label') or describe_machine(result['machine'])}"]
+    for name in result.get("arms", []):
+        for res in result.get(name, [])[:1]:
+            if name.startswith("qwenmetal"):
+                ci = (res.get("machine") or {}).get("cpu_info") or {}
+                e = res.get("engine") or {}
+                lines.append(f"  {name}: isa {e.get('isa')}, AMX {'on' if e.get('amx') else 'off'}, activations "
+                             f"{e.get('activations')}" + (", kernels " + " ".join(
+                                 f"{k}={v}" for k, v in sorted(ci["kernels"].items())) if ci.get("kernels") else "")
+                             + (f" (env {' '.join(f'{k}={v}' for k, v in res['env'].items())})" if res.get("env") else ""))
+            else:
+                lines.append(f"  {name}: llama-cpp-python {res.get('llama_cpp_python')}, "
+                             f"{'repacked' if res.get('repacked') else 'mmap, not repacked'}; {res.get('system_info', '').strip()}")
+    for src, g in (result.get("ggufs") or {}).items():
+        lines.append(f"  GGUF {LLAMA_ARMS[src]}: {g['path']} ({g['bytes'] / 1e9:.2f} GB), made by "
+                     + (g["made_by"] if isinstance(g["made_by"], str) else
+                        f"llama-cpp-python {g['made_by']['llama_cpp_python']}'s llama.cpp: {g['made_by']['tools']}"))
+    return lines
 
 
 def format_summary(result: dict) -> str:
     bw = result["bandwidth"]
-    lines = [f"measured read bandwidth: {bw['read_gbps']:.2f} GB/s ({bw['threads']} threads; the best of "
-             f"{', '.join(f'{x:.1f}' for x in bw.get('runs_gbps', []))} measured before each arm and at the end); "
-             f"threads {result['threads']}"]
-    for name in ("qwenmetal", "llama.cpp"):
+    lines = _machine_lines(result) + [
+        f"measured read bandwidth: {bw['read_gbps']:.2f} GB/s ({bw['threads']} threads; the best of "
+        f"{', '.join(f'{x:.1f}' for x in bw.get('runs_gbps', []))} measured before each arm and at the end); "
+        f"threads {result['threads']}"]
+    for name in result.get("arms", []):
         for res in result.get(name, [])[:1]:
             fl = res.get("foreign_load_arm")
             lines.append(f"\n{name}: " + ", ".join(
@@ -484,34 +571,54 @@ def format_summary(result: dict) -> str:
                              f"= {100 * d['bandwidth_ratio']:.1f}% of measured")
     s = result.get("summary") or {}
     if s.get("prefill"):
-        lines += ["", f"{'prefill':>8} {'qwenmetal tok/s':>16} {'llama.cpp tok/s':>16} {'ratio':>7}  (target >= 1.0)"]
+        qms = list(s["prefill"][0]["ratio"])
+        arms = list(s["prefill"][0]["tok_s"])
+        lines += ["", "prefill tok/s; ratio = qwenmetal arm / the faster llama.cpp arm (target: >= 2x with AMX, "
+                      ">= 1.3x without)", f"{'tokens':>7} " + " ".join(f"{a:>19}" for a in arms)
+                  + " " + " ".join(f"{'ratio ' + q:>24}" for q in qms)]
         for p in s["prefill"]:
-            lines.append(f"{p['tokens']:>8} {p['qwenmetal_tok_s']:>16.1f} {p['llama_tok_s']:>16.1f} {p['ratio']:>6.2f}x")
-        lines += ["", f"{'context':>8} {'qwenmetal ms':>13} {'llama.cpp ms':>13} {'speedup':>8} {'qm of bw':>9} "
-                      f"{'llama of bw':>12}  (target >= 1.3x, >= 70%)"]
+            lines.append(f"{p['tokens']:>7} " + " ".join(f"{p['tok_s'][a]:>19.1f}" for a in arms) + " "
+                         + " ".join(f"{_ratio_cell(p['ratio'][q], p['met'][q]):>24}" for q in qms))
+        lines += ["", "decode ms/token (% of the measured read bandwidth); speedup = the faster llama.cpp arm / "
+                      "qwenmetal arm (target: >= 1.5x or >= 85 % of the bandwidth, whichever is lower)",
+                  f"{'context':>7} " + " ".join(f"{a:>19}" for a in arms) + " "
+                  + " ".join(f"{'speedup ' + q:>24}" for q in qms)]
         for d in s["decode"]:
-            lines.append(f"{d['context']:>8} {d['qwenmetal_ms']:>13.2f} {d['llama_ms']:>13.2f} {d['speedup']:>7.2f}x "
-                         f"{100 * d['qwenmetal_bandwidth_ratio']:>8.1f}% {100 * d['llama_bandwidth_ratio']:>11.1f}%")
+            lines.append(f"{d['context']:>7} " + " ".join(
+                f"{d['ms'][a]:>11.2f} ({100 * d['bandwidth_ratio'][a]:>3.0f} %)" for a in arms) + " "
+                + " ".join(f"{_ratio_cell(d['speedup'][q], d['met'][q]):>24}" for q in qms))
     for v in result.get("validation", []):
         lines.append(f"validation {v['config']} {v['gguf']} kv {v['kv_cache']} fa {v['flash_attn']}: max|dlogit| {v['max_abs_diff']:.2e} "
                      f"(rel {v['rel_max_diff']:.1e}), argmax {100 * v['argmax_agreement']:.0f}%")
     return "\n".join(lines)
 
 
+def _ratio_cell(x, met) -> str:
+    return "-" if x is None else f"{x:.2f}x {'met' if met else 'MISSED'}"
+
+
 def format_markdown(result: dict) -> str:
-    """The summary as Markdown tables (for docs/benchmarks.md)."""
+    """The summary as Markdown tables (for docs/benchmarks.md), headed by the machine."""
     s = result.get("summary") or {}
     bw = result["bandwidth"]["read_gbps"]
-    out = [f"Measured read bandwidth {bw:.1f} GB/s ({result['threads']} threads).", "",
-           "| prefill tokens | qwenmetal tok/s | llama.cpp tok/s | qwenmetal / llama.cpp |", "|---|---|---|---|"]
-    for p in s.get("prefill", []):
-        out.append(f"| {p['tokens']} | {p['qwenmetal_tok_s']:.1f} | {p['llama_tok_s']:.1f} | {p['ratio']:.2f}x |")
-    out += ["", "| context | qwenmetal ms/token | llama.cpp ms/token | speedup | qwenmetal GB/s (of measured) "
-                "| llama.cpp GB/s (of measured) |", "|---|---|---|---|---|---|"]
-    for d in s.get("decode", []):
-        q, l = d["qwenmetal_bandwidth_ratio"], d["llama_bandwidth_ratio"]
-        out.append(f"| {d['context']} | {d['qwenmetal_ms']:.1f} | {d['llama_ms']:.1f} | {d['speedup']:.2f}x | "
-                   f"{q * bw:.1f} ({100 * q:.0f} %) | {l * bw:.1f} ({100 * l:.0f} %) |")
+    out = [f"Machine: {result.get('machine_label') or describe_machine(result['machine'], bw, result['threads'])}.",
+           "Other processes' share of the CPUs during each arm: " + ", ".join(
+               f"{a} {100 * result[a][0]['foreign_load_arm']:.0f} %" for a in result.get("arms", [])
+               if result.get(a) and result[a][0].get("foreign_load_arm") is not None) + ".", ""]
+    if not s.get("prefill"):
+        return "\n".join(out)
+    arms, qms = list(s["prefill"][0]["tok_s"]), list(s["prefill"][0]["ratio"])
+    out += ["| prefill tokens | " + " | ".join(f"{a} tok/s" for a in arms) + " | "
+            + " | ".join(f"{q} / best llama.cpp" for q in qms) + " |", "|---" * (1 + len(arms) + len(qms)) + "|"]
+    for p in s["prefill"]:
+        out.append(f"| {p['tokens']} | " + " | ".join(f"{p['tok_s'][a]:.1f}" for a in arms) + " | "
+                   + " | ".join(_ratio_cell(p["ratio"][q], p["met"][q]) for q in qms) + " |")
+    out += ["", "| context | " + " | ".join(f"{a} ms/token (of bw)" for a in arms) + " | "
+            + " | ".join(f"{q} speedup" for q in qms) + " |", "|---" * (1 + len(arms) + len(qms)) + "|"]
+    for d in s["decode"]:
+        out.append(f"| {d['context']} | " + " | ".join(
+            f"{d['ms'][a]:.1f} ({100 * d['bandwidth_ratio'][a]:.0f} %)" for a in arms) + " | "
+            + " | ".join(_ratio_cell(d["speedup"][q], d["met"][q]) for q in qms) + " |")
     return "\n".join(out)
 
 
@@ -539,6 +646,13 @@ def main(argv=None) -> int:
                    help="rerun an arm during which other processes used more than this fraction of the CPUs")
     p.add_argument("--retries", type=int, default=2, help="reruns of a contended arm (default 2)")
     p.add_argument("--flash-attn", default="on", choices=("on", "off"), help="llama.cpp flash attention")
+    p.add_argument("--gguf-source", default="both", choices=("ours", "llama.cpp", "both"),
+                   help="llama.cpp's GGUF: the one qwenmetal writes (mlx_to_gguf.py), the one llama.cpp's own "
+                        "converter + quantizer make (llama_cpp_gguf.py; one-time, needs torch and transformers), "
+                        "or both, one llama.cpp arm each (default)")
+    p.add_argument("--amx", default="auto", choices=("auto", "off", "both"),
+                   help="qwenmetal arms: AMX where the CPU has it (auto), QWENMETAL_AMX=0 (off: the no-AMX host "
+                        "kind), or one arm of each")
     p.add_argument("--validate", action="store_true", help="validate the GGUF layout against reference logits first")
     p.add_argument("--validate-only", action="store_true")
     p.add_argument("--skip-qwenmetal", action="store_true")

@@ -1,7 +1,8 @@
 """`qwenmetal bench` (python/qwenmetal/bench/): the smoke run on a tiny config, its JSON schema, the
-bytes-per-token arithmetic against the checkpoint's tensor sizes, the benchmark checkpoint (the fixture
-writer's bytes, cached, atomic), and the GGUF writer of benchmarks/ (read back with the `gguf`
-package; skipped where it is not installed). No timing assertions."""
+bytes-per-token arithmetic against the checkpoint's tensor sizes, the machine every figure names
+(`_core.cpu_info()` in the JSON and the header), the benchmark checkpoint (the fixture writer's bytes,
+cached, atomic), the GGUF writer of benchmarks/ (read back with the `gguf` package; skipped where it is
+not installed) and the llama.cpp comparison's summary against issue #14's targets. No timing assertions."""
 import json
 import os
 import shutil
@@ -68,6 +69,7 @@ def test_bench_quick_json(tmp_path, backend):
     bw = res["bandwidth"]["read_gbps"]
     assert bw > 0 and res["bandwidth"]["buffer_bytes"] == 64 << 20
     assert res["peak_rss_bytes"] > 0
+    _check_machine(res, r.stdout, bw)
 
     # bytes per decoded token, recomputed here from the files' tensor sizes
     ckpt = Path(m["checkpoint"])
@@ -96,6 +98,36 @@ def test_bench_quick_json(tmp_path, backend):
         assert d["steps"] == 4 and d["digest_stable"] is True
     # a second run reuses the cached checkpoint
     assert len(list((tmp_path / "cache" / "bench").glob("bench-*"))) == 1
+
+
+def _check_machine(res, stdout, read_gbps):
+    """Issue #14: every figure names its machine -- the JSON records the CPU as the engine detects it
+    (``_core.cpu_info()``: model name, vendor, family / model, micro-architecture, ISA, features, AMX,
+    the kernel each family chose) and a one-line label with the measured bandwidth; the table's header
+    prints it."""
+    from qwenmetal import _core
+    m = res["machine"]
+    ci, want = m["cpu_info"], _core.cpu_info()
+    for k in ("vendor", "model_name", "family", "model", "uarch", "isa", "features", "amx", "kernels"):
+        assert ci[k] == want[k], k
+    assert ci["isa"] == _core.cpu_isa() and ci["kernels"] and m["cpu"] == ci["model_name"]
+    label = res["machine_label"]
+    assert label == bench.describe_machine(m, read_gbps, res["bandwidth"]["threads"])
+    for part in (ci["model_name"], ci["vendor"], f"family {ci['family']} model {ci['model']}", f"uarch {ci['uarch']}",
+                 f"isa {ci['isa']}", f"AMX {'on' if ci['amx'] else 'off'}", f"read bandwidth {read_gbps:.1f} GB/s"):
+        assert part in label, part
+    for family, variant in ci["kernels"].items():
+        assert f"{family}={variant}" in label
+    assert "machine: " + bench.describe_machine(m) in stdout
+
+
+def test_describe_machine_names_every_field():
+    m = {"cpus_usable": 2, "cpu_info": {"model_name": "AMD EPYC 9R14", "vendor": "AuthenticAMD", "family": 25,
+                                        "model": 17, "uarch": "zen4", "isa": "avx512", "amx": False,
+                                        "kernels": {"gemv_int": "avx512-vnni", "gemm_int": "avx512-bf16"}}}
+    assert bench.describe_machine(m, 41.26, 2) == (
+        "AMD EPYC 9R14 (AuthenticAMD, family 25 model 17, uarch zen4), isa avx512, AMX off, "
+        "kernels gemm_int=avx512-bf16 gemv_int=avx512-vnni, 2 CPUs, read bandwidth 41.3 GB/s (2 threads)")
 
 
 def test_real_width_bytes_budget():
@@ -150,6 +182,11 @@ def test_bench_checkpoint_is_the_fixture_writers(tmp_path, monkeypatch):
     m = qm.Model.load(str(ours), backend="reference")
     logits = m.prefill(m.new_session(), bench.synthetic_prompt(8, m.config.vocab_size))
     assert np.isfinite(logits).all() and logits.std() > 0
+    # the unquantized original (what llama.cpp's converter reads, benchmarks/llama_cpp_gguf.py): the same
+    # writer's hf-bf16 bytes, cached beside it under its own name
+    hf = bench.ensure_checkpoint(cfg, seed=1, format="hf-bf16")
+    assert hf.parent == ours.parent and hf.name.startswith("bench-L4-hf-bf16-seed1-")
+    assert _digests(hf) == _digests(make_checkpoint(tmp_path / "ref-hf", cfg, "hf-bf16", seed=1))
 
 
 def test_bench_checkpoint_failure_leaves_nothing(tmp_path, monkeypatch):
@@ -309,3 +346,58 @@ def test_bench_size_arguments():
         parse_size("0%", "--memory-limit", 1000)
     with pytest.raises(InputError, match="--memory-budget must be 'auto'"):
         parse_size("lots", "--memory-budget", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/llama_cpp_compare.py's summary: arms, the peer's faster GGUF, the issue-#14 targets
+# ---------------------------------------------------------------------------------------------
+def _compare_mod():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import llama_cpp_compare
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return llama_cpp_compare
+
+
+def _arm(prefill_tok_s, decode_ms, bytes_per_token=500e6, amx=None):
+    gbps = bytes_per_token / (decode_ms * 1e-3) / 1e9
+    res = {"prefill": [{"tokens": 128, "tokens_per_second": prefill_tok_s}],
+           "decode": [{"context": 128, "ms_per_token": decode_ms, "bytes_per_token": bytes_per_token,
+                       "effective_gbps": gbps, "bandwidth_ratio": gbps / 40}],
+           "peak_rss_bytes": 1 << 30, "foreign_load_arm": 0.0}
+    if amx is not None:
+        res["engine"] = {"isa": "avx512", "amx": amx, "activations": "int8"}
+    return res
+
+
+def test_compare_summary_races_the_faster_gguf_against_the_targets():
+    """Each qwenmetal arm is compared with the faster llama.cpp arm at each point (the peer's best GGUF);
+    prefill's target is 2x with AMX and 1.3x without; decode's is 1.5x llama.cpp or 85 % of the measured
+    bandwidth, whichever is the slower time per token. The tables name the machine and every arm."""
+    mod = _compare_mod()
+    qm, noamx, ours, its = (mod.QM_ARMS["auto"], mod.QM_ARMS["off"], mod.LLAMA_ARMS["ours"],
+                            mod.LLAMA_ARMS["llama.cpp"])
+    machine = {"cpus_usable": 2, "cpu_info": {"model_name": "Test CPU", "vendor": "GenuineIntel", "family": 6,
+                                              "model": 143, "uarch": "sapphirerapids", "isa": "avx512", "amx": True,
+                                              "kernels": {"gemv_int": "avx512-vnni"}}}
+    result = {"arms": [qm, noamx, ours, its], "threads": 2, "machine": machine,
+              "bandwidth": {"read_gbps": 40.0, "threads": 2, "runs_gbps": [40.0]},
+              # 500 MB/token at 40 GB/s: 85 % of the bandwidth is 14.7 ms/token
+              qm: [_arm(400.0, 14.0, amx=True)], noamx: [_arm(250.0, 16.0, amx=False)],
+              ours: [_arm(150.0, 30.0)], its: [_arm(200.0, 20.0)]}
+    result["machine_label"] = bench.describe_machine(machine, 40.0, 2)
+    s = result["summary"] = mod.summarize(result)
+    (p,), (d,) = s["prefill"], s["decode"]
+    assert p["llama_best"] == its and d["llama_best"] == its
+    assert p["ratio"] == {qm: 2.0, noamx: 1.25} and p["target"] == {qm: 2.0, noamx: 1.3}
+    assert p["met"] == {qm: True, noamx: False}
+    assert d["speedup"] == {qm: pytest.approx(20 / 14), noamx: pytest.approx(20 / 16)}
+    # 1.5x llama.cpp would be 13.3 ms: the bandwidth target (14.7 ms) is the lower speed, and 14 ms meets it
+    assert d["target_ms"][qm] == pytest.approx(500e6 / (0.85 * 40e9) * 1e3)
+    assert d["met"] == {qm: True, noamx: False}
+    text, md = mod.format_summary(result), mod.format_markdown(result)
+    for out in (text, md):
+        assert result["machine_label"] in out and "uarch sapphirerapids" in out
+        assert all(a in out for a in result["arms"]) and "MISSED" in out and "2.00x met" in out
+    assert f"{qm} 0 %" in md                   # each arm's foreign load: a contended arm is visible

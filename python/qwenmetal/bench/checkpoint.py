@@ -131,9 +131,11 @@ def _build_in_child(dest: Path, cfg: dict, format: str, seed: int) -> Path:
 
 
 def ensure_checkpoint(cfg: Mapping[str, Any], seed: int = 0, name: str = "bench",
-                      log: Callable[[str], None] | None = None) -> Path:
-    """The cached random-weight MLX 4-bit checkpoint of `cfg` (see :func:`resolve_config`) and `seed`,
-    generated on first use: ``paths.cache_dir("bench")/<name>-L<layers>-mlx-q4-seed<seed>-<key>``
+                      log: Callable[[str], None] | None = None, format: str = CHECKPOINT_FORMAT) -> Path:
+    """The cached random-weight checkpoint of `cfg` (see :func:`resolve_config`) and `seed` in `format`
+    (default MLX 4-bit; ``"hf-bf16"`` is the unquantized original that llama.cpp's own converter reads,
+    benchmarks/llama_cpp_gguf.py), generated on first use:
+    ``paths.cache_dir("bench")/<name>-L<layers>-<format>-seed<seed>-<key>``
     (:func:`qwenmetal.testing.cached_checkpoint`; the key changes with the config, the seed and the
     generator). Written atomically, in a child process."""
     from ..testing import cached_checkpoint
@@ -145,5 +147,5 @@ def ensure_checkpoint(cfg: Mapping[str, Any], seed: int = 0, name: str = "bench"
         log(f"generating the random-weight checkpoint {dest} (one-time) ...")
         return _build_in_child(dest, cfg, format, seed)
 
-    return cached_checkpoint(cfg, CHECKPOINT_FORMAT, seed, cache="bench",
+    return cached_checkpoint(cfg, format, seed, cache="bench",
                              name=f"{name}-L{cfg['text_config']['num_hidden_layers']}", build=build)

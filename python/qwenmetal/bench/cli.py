@@ -51,7 +51,7 @@ from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, ten
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
-from .timing import machine_info, peak_rss_bytes, time_decode, time_prefill
+from .timing import describe_machine, machine_info, peak_rss_bytes, time_decode, time_prefill
 
 SCHEMA = "qwenmetal-bench/1"
 DEFAULT_PREFILL = (128, 512, 2048)
@@ -113,6 +113,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     kv_dtype = args.kv_dtype or getattr(model._backend, "kv_dtype", None) or BACKEND_KV_DEFAULT.get(backend, "bfloat16")
     kv_el = KV_ELEMENT_BYTES.get(kv_dtype, 2)
     sizes = tensor_sizes(model.weights)
+    machine = machine_info()
+    log(f"machine: {describe_machine(machine)}")
     log(f"loaded on {backend!r} in {load_s:.2f} s: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}, "
         f"weights {sum(sizes.values()) / 1e9:.2f} GB")
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "qwenmetal_version": getattr(qm, "__version__", None),
-        "machine": machine_info(),
+        "machine": machine,
         "model": {"config": cfg_name, "checkpoint": str(path), "layers": c.num_hidden_layers,
                   "full_attention_layers": len(c.full_attention_layers),
                   "linear_attention_layers": len(c.linear_attention_layers),
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     result["bandwidth"] = bw
     for r in result["decode"]:
         r["bandwidth_ratio"] = (r["effective_gbps"] / bw["read_gbps"]) if bw.get("read_gbps") else None
+    result["machine_label"] = describe_machine(result["machine"], bw.get("read_gbps"), bw.get("threads"))
     result["total_seconds"] = time.perf_counter() - t_start
     try:
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
@@ -193,7 +196,7 @@ def format_table(res: Mapping[str, Any]) -> str:
         f"{m['layers']} layers ({m['linear_attention_layers']} GDN + {m['full_attention_layers']} attention), "
         f"hidden {m['hidden_size']}, {m['num_experts']} experts top-{m['num_experts_per_tok']}, "
         f"vocab {m['vocab_size']}; weights {m['weights_bytes'] / 1e9:.3f} GB",
-        f"machine: {res['machine'].get('cpu', '?')}, {res['machine'].get('cpus_usable', res['machine'].get('cpus'))} CPUs; "
+        f"machine: {describe_machine(res['machine'])}; "
         + (f"measured read bandwidth {bw['read_gbps']:.2f} GB/s ({bw.get('threads')} threads, "
            f"{bw.get('buffer_bytes', 0) / 2**30:.2f} GiB buffer, best of {len(bw.get('samples_gbps', []))} passes; "
            f"before/after the timings: {', '.join(f'{x:.2f}' for x in bw.get('runs_gbps', []))})"
@@ -305,6 +308,7 @@ def run_limited(args: argparse.Namespace, log: Callable[[str], None] = print) ->
         res["bandwidth"] = dict(bw, runs_gbps=[bw["read_gbps"]])
         for d in res["decode"]:
             d["bandwidth_ratio"] = d["effective_gbps"] / bw["read_gbps"]
+        res["machine_label"] = describe_machine(res["machine"], bw["read_gbps"], bw["threads"])
     return res
 
 

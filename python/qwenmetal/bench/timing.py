@@ -9,6 +9,7 @@ import resource
 import statistics
 import sys
 import time
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -93,6 +94,9 @@ def peak_rss_bytes() -> int:
 
 
 def machine_info() -> dict:
+    """The machine a figure comes from: OS, Python, CPUs, memory, and the CPU as the engine sees it
+    (``_core.cpu_info()``, the one place the CPU is detected: model name, vendor, family / model,
+    micro-architecture, ISA, features, AMX usable now, the kernel variant each kernel family chose)."""
     info = {"platform": platform.platform(), "python": platform.python_version(), "numpy": np.__version__,
             "cpus": os.cpu_count()}
     try:
@@ -100,25 +104,39 @@ def machine_info() -> dict:
     except AttributeError:                      # pragma: no cover - not Linux
         pass
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
         with open("/proc/meminfo") as f:
             info["mem_total_bytes"] = int(f.readline().split()[1]) * 1024
     except OSError:                             # pragma: no cover
         pass
     try:
         from .. import _core
+    except ImportError:                         # pragma: no cover - a build without the extension
+        _core = None
+    if _core is not None:
+        info["cpu_info"] = _core.cpu_info()
+        info["cpu"] = info["cpu_info"]["model_name"]
         info["build_info"] = _core.build_info()
-    except Exception:
-        pass
     try:
         info["loadavg_at_start"] = list(os.getloadavg())    # other work on the box skews the numbers
     except OSError:                             # pragma: no cover
         pass
-    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS"):
+    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "QWENMETAL_ISA", "QWENMETAL_AMX"):
         if k in os.environ:
             info.setdefault("env", {})[k] = os.environ[k]
     return info
+
+
+def describe_machine(machine: Mapping[str, Any], read_gbps: float | None = None, threads: int | None = None) -> str:
+    """One line naming the machine of a figure (docs and tables state every figure with it): CPU model,
+    vendor, family / model, micro-architecture, ISA, AMX, the kernels chosen, CPUs, measured read
+    bandwidth."""
+    ci = machine.get("cpu_info") or {}
+    parts = [f"{ci.get('model_name') or machine.get('cpu', '?')} ({ci.get('vendor', '?')}, "
+             f"family {ci.get('family', '?')} model {ci.get('model', '?')}, uarch {ci.get('uarch', '?')})",
+             f"isa {ci.get('isa', '?')}", f"AMX {'on' if ci.get('amx') else 'off'}"]
+    if ci.get("kernels"):
+        parts.append("kernels " + " ".join(f"{k}={v}" for k, v in sorted(ci["kernels"].items())))
+    parts.append(f"{machine.get('cpus_usable', machine.get('cpus', '?'))} CPUs")
+    if read_gbps:
+        parts.append(f"read bandwidth {read_gbps:.1f} GB/s" + (f" ({threads} threads)" if threads else ""))
+    return ", ".join(parts)

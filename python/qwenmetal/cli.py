@@ -72,6 +72,7 @@ def expert_options(args) -> dict:
         o["expert_direct_io"] = True
     return o
 
+
 def _load_options(args) -> dict:
     """The backend options the streaming flags set (`Model.load(**options)`); flags left at their defaults
     are left out, so backends that cannot stream (reference) load as before."""
@@ -79,6 +80,7 @@ def _load_options(args) -> dict:
     if str(args.memory_budget).lower() != "auto":
         o["memory_budget"] = None if str(args.memory_budget).lower() == "none" else args.memory_budget
     return o | expert_options(args)
+
 
 #: what each sampling flag's neutral value is (the flags are qm.GenerationOptions' sampling fields)
 _SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",

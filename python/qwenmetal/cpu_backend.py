@@ -127,7 +127,8 @@ def _format(t) -> dict:
 def stream_spec(weights: Weights, plan) -> dict:
     """The engine's streaming spec for a streaming `plan`: the checkpoint files, each MoE layer's expert
     parts (`qwenmetal.streaming.expert_layout`) as (file, offset, stride, nbytes), the slots and policy,
-    and the stacks' formats."""
+    and the stacks' formats. Also advises the maps to keep the streamed stacks out of huge-page faults
+    (`streaming.keep_unmapped`): both backends set up streaming through here."""
     from .streaming import cache_tables, expert_layout, keep_unmapped
 
     layout = expert_layout(weights)

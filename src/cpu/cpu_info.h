@@ -37,8 +37,8 @@ struct CpuInfo {
 // detected at the first call (thread-safe static init), then fixed
 const CpuInfo& cpu_info();
 
-// The variant each kernel family uses now (it follows the forcing switches: set_isa, set_vnni, set_amx,
-// set_variant): {"gemv", "avx512"}, {"gemv_int", "avx512-vnni"}, {"gemm_int", "amx"}, ...
+// The variant each kernel family uses now (it follows the forcing switches: set_isa, set_vnni,
+// set_vnni_gemm, set_amx, set_neon_dot): {"gemv", "avx512"}, {"gemv_int", "avx512-vnni"}, {"gemm_int", "amx"}, ...
 std::vector<std::pair<std::string, std::string>> kernel_choices();
 
 }  // namespace qwenmetal::cpu

@@ -10,7 +10,6 @@
 #include "cpu/gemm_vnni.h"
 #include "cpu/kernels.h"
 
-
 namespace qwenmetal::cpu {
 
 namespace {

@@ -62,11 +62,14 @@ void gdn_recurrent_head(const Kernels& kk, float* S, int64_t L, const float* q, 
 
 size_t gdn_chunk_floats(int64_t dk, int64_t dv) {
     const int64_t C = kGdnChunk;
-    return size_t(5 * C * C + 4 * C + C * (3 * dk + 4 * dv) + dv * C + 2 * dk * C + 64);
+    return size_t(3 * C * C + 2 * C + C * (6 * dk + 4 * dv) + dk * dv + 64);
 }
 
 // Per value head, state S [dv][dk] (MLX layout), tokens t < L with rows at stride ld (q, k, v) and
-// ldbg (beta, g), output rows at stride ldo. Notation as reference.gdn_chunked (HF layout S^T).
+// ldbg (beta, g), output rows at stride ldo. Notation as reference.gdn_chunked (HF layout S^T). Every
+// product is a gemm_nn whose right operand is built (or kept) row-major [K][N], so no product transposes
+// an operand: the state is worked on as S^T [dk][dv] (transposed once per call, in and out), k also as
+// k^T [dk][C] for k_i.k_j and q_i.k_j, and the chunk's left operands of the state update as (.)^T.
 void gdn_chunked_head(const Kernels& kk, float* S, int64_t L, const float* q, const float* k, const float* v,
                       int64_t ld, const float* beta, const float* g, int64_t ldbg, float* o, int64_t ldo, int64_t dk,
                       int64_t dv, float* scratch) {
@@ -74,30 +77,33 @@ void gdn_chunked_head(const Kernels& kk, float* S, int64_t L, const float* q, co
     float* KK = scratch;               // [C][C]  k_i.k_j, then Lmat
     float* QK = KK + C * C;            // [C][C]  q_i.k_j, then M
     float* Ti = QK + C * C;            // [C][C]  T^-1
-    float* bV = Ti + C * C;            // [dv][C] (beta v)^T
-    float* bK = bV + dv * C;           // [dk][C] (beta gamma k)^T
-    float* U = bK + dk * C;            // [C][dv]
+    float* bV = Ti + C * C;            // [C][dv] beta v
+    float* bK = bV + C * dv;           // [C][dk] beta gamma k
+    float* U = bK + C * dk;            // [C][dv]
     float* Wm = U + C * dv;            // [C][dk]
     float* Vn = Wm + C * dk;           // [C][dv] V_new
-    float* VnT = Vn + C * dv;          // [dv][C]
-    float* KdT = VnT + dv * C;         // [dk][C] (exp(G_C - G_i) k_i)^T
+    float* KdT = Vn + C * dv;          // [dk][C] (exp(G_C - G_i) k_i)^T
     float* QS = KdT + dk * C;          // [C][dv]
     float* G = QS + C * dv;            // [C]
     float* gam = G + C;                // [C]
-    float* Kc = gam + C;               // [C][dk] contiguous copies of this chunk's k and q
+    float* Kc = gam + C;               // [C][dk] contiguous copies of this chunk's k and q, and k^T
     float* Qc = Kc + C * dk;
+    float* KcT = Qc + C * dk;          // [dk][C]
+    float* ST = KcT + dk * C;          // [dk][dv] the state, transposed
+    for (int64_t e = 0; e < dv; ++e)
+        for (int64_t j = 0; j < dk; ++j) ST[j * dv + e] = S[e * dk + j];
     for (int64_t c0 = 0; c0 < L; c0 += C) {
         const int64_t n = (L - c0 < C) ? L - c0 : C;
         for (int64_t i = 0; i < n; ++i) {
             for (int64_t e = 0; e < dk; ++e) {
-                Kc[i * dk + e] = k[(c0 + i) * ld + e];
+                Kc[i * dk + e] = KcT[e * C + i] = k[(c0 + i) * ld + e];
                 Qc[i * dk + e] = q[(c0 + i) * ld + e];
             }
             G[i] = (i ? G[i - 1] : 0.f) + g[(c0 + i) * ldbg];
             gam[i] = std::exp(G[i]);
         }
-        kk.gemm_tile(Kc, dk, n, Kc, dk, n, dk, KK, C, false);     // k_i . k_j
-        kk.gemm_tile(Qc, dk, n, Kc, dk, n, dk, QK, C, false);     // q_i . k_j
+        kk.gemm_nn(Kc, dk, n, KcT, C, n, dk, KK, C, false);       // k_i . k_j
+        kk.gemm_nn(Qc, dk, n, KcT, C, n, dk, QK, C, false);       // q_i . k_j
         for (int64_t i = 0; i < n; ++i) {
             const float bi = beta[(c0 + i) * ldbg];
             for (int64_t j = 0; j < n; ++j) {
@@ -120,33 +126,31 @@ void gdn_chunked_head(const Kernels& kk, float* S, int64_t L, const float* q, co
         }
         for (int64_t i = 0; i < n; ++i) {
             const float bi = beta[(c0 + i) * ldbg], bg = bi * gam[i];
-            for (int64_t e = 0; e < dv; ++e) bV[e * C + i] = bi * v[(c0 + i) * ld + e];
-            for (int64_t e = 0; e < dk; ++e) bK[e * C + i] = bg * Kc[i * dk + e];
+            for (int64_t e = 0; e < dv; ++e) bV[i * dv + e] = bi * v[(c0 + i) * ld + e];
+            for (int64_t e = 0; e < dk; ++e) bK[i * dk + e] = bg * Kc[i * dk + e];
         }
-        kk.gemm_tile(Ti, C, n, bV, C, dv, n, U, dv, false);       // U = T^-1 (beta v)
-        kk.gemm_tile(Ti, C, n, bK, C, dk, n, Wm, dk, false);      // W = T^-1 (beta gamma k)
-        kk.gemm_tile(Wm, dk, n, S, dk, dv, dk, Vn, dv, false);    // W S^T
-        kk.gemm_tile(Qc, dk, n, S, dk, dv, dk, QS, dv, false);    // q S^T
-        for (int64_t i = 0; i < n; ++i)
-            for (int64_t e = 0; e < dv; ++e) {
-                Vn[i * dv + e] = U[i * dv + e] - Vn[i * dv + e];
-                VnT[e * C + i] = Vn[i * dv + e];
-            }
+        kk.gemm_nn(Ti, C, n, bV, dv, dv, n, U, dv, false);        // U = T^-1 (beta v)
+        kk.gemm_nn(Ti, C, n, bK, dk, dk, n, Wm, dk, false);       // W = T^-1 (beta gamma k)
+        kk.gemm_nn(Wm, dk, n, ST, dv, dv, dk, Vn, dv, false);     // W S^T
+        kk.gemm_nn(Qc, dk, n, ST, dv, dv, dk, QS, dv, false);     // q S^T
+        for (int64_t e = 0; e < n * dv; ++e) Vn[e] = U[e] - Vn[e];
         // O = (gamma q) S^T + M V_new
         for (int64_t i = 0; i < n; ++i) {
             float* oi = o + (c0 + i) * ldo;
             for (int64_t e = 0; e < dv; ++e) oi[e] = gam[i] * QS[i * dv + e];
         }
-        kk.gemm_tile(QK, C, n, VnT, C, dv, n, o + c0 * ldo, ldo, true);
-        // S = gamma_C S + V_new^T (k exp(G_C - G))
+        kk.gemm_nn(QK, C, n, Vn, dv, dv, n, o + c0 * ldo, ldo, true);
+        // S^T = gamma_C S^T + (k exp(G_C - G))^T V_new
         const float GC = G[n - 1], gC = gam[n - 1];
         for (int64_t i = 0; i < n; ++i) {
             const float f = std::exp(GC - G[i]);
             for (int64_t e = 0; e < dk; ++e) KdT[e * C + i] = f * Kc[i * dk + e];
         }
-        for (int64_t e = 0; e < dv * dk; ++e) S[e] *= gC;
-        kk.gemm_tile(VnT, C, dv, KdT, C, dk, n, S, dk, true);
+        for (int64_t e = 0; e < dv * dk; ++e) ST[e] *= gC;
+        kk.gemm_nn(KdT, C, dk, Vn, dv, dv, n, ST, dv, true);
     }
+    for (int64_t e = 0; e < dv; ++e)
+        for (int64_t j = 0; j < dk; ++j) S[e * dk + j] = ST[j * dv + e];
 }
 
 }  // namespace qwenmetal::cpu

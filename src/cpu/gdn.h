@@ -8,7 +8,7 @@
 //  * gdn_chunked_head: the chunked WY/UT form over sub-chunks of C tokens (prefill): cumulative log
 //    decay, masked decay matrix, unit-lower-triangular T inverted by forward substitution, then the
 //    state is read and written once per sub-chunk instead of once per token, with the inner products
-//    done as small GEMMs (gemm_tile).
+//    done as small row-major GEMMs (gemm_nn) on operands built in that layout.
 // Heads are independent: the forward pass splits both over value heads; the gated RMSNorm is applied
 // per head right after (norm.h).
 #pragma once

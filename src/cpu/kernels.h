@@ -68,6 +68,10 @@ struct Kernels {
     // Y[m, j] (+)= Σ_k X[m,k]·T[j,k] for m < M, j < N (T: dequantized weight tile, row stride ldt)
     void (*gemm_tile)(const float* X, int64_t ldx, int64_t M, const float* T, int64_t ldt, int64_t N, int64_t K,
                       float* Y, int64_t ldy, bool accumulate);
+    // Y[m, n] (+)= Σ_k X[m,k]·B[k,n] for m < M, n < N (B row-major, row stride ldb; small K and N: the GDN
+    // chunk products)
+    void (*gemm_nn)(const float* X, int64_t ldx, int64_t M, const float* B, int64_t ldb, int64_t N, int64_t K,
+                    float* Y, int64_t ldy, bool accumulate);
     // Y[m, r] (+)= Σ_k W[r,k]·x_m[k] for M prepared inputs X[m] (row m of Y at Y + m*ldy), r in [r0, r1):
     // prefill; weights unpacked once per register tile and reused for several input rows
     void (*gemm_x)(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,

@@ -65,6 +65,22 @@ def reference_runs():
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 1, 0, 64, 300, 12, 401, 88, 9, 2, 77, 123, 6, 31]
 
 
+def test_denormals_flushed_in_the_engine_only():
+    """On x86-64 the engine computes with denormals flushed to zero (cpu/fpenv.h: each costs a microcode
+    assist there, and the chunked Gated DeltaNet's decays make many): every task of a pool run, on a worker
+    or on the calling thread, sees a denormal result as zero. The caller's own mode comes back after a
+    pool run and after a forward pass, so numpy in this thread keeps IEEE denormals. Elsewhere (NEON
+    handles denormals at full speed) nothing is flushed."""
+    tiny = np.float32(1e-38)
+    for threads in (1, 2, 3):
+        flushed, ran = _core.cpu_pool_flushes_denormals(threads)
+        assert ran == threads and flushed == [X86] * len(flushed)
+        assert tiny * np.float32(0.5) != 0
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="cpu", threads=2)
+    m.prefill(m.new_session(), [1, 2, 3, 4, 5])
+    assert tiny * np.float32(0.5) != 0
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 @pytest.mark.parametrize("fmt, activations", [("mlx-q4", "auto"), ("mlx-q4", "float"), ("mlx-q4", "int16"),
                                               ("mlx-q8", "auto"), ("mlx-bf16", "auto"), ("hf-bf16", "auto")])

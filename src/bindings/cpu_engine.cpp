@@ -7,12 +7,14 @@
 #include <nanobind/stl/unique_ptr.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bindings/config.h"
@@ -473,6 +475,30 @@ void register_cpu_engine(nb::module_& m) {
         .def("reset_expert_stats", [](PyEngine& pe) { pe.engine->reset_expert_stats(); },
              nb::call_guard<nb::gil_scoped_release>());
 
+    m.def("cpu_pool_flushes_denormals", [](int threads) {
+        std::vector<char> flushed(64, 0);
+        int ran = 0;
+        {
+            nb::gil_scoped_release release;
+            ThreadPool pool(threads);
+            std::atomic<int> mask{0};
+            const int all = (1 << pool.size()) - 1;
+            pool.run(static_cast<int64_t>(flushed.size()), [&](int64_t t, int th) {
+                volatile float tiny = 1e-38f;   // a normal float whose half is denormal
+                flushed[static_cast<size_t>(t)] = tiny * 0.5f == 0.f;
+                // the first tasks wait (at most 5 s) until every thread has run one, so workers are covered
+                mask.fetch_or(1 << th);
+                const auto t0 = std::chrono::steady_clock::now();
+                while (mask.load() != all && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5))
+                    std::this_thread::yield();
+            });
+            ran = __builtin_popcount(static_cast<unsigned>(mask.load()));
+        }
+        nb::list out;
+        for (char f : flushed) out.append(f != 0);
+        return nb::make_tuple(out, ran);
+    }, "threads"_a, "tests: per task of one pool run, whether a denormal result was flushed to zero "
+                    "(cpu/fpenv.h), and how many of the pool's threads ran tasks");
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
     m.def("cpu_info", [] {

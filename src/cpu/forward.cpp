@@ -17,6 +17,7 @@
 
 #include "cpu/engine.h"
 #include "cpu/attention.h"
+#include "cpu/fpenv.h"
 #include "cpu/gdn.h"
 #include "cpu/moe.h"
 #include "cpu/norm.h"
@@ -71,6 +72,7 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
         if (ids[i] < 0 || ids[i] >= cfg_.vocab)
             throw std::invalid_argument("cpu engine: token id " + std::to_string(ids[i]) + " outside the vocabulary");
     std::lock_guard<std::mutex> lock(mu_);
+    const FlushDenormals ftz;   // also for the caller's work between parallel sections (fpenv.h)
     const int64_t chunk = opt_.prefill_chunk;
     s.reserve(s.position + n);                       // KV growth (strong guarantee)
     reserve_scratch(std::min(n, chunk), s.position + n);

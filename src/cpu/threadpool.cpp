@@ -1,5 +1,7 @@
 #include "cpu/threadpool.h"
 
+#include "cpu/fpenv.h"
+
 #include <chrono>
 #include <fstream>
 #include <set>
@@ -68,6 +70,7 @@ constexpr auto kSpin = std::chrono::microseconds(200);
 }  // namespace
 
 void ThreadPool::worker(int id) {
+    flush_denormals_this_thread();   // for the worker's lifetime (fpenv.h)
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
@@ -92,6 +95,7 @@ void ThreadPool::worker(int id) {
 
 void ThreadPool::run_impl(int64_t n_tasks, Fn fn, void* ctx) {
     if (n_tasks <= 0) return;
+    const FlushDenormals ftz;   // the caller computes like the workers (fpenv.h), for this call only
     if (n_ == 1 || n_tasks == 1) {
         for (int64_t t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
         return;

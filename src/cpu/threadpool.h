@@ -9,6 +9,7 @@
 // Wait::Sleep is for pools whose tasks block (the expert cache's preads): idle workers sleep at once
 // instead of spinning for the next section, and the caller sleeps until the last task is done instead of
 // spinning on the count.
+// Workers compute with denormals flushed to zero, and so does the caller during run() (fpenv.h).
 #pragma once
 #include <atomic>
 #include <condition_variable>

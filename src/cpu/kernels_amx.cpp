@@ -153,6 +153,12 @@ static_assert(kChunk % 2 == 0 && kChunk <= 16, "kChunk: even, at most 16 (per-in
 // R: 16-row blocks per pass over an input tile (its A rows are then re-read from L1 for the second
 // block; 2 and 4 measured the same, 1 slower with two planes, and 4 would need ~113 KB of stack)
 constexpr int kBlocks = 2;
+// R: inputs per pass over the rows. A pass re-reads its inputs' A rows for every row block and K chunk:
+// 128 inputs' K chunk is 256 KiB with two planes and stays in L2, all 512 of a prefill chunk (1 MiB) did
+// not. The weights are prepared again per pass. One thread, 2048 x 2048 weights, median of 15 rounds
+// alternating in one process (Xeon family 6 model 167): 512 inputs 105 -> 126 GMAC/s, 2048 inputs
+// 100 -> 112; 512 x 2048 weights at 512 inputs 91 -> 98 (256 per pass: 115 / 112 / 99, 64: slower).
+constexpr int64_t kPassInputs = 128;
 
 // ldtilecfg operand (palette 1): every tile 16 rows × 64 bytes
 struct alignas(64) TileConfig {
@@ -328,58 +334,61 @@ void gemm_r(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ld
     const int64_t G = W.cols / 64;
     PassR<P> ps;
     std::memset(ps.xb3, 0, sizeof(ps.xb3));
-    for (int64_t rs = r0; rs < r1; rs += 16 * kBlocks) {          // up to kBlocks row blocks
-        const int nb = static_cast<int>((r1 - rs + 15) / 16 < kBlocks ? (r1 - rs + 15) / 16 : kBlocks);
-        for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
-            const int gn = static_cast<int>(G - g0 < kChunk ? G - g0 : kChunk);   // even: K % 128 == 0
-            const bool store_only = g0 == 0 && !accumulate;
-            for (int b = 0; b < nb; ++b) {
-                const int64_t rb = rs + 16 * b;
-                r_prepare_weights<P>(W, rb, r1 - rb < 16 ? static_cast<int>(r1 - rb) : 16, g0, gn, ps, b);
-            }
-            for (int64_t t0 = 0; t0 < M; t0 += 16) {
-                const XVec* const* Xt = X + t0;
-                const int mt = M - t0 < 16 ? static_cast<int>(M - t0) : 16;
-                // A straight from the XVecs when their xg (and xg2) are 16 rows at one stride, else copied
-                bool direct = mt == 16;
-                const int64_t stride = direct ? Xt[1]->xg - Xt[0]->xg : 0;
-                for (int m = 1; m < mt && direct; ++m) {
-                    direct = Xt[m]->xg - Xt[m - 1]->xg == stride;
-                    if (P == 2) direct = direct && Xt[m]->xg2 - Xt[m - 1]->xg2 == stride;
-                }
-                const int8_t *a1, *a2;
-                int64_t astr;
-                if (direct) {
-                    a1 = Xt[0]->xg + 64 * g0;
-                    a2 = P == 2 ? Xt[0]->xg2 + 64 * g0 : a1;
-                    astr = stride;
-                } else {
-                    for (int m = 0; m < 16; ++m)
-                        for (int p = 0; p < P; ++p) {
-                            const int8_t* src = m < mt ? (p ? Xt[m]->xg2 : Xt[m]->xg) + 64 * g0 : nullptr;
-                            for (int g = 0; g < gn; ++g)
-                                _mm512_store_si512(ps.ab[p][m] + 64 * g,
-                                                   src ? _mm512_loadu_si512(src + 64 * g) : _mm512_setzero_si512());
-                        }
-                    a1 = ps.ab[0][0];
-                    a2 = ps.ab[P - 1][0];
-                    astr = kChunk * 64;
-                }
-                // per input: xsg of the chunk's groups, xqx split into three bf16 (bias A tiles)
-                for (int m = 0; m < 16; ++m) {
-                    if (m < mt) {
-                        _mm512_storeu_ps(ps.xs[m], _mm512_maskz_loadu_ps(mask16(gn), Xt[m]->xsg + g0));
-                        split_bf16x3(Xt[m]->xqx + g0, gn, ps.xb3[0][m], ps.xb3[1][m], ps.xb3[2][m]);
-                    } else {
-                        _mm512_storeu_ps(ps.xs[m], _mm512_setzero_ps());
-                        for (int i = 0; i < 3; ++i)   // its first 16 bf16 (the rest stay zero)
-                            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ps.xb3[i][m]), _mm256_setzero_si256());
-                    }
-                }
+    for (int64_t m0 = 0; m0 < M; m0 += kPassInputs) {            // inputs whose A rows stay in L2
+        const int64_t mend = M - m0 < kPassInputs ? M : m0 + kPassInputs;
+        for (int64_t rs = r0; rs < r1; rs += 16 * kBlocks) {          // up to kBlocks row blocks
+            const int nb = static_cast<int>((r1 - rs + 15) / 16 < kBlocks ? (r1 - rs + 15) / 16 : kBlocks);
+            for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
+                const int gn = static_cast<int>(G - g0 < kChunk ? G - g0 : kChunk);   // even: K % 128 == 0
+                const bool store_only = g0 == 0 && !accumulate;
                 for (int b = 0; b < nb; ++b) {
                     const int64_t rb = rs + 16 * b;
-                    const int nr = r1 - rb < 16 ? static_cast<int>(r1 - rb) : 16;
-                    r_tile<P>(ps, b, gn, a1, a2, astr, Y + t0 * ldy + rb, ldy, mt, nr, store_only);
+                    r_prepare_weights<P>(W, rb, r1 - rb < 16 ? static_cast<int>(r1 - rb) : 16, g0, gn, ps, b);
+                }
+                for (int64_t t0 = m0; t0 < mend; t0 += 16) {
+                    const XVec* const* Xt = X + t0;
+                    const int mt = mend - t0 < 16 ? static_cast<int>(mend - t0) : 16;
+                    // A straight from the XVecs when their xg (and xg2) are 16 rows at one stride, else copied
+                    bool direct = mt == 16;
+                    const int64_t stride = direct ? Xt[1]->xg - Xt[0]->xg : 0;
+                    for (int m = 1; m < mt && direct; ++m) {
+                        direct = Xt[m]->xg - Xt[m - 1]->xg == stride;
+                        if (P == 2) direct = direct && Xt[m]->xg2 - Xt[m - 1]->xg2 == stride;
+                    }
+                    const int8_t *a1, *a2;
+                    int64_t astr;
+                    if (direct) {
+                        a1 = Xt[0]->xg + 64 * g0;
+                        a2 = P == 2 ? Xt[0]->xg2 + 64 * g0 : a1;
+                        astr = stride;
+                    } else {
+                        for (int m = 0; m < 16; ++m)
+                            for (int p = 0; p < P; ++p) {
+                                const int8_t* src = m < mt ? (p ? Xt[m]->xg2 : Xt[m]->xg) + 64 * g0 : nullptr;
+                                for (int g = 0; g < gn; ++g)
+                                    _mm512_store_si512(ps.ab[p][m] + 64 * g,
+                                                       src ? _mm512_loadu_si512(src + 64 * g) : _mm512_setzero_si512());
+                            }
+                        a1 = ps.ab[0][0];
+                        a2 = ps.ab[P - 1][0];
+                        astr = kChunk * 64;
+                    }
+                    // per input: xsg of the chunk's groups, xqx split into three bf16 (bias A tiles)
+                    for (int m = 0; m < 16; ++m) {
+                        if (m < mt) {
+                            _mm512_storeu_ps(ps.xs[m], _mm512_maskz_loadu_ps(mask16(gn), Xt[m]->xsg + g0));
+                            split_bf16x3(Xt[m]->xqx + g0, gn, ps.xb3[0][m], ps.xb3[1][m], ps.xb3[2][m]);
+                        } else {
+                            _mm512_storeu_ps(ps.xs[m], _mm512_setzero_ps());
+                            for (int i = 0; i < 3; ++i)   // its first 16 bf16 (the rest stay zero)
+                                _mm256_storeu_si256(reinterpret_cast<__m256i*>(ps.xb3[i][m]), _mm256_setzero_si256());
+                        }
+                    }
+                    for (int b = 0; b < nb; ++b) {
+                        const int64_t rb = rs + 16 * b;
+                        const int nr = r1 - rb < 16 ? static_cast<int>(r1 - rb) : 16;
+                        r_tile<P>(ps, b, gn, a1, a2, astr, Y + t0 * ldy + rb, ldy, mt, nr, store_only);
+                    }
                 }
             }
         }
@@ -565,17 +574,18 @@ void gemm_t(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ld
 }
 
 // Orientation by a cost model of the per-call preparation (cycles per group, measured):
-//   R: nb·Wt + nt·Ga   (weight transpose per row block; A rows copied per input tile unless at one stride)
+//   R: passes·nb·Wt + nt·Ga   (weight transpose per row block and pass of kPassInputs inputs; A rows
+//      copied per input tile unless at one stride)
 //   T: nt·(At + nb·Wu) (input transpose per tile; weight unpack per tile and block)
 // One weight transpose covers two groups (4-bit packing) while inputs need one per group and plane, so
 // At > Wt: R wins for one row block (the engine's 16-row tasks), T for one or two input tiles and many
 // row blocks (an MoE expert's rows in one call).
 inline bool use_t(const XVec* const* X, int64_t M, int64_t r0, int64_t r1, int P) {
     constexpr int64_t kWt = 64, kWu = 27, kAt = 64, kAtFixed = 16, kGa = 16;
-    const int64_t nt = (M + 15) / 16, nb = (r1 - r0 + 15) / 16;
+    const int64_t nt = (M + 15) / 16, nb = (r1 - r0 + 15) / 16, passes = (M + kPassInputs - 1) / kPassInputs;
     bool direct = M >= 16;
     for (int m = 1; m < 16 && direct; ++m) direct = X[m]->xg - X[m - 1]->xg == X[1]->xg - X[0]->xg;
-    const int64_t cost_r = nb * kWt + (direct ? 0 : nt * kGa * P);
+    const int64_t cost_r = passes * nb * kWt + (direct ? 0 : nt * kGa * P);
     const int64_t cost_t = nt * (kAt * P + kAtFixed + nb * kWu);
     return cost_t < cost_r;
 }

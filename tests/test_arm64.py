@@ -67,6 +67,7 @@ def test_neon_kernels_under_qemu(checker, cpu):
         for planes in ("int8", "int16"):
             assert f"{planes} {v} M 1 rows [0, 37): same bits (0.00e+00)" in lines, r.stdout
             assert f"{planes} {v} M 9 rows [0, 37): same bits (0.00e+00)" in lines, r.stdout
+    assert any(line.startswith("gemm_nn: ") for line in lines), r.stdout
     assert r.returncode == 0 and lines[-1] == "all ok", r.stdout + r.stderr
 
 

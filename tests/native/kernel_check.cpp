@@ -159,6 +159,18 @@ int main() {
     A->gdn_step(S.data(), 12, 20, q.data(), k.data(), v.data(), 0.7f, 0.9f, oa.data());
     P->gdn_step(S2.data(), 12, 20, q.data(), k.data(), v.data(), 0.7f, 0.9f, op.data());
     double d = std::fmax(maxdiff(oa, op), maxdiff(S, S2)); std::printf("gdn_step: %.2e\n", d); fails += d > 1e-5;
+    // gemm_nn (the GDN chunk products): 7 rows (a 4-row block and 3 single rows), 37 columns of a B with
+    // row stride 40 (a masked last column block), K = 19, accumulating into a non-zero Y
+    {
+        std::vector<float> X(7 * 19), B(19 * 40), Ya(7 * 37), Yp;
+        for (auto& t : X) t = rnd();
+        for (auto& t : B) t = rnd();
+        for (auto& t : Ya) t = rnd();
+        Yp = Ya;
+        A->gemm_nn(X.data(), 19, 7, B.data(), 40, 37, 19, Ya.data(), 37, true);
+        P->gemm_nn(X.data(), 19, 7, B.data(), 40, 37, 19, Yp.data(), 37, true);
+        const double dn = maxdiff(Ya, Yp); std::printf("gemm_nn: %.2e\n", dn); fails += dn > 1e-5;
+    }
     d = std::fabs(A->dot(x.data(), w.data(), 37) - P->dot(x.data(), w.data(), 37));
     std::printf("dot: %.2e\n", d); fails += d > 1e-4;
 

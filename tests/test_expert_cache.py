@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from qwenmetal import _core
+from qwenmetal.memlimit import drop_page_cache
 
 E = 6
 # two files; parts at unaligned offsets, strides larger than the parts, and a part ending at end of file
@@ -125,18 +126,6 @@ def _page_cache_probe_works(path) -> bool:
         os.close(fd)
 
 
-def _drop_page_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        # twice: the first call only drains the per-CPU batches that pages just read still sit in, which
-        # the kernel cannot drop from (measured: one call left 30 of 40 fresh files cached)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_os_policy_rereads_every_time_and_counts_page_cache_hits(files):
     paths, data = files
     c, arrays = make(paths, slots=3, policy="os")
@@ -153,7 +142,7 @@ def test_os_policy_rereads_every_time_and_counts_page_cache_hits(files):
         # the kernel cannot drop them, so it is tried until a drop took
         for _ in range(20):
             for p in paths:
-                _drop_page_cache(p)
+                drop_page_cache([p])
             c.reset_stats()
             acquire(c, 4, [3, 0])
             if c.stats()["misses"]:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
+from qwenmetal.memlimit import drop_page_cache
 from qwenmetal.errors import InputError
 from qwenmetal.safetensors_io import SafetensorsWriter, TensorSource
 from qwenmetal.streaming import expert_layout
@@ -214,17 +215,6 @@ PAGE = mmap.PAGESIZE
 FAULT_AROUND = 64 << 10
 
 
-def evict_page_cache(ckpt) -> None:
-    """Drop the checkpoint's clean pages from the page cache (no-op where posix_fadvise is missing)."""
-    for f in os.listdir(ckpt):
-        if f.endswith(".safetensors") and hasattr(os, "posix_fadvise"):
-            fd = os.open(os.path.join(ckpt, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def mapped_pages(start: int, end: int) -> np.ndarray:
     """Present bits (/proc/self/pagemap bit 63) of the pages of virtual addresses [start, end)."""
     with open("/proc/self/pagemap", "rb") as f:
@@ -282,7 +272,7 @@ def test_streamed_experts_never_mapped(ckpt):
     del r
     gc.collect()
     # ... and none after a streaming run of the same checkpoint (every expert read by the cache)
-    evict_page_cache(ckpt)
+    drop_page_cache([ckpt])
     m = qm.Model.load(ckpt, backend="cpu", memory_budget=None, expert_slots=1, expert_policy="os", **OPTS)
     run(m)
     list(m.generate(PROMPT, max_tokens=4, temperature=0, cache=False))

@@ -21,10 +21,11 @@ import pytest
 
 import qwenmetal as qm
 from qwenmetal.errors import InputError
+from qwenmetal.memlimit import drop_page_cache
 from qwenmetal.testing import cached_checkpoint
 
 from model_runs import rel_range_err
-from test_streaming_cpu import CFG, evict_page_cache, mapped_expert_pages
+from test_streaming_cpu import CFG, mapped_expert_pages
 
 from .gpu_harness import BACKEND
 
@@ -150,7 +151,7 @@ def test_streamed_experts_never_mapped():
     """No page of the streamed experts' bytes is ever in this process's page tables after a streaming run
     (the probe and its control, a resident run that maps most of them: tests/test_streaming_cpu.py)."""
     ckpt = cached_checkpoint(CFG, "mlx-q4", seed=2, name="stream-cpu")
-    evict_page_cache(ckpt)
+    drop_page_cache([ckpt])
     m = qm.Model.load(ckpt, backend=BACKEND, expert_slots=1, expert_policy="os")
     s = m.new_session()
     m.prefill(s, PROMPT[:2], return_logits="last")

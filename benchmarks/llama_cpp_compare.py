@@ -23,7 +23,8 @@ Steps:
    (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
    median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
    llama.cpp: the sequence state saved after the context prefill and restored before each repeat).
-   ``--amx both`` runs qwenmetal twice: as it finds the CPU, and with ``QWENMETAL_AMX=0`` (what a CPU
+   ``--amx both`` runs qwenmetal twice (once on a CPU without a usable AMX, where the arms would be the
+   same engine): as it finds the CPU, and with ``QWENMETAL_AMX=0`` (what a CPU
    without AMX, e.g. Zen 4, runs; llama.cpp is built without AMX either way).
 4. The table, headed by the machine (``_core.cpu_info()``: CPU model, vendor, family / model,
    micro-architecture, ISA, kernels chosen, AMX; the measured read bandwidth): prefill tok/s and decode
@@ -391,6 +392,11 @@ DECODE_SPEEDUP_TARGET, DECODE_BANDWIDTH_TARGET = 1.5, 0.85
 PREFILL_TARGET = {True: 2.0, False: 1.3}
 
 
+def _core_amx_available() -> bool:
+    from qwenmetal import _core
+    return bool(_core.cpu_amx_available())
+
+
 def compare(a) -> dict:
     from qwenmetal.bench import ensure_checkpoint, machine_info, measure_read_bandwidth, resolve_config
     from qwenmetal.bench.cli import checkpoint_bytes, parse_size
@@ -426,7 +432,13 @@ def compare(a) -> dict:
         # under a memory limit the bench puts itself in the cgroup (qwenmetal bench --memory-limit)
         cmd = ([sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend", a.backend,
                 "--bandwidth-bytes", "0"] + opts + common + (["--memory-limit", str(limit)] if limit else []))
-        for amx in (("auto", "off") if a.amx == "both" else (a.amx,)):
+        amx_arms = ("auto", "off") if a.amx == "both" else (a.amx,)
+        if a.amx == "both" and not _core_amx_available():
+            # without a usable AMX the two arms would run the same kernels: one arm, so that the table
+            # does not present two runs of one engine as a comparison
+            log("--amx both: this CPU has no usable AMX, so the no-AMX arm would run the same engine; one arm")
+            amx_arms = ("auto",)
+        for amx in amx_arms:
             arms.append((QM_ARMS[amx], cmd, None, {"QWENMETAL_AMX": "0"} if amx == "off" else {}))
     if not a.skip_llama:
         # under a memory limit: llama.cpp's mmap'd run (its repacked copies of the weights could not fit)

@@ -21,4 +21,9 @@ if [ ! -f "$bdir/build.ninja" ]; then
         -DPython_EXECUTABLE="$(command -v python3)" -Dnanobind_DIR="$(python3 -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi
 cmake --build "$bdir" -j2 "$@"
-cp -f "$bdir"/_core*.so python/qwenmetal/
+# replaced by a rename, not rewritten in place: a process that has the old module loaded (a benchmark
+# running from this tree) keeps its copy instead of crashing on a truncated mapping
+for so in "$bdir"/_core*.so; do
+    cp -f "$so" "python/qwenmetal/.$(basename "$so").tmp"
+    mv -f "python/qwenmetal/.$(basename "$so").tmp" "python/qwenmetal/$(basename "$so")"
+done

@@ -23,9 +23,9 @@ Steps:
    (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
    median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
    llama.cpp: the sequence state saved after the context prefill and restored before each repeat).
-   ``--amx both`` runs qwenmetal twice (once on a CPU without a usable AMX, where the arms would be the
-   same engine): as it finds the CPU, and with ``QWENMETAL_AMX=0`` (what a CPU
-   without AMX, e.g. Zen 4, runs; llama.cpp is built without AMX either way).
+   ``--amx both`` runs qwenmetal twice: as it finds the CPU, and with ``QWENMETAL_AMX=0`` (what a CPU
+   without AMX, e.g. Zen 4, runs; llama.cpp is built without AMX either way) -- once on a CPU without a
+   usable AMX, where the two would be the same engine.
 4. The table, headed by the machine (``_core.cpu_info()``: CPU model, vendor, family / model,
    micro-architecture, ISA, kernels chosen, AMX; the measured read bandwidth): prefill tok/s and decode
    ms/token of every arm, each qwenmetal arm against the faster llama.cpp arm at that point, against

@@ -57,7 +57,7 @@ inline void transpose16(__m512i r[16]) {
 // positions 4j..4j+3 and wb[g][8 + j] = (dword j >> 4) & 15 positions 32 + 4j..; one 16×16 dword
 // transpose of 64 packed bytes × 16 rows gives two groups.
 // Each row is read 64 bytes at a time, 16 rows interleaved: more concurrent streams than the hardware
-// prefetchers follow (Zen 4: an expert call with its weights in DRAM ran 1.2-1.6x slower without the
+// prefetchers follow (Zen 4: an expert call with its weights in DRAM ran 1.15-1.6x slower without the
 // software prefetch 4 lines ahead in each row; docs/cpu.md "Zen 4 (measured)").
 constexpr int kRowPrefetch = 256;
 inline void q4_rows_in_lanes(const WMat& W, int64_t rb, int nr, int64_t g0, int gn, uint8_t (*wb)[16][64]) {

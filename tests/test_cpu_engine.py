@@ -169,16 +169,19 @@ def test_short_last_chunk_takes_the_decode_path(preset, reference_runs):
 
 def test_int16_split_prefill_close_to_one_prefill():
     """int16 activations with an fp32 cache: a value that differs in the last fp32 bit between the split
-    and the joint run (recurrent vs chunked GDN) can round to a neighbouring 16-bit integer, so split
-    prefills agree with one prefill to ~1e-5 of the logit range instead of bit-for-bit (float mode: 2e-5
-    absolute, tests/test_cpu_session.py)."""
+    and the joint run (recurrent vs chunked GDN, GEMV vs GEMM fold order) can round to a neighbouring
+    16-bit integer (one step = 1/32512 of its group's max), so split prefills agree with one prefill only
+    to a few such steps carried through the layers, not bit-for-bit (float mode: 2e-5 absolute,
+    tests/test_cpu_session.py). Measured: ~1e-5 of the logit range with AMX (Sapphire Rapids guest);
+    3-9e-5 on the Zen 4 guest (VNNI GEMM) and 1.01e-4 there in the sanitizer build. The bound, 3e-4, is
+    3x the largest seen and still 3x inside int16's own bound against the float reference (1e-3)."""
     model = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="cpu", threads=2,
                           kv_dtype="float32", prefill_chunk=5, activations="int16")
     for cut in (1, 3, 7, 12):
         s1, s2 = model.new_session(), model.new_session()
         a = np.concatenate([model.prefill(s1, PROMPT[:cut], "all"), model.prefill(s1, PROMPT[cut:], "all")])
         b = model.prefill(s2, PROMPT, "all")
-        assert rel_range_err(a, b) < 1e-4
+        assert rel_range_err(a, b) < 3e-4
 
 
 def test_quantize_at_load_matches_mlx_q4():

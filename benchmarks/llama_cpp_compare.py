@@ -392,11 +392,6 @@ DECODE_SPEEDUP_TARGET, DECODE_BANDWIDTH_TARGET = 1.5, 0.85
 PREFILL_TARGET = {True: 2.0, False: 1.3}
 
 
-def _core_amx_available() -> bool:
-    from qwenmetal import _core
-    return bool(_core.cpu_amx_available())
-
-
 def compare(a) -> dict:
     from qwenmetal.bench import ensure_checkpoint, machine_info, measure_read_bandwidth, resolve_config
     from qwenmetal.bench.cli import checkpoint_bytes, parse_size
@@ -433,10 +428,10 @@ def compare(a) -> dict:
         cmd = ([sys.executable, "-m", "qwenmetal.bench", "--model", str(ckpt), "--backend", a.backend,
                 "--bandwidth-bytes", "0"] + opts + common + (["--memory-limit", str(limit)] if limit else []))
         amx_arms = ("auto", "off") if a.amx == "both" else (a.amx,)
-        if a.amx == "both" and not _core_amx_available():
-            # without a usable AMX the two arms would run the same kernels: one arm, so that the table
-            # does not present two runs of one engine as a comparison
-            log("--amx both: this CPU has no usable AMX, so the no-AMX arm would run the same engine; one arm")
+        if a.amx == "both" and not result["machine"].get("cpu_info", {}).get("amx"):
+            # without a usable AMX (or with QWENMETAL_AMX=0 already set) the two arms would run the same
+            # kernels: one arm, so that the table does not present two runs of one engine as a comparison
+            log("--amx both: AMX is not in use here, so the no-AMX arm would run the same engine; one arm")
             amx_arms = ("auto",)
         for amx in amx_arms:
             arms.append((QM_ARMS[amx], cmd, None, {"QWENMETAL_AMX": "0"} if amx == "off" else {}))

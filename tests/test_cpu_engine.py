@@ -142,6 +142,7 @@ def test_threads_reach_the_engine():
     N-th) and the engine reports N; the default is the physical cores of this process's CPU set."""
     path = cached_checkpoint("tiny", "mlx-q4", seed=0)
     models = []
+    gc.collect()   # an earlier test's engine freed by the collector during a count would end its threads there
     for n in (1, 3, 4):
         before = _os_threads()
         m = qm.Model.load(path, backend="cpu", threads=n)
@@ -479,8 +480,9 @@ def _int_gemv_reference(x, t, planes):
 
 
 AMX = _core.cpu_amx_available()
-# the VNNI, VNNI-GEMM and AMX switches only affect the avx512 path (VNNI also the avx2 one: AVX-VNNI):
-# other ISAs run once; on avx512 the prefill GEMM (M > 3) is the VNNI GEMM (default without AMX), the
+# the VNNI, VNNI-GEMM and AMX switches only affect the avx512 path (VNNI and VNNI-GEMM also the avx2 one:
+# AVX-VNNI, whose GEMM takes calls of >= 16 inputs, else the GEMV per input row or, switched off, the
+# float tiles from 16 inputs): other ISAs run once; on avx512 the prefill GEMM (M > 3) is the VNNI GEMM (default without AMX), the
 # older VNNI register tile (VNNI GEMM off), the AVX512BW tile (VNNI off), or AMX with its operand
 # orientation chosen by its cost model, forced to weights-as-B (1) and weights-as-A (2)
 INT_PATHS = ([(i, True, True, False, 0) for i in FAMILY_ISAS]
@@ -488,6 +490,7 @@ INT_PATHS = ([(i, True, True, False, 0) for i in FAMILY_ISAS]
                 + [("avx512", True, True, True, o) for o in (0, 1, 2)] if X86 else []))
 NO_AMX = "no usable AMX tile unit (CPU or OS): cpu_amx_available() is False"
 VNNI = "avx512" in ISAS and _core.cpu_vnni()
+AVX_VNNI = "avx2" in ISAS and "avx_vnni" in _core.cpu_info()["features"]   # the avx2 kernels' VNNI GEMM
 
 
 def _force_gemm(vnni, vnni_gemm, amx, orientation=0):
@@ -528,7 +531,7 @@ def test_linear_int_kernels(isa, vnni, vnni_gemm, amx, orientation, M, planes):
         for threads in (1, 3):
             y = _core.cpu_linear(describe(t, keep), x, threads, isa, planes=planes)
             exact = x.astype(np.float64) @ dense.T.astype(np.float64)
-            if isa == "avx2" and M >= 16:                 # AVX2 prefill goes through float tiles
+            if isa == "avx2" and M >= 16 and not (vnni_gemm and AVX_VNNI):   # no AVX-VNNI GEMM: float tiles
                 np.testing.assert_allclose(y, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
                 continue
             want = _int_gemv_reference(x, t, planes)
@@ -538,6 +541,39 @@ def test_linear_int_kernels(isa, vnni, vnni_gemm, amx, orientation, M, planes):
             plain = np.abs(x).max(axis=1) < 10               # rows without the outlier: ~1 % error
             if plain.any():
                 assert np.abs(y - exact)[plain].max() < 2e-2 * np.abs(exact).max()
+    finally:
+        _force_gemm(True, True, True)
+
+
+@pytest.mark.parametrize("rows, cols, M", [(37, 384, 16), (512, 2048, 19), (100, 4096, 40)])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_avx_vnni_gemm_matches_the_avx512_one(rows, cols, M, planes):
+    """The ymm AVX-VNNI GEMM (CPUs without AVX-512) is the AVX-512 VNNI GEMM with 8 rows in the lanes
+    instead of 16: the same integers and the same float operations per (row, input), so the same bits,
+    whatever the thread partition (row tails, two K chunks at 4096); and it is what the avx2 kernels run
+    from 16 inputs on."""
+    if not AVX_VNNI:
+        pytest.skip("no AVX-VNNI on this CPU")
+    if not VNNI:
+        pytest.skip("no AVX512-VNNI on this CPU to compare with")
+    rng = np.random.default_rng(rows)
+    t, _ = _weights("q4", rows, cols, rng, 64)
+    x = rng.normal(size=(M, cols)).astype(np.float32)
+    x[1, :64] = 0.0
+    keep = []
+    d = describe(t, keep)
+    _force_gemm(True, True, False)
+    try:
+        saved = _core.cpu_isa()
+        _core.cpu_set_isa("avx2")
+        try:
+            assert _core.cpu_info()["kernels"]["gemm_int"] == "avx-vnni-gemm"
+        finally:
+            _core.cpu_set_isa(saved)
+        want = _core.cpu_linear(d, x, 1, "avx512", planes=planes)
+        for threads in (1, 2, 3):
+            assert np.array_equal(_core.cpu_linear(d, x, threads, "avx2", planes=planes), want)
+        np.testing.assert_allclose(want, _int_gemv_reference(x, t, planes), rtol=0, atol=2e-5 * np.abs(want).max())
     finally:
         _force_gemm(True, True, True)
 

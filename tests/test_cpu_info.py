@@ -68,8 +68,13 @@ def test_kernels_follow_the_switches():
             _core.cpu_set_isa("avx2")
             vnni = "avx_vnni" in _core.cpu_info()["features"]
             assert _core.cpu_info()["kernels"]["gemv_int"] == ("avx-vnni" if vnni else "avx2")
+            assert _core.cpu_info()["kernels"]["gemm_int"] == ("avx-vnni-gemm" if vnni else "avx2-rows")
+            _core.cpu_set_vnni_gemm(False)
+            assert _core.cpu_info()["kernels"]["gemm_int"] == ("avx-vnni-rows" if vnni else "avx2-rows")
+            _core.cpu_set_vnni_gemm(True)
             _core.cpu_set_vnni(False)
             assert _core.cpu_info()["kernels"]["gemv_int"] == "avx2"
+            assert _core.cpu_info()["kernels"]["gemm_int"] == "avx2-rows"
             _core.cpu_set_vnni(True)
         if "avx512" in _core.cpu_isas():
             _core.cpu_set_isa("avx512")
@@ -84,5 +89,6 @@ def test_kernels_follow_the_switches():
             assert (k["gemm_int"] == "amx") == _core.cpu_amx()
     finally:
         _core.cpu_set_vnni(True)
+        _core.cpu_set_vnni_gemm(True)
         _core.cpu_set_amx(True)
         _core.cpu_set_isa(saved)

@@ -266,9 +266,10 @@ std::vector<std::pair<std::string, std::string>> kernel_choices() {
                 {"gemm_int", std::string("neon-") + neon_dot_name(d)}};
     }
     // its prefill GEMM: AMX tiles, the AVX-512 VNNI GEMM (kernels_vnni.cpp), the AVX-512 register tile,
-    // else the GEMV once per input row
+    // the ymm rows-in-lanes GEMM (avx-vnni-gemm, from 16 inputs; kernels_vnni.cpp), else the GEMV once per input row
     std::string gemm_int = gemv_int + "-rows";
     if (k.isa == Isa::AVX512) gemm_int = amx_enabled() ? "amx" : vnni_gemm_enabled() ? "avx512-vnni-gemm" : gemv_int;
+    else if (k.isa == Isa::AVX2 && avx_vnni_gemm_enabled()) gemm_int = "avx-vnni-gemm";
     return {{"gemv", k.name}, {"gemv_int", gemv_int}, {"gemm_int", gemm_int}};
 }
 

@@ -11,7 +11,8 @@
 namespace qwenmetal::cpu {
 
 // Prefill GEMMs (4-bit g64 weights, int8/int16 inputs, AVX-512 kernels) use this kernel when AMX is not
-// in use and vnni_enabled(); set_vnni_gemm(false) keeps them on the older register tile (tests, benchmarks).
+// in use and vnni_enabled(); set_vnni_gemm(false) keeps them on the older register tile (tests, benchmarks)
+// and the avx2 kernels on the GEMV per input row.
 void set_vnni_gemm(bool on);
 bool vnni_gemm_enabled();
 
@@ -23,5 +24,15 @@ bool vnni_gemm_enabled();
 // vnni_available().
 void q4_gemm_vnni(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                   bool accumulate);
+
+// The same GEMM on ymm with AVX-VNNI, for CPUs without AVX-512 (8 rows in the lanes; kernels_vnni.cpp).
+// Same contract, integers and fold as q4_gemm_vnni: bit-identical results. The avx2 kernels use it for
+// int8/int16 prefill calls of at least kAvxVnniGemmMinInputs inputs while avx_vnni_gemm_enabled()
+// (AVX-VNNI in use and set_vnni_gemm not off); fewer inputs run the GEMV once per input row, which
+// measured faster there (docs/cpu.md "AVX-VNNI prefill GEMM").
+void q4_gemm_avxvnni(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
+                     bool accumulate);
+constexpr int64_t kAvxVnniGemmMinInputs = 16;
+bool avx_vnni_gemm_enabled();
 
 }  // namespace qwenmetal::cpu

@@ -50,13 +50,23 @@ struct XVec {
     const float* xs(int gs) const { return gs == 32 ? xs32 : gs == 64 ? xs64 : xs128; }
 };
 
+// The integer-input kernels (activations="int8"/"int16") cover 4-bit group-64 weights with bf16 scales
+// and K % 128 == 0, for an input prepared with an integer copy of the same K
+inline bool int_kernels_apply(const WMat& W, const XVec& X) {
+    return X.xq && W.bits == 4 && W.group_size == 64 && W.sdtype == DType::BF16 && W.cols % 128 == 0 && W.cols == X.K;
+}
+
 struct Kernels {
     Isa isa;
     const char* name;
     int width;   // float lanes
-    // from this many input rows on, prefill GEMMs go through dequantized 16-row tiles (gemm_tile)
-    // instead of the register-tile kernel (gemm_x); 0 = never (measured per ISA, docs/cpu.md)
+    // from this many input rows on, float-input prefill GEMMs go through dequantized 16-row tiles
+    // (gemm_tile) instead of the register-tile kernel (gemm_x); 0 = never (measured per ISA, docs/cpu.md).
+    // Inputs the integer kernels take (int_kernels_apply) go to gemm_x while int_gemm() says the table's
+    // integer prefill GEMM is in use (avx2: avx_vnni_gemm_enabled(); else the GEMV per input row, which loses
+    // to the float tiles from tile_gemm_min_rows on).
     int64_t tile_gemm_min_rows;
+    bool (*int_gemm)();
     // x [K] -> XVec using `scratch` (at least xvec_floats(K) floats); planes 1 (int8) / 2 (int16): also
     // the integer copy of x (when K % 128 == 0), which makes gemv / gemm_x use the integer dot-product
     // kernels for 4-bit g64 weights

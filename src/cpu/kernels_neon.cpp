@@ -23,6 +23,7 @@ struct VT {
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
     // the integer kernels (Q8_SIMD / Q8_GEMM): the variant neon_dot() picks, defined below
     static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = false;
+    static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     static constexpr int Q8B = 32, Q8E = 1;
     using V = float32x4_t;
     static inline V zero() { return vdupq_n_f32(0.f); }

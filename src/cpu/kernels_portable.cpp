@@ -19,6 +19,7 @@ struct VT {
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
     static constexpr bool Q8_SIMD = false, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = false;
+    static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     static constexpr int Q8B = 32, Q8E = 1;
     struct V {
         float v[4];
@@ -180,6 +181,7 @@ bool vnni_enabled() {
 // cpu_info's report links without the x86 kernels (the arm64 checker)
 void set_vnni_gemm(bool on) { g_vnni_gemm.store(on, std::memory_order_relaxed); }
 bool vnni_gemm_enabled() { return vnni_enabled() && g_vnni_gemm.load(std::memory_order_relaxed); }
+bool avx_vnni_gemm_enabled() { return avx_vnni_enabled() && g_vnni_gemm.load(std::memory_order_relaxed); }
 bool avx_vnni_enabled() {
     static const bool avail = cpu_info().f.avx_vnni && kernels_avx2() != nullptr;
     return avail && g_vnni.load(std::memory_order_relaxed);

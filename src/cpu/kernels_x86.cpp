@@ -185,8 +185,20 @@ struct VT {
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one group (32 weight bytes) per step; with
     // AVX-VNNI (Alder Lake and later client Intel, Zen 5, Sapphire Rapids: the VEX-encoded vpdpbusd on
     // ymm) two vpdpbusd instead of maddubs, maddubs, add, madd: 5 instead of 8 integer ops per group
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true;
     static constexpr int Q8B = 32, Q8E = 1;
+    static bool int_gemm() { return avx_vnni_gemm_enabled(); }   // Kernels::int_gemm
+    // prefill (kernels.inc q4i8_gemm): from kAvxVnniGemmMinInputs inputs on the ymm rows-in-lanes GEMM
+    // with AVX-VNNI (kernels_vnni.cpp), else (fewer inputs, no AVX-VNNI, switched off) the GEMV once per
+    // input row
+    static void q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
+                          int64_t r1, bool accumulate) {
+        if (M >= kAvxVnniGemmMinInputs && avx_vnni_gemm_enabled()) {
+            q4_gemm_avxvnni(Wm, X, M, Y, ldy, r0, r1, accumulate);
+            return;
+        }
+        for (int64_t m = 0; m < M; ++m) q4i8_gemv(Wm, *X[m], Y + m * ldy, r0, r1, accumulate);
+    }
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate) {
         const bool two = X.planes == 2;
         if (avx_vnni_enabled()) {
@@ -387,6 +399,7 @@ struct VT {
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
     // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
     static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true, QB_SIMD = true;
+    static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     // one group of 64 inputs -> its int8 plane(s) (kernels.inc xq_prepare: same integers as the scalar
     // code there): the even / odd elements separated on floats (4 permutes), x·inv rounded to nearest
     // even by cvtps2dq, the residual (x − sx·q)·256·inv likewise, each narrowed to 16 bytes by vpmovdb.

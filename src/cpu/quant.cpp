@@ -109,7 +109,8 @@ void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XV
         for (int64_t m = 0; m < M; ++m) kk.gemv(W, *xv[m], y + m * ldy, r0, r1, accumulate);
         return;
     }
-    if (!use_tile_gemm() && !(kk.tile_gemm_min_rows && M >= kk.tile_gemm_min_rows)) {
+    const bool int_gemm = kk.int_gemm() && int_kernels_apply(W, *xv[0]);
+    if (!use_tile_gemm() && (int_gemm || !(kk.tile_gemm_min_rows && M >= kk.tile_gemm_min_rows))) {
         kk.gemm_x(W, xv, M, y, ldy, r0, r1, accumulate);
         return;
     }

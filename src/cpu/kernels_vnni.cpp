@@ -126,6 +126,9 @@ QM_VNNI_TARGET void gemm(const WMat& W, const XVec* const* X, int64_t M, float* 
             q4_rows_in_lanes(W, rb, nr, g0, gn, bk.wb);
             q4_params_in_lanes(W, false, rb, nr, g0, gn, bk.sv);
             q4_params_in_lanes(W, true, rb, nr, g0, gn, bk.bv);
+            if (g0 + kChunk >= G && rb + 16 < r1)   // the next row block's first lines and parameters
+                q4_prefetch_block(W, rb + 16, r1 - rb - 16 < 16 ? static_cast<int>(r1 - rb - 16) : 16, 0,
+                                  static_cast<int>(G < 8 ? G : 8));
             float* Yb = Y + rb;
             int64_t m = 0;
             for (; m + kInputs <= M; m += kInputs) tile<P, kInputs>(bk, gn, X + m, g0, Yb + m * ldy, ldy, nr, store_only);

@@ -151,7 +151,7 @@ void q4_gemm_vnni(const WMat& W, const XVec* const* X, int64_t M, float* Y, int6
 // ---- the same kernel on ymm with AVX-VNNI: 8 rows in the lanes ----
 // For CPUs with AVX-VNNI (the VEX `vpdpbusd` on ymm) but no AVX-512: Intel client chips from Alder Lake
 // on. (A `vpmaddubsw` + `vpmaddwd` version for AVX2-only CPUs measured slower than their GEMV per input
-// row at every M on the Zen 4 guest, docs/cpu.md, so they keep that.) Per row block of 8 and group, one 32-byte
+// row at every M on a Zen 5 guest, docs/cpu.md, so they keep that.) Per row block of 8 and group, one 32-byte
 // load per row (the group's 64 nibbles) and an 8×8 dword transpose give wb[g][j] (j < 8: the low
 // nibbles of dword j of each row = group positions 4j..4j+3; j ≥ 8: the high nibbles, positions
 // 32 + 4(j − 8)..), the zmm layout with half the lanes, so the tile loop, its broadcast offsets and the

@@ -17,12 +17,38 @@ namespace qwenmetal::cpu {
 
 namespace {
 namespace neon {
+// Tables of the NEON unpack of one 2/3/5/6-bit chunk (32 values = BITS dwords of the row's bit stream)
+// into 8 vectors of 4 lanes, value 4j + i in lane i of vector j: `ctrl` (a vqtbl2q index over the chunk's
+// bytes) puts into 32-bit lane i the two bytes that contain the value (≤ 6 bits at an in-byte offset
+// ≤ 7 span ≤ 2 bytes; index 0xFF reads as zero) and `shift` (vshlq by a negative count) moves it down
+// by its offset in the first byte; then AND with 2^BITS − 1 (the x86 QbTable's scheme without `win`:
+// one lookup sees all 32 chunk bytes).
+struct alignas(16) QbTableNeon {
+    uint8_t ctrl[8][16];
+    int32_t shift[8][4];
+};
+template <int BITS>
+constexpr QbTableNeon make_qb_table_neon() {
+    QbTableNeon t{};
+    for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) {
+            const int bit = BITS * (4 * j + i), byte = bit / 8;
+            t.ctrl[j][4 * i] = static_cast<uint8_t>(byte);
+            t.ctrl[j][4 * i + 1] = static_cast<uint8_t>(byte + 1);   // < 4·BITS + 1 ≤ 25: inside the 32 bytes
+            t.ctrl[j][4 * i + 2] = t.ctrl[j][4 * i + 3] = 0xFF;
+            t.shift[j][i] = -(bit % 8);
+        }
+    return t;
+}
+template <int BITS>
+inline constexpr QbTableNeon kQbNeon = make_qb_table_neon<BITS>();
+
 struct VT {
     static constexpr int W = 4;
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
     // the integer kernels (Q8_SIMD / Q8_GEMM): the variant neon_dot() picks, defined below
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = false;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true;
     static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     static constexpr int Q8B = 32, Q8E = 1;
     using V = float32x4_t;
@@ -89,6 +115,20 @@ struct VT {
         b = vzip2q_f32(e, o);
     }
     static inline V q8(const uint8_t* p) { return vcvtq_f32_u32(bytes4(p)); }
+    // 2/3/5/6 bits: one 32-value chunk (its BITS dwords, copied so that nothing past them is read) -> 8
+    // vectors by table lookup (kQbNeon); the same integers as the scalar reader, so the same floats
+    template <int BITS>
+    static inline void qb(const uint8_t* p, V* out) {
+        constexpr const QbTableNeon& t = kQbNeon<BITS>;
+        alignas(16) uint8_t c[32] = {};
+        std::memcpy(c, p, 4 * BITS);
+        const uint8x16x2_t tb = {{vld1q_u8(c), vld1q_u8(c + 16)}};
+        const uint32x4_t mask = vdupq_n_u32((1u << BITS) - 1u);
+        for (int j = 0; j < 8; ++j) {
+            const uint32x4_t v = vreinterpretq_u32_u8(vqtbl2q_u8(tb, vld1q_u8(t.ctrl[j])));
+            out[j] = vcvtq_f32_u32(vandq_u32(vshlq_u32(v, vld1q_s32(t.shift[j])), mask));
+        }
+    }
     static void q4i8_gemv(const WMat& Wm, const XVec& X, float* y, int64_t r0, int64_t r1, bool accumulate);
     static void q4i8_gemm(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
                           int64_t r1, bool accumulate);

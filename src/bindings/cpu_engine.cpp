@@ -152,6 +152,34 @@ nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std:
                                   });
 }
 
+// the verification of drafted tokens: logits [n, vocab], every row bit for bit a one-token call's
+nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle consumed) {
+    const int64_t n = static_cast<int64_t>(ids.shape(0));
+    return bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), "all", consumed,
+                                  [&](int want, float* dst, InterruptPoll) {
+                                      pe.engine->forward(s, ids.data(), n, want, dst, nullptr, true);
+                                  });
+}
+
+// back to the state after the first `keep` tokens of the chain of verify calls; the dropped tokens leave `consumed`
+// in the same call, so the session's tokens and state cannot part
+void engine_rewind(PyEngine& pe, State& s, int64_t keep, nb::handle consumed) {
+    const int64_t drop = s.rewindable() - keep;
+    if (!consumed.is_none()) {
+        if (!PyList_Check(consumed.ptr())) throw nb::type_error("consumed must be a list (a session's tokens)");
+        if (drop > 0 && PyList_GET_SIZE(consumed.ptr()) < drop)
+            throw std::invalid_argument("consumed holds fewer tokens than the rewind drops");
+    }
+    {
+        nb::gil_scoped_release release;
+        pe.engine->rewind(s, keep);
+    }
+    if (!consumed.is_none() && drop > 0) {
+        const Py_ssize_t len = PyList_GET_SIZE(consumed.ptr());
+        if (PyList_SetSlice(consumed.ptr(), len - drop, len, nullptr) != 0) throw nb::python_error();
+    }
+}
+
 // ---- kernel entry points for tests ----------------------------------------------------------------
 struct IsaScope {
     const cpu::Kernels* saved;
@@ -412,6 +440,7 @@ void register_cpu_engine(nb::module_& m) {
                      "bytes allocated, including KV capacity reserved ahead")
         .def_prop_ro("capacity", [](const State& s) { return s.capacity(); }, "tokens the KV cache can hold")
         .def_prop_ro("kv_dtype", [](const State& s) { return std::string(s.kv_f32() ? "float32" : "bfloat16"); })
+        .def_prop_ro("rewindable", &State::rewindable, "tokens of the last verify() that rewind() can drop back within (0: none)")
         .def("copy", [](const State& s) { return std::make_unique<State>(s); }, "a deep, independent copy")
         .def("reset", &State::reset, "back to position 0 with zeroed recurrent state")
         .def("_export", &state_export, "(position, [k0, v0, ...] raw KV rows, [conv], [ssm]) copies")
@@ -457,6 +486,13 @@ void register_cpu_engine(nb::module_& m) {
              "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
              "token list) inside the call. The GIL is released; between chunks a call from the main thread "
              "runs Python's signal handlers. On error or interrupt the state is unchanged.")
+        .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(),
+             "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most "
+             "prefill_chunk ids), keeping what rewind() needs; consecutive verify() calls form one chain. "
+             "Returns float32 logits [n, vocab].")
+        .def("rewind", &engine_rewind, "state"_a, "keep"_a, "consumed"_a = nb::none(),
+             "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them, bit for "
+             "bit what one-token calls of those leave; the other n - keep ids leave the end of `consumed`.")
         .def_prop_ro("threads", [](PyEngine& pe) { return pe.engine->threads(); })
         .def_prop_ro("prefill_chunk", [](PyEngine& pe) { return pe.engine->options().prefill_chunk; })
         .def_prop_ro("activations", [](PyEngine& pe) {

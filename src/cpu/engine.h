@@ -106,8 +106,25 @@ public:
     void* v(size_t attn_i) const { return kv_[2 * attn_i + 1].get(); }
     float* conv(size_t gdn_i) const { return conv_[gdn_i].get(); }
     float* ssm(size_t gdn_i) const { return ssm_[gdn_i].get(); }
+    // tokens of the chain of speculative calls that `Engine::rewind` can go back within (0: none)
+    int64_t rewindable() const { return rewind_.n; }
 
 private:
+    // What a chain of speculative calls of n tokens keeps so that Engine::rewind can land on the state
+    // after any first `keep` of them without running the weights again. The KV cache needs nothing (rolling
+    // the position back truncates it); a GDN layer's conv and recurrent states cannot be truncated, so
+    // per GDN layer: both states as they were before the call, the n raw conv inputs (the new conv
+    // state is a window of [old state; inputs]) and the n prepared recurrence inputs, from which the
+    // kept steps are re-applied with the decode kernel (docs/speculative.md has the memory cost).
+    struct Rewind {
+        int64_t n = 0, pos0 = 0;        // tokens of the call (0: nothing to rewind), position before it
+        int64_t cap = 0;                // tokens the per-token buffers hold
+        std::vector<float> conv, ssm;   // [n_gdn][conv_floats], [n_gdn][ssm_floats]: before the call
+        std::vector<float> raw, act;    // [n_gdn][cap][conv_dim]: conv inputs; q|k|v after conv, SiLU, l2-norm
+        std::vector<float> beta, g;     // [n_gdn][cap][nv]
+    };
+    Rewind rewind_;
+
     struct Free {
         void operator()(void* p) const { std::free(p); }
     };
@@ -144,7 +161,19 @@ public:
     // touched; after that only `poll` (called between chunks, core/interrupt.h) and, when streaming,
     // an expert read can throw, and then the state is restored to the call's start: a failed or
     // interrupted call leaves it unchanged.
-    void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
+    //
+    // speculative (the verification of drafted tokens, drafting with a model; docs/speculative.md): every
+    // row is computed as a one-token call computes it (the GEMV per row, the recurrent GDN step, decode
+    // attention per row), so its logits and state are bit for bit those of n one-token calls; at most
+    // prefill_chunk tokens, logits for every row (want 2). Consecutive speculative calls form a chain
+    // that `rewind` can go back within; any other call on the state ends it.
+    void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
+                 bool speculative = false);
+    // After a chain of speculative calls of n tokens in all: the state after its first `keep` (0..n)
+    // tokens, bit for bit what one-token calls of just those leave (the position rolls back, the GDN
+    // states are restored and the kept steps re-applied); ends the chain. Cannot fail once its
+    // arguments are checked.
+    void rewind(State& s, int64_t keep);
     // bytes of weights the engine owns (quantized at load); the rest is the caller's mmap
     size_t owned_weight_bytes() const { return owned_bytes_; }
     size_t weight_bytes() const;
@@ -157,8 +186,10 @@ public:
 
 private:
     void check_state(const State& s) const;
-    void reserve_scratch(int64_t L, int64_t T_end);
-    void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits);
+    void reserve_scratch(int64_t L, int64_t T_end, bool speculative);
+    void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
+                       bool speculative);
+    void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);
     WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,
                      int64_t cols, bool router);

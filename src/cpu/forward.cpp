@@ -10,6 +10,9 @@
 //       x += MoE(xn) | MLP(xn)                                the down projections add into x
 //   logits = RMSNorm(x[rows asked for]) @ lm_head^T
 //
+// A speculative call (the verification of drafted tokens) computes every row as a one-token call would,
+// and keeps what rewind() needs to land on the state after any prefix of its tokens (docs/speculative.md).
+//
 // Activations are float32 throughout; weights stay in their stored format (4/8-bit or 16/32-bit
 // floats) and are converted in registers. Scratch is sized by the chunk, never by the prompt.
 #include <algorithm>
@@ -39,7 +42,7 @@ MoeDims moe_dims(const Config& c) {
 
 // Grow every scratch buffer a chunk of L tokens ending at context length T can need. Called before
 // the state is touched: after it, the forward pass allocates nothing and cannot fail.
-void Engine::reserve_scratch(int64_t L, int64_t T) {
+void Engine::reserve_scratch(int64_t L, int64_t T, bool speculative) {
     const Config& c = cfg_;
     const int64_t H = c.hidden, vd = c.value_dim(), kvd = c.n_kv_heads * c.head_dim;
     int64_t Kmax = std::max({H, c.n_heads * c.head_dim, vd, c.moe_inter, c.shared_inter, c.dense_inter});
@@ -50,12 +53,14 @@ void Engine::reserve_scratch(int64_t L, int64_t T) {
     buf_c_.get(L * std::max(c.conv_dim(), c.n_heads * c.head_dim) + 16);
     const AttnDims ad = attn_dims(c);
     const MoeDims md = moe_dims(c);
-    size_t shared = attention_shared_floats(ad, L, T);
+    // a speculative call runs the one-token attention per row, and the MoE's decode path for all rows
+    size_t shared = attention_shared_floats(ad, speculative ? 1 : L, T);
+    const int64_t gemv_rows = speculative ? std::max(L, kGemvMaxRows) : kGemvMaxRows;
     size_t per_thread = std::max(linear_thread_floats(Kmax), attention_thread_floats(ad));
     per_thread = std::max(per_thread, gdn_chunk_floats(c.dk, c.dv));
     size_t xv = linear_xvec_floats(Kmax, L), n_xv = size_t(L);
     if (c.n_experts > 0) {
-        shared = std::max(shared, moe_shared_floats(md, L));
+        shared = std::max(shared, moe_shared_floats(md, L, gemv_rows));
         per_thread = std::max(per_thread, moe_thread_floats(md, L));
         xv = std::max(xv, moe_xvec_floats(md, L));
         n_xv = std::max(n_xv, moe_xvec_count(md, L));
@@ -65,9 +70,39 @@ void Engine::reserve_scratch(int64_t L, int64_t T) {
     ws_.reserve(per_thread, xv, n_xv);
 }
 
-void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
+// Room for `total` tokens in the state's rewind buffers, keeping the rows of the chain so far (built
+// aside and swapped in: a failed allocation leaves them as they were).
+void Engine::reserve_rewind(State& s, int64_t total) const {
+    State::Rewind& rw = s.rewind_;
+    const size_t g = size_t(s.n_gdn()), cd = size_t(cfg_.conv_dim()), nv = size_t(cfg_.nv);
+    rw.conv.resize(g * size_t(s.conv_floats()));
+    rw.ssm.resize(g * size_t(s.ssm_floats()));
+    if (rw.cap >= total) return;
+    const int64_t cap = std::max<int64_t>(total, 2 * rw.cap);
+    auto grow = [&](std::vector<float>& v, size_t width) {
+        std::vector<float> w(g * size_t(cap) * width);
+        for (size_t i = 0; i < g; ++i)
+            std::copy_n(v.data() + i * size_t(rw.cap) * width, size_t(rw.n) * width, w.data() + i * size_t(cap) * width);
+        return w;
+    };
+    std::vector<float> raw = grow(rw.raw, cd), act = grow(rw.act, cd), beta = grow(rw.beta, nv), gg = grow(rw.g, nv);
+    rw.raw.swap(raw);
+    rw.act.swap(act);
+    rw.beta.swap(beta);
+    rw.g.swap(gg);
+    rw.cap = cap;
+}
+
+void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
+                     bool speculative) {
     check_state(s);
+    if (!speculative) s.rewind_.n = 0;               // any other call forgets the speculative chain
     if (n < 1) throw std::invalid_argument("cpu engine: no tokens");
+    if (speculative && want != 2)
+        throw std::invalid_argument("cpu engine: a speculative call returns the logits of every token");
+    if (speculative && n > opt_.prefill_chunk)
+        throw std::invalid_argument("cpu engine: a speculative call takes at most prefill_chunk (" +
+                                    std::to_string(opt_.prefill_chunk) + ") tokens, got " + std::to_string(n));
     for (int64_t i = 0; i < n; ++i)
         if (ids[i] < 0 || ids[i] >= cfg_.vocab)
             throw std::invalid_argument("cpu engine: token id " + std::to_string(ids[i]) + " outside the vocabulary");
@@ -75,7 +110,9 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
     const FlushDenormals ftz;   // also for the caller's work between parallel sections (fpenv.h)
     const int64_t chunk = opt_.prefill_chunk;
     s.reserve(s.position + n);                       // KV growth (strong guarantee)
-    reserve_scratch(std::min(n, chunk), s.position + n);
+    reserve_scratch(std::min(n, chunk), s.position + n, speculative);
+    if (speculative) reserve_rewind(s, s.rewind_.n + n);
+    ws_.gemv_rows = speculative ? std::max(n, kGemvMaxRows) : kGemvMaxRows;
     const bool interruptible = poll && n > chunk;    // a poll between chunks needs a way back
     const bool save = interruptible || cache_;       // ... and so does an expert read that fails
     const size_t conv = size_t(s.conv_floats()), ssm = size_t(s.ssm_floats()), n_gdn = size_t(s.n_gdn());
@@ -95,7 +132,7 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
             const int64_t L = std::min(chunk, n - c0);
             const bool last = c0 + L == n;
             forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
-                          want == 2 ? logits + c0 * cfg_.vocab : logits);
+                          want == 2 ? logits + c0 * cfg_.vocab : logits, speculative);
         }
     } catch (...) {
         if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
@@ -107,7 +144,54 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
         }
         throw;
     }
+    if (speculative) {                               // the chain: this call's tokens follow the earlier ones
+        if (s.rewind_.n == 0) s.rewind_.pos0 = pos0;
+        s.rewind_.n += n;
+    }
     tokens_ += n;
+}
+
+void Engine::rewind(State& s, int64_t keep) {
+    check_state(s);
+    State::Rewind& rw = s.rewind_;
+    if (rw.n == 0) throw std::invalid_argument("cpu engine: nothing to rewind (the state's last call was not speculative)");
+    if (keep < 0 || keep > rw.n)
+        throw std::invalid_argument("cpu engine: rewind keeps 0.." + std::to_string(rw.n) + " tokens, got " +
+                                    std::to_string(keep));
+    std::lock_guard<std::mutex> lock(mu_);
+    const FlushDenormals ftz;
+    const Config& c = cfg_;
+    const Kernels& kk = kernels();
+    const int64_t cd = c.conv_dim(), nv = c.nv, dk = c.dk, dv = c.dv, S = c.conv_kernel - 1;
+    const int64_t rep = nv / c.nk, kd = c.key_dim(), cap = rw.cap;
+    const size_t conv = size_t(s.conv_floats()), ssm = size_t(s.ssm_floats());
+    std::vector<float> out(size_t(threads()) * size_t(dv));   // the re-applied steps' outputs, discarded
+    if (keep < rw.n)
+        for (size_t gi = 0; gi < size_t(s.n_gdn()); ++gi) {
+            // conv state: the last K-1 rows of [the state before the call; its first `keep` inputs]
+            const float* old = rw.conv.data() + gi * conv;
+            const float* raw = rw.raw.data() + gi * size_t(cap * cd);
+            for (int64_t r = 0; r < S; ++r) {
+                const int64_t src = keep + r;
+                const float* row = src < S ? old + src * cd : raw + (src - S) * cd;
+                std::copy_n(row, cd, s.conv(gi) + r * cd);
+            }
+            // recurrent state: the one before the call, then the kept steps with the decode kernel
+            const float* act = rw.act.data() + gi * size_t(cap * cd);
+            const float* beta = rw.beta.data() + gi * size_t(cap * nv);
+            const float* g = rw.g.data() + gi * size_t(cap * nv);
+            float* St = s.ssm(gi);
+            const float* S0 = rw.ssm.data() + gi * ssm;
+            pool_->run(nv, [&](int64_t h, int th) {
+                float* Sh = St + h * dv * dk;
+                std::copy_n(S0 + h * dv * dk, dv * dk, Sh);
+                const int64_t kh = h / rep;
+                gdn_recurrent_head(kk, Sh, keep, act + kh * dk, act + kd + kh * dk, act + 2 * kd + h * dv, cd,
+                                   beta + h, g + h, nv, out.data() + th * dv, 0, dk, dv);
+            });
+        }
+    s.position = rw.pos0 + keep;
+    rw.n = 0;
 }
 
 void Engine::lm_head(const float* xn, int64_t rows, float* out) {
@@ -115,7 +199,8 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
     linear(*pool_, ws_, xn, rows, cfg_.hidden, &o, 1);
 }
 
-void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits) {
+void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
+                           bool speculative) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
@@ -145,7 +230,11 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
             const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
             attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
                                   inv_freq_.data(), cache);
-            attention(pool, ws_, shared_.data(), d, qg, L, pos0, cache, ob, od);
+            if (speculative)                           // row i as the one-token call at position pos0 + i
+                for (int64_t i = 0; i < L; ++i)
+                    attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, pos0 + i, cache, ob + i * od, od);
+            else
+                attention(pool, ws_, shared_.data(), d, qg, L, pos0, cache, ob, od);
             if (c.attn_output_gate)
                 for (int64_t i = 0; i < L; ++i)
                     for (int64_t h = 0; h < c.n_heads; ++h) {
@@ -170,11 +259,26 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
             LinearOut proj[4] = {{&G.qkv, qkv, cd, false}, {&G.z, z, vd, false}, {&G.b, bb, nv, false},
                                  {&G.a, aa, nv, false}};
             linear(pool, ws_, xn, L, H, proj, 4);
+            // what rewind() needs: the states before the chain of speculative calls (at its first call),
+            // and each call's inputs after the rows of the earlier ones
+            State::Rewind& rw = s.rewind_;
+            const bool chain_start = rw.n == 0;
+            const size_t rw_rows = size_t(rw.cap * cd), rw_nv = size_t(rw.cap * nv);
+            const size_t at_rows = size_t(rw.n * cd), at_nv = size_t(rw.n * nv);
+            if (speculative) {
+                if (chain_start) std::copy_n(s.conv(gi), s.conv_floats(), rw.conv.data() + gi * size_t(s.conv_floats()));
+                std::copy_n(qkv, L * cd, rw.raw.data() + gi * rw_rows + at_rows);
+            }
             gdn_conv_silu(pool, qkv, cd, L, cd, c.conv_kernel, G.conv_t.data(), s.conv(gi), act, cd);
             const GdnDims gd{c.nk, nv, c.dk, c.dv, 1e-6f};
             for (int64_t i = 0; i < L; ++i)
                 gdn_prepare_token(gd, act + i * cd, bb + i * nv, aa + i * nv, G.A_neg_exp.data(), G.dt_bias.data(),
                                   beta + i * nv, g + i * nv);
+            if (speculative) {
+                std::copy_n(act, L * cd, rw.act.data() + gi * rw_rows + at_rows);
+                std::copy_n(beta, L * nv, rw.beta.data() + gi * rw_nv + at_nv);
+                std::copy_n(g, L * nv, rw.g.data() + gi * rw_nv + at_nv);
+            }
             float* o = qkv;                            // [L][value_dim] (qkv is consumed)
             float* S = s.ssm(gi);
             const int64_t rep = nv / c.nk, kd = c.key_dim();
@@ -184,7 +288,9 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
                 const float* k = act + kd + kh * c.dk;
                 const float* v = act + 2 * kd + h * c.dv;
                 float* Sh = S + h * c.dv * c.dk;
-                if (L == 1)
+                if (speculative && chain_start)        // the recurrent state before (this head's part)
+                    std::copy_n(Sh, c.dv * c.dk, rw.ssm.data() + gi * size_t(s.ssm_floats()) + h * c.dv * c.dk);
+                if (L == 1 || speculative)
                     gdn_recurrent_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv);
                 else
                     gdn_chunked_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv,

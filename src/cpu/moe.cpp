@@ -41,13 +41,13 @@ void route_token(const float* logits, int64_t E, int64_t k, bool norm_topk, int3
 
 // shared layout (floats): logits L*E | probs E | wts L*k | sg L | hs L*2*Is | idx L*k (int) | pair order
 // L*k (int) | expert start E+1 (int) | slot of each expert E (int) | slots of a batch E (int) | He L*k*I
-// (SwiGLU outputs, in expert order) | decode down outputs (L*k + L)*H for L <= kGemvMaxRows. L is the
+// (SwiGLU outputs, in expert order) | decode down outputs (L*k + L)*H for L <= gemv_rows. L is the
 // largest chunk; a call's last chunk may be shorter and take the decode path, so that part is sized for
-// min(L, kGemvMaxRows) tokens whatever L is.
-size_t moe_shared_floats(const MoeDims& d, int64_t L) {
+// min(L, gemv_rows) tokens whatever L is.
+size_t moe_shared_floats(const MoeDims& d, int64_t L, int64_t gemv_rows) {
     const int64_t P = L * d.k;
-    // decode (a chunk of <= kGemvMaxRows tokens — also the last chunk of a longer call): per-slot down outputs
-    const int64_t Ld = L < kGemvMaxRows ? L : kGemvMaxRows, dec = (Ld * d.k + Ld) * d.H;
+    // decode (a chunk of <= gemv_rows tokens — also the last chunk of a longer call): per-slot down outputs
+    const int64_t Ld = L < gemv_rows ? L : gemv_rows, dec = (Ld * d.k + Ld) * d.H;
     return size_t(L * d.E + d.E + P + L + 2 * L * d.Is + P + P + d.E + 1 + 2 * d.E + P * d.I + dec + 64);
 }
 
@@ -119,7 +119,7 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
     const size_t xoff = size_t(L) * xvec_floats(H);      // the SwiGLU rows' XVec data, then the shared rows'
     if (has_shared) prepare_xvecs(ws, hs, L, 2 * Is, Is, L + P, xoff + size_t(P) * xvec_floats(I));
 
-    const bool dec = L <= kGemvMaxRows;
+    const bool dec = L <= ws.gemv_rows;
     const int64_t RG = dec ? kMoeDecodeRowsGU : kMoeRows;
     const int64_t nb_i = (I + RG - 1) / RG;
     float* Y = He + P * I;                               // decode: [P + L][H] pair outputs, then shared rows
@@ -140,7 +140,7 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
             for (int64_t q0 = 0; q0 < ne; q0 += 64) {
                 const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
                 const XVec* const* X = tok_of_slot + p0 + q0;
-                if (nq <= kGemvMaxRows)
+                if (nq <= ws.gemv_rows)
                     for (int64_t q = 0; q < nq; ++q) {
                         kk.gemv(Wg, *X[q], gb + q * RG - r0, r0, r1, false);
                         kk.gemv(Wu, *X[q], ub + q * RG - r0, r0, r1, false);

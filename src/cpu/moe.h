@@ -41,7 +41,7 @@ struct MoeDims {
 };
 
 // shared floats for L tokens; per-thread floats
-size_t moe_shared_floats(const MoeDims& d, int64_t L);
+size_t moe_shared_floats(const MoeDims& d, int64_t L, int64_t gemv_rows = kGemvMaxRows);
 size_t moe_thread_floats(const MoeDims& d, int64_t L);
 size_t moe_xvec_floats(const MoeDims& d, int64_t L);
 size_t moe_xvec_count(const MoeDims& d, int64_t L);

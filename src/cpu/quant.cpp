@@ -103,9 +103,9 @@ bool use_tile_gemm() {
 }  // namespace
 
 void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XVec* const* xv, float* tile,
-                 int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate) {
+                 int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate, int64_t gemv_rows) {
     const Kernels& kk = kernels();
-    if (M <= kGemvMaxRows) {
+    if (M <= gemv_rows) {
         for (int64_t m = 0; m < M; ++m) kk.gemv(W, *xv[m], y + m * ldy, r0, r1, accumulate);
         return;
     }
@@ -135,7 +135,7 @@ void linear(ThreadPool& pool, Workspace& ws, const float* X, int64_t M, int64_t 
     start[0] = 0;
     for (int i = 0; i < n; ++i) {
         const int64_t rows = outs[i].W->rows;
-        const int64_t unit = M > kGemvMaxRows
+        const int64_t unit = M > ws.gemv_rows
                                  ? 4 * kRowBlock
                                  : std::clamp<int64_t>(rows / (4 * threads) / kRowBlock * kRowBlock, kRowBlock,
                                                        8 * kRowBlock);
@@ -150,7 +150,7 @@ void linear(ThreadPool& pool, Workspace& ws, const float* X, int64_t M, int64_t 
         const LinearOut& o = outs[i];
         const int64_t r0 = (task - start[i]) * bs[i];
         const int64_t r1 = (r0 + bs[i] < o.W->rows) ? r0 + bs[i] : o.W->rows;
-        linear_rows(*o.W, X, M, ldx, xv, ws.t(th), r0, r1, o.y, o.ldy, o.accumulate);
+        linear_rows(*o.W, X, M, ldx, xv, ws.t(th), r0, r1, o.y, o.ldy, o.accumulate, ws.gemv_rows);
     });
 }
 

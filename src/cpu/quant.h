@@ -42,6 +42,9 @@ void dequantize_affine(const uint32_t* w, const float* scales, const float* bias
 void quantize_affine(const void* src, DType dtype, int64_t ld, int64_t rows, int64_t cols, int bits, int group_size,
                      uint32_t* wq, uint16_t* scales, uint16_t* biases);
 
+constexpr int64_t kRowBlock = 16;      // output rows per task (and GEMM weight-tile height)
+constexpr int64_t kGemvMaxRows = 3;    // up to this many input rows: GEMV per row, else tiled GEMM
+
 // Scratch memory of one forward pass: one growing buffer per thread plus shared ones. Everything a
 // pass needs is reserved before it starts (Workspace::reserve), so kernels never allocate.
 struct Workspace {
@@ -50,6 +53,10 @@ struct Workspace {
     std::vector<XVec> xv;                         // the prepared inputs
     std::vector<const XVec*> xvp;                 // pointers to them (kernels take pointer arrays)
     int planes = 0;                               // activations: 0 float, 1 int8, 2 int16 (integer copies of inputs)
+    // up to this many input rows, `linear` and the MoE run the GEMV once per row (the decode path); a
+    // speculative verification raises it to its row count so that every row is computed as a one-token
+    // call computes it (Engine::forward)
+    int64_t gemv_rows = kGemvMaxRows;
     explicit Workspace(int n_threads = 1) { resize(n_threads); }
     void resize(int n_threads) {
         while (static_cast<int>(thread.size()) < n_threads) thread.emplace_back(new FBuf());
@@ -65,9 +72,6 @@ struct Workspace {
     float* t(int i) const { return thread[i]->data(); }
 };
 
-constexpr int64_t kRowBlock = 16;      // output rows per task (and GEMM weight-tile height)
-constexpr int64_t kGemvMaxRows = 3;    // up to this many input rows: GEMV per row, else tiled GEMM
-
 // Per-thread floats `linear` needs for input width K (the GEMM tile), and shared XVec floats and
 // XVec count for M input rows.
 inline size_t linear_thread_floats(int64_t K) { return size_t(kRowBlock) * size_t(K) + 64; }
@@ -82,8 +86,9 @@ struct LinearOut {
 
 // Rows [r0, r1) of y = X W^T for M input rows, from the M prepared inputs xv[m] (X itself is only
 // read by the dequantized-tile path, which uses `tile`, >= kRowBlock*K floats).
+// `gemv_rows`: up to this many rows, the GEMV per row (Workspace::gemv_rows).
 void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XVec* const* xv, float* tile,
-                 int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate);
+                 int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate, int64_t gemv_rows = kGemvMaxRows);
 
 // Prepare M input rows (row stride ldx) into ws.xvec / ws.xv / ws.xvp, starting at XVec index `first`.
 // ws.planes > 0: also the integer copy of each row (4-bit g64 weights then use the integer GEMV / GEMM kernels).

@@ -232,6 +232,16 @@ class CpuBackend:
         out = self.impl.forward(state, ids, logits, consumed)
         return state, out
 
+    # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
+    def verify(self, state, ids: np.ndarray, consumed: list | None = None) -> np.ndarray:
+        """Run `ids` with the logits of each ([n, vocab]), every row bit for bit a one-token call's, keeping
+        what `rewind` needs (consecutive calls chain); at most `prefill_chunk` ids per call."""
+        return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed)
+
+    def rewind(self, state, keep: int, consumed: list | None = None) -> None:
+        """End the verify chain keeping its first `keep` tokens (the rest leave `consumed` too)."""
+        self.engine.rewind(state, int(keep), consumed)
+
     # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
     def state_to_arrays(self, state) -> dict:
         c = self.weights.config

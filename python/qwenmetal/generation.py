@@ -98,7 +98,8 @@ def _progress_bar(total: int, enabled: bool | None):
 def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOptions | None" = None, *,
              sampler: "Sampler | None" = None, session: "Session | None" = None, cache: bool = True,
              cache_points: Sequence[int] = (), progress: bool | None = None,
-             cancel: threading.Event | None = None) -> Iterator[GenerationOutput]:
+             cancel: threading.Event | None = None, speculative=None,
+             speculative_k: int | None = None) -> Iterator[GenerationOutput]:
     """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).
     Everything is checked before the first output (and before any work)."""
     from .errors import InputError
@@ -127,12 +128,19 @@ def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOp
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
     stop_ids |= set(o.stop_token_ids)
     pc = model.prefix_cache if cache else None
+    drafter = None
+    if speculative is not None:
+        from .speculative import AdaptiveK, make_drafter
+        AdaptiveK(fixed=speculative_k)                 # checks speculative_k
+        drafter = make_drafter(speculative, model)
+    elif speculative_k is not None:
+        raise ValueError("speculative_k needs speculative= (a drafter)")
     return _run(model, s, ids, o.max_tokens, sampler, list(o.stop), stop_ids, o.logprobs, o.top_logprobs, pc,
-                cache_points, o.skip_special_tokens, progress, cancel, vocab_used)
+                cache_points, o.skip_special_tokens, progress, cancel, vocab_used, drafter, speculative_k)
 
 
 def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
-         skip_special_tokens, progress, cancel, vocab_used):
+         skip_special_tokens, progress, cancel, vocab_used, drafter=None, speculative_k=None):
     tok = model.tokenizer
     counters = getattr(model._backend, "expert_counters", None)   # backends that can stream experts
     if counters is not None:
@@ -183,16 +191,37 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
     t1 = time.perf_counter()
     at_decode = counters() if counters is not None else None
 
+    spec = None
+    if drafter is not None:
+        from .speculative import Speculation
+        spec = Speculation(model, s, drafter, speculative_k)
+    gpu = _GpuDecode(model, s, sampler, stop_ids, vocab_used, max_tokens) \
+        if spec is None and _gpu_decodable(model, sampler, stop, want_logprobs, top_n) else None
+    try:
+        yield from _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens,
+                           cancel, vocab_used, max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters,
+                           at_decode)
+    finally:
+        if spec is not None:
+            spec.close()
+
+
+def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens, cancel, vocab_used,
+            max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters, at_decode):
+    tok = model.tokenizer
     decoder = tok.stream_decoder(skip_special_tokens) if tok is not None else None
     matcher = StopStringMatcher(stop)
     generated: list = []
     context = list(s.tokens)
-    gpu = _GpuDecode(model, s, sampler, stop_ids, vocab_used, max_tokens) \
-        if _gpu_decodable(model, sampler, stop, want_logprobs, top_n) else None
+    pending: list = []                # (result, in the state, its logits): decided by the last verification
+    accepted = 0                      # drafts the model agreed with in the open round
     for n in range(max_tokens):
         if cancel is not None and cancel.is_set():
             return
-        if gpu is not None and n > 0:     # sampled on the GPU by the pipelined decode loop
+        in_state, row = False, logits     # row: the logits the token comes from
+        if pending:                       # decided by the last verification
+            r, in_state, row = pending.pop(0)
+        elif gpu is not None and n > 0:   # sampled on the GPU by the pipelined decode loop
             r = SampleResult(gpu.next(n), None, None)
         else:
             r = sampler.sample(logits, vocab_used, context=context, generated=generated, logprobs=want_logprobs,
@@ -214,7 +243,7 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
         if reason is None:
             if n + 1 == max_tokens:
                 reason = "length"
-            elif s.position + 1 > s.max_context:
+            elif (spec.position() if spec is not None else s.position) + 1 > s.max_context:
                 reason = "context"
             if reason is not None and decoder is not None:
                 more, hit = matcher.push(decoder.flush())
@@ -223,16 +252,39 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
         if reason is None:
             if gpu is not None:
                 gpu.feed(t)               # the GPU loop consumes t as its next input
+            elif spec is not None and in_state:
+                spec.fed()                # an accepted draft: already in the state
+            elif spec is not None:
+                spec.end_round(accepted)
+                rows, drafts = spec.step(t, context, max_tokens - n - 1)
+                accepted, logits = 0, rows[0]
+                ctx, gen = list(context), list(generated)
+                for i, d in enumerate(drafts):     # the model's token at each drafted position
+                    ri, ok = sampler.verify_draft(rows[i], d, vocab_used, context=ctx, generated=gen,
+                                                  logprobs=want_logprobs, top_logprobs=top_n)
+                    pending.append((ri, ok, rows[i]))
+                    ctx.append(ri.token)
+                    gen.append(ri.token)
+                    if not ok:
+                        break
+                    accepted += 1
+                if drafts and accepted == len(drafts):
+                    logits = rows[-1]             # every draft kept: the next token is sampled from the last row
             else:
                 logits = model.decode_step(s, t)
             yield GenerationOutput(t, text, n, logprob=lp, top_logprobs=top)
             continue
+        if spec is not None:
+            spec.close()                  # the session keeps what plain decoding would have fed
+            logits = row
         t2 = time.perf_counter()
         if gpu is not None:
             logits = None                 # the GPU path reads no logits back: the turn is kept without them
         if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
             pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
         stats = _stats(n_prompt, cached, len(generated), t0, t1, t2, reason)
+        if spec is not None:
+            stats["speculative"] = spec.stats()
         if counters is not None:
             stats["experts"] = expert_stats(counters(), at_decode)
         yield GenerationOutput(t, text, n, reason, stats, lp, top, hit)

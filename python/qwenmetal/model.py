@@ -314,7 +314,8 @@ class Model:
                  skip_special_tokens: bool | None = None, options: GenerationOptions | None = None,
                  sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
                  cache_points: Sequence[int] = (), progress: bool | None = None,
-                 cancel: threading.Event | None = None) -> Iterator[GenerationOutput]:
+                 cancel: threading.Event | None = None, speculative=None,
+                 speculative_k: int | None = None) -> Iterator[GenerationOutput]:
         """Stream `GenerationOutput`s for `prompt` (text, encoded without a chat template, or token ids).
 
         The sampling and stopping options (max_tokens, default 256, temperature ... skip_special_tokens) are
@@ -327,6 +328,12 @@ class Model:
         appended; the last sampled token is not fed back); otherwise uses a new session and the prefix
         cache (`cache=False` to bypass; `cache_points`: prompt lengths to keep a snapshot at). `cancel`: an
         Event that ends the generation (no final output). The last output has `finish_reason` and `stats`.
+        `speculative`: decode speculatively with a drafter -- "lookup" (n-grams of the session's own tokens),
+        "mtp" (the checkpoint's multi-token-prediction head), a draft `Model` of the same vocabulary, or a
+        `qwenmetal.speculative.Drafter`; the output is exactly what decoding without it gives (greedy: the
+        same tokens; sampling: the same distribution), and `stats["speculative"]` reports drafted and
+        accepted tokens. `speculative_k`: drafts per round (default: chosen from the measured acceptance
+        and cost, 0 when speculation does not pay). See docs/speculative.md.
         Arguments are checked before the first output: invalid ones raise ValueError naming them.
         See docs/usage.md.
         """
@@ -338,7 +345,8 @@ class Model:
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
             skip_special_tokens=skip_special_tokens)
         return generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
-                        cache_points=cache_points, progress=progress, cancel=cancel)
+                        cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
+                        speculative_k=speculative_k)
 
     def chat_prompt(self, messages: Sequence[dict], *, tools: list | None = None,
                     enable_thinking: bool | None = None, **template_kwargs) -> tuple[list, int, str]:

@@ -120,6 +120,36 @@ class Sampler:
         penalty); ``generated``: the tokens generated so far in this call (presence/frequency penalties).
         With ``logprobs``/``top_logprobs`` the result carries the chosen token's log-probability and the
         ``top_logprobs`` most likely alternatives under the raw model distribution."""
+        raw, x = self._penalised(logits, vocab_used, context, generated)
+        tok = int(np.argmax(x)) if self.temperature == 0.0 else self._draw(x / self.temperature)
+        return self._result(raw, tok, logprobs, top_logprobs)
+
+    def verify_draft(self, logits: np.ndarray, draft: int, vocab_used: int | None = None, *,
+                     context: Sequence[int] = (), generated: Sequence[int] = (), logprobs: bool = False,
+                     top_logprobs: int = 0) -> tuple[SampleResult, bool]:
+        """The token at a drafted position and whether it is the draft (`qwenmetal.speculative`): the
+        distribution is `sample`'s (same penalties, filters, temperature) and so is the token's law. Greedy:
+        the argmax, accepted when it equals the draft. Sampling: the draft is a point proposal, so the
+        rejection rule of speculative sampling (Leviathan et al., Chen et al.) accepts it with probability
+        p(draft) and otherwise draws from p with the draft removed, renormalised -- exactly p in all."""
+        raw, x = self._penalised(logits, vocab_used, context, generated)
+        if self.temperature == 0.0:
+            tok = int(np.argmax(x))
+        else:
+            cand, p = self._distribution(x / self.temperature)
+            hit = np.flatnonzero(cand == int(draft))
+            pd = float(p[hit[0]]) if hit.size else 0.0
+            if self.rng.random() < pd:
+                tok = int(draft)
+            else:
+                if hit.size:                       # pd < 1 here, so another candidate is left
+                    cand, p = np.delete(cand, hit[0]), np.delete(p, hit[0])
+                    p = p / p.sum()
+                tok = self._pick(cand, p)
+        return self._result(raw, tok, logprobs, top_logprobs), tok == int(draft)
+
+    def _penalised(self, logits, vocab_used, context, generated) -> tuple[np.ndarray, np.ndarray]:
+        """(raw logits, penalised logits), float64, cut to `vocab_used` (steps 1-4 of the pipeline)."""
         x = np.asarray(logits, dtype=np.float32)
         if x.ndim != 1:
             raise ValueError(f"logits must be 1-D, got shape {x.shape}")
@@ -139,10 +169,10 @@ class Sampler:
                 keep = (ids >= 0) & (ids < x.size)
                 ids, counts = ids[keep], counts[keep]
                 x[ids] -= self.presence_penalty + self.frequency_penalty * counts
-        if self.temperature == 0.0:
-            tok = int(np.argmax(x))
-        else:
-            tok = self._draw(x / self.temperature)
+        return raw, x
+
+    @staticmethod
+    def _result(raw: np.ndarray, tok: int, logprobs: bool, top_logprobs: int) -> SampleResult:
         res = SampleResult(tok)
         if logprobs or top_logprobs:
             m = raw.max()
@@ -157,6 +187,11 @@ class Sampler:
 
     def _draw(self, x: np.ndarray) -> int:
         """Filters (top-k, top-p, min-p) on tempered logits `x`, then one seeded draw."""
+        return self._pick(*self._distribution(x))
+
+    def _distribution(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids, their probabilities) after top-k, top-p and min-p on tempered logits `x`, most
+        likely first (ties by lower id)."""
         cand = np.arange(x.size)
         if self.top_k and self.top_k < x.size:
             cand = np.argpartition(-x, self.top_k - 1)[:self.top_k]
@@ -170,7 +205,10 @@ class Sampler:
             n = min(n, int(np.searchsorted(np.cumsum(p), self.top_p)) + 1)
         if self.min_p > 0.0:
             n = min(n, max(1, int(np.sum(p[:n] >= self.min_p * p[0]))))
-        p = p[:n] / p[:n].sum()
+        return cand[:n], p[:n] / p[:n].sum()
+
+    def _pick(self, cand: np.ndarray, p: np.ndarray) -> int:
+        """One seeded draw from `cand` with probabilities `p`."""
         u = self.rng.random()
-        j = min(int(np.searchsorted(np.cumsum(p), u, side="right")), n - 1)
+        j = min(int(np.searchsorted(np.cumsum(p), u, side="right")), p.size - 1)
         return int(cand[j])

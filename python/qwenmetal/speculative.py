@@ -1,0 +1,348 @@
+"""Exact speculative decoding: drafters, the verification of drafted tokens, and the adaptive draft length.
+
+``model.generate(prompt, speculative="lookup")`` (or ``"mtp"``, a draft `Model`, or any `Drafter`) drafts up
+to k tokens after each sampled one, runs the sampled token and the k drafts through the model in one
+*verification* call (`verify`), and keeps the longest prefix the model agrees with:
+
+* greedy: a draft is kept while it equals the model's own argmax, and the first disagreement is replaced
+  by the model's token -- the output is the plain greedy output, token for token;
+* sampling: a draft d is a point proposal, kept with probability p(d) under the sampler's distribution,
+  else replaced by a draw from p without d (`Sampler.verify_draft`) -- the output distribution is p.
+
+The rejected drafts leave the state with `rewind`. On the cpu backend, a verification call computes every
+row exactly as a one-token decode step does (docs/speculative.md), so the logits, the tokens and the state
+after a rejection are bit for bit those of plain decoding; the weights are read once for all rows. Other
+backends verify row by row (one decode step per row, the state copied after each), which is exact too but
+shares no weight reads.
+
+`AdaptiveK` picks k from the measured acceptance rate and the measured cost of a round against a plain
+decode step, and turns speculation off (k = 0) when it does not pay.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .interrupts import sigint_deferred
+
+if TYPE_CHECKING:
+    from .model import Model, Session
+
+#: the most drafts per round (k); rows verified at once = k + 1
+MAX_DRAFT = 8
+
+
+# ---- verification -------------------------------------------------------------------------------
+def verify(model: "Model", s: "Session", ids: Sequence[int]) -> np.ndarray:
+    """Append `ids` to the session, returning the float32 logits of every one ([n, vocab]), and keep what
+    `rewind` needs to drop any tail of them again. Consecutive calls form one chain; `rewind` ends it.
+    Nothing else may run on the session in between."""
+    model._check_session(s)
+    arr = model._check_ids(ids, s)
+    be = model._backend
+    if hasattr(be, "verify"):
+        return be.verify(s._state, arr, s._tokens)
+    chain = s.__dict__.setdefault("_spec_chain", [])
+    if not chain:
+        chain.append(s._state.copy())
+    rows = []
+    for t in arr:                     # one decode step per row, the state after each kept
+        rows.append(model.prefill(s, [int(t)], "last"))
+        chain.append(s._state.copy())
+    return np.stack(rows)
+
+
+def rewind(model: "Model", s: "Session", keep: int) -> None:
+    """End the chain of `verify` calls, keeping its first `keep` tokens: the session is bit for bit what
+    decoding just those would have left (state, position, tokens)."""
+    be = model._backend
+    if hasattr(be, "rewind"):
+        be.rewind(s._state, int(keep), s._tokens)
+        return
+    chain = s.__dict__.pop("_spec_chain", None)
+    if not chain or not 0 <= keep < len(chain):
+        raise ValueError(f"rewind keeps 0..{len(chain or [None]) - 1} tokens, got {keep}")
+    drop = len(chain) - 1 - keep
+    with sigint_deferred():
+        s._state = chain[keep]
+        if drop:
+            del s._tokens[-drop:]
+
+
+def rewindable(model: "Model", s: "Session") -> int:
+    """Tokens of the session's open `verify` chain (0: none)."""
+    if hasattr(model._backend, "rewind"):
+        return int(s._state.rewindable)
+    return max(len(s.__dict__.get("_spec_chain", ())) - 1, 0)
+
+
+# ---- drafters -----------------------------------------------------------------------------------
+class Drafter:
+    """Proposes tokens that may follow a context. ``draft(context, k)`` returns up to `k` ids (fewer, or
+    none, when it has no guess); it must be deterministic in its inputs (the acceptance rule treats a
+    draft as a point proposal). ``start(model)`` is called once per generation; ``close()`` after it."""
+
+    name = "drafter"
+
+    def start(self, model: "Model") -> None:
+        pass
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PromptLookup(Drafter):
+    """Prompt lookup decoding: the tokens that followed the most recent earlier occurrence of the context's
+    last n-gram (n from `max_ngram` down to `min_ngram`) in the session's own tokens. No weights; strong
+    where the output repeats its input (code edits, retrieval, tool outputs)."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        n_ctx = ctx.size
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            tail = ctx[n_ctx - n:]
+            # windows starting at i < n_ctx - n that equal the tail, most recent first
+            win = np.lib.stride_tricks.sliding_window_view(ctx[:n_ctx - 1], n)
+            hits = np.flatnonzero((win == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return ctx[start:start + k].tolist()
+        return []
+
+
+class DraftModel(Drafter):
+    """A smaller model of the same vocabulary drafts greedily with its own session. On the cpu backend it
+    drafts through `verify` chains, so dropping its rejected drafts costs no recomputation."""
+
+    name = "model"
+
+    def __init__(self, model: "Model"):
+        self.model = model
+        self.s: "Session | None" = None
+        self.base = 0                  # the draft session's position where its open chain starts
+
+    def start(self, model: "Model") -> None:
+        if self.model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs from the "
+                             f"model's ({model.config.vocab_size})")
+        self.s = self.model.new_session()
+        self.base = 0
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        m, s = self.model, self.s
+        ctx = list(context)
+        held = s.tokens
+        cp = 0
+        lim = min(len(held), len(ctx) - 1)        # the last context token is always run (its logits draft)
+        while cp < lim and held[cp] == ctx[cp]:
+            cp += 1
+        if rewindable(m, s):                      # drop the last round's drafts the model did not keep
+            rewind(m, s, max(cp - self.base, 0))
+        if s.position > cp:                       # diverged before the chain (another generation)
+            s.reset()
+        if s.position < len(ctx) - 1:             # the new context, but its last token, in one prefill
+            m.prefill(s, ctx[s.position:len(ctx) - 1], "none")
+        self.base = s.position
+        out: list[int] = []
+        logits = verify(m, s, ctx[-1:])[-1]
+        for _ in range(k):
+            t = int(np.argmax(logits[:m.config.vocab_size]))
+            out.append(t)
+            if len(out) == k or s.position + 1 > s.max_context:
+                break
+            logits = verify(m, s, [t])[-1]
+        return out
+
+    def close(self) -> None:
+        if self.s is not None and rewindable(self.model, self.s):
+            rewind(self.model, self.s, 0)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes ``script[p]`` for the token at position p (the context's length), for tests and benchmarks:
+    the script is the target's own greedy continuation (an oracle), with the proposals at positions in
+    `wrong_at` replaced by another id, or each one corrupted with probability `corrupt` (seeded)."""
+
+    name = "scripted"
+
+    def __init__(self, script: Sequence[int], wrong_at: Sequence[int] = (), corrupt: float = 0.0,
+                 vocab: int | None = None, seed: int = 0):
+        self.script = [int(t) for t in script]
+        self.vocab = vocab or (max(self.script) + 2 if self.script else 2)
+        rng = np.random.default_rng(seed)
+        bad = set(int(p) for p in wrong_at)
+        bad |= {p for p in range(len(self.script)) if corrupt and rng.random() < corrupt}
+        self.bad = bad
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        p0 = len(context)
+        out = []
+        for p in range(p0, min(p0 + k, len(self.script))):
+            t = self.script[p]
+            out.append((t + 1) % self.vocab if p in self.bad else t)
+        return out
+
+
+def make_drafter(spec, model: "Model") -> Drafter:
+    """The drafter `speculative=` names: "lookup", "mtp", a draft `Model`, or a `Drafter`."""
+    from .model import Model
+    if isinstance(spec, Drafter):
+        return spec
+    if isinstance(spec, Model):
+        return DraftModel(spec)
+    if spec == "lookup":
+        return PromptLookup()
+    if spec == "mtp":
+        from .mtp import MtpDrafter
+        return MtpDrafter.for_model(model)
+    raise ValueError(f"speculative must be 'lookup', 'mtp', a draft Model or a Drafter, got {spec!r}")
+
+
+# ---- the draft length -------------------------------------------------------------------------------
+class AdaptiveK:
+    """Chooses the drafts per round. With a measured per-draft acceptance rate a, a round of k drafts
+    yields E(k) = 1 + a + ... + a^k tokens in the time T(k) of drafting and verifying k + 1 rows; plain
+    decoding yields 1 token in T(0). The choice maximises E(k) / T(k) over k = 0 .. k_max, so k = 0 (plain
+    decoding) wins whenever speculation does not pay; T is measured (an exponential average per k, and a
+    straight line through the measured points for the others), and while plain decoding is chosen a round
+    of k = 1 is tried every `probe_every` steps so a change in acceptance is noticed. `fixed`: always k."""
+
+    def __init__(self, k_max: int = MAX_DRAFT, fixed: int | None = None, probe_every: int = 16,
+                 decay: float = 0.25):
+        if fixed is not None and not 0 <= fixed <= MAX_DRAFT:
+            raise ValueError(f"speculative_k must be in 0..{MAX_DRAFT}, got {fixed}")
+        self.k_max = int(fixed if fixed is not None else k_max)
+        self.fixed = fixed
+        self.probe_every = probe_every
+        self.decay = decay
+        self.cost: dict[int, float] = {}     # k -> seconds per round (k = 0: a plain decode step)
+        self.acc = 0.7                       # prior: accepted / drafted
+        self.drafted = self.accepted = 0
+        self.since_probe = self.rounds = 0
+        self.last = 0                        # the k chosen last
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.decay) * old + self.decay * new
+
+    def observe(self, k: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
+        self.cost[k] = self._avg(self.cost.get(k), seconds)
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            self.acc = self._avg(self.acc, accepted / drafted)
+
+    def _t(self, k: int) -> float:
+        if k in self.cost:
+            return self.cost[k]
+        pts = sorted(self.cost.items())
+        if not pts:
+            return 1.0 + 0.3 * k
+        if len(pts) == 1:
+            k0, t0 = pts[0]
+            per = t0 * 0.3 / (1 + 0.3 * k0)
+            return t0 + per * (k - k0)
+        xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+        slope, icpt = np.polyfit(xs, ys, 1)
+        return max(float(icpt + max(slope, 0.0) * k), 1e-9)
+
+    def choose(self) -> int:
+        self.last = self._choose()
+        return self.last
+
+    def _choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        self.rounds += 1
+        if 0 not in self.cost or self.rounds % (2 * self.probe_every) == 0:
+            return 0                          # (re)measure a plain decode step
+        a = min(max(self.acc, 0.0), 0.999)
+        best, gain = 0, 1.0 / self._t(0)
+        for k in range(1, self.k_max + 1):
+            g = ((1 - a ** (k + 1)) / (1 - a)) / self._t(k)
+            if g > gain:
+                best, gain = k, g
+        if best == 0:
+            self.since_probe += 1
+            if self.since_probe >= self.probe_every:
+                self.since_probe = 0
+                return 1                      # a round now and then keeps the acceptance rate current
+        return best
+
+    def stats(self) -> dict:
+        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+                "draft_length": self.last}
+
+
+class Speculation:
+    """One generation's speculative decoding (`qwenmetal.generation` runs it): the drafter, the draft length
+    and the session's open verify chain. ``step(t, context)`` feeds the sampled token t with the drafts
+    after it and returns (logits of every row [1 + k, vocab], drafts); the loop then decides the tokens,
+    calls ``fed()`` for each drafted token it emits and continues after (it stays in the state), and
+    ``end_round(accepted)`` before feeding the next token; ``close()`` ends an open chain keeping what was
+    fed, so the session holds what plain decoding would have fed, however the generation ends."""
+
+    def __init__(self, model: "Model", s: "Session", drafter: Drafter, k: int | None):
+        self.model, self.s, self.drafter = model, s, drafter
+        self.k = AdaptiveK(fixed=k)
+        self.rounds = 0
+        self.open = False
+        self.n_fed = 0
+        self._round = (0, 0.0)
+        drafter.start(model)
+
+    def position(self) -> int:
+        """The session's position as plain decoding would have it (the fed tokens of an open round)."""
+        extra = rewindable(self.model, self.s) - self.n_fed if self.open else 0
+        return self.s.position - extra
+
+    def step(self, t: int, context: list, budget: int) -> tuple[np.ndarray, list]:
+        """Feed t (the last token of `context`) and up to `budget` drafts after it."""
+        m, s = self.model, self.s
+        t0 = time.perf_counter()
+        k = min(self.k.choose(), s.max_context - s.position - 1, budget)
+        drafts = [int(d) for d in self.drafter.draft(context, k)[:k]] if k > 0 else []
+        if any(not 0 <= d < m.config.vocab_size for d in drafts):
+            raise ValueError(f"drafter {self.drafter.name!r} proposed an id outside the vocabulary: {drafts}")
+        if not drafts:
+            logits = m.prefill(s, [t], "last")[None]
+            self.k.observe(0, time.perf_counter() - t0)
+            return logits, []
+        logits = verify(m, s, [t, *drafts])
+        self.open, self.n_fed = True, 1
+        self._round = (len(drafts), time.perf_counter() - t0)
+        self.rounds += 1
+        return logits, drafts
+
+    def fed(self) -> None:
+        self.n_fed += 1
+
+    def end_round(self, accepted: int) -> None:
+        if self.open:
+            rewind(self.model, self.s, self.n_fed)
+            self.open = False
+            k, dt = self._round
+            self.k.observe(k, dt, k, accepted)
+
+    def close(self) -> None:
+        try:
+            if self.open:
+                self.open = False
+                rewind(self.model, self.s, self.n_fed)
+        finally:
+            self.drafter.close()
+
+    def stats(self) -> dict:
+        return {"drafter": self.drafter.name, "rounds": self.rounds, **self.k.stats()}

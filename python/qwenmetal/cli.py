@@ -102,6 +102,32 @@ def _add_sampling_args(p, max_tokens=256):
                    help="prefix cache budget in bytes (0 disables it; default: 10%% of memory, at most 8 GiB)")
 
 
+def _add_speculative_args(p):
+    g = p.add_argument_group("speculative decoding (docs/speculative.md; the output is unchanged)")
+    g.add_argument("--speculative", default=None, metavar="DRAFTER",
+                   help="'lookup' (n-grams of the session's own tokens), 'mtp' (the checkpoint's MTP head) or a "
+                        "draft model's checkpoint directory / hub id (same vocabulary, loaded on --backend)")
+    g.add_argument("--speculative-k", type=int, default=None, metavar="K",
+                   help="drafts per round, 0..8 (default: chosen from the measured acceptance and cost)")
+
+
+def _speculative(args, model) -> dict:
+    """`Model.generate`'s speculative arguments for --speculative / --speculative-k (a draft model is
+    loaded here)."""
+    spec = args.speculative
+    if spec is None:
+        if args.speculative_k is not None:
+            raise InputError("--speculative-k needs --speculative", param="speculative_k")
+        return {}
+    if spec not in ("lookup", "mtp"):
+        import qwenmetal as qm
+        from .model import resolve_checkpoint
+        threads = getattr(model._backend, "threads", None)
+        spec = qm.Model.load(resolve_checkpoint(spec), backend=model.backend,
+                             **({"threads": threads} if threads else {}))
+    return {"speculative": spec, "speculative_k": args.speculative_k}
+
+
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -152,6 +178,11 @@ def _stats_line(st: dict) -> str:
     dec = f"{dec:.1f} tok/s decode" if dec == dec else "-"
     line = (f"prompt {st['prompt_tokens']} tokens ({st['cached_tokens']} cached), {pre}; "
             f"generated {st['generated_tokens']} tokens, {dec}; finish: {st['finish_reason']}")
+    sp = st.get("speculative")
+    if sp:
+        rate = sp["acceptance_rate"]
+        line += (f"; speculative ({sp['drafter']}): {sp['accepted_tokens']}/{sp['drafted_tokens']} drafts accepted"
+                 + (f" ({100 * rate:.0f} %)" if rate == rate else ""))
     ex = st.get("experts")
     if ex and ex["streaming"]:
         line += (f"; experts streamed: {ex['slots_per_layer']} slots/layer ({ex['policy']}), hit rate "
@@ -285,15 +316,17 @@ def cmd_generate(args) -> int:
         raise ValueError("--system needs --chat (a system message is part of the chat template)")
     opts = GenerationOptions.from_cli_args(args)           # checked before the model loads
     model = _load(args)
+    spec = _speculative(args, model)
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": prompt}]
-        gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None).generate(model, opts)
+        gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None).generate(
+            model, opts, **spec)
     else:
-        gen = model.generate(prompt, options=opts)
+        gen = model.generate(prompt, options=opts, **spec)
     stats = None
     for out in gen:
         sys.stdout.write(out.text)
@@ -321,6 +354,7 @@ def cmd_chat(args) -> int:
 
     opts = qm.GenerationOptions.from_cli_args(args)        # checked before the model loads
     model = _load(args)
+    spec = _speculative(args, model)
     check_chat_support(model)                               # ValueError naming the missing file
     tty = sys.stdout.isatty()
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
@@ -398,7 +432,7 @@ def cmd_chat(args) -> int:
         pieces, tokens, finished = [], [], False
         mode = None
         try:
-            for out in turn.generate(model, opts):
+            for out in turn.generate(model, opts, **spec):
                 pieces.append(out.text)
                 tokens.append(out.token)
                 for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
@@ -449,7 +483,7 @@ def cmd_serve(args) -> int:
     serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
           max_queue=args.max_queue, request_timeout=args.request_timeout or None,
-          graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+          graceful_timeout=args.graceful_timeout, log_level=args.log_level, **_speculative(args, model))
     return 0
 
 
@@ -519,6 +553,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--quiet", action="store_true", help="no statistics line on stderr")
+    _add_speculative_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -528,6 +563,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
     p.add_argument("--verbose", action="store_true", help="statistics after every reply")
+    _add_speculative_args(p)
     _add_sampling_args(p, max_tokens=4096)
     p.set_defaults(func=cmd_chat)
 
@@ -559,6 +595,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir-bytes", type=float, default=None, metavar="BYTES",
                    help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_speculative_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("convert", help="HF bf16 checkpoint -> MLX layout, 4-bit (as mlx_lm.convert -q)")

@@ -432,10 +432,13 @@ class _CompletionRender(_Render):
 def create_app(model, *, model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
-               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT, speculative=None,
+               speculative_k: int | None = None):
     """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
     of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
-    requests may wait; `request_timeout`: seconds a generation may run (None: no limit). See docs/server.md."""
+    requests may wait; `request_timeout`: seconds a generation may run (None: no limit); `speculative` /
+    `speculative_k`: every generation decodes speculatively (`Model.generate`'s arguments; the output is
+    unchanged). See docs/server.md."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -500,7 +503,8 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return max(1, min(mt, limit - n_prompt))
 
     def make_job(gen_kwargs, ids, cache_points=()) -> _Job:
-        return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel, **gen_kwargs),
+        return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel,
+                                                  speculative=speculative, speculative_k=speculative_k, **gen_kwargs),
                     len(ids))
 
     async def events(request, job):
@@ -698,8 +702,10 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str |
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
-          graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info") -> None:
+          graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info", speculative=None,
+          speculative_k: int | None = None) -> None:
     """Serve `model` with uvicorn until interrupted (options as for `create_app` and `uvicorn_server`)."""
     app = create_app(model, model_name=model_name, api_key=api_key, max_request_bytes=max_request_bytes,
-                     default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout)
+                     default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout,
+                     speculative=speculative, speculative_k=speculative_k)
     uvicorn_server(app, host, port, log_level=log_level, graceful_timeout=graceful_timeout).run()

@@ -139,6 +139,8 @@ class DraftModel(Drafter):
                              f"model's ({model.config.vocab_size})")
         self.s = self.model.new_session()
         self.base = 0
+        tok = self.model.tokenizer          # ids past the tokenizer's vocabulary are never sampled
+        self.vocab = min(tok.vocab_size if tok is not None else model.config.vocab_size, model.config.vocab_size)
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         m, s = self.model, self.s
@@ -158,7 +160,7 @@ class DraftModel(Drafter):
         out: list[int] = []
         logits = verify(m, s, ctx[-1:])[-1]
         for _ in range(k):
-            t = int(np.argmax(logits[:m.config.vocab_size]))
+            t = int(np.argmax(logits[:self.vocab]))
             out.append(t)
             if len(out) == k or s.position + 1 > s.max_context:
                 break

@@ -300,3 +300,19 @@ def test_cli_speculative(tmp_path, capsys):
     assert out.out == plain and "speculative (model): " in out.err
     assert main(args + ["--speculative-k", "2"]) == 2
     assert "--speculative-k needs --speculative" in capsys.readouterr().err
+
+
+def test_bench_speculative_quick(tmp_path, capsys):
+    """`qwenmetal bench --speculative` prints the verification cost per row count and the oracle table, and
+    checks that speculation kept the greedy tokens (it raises otherwise)."""
+    import json
+    from qwenmetal.cli import main
+    out = tmp_path / "spec.json"
+    path = str(cached_checkpoint("tiny", "mlx-q4", seed=0))
+    assert main(["bench", "--model", path, "--speculative", "--quick", "--threads", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "verification cost at context 64" in text and "oracle drafter" in text
+    res = json.loads(out.read_text())
+    assert set(res["verify"]["rows"]) == {"2", "3", "5", "9"}
+    assert set(res["throughput"]["rates"]) == {"0.5", "0.7", "0.9"}
+    assert res["machine"]["cpu"]

@@ -52,6 +52,7 @@ from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
 from .timing import describe_machine, machine_info, peak_rss_bytes, time_decode, time_prefill
+from .speculative import format_speculative, run_speculative
 
 SCHEMA = "qwenmetal-bench/1"
 DEFAULT_PREFILL = (128, 512, 2048)
@@ -62,22 +63,11 @@ QUICK_CONTEXTS = (16, 64)
 # ---------------------------------------------------------------------------------------------
 # the benchmark
 # ---------------------------------------------------------------------------------------------
-def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+def load_model(args: argparse.Namespace, threads: int, log: Callable[[str], None]):
+    """The model a benchmark runs: --model, or the generated checkpoint of --config/--layers, on --backend
+    with its options. Returns (model, checkpoint path, config name, options, load seconds)."""
     import qwenmetal as qm
 
-    prefill_lens = _ints(args.prefill) if args.prefill else (QUICK_PREFILL if args.quick else DEFAULT_PREFILL)
-    contexts = _ints(args.contexts) if args.contexts else (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)
-    repeats = args.repeats or (1 if args.quick else 3)
-    steps = args.decode_steps or (4 if args.quick else 64)
-    threads = args.threads or _usable_cpus()
-
-    t_start = time.perf_counter()
-    busy = wait_quiet(args.wait_quiet, log=log) if args.wait_quiet else busy_fraction(1.0)
-    # read bandwidth: measured before and after the timings (it moves with the VM host's memory traffic,
-    # which /proc/stat does not show); the higher figure is the box's capability
-    bw_bytes = args.bandwidth_bytes if args.bandwidth_bytes is not None else ((512 << 20) if args.quick else (2 << 30))
-    bw_repeats = 2 if args.quick else 5
-    bw_runs = [measure_read_bandwidth(threads, bw_bytes, bw_repeats)] if bw_bytes else []
     if args.model:
         path = Path(args.model)
         cfg_name = str(path)
@@ -108,6 +98,26 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     t = time.perf_counter()
     model = qm.Model.load(str(path), backend=backend, **options)
     load_s = time.perf_counter() - t
+    return model, path, cfg_name, options, load_s
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    import qwenmetal as qm
+
+    prefill_lens = _ints(args.prefill) if args.prefill else (QUICK_PREFILL if args.quick else DEFAULT_PREFILL)
+    contexts = _ints(args.contexts) if args.contexts else (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.decode_steps or (4 if args.quick else 64)
+    threads = args.threads or _usable_cpus()
+
+    t_start = time.perf_counter()
+    busy = wait_quiet(args.wait_quiet, log=log) if args.wait_quiet else busy_fraction(1.0)
+    # read bandwidth: measured before and after the timings (it moves with the VM host's memory traffic,
+    # which /proc/stat does not show); the higher figure is the box's capability
+    bw_bytes = args.bandwidth_bytes if args.bandwidth_bytes is not None else ((512 << 20) if args.quick else (2 << 30))
+    bw_repeats = 2 if args.quick else 5
+    bw_runs = [measure_read_bandwidth(threads, bw_bytes, bw_repeats)] if bw_bytes else []
+    model, path, cfg_name, options, load_s = load_model(args, threads, log)
     c = model.config
     backend = model.backend
     kv_dtype = args.kv_dtype or getattr(model._backend, "kv_dtype", None) or BACKEND_KV_DEFAULT.get(backend, "bfloat16")
@@ -363,6 +373,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run under a real memory limit: a memory cgroup of L bytes, a size or N%% of the checkpoint "
                         "(RSS + page cache, no swap; Linux, root or a delegated cgroup)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding instead: the cost of verifying 2/3/5/9 rows against a decode step, "
+                        "and greedy tok/s against plain decoding at acceptance 0.5/0.7/0.9 (an oracle drafter; "
+                        "context: the first --contexts value, default 512; tokens: --decode-steps, default 64)")
     p.add_argument("--encode-only", action="store_true",
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
                         "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s); "
@@ -452,11 +466,31 @@ def main_args(args: argparse.Namespace) -> int:
     if getattr(args, "encode_only", False):
         res = run_encode_only(args)
         print(format_encode_only(res))
+    elif getattr(args, "speculative", False):
+        res = run_speculative_args(args, log)
+        print(format_speculative(res))
     else:
         res = run_limited(args, log=log) if args.memory_limit else run(args, log=log)
         print(format_table(res))
     write_json(args.json, res)
     return 0
+
+
+def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """`bench --speculative` (qwenmetal.bench.speculative) on the benchmark's model, with the machine."""
+    threads = args.threads or _usable_cpus()
+    model, path, cfg_name, options, load_s = load_model(args, threads, log)
+    machine = machine_info()
+    log(f"machine: {describe_machine(machine)}")
+    context = _ints(args.contexts)[0] if args.contexts else (64 if args.quick else 512)
+    tokens = args.decode_steps or (12 if args.quick else 64)
+    res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
+    res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
+                "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
+                "backend": model.backend, "options": options, "threads": threads,
+                "engine": model._backend.info() if hasattr(model._backend, "info") else {}})
+    res["machine_label"] = describe_machine(machine)
+    return res
 
 
 def write_json(path: str | None, obj) -> None:

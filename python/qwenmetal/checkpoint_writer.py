@@ -38,7 +38,7 @@ from .config import ModelConfig
 from .fileio import atomic_dir
 
 __all__ = ["LAYOUTS", "INITS", "Init", "Spec", "text_specs", "draw", "hf_tensors", "mlx_tensors", "canonical_params",
-           "check_supported", "write_checkpoint"]
+           "check_supported", "write_checkpoint", "with_mtp"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: layout -> (bits, routed-expert bits) of its MLX quantization (None: unquantized); all at group size 64
@@ -121,10 +121,13 @@ INITS = {
 }
 
 
-def text_specs(c: ModelConfig, init: str = "fixture") -> list[Spec]:
+def text_specs(c: ModelConfig, init: str = "fixture", mtp: bool = False) -> list[Spec]:
     """Every text-model tensor of `c` by logical name (Qwen3.5 naming, no prefix), with the scales of
     :data:`INITS` ``[init]``: fused ``experts.gate_up_proj`` ``[E, 2I, H]`` (rows ``[:I]`` gate), conv1d
-    ``[C, 1, K]``, unshifted norms."""
+    ``[C, 1, K]``, unshifted norms. ``mtp``: also the multi-token-prediction head (model-spec §2.5) under
+    its HF names: ``mtp.fc.weight`` ``[H, 2H]`` (an input-side projection), the zero-centred
+    ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, and ``mtp.layers.0.*``, a
+    full-attention layer with the MoE block drawn like a body layer."""
     H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     nv, dv, K = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel_dim
     E, I, S = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
@@ -143,15 +146,10 @@ def text_specs(c: ModelConfig, init: str = "fixture") -> list[Spec]:
     def zc_norm(name, n):
         out.append(Spec(name, (n,), "normal", 0.1, 0.0, zero_centred=True))
 
-    proj("embed_tokens.weight", (c.vocab_size, H), sc.embed)
-    zc_norm("norm.weight", H)
-    if not c.tie_word_embeddings:
-        proj("lm_head.weight", (c.vocab_size, H), sc.lm_head)
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
+    def layer(p, full_attention, moe):
         zc_norm(p + "input_layernorm.weight", H)
         zc_norm(p + "post_attention_layernorm.weight", H)
-        if c.is_full_attention(i):
+        if full_attention:
             a = p + "self_attn."
             proj(a + "q_proj.weight", (nh * hd * (2 if c.attn_output_gate else 1), H))   # per head [query | gate]
             proj(a + "k_proj.weight", (nkv * hd, H))
@@ -171,7 +169,7 @@ def text_specs(c: ModelConfig, init: str = "fixture") -> list[Spec]:
             out.append(Spec(g + "norm.weight", (dv,), "normal", 0.1, 1.0))
             resid(g + "out_proj.weight", (H, c.value_dim))
         m = p + "mlp."
-        if c.is_moe_layer(i):
+        if moe:
             proj(m + "gate.weight", (E, H), sc.router)
             proj(m + "experts.gate_up_proj", (E, 2 * I, H))
             resid(m + "experts.down_proj", (E, H, I))
@@ -184,7 +182,32 @@ def text_specs(c: ModelConfig, init: str = "fixture") -> list[Spec]:
             proj(m + "gate_proj.weight", (c.intermediate_size, H))
             proj(m + "up_proj.weight", (c.intermediate_size, H))
             resid(m + "down_proj.weight", (H, c.intermediate_size))
+
+    proj("embed_tokens.weight", (c.vocab_size, H), sc.embed)
+    zc_norm("norm.weight", H)
+    if not c.tie_word_embeddings:
+        proj("lm_head.weight", (c.vocab_size, H), sc.lm_head)
+    for i in range(c.num_hidden_layers):
+        layer(f"layers.{i}.", c.is_full_attention(i), c.is_moe_layer(i))
+    if mtp:
+        proj("mtp.fc.weight", (H, 2 * H))
+        zc_norm("mtp.pre_fc_norm_embedding.weight", H)
+        zc_norm("mtp.pre_fc_norm_hidden.weight", H)
+        zc_norm("mtp.norm.weight", H)
+        layer("mtp.layers.0.", True, c.num_experts > 0)
     return out
+
+
+def with_mtp(cfg: Mapping[str, Any]) -> dict:
+    """`cfg` (a config.json dict) declaring one MTP layer: ``mtp_num_hidden_layers: 1`` in the text config
+    (``text_config`` for ``qwen3_5_moe``), as the released configs have it."""
+    cfg = json.loads(json.dumps(dict(cfg)))
+    text = cfg["text_config"] if cfg.get("model_type") == "qwen3_5_moe" else cfg
+    text.setdefault("mtp_num_hidden_layers", 1)
+    if cfg.get("model_type") == "qwen3_5_moe":
+        cfg["text_config"] = dict(sorted(text.items()))
+        return cfg
+    return dict(sorted(cfg.items()))
 
 
 def _vision_specs(vc: Mapping[str, Any]) -> list[Spec]:
@@ -286,55 +309,59 @@ def check_supported(cfg: Mapping[str, Any], c: ModelConfig) -> None:
         raise ValueError("MoE layers need shared_expert_intermediate_size > 0")
 
 
-def _hf_lazy(cfg: dict, seed: int) -> dict[str, _convert.Lazy]:
+def _hf_lazy(cfg: dict, seed: int, mtp: bool = False) -> dict[str, _convert.Lazy]:
     c = ModelConfig.from_dict(cfg)
     check_supported(cfg, c)
     fam = _convert.family(cfg)
     get = _LastDrawn(int(seed))
-    W = {s.name: _lazy(s, get) for s in text_specs(c)}
+    W = {s.name: _lazy(s, get) for s in text_specs(c, mtp=mtp)}
     if fam == "qwen3_next":
         for i in c.linear_attention_layers:
             _fuse_qwen3_next_gdn(W, f"layers.{i}.linear_attn.", c)
         for i in range(c.num_hidden_layers):
             if c.is_moe_layer(i):
                 _split_experts(W, f"layers.{i}.mlp.", c)
+        if mtp and c.num_experts > 0:
+            _split_experts(W, "mtp.layers.0.mlp.", c)
     prefix = "model.language_model." if cfg["model_type"] == "qwen3_5_moe" else "model."
-    out = {("lm_head.weight" if k == "lm_head.weight" else prefix + k): v for k, v in W.items()}
+    # lm_head and the MTP head are top-level keys in both families' HF checkpoints
+    out = {(k if k == "lm_head.weight" or k.startswith("mtp.") else prefix + k): v for k, v in W.items()}
     if cfg["model_type"] == "qwen3_5_moe" and cfg.get("vision_config"):
         out.update({"model." + s.name: _lazy(s, get) for s in _vision_specs(cfg["vision_config"])})
     return out
 
 
-def hf_tensors(cfg: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+def hf_tensors(cfg: Mapping[str, Any], seed: int = 0, mtp: bool = False) -> dict[str, np.ndarray]:
     """The tensors of the ``hf-bf16`` layout by file key: for ``qwen3_5_moe`` (nested ``text_config``)
     ``Qwen3_5MoeForConditionalGeneration``'s (``model.language_model.*``, ``lm_head.weight``,
     ``model.visual.*`` with a ``vision_config``), for ``qwen3_5_moe_text`` ``Qwen3_5MoeForCausalLM``'s,
     both with fused experts; for ``qwen3_next`` ``Qwen3NextForCausalLM``'s (fused ``in_proj_qkvz`` /
-    ``in_proj_ba``, per-expert keys)."""
-    return _convert.materialize(_hf_lazy(dict(cfg), seed))
+    ``in_proj_ba``, per-expert keys). ``mtp``: with the ``mtp.*`` head (see :func:`text_specs`)."""
+    return _convert.materialize(_hf_lazy(dict(cfg), seed, mtp))
 
 
-def _mlx_lazy(cfg: dict, layout: str, seed: int):
+def _mlx_lazy(cfg: dict, layout: str, seed: int, mtp: bool = False):
     if layout not in _BITS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
     bits, expert_bits = _BITS[layout]
-    return _convert.mlx_build(_hf_lazy(cfg, seed), cfg, bits, 64, expert_bits)
+    return _convert.mlx_build(_hf_lazy(cfg, seed, mtp), cfg, bits, 64, expert_bits, keep_mtp=mtp)
 
 
-def mlx_tensors(cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0) -> dict[str, np.ndarray]:
+def mlx_tensors(cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0, mtp: bool = False) -> dict[str, np.ndarray]:
     """The tensors of an MLX layout (``mlx-bf16``, ``mlx-q{2,3,4,5,6,8}``, ``mlx-q4-e{2,3}``:
-    ``mlx_lm.convert`` of the ``hf-bf16`` tensors, g64) by file key."""
-    return _convert.materialize(_mlx_lazy(dict(cfg), layout, seed)[0])
+    ``mlx_lm.convert`` of the ``hf-bf16`` tensors, g64) by file key. ``mtp``: with the MTP head kept
+    (``convert(..., keep_mtp=True)``)."""
+    return _convert.materialize(_mlx_lazy(dict(cfg), layout, seed, mtp)[0])
 
 
-def canonical_params(c: ModelConfig, seed: int = 0, init: str = "fixture") -> dict[str, np.ndarray]:
+def canonical_params(c: ModelConfig, seed: int = 0, init: str = "fixture", mtp: bool = False) -> dict[str, np.ndarray]:
     """The float32 draws of :func:`text_specs` ``(c, init)`` (a checkpoint's values before their bf16
     rounding) under the engine's canonical
     names (:mod:`qwenmetal.weights`): norms shifted to ``1 + w``, conv1d ``[C, K]``, experts as
     ``switch_mlp.{gate,up,down}_proj``. Any config the engine accepts (no output gate, no shared expert,
-    tied embeddings too)."""
+    tied embeddings too). ``mtp``: also the MTP head's, as ``mtp.`` + the names of ``Weights.mtp``."""
     P: dict[str, np.ndarray] = {}
-    for s in text_specs(c, init):
+    for s in text_specs(c, init, mtp):
         x = draw(s, seed)
         name = s.name[:-len(".weight")] if s.name.endswith(".weight") else s.name
         if s.zero_centred:
@@ -354,23 +381,25 @@ def canonical_params(c: ModelConfig, seed: int = 0, init: str = "fixture") -> di
 
 def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0,
                      files: Mapping[str, str] | None = None, max_shard_bytes: int = _convert.MAX_SHARD_BYTES,
-                     progress: bool = False) -> Path:
+                     progress: bool = False, mtp: bool = False) -> Path:
     """Write the random checkpoint of config.json dict `cfg` in `layout` (one of :data:`LAYOUTS`) at
     `dest` (absent or an empty directory), plus `files` (name -> text: tokenizer, generation config,
     ...; as in ``mlx_lm.convert``, a ``generation_config.json`` among them sets an MLX config.json's
     ``eos_token_id``). Weights are streamed into shards of at most `max_shard_bytes` (more than one:
     ``model-0000i-of-0000n.safetensors`` and an index, in save_pretrained's / mlx-lm's naming); the
-    directory appears atomically. Returns `dest`. Same arguments -> byte-identical files."""
+    directory appears atomically. Returns `dest`. Same arguments -> byte-identical files. ``mtp``: with
+    random ``mtp.*`` weights (kept in the MLX layouts too) and ``mtp_num_hidden_layers: 1`` in config.json
+    (:func:`with_mtp`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
-    cfg = json.loads(json.dumps(dict(cfg)))
+    cfg = with_mtp(cfg) if mtp else json.loads(json.dumps(dict(cfg)))
     files = dict(files or {})
     hf_cfg_text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     gen = json.loads(files.get("generation_config.json", "{}"))
     if layout == "hf-bf16":
-        w, quant = _hf_lazy(cfg, seed), None
+        w, quant = _hf_lazy(cfg, seed, mtp), None
     else:
-        w, quant = _mlx_lazy(cfg, layout, seed)
+        w, quant = _mlx_lazy(cfg, layout, seed, mtp)
     with atomic_dir(dest) as tmp:
         if layout == "hf-bf16":
             _write_hf_weights(tmp, w, max_shard_bytes)

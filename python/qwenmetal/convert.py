@@ -3,7 +3,10 @@
 ``convert(src, dst, q_bits=4, q_group_size=64)`` reproduces, for the model types this package supports
 (``qwen3_5_moe``, ``qwen3_5_moe_text``, ``qwen3_next``), what ``mlx_lm.convert --quantize`` writes:
 
-* mlx-lm's ``sanitize``: vision tower and ``mtp.*`` dropped, keys renamed (``language_model.model.*`` for
+* mlx-lm's ``sanitize``: vision tower and ``mtp.*`` dropped (``keep_mtp=True`` / ``--keep-mtp``: the MTP
+  head kept under its ``mtp.*`` names, treated like a body layer -- experts split/stacked, zero-centred
+  norms shifted (also ``pre_fc_norm_*`` and ``mtp.norm``, as mlx-vlm's MTP drafter sanitize does), its
+  linears quantized by the same predicate), keys renamed (``language_model.model.*`` for
   qwen3_5_moe), fused ``experts.gate_up_proj`` split into ``switch_mlp.gate_proj``/``up_proj`` (qwen3_5) or
   per-expert tensors stacked (qwen3_next), conv1d weights moved to ``[C, K, 1]``, zero-centred RMSNorm
   weights shifted by +1 in the file's dtype;
@@ -46,6 +49,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_SHARD_BYTES = 5 << 30                    # mlx-lm's MAX_FILE_SIZE_GB = 5
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                  ".q_norm.weight", ".k_norm.weight")
+# the MTP head's own zero-centred norms (mlx-vlm qwen3_5_mtp ``sanitize``)
+MTP_NORM_SUFFIXES = ("mtp.norm.weight", ".pre_fc_norm_embedding.weight", ".pre_fc_norm_hidden.weight")
 MLX_README = "---\nlanguage: en\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n---\n"
 # files copied from the source checkpoint as they are (tokenizer, chat template, generation config)
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -115,30 +120,61 @@ def family(cfg: Mapping[str, Any]) -> str:
     raise ValueError(f"model_type {mt!r} is not supported (qwen3_5_moe, qwen3_5_moe_text, qwen3_next)")
 
 
-def mlx_sanitize(hf: Mapping[str, Lazy], cfg: dict, c: ModelConfig) -> dict[str, Lazy]:
-    """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors (lazily)."""
+def _is_mtp(k: str) -> bool:
+    return "mtp." in k
+
+
+def _split_fused_experts(w: dict, p: str) -> None:
+    """``{p}.experts.gate_up_proj`` [E, 2I, H] -> ``{p}.switch_mlp.{gate,up}_proj.weight``, and
+    ``experts.down_proj`` -> ``switch_mlp.down_proj.weight`` (lazily)."""
+    if f"{p}.experts.gate_up_proj" not in w:
+        return
+    gu = w.pop(f"{p}.experts.gate_up_proj")
+    mid = gu.shape[-2] // 2
+    half = gu.shape[:-2] + (mid, gu.shape[-1])
+    w[f"{p}.switch_mlp.gate_proj.weight"] = Lazy(
+        half, gu.dtype, lambda gu=gu, mid=mid: np.ascontiguousarray(gu.load()[..., :mid, :]))
+    w[f"{p}.switch_mlp.up_proj.weight"] = Lazy(
+        half, gu.dtype, lambda gu=gu, mid=mid: np.ascontiguousarray(gu.load()[..., mid:, :]))
+    w[f"{p}.switch_mlp.down_proj.weight"] = w.pop(f"{p}.experts.down_proj")
+
+
+def _stack_experts(w: dict, p: str, n_experts: int) -> None:
+    """Per-expert ``{p}.experts.{e}.{up,down,gate}_proj.weight`` -> ``{p}.switch_mlp.*.weight`` [E, ...]."""
+    for n in ("up_proj", "down_proj", "gate_proj"):
+        parts = [w.pop(f"{p}.experts.{e}.{n}.weight") for e in range(n_experts)]
+        w[f"{p}.switch_mlp.{n}.weight"] = Lazy(
+            (len(parts),) + parts[0].shape, parts[0].dtype,
+            lambda parts=parts: np.stack([x.load() for x in parts]))
+
+
+def _mtp_moe_blocks(w: Mapping[str, Lazy]) -> list:
+    """The ``mtp.layers.{j}.mlp`` prefixes of the MTP head's MoE blocks."""
+    out = set()
+    for k in w:
+        if k.startswith("mtp.layers.") and ".mlp.experts." in k:
+            out.add(k[:k.index(".mlp.experts.") + len(".mlp")])
+    return sorted(out)
+
+
+def mlx_sanitize(hf: Mapping[str, Lazy], cfg: dict, c: ModelConfig, keep_mtp: bool = False) -> dict[str, Lazy]:
+    """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors (lazily). `keep_mtp`: keep
+    the ``mtp.*`` head (top-level ``mtp.`` names) instead of dropping it, sanitized like a body layer."""
     fam = family(cfg)
     w: dict[str, Lazy] = {}
     if fam == "qwen3_5":
         for k, v in hf.items():
             if k.startswith(("vision_tower", "model.visual")):
                 continue
-            if k.startswith("model.language_model"):
+            if keep_mtp and k.startswith("mtp."):
+                pass
+            elif k.startswith("model.language_model"):
                 k = k.replace("model.language_model", "language_model.model")
             elif not k.startswith("language_model."):
                 k = "language_model." + k
             w[k] = v
         for i in range(c.num_hidden_layers):
-            p = f"language_model.model.layers.{i}.mlp"
-            if f"{p}.experts.gate_up_proj" in w:
-                gu = w.pop(f"{p}.experts.gate_up_proj")
-                mid = gu.shape[-2] // 2
-                half = gu.shape[:-2] + (mid, gu.shape[-1])
-                w[f"{p}.switch_mlp.gate_proj.weight"] = Lazy(
-                    half, gu.dtype, lambda gu=gu, mid=mid: np.ascontiguousarray(gu.load()[..., :mid, :]))
-                w[f"{p}.switch_mlp.up_proj.weight"] = Lazy(
-                    half, gu.dtype, lambda gu=gu, mid=mid: np.ascontiguousarray(gu.load()[..., mid:, :]))
-                w[f"{p}.switch_mlp.down_proj.weight"] = w.pop(f"{p}.experts.down_proj")
+            _split_fused_experts(w, f"language_model.model.layers.{i}.mlp")
         shift = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in w.items())
     else:
         moe_layers = sorted(int(k.split(".")[2]) for k in hf
@@ -147,20 +183,23 @@ def mlx_sanitize(hf: Mapping[str, Lazy], cfg: dict, c: ModelConfig) -> dict[str,
             raise ValueError("mlx-lm's qwen3_next sanitize needs at least one MoE layer")
         w = dict(hf)
         for i in moe_layers:
-            p = f"model.layers.{i}.mlp"
-            for n in ("up_proj", "down_proj", "gate_proj"):
-                parts = [w.pop(f"{p}.experts.{e}.{n}.weight") for e in range(c.num_experts)]
-                w[f"{p}.switch_mlp.{n}.weight"] = Lazy(
-                    (len(parts),) + parts[0].shape, parts[0].dtype,
-                    lambda parts=parts: np.stack([x.load() for x in parts]))
+            _stack_experts(w, f"model.layers.{i}.mlp", c.num_experts)
         shift = True
-    w = {k: v for k, v in w.items() if "mtp." not in k}
+    if keep_mtp:
+        for p in _mtp_moe_blocks(w):
+            if f"{p}.experts.gate_up_proj" in w:
+                _split_fused_experts(w, p)
+            else:
+                _stack_experts(w, p, c.num_experts)
+    else:
+        w = {k: v for k, v in w.items() if not _is_mtp(k)}
     for k, v in list(w.items()):
         if "conv1d.weight" in k and v.shape[-1] != 1:
             s = v.shape
             w[k] = Lazy(s[:1] + (s[2], s[1]) + s[3:], v.dtype,
                         lambda v=v: np.ascontiguousarray(np.moveaxis(v.load(), 2, 1)))
-        if shift and k.endswith(NORM_SUFFIXES) and v.ndim == 1:
+        norm = k.endswith(NORM_SUFFIXES) or (_is_mtp(k) and k.endswith(MTP_NORM_SUFFIXES))
+        if shift and norm and v.ndim == 1:
             w[k] = Lazy(v.shape, v.dtype,           # bf16 + 1.0 in MLX
                         lambda v=v: (v.load().astype(np.float32) + np.float32(1.0)).astype(v.dtype))
     return w
@@ -226,11 +265,12 @@ def mlx_quantize(w: dict[str, Lazy], cfg: dict, c: ModelConfig, bits: int, group
 
 
 def mlx_build(hf: Mapping[str, Lazy], cfg: dict, bits: int | None, group_size: int = 64,
-              expert_bits: int | None = None):
+              expert_bits: int | None = None, keep_mtp: bool = False):
     """HF file tensors -> (MLX tensors, quantization block or None), all lazy. ``expert_bits``: the
-    routed experts' width (default ``bits``), recorded as per-path overrides."""
+    routed experts' width (default ``bits``), recorded as per-path overrides. ``keep_mtp``: keep the MTP
+    head (see `mlx_sanitize`), quantized like the body."""
     c = ModelConfig.from_dict(cfg)
-    w = mlx_cast(mlx_sanitize(hf, cfg, c), cfg)
+    w = mlx_cast(mlx_sanitize(hf, cfg, c, keep_mtp), cfg)
     if bits is None:
         if expert_bits is not None:
             raise InputError("expert_bits needs a quantized conversion (q_bits)", param="expert_bits")
@@ -340,13 +380,16 @@ def write_mlx_checkpoint(dst, w: Mapping[str, Lazy], quant: dict | None, hf_conf
 
 
 def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_group_size: int = 64,
-            expert_bits: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
+            expert_bits: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False,
+            keep_mtp: bool = False) -> Path:
     """Convert the HF checkpoint at ``src`` (directory or hub id) to MLX layout in ``dst``.
 
     ``q_bits`` None -> unquantized (``mlx_lm.convert`` without ``-q``). ``expert_bits``: the routed
     experts' width (default ``q_bits``); when it differs, config.json records each expert stack's width as
     a per-path override (what ``mlx_lm.convert`` writes given the same ``quant_predicate``). ``dst`` must
     not exist (or be empty); the result appears atomically (built in a temporary sibling, then renamed).
+    ``keep_mtp``: keep the multi-token-prediction head (``mtp.*``, which mlx-lm drops), quantized like the
+    body, so ``speculative="mtp"`` can use it; raises ValueError if the source has no ``mtp.*`` tensors.
     """
     from .model import resolve_checkpoint
     from .safetensors_io import DTYPES, TensorSource
@@ -362,7 +405,9 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     if any(k.startswith("language_model.model.") for k in ts.keys()):
         raise ValueError(f"{src}: this is already in the MLX layout")
     hf = {k: Lazy(ts.shape(k), DTYPES[ts.dtype_name(k)], lambda k=k: ts.get(k)) for k in ts.keys()}
-    w, quant = mlx_build(hf, cfg, q_bits, q_group_size, expert_bits)
+    if keep_mtp and not any(k.startswith("mtp.") for k in hf):
+        raise ValueError(f"{src}: keep_mtp: the checkpoint has no MTP head (no mtp.* tensors)")
+    w, quant = mlx_build(hf, cfg, q_bits, q_group_size, expert_bits, keep_mtp)
     gen_path = src / "generation_config.json"
     gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
     with atomic_dir(dst) as tmp:            # only writes inside: an OSError here is about dst

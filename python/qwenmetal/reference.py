@@ -71,6 +71,7 @@ per-expert MoE loop. numpy's multithreaded BLAS can be slow when the CPU is over
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import ml_dtypes
@@ -84,6 +85,7 @@ __all__ = [
     "gdn_recurrent", "gdn_chunked", "full_attention", "gated_deltanet", "swiglu",
     "sparse_moe", "dense_mlp", "decoder_layer",
     "ReferenceState", "ReferenceModel", "random_params",
+    "mtp_layer_config", "ReferenceMtp",
 ]
 
 BF16 = ml_dtypes.bfloat16
@@ -596,11 +598,15 @@ class ReferenceModel:
         return _rounder(self.bf16)(self.embed_tokens[np.asarray(token_ids)])
 
     def forward(self, state: ReferenceState, token_ids: np.ndarray, logits: str = "last",
-                gdn_mode: str = "chunked", chunk_size: int = 64, hidden: list | None = None):
+                gdn_mode: str = "chunked", chunk_size: int = 64, hidden: list | None = None,
+                final_hidden: list | None = None):
         """Run ``token_ids`` (1-D ints) at positions ``state.position..``; update ``state`` in place.
 
         Returns float32 logits [vocab] (``logits="last"``), [L, vocab] (``"all"``) or None (``"none"``).
-        If ``hidden`` is a list, the embedding output and each decoder layer's output [L, H] are appended.
+        If ``hidden`` is a list, the embedding output and each decoder layer's output [L, H] are appended
+        (``hidden[-1]``: the last layer's output before the final norm). If ``final_hidden`` is a list, the
+        final norm's output [L, H] of every token -- what the lm_head multiplies, and the hidden state the
+        MTP head takes (`ReferenceMtp`) -- is appended.
         """
         ids = np.asarray(token_ids)
         assert ids.ndim == 1 and ids.size >= 1, ids.shape
@@ -619,9 +625,15 @@ class ReferenceModel:
                 hidden.append(x)
 
         out = None
+        if final_hidden is not None:
+            xn_all = rms_norm(x, self.norm, c.rms_norm_eps, bf16=bf16)      # row-wise: the same rows as below
+            final_hidden.append(xn_all)
         if logits != "none":
-            xs = x[-1:] if logits == "last" else x
-            xn = rms_norm(xs, self.norm, c.rms_norm_eps, bf16=bf16)
+            if final_hidden is not None:
+                xn = xn_all[-1:] if logits == "last" else xn_all
+            else:
+                xs = x[-1:] if logits == "last" else x
+                xn = rms_norm(xs, self.norm, c.rms_norm_eps, bf16=bf16)
             out = _linear(xn, self.lm_head, bf16)
             out = out[0] if logits == "last" else out
 
@@ -633,6 +645,96 @@ class ReferenceModel:
                 state.conv[i], state.ssm[i] = st
         state.position += ids.size
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the multi-token-prediction head (spec §2.5)
+# ---------------------------------------------------------------------------------------------
+def mtp_layer_config(config: ModelConfig) -> ModelConfig:
+    """`config` with one full-attention MoE layer (index 0): the MTP decoder layer's config, so that
+    `decoder_layer` runs it (mlx-vlm builds its MTP layer the same way, from the text config with
+    ``num_hidden_layers = mtp layers`` and ``full_attention_interval = 1``)."""
+    return replace(config, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=(),
+                   decoder_sparse_step=1)
+
+
+class ReferenceMtp:
+    """The MTP head's forward pass (spec §2.5; vLLM ``Qwen3NextMultiTokenPredictor.forward``, mlx-vlm
+    ``Qwen3_5MTPDraftModel._forward_hidden``) over dense float32 parameters named as ``Weights.mtp``
+    (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` (all shifted), ``layers.0.*``),
+    sharing the main model's embedding and lm_head. For each (hidden h_p, token t_{p+1}) pair::
+
+        x = fc(concat(rms_norm(embed(t_{p+1}), pre_fc_norm_embedding), rms_norm(h_p, pre_fc_norm_hidden)))
+        x = decoder_layer_0(x)                      # full attention + MoE, its own KV cache, RoPE position p
+        out_hidden = rms_norm(x, norm)              # what the next MTP step takes as its hidden state
+        logits = out_hidden @ lm_head^T             # predicts t_{p+2}
+
+    Position convention: the pair (h_p, t_{p+1}) is run at RoPE position p, the position of the hidden
+    state, not p + 1. vLLM's ``EagleProposer.propose`` (vllm/v1/spec_decode/eagle.py, commit 008603a3)
+    shifts the input ids left by one ("Shift the input ids by one token") but passes the target model's
+    own ``target_positions`` with the target hidden states, then ``positions += 1`` per further draft;
+    mlx-vlm's ``prefill_from_target_hidden`` (qwen3_5_mtp.py) likewise runs ``input_ids[1:] + bonus``
+    against ``hidden[:, :n]`` from ``_next_position = 0``. The MTP KV cache therefore holds entry p at
+    RoPE position p. ``h_p`` is the main model's *final-normed* hidden state (vLLM's
+    ``Qwen3NextModel.forward`` returns ``norm(hidden_states, residual)`` and the proposer feeds that;
+    mlx-vlm's ``return_hidden`` appends the inner model's normed output), see
+    ``ReferenceModel.forward(final_hidden=...)``. The chained hidden state is the head's normed output.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict, embed_tokens: np.ndarray, lm_head: np.ndarray,
+                 dtype: str = "float32"):
+        assert dtype in ("float32", "bfloat16"), dtype
+        self.config = config
+        self.layer_config = mtp_layer_config(config)
+        self.bf16 = dtype == "bfloat16"
+        self.params = {k: np.ascontiguousarray(v, dtype=F32) for k, v in params.items()}
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        layers = sorted({k.split(".")[1] for k in self.params if k.startswith("layers.")})
+        if layers != ["0"]:
+            raise ValueError(f"the MTP head must have exactly one decoder layer (layers.0.*), got {layers}")
+        self.layer = _sub(self.params, "layers.0.")
+
+    @classmethod
+    def from_model(cls, model: "ReferenceModel", params: dict) -> "ReferenceMtp":
+        """The head of `params` on `model`'s embedding and lm_head, in `model`'s precision mode."""
+        return cls(model.config, params, model.embed_tokens, model.lm_head, model.dtype)
+
+    def new_state(self) -> ReferenceState:
+        """An empty MTP cache: ``keys[0]``/``values[0]`` [nkv, 0, hd], position 0."""
+        c = self.config
+        st = ReferenceState()
+        st.keys[0] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
+        st.values[0] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
+        return st
+
+    def forward(self, state: ReferenceState, hidden: np.ndarray, token_ids: np.ndarray, logits: str = "all",
+                out_hidden: list | None = None):
+        """Run the pairs (``hidden[j]``, ``token_ids[j]``) -- ``hidden`` [L, H] the main model's final-normed
+        hidden state at positions ``state.position + j``, ``token_ids`` the tokens that follow each -- at
+        RoPE positions ``state.position..``; update ``state`` (its KV cache) in place. Returns float32
+        logits [L, vocab] (``"all"``), [vocab] (``"last"``) or None; each returned row predicts the token
+        two after its hidden state's position. If ``out_hidden`` is a list, the head's normed output [L, H]
+        (the hidden state of the next chained step) is appended."""
+        ids = np.asarray(token_ids)
+        h = _f32(hidden)
+        assert ids.ndim == 1 and ids.size >= 1 and h.shape == (ids.size, self.config.hidden_size), (ids.shape, h.shape)
+        assert logits in ("last", "all", "none"), logits
+        c, bf16 = self.config, self.bf16
+        eps, p = c.rms_norm_eps, self.params
+        e = _rounder(bf16)(self.embed_tokens[ids])
+        x = np.concatenate([rms_norm(e, p["pre_fc_norm_embedding"], eps, bf16=bf16),
+                            rms_norm(h, p["pre_fc_norm_hidden"], eps, bf16=bf16)], axis=-1)   # embedding first
+        x = _linear(x, p["fc"], bf16)
+        x, (K, V) = decoder_layer(x, self.layer, self.layer_config, 0, state, bf16=bf16)
+        xn = rms_norm(x, p["norm"], eps, bf16=bf16)
+        if out_hidden is not None:
+            out_hidden.append(xn)
+        state.keys[0], state.values[0] = K, V
+        state.position += ids.size
+        if logits == "none":
+            return None
+        out = _linear(xn[-1:] if logits == "last" else xn, self.lm_head, bf16)
+        return out[0] if logits == "last" else out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,12 @@ format (mlx-q4 is the quantization of exactly the hf-bf16 weights); streamed sha
 arguments -> byte-identical files. The directory appears atomically (``fileio.atomic_dir``), so a
 half-written one is never mistaken for a checkpoint and an error leaves nothing behind.
 
+``mtp=True`` (``make_checkpoint``, ``cached_checkpoint``, ``hf_tensors``, ``mlx_tensors``) adds a random
+multi-token-prediction head (``mtp.*``, model-spec §2.5: ``mtp.fc.weight`` [H, 2H], the zero-centred
+``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm``, ``mtp.layers.0.*`` a full-attention MoE
+layer) and ``mtp_num_hidden_layers: 1`` to config.json; the MLX formats then keep it (as ``qwenmetal convert
+--keep-mtp`` does). Off by default: the fixtures without it are unchanged, byte for byte.
+
 Verified against the real tools in ``tests/test_fixtures.py``.
 """
 from __future__ import annotations
@@ -412,15 +418,15 @@ def _resolve_config(config: str | Mapping[str, Any]) -> dict:
 # --------------------------------------------------------------------------------------------------
 # weights and writing: qwenmetal.checkpoint_writer (the one random-checkpoint writer)
 # --------------------------------------------------------------------------------------------------
-def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0) -> dict[str, np.ndarray]:
+def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0, *, mtp: bool = False) -> dict[str, np.ndarray]:
     """The tensors of the ``hf-bf16`` checkpoint, by file key (see the module docstring)."""
-    return _writer.hf_tensors(_resolve_config(config), seed)
+    return _writer.hf_tensors(_resolve_config(config), seed, mtp)
 
 
 def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
-                seed: int = 0) -> dict[str, np.ndarray]:
+                seed: int = 0, *, mtp: bool = False) -> dict[str, np.ndarray]:
     """The tensors of an MLX-format checkpoint (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``), by file key."""
-    return _writer.mlx_tensors(_resolve_config(config), format, seed)
+    return _writer.mlx_tensors(_resolve_config(config), format, seed, mtp)
 
 
 wrap_text_config = _convert.wrap_text_config
@@ -439,49 +445,59 @@ def _side_files(cfg: dict) -> dict[str, str]:
 
 def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
                     seed: int = 0, *, max_shard_bytes: int = _convert.MAX_SHARD_BYTES,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, mtp: bool = False) -> Path:
     """Write a complete checkpoint directory at ``dir`` and return its path.
 
     ``config``: a :data:`PRESETS` name or a config.json dict (same schema as a real config.json);
     ``format``: one of :data:`FORMATS`. ``dir`` must not exist or be an empty directory. The weights are
     streamed into safetensors shards of at most ``max_shard_bytes`` (mlx-lm's 5 GiB by default); the
     checkpoint is built in a temporary sibling directory and renamed into place (nothing is left behind
-    on an error). ``progress``: a tqdm bar of the bytes written.
+    on an error). ``progress``: a tqdm bar of the bytes written. ``mtp``: with a random MTP head (see the
+    module docstring).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
     cfg = _resolve_config(config)
+    if mtp:
+        cfg = _writer.with_mtp(cfg)
     c = ModelConfig.from_dict(cfg)
     _writer.check_supported(cfg, c)
     n_tok = BPE_VOCAB_SIZE + len(_ADDED_TOKENS)
     if c.vocab_size < n_tok:
         raise ValueError(f"vocab_size {c.vocab_size} is smaller than the fixture tokenizer ({n_tok} ids)")
     return _writer.write_checkpoint(dir, cfg, format, int(seed), files=_side_files(cfg),
-                                    max_shard_bytes=max_shard_bytes, progress=progress)
+                                    max_shard_bytes=max_shard_bytes, progress=progress, mtp=mtp)
 
 
-def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int) -> str:
+def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int, mtp: bool = False) -> str:
     """A short hash of everything a generated checkpoint's bytes depend on (config, format, seed, the
-    generator's version, numpy and tokenizers): the cache key of :func:`cached_checkpoint`."""
+    generator's version, numpy and tokenizers, and ``mtp`` when set): the cache key of
+    :func:`cached_checkpoint`."""
     import tokenizers
 
-    key = json.dumps({"config": _resolve_config(config), "format": format, "seed": int(seed),
-                      "version": FIXTURE_VERSION, "numpy": np.__version__,
-                      "tokenizers": tokenizers.__version__}, sort_keys=True)
+    d = {"config": _resolve_config(config), "format": format, "seed": int(seed),
+         "version": FIXTURE_VERSION, "numpy": np.__version__, "tokenizers": tokenizers.__version__}
+    if mtp:                                    # absent otherwise: the keys of existing fixtures stay
+        d["mtp"] = True
+    key = json.dumps(d, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4", seed: int = 0, *,
                       cache: str = "fixtures", name: str | None = None,
-                      build: Callable[[Path, dict, str, int], Path] | None = None) -> Path:
+                      build: Callable[[Path, dict, str, int], Path] | None = None, mtp: bool = False) -> Path:
     """``make_checkpoint`` once per :func:`checkpoint_key` under ``paths.cache_dir(cache)`` and return
-    its path (``<name>-<format>-seed<seed>-<key>``; ``name`` defaults to the preset name or model_type).
-    ``build(dest, cfg, format, seed)`` writes a missing one (default :func:`make_checkpoint`); a
-    checkpoint another process finished first is used as it is."""
+    its path (``<name>-<format>-seed<seed>-<key>``; ``name`` defaults to the preset name or model_type,
+    plus ``-mtp`` with ``mtp``). ``build(dest, cfg, format, seed)`` writes a missing one (default
+    :func:`make_checkpoint`, with ``mtp``); a checkpoint another process finished first is used as it is."""
     cfg = _resolve_config(preset)
     if name is None:
         name = preset if isinstance(preset, str) else cfg.get("model_type", "custom")
-    dest = cache_dir(cache) / f"{name}-{format}-seed{int(seed)}-{checkpoint_key(cfg, format, seed)}"
+    if mtp:
+        cfg, name = _writer.with_mtp(cfg), name + "-mtp"
+        if build is None:
+            build = functools.partial(make_checkpoint, mtp=True)
+    dest = cache_dir(cache) / f"{name}-{format}-seed{int(seed)}-{checkpoint_key(cfg, format, seed, mtp)}"
     if (dest / "config.json").is_file():
         return dest
     try:

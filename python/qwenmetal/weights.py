@@ -27,11 +27,22 @@ vector is multiplied by): MLX files already hold ``1 + w``; for HF files the loa
 (model-spec §2.3). Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba`` are split into the four
 projections above (per-k-head grouped order), which is an exact row permutation for quantized
 tensors too.
+
+The multi-token-prediction head (``mtp.*`` keys, model-spec §2.5), when a checkpoint carries a complete
+one, is loaded into ``Weights.mtp`` -- a separate dict that no backend reads -- under the same names
+without the ``mtp.`` prefix::
+
+    fc [H, 2H]   pre_fc_norm_embedding [H]   pre_fc_norm_hidden [H]   norm [H]     (norms shifted)
+    layers.{j}.*  one full-attention decoder layer with the MoE block, named as a body layer
+
+A partial or malformed head is dropped as before (ordinary inference ignores it); why is kept in
+``Weights.mtp_error``. `load_mtp_head` reads a separate MTP head folder (mlx-vlm's ``qwen3_5_mtp``).
 """
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -106,6 +117,8 @@ class Weights:
     layout: str                  # "mlx" or "hf": how the files were laid out
     path: str
     source: TensorSource | None = None      # the mapped files (None for weights built in memory)
+    mtp: dict = field(default_factory=dict)  # the MTP head's tensors (canonical names, see above), if any
+    mtp_error: str | None = None             # why the checkpoint's mtp.* tensors were not loaded
 
     def check_unchanged(self) -> None:
         """Raise CheckpointError if a weight file changed on disk since loading (see
@@ -132,10 +145,30 @@ class Weights:
 
 
 # ---------------------------------------------------------------------------------------------
+def _split_part(rest: str):
+    for part in ("weight", "scales", "biases"):
+        if rest.endswith("." + part):
+            return rest[: -len(part) - 1], part
+    return rest, ""
+
+
+def _is_mtp_key(key: str) -> bool:
+    return key.startswith("mtp.") or ".mtp." in key
+
+
+def _mtp_canonical_key(key: str):
+    """(stem, part) of an ``mtp.*`` file key (``mtp.``, ``model.mtp.`` or ``language_model.mtp.``), the
+    stem without the ``mtp.`` prefix; None for any other key."""
+    if not _is_mtp_key(key):
+        return None
+    at = 0 if key.startswith("mtp.") else key.index(".mtp.") + 1
+    return _split_part(key[at + len("mtp."):])
+
+
 def _canonical_key(key: str):
     """Map a file key to (canonical stem, part) with part in weight/scales/biases/'' — or None to drop."""
-    if key.startswith("mtp.") or ".mtp." in key:
-        return None
+    if _is_mtp_key(key):
+        return None          # the MTP head: read by its own reader (`_load_mtp`), never by the body's
     rest = key
     for prefix in ("language_model.model.", "model.language_model.", "model."):
         if rest.startswith(prefix):
@@ -148,10 +181,7 @@ def _canonical_key(key: str):
     if head in ("visual", "vision_tower", "vision_model", "multi_modal_projector") or key.startswith(
             ("vision_tower.", "visual.", "language_model.vision_tower.")):
         return None
-    for part in ("weight", "scales", "biases"):
-        if rest.endswith("." + part):
-            return rest[: -len(part) - 1], part
-    return rest, ""
+    return _split_part(rest)
 
 
 def detect_layout(src: TensorSource, stems: dict) -> str:
@@ -171,11 +201,11 @@ def detect_layout(src: TensorSource, stems: dict) -> str:
 class _Reader:
     """Fetches tensors by canonical stem with strict checks; remembers what was used."""
 
-    def __init__(self, src: TensorSource, config: ModelConfig):
+    def __init__(self, src: TensorSource, config: ModelConfig, canonical=_canonical_key):
         self.src, self.config = src, config
         self.stems: dict = {}
         for key in src.keys():
-            c = _canonical_key(key)
+            c = canonical(key)
             if c is None:
                 continue
             stem, part = c
@@ -293,78 +323,12 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
         out["lm_head"] = r.linear("lm_head", (V, H))
     out["norm"] = norm("norm", H)
 
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    nk, nv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
     for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        out[p + "input_layernorm"] = norm(p + "input_layernorm", H)
-        out[p + "post_attention_layernorm"] = norm(p + "post_attention_layernorm", H)
-        if c.is_full_attention(i):
-            a = p + "self_attn."
-            out[a + "q_proj"] = r.linear(a + "q_proj", (nh * hd * (2 if c.attn_output_gate else 1), H))
-            out[a + "k_proj"] = r.linear(a + "k_proj", (nkv * hd, H))
-            out[a + "v_proj"] = r.linear(a + "v_proj", (nkv * hd, H))
-            out[a + "o_proj"] = r.linear(a + "o_proj", (H, nh * hd))
-            out[a + "q_norm"] = norm(a + "q_norm", hd)
-            out[a + "k_norm"] = norm(a + "k_norm", hd)
-        else:
-            g = p + "linear_attn."
-            if r.has(g + "in_proj_qkvz"):           # qwen3_next fused layout, grouped per k-head
-                rr = nv // nk
-                qkvz = r.linear(g + "in_proj_qkvz", (2 * c.key_dim + 2 * c.value_dim, H))
-                ba = r.linear(g + "in_proj_ba", (2 * nv, H))
-                per = 2 * dk + 2 * rr * dv
-                base = np.arange(nk)[:, None] * per
+        _load_layer(r, c, f"layers.{i}.", out, norm, hf, full_attention=c.is_full_attention(i), moe=c.is_moe_layer(i))
 
-                def rows(start, n):
-                    return (base + start + np.arange(n)[None, :]).reshape(-1)
-
-                qkv_rows = np.concatenate([rows(0, dk), rows(dk, dk), rows(2 * dk, rr * dv)])
-                out[g + "in_proj_qkv"] = _take_rows(qkvz, qkv_rows)
-                out[g + "in_proj_z"] = _take_rows(qkvz, rows(2 * dk + rr * dv, rr * dv))
-                bbase = np.arange(nk)[:, None] * 2 * rr
-                out[g + "in_proj_b"] = _take_rows(ba, (bbase + np.arange(rr)[None, :]).reshape(-1))
-                out[g + "in_proj_a"] = _take_rows(ba, (bbase + rr + np.arange(rr)[None, :]).reshape(-1))
-            else:
-                out[g + "in_proj_qkv"] = r.linear(g + "in_proj_qkv", (c.conv_dim, H))
-                out[g + "in_proj_z"] = r.linear(g + "in_proj_z", (c.value_dim, H))
-                out[g + "in_proj_b"] = r.linear(g + "in_proj_b", (nv, H))
-                out[g + "in_proj_a"] = r.linear(g + "in_proj_a", (nv, H))
-            conv = r.plain(g + "conv1d", (c.conv_dim, 1, K) if hf else (c.conv_dim, K, 1))
-            out[g + "conv1d"] = conv.reshape(c.conv_dim, K)   # same flat memory in both layouts
-            out[g + "dt_bias"] = r.plain(g + "dt_bias", (nv,))
-            out[g + "A_log"] = np.asarray(r.plain(g + "A_log", (nv,)), dtype=np.float32)
-            out[g + "norm"] = r.plain(g + "norm", (dv,))
-            out[g + "out_proj"] = r.linear(g + "out_proj", (H, c.value_dim))
-        m = p + "mlp."
-        if c.is_moe_layer(i):
-            E, I, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-            out[m + "gate"] = r.linear(m + "gate", (E, H))
-            if r.has(m + "experts.gate_up_proj"):          # HF fused experts
-                gu = r.plain(m + "experts.gate_up_proj", (E, 2 * I, H))
-                out[m + "switch_mlp.gate_proj"] = gu[:, :I, :]
-                out[m + "switch_mlp.up_proj"] = gu[:, I:, :]
-                out[m + "switch_mlp.down_proj"] = r.plain(m + "experts.down_proj", (E, H, I))
-            elif r.has(m + "experts.0.gate_proj"):         # HF per-expert keys: stack in expert order
-                for name, shp in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                    out[m + "switch_mlp." + name] = np.stack(
-                        [r.plain(f"{m}experts.{e}.{name}", shp) for e in range(E)])
-            else:
-                out[m + "switch_mlp.gate_proj"] = r.linear(m + "switch_mlp.gate_proj", (E, I, H))
-                out[m + "switch_mlp.up_proj"] = r.linear(m + "switch_mlp.up_proj", (E, I, H))
-                out[m + "switch_mlp.down_proj"] = r.linear(m + "switch_mlp.down_proj", (E, H, I))
-            if Is > 0:
-                s = m + "shared_expert."
-                out[s + "gate_proj"] = r.linear(s + "gate_proj", (Is, H))
-                out[s + "up_proj"] = r.linear(s + "up_proj", (Is, H))
-                out[s + "down_proj"] = r.linear(s + "down_proj", (H, Is))
-                out[m + "shared_expert_gate"] = r.linear(m + "shared_expert_gate", (1, H))
-        else:
-            I = c.intermediate_size
-            out[m + "gate_proj"] = r.linear(m + "gate_proj", (I, H))
-            out[m + "up_proj"] = r.linear(m + "up_proj", (I, H))
-            out[m + "down_proj"] = r.linear(m + "down_proj", (H, I))
+    mtp, mtp_error = {}, None
+    if any(_is_mtp_key(k) for k in src.keys()):
+        mtp, mtp_error = _try_load_mtp(src, c, hf)
 
     left = r.leftovers()
     if left:
@@ -372,7 +336,176 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
         raise CheckpointError(f"{src.file_of(k)}: unexpected tensor {k!r}{more} — not part of a "
                               f"{c.model_type} model with this config.json")
-    return Weights(config, out, layout, path, src)
+    return Weights(config, out, layout, path, src, mtp=mtp, mtp_error=mtp_error)
+
+
+def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool, *, full_attention: bool,
+                moe: bool) -> None:
+    """Read decoder layer ``p`` (e.g. ``"layers.3."``) into `out` under the same canonical names."""
+    H = c.hidden_size
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    nk, nv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    out[p + "input_layernorm"] = norm(p + "input_layernorm", H)
+    out[p + "post_attention_layernorm"] = norm(p + "post_attention_layernorm", H)
+    if full_attention:
+        a = p + "self_attn."
+        out[a + "q_proj"] = r.linear(a + "q_proj", (nh * hd * (2 if c.attn_output_gate else 1), H))
+        out[a + "k_proj"] = r.linear(a + "k_proj", (nkv * hd, H))
+        out[a + "v_proj"] = r.linear(a + "v_proj", (nkv * hd, H))
+        out[a + "o_proj"] = r.linear(a + "o_proj", (H, nh * hd))
+        out[a + "q_norm"] = norm(a + "q_norm", hd)
+        out[a + "k_norm"] = norm(a + "k_norm", hd)
+    else:
+        g = p + "linear_attn."
+        if r.has(g + "in_proj_qkvz"):           # qwen3_next fused layout, grouped per k-head
+            rr = nv // nk
+            qkvz = r.linear(g + "in_proj_qkvz", (2 * c.key_dim + 2 * c.value_dim, H))
+            ba = r.linear(g + "in_proj_ba", (2 * nv, H))
+            per = 2 * dk + 2 * rr * dv
+            base = np.arange(nk)[:, None] * per
+
+            def rows(start, n):
+                return (base + start + np.arange(n)[None, :]).reshape(-1)
+
+            qkv_rows = np.concatenate([rows(0, dk), rows(dk, dk), rows(2 * dk, rr * dv)])
+            out[g + "in_proj_qkv"] = _take_rows(qkvz, qkv_rows)
+            out[g + "in_proj_z"] = _take_rows(qkvz, rows(2 * dk + rr * dv, rr * dv))
+            bbase = np.arange(nk)[:, None] * 2 * rr
+            out[g + "in_proj_b"] = _take_rows(ba, (bbase + np.arange(rr)[None, :]).reshape(-1))
+            out[g + "in_proj_a"] = _take_rows(ba, (bbase + rr + np.arange(rr)[None, :]).reshape(-1))
+        else:
+            out[g + "in_proj_qkv"] = r.linear(g + "in_proj_qkv", (c.conv_dim, H))
+            out[g + "in_proj_z"] = r.linear(g + "in_proj_z", (c.value_dim, H))
+            out[g + "in_proj_b"] = r.linear(g + "in_proj_b", (nv, H))
+            out[g + "in_proj_a"] = r.linear(g + "in_proj_a", (nv, H))
+        conv = r.plain(g + "conv1d", (c.conv_dim, 1, K) if hf else (c.conv_dim, K, 1))
+        out[g + "conv1d"] = conv.reshape(c.conv_dim, K)   # same flat memory in both layouts
+        out[g + "dt_bias"] = r.plain(g + "dt_bias", (nv,))
+        out[g + "A_log"] = np.asarray(r.plain(g + "A_log", (nv,)), dtype=np.float32)
+        out[g + "norm"] = r.plain(g + "norm", (dv,))
+        out[g + "out_proj"] = r.linear(g + "out_proj", (H, c.value_dim))
+    m = p + "mlp."
+    if moe:
+        E, I, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        out[m + "gate"] = r.linear(m + "gate", (E, H))
+        if r.has(m + "experts.gate_up_proj"):          # HF fused experts
+            gu = r.plain(m + "experts.gate_up_proj", (E, 2 * I, H))
+            out[m + "switch_mlp.gate_proj"] = gu[:, :I, :]
+            out[m + "switch_mlp.up_proj"] = gu[:, I:, :]
+            out[m + "switch_mlp.down_proj"] = r.plain(m + "experts.down_proj", (E, H, I))
+        elif r.has(m + "experts.0.gate_proj"):         # HF per-expert keys: stack in expert order
+            for name, shp in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                out[m + "switch_mlp." + name] = np.stack(
+                    [r.plain(f"{m}experts.{e}.{name}", shp) for e in range(E)])
+        else:
+            out[m + "switch_mlp.gate_proj"] = r.linear(m + "switch_mlp.gate_proj", (E, I, H))
+            out[m + "switch_mlp.up_proj"] = r.linear(m + "switch_mlp.up_proj", (E, I, H))
+            out[m + "switch_mlp.down_proj"] = r.linear(m + "switch_mlp.down_proj", (E, H, I))
+        if Is > 0:
+            s = m + "shared_expert."
+            out[s + "gate_proj"] = r.linear(s + "gate_proj", (Is, H))
+            out[s + "up_proj"] = r.linear(s + "up_proj", (Is, H))
+            out[s + "down_proj"] = r.linear(s + "down_proj", (H, Is))
+            out[m + "shared_expert_gate"] = r.linear(m + "shared_expert_gate", (1, H))
+    else:
+        I = c.intermediate_size
+        out[m + "gate_proj"] = r.linear(m + "gate_proj", (I, H))
+        out[m + "up_proj"] = r.linear(m + "up_proj", (I, H))
+        out[m + "down_proj"] = r.linear(m + "down_proj", (H, I))
+
+
+# ---- the MTP head ------------------------------------------------------------------------------
+MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+
+
+def _load_mtp(src: TensorSource, c: ModelConfig, hf: bool, canonical=_mtp_canonical_key) -> dict:
+    """The MTP head's tensors (canonical names without ``mtp.``, see the module docstring), strictly:
+    every tensor present with its shape, nothing else. `hf`: the norms are zero-centred (add 1)."""
+    r = _Reader(src, c, canonical)
+    if not r.stems:
+        raise CheckpointError(f"{src.directory}: no MTP tensors")
+    H = c.hidden_size
+    out: dict = {}
+
+    def norm(stem, dim):
+        a = r.plain(stem, (dim,))
+        return _shift_norm(a) if hf else a
+
+    out["fc"] = r.linear("fc", (H, 2 * H))
+    for n in MTP_NORMS:
+        out[n] = norm(n, H)
+    layers = sorted({int(s.split(".")[1]) for s in r.stems if s.startswith("layers.") and s.split(".")[1].isdigit()})
+    if not layers:
+        raise CheckpointError(f"{src.directory}: MTP head has no decoder layer (mtp.layers.0.*)")
+    if layers != list(range(len(layers))):
+        raise CheckpointError(f"{src.directory}: MTP layers {layers} are not numbered 0..{len(layers) - 1}")
+    raw = c.raw or {}
+    want = (raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw).get("mtp_num_hidden_layers")
+    if isinstance(want, int) and want > 0 and want != len(layers):
+        raise CheckpointError(f"{src.directory}: {len(layers)} MTP layers, config.json says "
+                              f"mtp_num_hidden_layers={want}")
+    for j in layers:
+        p = f"layers.{j}."
+        # one full-attention layer with the MoE block (a dense MLP only if the file has one)
+        moe = c.num_experts > 0 and not r.has(p + "mlp.gate_proj")
+        _load_layer(r, c, p, out, norm, hf, full_attention=True, moe=moe)
+    left = r.leftovers()
+    if left:
+        k = left[0]
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise CheckpointError(f"{src.file_of(k)}: unexpected MTP tensor {k!r}{more}")
+    return out
+
+
+def _try_load_mtp(src: TensorSource, c: ModelConfig, hf: bool) -> tuple[dict, str | None]:
+    """The checkpoint's MTP head, or ({}, why) when its mtp.* tensors do not form a complete one (then
+    they are ignored, as ordinary inference always did)."""
+    try:
+        return _load_mtp(src, c, hf), None
+    except CheckpointError as e:
+        return {}, str(e)
+
+
+MTP_HEAD_MODEL_TYPE = "qwen3_5_mtp"
+
+
+def _folder_key(key: str):
+    if key.startswith("mtp."):
+        key = key[len("mtp."):]
+    if key.startswith(("embed_tokens.", "lm_head.")):
+        return None            # a copy of the shared embedding / head: the main model's is used
+    return _split_part(key)
+
+
+def load_mtp_head(path: str | os.PathLike, config: ModelConfig) -> tuple[dict, TensorSource]:
+    """A separate MTP head folder (config.json ``model_type`` ``"qwen3_5_mtp"``, as mlx-vlm's splitter
+    writes it: the ``mtp.*`` tensors with the prefix removed, norms already shifted, optionally
+    quantized with a ``quantization`` block) for the model of `config`. Keys still carrying ``mtp.``
+    are taken as HF tensors (zero-centred norms). Returns (tensors by canonical name, the mapped files)."""
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json (expected an MTP head folder)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: cannot read ({e})") from None
+    if not isinstance(d, dict) or d.get("model_type") != MTP_HEAD_MODEL_TYPE:
+        mt = d.get("model_type") if isinstance(d, dict) else None
+        raise CheckpointError(f"{cfg_path}: model_type {mt!r}, expected {MTP_HEAD_MODEL_TYPE!r} (an MTP head folder)")
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    if text.get("hidden_size") not in (None, config.hidden_size):
+        raise CheckpointError(f"{cfg_path}: hidden_size {text.get('hidden_size')} does not match the model's "
+                              f"{config.hidden_size}")
+    qblock = d.get("quantization") or d.get("quantization_config")
+    from .config import QuantizationConfig
+    quant = QuantizationConfig.from_dict(qblock) if qblock else None
+    src = TensorSource(path)
+    hf = any(k.startswith("mtp.") for k in src.keys())
+    head_cfg = replace(config, quantization=quant, raw={"text_config": text})
+    return _load_mtp(src, head_cfg, hf, _folder_key), src
 
 
 def _take_rows(t, rows):

@@ -1,0 +1,168 @@
+"""The checkpoint's multi-token-prediction (MTP) head as a speculative drafter: ``speculative="mtp"``.
+
+Qwen3.5/3.6-MoE and Qwen3-Next ship one MTP layer (``mtp.*``, model-spec §2.5): from the main model's
+hidden state at position p and the token at p + 1 it predicts the token at p + 2. `MtpDrafter` chains it
+greedily, as vLLM (``EagleProposer.propose``) and mlx-vlm (``Qwen3_5MTPDraftModel.draft_block``) do:
+
+* draft 1 (the token after the context) from the main model's hidden state at the last position the main
+  model has consumed -- the one before the context's last token t, which is sampled but not yet fed --
+  paired with t;
+* draft j + 1 from the head's own output hidden state of step j, paired with draft j, one RoPE position on.
+
+Where the weights come from: the checkpoint's own ``mtp.*`` tensors (`Weights.mtp`; mlx-lm conversions drop
+them, ``qwenmetal convert --keep-mtp`` keeps them) or a separate MTP head folder (``model_type``
+``"qwen3_5_mtp"``, as mlx-vlm's splitter writes it): ``MtpDrafter.for_model(model, path=folder)``.
+
+How it computes: with the numpy reference (`qwenmetal.reference.ReferenceMtp`) on float32 (dequantized)
+weights, whatever the model's backend. The head needs the main model's hidden states, which no backend
+returns, so the drafter runs its *own* reference session of the main model over the context, incrementally
+(each round feeds only the tokens added since the last), and keeps the MTP head's KV cache for the context's
+(hidden, next token) pairs. This is correct on every backend and fast on none: it is the ground truth a
+backend's native MTP drafting can be checked against. Drafting never changes the output -- verification is
+exact (`qwenmetal.speculative`) -- only how many drafts are accepted.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .speculative import Drafter
+
+if TYPE_CHECKING:
+    from .model import Model
+
+__all__ = ["MtpDrafter"]
+
+#: id(Weights) -> (weakref to it, ReferenceModel on its float32 weights), shared by the drafters of one
+#: loaded model (Weights is an unhashable dataclass; the entry goes when the weights do)
+_REFERENCE_MODELS: dict = {}
+
+
+def _reference_model(model: "Model"):
+    """A `ReferenceModel` of `model`: the reference backend's own, else one on the dequantized weights
+    (built once per loaded model)."""
+    from .reference import ReferenceModel
+
+    impl = getattr(model._backend, "impl", None)
+    if isinstance(impl, ReferenceModel):
+        return impl
+    w = model.weights
+    hit = _REFERENCE_MODELS.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    from .reference_backend import _total_memory
+    need, total = w.dense_float32_nbytes(), _total_memory()
+    if total and need > 0.75 * total:
+        raise MemoryError(
+            f"the MTP drafter computes with the numpy reference on float32 weights: {need / 2**30:.1f} GiB, more "
+            f"than this machine can hold ({total / 2**30:.1f} GiB). It is meant for small checkpoints.")
+    ref = ReferenceModel(model.config, w.dense_float32(), dtype="float32")
+    key = id(w)
+    _REFERENCE_MODELS[key] = (weakref.ref(w, lambda _r, key=key: _REFERENCE_MODELS.pop(key, None)), ref)
+    return ref
+
+
+class MtpDrafter(Drafter):
+    """Greedy drafts from the MTP head (see the module docstring). Build with `for_model`.
+
+    ``hidden``: which hidden state of the main model feeds the head -- ``"final_norm"`` (default: the final
+    norm's output, what vLLM and mlx-vlm feed) or ``"pre_norm"`` (the last decoder layer's output)."""
+
+    name = "mtp"
+
+    def __init__(self, model: "Model", params: dict, *, hidden: str = "final_norm", source=None):
+        if hidden not in ("final_norm", "pre_norm"):
+            raise ValueError(f"hidden must be 'final_norm' or 'pre_norm', got {hidden!r}")
+        if not params:
+            raise ValueError("MtpDrafter needs the MTP head's tensors")
+        self.model = model
+        self.params = params
+        self.hidden = hidden
+        self._source = source            # the mapped files of a separate head folder (kept open)
+        self._ref = self._head = None
+        self._reset()
+
+    @classmethod
+    def for_model(cls, model: "Model", path: str | os.PathLike | None = None, **options) -> "MtpDrafter":
+        """The drafter of `model`'s own MTP head, or of the separate MTP head folder at `path`. Raises
+        ValueError when the checkpoint has no (complete) MTP head and no `path` is given."""
+        if path is not None:
+            from .weights import load_mtp_head
+            params, src = load_mtp_head(path, model.config)
+            return cls(model, params, source=src, **options)
+        w = model.weights
+        params = getattr(w, "mtp", None) or {}
+        if not params:
+            why = getattr(w, "mtp_error", None)
+            detail = f" ({why})" if why else ""
+            raise ValueError(
+                f"{model.path}: this checkpoint has no MTP head (mtp.* weights){detail}; convert with "
+                f"--keep-mtp or pass a separate MTP head folder (MtpDrafter.for_model(model, path=...))")
+        return cls(model, params, **options)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._main = None                  # the main model's reference state over `_held`
+        self._held: list[int] = []         # tokens the main reference has consumed
+        self._pending = None               # its hidden states [n, H] not yet paired in the MTP cache
+        self._mtp = None                   # the MTP head's state: one KV entry per (h_p, t_{p+1}) pair
+
+    def _build(self) -> None:
+        if self._head is None:
+            from .reference import ReferenceMtp
+            from .weights import to_float32
+            self._ref = _reference_model(self.model)
+            self._head = ReferenceMtp.from_model(self._ref, {k: to_float32(v) for k, v in self.params.items()})
+
+    def start(self, model: "Model") -> None:
+        if model is not self.model:
+            raise ValueError("this MtpDrafter was built for another model")
+        self._build()
+
+    def _sync(self, ctx: list) -> None:
+        """Bring the main reference to ``ctx[:-1]`` and the MTP cache to the pairs p < len(ctx) - 2."""
+        upto = len(ctx) - 1
+        held = self._held
+        if self._main is None or len(held) > upto or held != ctx[:len(held)]:
+            self._reset()                  # another context (a new generation): start over
+            self._main, self._mtp = self._ref.new_state(), self._head.new_state()
+            held = self._held
+        if len(held) < upto:
+            hid: list = []
+            new = ctx[len(held):upto]
+            which = "final_hidden" if self.hidden == "final_norm" else "hidden"
+            self._ref.forward(self._main, np.asarray(new), logits="none", **{which: hid})
+            h = hid[-1]                    # [len(new), H]
+            held.extend(int(t) for t in new)
+            self._pending = h if self._pending is None else np.concatenate([self._pending, h])
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        ctx = [int(t) for t in context]
+        if k <= 0 or len(ctx) < 2:
+            return []                      # no hidden state yet: the main model has consumed nothing
+        self._build()
+        self._sync(ctx)
+        head, V = self._head, self.model.config.vocab_size
+        # the context's own pairs (h_p, ctx[p+1]) for p = q .. len(ctx) - 2 go into the MTP cache for good
+        q = self._mtp.position
+        pend, self._pending = self._pending, None
+        assert pend is not None and pend.shape[0] == len(ctx) - 1 - q, (q, None if pend is None else pend.shape)
+        out: list = []
+        logits = head.forward(self._mtp, pend, np.asarray(ctx[q + 1:]), logits="last", out_hidden=out)
+        d = int(np.argmax(logits[:V]))
+        drafts = [d]
+        if k > 1:                          # chain on a copy: the drafts' entries are not the context's
+            st, h = self._mtp.copy(), out[-1][-1:]
+            for _ in range(k - 1):
+                out = []
+                logits = head.forward(st, h, np.asarray([d]), logits="last", out_hidden=out)
+                d = int(np.argmax(logits[:V]))
+                drafts.append(d)
+                h = out[-1]
+        return drafts
+
+    def close(self) -> None:
+        pass

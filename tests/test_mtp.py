@@ -130,16 +130,18 @@ def _drafts_from_scratch(m, ctx, k):
     ref.forward(ref.new_state(), np.asarray(ctx[:-1]), logits="none", final_hidden=fh)
     hs, toks = list(fh[0]), list(ctx[1:])
     out = []
+    V = min(m.tokenizer.vocab_size, m.config.vocab_size)      # ids a sampler can return
     for _ in range(k):
         logits, oh = naive_mtp(m.config, P, ref.embed_tokens, ref.lm_head, np.array(hs), np.array(toks))
-        out.append(int(np.argmax(logits[-1])))
+        out.append(int(np.argmax(logits[-1][:V])))
         hs.append(oh[-1])
         toks.append(out[-1])
     return out
 
 
 def test_drafter_incremental_equals_from_scratch(mtp_ckpt):
-    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2)
+    """The numpy drafter (any backend but cpu), fed growing contexts, drafts what the formula gives."""
+    m = qm.Model.load(mtp_ckpt, backend="reference")
     d = MtpDrafter.for_model(m)
     d.start(m)
     rng = np.random.default_rng(1)
@@ -227,3 +229,52 @@ def test_speculative_mtp_is_plain_greedy(preset, backend):
     assert [o.token for o in spec] == [o.token for o in plain]
     st = spec[-1].stats["speculative"]
     assert st["drafter"] == "mtp" and st["drafted_tokens"] > 0
+
+
+def test_native_head_matches_the_reference(mtp_ckpt):
+    """The cpu backend's MTP head engine (CpuBackend.mtp_head: fc over [embedding; hidden] in C++, then the
+    one-layer engine) against ReferenceMtp on the same weights, float activations and cache: logits and
+    the head's normed output within 1e-4 of their range; the main model's verification hidden rows
+    against the reference's final-normed hidden states likewise."""
+    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2, activations="float", kv_dtype="float32")
+    head = m._backend.mtp_head(m.weights.mtp).engine
+    assert head.is_mtp_head and not m._backend.engine.is_mtp_head
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in m.weights.mtp.items()})
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 400, 9)
+    fh = []
+    ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    s = m.new_session()
+    _, hid = m._backend.verify(s._state, ids, None, return_hidden=True)
+    assert np.abs(hid - fh[0]).max() < 1e-4 * np.ptp(fh[0])
+    hid = np.ascontiguousarray(fh[0][:-1], dtype=np.float32)
+    nxt = ids[1:]
+    lg, h = head.forward(head.new_state(), nxt, "all", None, hidden=hid, return_hidden=True)
+    out = []
+    want = rh.forward(rh.new_state(), hid, nxt, "all", out_hidden=out)
+    assert np.abs(lg - want).max() < 1e-4 * np.ptp(want)
+    assert np.abs(h - out[0]).max() < 1e-4 * np.ptp(out[0])
+    with pytest.raises(ValueError, match="needs the main model's hidden states"):
+        head.forward(head.new_state(), nxt, "all", None)
+    with pytest.raises(ValueError, match="hidden states are an MTP head's input"):
+        m._backend.engine.forward(m.new_session()._state, nxt, "all", None, hidden=hid)
+
+
+def test_native_drafts_follow_the_formula(mtp_ckpt):
+    """The native drafter, given the verification calls' hidden rows (Drafter.observe), drafts what the
+    formula gives from scratch (float activations)."""
+    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2, activations="float", kv_dtype="float32")
+    d = MtpDrafter.for_model(m)
+    d.start(m)
+    assert d.wants_hidden
+    rng = np.random.default_rng(1)
+    ctx = rng.integers(0, 400, 14).tolist()
+    s = m.new_session()
+    fed = 0
+    for n in (5, 6, 11, 14):                                   # a growing context, as a generation feeds it
+        _, hid = m._backend.verify(s._state, np.asarray(ctx[fed:n - 1]), s._tokens, return_hidden=True)
+        m._backend.rewind(s._state, n - 1 - fed, s._tokens)
+        d.observe(fed, hid)
+        fed = n - 1
+        assert d.draft(ctx[:n], 3) == _drafts_from_scratch(m, ctx[:n], 3)

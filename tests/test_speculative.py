@@ -81,7 +81,7 @@ def test_rewind_errors_leave_the_session_alone():
     m.decode_step(s, 4)                               # any other call ends the chain
     assert sp.rewindable(m, s) == 0
     small = _load(prefill_chunk=4)
-    with pytest.raises(ValueError, match="at most prefill_chunk"):
+    with pytest.raises(ValueError, match="at most 4 tokens"):
         sp.verify(small, small.new_session(), [1] * 5)
 
 

@@ -62,7 +62,8 @@ ACTIVATIONS = ("auto", "int16", "int8", "float")
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # canonical tensors passed as float32 vectors (everything else is a linear layer)
-_SMALL_SUFFIXES = ("layernorm", "q_norm", "k_norm", "linear_attn.norm", "conv1d", "dt_bias", "A_log")
+_SMALL_SUFFIXES = ("layernorm", "q_norm", "k_norm", "linear_attn.norm", "conv1d", "dt_bias", "A_log",
+                   "pre_fc_norm_embedding", "pre_fc_norm_hidden")   # the last two: an MTP head's (mtp_head)
 # the routed-expert stacks of a MoE layer (streamed when the plan says so)
 _EXPERT_STACKS = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
 
@@ -233,10 +234,27 @@ class CpuBackend:
         return state, out
 
     # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
-    def verify(self, state, ids: np.ndarray, consumed: list | None = None) -> np.ndarray:
+    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False):
         """Run `ids` with the logits of each ([n, vocab]), every row bit for bit a one-token call's, keeping
-        what `rewind` needs (consecutive calls chain); at most `prefill_chunk` ids per call."""
-        return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed)
+        what `rewind` needs (consecutive calls chain); at most 32 ids (and `prefill_chunk`) per call.
+        `return_hidden`: (logits, the final-normed hidden rows [n, hidden]) -- an MTP head's input."""
+        return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
+                                  return_hidden=return_hidden)
+
+    def mtp_head(self, params: dict) -> "CpuBackend":
+        """A cpu backend running the MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm,
+        layers.0.*) as a one-layer model over this model's embedding and lm_head, with this backend's
+        threads and activations; its engine takes the main model's hidden rows (`forward(..., hidden=)`)."""
+        from .reference import mtp_layer_config
+        c = self.weights.config
+        hc = mtp_layer_config(c)
+        t = dict(params)
+        t["embed_tokens"] = self.weights.tensors["embed_tokens"]
+        if not c.tie_word_embeddings:
+            t["lm_head"] = self.weights.tensors["lm_head"]
+        head = Weights(hc, t, self.weights.layout, self.weights.path, self.weights.source)
+        return CpuBackend(head, threads=self.threads, kv_dtype=self.kv_dtype, prefill_chunk=self.prefill_chunk,
+                          activations=self.activations, memory_budget=None)
 
     def rewind(self, state, keep: int, consumed: list | None = None) -> None:
         """End the verify chain keeping its first `keep` tokens (the rest leave `consumed` too)."""

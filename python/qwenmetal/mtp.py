@@ -13,8 +13,14 @@ Where the weights come from: the checkpoint's own ``mtp.*`` tensors (`Weights.mt
 them, ``qwenmetal convert --keep-mtp`` keeps them) or a separate MTP head folder (``model_type``
 ``"qwen3_5_mtp"``, as mlx-vlm's splitter writes it): ``MtpDrafter.for_model(model, path=folder)``.
 
-How it computes: with the numpy reference (`qwenmetal.reference.ReferenceMtp`) on float32 (dequantized)
-weights, whatever the model's backend. The head needs the main model's hidden states, which no backend
+How it computes, on the cpu backend: natively. The head runs as a one-layer C++ engine over the model's own
+embedding and lm_head (`CpuBackend.mtp_head`, the checkpoint's quantized weights in place), and its inputs
+are the final-normed hidden rows the verification calls return (`Drafter.observe`): nothing of the main
+model runs twice. The head's KV cache holds the (hidden, next token) pairs of the tokens generated in this
+generation (the prompt's hidden states are not computed, so its pairs are not in the cache).
+
+On any other backend: with the numpy reference (`qwenmetal.reference.ReferenceMtp`) on float32
+(dequantized) weights. The head needs the main model's hidden states, which no backend
 returns, so the drafter runs its *own* reference session of the main model over the context, incrementally
 (each round feeds only the tokens added since the last), and keeps the MTP head's KV cache for the context's
 (hidden, next token) pairs. This is correct on every backend and fast on none: it is the ground truth a
@@ -83,7 +89,13 @@ class MtpDrafter(Drafter):
         self.hidden = hidden
         self._source = source            # the mapped files of a separate head folder (kept open)
         self._ref = self._head = None
+        self._native = None              # the cpu backend's head engine (`CpuBackend.mtp_head`), when native
         self._reset()
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Natively on the cpu backend: the head takes the verification calls' hidden rows."""
+        return self._native is not None
 
     @classmethod
     def for_model(cls, model: "Model", path: str | os.PathLike | None = None, **options) -> "MtpDrafter":
@@ -120,7 +132,46 @@ class MtpDrafter(Drafter):
     def start(self, model: "Model") -> None:
         if model is not self.model:
             raise ValueError("this MtpDrafter was built for another model")
-        self._build()
+        be = model._backend
+        if hasattr(be, "mtp_head") and self.hidden == "final_norm":
+            cache = model.__dict__.setdefault("_mtp_heads", {})
+            head = cache.get(id(self.params))
+            if head is None or head[0] is not self.params:
+                head = cache[id(self.params)] = (self.params, be.mtp_head(self.params))
+            self._native = head[1].engine
+            self._nstate = self._native.new_state()
+            self._nh: dict = {}            # position -> the main model's hidden row there, not yet paired
+            self._npos = 0                 # positions < this have their pair in the head's cache
+        else:
+            self._build()
+        tok = model.tokenizer              # ids past the tokenizer's vocabulary are never sampled
+        self._vocab = min(tok.vocab_size if tok is not None else model.config.vocab_size, model.config.vocab_size)
+
+    def observe(self, position: int, hidden: np.ndarray) -> None:
+        for j in range(hidden.shape[0]):
+            self._nh[position + j] = hidden[j]
+
+    def _draft_native(self, ctx: list, k: int) -> list[int]:
+        eng, st, V = self._native, self._nstate, self._vocab
+        last = len(ctx) - 2                # the last fed position: its hidden pairs with ctx[-1]
+        if last not in self._nh:
+            return []
+        ps = [p for p in sorted(self._nh) if self._npos <= p <= last]
+        hid = np.ascontiguousarray(np.stack([self._nh[p] for p in ps]), dtype=np.float32)
+        ids = np.asarray([ctx[p + 1] for p in ps], dtype=np.int64)
+        logits, h = eng.forward(st, ids, "last", None, hidden=hid, return_hidden=True)   # the context's pairs, kept
+        self._npos = last + 1
+        for p in ps:
+            del self._nh[p]
+        d = int(np.argmax(logits[:V]))
+        drafts = [d]
+        for _ in range(k - 1):             # chained on a verify chain: the drafts' pairs are rewound
+            lg, hh = eng.verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None], return_hidden=True)
+            d, h = int(np.argmax(lg[0][:V])), hh[0]
+            drafts.append(d)
+        if st.rewindable:
+            eng.rewind(st, 0)
+        return drafts
 
     def _sync(self, ctx: list) -> None:
         """Bring the main reference to ``ctx[:-1]`` and the MTP cache to the pairs p < len(ctx) - 2."""
@@ -143,9 +194,11 @@ class MtpDrafter(Drafter):
         ctx = [int(t) for t in context]
         if k <= 0 or len(ctx) < 2:
             return []                      # no hidden state yet: the main model has consumed nothing
+        if self._native is not None:
+            return self._draft_native(ctx, k)
         self._build()
         self._sync(ctx)
-        head, V = self._head, self.model.config.vocab_size
+        head, V = self._head, self._vocab
         # the context's own pairs (h_p, ctx[p+1]) for p = q .. len(ctx) - 2 go into the MTP cache for good
         q = self._mtp.position
         pend, self._pending = self._pending, None

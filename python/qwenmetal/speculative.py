@@ -35,15 +35,19 @@ MAX_DRAFT = 8
 
 
 # ---- verification -------------------------------------------------------------------------------
-def verify(model: "Model", s: "Session", ids: Sequence[int]) -> np.ndarray:
+def verify(model: "Model", s: "Session", ids: Sequence[int], return_hidden: bool = False):
     """Append `ids` to the session, returning the float32 logits of every one ([n, vocab]), and keep what
     `rewind` needs to drop any tail of them again. Consecutive calls form one chain; `rewind` ends it.
-    Nothing else may run on the session in between."""
+    Nothing else may run on the session in between. `return_hidden`: (logits, the final-normed hidden
+    rows [n, hidden]), on a backend with a native verification (cpu) only."""
     model._check_session(s)
     arr = model._check_ids(ids, s)
     be = model._backend
     if hasattr(be, "verify"):
-        return be.verify(s._state, arr, s._tokens)
+        return be.verify(s._state, arr, s._tokens, return_hidden=return_hidden) if return_hidden else \
+            be.verify(s._state, arr, s._tokens)
+    if return_hidden:
+        raise ValueError(f"the {be.name} backend does not return hidden states")
     chain = s.__dict__.setdefault("_spec_chain", [])
     if not chain:
         chain.append(s._state.copy())
@@ -82,9 +86,16 @@ def rewindable(model: "Model", s: "Session") -> int:
 class Drafter:
     """Proposes tokens that may follow a context. ``draft(context, k)`` returns up to `k` ids (fewer, or
     none, when it has no guess); it must be deterministic in its inputs (the acceptance rule treats a
-    draft as a point proposal). ``start(model)`` is called once per generation; ``close()`` after it."""
+    draft as a point proposal). ``start(model)`` is called once per generation; ``close()`` after it.
+    A drafter whose `wants_hidden` is true also gets ``observe(position, hidden)`` after every round: the
+    model's final-normed hidden rows [n, hidden] of the tokens kept at positions ``position..`` (the MTP
+    head's input)."""
 
     name = "drafter"
+    wants_hidden = False
+
+    def observe(self, position: int, hidden: np.ndarray) -> None:
+        pass
 
     def start(self, model: "Model") -> None:
         pass
@@ -318,14 +329,19 @@ class Speculation:
         drafts = [int(d) for d in self.drafter.draft(context, k)[:k]] if k > 0 else []
         if any(not 0 <= d < m.config.vocab_size for d in drafts):
             raise ValueError(f"drafter {self.drafter.name!r} proposed an id outside the vocabulary: {drafts}")
-        if not drafts:
+        hidden = self.drafter.wants_hidden
+        if not drafts and not hidden:
             logits = m.prefill(s, [t], "last")[None]
             self.k.observe(0, time.perf_counter() - t0)
             return logits, []
-        logits = verify(m, s, [t, *drafts])
+        self._pos0 = s.position
+        if hidden:                        # a one-row verification is a decode step, with its hidden row
+            logits, self._hidden = verify(m, s, [t, *drafts], return_hidden=True)
+        else:
+            logits = verify(m, s, [t, *drafts])
         self.open, self.n_fed = True, 1
         self._round = (len(drafts), time.perf_counter() - t0)
-        self.rounds += 1
+        self.rounds += bool(drafts)
         return logits, drafts
 
     def fed(self) -> None:
@@ -337,6 +353,8 @@ class Speculation:
             self.open = False
             k, dt = self._round
             self.k.observe(k, dt, k, accepted)
+            if self.drafter.wants_hidden:
+                self.drafter.observe(self._pos0, self._hidden[:self.n_fed])
 
     def close(self) -> None:
         try:

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -144,21 +145,43 @@ struct PyEngine {
     nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
 };
 
-nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed) {
-    const int64_t n = static_cast<int64_t>(ids.shape(0));
-    return bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), logits, consumed,
-                                  [&](int want, float* dst, InterruptPoll poll) {
-                                      pe.engine->forward(s, ids.data(), n, want, dst, poll);
-                                  });
+// forward() and verify(): the ids run on the state (verify: speculative, every row as a one-token call),
+// with the hidden-state options: `hidden`, an MTP head's input [n, hidden_size] (None for the main
+// model), and `return_hidden`, which returns (logits, final-normed hidden rows) instead of the logits
+nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
+                      nb::handle hidden, bool return_hidden, bool speculative) {
+    const int64_t n = static_cast<int64_t>(ids.shape(0)), H = pe.engine->config().hidden;
+    std::optional<In<float, 2>> hin;
+    if (!hidden.is_none()) {
+        hin = nb::cast<In<float, 2>>(hidden);
+        if (int64_t(hin->shape(0)) != n || int64_t(hin->shape(1)) != H)
+            throw std::invalid_argument("hidden must be float32 [" + std::to_string(n) + ", " + std::to_string(H) + "]");
+    }
+    nb::object hout = nb::none();
+    float* hp = nullptr;
+    if (return_hidden) {
+        if (logits == "none") throw std::invalid_argument("return_hidden needs logits 'last' or 'all'");
+        auto a = logits == "all" ? bindings::new_array({size_t(n), size_t(H)}) : bindings::new_array({size_t(H)});
+        hp = a.data();
+        hout = nb::cast(a);
+    }
+    nb::object out = bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), logits, consumed,
+                                            [&](int want, float* dst, InterruptPoll poll) {
+                                                pe.engine->forward(s, ids.data(), n, want, dst, poll, speculative,
+                                                                   hin ? hin->data() : nullptr, hp);
+                                            });
+    return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
+}
+
+nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
+                          nb::handle hidden, bool return_hidden) {
+    return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false);
 }
 
 // the verification of drafted tokens: logits [n, vocab], every row bit for bit a one-token call's
-nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle consumed) {
-    const int64_t n = static_cast<int64_t>(ids.shape(0));
-    return bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), "all", consumed,
-                                  [&](int want, float* dst, InterruptPoll) {
-                                      pe.engine->forward(s, ids.data(), n, want, dst, nullptr, true);
-                                  });
+nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle consumed, nb::handle hidden,
+                         bool return_hidden) {
+    return engine_run(pe, s, ids, "all", consumed, hidden, return_hidden, true);
 }
 
 // back to the state after the first `keep` tokens of the chain of verify calls; the dropped tokens leave `consumed`
@@ -482,17 +505,23 @@ void register_cpu_engine(nb::module_& m) {
              "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
+             "hidden"_a = nb::none(), "return_hidden"_a = false,
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
              "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
              "token list) inside the call. The GIL is released; between chunks a call from the main thread "
-             "runs Python's signal handlers. On error or interrupt the state is unchanged.")
-        .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(),
-             "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most "
-             "prefill_chunk ids), keeping what rewind() needs; consecutive verify() calls form one chain. "
+             "runs Python's signal handlers. On error or interrupt the state is unchanged. hidden: an MTP head "
+             "engine's input, the main model's final-normed hidden rows [n, hidden_size] before the ids; "
+             "return_hidden: return (logits, the final-normed hidden rows) instead.")
+        .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(), "hidden"_a = nb::none(),
+             "return_hidden"_a = false,
+             "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most 32 "
+             "ids, and prefill_chunk), keeping what rewind() needs; consecutive verify() calls form one chain. "
              "Returns float32 logits [n, vocab].")
         .def("rewind", &engine_rewind, "state"_a, "keep"_a, "consumed"_a = nb::none(),
              "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them, bit for "
              "bit what one-token calls of those leave; the other n - keep ids leave the end of `consumed`.")
+        .def_prop_ro("is_mtp_head", [](PyEngine& pe) { return pe.engine->is_mtp_head(); },
+                     "built from an MTP head's tensors (fc, pre_fc_norm_embedding, pre_fc_norm_hidden)")
         .def_prop_ro("threads", [](PyEngine& pe) { return pe.engine->threads(); })
         .def_prop_ro("prefill_chunk", [](PyEngine& pe) { return pe.engine->options().prefill_chunk; })
         .def_prop_ro("activations", [](PyEngine& pe) {

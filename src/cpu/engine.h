@@ -33,6 +33,9 @@ struct TensorDesc {
     size_t stride = 0, sstride = 0;     // bytes between matrices along a leading (expert) axis
 };
 
+// the most tokens of one speculative call (Engine::forward)
+constexpr int64_t kMaxSpeculativeRows = 32;
+
 struct Options {
     int threads = 0;                    // 0: physical cores
     bool kv_f32 = false;                // KV cache element type: float32, else bf16
@@ -165,10 +168,18 @@ public:
     // speculative (the verification of drafted tokens, drafting with a model; docs/speculative.md): every
     // row is computed as a one-token call computes it (the GEMV per row, the recurrent GDN step, decode
     // attention per row), so its logits and state are bit for bit those of n one-token calls; at most
-    // prefill_chunk tokens, logits for every row (want 2). Consecutive speculative calls form a chain
+    // kMaxSpeculativeRows and prefill_chunk tokens, logits for every row (want 2). Consecutive speculative calls form a chain
     // that `rewind` can go back within; any other call on the state ends it.
+    //
+    // hidden_out (optional): the final-normed hidden rows [1 or n, hidden] beside the logits (an MTP head's
+    // input). hidden_in: required by an MTP head engine (is_mtp_head()), else null: the main model's
+    // final-normed hidden state [n, hidden] at the positions before `ids`, which the head's input layer
+    // combines with the ids' embeddings; its hidden_out is then the head's own normed output.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 bool speculative = false);
+                 bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr);
+    // built from tensors holding "fc", "pre_fc_norm_embedding" and "pre_fc_norm_hidden": an MTP head,
+    // x = fc([RMSNorm_e(embed(id)); RMSNorm_h(hidden)]) (embedding first) before its layers
+    bool is_mtp_head() const { return mtp_; }
     // After a chain of speculative calls of n tokens in all: the state after its first `keep` (0..n)
     // tokens, bit for bit what one-token calls of just those leave (the position rolls back, the GDN
     // states are restored and the kept steps re-applied); ends the chain. Cannot fail once its
@@ -188,7 +199,7 @@ private:
     void check_state(const State& s) const;
     void reserve_scratch(int64_t L, int64_t T_end, bool speculative);
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                       bool speculative);
+                       bool speculative, const float* hidden_in, float* hidden_out);
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);
     WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,
@@ -208,6 +219,9 @@ private:
     std::mutex mu_;                      // one forward at a time per engine (scratch is shared)
     WMat embed_, lm_head_;
     std::vector<float> final_norm_;
+    bool mtp_ = false;                   // an MTP head: fc_ and its two input norms
+    WMat fc_;
+    std::vector<float> fc_norm_e_, fc_norm_h_;
     std::vector<Layer> layers_;
     std::vector<int64_t> attn_index_, gdn_index_;   // layer -> index among attention / GDN layers
     std::vector<float> inv_freq_;

@@ -45,12 +45,13 @@ MoeDims moe_dims(const Config& c) {
 void Engine::reserve_scratch(int64_t L, int64_t T, bool speculative) {
     const Config& c = cfg_;
     const int64_t H = c.hidden, vd = c.value_dim(), kvd = c.n_kv_heads * c.head_dim;
-    int64_t Kmax = std::max({H, c.n_heads * c.head_dim, vd, c.moe_inter, c.shared_inter, c.dense_inter});
+    const int64_t cat = mtp_ ? 2 * H : 0;       // an MTP head's [embedding; hidden] rows
+    int64_t Kmax = std::max({H, c.n_heads * c.head_dim, vd, c.moe_inter, c.shared_inter, c.dense_inter, cat});
     x_.get(L * H);
     xn_.get(L * H);
     buf_a_.get(L * std::max({c.conv_dim(), c.q_proj_rows(), vd}) + 16);
     buf_b_.get(L * std::max(vd + 4 * c.nv, 2 * kvd) + 16);
-    buf_c_.get(L * std::max(c.conv_dim(), c.n_heads * c.head_dim) + 16);
+    buf_c_.get(L * std::max({c.conv_dim(), c.n_heads * c.head_dim, cat}) + 16);
     const AttnDims ad = attn_dims(c);
     const MoeDims md = moe_dims(c);
     // a speculative call runs the one-token attention per row, and the MoE's decode path for all rows
@@ -94,15 +95,21 @@ void Engine::reserve_rewind(State& s, int64_t total) const {
 }
 
 void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                     bool speculative) {
+                     bool speculative, const float* hidden_in, float* hidden_out) {
     check_state(s);
+    if (mtp_ != (hidden_in != nullptr))
+        throw std::invalid_argument(mtp_ ? "cpu engine: an MTP head needs the main model's hidden states"
+                                         : "cpu engine: hidden states are an MTP head's input");
+    if (hidden_out && want == 0) throw std::invalid_argument("cpu engine: hidden states come with logits");
     if (!speculative) s.rewind_.n = 0;               // any other call forgets the speculative chain
     if (n < 1) throw std::invalid_argument("cpu engine: no tokens");
     if (speculative && want != 2)
         throw std::invalid_argument("cpu engine: a speculative call returns the logits of every token");
-    if (speculative && n > opt_.prefill_chunk)
-        throw std::invalid_argument("cpu engine: a speculative call takes at most prefill_chunk (" +
-                                    std::to_string(opt_.prefill_chunk) + ") tokens, got " + std::to_string(n));
+    // the MoE decode path's per-thread gate/up rows hold 32 tokens of 128 rows (moe.cpp)
+    const int64_t max_spec = std::min<int64_t>(opt_.prefill_chunk, kMaxSpeculativeRows);
+    if (speculative && n > max_spec)
+        throw std::invalid_argument("cpu engine: a speculative call takes at most " + std::to_string(max_spec) +
+                                    " tokens (32, and at most prefill_chunk), got " + std::to_string(n));
     for (int64_t i = 0; i < n; ++i)
         if (ids[i] < 0 || ids[i] >= cfg_.vocab)
             throw std::invalid_argument("cpu engine: token id " + std::to_string(ids[i]) + " outside the vocabulary");
@@ -131,8 +138,11 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
             if (interruptible && c0 > 0) poll();
             const int64_t L = std::min(chunk, n - c0);
             const bool last = c0 + L == n;
+            const int64_t H = cfg_.hidden;
             forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
-                          want == 2 ? logits + c0 * cfg_.vocab : logits, speculative);
+                          want == 2 ? logits + c0 * cfg_.vocab : logits, speculative,
+                          hidden_in ? hidden_in + c0 * H : nullptr,
+                          hidden_out && want == 2 ? hidden_out + c0 * H : hidden_out);
         }
     } catch (...) {
         if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
@@ -200,7 +210,7 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
 }
 
 void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                           bool speculative) {
+                           bool speculative, const float* hidden_in, float* hidden_out) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
@@ -210,6 +220,15 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
 
     // embedding rows (dequantized / converted)
     for (int64_t i = 0; i < L; ++i) kk.dequant(embed_, ids[i], 1, x + i * H, H);
+    if (hidden_in) {               // an MTP head: x = fc([RMSNorm_e(embedding); RMSNorm_h(hidden)])
+        float* cat = buf_c_.data();                    // [L][2H]
+        for (int64_t i = 0; i < L; ++i) {
+            rms_norm(x + i * H, fc_norm_e_.data(), c.eps, cat + i * 2 * H, H);
+            rms_norm(hidden_in + i * H, fc_norm_h_.data(), c.eps, cat + i * 2 * H + H, H);
+        }
+        LinearOut o = {&fc_, x, H, false};
+        linear(pool, ws_, cat, L, 2 * H, &o, 1);
+    }
 
     for (int64_t li = 0; li < c.n_layers; ++li) {
         const Layer& ly = layers_[li];
@@ -331,9 +350,11 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
     if (logits_all) {
         rms_norm_rows(pool, x, H, L, final_norm_.data(), c.eps, xn, H, H);
         lm_head(xn, L, logits);
+        if (hidden_out) std::copy_n(xn, L * H, hidden_out);
     } else if (logits_last) {
         rms_norm(x + (L - 1) * H, final_norm_.data(), c.eps, xn, H);
         lm_head(xn, 1, logits);
+        if (hidden_out) std::copy_n(xn, H, hidden_out);
     }
     s.position += L;
 }

@@ -100,6 +100,11 @@ struct Kernels {
     // S *= decay; d = (v - S k)·beta; S += d ⊗ k; o = S q
     void (*gdn_step)(float* S, int64_t dv, int64_t dk, const float* q, const float* k, const float* v, float beta,
                      float decay, float* o);
+    // Y[m, r] (+)= Σ_k W[r,k]·x_m[k] for M prepared inputs, r in [r0, r1), each output bit for bit what gemv
+    // computes for that input (a speculative verification, docs/speculative.md): weights unpacked once for
+    // all M where the ISA has an exact tile (AVX-512 int8/int16), else gemv per input
+    void (*gemv_multi)(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
+                       bool accumulate);
 };
 
 size_t xvec_floats(int64_t K);

@@ -48,7 +48,7 @@ struct VT {
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
     // the integer kernels (Q8_SIMD / Q8_GEMM): the variant neon_dot() picks, defined below
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true, Q8_TILE_EXACT = false;
     static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     static constexpr int Q8B = 32, Q8E = 1;
     using V = float32x4_t;

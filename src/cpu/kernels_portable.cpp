@@ -18,7 +18,7 @@ struct VT {
     static constexpr int W = 4;
     static constexpr int MM_NR = 1, MM_MX = 4;
     static constexpr int64_t TILE_GEMM_MIN_ROWS = 0;
-    static constexpr bool Q8_SIMD = false, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = false;
+    static constexpr bool Q8_SIMD = false, Q8_GEMM = false, XQ_SIMD = false, QB_SIMD = false, Q8_TILE_EXACT = false;
     static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     static constexpr int Q8B = 32, Q8E = 1;
     struct V {

@@ -185,7 +185,7 @@ struct VT {
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one group (32 weight bytes) per step; with
     // AVX-VNNI (Alder Lake and later client Intel, Zen 5, Sapphire Rapids: the VEX-encoded vpdpbusd on
     // ymm) two vpdpbusd instead of maddubs, maddubs, add, madd: 5 instead of 8 integer ops per group
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = false, QB_SIMD = true, Q8_TILE_EXACT = false;
     static constexpr int Q8B = 32, Q8E = 1;
     static bool int_gemm() { return avx_vnni_gemm_enabled(); }   // Kernels::int_gemm
     // prefill (kernels.inc q4i8_gemm): from kAvxVnniGemmMinInputs inputs on the ymm rows-in-lanes GEMM
@@ -398,7 +398,7 @@ struct VT {
     }
     // ---- int8-activation GEMV (kernels.inc q4i8_gemv): one 64-byte load = two groups; the int32
     // lanes 0-7 hold group 2p, 8-15 group 2p+1, scaled by a per-lane vector of s·sx
-    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true, QB_SIMD = true;
+    static constexpr bool Q8_SIMD = true, Q8_GEMM = true, XQ_SIMD = true, QB_SIMD = true, Q8_TILE_EXACT = true;
     static bool int_gemm() { return Q8_GEMM; }   // Kernels::int_gemm
     // one group of 64 inputs -> its int8 plane(s) (kernels.inc xq_prepare: same integers as the scalar
     // code there): the even / odd elements separated on floats (4 permutes), x·inv rounded to nearest
@@ -599,6 +599,14 @@ struct VT {
             q4_gemm_vnni(Wm, X, M, Y, ldy, r0, r1, accumulate);
             return;
         }
+        q4i8_gemv_multi(Wm, X, M, Y, ldy, r0, r1, accumulate);   // else the register tile
+    }
+    // a speculative verification's rows (kernels.inc gemv_multi): the register tile q4i8_block without the
+    // AMX / rows-in-lanes GEMMs. Per (row, input) it runs q4i8_rows_t<1>'s arithmetic in its order (the
+    // products s·sx, the groups in order into the same lanes, the bias part, the reduction), so every
+    // output is bit for bit the GEMV's (tests/test_speculative.py); each weight load is unpacked once
+    static void q4i8_gemv_multi(const WMat& Wm, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0,
+                                int64_t r1, bool accumulate) {
         const bool two = X[0]->planes == 2;
         if (vnni_enabled()) {
             if (two) q4i8_gemm_t<true, 2>(Wm, X, M, Y, ldy, r0, r1, accumulate);

@@ -140,12 +140,10 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
             for (int64_t q0 = 0; q0 < ne; q0 += 64) {
                 const int64_t nq = (ne - q0 < 64) ? ne - q0 : 64;
                 const XVec* const* X = tok_of_slot + p0 + q0;
-                if (nq <= ws.gemv_rows)
-                    for (int64_t q = 0; q < nq; ++q) {
-                        kk.gemv(Wg, *X[q], gb + q * RG - r0, r0, r1, false);
-                        kk.gemv(Wu, *X[q], ub + q * RG - r0, r0, r1, false);
-                    }
-                else {
+                if (nq <= ws.gemv_rows) {          // each token bit for bit its one-token GEMV
+                    kk.gemv_multi(Wg, X, nq, gb - r0, RG, r0, r1, false);
+                    kk.gemv_multi(Wu, X, nq, ub - r0, RG, r0, r1, false);
+                } else {
                     kk.gemm_x(Wg, X, nq, gb - r0, kMoeRows, r0, r1, false);
                     kk.gemm_x(Wu, X, nq, ub - r0, kMoeRows, r0, r1, false);
                 }
@@ -180,10 +178,9 @@ void moe_forward(ThreadPool& pool, Workspace& ws, float* shared, const MoeWeight
                 if (a < nbe) {
                     const int64_t e = elist[b0 + a], p0 = estart[e], ne = estart[e + 1] - p0;
                     const WMat Wd = w.down->at(slot_of[e]);
-                    for (int64_t q = 0; q < ne; ++q) kk.gemv(Wd, *ws.xvp[L + p0 + q], Y + (p0 + q) * H, r0, r1, false);
+                    kk.gemv_multi(Wd, ws.xvp.data() + L + p0, ne, Y + p0 * H, H, r0, r1, false);
                 } else {
-                    for (int64_t t = 0; t < L; ++t)
-                        kk.gemv(*w.shared_down_proj, *ws.xvp[L + P + t], Y + (P + t) * H, r0, r1, false);
+                    kk.gemv_multi(*w.shared_down_proj, ws.xvp.data() + L + P, L, Y + P * H, H, r0, r1, false);
                 }
             });
             return;

@@ -105,8 +105,8 @@ bool use_tile_gemm() {
 void linear_rows(const WMat& W, const float* X, int64_t M, int64_t ldx, const XVec* const* xv, float* tile,
                  int64_t r0, int64_t r1, float* y, int64_t ldy, bool accumulate, int64_t gemv_rows) {
     const Kernels& kk = kernels();
-    if (M <= gemv_rows) {
-        for (int64_t m = 0; m < M; ++m) kk.gemv(W, *xv[m], y + m * ldy, r0, r1, accumulate);
+    if (M <= gemv_rows) {                // each row bit for bit the GEMV's, weights unpacked once where possible
+        kk.gemv_multi(W, xv, M, y, ldy, r0, r1, accumulate);
         return;
     }
     const bool int_gemm = kk.int_gemm() && int_kernels_apply(W, *xv[0]);

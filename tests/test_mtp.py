@@ -278,3 +278,14 @@ def test_native_drafts_follow_the_formula(mtp_ckpt):
         d.observe(fed, hid)
         fed = n - 1
         assert d.draft(ctx[:n], 3) == _drafts_from_scratch(m, ctx[:n], 3)
+
+
+def test_cli_convert_keep_mtp(tmp_path):
+    """`qwenmetal convert --keep-mtp` keeps the head (loads into Weights.mtp); without it the head goes."""
+    from qwenmetal.cli import main
+    src = str(cached_checkpoint("tiny", "hf-bf16", 0, mtp=True))
+    assert main(["convert", src, str(tmp_path / "keep"), "--keep-mtp", "--quiet"]) == 0
+    assert main(["convert", src, str(tmp_path / "drop"), "--quiet"]) == 0
+    keep = qm.Model.load(tmp_path / "keep", backend="reference").weights
+    drop = qm.Model.load(tmp_path / "drop", backend="reference").weights
+    assert "fc" in keep.mtp and isinstance(keep.mtp["fc"], QuantizedTensor) and not drop.mtp

@@ -1,8 +1,9 @@
 """Mutation testing with mutmut (tools/mutation.py): the tests must catch changes to the code that decides
 what users get.
 
-By default (and in CI) a bounded run: every mutant mutmut makes of ``Sampler._draw`` (the top-k / top-p /
-min-p filters, renormalisation and the seeded draw), checked by tests/test_sampling.py, except those
+By default (and in CI) a bounded run: every mutant mutmut makes of ``Sampler._draw``, ``_distribution`` and
+``_pick`` (the top-k / top-p / min-p filters, renormalisation and the seeded draw) and ``verify_draft``
+(speculative decoding's acceptance rule), checked by tests/test_sampling.py, except those
 documented as equivalent in tools/mutation-equivalent.txt (whose entries are still checked against the
 mutants of those names). ``QWENMETAL_MUTATION=full`` runs every mutant of every module in
 ``tools/mutation.py``'s TARGETS instead (docs/verification.md has the measured times). A mutant that
@@ -16,7 +17,8 @@ from pathlib import Path
 from oracles import require  # fails in CI, skips elsewhere
 
 ROOT = Path(__file__).resolve().parent.parent
-BOUNDED = ["sampling"], ["qwenmetal.sampling.xǁSamplerǁ_draw__mutmut_*"]
+BOUNDED = ["sampling"], ["qwenmetal.sampling.xǁSamplerǁ" + f + "__mutmut_*"
+                         for f in ("_draw", "_distribution", "_pick", "verify_draft")]
 
 
 def _tool():

@@ -366,3 +366,70 @@ def test_valid_boundaries(kw):
 def test_invalid_parameters(kw, match):
     with pytest.raises(ValueError, match=match):
         Sampler(**kw)
+
+
+# ---- speculative decoding's acceptance rule (qwenmetal.speculative) ------------------------------------
+CHI2_DF8_P001 = 26.12     # chi-square critical value, 8 degrees of freedom, p = 0.001
+
+
+def test_rejection_sampling_keeps_the_distribution():
+    """Sampler.verify_draft over many seeded draws: the law of its token is the sampler's distribution
+    whatever the draft (likely, unlikely, filtered out) -- chi-square on the 9 candidates of top_k=9; the
+    draft is reported accepted exactly when it is the token."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, 40).astype(np.float32)
+    ref = Sampler(temperature=0.8, top_k=9, seed=0)
+    cand, p = ref._distribution(logits.astype(np.float64) / 0.8)
+    N = 6000
+    for draft in (int(cand[0]), int(cand[5]), int(np.argmin(logits))):
+        s = Sampler(temperature=0.8, top_k=9, seed=1)
+        counts = dict.fromkeys(cand.tolist(), 0)
+        for _ in range(N):
+            r, ok = s.verify_draft(logits, draft)
+            counts[r.token] += 1
+            assert ok == (r.token == draft)
+        obs = np.array([counts[c] for c in cand.tolist()], float)
+        chi2 = float(((obs - N * p) ** 2 / (N * p)).sum())
+        assert chi2 < CHI2_DF8_P001, (draft, chi2)
+
+
+
+
+def test_verify_draft_greedy_and_filters():
+    """Greedy: the argmax whatever the draft, accepted iff equal; penalties and the vocabulary cut apply
+    as in sample(); a draft the filters remove is never the token; logprobs are sample()'s."""
+    x = np.array([0.1, 2.0, 1.9, -1.0, 5.0], dtype=np.float32)
+    g = Sampler()
+    assert g.verify_draft(x, 1, 4)[0].token == 1 and g.verify_draft(x, 1, 4)[1] is True
+    r, ok = g.verify_draft(x, 2, 4)
+    assert (r.token, ok) == (1, False)
+    pen = Sampler(repetition_penalty=10.0)
+    assert pen.verify_draft(x, 2, 4, context=[1])[0].token == 2          # 2.0 / 10 < 1.9
+    s = Sampler(temperature=1.0, top_k=2, seed=0)
+    for _ in range(200):
+        r, ok = s.verify_draft(x, 0, 4)                                  # id 0 is outside the top 2
+        assert r.token in (1, 2) and not ok
+    a = Sampler(seed=0).sample(x, 4, logprobs=True, top_logprobs=2)
+    b, _ = Sampler(seed=0).verify_draft(x, 1, 4, logprobs=True, top_logprobs=2)
+    assert (a.token, a.logprob, a.top_logprobs) == (b.token, b.logprob, b.top_logprobs)
+    r = g.verify_draft(x, 1, 4)[0]
+    assert r.logprob is None and r.top_logprobs is None                 # nothing asked, nothing computed
+    assert g.verify_draft(x, 1, 4, logprobs=True)[0].logprob == pytest.approx(a.logprob)
+    with pytest.raises(ValueError, match="logits must be 1-D"):
+        g.verify_draft(x[None], 1)
+
+
+def test_verify_draft_draws_once_when_it_accepts():
+    """Seeded reproducibility: an accepted draft costs one uniform draw, a rejected one two (the
+    acceptance test, then the draw from the rest) -- the generator's stream continues from there."""
+    x = np.array([0.0, 3.0, 1.0], dtype=np.float32)
+    one = Sampler(temperature=1.0, top_k=1, seed=5)                       # p(1) = 1: always accepted
+    assert one.verify_draft(x, 1)[1] is True
+    ref = np.random.default_rng(5)
+    ref.random()
+    assert one.rng.random() == ref.random()
+    two = Sampler(temperature=1.0, top_k=2, seed=5)
+    r, ok = two.verify_draft(x, 0)                                        # filtered out: rejected
+    ref = np.random.default_rng(5)
+    ref.random(), ref.random()
+    assert not ok and two.rng.random() == ref.random()

@@ -353,3 +353,38 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
         # the arithmetic rate Lily's published time implies if it did this graph's FLOPs (a check of the peak)
         p["lily_implied_tflops"] = (m5["flops"] / int(n) * lily / 1e12) if lily else None
     return out
+
+
+def encode_only_verify_cost(config, rows=(2, 3, 5, 9), *, context: int = 4096, dtype: str = "bfloat16",
+                            kv_dtype: str = "bfloat16") -> dict:
+    """What verifying k = rows - 1 drafted tokens as one small-m prefill chunk (logits of every row) would
+    cost in the Metal graph against one decode step, at ``context`` cached tokens, per chip and GEMM route:
+    both encoded on an encode-only simulator device over virtual weights (the MLX 4-bit layout) and timed
+    with `modelled_level_time` (CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS). A model, not a measurement; the
+    Metal backend does not verify this way yet (docs/speculative.md)."""
+    core = _core()
+    mappings, tensors, _ = virtual_weight_table(config)
+    out = {"context": int(context), "rows": {}, "step_seconds": {}, "level_latency_us": LEVEL_LATENCY_S * 1e6}
+    for route in sorted(set(CHIP_ROUTE.values())):
+        dev = core.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")
+        eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+                                 kv_dtype == "float32", {}, [], prefill_options(DEFAULT_PREFILL_CHUNK, route, "auto"))
+        st = eng.new_state()
+        st._set_position(int(context))
+        step = eng.encode_cost(st)
+        chunks = {}
+        for n in rows:
+            s = eng.new_state()
+            s._set_position(int(context))
+            chunks[int(n)] = eng.prefill_cost(s, int(n), all_logits=True)
+        for chip, r in CHIP_ROUTE.items():
+            if r != route:
+                continue
+            bw, peak = CHIP_BANDWIDTH_GBS[chip], CHIP_PEAK_TFLOPS[chip]
+            t1 = modelled_level_time(step["level_bytes"], step["level_flops"], bw, peak)
+            out["step_seconds"][chip] = t1
+            for n, c in chunks.items():
+                t = modelled_level_time(c["level_bytes"], c["level_flops"], bw, peak)
+                out["rows"].setdefault(n, {})[chip] = {"seconds": t, "vs_step": t / t1,
+                                                       "levels": int(c["levels"]), "step_levels": int(step["levels"])}
+    return out

@@ -222,14 +222,14 @@ void register_gpu_graph(nb::module_& g) {
             }
             return cost_dict(c);
         }, "state"_a)
-        .def("prefill_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows) {
+        .def("prefill_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows, bool all_logits) {
             StepCost c;
             {
                 nb::gil_scoped_release r;
-                c = e.engine->prefill_cost(s, rows);
+                c = e.engine->prefill_cost(s, rows, all_logits);
             }
             return cost_dict(c);
-        }, "state"_a, "rows"_a)
+        }, "state"_a, "rows"_a, "all_logits"_a = false)
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
         .def_prop_ro("logits_rows", [](PyGpuEngine& e) { return e.engine->logits_rows(); })
         .def_prop_ro("gemm_route", [](PyGpuEngine& e) {

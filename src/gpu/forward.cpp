@@ -640,16 +640,16 @@ StepCost GpuEngine::encode_cost(GpuState& st) {
     return cost_of(e, d.counters());
 }
 
-StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows) {
+StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows, bool all_logits) {
     if (rows < 1) throw std::invalid_argument("prefill_cost: rows must be >= 1");
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     st.reserve(st.position + rows);
-    ensure_chunk(rows, false);
+    ensure_chunk(rows, all_logits);
     d.reset_counters();
     auto cb = d.command_buffer();
     Encoder e(d, *cb);
-    encode_chunk(e, st, st.position, rows, 1);
+    encode_chunk(e, st, st.position, rows, all_logits ? 2 : 1);
     cb->commit();
     cb->wait();
     st.commit_step(rows);

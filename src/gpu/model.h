@@ -221,9 +221,10 @@ class GpuEngine {
 
     // Encode (without waiting) one decode step at s.position on a fresh command buffer; what it cost.
     StepCost encode_cost(GpuState& s);
-    // Encode, commit and wait one prefill chunk of `rows` tokens at s.position (logits of the last row),
-    // then advance the state: what it cost. For encode-only costing (token ids are not written: 0s).
-    StepCost prefill_cost(GpuState& s, uint32_t rows);
+    // Encode, commit and wait one prefill chunk of `rows` tokens at s.position (logits of the last row, or
+    // of every row: the cost of verifying rows - 1 drafted tokens as one chunk), then advance the state:
+    // what it cost. For encode-only costing (token ids are not written: 0s).
+    StepCost prefill_cost(GpuState& s, uint32_t rows, bool all_logits = false);
 
   private:
     struct Scratch;

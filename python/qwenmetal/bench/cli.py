@@ -485,6 +485,12 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
     context = _ints(args.contexts)[0] if args.contexts else (64 if args.quick else 512)
     tokens = args.decode_steps or (12 if args.quick else 64)
     res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
+    from ..metal_backend import encode_only_verify_cost, sim_available
+    if sim_available():     # the Metal graph's verification as a small-m chunk, modelled (encode-only)
+        from ..config import ModelConfig
+        cfg = ModelConfig.from_dict(resolve_config(args.config, 4 if args.quick else 40))
+        res["metal_modelled"] = encode_only_verify_cost(cfg, context=256 if args.quick else 4096)
+        res["metal_modelled"]["layers"] = cfg.num_hidden_layers
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
                 "backend": model.backend, "options": options, "threads": threads,

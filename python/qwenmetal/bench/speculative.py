@@ -119,4 +119,14 @@ def format_speculative(res: dict) -> str:
         a, f = row["adaptive"], row["fixed"]
         lines.append(f"{rate:>5} {a['tokens_per_second']:>14.2f} {a['vs_plain']:>8.2f} {a['acceptance_rate']:>8.2f} "
                      f"{a['draft_length_at_end']:>8} {f['tokens_per_second']:>11.2f} {f['vs_plain']:>8.2f}")
+    mm = res.get("metal_modelled")
+    if mm:
+        chips = list(mm["step_seconds"])
+        lines.append(f"Metal graph, MODELLED (encode-only, {mm['layers']} layers, context {mm['context']}; "
+                     "simulator-verified, hardware-unverified): a small-m prefill chunk with every row's logits "
+                     "vs one decode step")
+        lines.append(f"{'rows':>5} " + " ".join(f"{c:>8}" for c in chips))
+        lines.append(f"{'step':>5} " + " ".join(f"{1e3 * mm['step_seconds'][c]:>6.2f}ms" for c in chips))
+        for n, r in mm["rows"].items():
+            lines.append(f"{n:>5} " + " ".join(f"{r[c]['vs_step']:>7.2f}x" for c in chips))
     return "\n".join(lines)

@@ -250,7 +250,7 @@ def test_native_head_matches_the_reference(mtp_ckpt):
     assert np.abs(hid - fh[0]).max() < 1e-4 * np.ptp(fh[0])
     hid = np.ascontiguousarray(fh[0][:-1], dtype=np.float32)
     nxt = ids[1:]
-    lg, h = head.forward(head.new_state(), nxt, "all", None, hidden=hid, return_hidden=True)
+    lg, h = head.forward(head.new_state(), nxt, "all", None, hidden=hid, return_hidden=1)
     out = []
     want = rh.forward(rh.new_state(), hid, nxt, "all", out_hidden=out)
     assert np.abs(lg - want).max() < 1e-4 * np.ptp(want)
@@ -289,3 +289,24 @@ def test_cli_convert_keep_mtp(tmp_path):
     keep = qm.Model.load(tmp_path / "keep", backend="reference").weights
     drop = qm.Model.load(tmp_path / "drop", backend="reference").weights
     assert "fc" in keep.mtp and isinstance(keep.mtp["fc"], QuantizedTensor) and not drop.mtp
+
+
+def test_native_head_caches_the_prompt(mtp_ckpt):
+    """A generation's prompt prefill hands every row's hidden state to the native drafter
+    (Speculation.prefill -> CpuBackend.forward_hidden), so the head's cache holds the prompt's pairs and the
+    first drafts are the formula's over the whole context; forward_hidden's rows are the reference's."""
+    from qwenmetal.speculative import Speculation
+    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2, activations="float", kv_dtype="float32")
+    ctx = np.random.default_rng(4).integers(0, 400, 40).tolist()
+    s = m.new_session()
+    d = MtpDrafter.for_model(m)
+    sp = Speculation(m, s, d, None)
+    logits = sp.prefill(ctx[:-1], "last")
+    assert logits.shape == (m.config.vocab_size,) and s.tokens == tuple(ctx[:-1])
+    assert d.draft(ctx, 3) == _drafts_from_scratch(m, ctx, 3)
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    fh = []
+    ref.forward(ref.new_state(), np.asarray(ctx[:8]), logits="none", final_hidden=fh)
+    out, hid = m._backend.forward_hidden(m.new_session()._state, np.asarray(ctx[:8]), "none")
+    assert out is None and np.abs(hid - fh[0]).max() < 1e-4 * np.ptp(fh[0])
+    sp.close()

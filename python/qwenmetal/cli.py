@@ -105,8 +105,9 @@ def _add_sampling_args(p, max_tokens=256):
 def _add_speculative_args(p):
     g = p.add_argument_group("speculative decoding (docs/speculative.md; the output is unchanged)")
     g.add_argument("--speculative", default=None, metavar="DRAFTER",
-                   help="'lookup' (n-grams of the session's own tokens), 'mtp' (the checkpoint's MTP head) or a "
-                        "draft model's checkpoint directory / hub id (same vocabulary, loaded on --backend)")
+                   help="'lookup' (n-grams of the session's own tokens), 'mtp' (the checkpoint's MTP head), "
+                        "'mtp:DIR' (a separate MTP head folder) or a draft model's checkpoint directory / hub id "
+                        "(same vocabulary, loaded on --backend)")
     g.add_argument("--speculative-k", type=int, default=None, metavar="K",
                    help="drafts per round, 0..8 (default: chosen from the measured acceptance and cost)")
 
@@ -119,7 +120,10 @@ def _speculative(args, model) -> dict:
         if args.speculative_k is not None:
             raise InputError("--speculative-k needs --speculative", param="speculative_k")
         return {}
-    if spec not in ("lookup", "mtp"):
+    if spec.startswith("mtp:"):
+        from .mtp import MtpDrafter
+        spec = MtpDrafter.for_model(model, path=spec[len("mtp:"):])
+    elif spec not in ("lookup", "mtp"):
         import qwenmetal as qm
         from .model import resolve_checkpoint
         threads = getattr(model._backend, "threads", None)

@@ -239,7 +239,13 @@ class CpuBackend:
         what `rewind` needs (consecutive calls chain); at most 32 ids (and `prefill_chunk`) per call.
         `return_hidden`: (logits, the final-normed hidden rows [n, hidden]) -- an MTP head's input."""
         return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
-                                  return_hidden=return_hidden)
+                                  return_hidden=1 if return_hidden else 0)
+
+    def forward_hidden(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+        """`forward` that also returns every row's final-normed hidden state: (logits or None, [n, hidden]),
+        for an MTP head's cache over a prompt."""
+        return self.engine.forward(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed,
+                                   return_hidden=2)
 
     def mtp_head(self, params: dict) -> "CpuBackend":
         """A cpu backend running the MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm,

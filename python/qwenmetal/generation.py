@@ -141,6 +141,20 @@ def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOp
 
 def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
          skip_special_tokens, progress, cancel, vocab_used, drafter=None, speculative_k=None):
+    spec = None
+    if drafter is not None:
+        from .speculative import Speculation
+        spec = Speculation(model, s, drafter, speculative_k)
+    try:
+        yield from _generate(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc,
+                             cache_points, skip_special_tokens, progress, cancel, vocab_used, spec)
+    finally:
+        if spec is not None:
+            spec.close()
+
+
+def _generate(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
+              skip_special_tokens, progress, cancel, vocab_used, spec):
     tok = model.tokenizer
     counters = getattr(model._backend, "expert_counters", None)   # backends that can stream experts
     if counters is not None:
@@ -173,7 +187,9 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
                     nxt = p
                     break
             last = nxt == end
-            out = model.prefill(s, ids[pos - base:nxt - base], return_logits="last" if last else "none")
+            chunk_ids, want = ids[pos - base:nxt - base], "last" if last else "none"
+            # a drafter that takes hidden states (the MTP head) gets the prompt's too
+            out = spec.prefill(chunk_ids, want) if spec is not None else model.prefill(s, chunk_ids, want)
             if bar is not None:
                 bar.update(nxt - pos)
             if last:
@@ -191,19 +207,10 @@ def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_
     t1 = time.perf_counter()
     at_decode = counters() if counters is not None else None
 
-    spec = None
-    if drafter is not None:
-        from .speculative import Speculation
-        spec = Speculation(model, s, drafter, speculative_k)
     gpu = _GpuDecode(model, s, sampler, stop_ids, vocab_used, max_tokens) \
         if spec is None and _gpu_decodable(model, sampler, stop, want_logprobs, top_n) else None
-    try:
-        yield from _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens,
-                           cancel, vocab_used, max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters,
-                           at_decode)
-    finally:
-        if spec is not None:
-            spec.close()
+    yield from _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens, cancel,
+                       vocab_used, max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters, at_decode)
 
 
 def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens, cancel, vocab_used,

@@ -159,14 +159,14 @@ class MtpDrafter(Drafter):
         ps = [p for p in sorted(self._nh) if self._npos <= p <= last]
         hid = np.ascontiguousarray(np.stack([self._nh[p] for p in ps]), dtype=np.float32)
         ids = np.asarray([ctx[p + 1] for p in ps], dtype=np.int64)
-        logits, h = eng.forward(st, ids, "last", None, hidden=hid, return_hidden=True)   # the context's pairs, kept
+        logits, h = eng.forward(st, ids, "last", None, hidden=hid, return_hidden=1)   # the context's pairs, kept
         self._npos = last + 1
         for p in ps:
             del self._nh[p]
         d = int(np.argmax(logits[:V]))
         drafts = [d]
         for _ in range(k - 1):             # chained on a verify chain: the drafts' pairs are rewound
-            lg, hh = eng.verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None], return_hidden=True)
+            lg, hh = eng.verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None], return_hidden=1)
             d, h = int(np.argmax(lg[0][:V])), hh[0]
             drafts.append(d)
         if st.rewindable:

@@ -316,6 +316,20 @@ class Speculation:
         self._round = (0, 0.0)
         drafter.start(model)
 
+    def prefill(self, ids, logits: str):
+        """`Model.prefill` of the session; a drafter that wants hidden states gets every row's, on a backend
+        that returns them (cpu)."""
+        m, s = self.model, self.s
+        be = m._backend
+        if not (self.drafter.wants_hidden and hasattr(be, "forward_hidden")):
+            return m.prefill(s, ids, logits)
+        m._check_session(s)
+        arr = m._check_ids(ids, s)
+        pos = s.position
+        out, hidden = be.forward_hidden(s._state, arr, logits, s._tokens)
+        self.drafter.observe(pos, hidden)
+        return out
+
     def position(self) -> int:
         """The session's position as plain decoding would have it (the fed tokens of an open round)."""
         extra = rewindable(self.model, self.s) - self.n_fed if self.open else 0

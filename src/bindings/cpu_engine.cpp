@@ -149,7 +149,8 @@ struct PyEngine {
 // with the hidden-state options: `hidden`, an MTP head's input [n, hidden_size] (None for the main
 // model), and `return_hidden`, which returns (logits, final-normed hidden rows) instead of the logits
 nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                      nb::handle hidden, bool return_hidden, bool speculative) {
+                      nb::handle hidden, int return_hidden, bool speculative) {
+    // return_hidden: 0 no, 1 the rows the logits are of, 2 every row (any logits mode)
     const int64_t n = static_cast<int64_t>(ids.shape(0)), H = pe.engine->config().hidden;
     std::optional<In<float, 2>> hin;
     if (!hidden.is_none()) {
@@ -159,28 +160,31 @@ nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::str
     }
     nb::object hout = nb::none();
     float* hp = nullptr;
+    if (return_hidden < 0 || return_hidden > 2) throw std::invalid_argument("return_hidden must be 0, 1 or 2");
     if (return_hidden) {
-        if (logits == "none") throw std::invalid_argument("return_hidden needs logits 'last' or 'all'");
-        auto a = logits == "all" ? bindings::new_array({size_t(n), size_t(H)}) : bindings::new_array({size_t(H)});
+        if (logits == "none" && return_hidden == 1)
+            throw std::invalid_argument("return_hidden=1 needs logits 'last' or 'all'");
+        auto a = logits == "all" || return_hidden == 2 ? bindings::new_array({size_t(n), size_t(H)})
+                                                       : bindings::new_array({size_t(H)});
         hp = a.data();
         hout = nb::cast(a);
     }
     nb::object out = bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), logits, consumed,
                                             [&](int want, float* dst, InterruptPoll poll) {
                                                 pe.engine->forward(s, ids.data(), n, want, dst, poll, speculative,
-                                                                   hin ? hin->data() : nullptr, hp);
+                                                                   hin ? hin->data() : nullptr, hp, return_hidden == 2);
                                             });
     return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
 }
 
 nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                          nb::handle hidden, bool return_hidden) {
+                          nb::handle hidden, int return_hidden) {
     return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false);
 }
 
 // the verification of drafted tokens: logits [n, vocab], every row bit for bit a one-token call's
 nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle consumed, nb::handle hidden,
-                         bool return_hidden) {
+                         int return_hidden) {
     return engine_run(pe, s, ids, "all", consumed, hidden, return_hidden, true);
 }
 
@@ -505,15 +509,16 @@ void register_cpu_engine(nb::module_& m) {
              "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
-             "hidden"_a = nb::none(), "return_hidden"_a = false,
+             "hidden"_a = nb::none(), "return_hidden"_a = 0,
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
              "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
              "token list) inside the call. The GIL is released; between chunks a call from the main thread "
              "runs Python's signal handlers. On error or interrupt the state is unchanged. hidden: an MTP head "
              "engine's input, the main model's final-normed hidden rows [n, hidden_size] before the ids; "
-             "return_hidden: return (logits, the final-normed hidden rows) instead.")
+             "return_hidden: 1 returns (logits, the final-normed hidden rows of the logits), 2 (logits or None, "
+             "every row's).")
         .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(), "hidden"_a = nb::none(),
-             "return_hidden"_a = false,
+             "return_hidden"_a = 0,
              "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most 32 "
              "ids, and prefill_chunk), keeping what rewind() needs; consecutive verify() calls form one chain. "
              "Returns float32 logits [n, vocab].")

@@ -172,11 +172,12 @@ public:
     // that `rewind` can go back within; any other call on the state ends it.
     //
     // hidden_out (optional): the final-normed hidden rows [1 or n, hidden] beside the logits (an MTP head's
-    // input). hidden_in: required by an MTP head engine (is_mtp_head()), else null: the main model's
+    // input), or of every row [n, hidden] with hidden_all (then any `want`: a prompt's rows for the head). hidden_in: required by an MTP head engine (is_mtp_head()), else null: the main model's
     // final-normed hidden state [n, hidden] at the positions before `ids`, which the head's input layer
     // combines with the ids' embeddings; its hidden_out is then the head's own normed output.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr);
+                 bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr,
+                 bool hidden_all = false);
     // built from tensors holding "fc", "pre_fc_norm_embedding" and "pre_fc_norm_hidden": an MTP head,
     // x = fc([RMSNorm_e(embed(id)); RMSNorm_h(hidden)]) (embedding first) before its layers
     bool is_mtp_head() const { return mtp_; }
@@ -199,7 +200,7 @@ private:
     void check_state(const State& s) const;
     void reserve_scratch(int64_t L, int64_t T_end, bool speculative);
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                       bool speculative, const float* hidden_in, float* hidden_out);
+                       bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all);
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);
     WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,

@@ -95,12 +95,13 @@ void Engine::reserve_rewind(State& s, int64_t total) const {
 }
 
 void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                     bool speculative, const float* hidden_in, float* hidden_out) {
+                     bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all) {
     check_state(s);
     if (mtp_ != (hidden_in != nullptr))
         throw std::invalid_argument(mtp_ ? "cpu engine: an MTP head needs the main model's hidden states"
                                          : "cpu engine: hidden states are an MTP head's input");
-    if (hidden_out && want == 0) throw std::invalid_argument("cpu engine: hidden states come with logits");
+    if (hidden_out && want == 0 && !hidden_all)
+        throw std::invalid_argument("cpu engine: hidden states come with logits (or for every row)");
     if (!speculative) s.rewind_.n = 0;               // any other call forgets the speculative chain
     if (n < 1) throw std::invalid_argument("cpu engine: no tokens");
     if (speculative && want != 2)
@@ -142,7 +143,7 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
             forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
                           want == 2 ? logits + c0 * cfg_.vocab : logits, speculative,
                           hidden_in ? hidden_in + c0 * H : nullptr,
-                          hidden_out && want == 2 ? hidden_out + c0 * H : hidden_out);
+                          hidden_out && (want == 2 || hidden_all) ? hidden_out + c0 * H : hidden_out, hidden_all);
         }
     } catch (...) {
         if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
@@ -210,7 +211,7 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
 }
 
 void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                           bool speculative, const float* hidden_in, float* hidden_out) {
+                           bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
@@ -351,6 +352,10 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
         rms_norm_rows(pool, x, H, L, final_norm_.data(), c.eps, xn, H, H);
         lm_head(xn, L, logits);
         if (hidden_out) std::copy_n(xn, L * H, hidden_out);
+    } else if (hidden_all && hidden_out) {          // every row's hidden state, the last row's logits if asked
+        rms_norm_rows(pool, x, H, L, final_norm_.data(), c.eps, xn, H, H);
+        std::copy_n(xn, L * H, hidden_out);
+        if (logits_last) lm_head(xn + (L - 1) * H, 1, logits);
     } else if (logits_last) {
         rms_norm(x + (L - 1) * H, final_norm_.data(), c.eps, xn, H);
         lm_head(xn, 1, logits);

@@ -363,8 +363,9 @@ class Speculation:
 
     def end_round(self, accepted: int) -> None:
         if self.open:
-            rewind(self.model, self.s, self.n_fed)
-            self.open = False
+            with sigint_deferred():       # a Ctrl-C lands before or after the rewind, never between
+                rewind(self.model, self.s, self.n_fed)
+                self.open = False
             k, dt = self._round
             self.k.observe(k, dt, k, accepted)
             if self.drafter.wants_hidden:
@@ -372,9 +373,10 @@ class Speculation:
 
     def close(self) -> None:
         try:
-            if self.open:
-                self.open = False
-                rewind(self.model, self.s, self.n_fed)
+            with sigint_deferred():       # the session ends holding what plain decoding fed, Ctrl-C or not
+                if self.open:
+                    rewind(self.model, self.s, self.n_fed)
+                    self.open = False
         finally:
             self.drafter.close()
 

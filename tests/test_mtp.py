@@ -310,3 +310,20 @@ def test_native_head_caches_the_prompt(mtp_ckpt):
     out, hid = m._backend.forward_hidden(m.new_session()._state, np.asarray(ctx[:8]), "none")
     assert out is None and np.abs(hid - fh[0]).max() < 1e-4 * np.ptp(fh[0])
     sp.close()
+
+
+def test_cli_speculative_mtp(mtp_ckpt, tmp_path, capsys):
+    """`generate --speculative mtp` and `--speculative mtp:DIR` (a separate head folder written from the
+    checkpoint's own head) print the plain greedy text and the drafting statistics."""
+    from qwenmetal.cli import main
+    args = ["generate", "--model", str(mtp_ckpt), "--backend", "cpu", "--prompt", "ab cd ab cd", "--temperature",
+            "0", "--max-tokens", "16", "--ignore-eos"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative", "mtp", "--speculative-k", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain and "speculative (mtp): " in out.err
+    assert main(["generate", "--model", str(cached_checkpoint("tiny", "mlx-q4", 0)), "--backend", "cpu", "--prompt",
+                 "x", "--max-tokens", "2", "--speculative", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "has no MTP head" in err and "--speculative mtp:DIR" in err

@@ -112,7 +112,8 @@ class MtpDrafter(Drafter):
             detail = f" ({why})" if why else ""
             raise ValueError(
                 f"{model.path}: this checkpoint has no MTP head (mtp.* weights){detail}; convert with "
-                f"--keep-mtp or pass a separate MTP head folder (MtpDrafter.for_model(model, path=...))")
+                f"--keep-mtp or pass a separate MTP head folder (--speculative mtp:DIR, or "
+                f"MtpDrafter.for_model(model, path=DIR))")
         return cls(model, params, **options)
 
     # ---- state -----------------------------------------------------------------------------------

@@ -301,3 +301,23 @@ def test_bench_speculative_quick(tmp_path, capsys):
         assert set(mm["rows"]) == {"2", "3", "5", "9"} and "Metal graph, MODELLED" in text
         for r in mm["rows"].values():
             assert all(v["vs_step"] > 0 for v in r.values())
+
+
+def test_row_by_row_fallback_chain_ends_like_the_engines():
+    """The reference backend's row-by-row verification: another call on the session ends the chain (as
+    the engine's does), and a rewind then has nothing to go back to; within a chain, rewind is exact."""
+    m = _load(backend="reference")
+    s = m.new_session()
+    m.prefill(s, PROMPT)
+    ref = s.fork()
+    sp.verify(m, s, [1, 2])
+    sp.verify(m, s, [3])
+    assert sp.rewindable(m, s) == 3
+    sp.rewind(m, s, 1)
+    m.decode_step(ref, 1)
+    assert s.tokens == ref.tokens and _same_state(m, s, ref)
+    sp.verify(m, s, [4, 5])
+    m.decode_step(s, 6)                               # any other call ends the chain
+    assert sp.rewindable(m, s) == 0
+    with pytest.raises(ValueError, match="nothing to rewind"):
+        sp.rewind(m, s, 0)

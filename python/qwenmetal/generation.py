@@ -88,6 +88,13 @@ class StopStringMatcher:
         return out
 
 
+def sampleable_vocab(model: "Model") -> int:
+    """The ids a sampler may return: the tokenizer's vocabulary, not the padded rows of lm_head."""
+    tok = model.tokenizer
+    v = tok.vocab_size if tok is not None else model.config.vocab_size
+    return min(v, model.config.vocab_size)
+
+
 def _progress_bar(total: int, enabled: bool | None):
     if enabled is False or (enabled is None and total < 4096):
         return None
@@ -123,15 +130,14 @@ def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOp
     s = session if session is not None else model.new_session()
     model._check_session(s)
     model._check_ids(ids, s)                       # validates ids and the context limit, before any work
-    vocab_used = tok.vocab_size if tok is not None else model.config.vocab_size
-    vocab_used = min(vocab_used, model.config.vocab_size)
+    vocab_used = sampleable_vocab(model)
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
     stop_ids |= set(o.stop_token_ids)
     pc = model.prefix_cache if cache else None
     drafter = None
     if speculative is not None:
-        from .speculative import AdaptiveK, make_drafter
-        AdaptiveK(fixed=speculative_k)                 # checks speculative_k
+        from .speculative import check_k, make_drafter
+        check_k(speculative_k)
         drafter = make_drafter(speculative, model)
     elif speculative_k is not None:
         raise ValueError("speculative_k needs speculative= (a drafter)")

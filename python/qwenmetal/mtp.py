@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .generation import sampleable_vocab
 from .speculative import Drafter
 
 if TYPE_CHECKING:
@@ -145,8 +146,7 @@ class MtpDrafter(Drafter):
             self._npos = 0                 # positions < this have their pair in the head's cache
         else:
             self._build()
-        tok = model.tokenizer              # ids past the tokenizer's vocabulary are never sampled
-        self._vocab = min(tok.vocab_size if tok is not None else model.config.vocab_size, model.config.vocab_size)
+        self._vocab = sampleable_vocab(model)
 
     def observe(self, position: int, hidden: np.ndarray) -> None:
         for j in range(hidden.shape[0]):
@@ -154,6 +154,8 @@ class MtpDrafter(Drafter):
 
     def _draft_native(self, ctx: list, k: int) -> list[int]:
         eng, st, V = self._native, self._nstate, self._vocab
+        if st.rewindable:                  # drafts of an interrupted draft() are not the context's
+            eng.rewind(st, 0)
         last = len(ctx) - 2                # the last fed position: its hidden pairs with ctx[-1]
         if last not in self._nh:
             return []

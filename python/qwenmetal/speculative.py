@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from .generation import sampleable_vocab
 from .interrupts import sigint_deferred
 
 if TYPE_CHECKING:
@@ -48,14 +49,32 @@ def verify(model: "Model", s: "Session", ids: Sequence[int], return_hidden: bool
             be.verify(s._state, arr, s._tokens)
     if return_hidden:
         raise ValueError(f"the {be.name} backend does not return hidden states")
-    chain = s.__dict__.setdefault("_spec_chain", [])
+    chain = _open_chain(s)
     if not chain:
         chain.append(s._state.copy())
+    start, n0 = len(chain), len(s._tokens)
     rows = []
-    for t in arr:                     # one decode step per row, the state after each kept
-        rows.append(model.prefill(s, [int(t)], "last"))
-        chain.append(s._state.copy())
+    try:
+        for t in arr:                 # one decode step per row, the state after each kept
+            rows.append(model.prefill(s, [int(t)], "last"))
+            chain.append(s._state.copy())
+    except BaseException:             # all or nothing, as the engine's verification
+        with sigint_deferred():
+            s._state = chain[start - 1].copy()
+            del s._tokens[n0:]
+            del chain[start:]
+        raise
+    s.__dict__["_spec_chain_at"] = len(s._tokens)
     return np.stack(rows)
+
+
+def _open_chain(s: "Session") -> list:
+    """The row-by-row fallback's chain of state copies on `s` (a new one if anything else ran on the
+    session since the last `verify`, as the engine's chain ends on any other call)."""
+    chain = s.__dict__.setdefault("_spec_chain", [])
+    if chain and s.__dict__.get("_spec_chain_at") != len(s._tokens):
+        chain.clear()
+    return chain
 
 
 def rewind(model: "Model", s: "Session", keep: int) -> None:
@@ -65,9 +84,12 @@ def rewind(model: "Model", s: "Session", keep: int) -> None:
     if hasattr(be, "rewind"):
         be.rewind(s._state, int(keep), s._tokens)
         return
-    chain = s.__dict__.pop("_spec_chain", None)
-    if not chain or not 0 <= keep < len(chain):
-        raise ValueError(f"rewind keeps 0..{len(chain or [None]) - 1} tokens, got {keep}")
+    chain = _open_chain(s)
+    s.__dict__.pop("_spec_chain", None)
+    if not chain:
+        raise ValueError("nothing to rewind (no open verify chain on this session)")
+    if not 0 <= keep < len(chain):
+        raise ValueError(f"rewind keeps 0..{len(chain) - 1} tokens, got {keep}")
     drop = len(chain) - 1 - keep
     with sigint_deferred():
         s._state = chain[keep]
@@ -79,7 +101,7 @@ def rewindable(model: "Model", s: "Session") -> int:
     """Tokens of the session's open `verify` chain (0: none)."""
     if hasattr(model._backend, "rewind"):
         return int(s._state.rewindable)
-    return max(len(s.__dict__.get("_spec_chain", ())) - 1, 0)
+    return max(len(_open_chain(s)) - 1, 0)
 
 
 # ---- drafters -----------------------------------------------------------------------------------
@@ -150,8 +172,7 @@ class DraftModel(Drafter):
                              f"model's ({model.config.vocab_size})")
         self.s = self.model.new_session()
         self.base = 0
-        tok = self.model.tokenizer          # ids past the tokenizer's vocabulary are never sampled
-        self.vocab = min(tok.vocab_size if tok is not None else model.config.vocab_size, model.config.vocab_size)
+        self.vocab = sampleable_vocab(self.model)
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         m, s = self.model, self.s
@@ -224,6 +245,12 @@ def make_drafter(spec, model: "Model") -> Drafter:
 
 
 # ---- the draft length -------------------------------------------------------------------------------
+def check_k(k) -> None:
+    """`speculative_k`: None (adaptive) or 0..MAX_DRAFT; else ValueError."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_DRAFT):
+        raise ValueError(f"speculative_k must be in 0..{MAX_DRAFT}, got {k!r}")
+
+
 class AdaptiveK:
     """Chooses the drafts per round. With a measured per-draft acceptance rate a, a round of k drafts
     yields E(k) = 1 + a + ... + a^k tokens in the time T(k) of drafting and verifying k + 1 rows; plain
@@ -234,8 +261,7 @@ class AdaptiveK:
 
     def __init__(self, k_max: int = MAX_DRAFT, fixed: int | None = None, probe_every: int = 16,
                  decay: float = 0.25):
-        if fixed is not None and not 0 <= fixed <= MAX_DRAFT:
-            raise ValueError(f"speculative_k must be in 0..{MAX_DRAFT}, got {fixed}")
+        check_k(fixed)
         self.k_max = int(fixed if fixed is not None else k_max)
         self.fixed = fixed
         self.probe_every = probe_every
@@ -349,11 +375,12 @@ class Speculation:
             self.k.observe(0, time.perf_counter() - t0)
             return logits, []
         self._pos0 = s.position
-        if hidden:                        # a one-row verification is a decode step, with its hidden row
-            logits, self._hidden = verify(m, s, [t, *drafts], return_hidden=True)
-        else:
-            logits = verify(m, s, [t, *drafts])
-        self.open, self.n_fed = True, 1
+        with sigint_deferred():           # the round is open exactly when the session holds its rows
+            if hidden:                    # a one-row verification is a decode step, with its hidden row
+                logits, self._hidden = verify(m, s, [t, *drafts], return_hidden=True)
+            else:
+                logits = verify(m, s, [t, *drafts])
+            self.open, self.n_fed = True, 1
         self._round = (len(drafts), time.perf_counter() - t0)
         self.rounds += bool(drafts)
         return logits, drafts

@@ -34,13 +34,10 @@ def _same_state(model, a, b):
 
 
 # ---- the engine's verification and rewind --------------------------------------------------------
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
-@pytest.mark.parametrize("activations", ["int16", "float"])
-def test_verify_rows_are_one_token_calls_and_rewind_is_exact(preset, activations):
+def _check_verify_and_rewind(m):
     """verify(n ids) returns bit for bit the logits of n decode steps, and rewind(keep) leaves bit for bit
     the state of a session that decoded only the first `keep` ids (every keep, 0..n), also after a chain
     of verify calls; the session's tokens follow."""
-    m = _load(preset, activations=activations, kv_dtype="float32")
     drafts = [11, 300, 42, 7, 256, 99]
     base = m.new_session()
     m.prefill(base, PROMPT)
@@ -66,6 +63,49 @@ def test_verify_rows_are_one_token_calls_and_rewind_is_exact(preset, activations
     for t in drafts[:2]:
         m.decode_step(ref, t)
     assert _same_state(m, chain, ref) and chain.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+@pytest.mark.parametrize("activations", ["int16", "float"])
+def test_verify_rows_are_one_token_calls_and_rewind_is_exact(preset, activations):
+    _check_verify_and_rewind(_load(preset, activations=activations, kv_dtype="float32"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_metal_graph_verify_rows_are_decode_steps_and_rewind_is_exact(preset, dtype):
+    """The Metal graph's verification (simulator-verified): rows bit for bit decode steps, an exact rewind,
+    and the hidden rows it returns are the final-normed rows (the lm_head's logits from them)."""
+    m = _load(preset, backend="metal-sim", dtype=dtype)
+    assert m._backend.native_verify
+    _check_verify_and_rewind(m)
+    s = m.new_session()
+    m.prefill(s, PROMPT)
+    logits, hidden = sp.verify(m, s, [3, 4], return_hidden=True)
+    assert hidden.shape == (2, m.config.hidden_size) and np.isfinite(hidden).all() and hidden.std() > 0
+    assert s._state.verify_bytes > 0
+
+
+def test_metal_graph_verify_errors_leave_the_state_alone():
+    m = _load(backend="metal-sim")
+    s = m.new_session()
+    m.prefill(s, PROMPT)
+    ref = s.fork()
+    with pytest.raises(ValueError, match="nothing to rewind"):
+        sp.rewind(m, s, 0)
+    with pytest.raises(ValueError, match="at most 16 tokens per verification"):
+        sp.verify(m, s, [1] * 17)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m._backend.verify(s._state, np.array([1, m.config.vocab_size]), s._tokens)
+    assert s.tokens == ref.tokens and _same_state(m, s, ref) and sp.rewindable(m, s) == 0
+    sp.verify(m, s, [1] * 10)
+    with pytest.raises(ValueError, match="a verification chain holds at most 16 tokens"):
+        sp.verify(m, s, [1] * 7)
+    with pytest.raises(ValueError, match="keeps 0..10"):
+        sp.rewind(m, s, 11)
+    assert s.position == len(PROMPT) + 10 and len(s.tokens) == s.position
+    m.decode_step(s, 4)                               # any other call ends the chain
+    assert sp.rewindable(m, s) == 0
 
 
 def test_rewind_errors_leave_the_session_alone():
@@ -131,12 +171,15 @@ def test_a_draft_model_gives_the_plain_tokens():
     assert toks == plain and st["speculative"]["acceptance_rate"] == 1.0
 
 
-@pytest.mark.parametrize("backend", ["reference", "metal-sim"])
-def test_greedy_speculation_on_the_other_backends(backend):
-    """Backends without a native verification run it row by row: the same tokens."""
+@pytest.mark.parametrize("backend,kw", [("reference", {}), ("metal-sim", {}), ("metal-sim", {"expert_slots": 4}),
+                                        ("metal-sim", {"dtype": "bfloat16"})])
+def test_greedy_speculation_on_the_other_backends(backend, kw):
+    """The Metal graph's native verification (resident experts) and the row-by-row fallback (the reference,
+    Metal expert streaming): the plain tokens, which metal-sim samples in its GPU decode loop."""
     if backend not in qm.backends.BACKENDS:
         pytest.fail(f"backend {backend} is not built here")
-    m = _load(backend=backend)
+    m = _load(backend=backend, **kw)
+    assert sp._native(m._backend) == (backend == "metal-sim" and "expert_slots" not in kw)
     n = 24 if backend == "metal-sim" else 40
     plain, _ = _greedy(m, PROMPT, n, cache=False)
     d = ScriptedDrafter(PROMPT + plain, wrong_at=[len(PROMPT) + 3, len(PROMPT) + 9], vocab=m.config.vocab_size)

@@ -234,6 +234,8 @@ class CpuBackend:
         return state, out
 
     # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
+    native_verify = True             # verify / rewind below (qwenmetal.speculative)
+
     def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False):
         """Run `ids` with the logits of each ([n, vocab]), every row bit for bit a one-token call's, keeping
         what `rewind` needs (consecutive calls chain); at most 32 ids (and `prefill_chunk`) per call.

@@ -135,6 +135,24 @@ class _GpuBackend:
                                   stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab),
                                   consumed=consumed)
 
+    # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
+    @property
+    def native_verify(self) -> bool:
+        """The graph verifies drafted tokens itself with resident experts; a streaming backend is verified
+        row by row by qwenmetal.speculative."""
+        return not self.plan.stream
+
+    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False):
+        """Run `ids` (at most 16, and 16 in a chain) with the logits of each ([n, vocab]), every row bit for
+        bit a decode step's, keeping the GDN state after each row for `rewind` (consecutive calls chain).
+        `return_hidden`: (logits, the final-normed hidden rows [n, hidden])."""
+        return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
+                                  return_hidden=bool(return_hidden))
+
+    def rewind(self, state, keep: int, consumed: list | None = None) -> None:
+        """End the verify chain keeping its first `keep` tokens (the rest leave `consumed` too)."""
+        self.engine.rewind(state, int(keep), consumed)
+
     # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
     def state_to_arrays(self, state) -> dict:
         c = self.weights.config

@@ -9,11 +9,12 @@ to k tokens after each sampled one, runs the sampled token and the k drafts thro
 * sampling: a draft d is a point proposal, kept with probability p(d) under the sampler's distribution,
   else replaced by a draw from p without d (`Sampler.verify_draft`) -- the output distribution is p.
 
-The rejected drafts leave the state with `rewind`. On the cpu backend, a verification call computes every
-row exactly as a one-token decode step does (docs/speculative.md), so the logits, the tokens and the state
-after a rejection are bit for bit those of plain decoding; the weights are read once for all rows. Other
-backends verify row by row (one decode step per row, the state copied after each), which is exact too but
-shares no weight reads.
+The rejected drafts leave the state with `rewind`. On the cpu backend, and in the Metal graph (metal,
+metal-sim) with resident experts, a verification call computes every row exactly as a one-token decode step
+does (docs/speculative.md), so the logits, the tokens and the state after a rejection are bit for bit those
+of plain decoding; the shared weights are read once for all rows. Other backends (the reference, Metal
+expert streaming) verify row by row (one decode step per row, the state copied after each), which is exact
+too but shares no weight reads.
 
 `AdaptiveK` picks k from the measured acceptance rate and the measured cost of a round against a plain
 decode step, and turns speculation off (k = 0) when it does not pay.
@@ -36,15 +37,20 @@ MAX_DRAFT = 8
 
 
 # ---- verification -------------------------------------------------------------------------------
+def _native(be) -> bool:
+    """Whether the backend verifies and rewinds natively (cpu; metal and metal-sim with resident experts)."""
+    return bool(getattr(be, "native_verify", False))
+
+
 def verify(model: "Model", s: "Session", ids: Sequence[int], return_hidden: bool = False):
     """Append `ids` to the session, returning the float32 logits of every one ([n, vocab]), and keep what
     `rewind` needs to drop any tail of them again. Consecutive calls form one chain; `rewind` ends it.
     Nothing else may run on the session in between. `return_hidden`: (logits, the final-normed hidden
-    rows [n, hidden]), on a backend with a native verification (cpu) only."""
+    rows [n, hidden]), on a backend with a native verification only."""
     model._check_session(s)
     arr = model._check_ids(ids, s)
     be = model._backend
-    if hasattr(be, "verify"):
+    if _native(be):
         return be.verify(s._state, arr, s._tokens, return_hidden=return_hidden) if return_hidden else \
             be.verify(s._state, arr, s._tokens)
     if return_hidden:
@@ -81,7 +87,7 @@ def rewind(model: "Model", s: "Session", keep: int) -> None:
     """End the chain of `verify` calls, keeping its first `keep` tokens: the session is bit for bit what
     decoding just those would have left (state, position, tokens)."""
     be = model._backend
-    if hasattr(be, "rewind"):
+    if _native(be):
         be.rewind(s._state, int(keep), s._tokens)
         return
     chain = _open_chain(s)
@@ -99,7 +105,7 @@ def rewind(model: "Model", s: "Session", keep: int) -> None:
 
 def rewindable(model: "Model", s: "Session") -> int:
     """Tokens of the session's open `verify` chain (0: none)."""
-    if hasattr(model._backend, "rewind"):
+    if _native(model._backend):
         return int(s._state.rewindable)
     return max(len(_open_chain(s)) - 1, 0)
 

@@ -191,20 +191,7 @@ nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle 
 // back to the state after the first `keep` tokens of the chain of verify calls; the dropped tokens leave `consumed`
 // in the same call, so the session's tokens and state cannot part
 void engine_rewind(PyEngine& pe, State& s, int64_t keep, nb::handle consumed) {
-    const int64_t drop = s.rewindable() - keep;
-    if (!consumed.is_none()) {
-        if (!PyList_Check(consumed.ptr())) throw nb::type_error("consumed must be a list (a session's tokens)");
-        if (drop > 0 && PyList_GET_SIZE(consumed.ptr()) < drop)
-            throw std::invalid_argument("consumed holds fewer tokens than the rewind drops");
-    }
-    {
-        nb::gil_scoped_release release;
-        pe.engine->rewind(s, keep);
-    }
-    if (!consumed.is_none() && drop > 0) {
-        const Py_ssize_t len = PyList_GET_SIZE(consumed.ptr());
-        if (PyList_SetSlice(consumed.ptr(), len - drop, len, nullptr) != 0) throw nb::python_error();
-    }
+    bindings::rewind_call(s.rewindable() - keep, consumed, [&] { pe.engine->rewind(s, keep); });
 }
 
 // ---- kernel entry points for tests ----------------------------------------------------------------

@@ -82,4 +82,23 @@ nanobind::object forward_call(const int64_t* ids, int64_t n, size_t vocab, const
     return out;
 }
 
+// rewind(): run() rolls the state back by `drop` tokens, which leave the session's token list `consumed`
+// (or None) in the same call, so the tokens and the state cannot part; the list is checked first
+template <class Run>
+void rewind_call(int64_t drop, nanobind::handle consumed, Run&& run) {
+    if (!consumed.is_none()) {
+        if (!PyList_Check(consumed.ptr())) throw nanobind::type_error("consumed must be a list (a session's tokens)");
+        if (drop > 0 && PyList_GET_SIZE(consumed.ptr()) < drop)
+            throw std::invalid_argument("consumed holds fewer tokens than the rewind drops");
+    }
+    {
+        nanobind::gil_scoped_release release;
+        run();
+    }
+    if (!consumed.is_none() && drop > 0) {
+        const Py_ssize_t len = PyList_GET_SIZE(consumed.ptr());
+        if (PyList_SetSlice(consumed.ptr(), len - drop, len, nullptr) != 0) throw nanobind::python_error();
+    }
+}
+
 }  // namespace qwenmetal::bindings

@@ -72,12 +72,16 @@ void register_gpu_graph(nb::module_& g) {
         .def_prop_ro("position", [](const GpuState& s) { return s.position; })
         .def_prop_ro("nbytes", &GpuState::nbytes)
         .def_prop_ro("capacity", &GpuState::capacity)
+        .def_prop_ro("rewindable", &GpuState::rewindable, "tokens of the open verify() chain (0: none)")
+        .def_prop_ro("verify_bytes", &GpuState::pool_bytes,
+                     "device bytes of the GDN state sets kept for verification rows")
         .def("copy", [](const GpuState& s) { return std::make_unique<GpuState>(s); })
         .def("reset", &GpuState::reset)
         // costing at a context length without computing it (encode-only states hold no contents)
         .def("_set_position", [](GpuState& s, int64_t p) {
             if (p < 0) throw std::invalid_argument("position must be >= 0");
             s.reserve(p + 1);
+            s.end_chain();
             s.position = p;
         })
         // (position, [K, V of each attention layer as u8 [n_kv * position * head_row]], [conv f32], [ssm f32])
@@ -106,6 +110,7 @@ void register_gpu_graph(nb::module_& g) {
             if (kv.size() != 2 * s.kv.size() || conv.size() != s.conv.size() / 2 || ssm.size() != s.ssm.size() / 2)
                 throw std::invalid_argument("metal backend: state arrays do not match the model's layers");
             s.reserve(std::max<int64_t>(position, 1));
+            s.end_chain();
             const uint64_t hr = s.kv_head_row_bytes(), P = uint64_t(position), cap = s.capacity();
             for (size_t i = 0; i < s.kv.size(); ++i)
                 for (int j = 0; j < 2; ++j) {
@@ -187,6 +192,30 @@ void register_gpu_graph(nb::module_& g) {
                                     e.engine->forward(s, ids.data(), n, want, dst, poll);
                                 });
         }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
+        .def("verify", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                          nb::handle consumed, bool return_hidden) {
+            const int64_t n = int64_t(ids.shape(0));
+            nb::object hout = nb::none();
+            float* hp = nullptr;
+            if (return_hidden) {
+                auto a = new_array({size_t(n), size_t(e.model->config().hidden)});
+                hp = a.data();
+                hout = nb::cast(a);
+            }
+            nb::object out = forward_call(ids.data(), n, size_t(e.model->config().vocab), "all", consumed,
+                                          [&](int, float* dst, InterruptPoll) {
+                                              e.engine->verify(s, ids.data(), n, dst, hp);
+                                          });
+            return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
+        }, "state"_a, "ids"_a, "consumed"_a = nb::none(), "return_hidden"_a = false,
+           "Run ids (1..16) with the logits of each ([n, vocab]), every row bit for bit a decode step's, keeping "
+           "the GDN state after each row for rewind(); consecutive verify() calls form one chain (16 tokens at "
+           "most). return_hidden: (logits, the final-normed rows [n, hidden]).")
+        .def("rewind", [](PyGpuEngine& e, GpuState& s, int64_t keep, nb::handle consumed) {
+            rewind_call(s.rewindable() - keep, consumed, [&] { e.engine->rewind(s, keep); });
+        }, "state"_a, "keep"_a, "consumed"_a = nb::none(),
+           "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them; the dropped "
+           "tokens leave `consumed`. Ends the chain.")
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
                           bool pipelined, uint32_t vocab, nb::handle consumed) {

@@ -39,6 +39,7 @@
 #include <cstring>
 #include <optional>
 
+#include "core/dtype.h"
 #include "gpu/model.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/norm.h"
@@ -56,18 +57,35 @@ ops::GdnShape gdn_shape(const Config& c) {
     return ops::GdnShape{uint32_t(c.nk), uint32_t(c.nv), uint32_t(c.dk), uint32_t(c.dv), uint32_t(c.conv_kernel)};
 }
 
-// y[:st.rows] = st x: one qmv per part, into consecutive row ranges of y (each part normalises its
-// input itself when the RMSNorm is fused; only the first stores the normalised input)
+// y[b, :st.rows] = st x[b] for b < batch: one qmv per part, into consecutive column ranges of y's rows
+// [batch, st.rows] (each part normalises its input itself when the RMSNorm is fused; only the first
+// stores the normalised input)
 void stacked_qmv(Encoder& e, Act t, const Stacked& st, const Buffer& x, const Buffer& y, bool f32_out,
-                 const ops::QmvFusion& fuse) {
+                 const ops::QmvFusion& fuse, uint32_t batch = 1) {
     const uint64_t es = f32_out ? 4 : act_size(t);
     uint64_t row = 0;
     ops::QmvFusion f = fuse;
     for (const Matrix& m : st.parts) {
-        ops::qmv(e, t, m, x, y.view(row * es, uint64_t(m.rows) * es), 1, f32_out, 0, 0, f);
+        ops::qmv(e, t, m, x, y.view(row * es), batch, f32_out, 0, st.rows, f);
         f.xn = nullptr;
         row += m.rows;
     }
+}
+
+// the widest per-token rows of the graph's scratch, over the layers
+struct LayerWidths {
+    uint32_t in_rows = 0;     // a stacked in-projection's rows
+    uint32_t inter = 0;       // a routed or the shared expert's intermediate size
+    uint32_t dense = 0;       // a dense MLP's intermediate size (0: no dense layer)
+};
+LayerWidths layer_widths(const std::vector<GpuLayer>& layers) {
+    LayerWidths w;
+    for (const GpuLayer& L : layers) {
+        w.in_rows = std::max(w.in_rows, L.attention ? L.attn_in.rows : L.gdn_in.rows);
+        if (L.moe) w.inter = std::max({w.inter, L.gate.rows, L.has_shared ? L.shared_down.cols : 0u});
+        else w.dense = std::max(w.dense, L.mlp_down.cols);
+    }
+    return w;
 }
 
 ops::QmvFusion normed(const Buffer& w, float eps, const Buffer* xn = nullptr) {
@@ -105,7 +123,8 @@ struct GpuEngine::Scratch {
 };
 
 GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
-    : m_(std::move(m)), sc_(std::make_unique<Scratch>()), ch_(std::make_unique<Chunk>()) {
+    : m_(std::move(m)), sc_(std::make_unique<Scratch>()), ch_(std::make_unique<Chunk>()),
+      vf_(std::make_unique<Verify>()) {
     const Config& c = m_->config();
     const GpuOptions& o = m_->options();
     if (o.prefill_chunk < 1) throw std::invalid_argument("metal backend: prefill_chunk must be >= 1");
@@ -114,13 +133,8 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     Device& d = m_->device();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t);
-    uint32_t in_rows = 0, inter = 0;
-    bool any_mlp = false;
-    for (const GpuLayer& L : m_->layers) {
-        in_rows = std::max(in_rows, L.attention ? L.attn_in.rows : L.gdn_in.rows);
-        if (L.moe) inter = std::max({inter, L.gate.rows, L.has_shared ? L.shared_down.cols : 0u});
-        else any_mlp = true;
-    }
+    const LayerWidths w = layer_widths(m_->layers);
+    const uint32_t in_rows = w.in_rows, inter = w.inter;
     const uint64_t nhd = uint64_t(c.n_heads) * c.head_dim;
     Scratch& s = *sc_;
     s.x = d.alloc(c.hidden * es, "x");
@@ -137,7 +151,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     s.topk_w = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_w");
     s.slot_ids = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "slot_ids");
     s.moe_act = d.alloc(std::max<uint64_t>((c.top_k + 1) * uint64_t(inter), 1) * es, "moe_act");
-    s.mlp_act = d.alloc(std::max<int64_t>(any_mlp ? c.dense_inter : 1, 1) * es, "mlp_act");
+    s.mlp_act = d.alloc(std::max<uint32_t>(w.dense, 1) * es, "mlp_act");
     s.logits = d.alloc(c.vocab * 4, "logits");
     s.tokens = d.alloc(kSlots * 4, "tokens");
     s.sample = d.alloc(ops::sample_scratch_bytes(uint32_t(c.vocab)), "sample");
@@ -355,13 +369,11 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     const Config& c = m_->config();
     Device& d = m_->device();
     const uint64_t es = act_size(m_->options().act), C = std::max(rows, k.rows);
-    uint32_t in_rows = 0, dense = 0;
+    const LayerWidths w = layer_widths(m_->layers);
+    const uint32_t in_rows = w.in_rows, dense = w.dense;
     const GpuLayer* moe = nullptr;                     // every MoE layer has the config's shapes: one scratch
-    for (const GpuLayer& L : m_->layers) {
-        in_rows = std::max(in_rows, L.attention ? L.attn_in.rows : L.gdn_in.rows);
-        if (!L.moe) dense = std::max(dense, L.mlp_down.cols);
-        else if (!moe) moe = &L;
-    }
+    for (const GpuLayer& L : m_->layers)
+        if (L.moe && !moe) moe = &L;
     const uint64_t H = uint64_t(c.hidden), nhd = uint64_t(c.n_heads) * c.head_dim;
     auto alloc = [&](uint64_t bytes, const char* label) { return d.alloc(std::max<uint64_t>(bytes, 16), label); };
     Chunk n;                                           // everything allocated before anything changes
@@ -459,8 +471,22 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot run forward()");
+    st.end_chain();                                    // any call but verify ends a verification chain
     if (m_->experts()) {                               // streaming: token by token through the expert cache
         stream_forward(st, ids, n, want, logits, poll);
+        return;
+    }
+    if (n == 1) {                                      // one token: a decode step (decode() and verify() rows
+        st.reserve(st.position + 1);                   // compute the same), the state advanced once it ran
+        const uint32_t id = uint32_t(ids[0]);
+        std::memcpy(sc_->tokens.data(), &id, 4);
+        auto cb = d.command_buffer();
+        Encoder e(d, *cb);
+        encode_step(e, st, st.position, 0, 1, nullptr);
+        cb->commit();
+        cb->wait();
+        st.commit_step();
+        if (want) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
         return;
     }
     const int64_t C = want == 2 ? logits_rows() : chunk_;
@@ -536,6 +562,7 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
     if (n <= 0) return out;
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
+    st.end_chain();
     st.reserve(st.position + n);
     uint32_t tok0 = uint32_t(first);
     if (sc_->tokens.data()) std::memcpy(sc_->tokens.data(), &tok0, 4);
@@ -612,6 +639,210 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
     return out;
 }
 
+// ---------------------------------------------------------------------------------------------- verification
+// The verification of drafted tokens (docs/speculative.md): R tokens at positions p0.. as one command
+// buffer in which every row is computed as a decode step (encode_step) computes it, so its logits and the
+// state after it are bit for bit those of R decode steps:
+//
+//   x  = embed(ids)                                 the host wrote the ids first
+//   for each layer:
+//       proj = W_in rmsnorm(x)                      qmv over the R rows: each weight read once for all
+//                                                   of them, per row the decode kernel's arithmetic
+//       mix[r] = attention(proj[r]) over keys 0..p0+r      attn_prepare writes the R K/V rows at once
+//              | gdn(proj[r]) on the state after row r-1   into the state set of row r
+//       x   += W_out mix                            qmv over the rows, the residual add fused
+//       router = W_r rmsnorm(x), xn                 qmv over the rows
+//       x[r] += moe(xn[r])                          the decode MoE kernels per row (its own experts)
+//            | mlp(rmsnorm(x[r]))                   (dense layers)
+//   logits = lm_head rmsnorm(x) (float, [R, V])     qmv over the rows; xn keeps the normed rows (hidden)
+//
+// The GDN states after each row go to sets of their own (GpuState::take_sets), which GpuState::rewind
+// reinstalls; the KV rows past a rewound position are overwritten by later calls.
+
+// One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
+// most kMaxVerifyRows): the decode scratch's tensors with one row per token.
+struct GpuEngine::Verify {
+    uint32_t rows = 0;            // R
+    Buffer ids;                   // u32 [R]                    the token ids (written by the host)
+    Buffer x;                     // T [R, H]                   residual stream
+    Buffer xn;                    // T [R, H]                   normalised rows (the router's; the head's: hidden)
+    Buffer proj;                  // T [R, max in rows]         stacked in-projection rows
+    Buffer conv_act;              // T [R, conv_dim]            GDN q | k | v after the conv and SiLU
+    Buffer q;                     // T [R, nh * hd]             attention queries after norm + RoPE
+    std::vector<Buffer> attn_part;  // f32, one per row: the rows' attention dispatches run side by side
+    Buffer mix;                   // T [R, max(value_dim, nh * hd)]  block output before the out projection
+    Buffer router;                // f32 [R, router rows]       router logits (+ the shared-expert gate logit)
+    Buffer topk_ids;              // u32 [R, k]
+    Buffer topk_w;                // f32 [R, k]
+    Buffer moe_act;               // T [R, act_row]             SwiGLU activations of the routed + shared experts
+    uint64_t act_row = 0;         // (k + 1) * max(I, Is): moe_act's row, as the decode scratch's
+    Buffer mlp_act;               // T [R, I]                   dense-MLP SwiGLU activations
+    Buffer logits;                // f32 [R, V]
+};
+
+void GpuEngine::ensure_verify(uint32_t rows) {
+    Verify& v = *vf_;
+    if (rows <= v.rows) return;
+    const Config& c = m_->config();
+    Device& d = m_->device();
+    const uint64_t es = act_size(m_->options().act), R = rows, H = uint64_t(c.hidden);
+    const LayerWidths w = layer_widths(m_->layers);
+    uint32_t router_rows = 1;
+    for (const GpuLayer& L : m_->layers)
+        if (L.moe) router_rows = std::max(router_rows, L.router.rows);
+    const uint64_t nhd = uint64_t(c.n_heads) * c.head_dim, k = uint64_t(std::max<int64_t>(c.top_k, 1));
+    const uint64_t part = std::max<uint64_t>(ops::attention_scratch_bytes(attn_shape(c), UINT32_MAX, m_->options().attn), 16);
+    auto alloc = [&](uint64_t bytes, const char* label) { return d.alloc(std::max<uint64_t>(bytes, 16), label); };
+    Verify n;                                          // everything allocated before anything changes
+    n.rows = rows;
+    n.ids = alloc(R * 4, "verify.ids");
+    n.x = alloc(R * H * es, "verify.x");
+    n.xn = alloc(R * H * es, "verify.xn");
+    n.proj = alloc(R * w.in_rows * es, "verify.proj");
+    n.conv_act = alloc(R * uint64_t(std::max<int64_t>(c.conv_dim(), 0)) * es, "verify.conv_act");
+    n.q = alloc(R * nhd * es, "verify.q");
+    for (uint32_t r = 0; r < rows; ++r) n.attn_part.push_back(alloc(part, "verify.attn_part"));
+    n.mix = alloc(R * std::max<uint64_t>(uint64_t(std::max<int64_t>(c.value_dim(), 0)), nhd) * es, "verify.mix");
+    n.router = alloc(R * router_rows * 4, "verify.router");
+    n.topk_ids = alloc(R * k * 4, "verify.topk_ids");
+    n.topk_w = alloc(R * k * 4, "verify.topk_w");
+    n.act_row = (k + 1) * w.inter;
+    n.moe_act = alloc(R * n.act_row * es, "verify.moe_act");
+    n.mlp_act = alloc(R * w.dense * es, "verify.mlp_act");
+    n.logits = alloc(R * uint64_t(c.vocab) * 4, "verify.logits");
+    v = std::move(n);
+}
+
+// One layer over the rows: encode_layer's blocks, the GEMVs over all rows, the rest per row. in(r) / out(r):
+// the GDN states row r reads and writes.
+void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t p0, uint32_t rows,
+                                    const std::vector<GpuState::StateSet>& sets) {
+    const Config& c = m_->config();
+    const GpuLayer& L = m_->layers[li];
+    const Act t = m_->options().act;
+    const uint64_t es = act_size(t), H = uint64_t(c.hidden);
+    const uint64_t nhd = uint64_t(c.n_heads) * c.head_dim;
+    const uint64_t mix_w = std::max<uint64_t>(uint64_t(std::max<int64_t>(c.value_dim(), 0)), nhd);
+    Verify& v = *vf_;
+    const uint32_t in_rows = L.attention ? L.attn_in.rows : L.gdn_in.rows;
+    auto row = [](const Buffer& b, uint64_t stride, uint32_t r, uint64_t len) { return b.view(r * stride, len); };
+    stacked_qmv(e, t, L.attention ? L.attn_in : L.gdn_in, v.x, v.proj, false, normed(L.input_norm, c.eps), rows);
+    if (L.attention) {
+        // ---- gated full attention ----
+        const ops::AttnShape as = attn_shape(c);
+        const ops::KVCache& kv = st.kv[L.state_index];
+        ops::attn_prepare(e, t, as, v.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, v.q, rows, in_rows);
+        for (uint32_t r = 0; r < rows; ++r)                                             // mix[r] = gated attention
+            ops::attention_decode(e, t, as, m_->options().attn, row(v.q, nhd * es, r, nhd * es),
+                                  row(v.proj, in_rows * es, r, in_rows * es), kv, uint32_t(p0 + r + 1),
+                                  v.attn_part[r], row(v.mix, mix_w * es, r, nhd * es));
+        ops::qmv(e, t, L.o_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
+    } else {
+        // ---- Gated DeltaNet, row after row: row r steps the state after row r - 1 ----
+        const ops::GdnShape gs = gdn_shape(c);
+        const size_t gi = L.state_index;
+        const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
+        for (uint32_t r = 0; r < rows; ++r) {
+            const Buffer p = row(v.proj, in_rows * es, r, in_rows * es), act = row(v.conv_act, cd * es, r, cd * es);
+            const Buffer& conv_in = r ? sets[r - 1].conv[gi] : st.conv_in(gi);
+            const Buffer& ssm_in = r ? sets[r - 1].ssm[gi] : st.ssm_in(gi);
+            ops::gdn_conv(e, t, gs, p.view(0, cd * es), L.conv_w, conv_in, sets[r].conv[gi], act);
+            ops::gdn_step(e, t, gs, act, p.view(cd * es, vd * es), p.view((cd + vd) * es, nv * es),
+                          p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps, ssm_in,
+                          sets[r].ssm[gi], row(v.mix, mix_w * es, r, vd * es));
+        }
+        ops::qmv(e, t, L.out_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
+    }
+
+    if (L.moe) {
+        const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k), rr = L.router.rows;
+        const uint64_t act_w = v.act_row;
+        ops::QmvFusion rf = normed(L.post_norm, c.eps, &v.xn);
+        rf.round = true;                                                                // bf16 logits, as MLX
+        stacked_qmv(e, t, L.router, v.x, v.router, true, rf, rows);                    // router logits, xn
+        for (uint32_t r = 0; r < rows; ++r) {
+            const Buffer logits = row(v.router, rr * 4, r, rr * 4), ids = row(v.topk_ids, k * 4, r, k * 4);
+            const Buffer w = row(v.topk_w, k * 4, r, k * 4), act = row(v.moe_act, act_w * es, r, act_w * es);
+            const Buffer xn = row(v.xn, H * es, r, H * es), x = row(v.x, H * es, r, H * es);
+            const ops::MoeRouting route{logits, E, c.norm_topk, w};
+            ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, xn, ids, k, act,
+                             &route);                                                   // top-k + SwiGLU
+            ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, act, ids, w, logits, E, k,
+                          x);                                                           // x[r] += moe(xn[r])
+        }
+    } else {
+        const uint32_t I = L.mlp_down.cols;
+        ops::rmsnorm(e, t, v.x, L.post_norm, v.xn, rows, uint32_t(H), c.eps);
+        for (uint32_t r = 0; r < rows; ++r)
+            ops::mlp_gate_up(e, t, L.mlp_gate_up, row(v.xn, H * es, r, H * es), row(v.mlp_act, I * es, r, I * es));
+        ops::qmv(e, t, L.mlp_down, v.mlp_act, v.x, rows, false, I, uint32_t(H), residual(v.x));   // x += mlp(xn)
+    }
+}
+
+void GpuEngine::verify(GpuState& st, const int64_t* ids, int64_t n, float* logits, float* hidden) {
+    const Config& c = m_->config();
+    if (n < 1) throw std::invalid_argument("metal backend: no tokens to verify");
+    if (n > int64_t(kMaxVerifyRows))
+        throw std::invalid_argument("metal backend: at most " + std::to_string(kMaxVerifyRows) +
+                                    " tokens per verification, got " + std::to_string(n));
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= c.vocab)
+            throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot verify");
+    if (m_->experts())
+        throw std::invalid_argument("metal backend: verification runs on resident experts (not in streaming mode)");
+    if (st.rewindable() + n > int64_t(kMaxVerifyRows))
+        throw std::invalid_argument("metal backend: a verification chain holds at most " +
+                                    std::to_string(kMaxVerifyRows) + " tokens (" + std::to_string(st.rewindable()) +
+                                    " open); rewind first");
+    const uint32_t R = uint32_t(n);
+    st.reserve(st.position + n);                       // everything that can fail before the state changes
+    ensure_verify(R);
+    std::vector<GpuState::StateSet> sets = st.take_sets(R);
+    try {
+        uint32_t* dst = vf_->ids.as<uint32_t>();
+        for (uint32_t r = 0; r < R; ++r) dst[r] = uint32_t(ids[r]);
+        auto cb = d.command_buffer();
+        Encoder e(d, *cb);
+        encode_verify(e, st, st.position, R, sets, hidden != nullptr);
+        cb->commit();
+        cb->wait();
+    } catch (...) {
+        st.give_sets(std::move(sets));                 // nothing was installed: the state is as it was
+        throw;
+    }
+    std::memcpy(logits, vf_->logits.data(), size_t(R) * c.vocab * 4);
+    if (hidden) {
+        const size_t m = size_t(R) * c.hidden;
+        if (m_->options().act == Act::F32) std::memcpy(hidden, vf_->xn.data(), m * 4);
+        else
+            for (size_t i = 0; i < m; ++i) hidden[i] = bf16_to_f32(vf_->xn.as<uint16_t>()[i]);
+    }
+    st.chain_rows(std::move(sets));
+}
+
+void GpuEngine::encode_verify(Encoder& e, GpuState& st, int64_t p0, uint32_t rows,
+                              const std::vector<GpuState::StateSet>& sets, bool hidden) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    Verify& v = *vf_;
+    ops::embed(e, t, m_->embed, v.ids.view(0, uint64_t(rows) * 4), rows, v.x);          // x = embed(ids)
+    for (size_t li = 0; li < m_->layers.size(); ++li) encode_verify_layer(e, st, li, p0, rows, sets);
+    ops::qmv(e, t, m_->lm_head, v.x, v.logits, rows, true, 0, 0,
+             normed(m_->final_norm, c.eps, hidden ? &v.xn : nullptr));                   // logits (f32) [, hidden]
+}
+
+void GpuEngine::rewind(GpuState& st, int64_t keep) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (st.rewindable() == 0) throw std::invalid_argument("nothing to rewind (no open verify chain on this state)");
+    if (keep < 0 || keep > st.rewindable())
+        throw std::invalid_argument("rewind keeps 0.." + std::to_string(st.rewindable()) + " tokens, got " +
+                                    std::to_string(keep));
+    st.rewind(keep);
+}
+
 namespace {
 StepCost cost_of(const Encoder& e, const Counters& k) {
     StepCost r;
@@ -644,6 +875,7 @@ StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows, bool all_logits) {
     if (rows < 1) throw std::invalid_argument("prefill_cost: rows must be >= 1");
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
+    st.end_chain();
     st.reserve(st.position + rows);
     ensure_chunk(rows, all_logits);
     d.reset_counters();

@@ -379,6 +379,7 @@ void GpuState::reserve(int64_t tokens) {
 }
 
 void GpuState::reset() {
+    end_chain();
     position = 0;
     cur = 0;
     for (const Buffer& b : conv)
@@ -413,6 +414,69 @@ void GpuState::restore(const Saved& s) {
         if (conv_in(i).data()) std::memcpy(conv_in(i).data(), s.conv[i].data(), s.conv[i].size());
         if (ssm_in(i).data()) std::memcpy(ssm_in(i).data(), s.ssm[i].data(), s.ssm[i].size());
     }
+}
+
+// ---- the verification chain ----
+std::vector<GpuState::StateSet> GpuState::take_sets(size_t n) {
+    while (pool_.size() < n) {                     // allocated before anything is taken
+        StateSet s;
+        for (size_t i = 0; i < conv.size() / 2; ++i) {
+            s.conv.push_back(dev_.alloc(conv[2 * i].length, "conv state (verify row)"));
+            s.ssm.push_back(dev_.alloc(ssm[2 * i].length, "recurrent state (verify row)"));
+        }
+        pool_.push_back(std::move(s));
+    }
+    std::vector<StateSet> out(std::make_move_iterator(pool_.end() - n), std::make_move_iterator(pool_.end()));
+    pool_.resize(pool_.size() - n);
+    return out;
+}
+
+void GpuState::give_sets(std::vector<StateSet> sets) {
+    for (StateSet& s : sets) pool_.push_back(std::move(s));
+}
+
+void GpuState::install(const StateSet& s) {
+    for (size_t i = 0; i < s.conv.size(); ++i) {
+        conv[2 * i + cur] = s.conv[i];
+        ssm[2 * i + cur] = s.ssm[i];
+    }
+}
+
+void GpuState::chain_rows(std::vector<StateSet> rows) {
+    if (rows.empty()) return;
+    if (chain_.empty()) {                          // the state before the chain: the current halves
+        StateSet before;
+        for (size_t i = 0; i < conv.size() / 2; ++i) {
+            before.conv.push_back(conv_in(i));
+            before.ssm.push_back(ssm_in(i));
+        }
+        chain_.push_back(std::move(before));
+        chain_pos0_ = position;
+    }
+    position += int64_t(rows.size());
+    for (StateSet& s : rows) chain_.push_back(std::move(s));
+    install(chain_.back());
+}
+
+void GpuState::rewind(int64_t keep) {
+    if (chain_.empty()) return;
+    install(chain_[size_t(keep)]);
+    position = chain_pos0_ + keep;
+    for (size_t r = 0; r < chain_.size(); ++r)
+        if (r != size_t(keep)) pool_.push_back(std::move(chain_[r]));
+    chain_.clear();
+}
+
+void GpuState::end_chain() {
+    if (!chain_.empty()) rewind(int64_t(chain_.size()) - 1);
+}
+
+uint64_t GpuState::pool_bytes() const {
+    uint64_t n = 0;
+    for (const std::vector<StateSet>* v : {&chain_, &pool_})
+        for (const StateSet& s : *v)
+            for (size_t i = 0; i < s.conv.size(); ++i) n += s.conv[i].length + s.ssm[i].length;
+    return n;
 }
 
 }  // namespace qwenmetal::gpu

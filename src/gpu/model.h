@@ -128,6 +128,9 @@ class GpuModel {
     uint64_t weight_bytes_ = 0, copied_bytes_ = 0, slot_bytes_ = 0;
 };
 
+// the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
+constexpr uint32_t kMaxVerifyRows = 16;
+
 class GpuState {
   public:
     GpuState(const GpuModel& m);
@@ -167,7 +170,33 @@ class GpuState {
     Saved save() const;
     void restore(const Saved& s);
 
+    // ---- the chain of verification calls (GpuEngine::verify; docs/speculative.md) ----
+    // A GDN state cannot be truncated, so every verified row writes the state after it into a set of
+    // buffers of its own: chain[0] is the state before the chain (the current halves then), chain[r]
+    // the state after its r-th row, and the last is installed as the current halves. rewind(keep)
+    // installs chain[keep]. Sets come from a pool kept for the next chain: the memory is the rows of
+    // the longest chain times the GDN state bytes. A copy of the state has no chain.
+    struct StateSet {
+        std::vector<Buffer> conv, ssm;            // [n_gdn] each
+    };
+    int64_t rewindable() const { return chain_.empty() ? 0 : int64_t(chain_.size()) - 1; }
+    // n sets for the next rows (from the pool; allocated first when it is short: strong guarantee)
+    std::vector<StateSet> take_sets(size_t n);
+    // the rows of a verification call ran into `rows` (take_sets): they join the chain (opened at this
+    // position when none is open), the last becomes the current state, the position advances
+    void chain_rows(std::vector<StateSet> rows);
+    // the state after the chain's first `keep` (0..rewindable()) rows; ends the chain. Cannot fail.
+    void rewind(int64_t keep);
+    // sets take_sets gave that were not used (a failed call)
+    void give_sets(std::vector<StateSet> sets);
+    // any other call: the chain's sets but the current one go back to the pool
+    void end_chain();
+    uint64_t pool_bytes() const;                  // device bytes of the pool and the chain's sets
+
   private:
+    void install(const StateSet& s);
+    std::vector<StateSet> chain_, pool_;
+    int64_t chain_pos0_ = 0;
     const GpuModel& m_;
     Device& dev_;
     bool kv_f32_;
@@ -226,9 +255,27 @@ class GpuEngine {
     // what it cost. For encode-only costing (token ids are not written: 0s).
     StepCost prefill_cost(GpuState& s, uint32_t rows, bool all_logits = false);
 
+    // The verification of drafted tokens (docs/speculative.md): `ids` (1..kMaxVerifyRows) at s.position..
+    // as one command buffer in which every row is computed as a decode step computes it -- the
+    // projections, the router and the lm_head as qmv over the rows (each weight read once for all of
+    // them, per row the decode kernel's arithmetic), attention, the GDN conv and recurrence and the MoE
+    // block per row -- so the logits of every row ([n, vocab] into `logits`) and the state after any
+    // prefix of the rows are bit for bit those of decode steps. `hidden` (optional): the final-normed
+    // rows [n, hidden]. Consecutive calls form a chain (GpuState::rewindable, at most kMaxVerifyRows
+    // tokens); any other call on the state ends it. All-or-nothing. Resident experts only.
+    void verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden = nullptr);
+    // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
+    void rewind(GpuState& s, int64_t keep);
+
   private:
     struct Scratch;
     struct Chunk;
+    struct Verify;
+    void ensure_verify(uint32_t rows);
+    void encode_verify(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, const std::vector<GpuState::StateSet>& sets,
+                       bool hidden);
+    void encode_verify_layer(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows,
+                             const std::vector<GpuState::StateSet>& sets);
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc);
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
@@ -246,6 +293,7 @@ class GpuEngine {
     std::shared_ptr<GpuModel> m_;
     std::unique_ptr<Scratch> sc_;
     std::unique_ptr<Chunk> ch_;
+    std::unique_ptr<Verify> vf_;
     uint32_t chunk_ = 0;
     int64_t stream_tokens_ = 0;                   // streaming: tokens run since reset_expert_stats()
     ops::GemmRoute gemm_route_ = ops::GemmRoute::Simdgroup;

@@ -375,11 +375,13 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
 
 def encode_only_verify_cost(config, rows=(2, 3, 5, 9), *, context: int = 4096, dtype: str = "bfloat16",
                             kv_dtype: str = "bfloat16") -> dict:
-    """What verifying k = rows - 1 drafted tokens as one small-m prefill chunk (logits of every row) would
-    cost in the Metal graph against one decode step, at ``context`` cached tokens, per chip and GEMM route:
-    both encoded on an encode-only simulator device over virtual weights (the MLX 4-bit layout) and timed
-    with `modelled_level_time` (CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS). A model, not a measurement; the
-    Metal backend does not verify this way yet (docs/speculative.md)."""
+    """What verifying k = rows - 1 drafted tokens costs in the Metal graph against one decode step, at
+    ``context`` cached tokens, per chip and GEMM route: the verification graph the backend runs
+    (`GpuEngine.verify`: every row a decode step's arithmetic, the GEMVs over all rows) and, for comparison,
+    a small-m prefill chunk with every row's logits (shares every weight read, but not the decode arithmetic:
+    ``chunk_vs_step``). Encoded on an encode-only simulator device over virtual weights (the MLX 4-bit
+    layout) and timed with `modelled_level_time` (CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS). A model, not a
+    measurement (docs/speculative.md)."""
     core = _core()
     mappings, tensors, _ = virtual_weight_table(config)
     out = {"context": int(context), "rows": {}, "step_seconds": {}, "level_latency_us": LEVEL_LATENCY_S * 1e6}
@@ -390,10 +392,11 @@ def encode_only_verify_cost(config, rows=(2, 3, 5, 9), *, context: int = 4096, d
         st = eng.new_state()
         st._set_position(int(context))
         step = eng.encode_cost(st)
-        chunks = {}
+        graphs, chunks = {}, {}
         for n in rows:
             s = eng.new_state()
             s._set_position(int(context))
+            graphs[int(n)] = eng.verify_cost(s, int(n))
             chunks[int(n)] = eng.prefill_cost(s, int(n), all_logits=True)
         for chip, r in CHIP_ROUTE.items():
             if r != route:
@@ -401,8 +404,10 @@ def encode_only_verify_cost(config, rows=(2, 3, 5, 9), *, context: int = 4096, d
             bw, peak = CHIP_BANDWIDTH_GBS[chip], CHIP_PEAK_TFLOPS[chip]
             t1 = modelled_level_time(step["level_bytes"], step["level_flops"], bw, peak)
             out["step_seconds"][chip] = t1
-            for n, c in chunks.items():
+            for n, c in graphs.items():
                 t = modelled_level_time(c["level_bytes"], c["level_flops"], bw, peak)
-                out["rows"].setdefault(n, {})[chip] = {"seconds": t, "vs_step": t / t1,
+                k = chunks[n]
+                tc = modelled_level_time(k["level_bytes"], k["level_flops"], bw, peak)
+                out["rows"].setdefault(n, {})[chip] = {"seconds": t, "vs_step": t / t1, "chunk_vs_step": tc / t1,
                                                        "levels": int(c["levels"]), "step_levels": int(step["levels"])}
     return out

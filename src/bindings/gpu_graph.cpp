@@ -259,6 +259,14 @@ void register_gpu_graph(nb::module_& g) {
             }
             return cost_dict(c);
         }, "state"_a, "rows"_a, "all_logits"_a = false)
+        .def("verify_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows) {
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->verify_cost(s, rows);
+            }
+            return cost_dict(c);
+        }, "state"_a, "rows"_a)
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
         .def_prop_ro("logits_rows", [](PyGpuEngine& e) { return e.engine->logits_rows(); })
         .def_prop_ro("gemm_route", [](PyGpuEngine& e) {

@@ -888,4 +888,23 @@ StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows, bool all_logits) {
     return cost_of(e, d.counters());
 }
 
+StepCost GpuEngine::verify_cost(GpuState& st, uint32_t rows) {
+    if (rows < 1 || rows > kMaxVerifyRows)
+        throw std::invalid_argument("verify_cost: rows must be in 1.." + std::to_string(kMaxVerifyRows));
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    st.end_chain();
+    st.reserve(st.position + rows);
+    ensure_verify(rows);
+    std::vector<GpuState::StateSet> sets = st.take_sets(rows);
+    d.reset_counters();
+    auto cb = d.command_buffer();
+    Encoder e(d, *cb);
+    encode_verify(e, st, st.position, rows, sets, false);
+    cb->commit();
+    cb->wait();
+    st.give_sets(std::move(sets));                     // costed only: the state does not advance
+    return cost_of(e, d.counters());
+}
+
 }  // namespace qwenmetal::gpu

@@ -254,6 +254,9 @@ class GpuEngine {
     // of every row: the cost of verifying rows - 1 drafted tokens as one chunk), then advance the state:
     // what it cost. For encode-only costing (token ids are not written: 0s).
     StepCost prefill_cost(GpuState& s, uint32_t rows, bool all_logits = false);
+    // Encode, commit and wait one verification of `rows` tokens at s.position (verify's graph; the state does
+    // not advance): what it cost. For encode-only costing.
+    StepCost verify_cost(GpuState& s, uint32_t rows);
 
     // The verification of drafted tokens (docs/speculative.md): `ids` (1..kMaxVerifyRows) at s.position..
     // as one command buffer in which every row is computed as a decode step computes it -- the

@@ -486,7 +486,7 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
     tokens = args.decode_steps or (12 if args.quick else 64)
     res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
     from ..metal_backend import encode_only_verify_cost, sim_available
-    if sim_available():     # the Metal graph's verification as a small-m chunk, modelled (encode-only)
+    if sim_available():     # the Metal graph's verification, modelled (encode-only)
         from ..config import ModelConfig
         cfg = ModelConfig.from_dict(resolve_config(args.config, 4 if args.quick else 40))
         res["metal_modelled"] = encode_only_verify_cost(cfg, context=256 if args.quick else 4096)

@@ -71,12 +71,14 @@ def test_verify_rows_are_one_token_calls_and_rewind_is_exact(preset, activations
     _check_verify_and_rewind(_load(preset, activations=activations, kv_dtype="float32"))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
+@pytest.mark.parametrize("preset,attention", [("tiny", None), ("tiny-qwen3-next", None),
+                                               # rows across the single / split / two-pass routes
+                                               ("tiny", {"single_pass_max": 16, "split_max": 18})])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_metal_graph_verify_rows_are_decode_steps_and_rewind_is_exact(preset, dtype):
+def test_metal_graph_verify_rows_are_decode_steps_and_rewind_is_exact(preset, attention, dtype):
     """The Metal graph's verification (simulator-verified): rows bit for bit decode steps, an exact rewind,
     and the hidden rows it returns are the final-normed rows (the lm_head's logits from them)."""
-    m = _load(preset, backend="metal-sim", dtype=dtype)
+    m = _load(preset, backend="metal-sim", dtype=dtype, **({"attention": attention} if attention else {}))
     assert m._backend.native_verify
     _check_verify_and_rewind(m)
     s = m.new_session()

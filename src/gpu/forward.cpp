@@ -732,10 +732,11 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
         const ops::AttnShape as = attn_shape(c);
         const ops::KVCache& kv = st.kv[L.state_index];
         ops::attn_prepare(e, t, as, v.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, v.q, rows, in_rows);
-        for (uint32_t r = 0; r < rows; ++r)                                             // mix[r] = gated attention
-            ops::attention_decode(e, t, as, m_->options().attn, row(v.q, nhd * es, r, nhd * es),
-                                  row(v.proj, in_rows * es, r, in_rows * es), kv, uint32_t(p0 + r + 1),
-                                  v.attn_part[r], row(v.mix, mix_w * es, r, nhd * es));
+        std::vector<ops::AttnDecodeRow> ar;                                             // mix[r] = gated attention
+        for (uint32_t r = 0; r < rows; ++r)
+            ar.push_back({row(v.q, nhd * es, r, nhd * es), row(v.proj, in_rows * es, r, in_rows * es),
+                          v.attn_part[r], row(v.mix, mix_w * es, r, nhd * es), uint32_t(p0 + r + 1)});
+        ops::attention_decode_rows(e, t, as, m_->options().attn, kv, ar);
         ops::qmv(e, t, L.o_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
     } else {
         // ---- Gated DeltaNet, row after row: row r steps the state after row r - 1 ----
@@ -760,16 +761,19 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &v.xn);
         rf.round = true;                                                                // bf16 logits, as MLX
         stacked_qmv(e, t, L.router, v.x, v.router, true, rf, rows);                    // router logits, xn
+        auto logits = [&](uint32_t r) { return row(v.router, rr * 4, r, rr * 4); };
+        auto ids = [&](uint32_t r) { return row(v.topk_ids, k * 4, r, k * 4); };
+        auto w = [&](uint32_t r) { return row(v.topk_w, k * 4, r, k * 4); };
+        auto act = [&](uint32_t r) { return row(v.moe_act, act_w * es, r, act_w * es); };
+        // every row's gate/up before any down: the rows share two barrier levels instead of chaining
         for (uint32_t r = 0; r < rows; ++r) {
-            const Buffer logits = row(v.router, rr * 4, r, rr * 4), ids = row(v.topk_ids, k * 4, r, k * 4);
-            const Buffer w = row(v.topk_w, k * 4, r, k * 4), act = row(v.moe_act, act_w * es, r, act_w * es);
-            const Buffer xn = row(v.xn, H * es, r, H * es), x = row(v.x, H * es, r, H * es);
-            const ops::MoeRouting route{logits, E, c.norm_topk, w};
-            ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, xn, ids, k, act,
-                             &route);                                                   // top-k + SwiGLU
-            ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, act, ids, w, logits, E, k,
-                          x);                                                           // x[r] += moe(xn[r])
+            const ops::MoeRouting route{logits(r), E, c.norm_topk, w(r)};
+            ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr,
+                             row(v.xn, H * es, r, H * es), ids(r), k, act(r), &route);    // top-k + SwiGLU
         }
+        for (uint32_t r = 0; r < rows; ++r)                                             // x[r] += moe(xn[r])
+            ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, act(r), ids(r), w(r), logits(r),
+                          E, k, row(v.x, H * es, r, H * es));
     } else {
         const uint32_t I = L.mlp_down.cols;
         ops::rmsnorm(e, t, v.x, L.post_norm, v.xn, rows, uint32_t(H), c.eps);

@@ -140,72 +140,88 @@ uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const At
 void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
                       const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
                       const Buffer& o) {
+    attention_decode_rows(e, t, s, pol, kv, {AttnDecodeRow{q, proj, scratch, o, n_keys}});
+}
+
+void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv,
+                           const std::vector<AttnDecodeRow>& rows) {
     const char* op = "attention_decode";
     check_heads(s, op);
     check_policy(pol, op);
     check(s.head_dim <= ATTN_MAX_HEAD_DIM, op,
           "head_dim " + std::to_string(s.head_dim) + " above the kernels' " + std::to_string(ATTN_MAX_HEAD_DIM));
     check_cache(s, kv, op);
-    check(n_keys > 0 && n_keys <= kv.capacity, op,
-          "n_keys " + std::to_string(n_keys) + " outside 1 .. capacity " + std::to_string(kv.capacity));
     const uint64_t es = act_size(t), hd = s.head_dim, qo_bytes = uint64_t(s.n_heads) * hd * es;
     const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
-    need(q, qo_bytes, op, "q");
-    need(o, qo_bytes, op, "o");
-    if (s.output_gate) need(proj, q_rows * es, op, "proj");
-    // without the gate the kernel never reads proj: any bound buffer will do
-    const Buffer gate_src = s.output_gate ? proj.view(0, q_rows * es) : q.view(0, qo_bytes);
-    const uint64_t gate_read = s.output_gate ? qo_bytes : 0;
-
     const Geometry g = geometry(s, pol.gqa_pack);
-    const std::string route = pol.route(n_keys);
-    const Split sp = split_of(pol, route, n_keys);
-
-    AttnDecodeParams p{};
-    p.n_heads = s.n_heads;
-    p.n_kv_heads = s.n_kv_heads;
-    p.head_dim = s.head_dim;
-    p.group = g.group;
-    p.heads_per_tg = g.heads_per_tg;
-    p.key_split = g.key_split;
-    p.n_keys = n_keys;
-    p.capacity = kv.capacity;
-    p.block = sp.block;
-    p.n_blocks = sp.n_blocks;
-    p.n_partials = sp.n_partials;
-    p.tile_keys = g.tile_keys;
-    p.q_stride = q_stride(s);
-    p.output_gate = s.output_gate ? 1 : 0;
-    p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
-
     const uint64_t cache_bytes = uint64_t(s.n_kv_heads) * kv.capacity * hd * kv_size(kv);
-    // every threadgroup (one per head chunk) reads its kv head's first n_keys rows
-    const uint64_t kv_read = uint64_t(s.n_kv_heads) * n_keys * hd * kv_size(kv) * g.chunks;
     const Buffer kb = kv.k.view(0, cache_bytes), vb = kv.v.view(0, cache_bytes);
-    const Dims grid{sp.n_partials, g.chunks, s.n_kv_heads}, threads{g.simdgroups() * 32, 1, 1};
+    const Dims threads{g.simdgroups() * 32, 1, 1};
     const std::string tkv = std::string(act_suffix(t)) + "_" + kv_suffix(kv);
+    // Each row's combine reads only its own partials: every first kernel, then every combine, so that rows
+    // share two barrier levels instead of chaining.
+    struct Combine {
+        AttnCombineParams c;
+        Buffer sb, gate_src, o;
+        uint64_t gate_read;
+    };
+    std::vector<Combine> combines;
+    for (const AttnDecodeRow& r : rows) {
+        check(r.n_keys > 0 && r.n_keys <= kv.capacity, op,
+              "n_keys " + std::to_string(r.n_keys) + " outside 1 .. capacity " + std::to_string(kv.capacity));
+        need(r.q, qo_bytes, op, "q");
+        need(r.o, qo_bytes, op, "o");
+        if (s.output_gate) need(r.proj, q_rows * es, op, "proj");
+        // without the gate the kernel never reads proj: any bound buffer will do
+        const Buffer gate_src = s.output_gate ? r.proj.view(0, q_rows * es) : r.q.view(0, qo_bytes);
+        const uint64_t gate_read = s.output_gate ? qo_bytes : 0;
+        const std::string route = pol.route(r.n_keys);
+        const Split sp = split_of(pol, route, r.n_keys);
 
-    if (route == "single") {
-        e.dispatch("attn_decode_single_" + tkv, grid, threads,
-                   {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(gate_src, gate_read), Arg::in(kb, kv_read),
-                    Arg::in(vb, kv_read), Arg::out(o.view(0, qo_bytes))});
-        return;
+        AttnDecodeParams p{};
+        p.n_heads = s.n_heads;
+        p.n_kv_heads = s.n_kv_heads;
+        p.head_dim = s.head_dim;
+        p.group = g.group;
+        p.heads_per_tg = g.heads_per_tg;
+        p.key_split = g.key_split;
+        p.n_keys = r.n_keys;
+        p.capacity = kv.capacity;
+        p.block = sp.block;
+        p.n_blocks = sp.n_blocks;
+        p.n_partials = sp.n_partials;
+        p.tile_keys = g.tile_keys;
+        p.q_stride = q_stride(s);
+        p.output_gate = s.output_gate ? 1 : 0;
+        p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
+
+        // every threadgroup (one per head chunk) reads its kv head's first n_keys rows
+        const uint64_t kv_read = uint64_t(s.n_kv_heads) * r.n_keys * hd * kv_size(kv) * g.chunks;
+        const Dims grid{sp.n_partials, g.chunks, s.n_kv_heads};
+        if (route == "single") {
+            e.dispatch("attn_decode_single_" + tkv, grid, threads,
+                       {Arg::params(p), Arg::in(r.q.view(0, qo_bytes)), Arg::in(gate_src, gate_read),
+                        Arg::in(kb, kv_read), Arg::in(vb, kv_read), Arg::out(r.o.view(0, qo_bytes))});
+            continue;
+        }
+        const uint64_t sbytes = partial_bytes(s, sp.n_partials);
+        need(r.scratch, sbytes, op, ("scratch (" + route + " route)").c_str());
+        const Buffer sb = r.scratch.view(0, sbytes);
+        e.dispatch("attn_decode_partial_" + tkv, grid, threads,
+                   {Arg::params(p), Arg::in(r.q.view(0, qo_bytes)), Arg::in(kb, kv_read), Arg::in(vb, kv_read),
+                    Arg::out(sb)});
+        AttnCombineParams c{};
+        c.n_heads = s.n_heads;
+        c.head_dim = s.head_dim;
+        c.n_partials = sp.n_partials;
+        c.q_stride = q_stride(s);
+        c.output_gate = p.output_gate;
+        combines.push_back({c, sb, gate_src, r.o.view(0, qo_bytes), gate_read});
     }
-    const uint64_t sbytes = partial_bytes(s, sp.n_partials);
-    need(scratch, sbytes, op, ("scratch (" + route + " route)").c_str());
-    const Buffer sb = scratch.view(0, sbytes);
-    e.dispatch("attn_decode_partial_" + tkv, grid, threads,
-               {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(kb, kv_read), Arg::in(vb, kv_read),
-                Arg::out(sb)});
-    AttnCombineParams c{};
-    c.n_heads = s.n_heads;
-    c.head_dim = s.head_dim;
-    c.n_partials = sp.n_partials;
-    c.q_stride = q_stride(s);
-    c.output_gate = p.output_gate;
-    e.dispatch(std::string("attn_decode_combine_") + act_suffix(t), Dims{s.n_heads, 1, 1},
-               Dims{ceil_div(hd, 32) * 32, 1, 1},
-               {Arg::params(c), Arg::in(sb), Arg::in(gate_src, gate_read), Arg::out(o.view(0, qo_bytes))});
+    for (const Combine& m : combines)
+        e.dispatch(std::string("attn_decode_combine_") + act_suffix(t), Dims{s.n_heads, 1, 1},
+                   Dims{ceil_div(hd, 32) * 32, 1, 1},
+                   {Arg::params(m.c), Arg::in(m.sb), Arg::in(m.gate_src, m.gate_read), Arg::out(m.o)});
 }
 
 AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M) {

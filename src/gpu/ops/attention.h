@@ -45,6 +45,14 @@ uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const At
 void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
                       const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
                       const Buffer& o);
+// Several independent decode rows over one cache (the verification graph: row r sees n_keys + r keys): the
+// same kernels as attention_decode, every row's first kernel before any combine.
+struct AttnDecodeRow {
+    Buffer q, proj, scratch, o;
+    uint32_t n_keys;
+};
+void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv,
+                           const std::vector<AttnDecodeRow>& rows);
 
 // Causal flash attention for M query rows at positions p0 .. p0 + M - 1 (q T [M, n_heads * hd],
 // from attn_prepare with rows) over keys 0 .. p0 + M - 1 of the cache (earlier chunks + this

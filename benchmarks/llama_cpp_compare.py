@@ -13,7 +13,7 @@ Steps:
 2. Two GGUFs for llama.cpp (``--gguf-source``, default both; one llama.cpp arm each), cached beside the
    checkpoint:
 
-   * ours (``benchmarks/mlx_to_gguf.py``): the same weights, every 4-bit matrix requantized to Q4_0 -- the
+   * ours (``qwenmetal.compare.gguf``): the same weights, every 4-bit matrix requantized to Q4_0 -- the
      embedding and lm_head too -- and the 8-bit router / shared-expert gate to Q8_0, so that both engines
      read the same number of weight bytes per token (4.5 and 8.5 bits per weight);
    * llama.cpp's own (``benchmarks/llama_cpp_gguf.py``): the unquantized bf16 original of the same random
@@ -64,11 +64,12 @@ sys.path.insert(0, str(HERE))
 
 from llama_cpp_gguf import ensure_llama_gguf  # noqa: E402
 from llama_cpp_gguf import provenance as llama_provenance  # noqa: E402
-from mlx_to_gguf import convert as convert_gguf  # noqa: E402
 from qwenmetal.bench import describe_machine  # noqa: E402
-
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
-
+from qwenmetal.compare.gguf import convert as convert_gguf  # noqa: E402
+from qwenmetal.compare.gguf import ensure_q4_0  # noqa: E402
+from qwenmetal.compare.llama import import_llama, last_logits, open_llama  # noqa: E402
+from qwenmetal.compare.llama import time_decode as llama_time_decode  # noqa: E402
+from qwenmetal.compare.llama import time_prefill as llama_time_prefill  # noqa: E402
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -77,142 +78,31 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # llama.cpp side
 # ---------------------------------------------------------------------------------------------
-def _import_llama():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise SystemExit("llama-cpp-python is not installed: run  bash benchmarks/build_llama_cpp.sh  "
-                         "(a from-source build with this host's SIMD flags and AMX off; see docs/benchmarks.md)") from None
-    return llama_cpp
-
-
-def open_llama(gguf: str, threads: int, n_ctx: int, n_batch: int, flash_attn: bool, kv_f32: bool = False,
-               logits_all: bool = False, repack: bool = True):
-    """`repack=False`: no extra buffer types, so the weights are used straight from the mmap'd file instead
-    of repacked copies in anonymous memory (as large as the weights: they cannot fit a memory limit below
-    twice the model)."""
-    llama_cpp = _import_llama()
-    if not repack:
-        import llama_cpp.llama_cpp as lib
-        default = lib.llama_model_default_params
-
-        def no_extra_bufts():
-            params = default()
-            params.use_extra_bufts = False
-            return params
-        lib.llama_model_default_params = no_extra_bufts
-    kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(512, n_batch),
-              n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, logits_all=logits_all,
-              use_mmap=True, verbose=False)
-    if kv_f32:
-        kw.update(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
-    return llama_cpp.Llama(**kw)
-
-
-def _last_logits(llm) -> np.ndarray:
-    import llama_cpp
-    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
-
-
-class _SeqState:
-    """Save / restore sequence 0 of a llama context (KV cache and recurrent state)."""
-
-    def __init__(self, llm):
-        import ctypes
-        import llama_cpp
-        self.llm, self.n_tokens = llm, llm.n_tokens
-        ctx = llm._ctx.ctx
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        self.buf = (ctypes.c_uint8 * size)()
-        self.size = llama_cpp.llama_state_seq_get_data(ctx, self.buf, size, 0)
-        if not self.size:
-            raise RuntimeError("llama_state_seq_get_data returned 0 bytes")
-
-    def restore(self):
-        import llama_cpp
-        llm = self.llm
-        mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
-        llama_cpp.llama_memory_clear(mem, True)
-        if not llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, self.buf, self.size, 0):
-            raise RuntimeError("llama_state_seq_set_data failed")
-        llm.n_tokens = self.n_tokens
-
-
 def llama_worker(a) -> dict:
     """Time llama.cpp (runs in its own process)."""
-    import statistics
+    from qwenmetal.bench import peak_rss_bytes
 
-    from qwenmetal.bench import fnv1a, peak_rss_bytes, synthetic_prompt
-
-    llama_cpp = _import_llama()
+    try:
+        llama_cpp = import_llama()
+    except ImportError as e:
+        raise SystemExit(str(e)) from None
     prefill, contexts = a.prefill, a.contexts
     n_ctx = max(prefill + contexts) + a.decode_steps + 16
     n_batch = min(2048, max(prefill + contexts))
     t = time.perf_counter()
     llm = open_llama(a.gguf, a.threads, n_ctx, n_batch, a.flash_attn, repack=not a.no_repack)
     load_s = time.perf_counter() - t
-    V = llm.n_vocab()
     res = {"engine": "llama.cpp", "gguf": a.gguf, "llama_cpp_python": llama_cpp.__version__, "repacked": not a.no_repack,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
            "threads": a.threads, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": a.flash_attn,
            "kv_dtype": "float16", "load_seconds": load_s, "prefill": [], "decode": [],
            "loadavg_at_start": list(os.getloadavg())}
     for n in prefill:
-        ids = synthetic_prompt(n, V).tolist()
-        samples = []
-        for r in range(1 + a.repeats):
-            llm.reset()
-            t = time.perf_counter()
-            llm.eval(ids)
-            int(np.argmax(_last_logits(llm)))
-            dt = time.perf_counter() - t
-            if r:
-                samples.append(dt)
-        med = statistics.median(samples)
-        res["prefill"].append({"tokens": n, "seconds": med, "tokens_per_second": n / med, "samples_seconds": samples})
-        log(f"  llama.cpp prefill {n:6d}: {n / med:9.1f} tok/s")
+        res["prefill"].append(llama_time_prefill(llm, n, a.repeats))
+        log(f"  llama.cpp prefill {n:6d}: {res['prefill'][-1]['tokens_per_second']:9.1f} tok/s")
     for ctx in contexts:
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(synthetic_prompt(ctx, V).tolist())
-        prefill_s = time.perf_counter() - t
-        first = int(np.argmax(_last_logits(llm)))
-        try:
-            saved = _SeqState(llm)
-        except Exception as e:                      # pragma: no cover - fall back to re-prefilling
-            log(f"  (sequence state save failed: {e}; re-prefilling before each repeat)")
-            saved = None
-
-        def rewind(saved=saved, ctx=ctx):
-            if saved is not None:
-                saved.restore()
-            else:
-                llm.reset()
-                llm.eval(synthetic_prompt(ctx, V).tolist())
-
-        rewind()
-        tok = first
-        for _ in range(4):                          # warm-up steps
-            llm.eval([tok])
-            tok = int(np.argmax(_last_logits(llm)))
-        samples, digests = [], []
-        for _ in range(a.repeats):
-            rewind()
-            tok, toks = first, []
-            t = time.perf_counter()
-            for _ in range(a.decode_steps):
-                llm.eval([tok])
-                tok = int(np.argmax(_last_logits(llm)))
-                toks.append(tok)
-            samples.append((time.perf_counter() - t) / a.decode_steps)
-            digests.append(fnv1a(toks))
-        med = statistics.median(samples)
-        res["decode"].append({"context": ctx, "steps": a.decode_steps, "seconds_per_token": med,
-                              "ms_per_token": 1e3 * med, "tokens_per_second": 1 / med,
-                              "samples_ms": [1e3 * x for x in samples], "digest": digests[0],
-                              "digest_stable": len(set(digests)) == 1, "context_prefill_seconds": prefill_s})
-        log(f"  llama.cpp decode @ {ctx:6d}: {1e3 * med:8.2f} ms/token")
+        res["decode"].append(llama_time_decode(llm, ctx, a.decode_steps, a.repeats, log=log))
+        log(f"  llama.cpp decode @ {ctx:6d}: {res['decode'][-1]['ms_per_token']:8.2f} ms/token")
     res["peak_rss_bytes"] = peak_rss_bytes()
     return res
 
@@ -333,7 +223,7 @@ def validate(threads: int, out_dir: Path, n_prompt: int = 24, n_decode: int = 8)
             got = [np.array(llm.scores[:n_prompt], np.float32)]
             for tok in toks:
                 llm.eval([tok])
-                got.append(np.array(_last_logits(llm), np.float32)[None, :])
+                got.append(np.array(last_logits(llm), np.float32)[None, :])
             got = np.concatenate(got)
             del llm
             scale = float(np.abs(ref).max())
@@ -382,7 +272,7 @@ def _csv(xs) -> str:
 
 
 # arm names: qwenmetal as the engine finds the CPU, and with AMX turned off (the no-AMX host kind);
-# llama.cpp on the GGUF qwenmetal writes (benchmarks/mlx_to_gguf.py) and on the one llama.cpp's own converter
+# llama.cpp on the GGUF qwenmetal writes (qwenmetal.compare.gguf) and on the one llama.cpp's own converter
 # and quantizer make (benchmarks/llama_cpp_gguf.py)
 QM_ARMS = {"auto": "qwenmetal", "off": "qwenmetal/no-amx"}
 LLAMA_ARMS = {"ours": "llama.cpp/our-gguf", "llama.cpp": "llama.cpp/its-gguf"}
@@ -401,19 +291,14 @@ def compare(a) -> dict:
     ckpt = ensure_checkpoint(cfg, a.seed, log=log)
     ggufs = {}             # GGUF source -> path, for the llama.cpp arms
     if a.gguf_source in ("ours", "both") and not a.skip_llama:
-        ggufs["ours"] = ckpt.parent / f"{ckpt.name}.q4_0.gguf"
-        if not ggufs["ours"].exists():
-            log(f"writing {ggufs['ours']} (one-time) ...")
-            t = time.perf_counter()
-            convert_gguf(ckpt, ggufs["ours"], "q4_0", log=log)
-            log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
+        ggufs["ours"] = ensure_q4_0(ckpt, log=log)
     if a.gguf_source in ("llama.cpp", "both") and not a.skip_llama:
         ggufs["llama.cpp"] = ensure_llama_gguf(cfg, a.seed, ckpt, a.threads, log=log)
     c = ModelConfig.from_file(ckpt)
     limit = parse_size(a.memory_limit, "--memory-limit", checkpoint_bytes(ckpt)) if a.memory_limit else None
     result = {"schema": "qwenmetal-llama-compare/2", "checkpoint": str(ckpt),
               "ggufs": {src: {"path": str(p), "bytes": p.stat().st_size,
-                              "made_by": "qwenmetal benchmarks/mlx_to_gguf.py" if src == "ours" else llama_provenance()}
+                              "made_by": "qwenmetal.compare.gguf" if src == "ours" else llama_provenance()}
                         for src, p in ggufs.items()},
               "threads": a.threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "memory_limit": limit,
               "machine": machine_info(), "arms": []}
@@ -654,7 +539,7 @@ def main(argv=None) -> int:
     p.add_argument("--retries", type=int, default=2, help="reruns of a contended arm (default 2)")
     p.add_argument("--flash-attn", default="on", choices=("on", "off"), help="llama.cpp flash attention")
     p.add_argument("--gguf-source", default="both", choices=("ours", "llama.cpp", "both"),
-                   help="llama.cpp's GGUF: the one qwenmetal writes (mlx_to_gguf.py), the one llama.cpp's own "
+                   help="llama.cpp's GGUF: the one qwenmetal writes (qwenmetal.compare.gguf), the one llama.cpp's own "
                         "converter + quantizer make (llama_cpp_gguf.py; one-time, needs torch and transformers), "
                         "or both, one llama.cpp arm each (default)")
     p.add_argument("--amx", default="auto", choices=("auto", "off", "both"),

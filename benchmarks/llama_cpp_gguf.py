@@ -1,6 +1,6 @@
 """The benchmark checkpoint as a GGUF made by llama.cpp's own converter and quantizer, so that
 benchmarks/llama_cpp_compare.py (``--gguf-source llama.cpp|both``) races the peer on its own file, not only
-on the one qwenmetal writes (benchmarks/mlx_to_gguf.py).
+on the one qwenmetal writes (qwenmetal.compare.gguf).
 
     bash benchmarks/build_llama_cpp.sh                  # once: llama-cpp-python, and its sdist in the cache
     python benchmarks/llama_cpp_gguf.py --layers 4      # writes the GGUF once (cached) and prints its path

@@ -217,17 +217,13 @@ def test_synthetic_prompt_and_digest():
 
 
 # ---------------------------------------------------------------------------------------------
-# benchmarks/mlx_to_gguf.py, checked with the gguf package's reader (llama.cpp is not needed)
+# qwenmetal.compare.gguf (the MLX -> GGUF writer), checked with the gguf package's reader (llama.cpp is not needed)
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf_mod():
     require("gguf")          # in the test extra: fails in CI if missing, skips elsewhere
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import mlx_to_gguf
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return mlx_to_gguf
+    from qwenmetal.compare import gguf
+    return gguf
 
 
 def test_q4_0_q8_0_match_gguf_reference(gguf_mod):

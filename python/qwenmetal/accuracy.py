@@ -122,6 +122,37 @@ def measures(want: np.ndarray, got: np.ndarray) -> dict:
             "positions": int(want.shape[0])}
 
 
+def perplexity(logits: np.ndarray, tokens: Sequence[int]) -> float:
+    """exp of the mean negative log-likelihood of tokens[1:] under logits[:-1] (logits [len(tokens), V] at
+    every position, teacher-forced): the text's perplexity under the model."""
+    z = np.asarray(logits, np.float64)
+    t = np.asarray(tokens, np.int64)
+    if z.ndim != 2 or z.shape[0] != t.shape[0] or t.shape[0] < 2:
+        raise ValueError(f"need logits [n, vocab] for n >= 2 tokens, got {z.shape} for {t.shape[0]} tokens")
+    if t.min() < 0 or t.max() >= z.shape[1]:
+        raise ValueError(f"token ids must be in 0..{z.shape[1] - 1}")
+    lp = _log_softmax(z[:-1])
+    return float(np.exp(-lp[np.arange(t.shape[0] - 1), t[1:]].mean()))
+
+
+def agreement(base: np.ndarray, other: np.ndarray, tokens: Sequence[int]) -> dict:
+    """How `other`'s teacher-forced logits on `tokens` agree with `base`'s (both [len(tokens), V]; a longer
+    vocabulary is cut to the common one): ``top1_agree`` (the fraction of positions with the same argmax),
+    ``ppl_base`` / ``ppl_other`` and ``ppl_ratio`` = other / base (`perplexity`), ``max_abs_diff`` /
+    ``mean_abs_diff`` of the logits, ``kl_mean`` (KL(base || other), nats) and ``positions``."""
+    base, other = np.asarray(base, np.float64), np.asarray(other, np.float64)
+    if base.ndim != 2 or other.ndim != 2 or base.shape[0] != other.shape[0]:
+        raise ValueError(f"logits must both be [positions, vocab], got {base.shape} and {other.shape}")
+    v = min(base.shape[1], other.shape[1])
+    base, other = base[:, :v], other[:, :v]
+    m = measures(base, other)
+    d = np.abs(other - base)
+    pb, po = perplexity(base, tokens), perplexity(other, tokens)
+    return {"top1_agree": m["top1_agree"], "ppl_base": pb, "ppl_other": po, "ppl_ratio": po / pb,
+            "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()), "kl_mean": m["kl_mean"],
+            "positions": m["positions"], "vocab": int(v)}
+
+
 def compare(model, reference, tokens: Sequence[int], prompt_len: int) -> dict:
     """`measures` of `model` against `reference` (a Model, normally the float32 reference backend, or its
     teacher-forced logits on `tokens`) on `tokens`, teacher-forced with the first `prompt_len` as prefill."""

@@ -514,6 +514,11 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from .compare import main_args
+    return main_args(args)
+
+
 def cmd_bench(args) -> int:
     from .bench import main_args
 
@@ -623,6 +628,12 @@ def main(argv=None) -> int:
     from .bench import add_arguments as _bench_arguments
     _bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("compare", help="qwenmetal beside mlx-lm and llama.cpp: speed plots, agreement, perplexity "
+                       "(docs/benchmarks.md)")
+    from .compare import add_arguments as _compare_arguments
+    _compare_arguments(p)
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("selftest", help="check the Metal backend on this device (kernels, graph); a report to paste")
     p.add_argument("--sim", action="store_true", help="run on the Metal-on-CPU simulator even on a Mac")

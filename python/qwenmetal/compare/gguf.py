@@ -1,7 +1,9 @@
 """Write a llama.cpp GGUF (arch ``qwen35moe``) straight from a qwenmetal-readable checkpoint, so that
 llama.cpp and qwenmetal can be timed on the same weights.
 
-    python benchmarks/mlx_to_gguf.py CHECKPOINT_DIR OUT.gguf [--type q4_0|f32]
+    python -m qwenmetal.compare.gguf CHECKPOINT_DIR OUT.gguf [--type q4_0|f32]
+
+(``qwenmetal compare`` and benchmarks/llama_cpp_compare.py convert with it: the one MLX -> GGUF writer.)
 
 Every weight is read through qwenmetal's loader (canonical names, MLX 4-bit dequantized to float32 by the
 compiled dequantizer) and written the way llama.cpp's own converter (``convert_hf_to_gguf.py``,
@@ -27,7 +29,8 @@ matrices (router, shared-expert gate) to Q8_0 (8.5 bits/weight, like MLX 8-bit g
 in float32 (the exact dequantized MLX values): the file used to validate the layout against qwenmetal's
 reference forward pass (benchmarks/llama_cpp_compare.py --validate).
 
-Needs the ``gguf`` package (``pip install gguf``); memory stays near one expert stack at a time.
+Needs the ``gguf`` package (the ``[bench]`` extra: ``pip install gguf``); memory stays near one expert
+stack at a time.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def _gguf():
     try:
         import gguf
     except ImportError as e:  # pragma: no cover
-        raise SystemExit("this script needs the gguf package: pip install gguf") from e
+        raise ImportError("writing a GGUF needs the gguf package: pip install gguf (the [bench] extra)") from e
     return gguf
 
 
@@ -333,6 +336,25 @@ def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, qtype: str = 
                 log(f"  {name}: {data.nbytes / 2**20:.0f} MiB ({total / 2**30:.2f} GiB, {time.perf_counter() - t0:.0f} s)")
             del data
         w.close()
+    return out
+
+
+def q4_0_path(checkpoint: str | os.PathLike) -> Path:
+    """Where `ensure_q4_0` keeps the Q4_0 GGUF of a checkpoint: beside it, ``<dir>.q4_0.gguf``."""
+    ckpt = Path(checkpoint).resolve()
+    return ckpt.parent / f"{ckpt.name}.q4_0.gguf"
+
+
+def ensure_q4_0(checkpoint: str | os.PathLike, log=None) -> Path:
+    """The Q4_0 GGUF of `checkpoint` (`q4_0_path`), written on first use (atomically: `convert`)."""
+    out = q4_0_path(checkpoint)
+    if not out.exists():
+        if log:
+            log(f"writing {out} (one-time) ...")
+        t = time.perf_counter()
+        convert(checkpoint, out, "q4_0", log=log)
+        if log:
+            log(f"  GGUF written in {time.perf_counter() - t:.0f} s")
     return out
 
 

@@ -1,0 +1,206 @@
+"""One engine of ``qwenmetal compare``, in a process of its own:
+
+    python -m qwenmetal.compare.engines SPEC.json RESULT.json
+
+`SPEC.json` (written by :mod:`qwenmetal.compare.cli`): ``engine`` (``"qwenmetal"``, ``"mlx-lm"``,
+``"llama.cpp"``), ``checkpoint``, ``gguf`` (llama.cpp), ``backend`` / ``options`` (qwenmetal), ``threads``,
+``vocab``, ``lengths`` (each point: a prefill of that many synthetic prompt tokens, then ``steps`` greedy
+decode steps at that context), ``repeats``, ``quality_tokens`` / ``quality_out`` (optional: the
+teacher-forced logits of those tokens, saved as .npy). The result: every sample, the medians, the token
+digests, the drift check, the other processes' share of the CPUs, the peak memory and the versions.
+
+Every engine is timed the same way, as the published Lily benchmark times MLX (docs/benchmarks.md,
+"qwenmetal compare"): a token stream of ``steps + 1`` greedy tokens after the prompt; the prefill is the
+time to the first token, the decode rate the mean interval between the later ones. Each point first runs
+once untimed at its exact shape. Each engine's stream is its own fastest batch-1 path:
+
+* qwenmetal: ``Model.generate(ids, temperature=0, ignore_eos=True, cache=False)`` (the prefix cache off,
+  so a repeat prefills again; on Metal the pipelined GPU decode loop);
+* mlx-lm: ``mlx_lm.generate.generate_step`` (what ``stream_generate`` runs, without its EOS stop; 2048-token
+  prefill chunks, one token of lookahead);
+* llama.cpp: ``Llama.eval`` of the prompt, then one ``eval`` per token, argmax of the last logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+ENGINES = ("qwenmetal", "mlx-lm", "llama.cpp")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engines: open(spec) -> (stream(ids, n) -> n greedy tokens, teacher_forced(tokens) -> logits, versions)
+# ---------------------------------------------------------------------------------------------
+def _open_qwenmetal(spec: dict):
+    import qwenmetal as qm
+
+    opts = dict(spec.get("options") or {})
+    if spec.get("backend") == "cpu":
+        opts.setdefault("threads", spec["threads"])
+    model = qm.Model.load(spec["checkpoint"], backend=spec["backend"], **opts)
+    longest = max(spec["lengths"], default=1) + spec["steps"] + 2
+
+    def stream(ids, n) -> Iterator[int]:
+        s = model.new_session(max_context=max(longest, len(ids) + n + 1))
+        for o in model.generate(list(ids), max_tokens=n, temperature=0, ignore_eos=True, cache=False,
+                                session=s):
+            yield int(o.token)
+
+    def teacher_forced(tokens):
+        return model.prefill(model.new_session(max_context=len(tokens) + 1), list(tokens), return_logits="all")
+
+    versions = {"qwenmetal": qm.__version__, "backend": model.backend, "options": opts}
+    return stream, teacher_forced, versions
+
+
+def _open_mlx(spec: dict):
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm.load(spec["checkpoint"])
+
+    def stream(ids, n) -> Iterator[int]:
+        for tok, _ in generate_step(mx.array(list(ids)), model, max_tokens=n):
+            yield int(tok)
+
+    def teacher_forced(tokens):
+        out = model(mx.array(list(tokens))[None])
+        return np.array(out[0].astype(mx.float32))
+
+    versions = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())}
+    return stream, teacher_forced, versions
+
+
+def _open_llama(spec: dict):
+    from . import llama
+
+    llama_cpp = llama.import_llama()
+    n_ctx = max(max(spec["lengths"], default=1) + spec["steps"] + 16, 64)
+    n_batch = min(2048, max(max(spec["lengths"], default=1), 32))
+    llm = llama.open_llama(spec["gguf"], spec["threads"], n_ctx, n_batch, flash_attn=True)
+
+    def stream(ids, n) -> Iterator[int]:
+        llm.reset()
+        llm.eval([int(t) for t in ids])
+        tok = int(np.argmax(llama.last_logits(llm)))
+        yield tok
+        for _ in range(n - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llama.last_logits(llm)))
+            yield tok
+
+    def teacher_forced(tokens):
+        q = llama.open_llama(spec["gguf"], spec["threads"], len(tokens) + 8, len(tokens), flash_attn=True,
+                             logits_all=True)
+        try:
+            return llama.teacher_forced(q, tokens)
+        finally:
+            del q
+
+    versions = {"llama_cpp_python": llama_cpp.__version__, "gguf": spec["gguf"],
+                "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+                "settings": {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": True,
+                             "kv_dtype": "float16", "threads": spec["threads"]}}
+    return stream, teacher_forced, versions
+
+
+OPENERS: dict[str, Callable] = {"qwenmetal": _open_qwenmetal, "mlx-lm": _open_mlx, "llama.cpp": _open_llama}
+
+
+# ---------------------------------------------------------------------------------------------
+# the method
+# ---------------------------------------------------------------------------------------------
+def time_stream(stream: Callable, ids, steps: int) -> dict:
+    """One sample: the seconds to the first of ``steps + 1`` streamed tokens (the prefill), the mean interval
+    between the later ones (the decode), the tokens' FNV-1a digest."""
+    from ..bench import fnv1a
+    toks, stamps = [], []
+    t0 = time.perf_counter()
+    for tok in stream(ids, steps + 1):
+        stamps.append(time.perf_counter())
+        toks.append(tok)
+    if len(toks) != steps + 1:
+        raise RuntimeError(f"the engine streamed {len(toks)} tokens, expected {steps + 1}")
+    return {"prefill_seconds": stamps[0] - t0,
+            "decode_seconds_per_token": (stamps[-1] - stamps[0]) / steps if steps else None,
+            "digest": fnv1a(toks[1:]), "first_token": toks[0]}
+
+
+def measure_point(stream: Callable, vocab: int, length: int, steps: int, repeats: int) -> dict:
+    """A point: one untimed run at the exact shape, then `repeats` samples; medians and the digests."""
+    from ..bench import synthetic_prompt
+    ids = synthetic_prompt(length, vocab).tolist()
+    time_stream(stream, ids, min(steps, 4))                     # exact-shape warm-up (prefill + a few steps)
+    samples = [time_stream(stream, ids, steps) for _ in range(repeats)]
+    pre = statistics.median(s["prefill_seconds"] for s in samples)
+    out = {"length": length, "steps": steps, "samples": samples, "prefill_seconds": pre,
+           "prefill_tok_s": length / pre, "digest": samples[0]["digest"],
+           "digest_stable": len({s["digest"] for s in samples}) == 1}
+    if steps:
+        dec = statistics.median(s["decode_seconds_per_token"] for s in samples)
+        out.update(decode_seconds_per_token=dec, decode_tok_s=1.0 / dec)
+    return out
+
+
+def run(spec: dict) -> dict:
+    from ..bench import ForeignLoad, peak_rss_bytes
+    engine = spec["engine"]
+    if engine not in OPENERS:
+        raise ValueError(f"unknown engine {engine!r}; the engines are {ENGINES}")
+    t = time.perf_counter()
+    stream, teacher_forced, versions = OPENERS[engine](spec)
+    res = {"engine": engine, "versions": versions, "load_seconds": time.perf_counter() - t, "points": [],
+           "pid": os.getpid()}
+    with ForeignLoad() as fl:
+        for n in spec["lengths"]:
+            p = measure_point(stream, spec["vocab"], n, spec["steps"], spec["repeats"])
+            res["points"].append(p)
+            log(f"  {engine:<10} {n:>7} tokens: prefill {p['prefill_tok_s']:9.1f} tok/s"
+                + (f", decode {p['decode_tok_s']:8.2f} tok/s" if "decode_tok_s" in p else ""))
+        if spec["lengths"] and spec.get("drift", True):     # the first point again: did the machine drift?
+            first = res["points"][0]
+            again = measure_point(stream, spec["vocab"], first["length"], spec["steps"], spec["repeats"])
+            res["drift"] = {"length": first["length"], "again": again,
+                            "prefill": again["prefill_tok_s"] / first["prefill_tok_s"] - 1.0,
+                            "decode": (again["decode_tok_s"] / first["decode_tok_s"] - 1.0)
+                            if "decode_tok_s" in first else None}
+    res["foreign_load"] = fl.fraction
+    if spec.get("quality_tokens"):
+        logits = np.asarray(teacher_forced(spec["quality_tokens"]), np.float32)
+        np.save(spec["quality_out"], logits)
+        res["quality_logits"] = spec["quality_out"]
+    res["peak_rss_bytes"] = peak_rss_bytes()
+    if engine == "mlx-lm":
+        import mlx.core as mx
+        res["peak_device_bytes"] = int(mx.get_peak_memory())
+    return res
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m qwenmetal.compare.engines SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    res = run(spec)
+    from ..fileio import atomic_file
+    with atomic_file(argv[1]) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

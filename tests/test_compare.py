@@ -1,0 +1,110 @@
+"""`qwenmetal compare` (docs/benchmarks.md, "qwenmetal compare"): the agreement computation on synthetic
+logits with known answers, and a --quick run on the tiny fixture against mlx-lm (CPU) that writes the
+record, the table and the plots, reporting the engines it skips."""
+import json
+
+import numpy as np
+import pytest
+
+from qwenmetal import accuracy, cli
+
+
+def test_perplexity_of_known_probabilities():
+    p = np.array([0.5, 0.25, 0.125, 0.125])
+    logits = np.log(np.stack([p, np.roll(p, 1), np.roll(p, 2), p])) + 3.0   # a constant shift changes nothing
+    tokens = [9 % 4, 0, 2, 0]            # next tokens 0, 2, 0 under rows 0, 1, 2: p = 0.5, 0.25, 0.125
+    assert accuracy.perplexity(logits, tokens) == pytest.approx((0.5 * 0.25 * 0.125) ** (-1 / 3))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        accuracy.perplexity(logits, [0, 1, 2, 4])
+    with pytest.raises(ValueError, match="need logits"):
+        accuracy.perplexity(logits[:1], [0])
+
+
+def test_agreement_against_known_answers():
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(200, 50))
+    tokens = rng.integers(0, 50, 200).tolist()
+    same = accuracy.agreement(base, base.copy(), tokens)
+    assert same["top1_agree"] == 1.0 and same["ppl_ratio"] == pytest.approx(1.0) and same["max_abs_diff"] == 0
+    assert same["positions"] == 200 and same["kl_mean"] == pytest.approx(0.0, abs=1e-12)
+    # the argmax moved at exactly 30 positions: 85 % agreement
+    other = base.copy()
+    moved = rng.choice(200, 30, replace=False)
+    for i in moved:
+        j = (int(base[i].argmax()) + 1) % 50
+        other[i, j] = base[i].max() + 1.0
+    m = accuracy.agreement(base, other, tokens)
+    assert m["top1_agree"] == pytest.approx(170 / 200)
+    # a model that puts twice the odds on every next token: its perplexity is exactly that of the
+    # closed form, and the ratio is their quotient
+    sharp = base.copy()
+    sharp[np.arange(199), tokens[1:]] += np.log(2.0)
+    r = accuracy.agreement(base, sharp, tokens)
+    assert r["ppl_ratio"] == pytest.approx(accuracy.perplexity(sharp, tokens) / accuracy.perplexity(base, tokens))
+    assert r["ppl_ratio"] < 1 and r["max_abs_diff"] == pytest.approx(np.log(2.0))
+    # a longer vocabulary (llama.cpp's padded one) is cut to the common part
+    wide = np.concatenate([base, np.full((200, 6), -50.0)], axis=1)
+    assert accuracy.agreement(base, wide, tokens)["top1_agree"] == 1.0
+    with pytest.raises(ValueError, match="must both be"):
+        accuracy.agreement(base, base[:10], tokens)
+
+
+def test_compare_quick_on_the_tiny_fixture(tmp_path, require):
+    require("mlx_lm")                    # an oracle: fails in CI when missing
+    require("matplotlib")
+    Image = require("PIL.Image")
+
+    out = tmp_path / "cmp"
+    # a GGUF path that does not exist: llama.cpp is skipped with its reason, installed or not
+    rc = cli.main(["compare", "--quick", "--backend", "cpu", "--threads", "2", "--out", str(out),
+                   "--gguf", str(tmp_path / "missing.gguf")])
+    assert rc == 0
+    rec = json.loads((out / "compare.json").read_text())
+    assert rec["schema"] == "qwenmetal-compare/1" and rec["engines"] == ["qwenmetal", "mlx-lm"]
+    assert "no such file" in rec["skipped"]["llama.cpp"]
+    s = rec["summary"]
+    assert s["lengths"] == [16, 64] and s["baseline"] == "mlx-lm"
+    for e in ("qwenmetal", "mlx-lm"):
+        v = s["engines"][e]
+        assert all(x > 0 for x in v["prefill_tok_s"] + v["decode_tok_s"]) and v["peak_rss_bytes"] > 0
+        assert len(v["drift"]) == 2 and all(len(d) == 16 for d in v["digest"])
+        assert all(r["points"][0]["samples"] for r in (rd[e] for rd in rec["rounds"]))
+    # the rounds alternate the engine order and reverse the lengths
+    assert [p["length"] for p in rec["rounds"][1]["qwenmetal"]["points"]] == [64, 16]
+    assert s["ratios"]["mlx-lm"]["decode_tok_s"] == [1.0, 1.0]
+    q = rec["quality"]
+    assert q["tokens"] == 256 and q["vs_mlx_lm"]["qwenmetal"]["positions"] == 256
+    # the cpu backend against the numpy reference on the same weights: close (random tiny weights have
+    # near-ties, so a few argmaxes may differ)
+    ref = q["vs_reference"]["qwenmetal"]
+    assert ref["top1_agree"] >= 0.9 and abs(ref["ppl_ratio"] - 1) < 0.01 and ref["mean_abs_diff"] < 0.01
+    md = (out / "compare.md").read_text()
+    assert "| length | qwenmetal | mlx-lm | qwenmetal / mlx-lm |" in md
+    assert "llama.cpp: skipped — --gguf" in md and "top-1 agreement" in md
+    for name in ("prefill.png", "decode.png"):
+        with Image.open(out / name) as im:
+            im.verify()
+        with Image.open(out / name) as im:
+            assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 400
+
+
+def test_compare_reports_an_engine_that_fails_in_one_line(tmp_path, capsys):
+    """A failing engine (here: an unknown Model.load option) is reported in one line naming its log."""
+    out = tmp_path / "cmp"
+    rc = cli.main(["compare", "--quick", "--backend", "cpu", "--engines", "qwenmetal", "--option", "no_such_option=1",
+                   "--quality-tokens", "0", "--rounds", "1", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    rec = json.loads((out / "compare.json").read_text())
+    why = rec["skipped"]["qwenmetal"]
+    assert why.startswith("qwenmetal failed (") and "no_such_option" in why and "\n" not in why
+    err = capsys.readouterr().err
+    assert rec["summary"]["engines"] == {} and "Traceback" not in err and '  File "' not in err
+    assert (out / "logs" / "round1-qwenmetal.log").exists()
+
+
+def test_compare_rejects_bad_arguments_before_running(tmp_path, capsys):
+    assert cli.main(["compare", "--quick", "--engines", "vllm", "--out", str(tmp_path)]) == 2
+    assert "--engines: unknown ['vllm']" in capsys.readouterr().err
+    assert cli.main(["compare", "--quick", "--quality-tokens", "50", "--out", str(tmp_path)]) == 2
+    assert "--quality-tokens must be 0 or at least 193" in capsys.readouterr().err
+    assert not (tmp_path / "compare.json").exists()

@@ -108,3 +108,19 @@ def test_compare_rejects_bad_arguments_before_running(tmp_path, capsys):
     assert cli.main(["compare", "--quick", "--quality-tokens", "50", "--out", str(tmp_path)]) == 2
     assert "--quality-tokens must be 0 or at least 193" in capsys.readouterr().err
     assert not (tmp_path / "compare.json").exists()
+
+
+def test_an_hf_checkpoint_gets_one_mlx_copy_that_every_engine_runs(tmp_path, monkeypatch):
+    from qwenmetal.compare.cli import mlx_copy
+    from qwenmetal.config import ModelConfig
+    from qwenmetal.testing import cached_checkpoint
+    from qwenmetal.weights import checkpoint_layout
+
+    mlx = cached_checkpoint("tiny", "mlx-q4")
+    assert mlx_copy(mlx, ModelConfig.from_file(mlx), print) == mlx
+    hf = cached_checkpoint("tiny", "hf-bf16")
+    monkeypatch.setenv("QWENMETAL_CACHE", str(tmp_path))
+    said = []
+    copy = mlx_copy(hf, ModelConfig.from_file(hf), said.append)
+    assert copy.parent == tmp_path / "compare" and checkpoint_layout(copy, ModelConfig.from_file(copy)) == "mlx"
+    assert len(said) == 1 and mlx_copy(hf, ModelConfig.from_file(hf), said.append) == copy and len(said) == 1

@@ -300,6 +300,12 @@ def _shift_norm(arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32) + np.float32(1.0)
 
 
+def checkpoint_layout(path: str | os.PathLike, config: ModelConfig) -> str:
+    """'hf' or 'mlx': the layout of the checkpoint directory `path` (from its tensor headers only)."""
+    src = TensorSource(os.fspath(path))
+    return detect_layout(src, _Reader(src, config).stems)
+
+
 def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     """Load and check every tensor of the checkpoint directory `path` for `config`."""
     path = os.fspath(path)

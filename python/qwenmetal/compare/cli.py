@@ -115,6 +115,23 @@ def _resolve_checkpoint(a, log) -> Path:
     return ensure_checkpoint(resolve_config("real", a.layers), a.seed, log=log)
 
 
+def mlx_copy(ckpt: Path, config, log) -> Path:
+    """`ckpt` when it is in the MLX layout; else its MLX 4-bit copy (``qwenmetal convert``, what
+    ``mlx_lm.convert -q`` writes), made once under ``cache_dir("compare")``: every engine then runs the same
+    quantized weights (llama.cpp's GGUF is written from that copy too)."""
+    from ..weights import checkpoint_layout
+    if checkpoint_layout(ckpt, config) == "mlx":
+        return ckpt
+    from ..convert import convert
+    from ..paths import cache_dir
+    dst = cache_dir("compare") / f"{ckpt.name}-mlx-q4"
+    if not dst.exists():
+        log(f"writing the MLX 4-bit copy {dst} (one-time) ...")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        convert(ckpt, dst, q_bits=4)
+    return dst
+
+
 def _why_not(engine: str, ckpt: Path, config, a) -> str | None:
     """None when `engine` can run here, else the one-line reason it is skipped."""
     if engine == "qwenmetal":
@@ -199,6 +216,7 @@ def run(a, log: Callable[[str], None] = print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     ckpt = _resolve_checkpoint(a, log)
+    ckpt = mlx_copy(ckpt, ModelConfig.from_file(ckpt), log)
     config = ModelConfig.from_file(ckpt)
     skipped = {e: r for e in wanted if (r := _why_not(e, ckpt, config, a))}
     engines = [e for e in wanted if e not in skipped]

@@ -88,7 +88,8 @@ def _open_llama(spec: dict):
     llama_cpp = llama.import_llama()
     n_ctx = max(max(spec["lengths"], default=1) + spec["steps"] + 16, 64)
     n_batch = min(2048, max(max(spec["lengths"], default=1), 32))
-    llm = llama.open_llama(spec["gguf"], spec["threads"], n_ctx, n_batch, flash_attn=True)
+    gpu_layers = -1 if sys.platform == "darwin" else 0          # the Metal build offloads every layer
+    llm = llama.open_llama(spec["gguf"], spec["threads"], n_ctx, n_batch, flash_attn=True, gpu_layers=gpu_layers)
 
     def stream(ids, n) -> Iterator[int]:
         llm.reset()
@@ -102,7 +103,7 @@ def _open_llama(spec: dict):
 
     def teacher_forced(tokens):
         q = llama.open_llama(spec["gguf"], spec["threads"], len(tokens) + 8, len(tokens), flash_attn=True,
-                             logits_all=True)
+                             logits_all=True, gpu_layers=gpu_layers)
         try:
             return llama.teacher_forced(q, tokens)
         finally:
@@ -111,7 +112,7 @@ def _open_llama(spec: dict):
     versions = {"llama_cpp_python": llama_cpp.__version__, "gguf": spec["gguf"],
                 "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
                 "settings": {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": min(512, n_batch), "flash_attn": True,
-                             "kv_dtype": "float16", "threads": spec["threads"]}}
+                             "kv_dtype": "float16", "threads": spec["threads"], "n_gpu_layers": gpu_layers}}
     return stream, teacher_forced, versions
 
 

@@ -27,9 +27,10 @@ def import_llama():
 
 
 def open_llama(gguf, threads: int, n_ctx: int, n_batch: int, flash_attn: bool, kv_f32: bool = False,
-               logits_all: bool = False, repack: bool = True):
+               logits_all: bool = False, repack: bool = True, gpu_layers: int = 0):
     """A ``llama_cpp.Llama`` on `gguf`: n_threads = n_threads_batch = `threads`, n_ubatch min(512, n_batch)
-    (llama.cpp's default), the KV cache f16 (its default) or f32, the weights mmap'd. `repack=False`: no extra
+    (llama.cpp's default), the KV cache f16 (its default) or f32, the weights mmap'd, `gpu_layers` layers
+    offloaded (-1: all, as on a Mac with the Metal build; 0: the CPU). `repack=False`: no extra
     buffer types, so the weights are used straight from the mmap'd file instead of repacked copies in
     anonymous memory (as large as the weights: they cannot fit a memory limit below twice the model)."""
     llama_cpp = import_llama()
@@ -44,7 +45,7 @@ def open_llama(gguf, threads: int, n_ctx: int, n_batch: int, flash_attn: bool, k
         lib.llama_model_default_params = no_extra_bufts
     kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(512, n_batch),
               n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, logits_all=logits_all,
-              use_mmap=True, verbose=False)
+              use_mmap=True, n_gpu_layers=gpu_layers, verbose=False)
     if kv_f32:
         kw.update(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     return llama_cpp.Llama(**kw)

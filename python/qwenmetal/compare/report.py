@@ -81,6 +81,7 @@ def plot(rec: dict, out: Path) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from ..bench import describe_machine
     s = rec["summary"]
@@ -99,6 +100,9 @@ def plot(rec: dict, out: Path) -> list:
                 bottom.plot(*zip(*rts), marker="o", color=color, label=f"{e} / {base}")
         top.set_xscale("log", base=2)
         top.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+        top.yaxis.set_major_formatter(plain)
+        top.yaxis.set_minor_formatter(plain)
         top.set_ylabel("tokens/s")
         what = "time to the first token" if kind == "prefill_tok_s" else f"{rec['settings']['steps']} steps at that context"
         top.set_title(f"{title} ({what}), batch 1\n{machine}; {rec['model_type']} {rec['layers']} layers", fontsize=9)

@@ -124,3 +124,48 @@ def test_an_hf_checkpoint_gets_one_mlx_copy_that_every_engine_runs(tmp_path, mon
     copy = mlx_copy(hf, ModelConfig.from_file(hf), said.append)
     assert copy.parent == tmp_path / "compare" and checkpoint_layout(copy, ModelConfig.from_file(copy)) == "mlx"
     assert len(said) == 1 and mlx_copy(hf, ModelConfig.from_file(hf), said.append) == copy and len(said) == 1
+
+
+def test_compare_runs_llama_cpp_where_it_is_installed(tmp_path):
+    """llama.cpp is an optional peer (benchmarks/build_llama_cpp.sh), not a CI oracle: skipped without it."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "--quick", "--backend", "cpu", "--engines", "qwenmetal,llama.cpp", "--rounds", "1",
+                     "--baseline", "llama.cpp", "--no-plots", "--out", str(out)]) == 0
+    rec = json.loads((out / "compare.json").read_text())
+    assert rec["engines"] == ["qwenmetal", "llama.cpp"] and not rec["skipped"] and rec["gguf"].endswith(".q4_0.gguf")
+    v = rec["summary"]["engines"]["llama.cpp"]
+    assert all(x > 0 for x in v["prefill_tok_s"] + v["decode_tok_s"]) and v["digest_stable"] == [True, True]
+    assert rec["summary"]["ratios"]["qwenmetal"]["decode_tok_s"][0] > 0
+    # a Q4_0 requantization of the same weights: close to the reference, not equal
+    m = rec["quality"]["vs_reference"]["llama.cpp"]
+    assert 0 < m["mean_abs_diff"] < 1 and abs(m["ppl_ratio"] - 1) < 0.1
+
+
+def test_llama_bench_points_from_its_json_lines():
+    """The llama-bench route (llama.cpp without llama-cpp-python): the two tests of a point and the
+    medians of their per-repetition samples, from canned output."""
+    import subprocess
+
+    from qwenmetal.compare.engines import llama_bench_point
+
+    calls = []
+
+    def fake(cmd, **kw):
+        calls.append(cmd)
+        gen = cmd[cmd.index("-n") + 1] != "0"
+        row = {"build_commit": "abc", "n_prompt": 0 if gen else 256, "n_gen": 32 if gen else 0,
+               "samples_ts": [40.0, 50.0, 45.0] if gen else [200.0, 100.0, 400.0]}
+        return subprocess.CompletedProcess(cmd, 0, "main: log line\n" + json.dumps(row) + "\n", "")
+
+    p = llama_bench_point("/x/llama-bench", "m.gguf", 2, 256, 32, 3, 0, run=fake)
+    assert calls[0][-4:] == ["-p", "256", "-n", "0"] and calls[1][-6:] == ["-p", "0", "-n", "32", "-d", "256"]
+    assert ["-r", "3"] == calls[0][5:7] and "-t" in calls[0] and calls[0][calls[0].index("-ngl") + 1] == "0"
+    assert p["prefill_tok_s"] == pytest.approx(200.0) and p["decode_tok_s"] == pytest.approx(45.0)
+    assert p["digest"] is None and len(p["samples"]) == 3 and p["llama_bench"]["build_commit"] == "abc"
+
+    def failing(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "error: unknown model architecture\n")
+    with pytest.raises(RuntimeError, match="unknown model architecture"):
+        llama_bench_point("/x/llama-bench", "m.gguf", 2, 256, 32, 3, 0, run=failing)

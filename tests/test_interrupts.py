@@ -83,8 +83,9 @@ def arrays(s) -> dict:
 
 
 def same_state(a, b, exact=True):
-    """Sessions `a` and `b` hold the same tokens and state (bit for bit, or to float rounding: a state
-    reached by other call splits)."""
+    """Sessions `a` and `b` hold the same tokens and state (bit for bit, or to rounding: a state reached by
+    other call splits; on the cpu backend's int16 activations a split can move a value by an int16 step,
+    which grows through the layers: 5e-5 of a key row whose max is 3.5, seen on an AVX2 Zen 3)."""
     assert a.tokens == b.tokens and a.position == b.position == len(a.tokens)
     A, B = arrays(a), arrays(b)
     assert A.keys() == B.keys()
@@ -92,7 +93,7 @@ def same_state(a, b, exact=True):
         if exact:
             np.testing.assert_array_equal(A[k], B[k], err_msg=k)
         else:
-            np.testing.assert_allclose(A[k], B[k], rtol=1e-4, atol=1e-5 * float(np.abs(B[k]).max(initial=1)),
+            np.testing.assert_allclose(A[k], B[k], rtol=1e-4, atol=1e-4 * float(np.abs(B[k]).max(initial=1)),
                                        err_msg=k)
 
 

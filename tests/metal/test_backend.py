@@ -5,7 +5,8 @@ simulator, against the numpy reference and the CPU backend. Simulator-verified, 
   prompt (the chunked prefill graph, tests/metal/test_prefill.py) and of 64 greedy decode steps within 1e-4 of the logit
   range of the reference, identical greedy tokens;
 * bfloat build against the reference's bfloat16 mode: teacher-forced top-1 agreement >= 95 % over 64
-  positions (the max logit error is printed);
+  positions, an exact tie of the reference's bf16 logits counting for either id (the max logit error is
+  printed);
 * every attention route reached inside the graph (policy thresholds lowered);
 * the pipelined decode loop: the same tokens as unpipelined and as the forward() loop, one command buffer
   per token, host waits only for tokens; a stop token discards the extra step without touching the state;
@@ -78,7 +79,9 @@ def test_low_bit_fixtures_match_reference(fmt, n_prompt):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
-    """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions."""
+    """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions.
+    The reference's logits are bf16-rounded, so its top two can tie exactly (a few positions on these
+    random weights, where they fall depends on the host's BLAS); there the top-1 is any of the tied ids."""
     ref_model, (want_pre, want_dec, want_toks) = reference_runs(preset, "mlx-q4", "bfloat16")
     model = qm.Model.load(cached_checkpoint(preset, "mlx-q4", seed=0), backend=BACKEND, dtype="bfloat16")
     s = model.new_session()
@@ -87,7 +90,8 @@ def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
         got.append(model.decode_step(s, t))
     want = np.concatenate([want_pre[-1:], want_dec[:N_DECODE - 1]])
     got = np.stack(got)
-    agree = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
+    top = want[np.arange(len(want)), np.argmax(got, -1)]
+    agree = float(np.mean(top == want.max(-1)))          # got's argmax is (one of) the reference's maxima
     err = max(rel_range_err(g, w) for g, w in zip(got, want))
     print(f"{preset}: bf16 top-1 agreement {agree:.3f}, max logit error {err:.2e} of the range")
     assert agree >= 0.95

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,11 +147,13 @@ def _why_not(engine: str, ckpt: Path, config, a) -> str | None:
             return "mlx-lm is not installed (pip install mlx-lm; on Linux also mlx[cpu])"
         return None
     if engine == "llama.cpp":
-        if importlib.util.find_spec("llama_cpp") is None:
+        if a.gguf and not Path(a.gguf).is_file():
+            return f"--gguf {a.gguf}: no such file"
+        if importlib.util.find_spec("llama_cpp") is None and not shutil.which("llama-bench"):
             from .llama import INSTALL_HINT
-            return INSTALL_HINT
+            return INSTALL_HINT + ", or put a llama-bench binary on PATH"
         if a.gguf:
-            return None if Path(a.gguf).is_file() else f"--gguf {a.gguf}: no such file"
+            return None
         if importlib.util.find_spec("gguf") is None:
             return "writing the GGUF needs the gguf package (pip install gguf), or pass --gguf PATH"
         if config.model_type not in ("qwen3_5_moe", "qwen3_5_moe_text"):
@@ -242,8 +245,10 @@ def run(a, log: Callable[[str], None] = print) -> dict:
                                          "cooldown_seconds": cooldown, "baseline": a.baseline,
                                          "quality_tokens": len(qtoks) if qtoks else 0, "quick": a.quick},
               "engines": engines, "skipped": dict(skipped), "rounds": [], "quality": {}}
+    # llama.cpp through llama-cpp-python when it is installed, else the llama-bench binary on PATH
+    llama_bench = shutil.which("llama-bench") if importlib.util.find_spec("llama_cpp") is None else None
     base = {"checkpoint": str(ckpt), "gguf": gguf, "backend": backend, "options": options, "threads": a.threads,
-            "vocab": config.vocab_size, "steps": steps, "repeats": repeats}
+            "vocab": config.vocab_size, "steps": steps, "repeats": repeats, "llama_bench": llama_bench}
     with tempfile.TemporaryDirectory(prefix="qwenmetal-compare-") as tmp:
         work = Path(tmp)
         logs = out / "logs"
@@ -266,6 +271,8 @@ def run(a, log: Callable[[str], None] = print) -> dict:
                     log(f"  {why}")
                     record["skipped"][e] = why
                     continue
+                if res.get("quality_unavailable"):
+                    record["quality"].setdefault("unavailable", {})[e] = res["quality_unavailable"]
                 if res.get("quality_logits"):
                     res["quality_logits"] = str(Path(res["quality_logits"]).name)
                     record["quality"].setdefault("_logits", {})[e] = np.load(work / f"{e}.quality.npy")
@@ -328,7 +335,8 @@ def summarize(record: dict) -> dict:
         eng[e] = {"prefill_tok_s": [_median(p["prefill_tok_s"] for p in by_len[n]) for n in lengths],
                   "decode_tok_s": [_median(p.get("decode_tok_s") for p in by_len[n]) for n in lengths],
                   "digest": [by_len[n][0]["digest"] if by_len[n] else None for n in lengths],
-                  "digest_stable": [bool(by_len[n]) and all(p["digest_stable"] for p in by_len[n])
+                  "digest_stable": [None if not by_len[n] or by_len[n][0]["digest"] is None else
+                                    all(p["digest_stable"] for p in by_len[n])
                                     and len({p["digest"] for p in by_len[n]}) == 1 for n in lengths],
                   "drift": [res.get("drift", {}).get("decode") if res.get("drift", {}).get("decode") is not None
                             else res.get("drift", {}).get("prefill") for res in runs],
@@ -366,3 +374,6 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"qwenmetal compare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # the engines' processes got the same SIGINT; no file is half written
+        print("qwenmetal compare: interrupted", file=sys.stderr)
+        return 130

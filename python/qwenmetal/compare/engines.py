@@ -18,13 +18,17 @@ once untimed at its exact shape. Each engine's stream is its own fastest batch-1
   so a repeat prefills again; on Metal the pipelined GPU decode loop);
 * mlx-lm: ``mlx_lm.generate.generate_step`` (what ``stream_generate`` runs, without its EOS stop; 2048-token
   prefill chunks, one token of lookahead);
-* llama.cpp: ``Llama.eval`` of the prompt, then one ``eval`` per token, argmax of the last logits.
+* llama.cpp: ``Llama.eval`` of the prompt, then one ``eval`` per token, argmax of the last logits
+  (llama-cpp-python); without it, a ``llama-bench`` binary (``spec["llama_bench"]``): its prompt test
+  ``-p L -n 0`` and its generation test at that depth ``-p 0 -n steps -d L``, ``-r repeats``, with its own
+  warm-up. llama-bench streams no tokens and returns no logits: no digests, no quality figures.
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Iterator
@@ -116,7 +120,58 @@ def _open_llama(spec: dict):
     return stream, teacher_forced, versions
 
 
-OPENERS: dict[str, Callable] = {"qwenmetal": _open_qwenmetal, "mlx-lm": _open_mlx, "llama.cpp": _open_llama}
+def llama_bench_point(binary: str, gguf: str, threads: int, length: int, steps: int, repeats: int,
+                      gpu_layers: int, run=subprocess.run) -> dict:
+    """A point from two llama-bench tests (JSON lines): prefill of `length` tokens, and `steps` generated
+    tokens at depth `length`; per-repetition samples, medians."""
+    common = [binary, "-m", gguf, "-o", "jsonl", "-r", str(repeats), "-t", str(threads), "-fa", "on",
+              "-ngl", str(gpu_layers)]
+    rows = []
+    for args in (["-p", str(length), "-n", "0"], ["-p", "0", "-n", str(steps), "-d", str(length)]):
+        out = run(common + args, capture_output=True, text=True, check=False)
+        lines = [ln for ln in out.stdout.splitlines() if ln.strip().startswith("{")]
+        if out.returncode != 0 or not lines:
+            tail = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+            raise RuntimeError(f"llama-bench {' '.join(args)}: {tail}")
+        rows.append(json.loads(lines[-1]))
+    pre, dec = rows
+    pre_s = [length / ts for ts in pre["samples_ts"]]
+    dec_s = [1.0 / ts for ts in dec["samples_ts"]]
+    med_pre, med_dec = statistics.median(pre_s), statistics.median(dec_s)
+    return {"length": length, "steps": steps, "prefill_seconds": med_pre, "prefill_tok_s": length / med_pre,
+            "decode_seconds_per_token": med_dec, "decode_tok_s": 1.0 / med_dec, "digest": None,
+            "digest_stable": None, "samples": [{"prefill_seconds": a, "decode_seconds_per_token": b}
+                                               for a, b in zip(pre_s, dec_s)],
+            "llama_bench": {"build_commit": pre.get("build_commit"), "backends": pre.get("backends"),
+                            "n_batch": pre.get("n_batch"), "n_ubatch": pre.get("n_ubatch"),
+                            "type_k": pre.get("type_k"), "flash_attn": pre.get("flash_attn")}}
+
+
+def _open_llama_bench(spec: dict):
+    binary = spec["llama_bench"]
+    gpu_layers = -1 if sys.platform == "darwin" else 0
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    versions = {"llama_bench": binary, "version": (version.stdout + version.stderr).strip().splitlines()[-1:] or None,
+                "gguf": spec["gguf"], "settings": {"threads": spec["threads"], "n_gpu_layers": gpu_layers,
+                                                   "flash_attn": "on"}}
+
+    def measure(n):
+        return llama_bench_point(binary, spec["gguf"], spec["threads"], n, spec["steps"], spec["repeats"], gpu_layers)
+    return measure, None, versions
+
+
+def _streamed(opener: Callable) -> Callable:
+    """An engine that streams tokens: measure(length) is `measure_point` over its stream."""
+    def open_(spec: dict):
+        stream, teacher_forced, versions = opener(spec)
+        return (lambda n: measure_point(stream, spec["vocab"], n, spec["steps"], spec["repeats"]),
+                teacher_forced, versions)
+    return open_
+
+
+# engine -> open(spec) -> (measure(length) -> point, teacher_forced(tokens) -> logits or None, versions)
+OPENERS: dict[str, Callable] = {"qwenmetal": _streamed(_open_qwenmetal), "mlx-lm": _streamed(_open_mlx),
+                                "llama.cpp": _streamed(_open_llama), "llama-bench": _open_llama_bench}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,27 +212,30 @@ def measure_point(stream: Callable, vocab: int, length: int, steps: int, repeats
 def run(spec: dict) -> dict:
     from ..bench import ForeignLoad, peak_rss_bytes
     engine = spec["engine"]
-    if engine not in OPENERS:
+    if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; the engines are {ENGINES}")
+    route = "llama-bench" if engine == "llama.cpp" and spec.get("llama_bench") else engine
     t = time.perf_counter()
-    stream, teacher_forced, versions = OPENERS[engine](spec)
-    res = {"engine": engine, "versions": versions, "load_seconds": time.perf_counter() - t, "points": [],
-           "pid": os.getpid()}
+    measure, teacher_forced, versions = OPENERS[route](spec)
+    res = {"engine": engine, "route": route, "versions": versions, "load_seconds": time.perf_counter() - t,
+           "points": [], "pid": os.getpid()}
     with ForeignLoad() as fl:
         for n in spec["lengths"]:
-            p = measure_point(stream, spec["vocab"], n, spec["steps"], spec["repeats"])
+            p = measure(n)
             res["points"].append(p)
             log(f"  {engine:<10} {n:>7} tokens: prefill {p['prefill_tok_s']:9.1f} tok/s"
                 + (f", decode {p['decode_tok_s']:8.2f} tok/s" if "decode_tok_s" in p else ""))
         if spec["lengths"] and spec.get("drift", True):     # the first point again: did the machine drift?
             first = res["points"][0]
-            again = measure_point(stream, spec["vocab"], first["length"], spec["steps"], spec["repeats"])
+            again = measure(first["length"])
             res["drift"] = {"length": first["length"], "again": again,
                             "prefill": again["prefill_tok_s"] / first["prefill_tok_s"] - 1.0,
                             "decode": (again["decode_tok_s"] / first["decode_tok_s"] - 1.0)
                             if "decode_tok_s" in first else None}
     res["foreign_load"] = fl.fraction
-    if spec.get("quality_tokens"):
+    if spec.get("quality_tokens") and teacher_forced is None:
+        res["quality_unavailable"] = f"{route} returns no logits"
+    elif spec.get("quality_tokens"):
         logits = np.asarray(teacher_forced(spec["quality_tokens"]), np.float32)
         np.save(spec["quality_out"], logits)
         res["quality_logits"] = spec["quality_out"]

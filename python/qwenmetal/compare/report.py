@@ -54,6 +54,7 @@ def format_markdown(rec: dict) -> str:
                 "rounding):", "", "| length | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
         for i, n in enumerate(s["lengths"]):
             out.append(f"| {_length(n)} | " + " | ".join(
+                "–" if eng[e]["digest"][i] is None else
                 f"{eng[e]['digest'][i]}{'' if eng[e]['digest_stable'][i] else ' (unstable)'}" for e in names) + " |")
     q = rec.get("quality") or {}
     if q:
@@ -69,6 +70,8 @@ def format_markdown(rec: dict) -> str:
                 out.append("")
             elif key + "_skipped" in q:
                 out.append(f"against {ref}: skipped — {q[key + '_skipped']}")
+        for e, why in (q.get("unavailable") or {}).items():
+            out.append(f"{e}: no quality figures — {why}")
     plots = rec.get("plots")
     if isinstance(plots, dict) and plots.get("skipped"):
         out += ["", f"Plots: skipped — {plots['skipped']}"]

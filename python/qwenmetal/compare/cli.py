@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -249,6 +250,7 @@ def run(a, log: Callable[[str], None] = print) -> dict:
     llama_bench = shutil.which("llama-bench") if importlib.util.find_spec("llama_cpp") is None else None
     base = {"checkpoint": str(ckpt), "gguf": gguf, "backend": backend, "options": options, "threads": a.threads,
             "vocab": config.vocab_size, "steps": steps, "repeats": repeats, "llama_bench": llama_bench}
+    logits = {}                        # engine -> its teacher-forced logits of the quality text
     with tempfile.TemporaryDirectory(prefix="qwenmetal-compare-") as tmp:
         work = Path(tmp)
         logs = out / "logs"
@@ -275,27 +277,26 @@ def run(a, log: Callable[[str], None] = print) -> dict:
                     record["quality"].setdefault("unavailable", {})[e] = res["quality_unavailable"]
                 if res.get("quality_logits"):
                     res["quality_logits"] = str(Path(res["quality_logits"]).name)
-                    record["quality"].setdefault("_logits", {})[e] = np.load(work / f"{e}.quality.npy")
+                    logits[e] = np.load(work / f"{e}.quality.npy")
                 results[e] = res
             record["rounds"].append(results)
         if qtoks:
-            _quality(record, ckpt, qtoks, base, logs, log)
+            _quality(record, logits, ckpt, qtoks, base, logs, log)
     record["summary"] = summarize(record)
     from .report import write_outputs
     write_outputs(record, out, plots=not a.no_plots, log=log)
     return record
 
 
-def _quality(record: dict, ckpt: Path, qtoks: list, base: dict, logs: Path, log) -> None:
+def _quality(record: dict, logits: dict, ckpt: Path, qtoks: list, base: dict, logs: Path, log) -> None:
     """Top-1 agreement and the perplexity ratio of every engine against mlx-lm's logits, and the logit
     differences against the numpy reference (small checkpoints)."""
     from ..accuracy import agreement
     from ..bench.cli import checkpoint_bytes
 
-    logits = record["quality"].pop("_logits", {})
     q = record["quality"]
     q["tokens"] = len(qtoks)
-    q["text_digest"] = __import__("hashlib").sha256(json.dumps(qtoks).encode()).hexdigest()[:16]
+    q["text_digest"] = hashlib.sha256(json.dumps(qtoks).encode()).hexdigest()[:16]
     if "mlx-lm" in logits:
         q["vs_mlx_lm"] = {e: agreement(logits["mlx-lm"], z, qtoks) for e, z in logits.items() if e != "mlx-lm"}
     else:

@@ -11,8 +11,9 @@ session churn (docs/verification.md, "Sanitizers").
   freed (tests/session_churn.py), then a leak check; the same check with a planted leak must fail.
 * RSS: the same churn on the normal build; VmRSS after a warm-up grows less than ``RSS_BOUND``.
 
-Under CI=true a missing compiler, cmake/ninja or sanitizer runtime fails these tests; elsewhere they skip
-with the reason. ``QWENMETAL_SANITIZE_TESTS`` replaces the test selection (e.g. ``tests`` for all of it).
+Under CI=true a missing compiler or sanitizer runtime fails these tests; elsewhere they skip with the reason.
+cmake, ninja and nanobind are the `test` extra's, taken from the environment of the interpreter that runs the
+tests (``sys.executable``, passed to the script as $PYTHON); without them the tests fail everywhere. ``QWENMETAL_SANITIZE_TESTS`` replaces the test selection (e.g. ``tests`` for all of it).
 """
 from __future__ import annotations
 
@@ -73,12 +74,20 @@ def _runtime(lib: str) -> str:
 @pytest.fixture(scope="module")
 def asan_env() -> dict:
     """Builds the instrumented extension; the environment that runs Python on it."""
-    for tool in ("cmake", "ninja", CXX):
-        if shutil.which(tool) is None:
-            _missing(f"{tool} not found on PATH")
+    if shutil.which(CXX) is None:
+        _missing(f"{CXX} not found on PATH")
+    # cmake, ninja and nanobind from this interpreter's environment (the `test` extra, tests/test_install.py),
+    # first on PATH, so that no tool another Python installed stands in for a missing one
+    try:
+        import cmake
+        import nanobind  # noqa: F401
+        import ninja
+    except ImportError as e:
+        pytest.fail(f"{e.name} is not installed for {sys.executable}, though the `test` extra declares it")
+    path = os.pathsep.join([cmake.CMAKE_BIN_DIR, ninja.BIN_DIR, os.environ.get("PATH", os.defpath)])
     preload = ":".join(_runtime(lib) for lib in ("libasan.so", "libubsan.so"))
     r = subprocess.run([str(ROOT / "tools" / "sanitize_build.sh")], capture_output=True, text=True,
-                       env={**os.environ, "CXX": CXX})
+                       env={**os.environ, "CXX": CXX, "PYTHON": sys.executable, "PATH": path})
     assert r.returncode == 0, f"tools/sanitize_build.sh failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     so = list((BUILD / "pkg" / "qwenmetal").glob("_core*.so"))
     assert len(so) == 1, f"no instrumented _core in {BUILD / 'pkg'}"

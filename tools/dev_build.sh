@@ -3,7 +3,10 @@
 # it into python/qwenmetal/, so `PYTHONPATH=python python -m pytest ...` runs this tree's code.
 # Builds on this machine are serialised through a lock (2 cores: one heavy build at a time).
 #     tools/dev_build.sh            # from the repository root (any worktree)
+# The interpreter is $PYTHON, else the first `python` on PATH (an activated venv's); nanobind, cmake and
+# ninja must be installed in its environment (pip install ".[test]").
 set -euo pipefail
+python="${PYTHON:-$(command -v python)}"
 cd "$(dirname "$0")/.."
 root=$(pwd)
 bdir="$root/build/dev-cmake"
@@ -18,7 +21,7 @@ if command -v ccache >/dev/null; then
 fi
 if [ ! -f "$bdir/build.ninja" ]; then
     cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD_PROJECT_NAME=qwenmetal "${launcher[@]}" \
-        -DPython_EXECUTABLE="$(command -v python3)" -Dnanobind_DIR="$(python3 -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
+        -DPython_EXECUTABLE="$python" -Dnanobind_DIR="$("$python" -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi
 cmake --build "$bdir" -j2 "$@"
 # replaced by a rename, not rewritten in place: a process that has the old module loaded (a benchmark

@@ -5,7 +5,10 @@
 # a symlink to each entry of python/qwenmetal (modules, subpackages) plus the instrumented _core*.so, so that
 #     PYTHONPATH=build/asan/pkg LD_PRELOAD="$(g++ -print-file-name=libasan.so)" python ...
 # imports this checkout's package with the instrumented extension (tests/test_sanitizers.py does this).
+# The interpreter is $PYTHON (tests/test_sanitizers.py passes its own, sys.executable); nanobind, cmake and
+# ninja come from that interpreter's environment (the `test` extra declares them).
 set -euo pipefail
+python="${PYTHON:?set PYTHON to the interpreter that will import the build (e.g. PYTHON=\$(command -v python))}"
 cd "$(dirname "$0")/.."
 root=$(pwd)
 bdir="$root/build/asan"
@@ -15,8 +18,8 @@ flock 9
 if [ ! -f "$bdir/build.ninja" ]; then
     cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD_PROJECT_NAME=qwenmetal \
         -DCMAKE_CXX_COMPILER="$cxx" -DQWENMETAL_SANITIZE=ON \
-        -DPython_EXECUTABLE="$(command -v python3)" \
-        -Dnanobind_DIR="$(python3 -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
+        -DPython_EXECUTABLE="$python" \
+        -Dnanobind_DIR="$("$python" -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi
 cmake --build "$bdir" -j"${QWENMETAL_BUILD_JOBS:-2}" --target _core
 # updated in place (a run of the previous build may be importing from it): links refreshed, dangling

@@ -72,9 +72,10 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
                          device const T* q_norm_w [[buffer(2)]], device const T* k_norm_w [[buffer(3)]],
                          device T* q_out [[buffer(4)]], device KV* k_cache [[buffer(5)]],
                          device KV* v_cache [[buffer(6)]], uint2 tg [[threadgroup_position_in_grid]],
-                         uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]],
+                         uint tid [[thread_index_in_threadgroup]], uint2 tpg [[threads_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                          uint nsg [[simdgroups_per_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup float partial[SIMD_WIDTH];
     const uint hd = p.head_dim, g = tg.x;
     const uint position = p.position + tg.y;
@@ -254,12 +255,14 @@ inline float attn_merge(threadgroup const float* kt, threadgroup const float* ml
 // covering all keys (the host sets n_partials = n_blocks = 1), merged, normalised and multiplied
 // by sigmoid(gate) on store. Grid (1, head chunks, n_kv_heads).
 template <typename T, typename KV>
-kernel void attn_decode_single(constant AttnDecodeParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
-                               device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
-                               device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
-                               uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                               uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                               uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_MAX_SIMDGROUPS)]]
+void attn_decode_single(constant AttnDecodeParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
+                        device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
+                        device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
+                        uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                        uint3 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup float kt[ATTN_TILE_FLOATS];
     threadgroup float vt[ATTN_TILE_FLOATS];
     threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
@@ -284,11 +287,13 @@ kernel void attn_decode_single(constant AttnDecodeParams& p [[buffer(0)]], devic
 // acc f32 [n_heads, n_partials, head_dim], then ml f32 [n_heads, n_partials, 2].
 // Grid (n_partials, head chunks, n_kv_heads).
 template <typename T, typename KV>
-kernel void attn_decode_partial(constant AttnDecodeParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
-                                device const KV* k_cache [[buffer(2)]], device const KV* v_cache [[buffer(3)]],
-                                device float* scratch [[buffer(4)]], uint3 tg [[threadgroup_position_in_grid]],
-                                uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]],
-                                uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_MAX_SIMDGROUPS)]]
+void attn_decode_partial(constant AttnDecodeParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
+                         device const KV* k_cache [[buffer(2)]], device const KV* v_cache [[buffer(3)]],
+                         device float* scratch [[buffer(4)]], uint3 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]], uint3 tpg [[threads_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup float kt[ATTN_TILE_FLOATS];
     threadgroup float vt[ATTN_TILE_FLOATS];
     threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
@@ -375,13 +380,16 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
 // Threadgroup memory: the K and V tiles (2 x ATTN_TILE_FLOATS floats) and one 8x8 float
 // staging slot per SIMD-group: 24 KB. Registers: 2 hd / 8 matrices per SIMD-group (Q and O;
 // hd = 256: 128 floats per lane).
+// Threads: a SIMD-group per query head of the kv head and 8 rows of the block, at most 32 SIMD-groups.
 template <typename T, typename KV>
-kernel void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
-                         device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
-                         device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
-                         uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                         uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                         uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_PREFILL_MAX_SIMDGROUPS)]]
+void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
+                  device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
+                  device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
+                  uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                  uint2 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                  uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup float kt[ATTN_TILE_FLOATS];
     threadgroup float vt[ATTN_TILE_FLOATS];
     threadgroup float stage[ATTN_PREFILL_MAX_SIMDGROUPS * ATTN_MMA * ATTN_MMA];

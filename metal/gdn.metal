@@ -149,15 +149,16 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
 // over the head is reduced by threadgroup_sum (its barrier also publishes the staged o), all threads compute y in
 // steps of the threadgroup size, and a barrier ends the token (o_tg and the partial sums are reused).
 template <typename T>
-kernel void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
-                     device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
-                     device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
-                     device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
-                     device const float* state [[buffer(8)]], device float* state_out [[buffer(9)]],
-                     device T* y [[buffer(10)]],
-                     uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                     uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * GDN_STEP_MAX_SIMDGROUPS)]]
+void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+              device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
+              device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
+              device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
+              device const float* state [[buffer(8)]], device float* state_out [[buffer(9)]],
+              device T* y [[buffer(10)]],
+              uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+              uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+              uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup float o_tg[GDN_STEP_MAX_DV];
     threadgroup float partial[SIMD_WIDTH];
     const uint dk = p.dk, dv = p.dv, key_dim = p.nk * p.dk;
@@ -328,14 +329,16 @@ inline void gdn_chunk_mask(threadgroup float* A, threadgroup const float* G, thr
 // j; two simd_shuffle_xor, one simdgroup_barrier per row), computes O and updates its state tile, and writes
 // its o panel. Threadgroup barriers separate the phases that share the cp x cp matrix.
 template <typename T>
-kernel void gdn_chunk(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
-                      device const float* qn [[buffer(2)]], device const float* kn [[buffer(3)]],
-                      device const float* beta [[buffer(4)]], device const float* g [[buffer(5)]],
-                      device const float* state [[buffer(6)]], device float* state_out [[buffer(7)]],
-                      device float* o [[buffer(8)]],
-                      uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                      uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                      uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * GDN_CHUNK_SIMDGROUPS)]]
+void gdn_chunk(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+               device const float* qn [[buffer(2)]], device const float* kn [[buffer(3)]],
+               device const float* beta [[buffer(4)]], device const float* g [[buffer(5)]],
+               device const float* state [[buffer(6)]], device float* state_out [[buffer(7)]],
+               device float* o [[buffer(8)]],
+               uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+               uint2 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+               uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     // X_tg first: the simulator resolves a pointer into a threadgroup array by address, and the start of an
     // array declared right after another one is also that one's end
     threadgroup float X_tg[GDN_CHUNK_SIMDGROUPS * GDN_CHUNK_MAX * 8];  // per SIMD-group: KS, V_new, O panels

@@ -48,14 +48,15 @@ typedef tensor<threadgroup float, gemm_ext, tensor_inline> gemm_tg_tensor;
 // (ceil(N / cols), ceil(M / 32) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns
 // before any barrier (the condition depends only on the threadgroup).
 template <int FMT, typename S, typename T, typename O>
-kernel void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
-                        device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
-                        device const uint32_t* w2 [[buffer(4)]], device const S* scales2 [[buffer(5)]],
-                        device const S* biases2 [[buffer(6)]], device const T* x [[buffer(7)]],
-                        device const uint* slot_rows [[buffer(8)]], device const uint4* tiles [[buffer(9)]],
-                        device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
-                        uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                        uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(GEMM_THREADS)]]
+void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                 device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                 device const uint32_t* w2 [[buffer(4)]], device const S* scales2 [[buffer(5)]],
+                 device const S* biases2 [[buffer(6)]], device const T* x [[buffer(7)]],
+                 device const uint* slot_rows [[buffer(8)]], device const uint4* tiles [[buffer(9)]],
+                 device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
+                 uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                 uint sg [[simdgroup_index_in_threadgroup]]) {
     threadgroup float xt_[GEMM_BM * GEMM_LD];
     threadgroup float wt_[GEMM_BN * GEMM_LD];
     threadgroup float ct_[GEMM_BM * GEMM_LDC];

@@ -95,10 +95,11 @@ inline void route_topk(device const float* logits, uint n, uint k, bool norm, ui
 // as a whole); lane j < k stores pick j. T only selects the roundings (rnd<T>): logits are float.
 // Buffers: 0 params, 1 logits float [rows, stride], 2 ids uint [rows, k], 3 weights float [rows, k].
 template <typename T>
-kernel void moe_topk(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
-                     device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
-                     uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * MOE_TOPK_ROWS)]]
+void moe_topk(constant MoeTopkParams& p [[buffer(0)]], device const float* logits [[buffer(1)]],
+              device uint* ids [[buffer(2)]], device float* weights [[buffer(3)]],
+              uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+              uint sg [[simdgroup_index_in_threadgroup]]) {
     const uint row = tgid.x * MOE_TOPK_ROWS + sg;
     if (row >= p.rows) {
         return;
@@ -161,15 +162,16 @@ inline void swiglu_rows(WP gw, SP gs_, SP gb, WP uw, SP us, SP ub, XP x4, uint K
 // 11 router logits float [n_experts] (fused top-k only), 12 ids uint [k] (read; written with the fused
 // top-k), 13 act [k (+1), act_stride], 14 routing weights float [k] (written with the fused top-k).
 template <int FMT, typename S, typename T>
-kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
-                        device const S* gsc [[buffer(2)]], device const S* gbi [[buffer(3)]],
-                        device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
-                        device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
-                        device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
-                        device const T* x [[buffer(10)]], device const float* logits [[buffer(11)]],
-                        device uint* ids [[buffer(12)]], device T* act [[buffer(13)]],
-                        device float* weights [[buffer(14)]], uint3 tgid [[threadgroup_position_in_grid]],
-                        uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
+                 device const S* gsc [[buffer(2)]], device const S* gbi [[buffer(3)]],
+                 device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
+                 device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
+                 device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
+                 device const T* x [[buffer(10)]], device const float* logits [[buffer(11)]],
+                 device uint* ids [[buffer(12)]], device T* act [[buffer(13)]],
+                 device float* weights [[buffer(14)]], uint3 tgid [[threadgroup_position_in_grid]],
+                 uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint slot = tgid.y;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
@@ -223,14 +225,15 @@ kernel void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const 
 // one: any buffer, unused), 7 act [k (+1), act_stride], 8 ids uint [k], 9 weights float [k],
 // 10 the shared-gate logit float [1] (the router GEMV's row n_experts), 11 x [H] (read and written).
 template <int FMT, typename S, typename T>
-kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw [[buffer(1)]],
-                     device const S* dsc [[buffer(2)]], device const S* dbi [[buffer(3)]],
-                     device const uint32_t* shw [[buffer(4)]], device const S* shsc [[buffer(5)]],
-                     device const S* shbi [[buffer(6)]], device const T* act [[buffer(7)]],
-                     device const uint* ids [[buffer(8)]], device const float* weights [[buffer(9)]],
-                     device const float* shared_logit [[buffer(10)]], device T* x [[buffer(11)]],
-                     uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw [[buffer(1)]],
+              device const S* dsc [[buffer(2)]], device const S* dbi [[buffer(3)]],
+              device const uint32_t* shw [[buffer(4)]], device const S* shsc [[buffer(5)]],
+              device const S* shbi [[buffer(6)]], device const T* act [[buffer(7)]],
+              device const uint* ids [[buffer(8)]], device const float* weights [[buffer(9)]],
+              device const float* shared_logit [[buffer(10)]], device T* x [[buffer(11)]],
+              uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+              uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
     if (row0 >= p.H) {
@@ -278,11 +281,12 @@ kernel void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint3
 // moe_gate_up on its own. Grid (ceil(inter / 8), 1, 1) x (32, 2, 1), 4 outputs per SIMD-group.
 // Buffers: 0 params, 1-3 the [gate | up] matrix [2 inter, K], 4 x [K], 5 act [inter].
 template <int FMT, typename S, typename T>
-kernel void mlp_gate_up(constant MlpGateUpParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
-                        device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
-                        device const T* x [[buffer(4)]], device T* act [[buffer(5)]],
-                        uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
-                        uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void mlp_gate_up(constant MlpGateUpParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+                 device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+                 device const T* x [[buffer(4)]], device T* act [[buffer(5)]],
+                 uint3 tgid [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                 uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
     if (row0 >= p.inter) {
@@ -347,7 +351,8 @@ inline uint sort_block(constant MoeSortParams& p, device const uint* ids, thread
 // Buffers: 0 params, 1 ids uint [S], 2 counts uint [blocks, E] (scratch).
 kernel void moe_sort_count(constant MoeSortParams& p [[buffer(0)]], device const uint* ids [[buffer(1)]],
                            device uint* counts [[buffer(2)]], uint3 tgid [[threadgroup_position_in_grid]],
-                           uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]]) {
+                           uint tid [[thread_index_in_threadgroup]], uint3 tpg [[threads_per_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup uint staged[MOE_SORT_THREADS];
     const uint e = tgid.y * nthreads + tid;
     const uint c = sort_block<false>(p, ids, staged, e, tgid.x, tid, nthreads, 0u, counts, counts);
@@ -381,9 +386,10 @@ inline uint threadgroup_exclusive_sum(uint v, threadgroup uint* partial, uint la
 // total number of tiles up to the capacity are set empty (all zero), striding over the threads, so the
 // grouped GEMM's fixed grid finds every entry written. Grid (1, 1, 1) x (MOE_SCAN_THREADS, 1, 1).
 // Buffers: 0 params, 1 counts uint [blocks, E] (read, rewritten), 2 tiles uint4 [capacity].
-kernel void moe_sort_scan(constant MoeSortParams& p [[buffer(0)]], device uint* counts [[buffer(1)]],
-                          device uint4* tiles [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
-                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(MOE_SCAN_THREADS)]]
+void moe_sort_scan(constant MoeSortParams& p [[buffer(0)]], device uint* counts [[buffer(1)]],
+                   device uint4* tiles [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
+                   uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     threadgroup uint slot_part[MOE_SCAN_THREADS / SIMD_WIDTH];
     threadgroup uint tile_part[MOE_SCAN_THREADS / SIMD_WIDTH];
     const uint E = p.n_experts, t = p.tile_rows;
@@ -428,7 +434,8 @@ kernel void moe_sort_scatter(constant MoeSortParams& p [[buffer(0)]], device con
                              device const uint* offsets [[buffer(2)]], device uint* slot_of [[buffer(3)]],
                              device uint* slot_rows [[buffer(4)]], uint3 tgid [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
-                             uint nthreads [[threads_per_threadgroup]]) {
+                             uint3 tpg [[threads_per_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
     threadgroup uint staged[MOE_SORT_THREADS];
     const uint e = tgid.y * nthreads + tid;
     const uint start = e < p.n_experts ? offsets[ulong(tgid.x) * p.n_experts + e] : 0u;

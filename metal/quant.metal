@@ -54,11 +54,12 @@
 // written by the same lane). QMV_ROUND: a float output holds the product rounded to T (the bfloat
 // build's router logits, as the bf16 graph has them).
 template <int FMT, typename S, typename T, typename O, uint MB>
-kernel void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
-                device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
-                device const T* x [[buffer(4)]], device const T* g [[buffer(5)]], device const O* r [[buffer(6)]],
-                device O* y [[buffer(7)]], device T* xn [[buffer(8)]], uint3 tgid [[threadgroup_position_in_grid]],
-                uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
+         device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
+         device const T* x [[buffer(4)]], device const T* g [[buffer(5)]], device const O* r [[buffer(6)]],
+         device O* y [[buffer(7)]], device T* xn [[buffer(8)]], uint3 tgid [[threadgroup_position_in_grid]],
+         uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
     // this threadgroup's input vectors: b0 .. b0 + nb - 1 (the last chunk may hold fewer than MB)

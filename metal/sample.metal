@@ -271,11 +271,12 @@ inline uint2 radix_select(device const float* x, SampleCtx c, RankFilter f, floa
 // i + j * t (coalesced), keeps its best (key, index) and the threadgroup reduces them
 // (threadgroup_best). Writes partials[2g] = key, partials[2g + 1] = index.
 // Fused: nothing; the cost is one read of the logits spread over many threadgroups.
-kernel void sample_partials(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-                            device uint* partials [[buffer(2)]], uint g [[threadgroup_position_in_grid]],
-                            uint tid [[thread_index_in_threadgroup]], uint nt [[threads_per_threadgroup]],
-                            uint lane [[thread_index_in_simdgroup]],
-                            uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SAMPLE_PARTIAL_THREADS)]]
+void sample_partials(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+                     device uint* partials [[buffer(2)]], uint g [[threadgroup_position_in_grid]],
+                     uint tid [[thread_index_in_threadgroup]], uint nt [[threads_per_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup uint pk[SIMD_WIDTH];
     threadgroup uint pi[SIMD_WIDTH];
     uint bk = 0u, bi = 0xffffffffu;
@@ -295,10 +296,11 @@ kernel void sample_partials(constant SampleKernelParams& p [[buffer(0)]], device
 
 // argmax_final: token[0] = the lowest index of the largest logit. One threadgroup; thread t reduces the
 // partials t, t + threads, ..., then threadgroup_best.
-kernel void argmax_final(constant SampleKernelParams& p [[buffer(0)]], device const uint* partials [[buffer(1)]],
-                         device uint* token [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
-                         uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                         uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SAMPLE_PICK_THREADS)]]
+void argmax_final(constant SampleKernelParams& p [[buffer(0)]], device const uint* partials [[buffer(1)]],
+                  device uint* token [[buffer(2)]], uint tid [[thread_index_in_threadgroup]],
+                  uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                  uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup uint pk[SIMD_WIDTH];
     threadgroup uint pi[SIMD_WIDTH];
     uint bk = 0u, bi = 0xffffffffu;
@@ -353,11 +355,12 @@ inline uint tg_count(uint v, threadgroup float* part, uint lane, uint sg, uint n
 //      draw   j = min(n - 1, #{j < n : C_j <= u * C[n - 1]})   (the host's searchsorted, right side)
 // Fused: max, top-k, sort, softmax, top-p, min-p, the draw: one dispatch after the partials.
 // Threadgroup memory: 4 x SAMPLE_SORT_MAX words + 2.2 KB.
-kernel void sample_sorted(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-                          device const uint* partials [[buffer(2)]], device uint* token [[buffer(3)]],
-                          device uint* header [[buffer(4)]], uint tid [[thread_index_in_threadgroup]],
-                          uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                          uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SAMPLE_PICK_THREADS)]]
+void sample_sorted(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+                   device const uint* partials [[buffer(2)]], device uint* token [[buffer(3)]],
+                   device uint* header [[buffer(4)]], uint tid [[thread_index_in_threadgroup]],
+                   uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                   uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup uint ckey[SAMPLE_SORT_MAX];
     threadgroup uint cidx[SAMPLE_SORT_MAX];
     threadgroup float ce[SAMPLE_SORT_MAX];
@@ -490,11 +493,12 @@ kernel void sample_sorted(constant SampleKernelParams& p [[buffer(0)]], device c
 //   5. the draw: the element where the cumulative e of the kept set first exceeds u * S.
 // Passes over the logits: (8 + index levels) per radix_select (count mode usually 8), 2 set_sums.
 // Fused: everything after the partials, one dispatch. Threadgroup memory 2.3 KB.
-kernel void sample_radix(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-                         device const uint* partials [[buffer(2)]], device uint* token [[buffer(3)]],
-                         device uint* header [[buffer(4)]], uint tid [[thread_index_in_threadgroup]],
-                         uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                         uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SAMPLE_PICK_THREADS)]]
+void sample_radix(constant SampleKernelParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+                  device const uint* partials [[buffer(2)]], device uint* token [[buffer(3)]],
+                  device uint* header [[buffer(4)]], uint tid [[thread_index_in_threadgroup]],
+                  uint nt [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                  uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup float part[SIMD_WIDTH * SAMPLE_RADIX_BUCKETS];
     threadgroup float bucket[SAMPLE_RADIX_BUCKETS];
     threadgroup uint pk[SIMD_WIDTH];

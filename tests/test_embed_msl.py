@@ -4,8 +4,9 @@ For every metal/*.metal the flattened source must be the same translation unit a
 ``-I metal``: no quoted include left, the same tokens after preprocessing as Apple's compiler would see
 them (``__METAL_VERSION__`` defined, ``<metal_*>`` headers stubbed), accepted by the address-space type
 check, and with ``#line`` markers so that a compile error names the original file and line. The generated
-C++ must compile and hold exactly the flattened text, and its kernel table must list exactly the kernels
-the simulator's build of the same files registers.
+C++ must compile and hold exactly the flattened text and each family's MSL version (``LANGUAGE_VERSION``,
+also read by tools/msl_conform.py), and its kernel table must list exactly the kernels the simulator's
+build of the same files registers.
 
 Compilers: clang++ >= 15 (tools/msl_check.py's rule) for the type check, any C++ compiler (c++, g++,
 clang++) for the rest. With CI=true a missing compiler fails these tests; elsewhere they are skipped.
@@ -198,7 +199,7 @@ int main(int, char** argv) {
         if (n != s.kernel_count) return 4;
         std::FILE* f = std::fopen((std::string(argv[1]) + "/" + s.family + ".out").c_str(), "wb");
         std::fwrite(s.source, 1, s.length, f);
-        std::fprintf(f, "\n--kernels--\n%s\n", s.origin);
+        std::fprintf(f, "\n--kernels--\n%s\n%s\n", s.origin, s.language_version);
         for (size_t k = 0; k < n; ++k) std::fprintf(f, "%s\n", s.kernels[k]);
         std::fclose(f);
     }
@@ -215,8 +216,30 @@ int main(int, char** argv) {
     assert r.returncode == 0
     for fam, origin, src, names in fams:
         text = (out / f"{fam}.out").read_bytes().decode("utf-8")
-        assert text == src + "\n--kernels--\n" + origin + "\n" + "".join(n + "\n" for n in names)
+        assert text == (src + "\n--kernels--\n" + origin + "\n" + embed.language_version(fam) + "\n" +
+                        "".join(n + "\n" for n in names))
     assert 'R"QMSL2(' in gen.read_text()
+
+
+def test_language_version_table():
+    """LANGUAGE_VERSION (the MSL version MetalDevice compiles a family with, and tools/msl_conform.py checks it
+    against) names existing families only; the tensor-op family is 4.0, every other family the default 3.1."""
+    families = {p.stem for p in KERNEL_FILES}
+    assert set(embed.LANGUAGE_VERSION) <= families
+    assert embed.DEFAULT_LANGUAGE_VERSION == "3.1"
+    assert embed.language_version("gemm_tensor") == "4.0"
+    assert all(embed.language_version(f) == "3.1" for f in families - {"gemm_tensor"})
+    for fam, _, src, _ in embed.families():  # a family with Metal 4 tensor operations is pinned to 4.0 or later
+        if re.search(r"^\s*#\s*include\s*<metal_tensor>", src, re.M):
+            assert float(embed.language_version(fam)) >= 4.0, fam
+    gen = embed.emit_cpp([("norm", "metal/norm.metal", "x", ["rmsnorm_f32"])])
+    assert 'kernels_0, 1, "3.1"},' in gen
+
+
+def test_a_malformed_language_version_is_rejected(monkeypatch):
+    monkeypatch.setitem(embed.LANGUAGE_VERSION, "norm", "metal3.1")
+    with pytest.raises(embed.EmbedError, match=r"LANGUAGE_VERSION\['norm'\] = 'metal3.1' is not a version"):
+        embed.emit_cpp([("norm", "metal/norm.metal", "x", [])])
 
 
 def test_main_writes_the_file_and_prints_a_family(tmp_path, capsys):

@@ -17,8 +17,9 @@ that every flattened family preprocesses to exactly the tokens of the original w
 
 The output is a C++ file defining the table declared in src/metal/msl_sources.h: one entry per family
 with the flattened source as a raw string literal (delimiter chosen so that ``)delim"`` does not occur
-in the text) and the kernel host names the family exports (``INSTANTIATE_KERNEL("name", ...)`` and
-plain ``kernel void name(...)``, the same rule the simulator's registration uses, tools/mslpp.py).
+in the text), the kernel host names the family exports (``INSTANTIATE_KERNEL("name", ...)`` and
+plain ``kernel void name(...)``, the same rule the simulator's registration uses, tools/mslpp.py) and the
+MSL version it is compiled with (``LANGUAGE_VERSION`` below, also read by tools/msl_conform.py).
 
     python3 tools/embed_msl.py -o build/msl_sources.cpp            # every metal/*.metal
     python3 tools/embed_msl.py --print norm                         # one flattened family on stdout
@@ -39,6 +40,17 @@ _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
 _COND_OPEN = re.compile(r"^\s*#\s*(if|ifdef|ifndef)\b")
 _COND_CLOSE = re.compile(r"^\s*#\s*endif\b")
 _INSTANTIATE = re.compile(r'\bINSTANTIATE_KERNEL\s*\(\s*"([^"\\]+)"\s*,')
+
+# The Metal Shading Language version each family is written for: MetalDevice compiles the family with
+# MTLCompileOptions.languageVersion set to it (the generated table's MslSource::language_version), and
+# tools/msl_conform.py checks the family against it (bfloat needs 3.1, tensor operations 4.0, a C++17
+# feature 4.0, ...). One table for both, so the version the checker assumes is the one the Mac compiles with.
+# A family not listed here is written for DEFAULT_LANGUAGE_VERSION.
+DEFAULT_LANGUAGE_VERSION = "3.1"
+LANGUAGE_VERSION = {
+    "gemm_tensor": "4.0",  # Metal 4 tensor operations (<metal_tensor>, MetalPerformancePrimitives' matmul2d)
+}
+_VERSION_FORMAT = re.compile(r"^[1-9]\d*\.\d+$")
 
 
 class EmbedError(Exception):
@@ -149,6 +161,14 @@ def kernel_names(source: str) -> list[str]:
     return out
 
 
+def language_version(family: str) -> str:
+    """The MSL version ("3.1", "4.0") family `family` (metal/<family>.metal) is compiled with and checked against."""
+    version = LANGUAGE_VERSION.get(family, DEFAULT_LANGUAGE_VERSION)
+    if not _VERSION_FORMAT.match(version):
+        raise EmbedError(f"LANGUAGE_VERSION[{family!r}] = {version!r} is not a version like \"3.1\"")
+    return version
+
+
 def raw_delimiter(text: str) -> str:
     """A raw-string delimiter d (at most 16 characters) with `)d"` nowhere in text."""
     for i in range(100000):
@@ -188,9 +208,9 @@ def emit_cpp(fams) -> str:
     parts.append("extern const MslSource kMslSources[] = {\n")
     for i, (fam, origin, src, names) in enumerate(fams):
         parts.append(f"    {{{_c_string(fam)}, {_c_string(origin)}, source_{i}, sizeof(source_{i}) - 1, "
-                     f"kernels_{i}, {len(names)}}},\n")
+                     f"kernels_{i}, {len(names)}, {_c_string(language_version(fam))}}},\n")
     if not fams:
-        parts.append("    {nullptr, nullptr, nullptr, 0, nullptr, 0},\n")
+        parts.append("    {nullptr, nullptr, nullptr, 0, nullptr, 0, nullptr},\n")
     parts.append("};\n")
     parts.append(f"extern const size_t kMslSourceCount = {len(fams)};\n\n}}  // namespace qwenmetal::gpu\n")
     return "".join(parts)

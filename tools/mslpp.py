@@ -21,6 +21,9 @@ Rewrites
     ``::msl_check::make<float4>(...)`` (clang's ext vectors have no constructors in C++).
   * sim: every non-template ``kernel void f(...)`` is registered (``MSL_REGISTER_KERNEL``);
     templates are registered by ``INSTANTIATE_KERNEL``. ``MSL_EXPORT_LIBRARY(<id>)`` is appended.
+  * ``[[kernel, max_total_threads_per_threadgroup(N)]] void f(`` -> ``kernel void f(``; in sim mode the
+    registrations of f carry N (``MSL_REGISTER_KERNEL_MT``, ``MSL_INSTANTIATE_KERNEL_MT``): the simulator
+    reports N as the pipeline's thread limit, as Metal does.
   * sim: ``reinterpret_cast<device T*>(p)`` -> ``::msl::ptr_cast<device T*>(p)``.
   * sim, checked: ``device``/``constant`` pointer types -> ``::msl::dptr<T>`` and ``threadgroup``
     pointer types -> ``::msl::tgptr<T>`` (bounds-checked; tgptr also tracks poisoned reads), and
@@ -218,7 +221,32 @@ def rewrite_tg_decls(src: str, mode: str, file_id: int, tg_names: set) -> str:
     return apply_edits(src, edits)
 
 
-KERNEL_DEF = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s+void\s+([A-Za-z_]\w*)\s*\(")
+KERNEL_DEF = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*(?:,[^\[\]]*)?\]\])\s+void\s+([A-Za-z_]\w*)\s*\(")
+MAX_THREADS_ATTR = re.compile(r"\[\[\s*kernel\s*,\s*max_total_threads_per_threadgroup\s*\((.*?)\)\s*\]\]"
+                              r"(?=\s*void\s+([A-Za-z_]\w*)\s*\()", re.S)
+INSTANTIATE = re.compile(r"\bINSTANTIATE_KERNEL\s*\(\s*(\"[^\"]*\")\s*,\s*([A-Za-z_]\w*)\s*,")
+
+
+def rewrite_max_threads(src: str, declared: dict) -> str:
+    """``[[kernel, max_total_threads_per_threadgroup(N)]] void f(`` -> ``kernel void f(``, with f -> N recorded
+    in ``declared`` (N: an expression the registration evaluates; it may not depend on template parameters)."""
+    m = mask(src)
+    edits = []
+    for mt in MAX_THREADS_ATTR.finditer(m):
+        declared[mt.group(2)] = src[mt.start(1):mt.end(1)].strip()
+        edits.append((mt.start(), mt.end(), "kernel" + "\n" * src.count("\n", mt.start(), mt.end())))
+    return apply_edits(src, edits)
+
+
+def rewrite_instantiations(src: str, declared: dict) -> str:
+    """sim: ``INSTANTIATE_KERNEL("name", f, ...)`` of a kernel with a declared thread limit ->
+    ``MSL_INSTANTIATE_KERNEL_MT((N), "name", f, ...)``, so the simulator knows the pipeline's limit."""
+    m = mask(src)
+    edits = []
+    for mt in INSTANTIATE.finditer(m):
+        if mt.group(2) in declared:
+            edits.append((mt.start(), mt.start(1), f"MSL_INSTANTIATE_KERNEL_MT(({declared[mt.group(2)]}), "))
+    return apply_edits(src, edits)
 
 
 def plain_kernels(src: str) -> list[tuple[str, int]]:
@@ -338,9 +366,12 @@ def rewrite(src: str, mode: str = "sim", checked: bool = True, library_id: str =
     tg_names: set = set()
     text = rewrite_tg_decls(text, mode, file_id, tg_names)
     head, tail = "", ""
+    declared: dict = {}
+    text = rewrite_max_threads(text, declared)
     if mode == "check":
         text = rewrite_vector_ctors(text)
     if mode == "sim":
+        text = rewrite_instantiations(text, declared)
         kernels = plain_kernels(text)
         m = mask(text)
         text = apply_edits(text, [(mt.start(), mt.end(), "::msl::ptr_cast<" + text[mt.start(1):mt.end(1)])
@@ -350,7 +381,8 @@ def rewrite(src: str, mode: str = "sim", checked: bool = True, library_id: str =
             text = rewrite_device_ptrs(text, ptr_names)
             text = rewrite_subscripts(text, ptr_names | tg_names)
         head = f"#define MSL_SIM_CHECKED {1 if checked else 0}\n"
-        tail = "\n" + "".join(f"MSL_REGISTER_KERNEL({k}, {line})\n" for k, line in kernels) + \
+        tail = "\n" + "".join(f"MSL_REGISTER_KERNEL_MT({k}, {line}, ({declared[k]}))\n" if k in declared else
+                              f"MSL_REGISTER_KERNEL({k}, {line})\n" for k, line in kernels) + \
             f"MSL_EXPORT_LIBRARY({library_id})\n"
     assert text.count("\n") == n_lines, "mslpp must preserve line numbers"
     origin_lit = origin.replace("\\", "/").replace('"', '\\"')

@@ -15,6 +15,10 @@ struct MslSource {
     size_t length;               // strlen(source)
     const char* const* kernels;  // the host names it exports, nullptr-terminated
     size_t kernel_count;
+    // The Metal Shading Language version the family is written for, "3.1" or "4.0" ("major.minor"): what
+    // MTLCompileOptions.languageVersion is set to when it is compiled. From LANGUAGE_VERSION in
+    // tools/embed_msl.py, the table tools/msl_conform.py checks the sources against.
+    const char* language_version;
 };
 
 // every family, sorted by name (defined in the generated msl_sources.cpp)

@@ -9,7 +9,7 @@
 
 namespace msl {
 
-constexpr uint32_t kAbiVersion = 4;
+constexpr uint32_t kAbiVersion = 5;
 constexpr int kSimdWidth = 32;                   // Apple GPUs: 32-wide SIMD-groups
 constexpr uint32_t kMaxThreadsPerGroup = 1024;   // maxTotalThreadsPerThreadgroup upper bound
 constexpr uint32_t kMaxThreadgroupMemory = 32768;  // 32 KB on every Apple GPU family
@@ -122,6 +122,8 @@ struct KernelInfo {
     const char* file;           // source file and line of the instantiation / definition
     int32_t line;
     int32_t checked;
+    uint32_t max_threads;       // [[max_total_threads_per_threadgroup(N)]]: N; 0 when the kernel declares none
+    uint32_t pad_;
 };
 
 struct KernelTable {

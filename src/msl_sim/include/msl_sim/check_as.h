@@ -267,3 +267,8 @@ metal::bfloat operator"" bf(long double);
 #define M_SQRT2_F 1.41421356237309504880f
 
 using namespace metal;
+
+#if defined(MSL_SIM_CONFORM)
+// tools/msl_conform.py: MSL attributes as clang annotations (after everything above, which they would break)
+#include "msl_sim/conform.h"
+#endif

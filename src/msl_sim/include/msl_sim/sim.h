@@ -870,9 +870,9 @@ inline Registry& registry() {
     return r;
 }
 struct Registrar {
-    Registrar(const char* name, KernelFn fn, const char* file, int line) {
+    Registrar(const char* name, KernelFn fn, const char* file, int line, uint32_t max_threads = 0) {
         Registry& r = registry();
-        if (r.n < 512) r.k[r.n++] = KernelInfo{name, fn, file, line, MSL_SIM_CHECKED};
+        if (r.n < 512) r.k[r.n++] = KernelInfo{name, fn, file, line, MSL_SIM_CHECKED, max_threads, 0};
     }
 };
 }  // namespace
@@ -887,6 +887,15 @@ struct Registrar {
 #define MSL_REGISTER_KERNEL(func, line)                                                            \
     static ::msl::Registrar MSL_CAT(msl_kernel_reg_, __COUNTER__)(                                 \
         #func, [](::msl::Lane* l_) { ::msl::tls_lane = l_; func(); ::msl::kernel_exit(l_); }, __FILE__, line);
+// tools/mslpp.py writes these for kernels declared [[kernel, max_total_threads_per_threadgroup(N)]]
+#define MSL_INSTANTIATE_KERNEL_MT(max_threads, name, func, ...)                                    \
+    static ::msl::Registrar MSL_CAT(msl_kernel_reg_, __COUNTER__)(                                 \
+        name, [](::msl::Lane* l_) { ::msl::tls_lane = l_; func<__VA_ARGS__>(); ::msl::kernel_exit(l_); }, __FILE__, \
+        __LINE__, (max_threads));
+#define MSL_REGISTER_KERNEL_MT(func, line, max_threads)                                            \
+    static ::msl::Registrar MSL_CAT(msl_kernel_reg_, __COUNTER__)(                                 \
+        #func, [](::msl::Lane* l_) { ::msl::tls_lane = l_; func(); ::msl::kernel_exit(l_); }, __FILE__, line, \
+        (max_threads));
 #define MSL_EXPORT_LIBRARY(id)                                                                     \
     extern "C" __attribute__((visibility("default"))) const ::msl::KernelTable* MSL_CAT(msl_library_, id)() { \
         static ::msl::KernelTable t;                                                               \

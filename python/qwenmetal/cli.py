@@ -262,7 +262,31 @@ def _info_from_config(path: str, args) -> int:
               f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
     for line in streaming.describe(_info_plan(c, sizes, args), args.hit_rate):
         print(line)
+    for line in _gpu_plan_lines(c, sizes, args, None):
+        print(line)
     return 0
+
+
+def _gpu_plan_lines(config, weights_or_sizes, args, model) -> list[str]:
+    """The Metal backends' memory plan (qwenmetal.working_set): for a Mac of --mac-memory, a working set of
+    --working-set, or the loaded metal model's own device."""
+    from . import working_set
+    from .streaming import parse_budget
+    if args.working_set is not None:
+        ws, where = parse_budget(args.working_set, "working_set"), "given"
+    elif args.mac_memory is not None:
+        ram = parse_budget(args.mac_memory, "mac_memory")
+        ws, where = working_set.mac_working_set(ram), f"a Mac with {ram / 2**30:g} GiB, modelled"
+    elif model is not None and model.backend in ("metal", "metal-sim"):
+        return list(model.backend_info()["memory_plan"])
+    else:
+        return []
+    o = _load_options(args)
+    p = working_set.plan(config, weights_or_sizes, ws, context=args.context,
+                         memory_budget=o.get("memory_budget", None), expert_slots=o.get("expert_slots"),
+                         expert_policy=o.get("expert_policy"), expert_direct_io=o.get("expert_direct_io", False))
+    lines = p.describe()
+    return [lines[0].replace("GPU working set: ", f"GPU working set ({where}): ", 1), *lines[1:]]
 
 
 def _info_plan(config, weights_or_sizes, args):
@@ -303,6 +327,8 @@ def cmd_info(args) -> int:
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
     for line in streaming.describe(_info_plan(c, model.weights, args), args.hit_rate):
+        print(line)
+    for line in _gpu_plan_lines(c, model.weights, args, model):
         print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
@@ -552,6 +578,12 @@ def main(argv=None) -> int:
                    help="a directory with only config.json: the routed experts' width (default: --bits)")
     p.add_argument("--hit-rate", type=float, default=None, help="also show the SSD bytes per token at this expert "
                    "cache hit rate (0..1)")
+    g = p.add_argument_group("the Metal backends' memory plan against the GPU's working set (docs/metal.md)")
+    g.add_argument("--mac-memory", default=None, metavar="SIZE",
+                   help="plan for a Mac with this much memory (e.g. 32GiB; its working set is modelled)")
+    g.add_argument("--working-set", default=None, metavar="SIZE",
+                   help="plan for this recommendedMaxWorkingSetSize (e.g. 21.3GiB)")
+    g.add_argument("--context", type=int, default=32768, help="tokens of KV cache to plan for (default 32768)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

@@ -367,3 +367,21 @@ class ModelConfig:
         for i in range(self.num_hidden_layers):
             if not self.is_moe_layer(i):
                 check(self.intermediate_size > 0, f"layer {i} is a dense-MLP layer but intermediate_size is 0")
+
+
+# bytes per stored element of the KV cache, by the engines' kv_dtype option
+KV_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+STATE_ELEMENT_BYTES = 4          # GDN recurrent and conv state: float32 (mamba_ssm_dtype)
+
+
+def session_bytes(config, context: int, kv_element_bytes: int = 2,
+                  state_element_bytes: int = STATE_ELEMENT_BYTES) -> dict:
+    """Bytes one session holds at `context` tokens: the KV cache (K and V of every attention layer) and the
+    GDN state (recurrent [nv, dk, dv] and conv [conv_dim, K-1] of every linear layer)."""
+    c = config
+    kv_token = 2 * c.num_key_value_heads * c.head_dim * kv_element_bytes       # K and V, one layer, one token
+    kv = len(c.full_attention_layers) * kv_token * int(context)
+    state = len(c.linear_attention_layers) * state_element_bytes * (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        + c.conv_dim * (c.linear_conv_kernel_dim - 1))
+    return {"kv_cache": kv, "gdn_state": state}

@@ -48,17 +48,20 @@ import numpy as np
 from .cpu_backend import config_dict, stream_spec
 from .generation import expert_stats
 from .session_io import gdn_state_arrays, gdn_state_vectors
-from .streaming import plan as stream_plan
 from .weights import Weights
 from .weights_table import virtual_weight_table, weight_table
+from .working_set import DEFAULT_CONTEXT
+from .working_set import plan as memory_plan
 
 DTYPES = ("bfloat16", "float32")
+# SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
+SIM_DEVICE_OPTIONS = {"pipeline_max_threads", "working_set", "watchdog_seconds"}
 GEMM_ROUTES = ("auto", "simdgroup", "tensor")
 GDN_ROUTES = ("auto", "scan", "chunked")
 DEFAULT_PREFILL_CHUNK = 4096
 
 
-def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str) -> dict:
+def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str, command_buffer_seconds=None) -> dict:
     """The engine's prefill options, validated (ValueError naming the option)."""
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
@@ -66,7 +69,13 @@ def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str) -> dict:
         raise ValueError(f"gemm_route must be one of {GEMM_ROUTES}, got {gemm_route!r}")
     if gdn_route not in GDN_ROUTES:
         raise ValueError(f"gdn_route must be one of {GDN_ROUTES}, got {gdn_route!r}")
-    return {"chunk": int(prefill_chunk), "gemm_route": gemm_route, "gdn_route": gdn_route}
+    out = {"chunk": int(prefill_chunk), "gemm_route": gemm_route, "gdn_route": gdn_route}
+    if command_buffer_seconds is not None:
+        if isinstance(command_buffer_seconds, bool) or not isinstance(command_buffer_seconds, (int, float)) \
+                or not command_buffer_seconds >= 0:
+            raise ValueError(f"command_buffer_seconds must be a number >= 0, got {command_buffer_seconds!r}")
+        out["command_buffer_seconds"] = float(command_buffer_seconds)
+    return out
 
 
 def _core():
@@ -83,17 +92,23 @@ class _GpuBackend:
     def __init__(self, weights: Weights, device, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
-                 expert_policy=None, expert_direct_io=False):
-        prefill = prefill_options(prefill_chunk, gemm_route, gdn_route)
-        self.plan = stream_plan(weights.config, weights, memory_budget, slots_per_layer=expert_slots,
-                                policy=expert_policy, direct_io=expert_direct_io)
-        streaming = stream_spec(weights, self.plan) if self.plan.stream else None
+                 expert_policy=None, expert_direct_io=False, max_context: int = DEFAULT_CONTEXT,
+                 command_buffer_seconds: float | None = None):
+        prefill = prefill_options(prefill_chunk, gemm_route, gdn_route, command_buffer_seconds)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kv_dtype is None:
             kv_dtype = dtype
         if kv_dtype not in DTYPES:
             raise ValueError(f"kv_dtype must be one of {DTYPES}, got {kv_dtype!r}")
+        # against the GPU's working set (recommendedMaxWorkingSetSize): resident, a smaller chunk, or streaming
+        self.memory = memory_plan(weights.config, weights, int(device.info["working_set"]), context=max_context,
+                                  chunk=prefill["chunk"], dtype=dtype, kv_dtype=kv_dtype, memory_budget=memory_budget,
+                                  expert_slots=expert_slots, expert_policy=expert_policy,
+                                  expert_direct_io=expert_direct_io)
+        prefill["chunk"] = self.memory.chunk
+        self.plan = self.memory.stream
+        streaming = stream_spec(weights, self.plan) if self.plan.stream else None
         self.weights = weights
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -194,7 +209,7 @@ class _GpuBackend:
                 "prefill_chunk": self.prefill_chunk, "gemm_route": self.gemm_route, "gdn_route": self.gdn_route,
                 "weight_bytes": self.engine.weight_bytes, "copied_bytes": self.engine.copied_bytes,
                 "slot_bytes": self.engine.slot_bytes, "experts": expert_stats(self.expert_counters()),
-                "status": "simulator-verified, hardware-unverified"}
+                "memory_plan": self.memory.describe(), "status": "simulator-verified, hardware-unverified"}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dtype={self.dtype!r}, kv_dtype={self.kv_dtype!r}, device={self.device.info['name']!r})"
@@ -208,11 +223,18 @@ class MetalSimBackend(_GpuBackend):
     def __init__(self, weights: Weights, dtype: str = "float32", kv_dtype: str | None = None,
                  attention: dict | None = None, schedule: str = "forward", seed: int = 0,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gemm_route: str = "auto", gdn_route: str = "auto",
-                 memory_budget="auto", expert_slots=None, expert_policy=None, expert_direct_io=False):
-        dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed))
+                 memory_budget="auto", expert_slots=None, expert_policy=None, expert_direct_io=False,
+                 max_context: int = DEFAULT_CONTEXT, command_buffer_seconds: float | None = None,
+                 device_options: dict | None = None):
+        opts = dict(device_options or {})
+        unknown = set(opts) - SIM_DEVICE_OPTIONS
+        if unknown:
+            raise ValueError(f"device_options: unknown {sorted(unknown)}; known: {sorted(SIM_DEVICE_OPTIONS)}")
+        dev = _core().gpu.SimDevice(schedule=schedule, seed=int(seed), **opts)
         self.schedule = schedule
         super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route,
-                         memory_budget, expert_slots, expert_policy, expert_direct_io)
+                         memory_budget, expert_slots, expert_policy, expert_direct_io, max_context,
+                         command_buffer_seconds)
 
 
 class MetalBackend(_GpuBackend):
@@ -223,9 +245,11 @@ class MetalBackend(_GpuBackend):
     def __init__(self, weights: Weights, dtype: str = "bfloat16", kv_dtype: str | None = None,
                  attention: dict | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
-                 expert_policy=None, expert_direct_io=False):
+                 expert_policy=None, expert_direct_io=False, max_context: int = DEFAULT_CONTEXT,
+                 command_buffer_seconds: float | None = None):
         super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention, prefill_chunk, gemm_route,
-                         gdn_route, memory_budget, expert_slots, expert_policy, expert_direct_io)
+                         gdn_route, memory_budget, expert_slots, expert_policy, expert_direct_io, max_context,
+                         command_buffer_seconds)
 
 
 def sim_available() -> bool:
@@ -323,6 +347,21 @@ def modelled_level_time(level_bytes, level_flops, bandwidth_gbs: float, peak_tfl
     return float(np.maximum(b / (bandwidth_gbs * 1e9), f / (peak_tflops * 1e12)).sum() + len(b) * latency_s)
 
 
+def slowest_chip() -> dict:
+    """The slowest supported Apple GPU as the graph and SimDevice model it (src/gpu/cost.h): name,
+    bandwidth_gbs, peak_tflops, and the watchdog budget / per-command-buffer target in seconds."""
+    return dict(_core().gpu.slowest_chip())
+
+
+def max_command_buffer_seconds(cost: dict, bandwidth_gbs: float, peak_tflops: float) -> float:
+    """The modelled GPU time of the longest command buffer of a costed call (a StepCost dict: level_bytes,
+    level_flops and command_buffer_levels, the first level of each command buffer)."""
+    b, f = cost["level_bytes"], cost["level_flops"]
+    starts = [int(x) for x in cost["command_buffer_levels"]] + [len(b)]
+    return max((modelled_level_time(b[lo:hi], f[lo:hi], bandwidth_gbs, peak_tflops)
+                for lo, hi in zip(starts, starts[1:]) if hi > lo), default=0.0)
+
+
 def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PREFILL_CHUNK,
                              dtype: str = "bfloat16", kv_dtype: str = "bfloat16", gdn_route: str = "auto") -> dict:
     """Encode the prefill of ``config`` (a ModelConfig) for each prompt length, chunk by chunk (one command
@@ -332,9 +371,14 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
     chip (`modelled_level_time` with CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS). A model, not a measurement."""
     core = _core()
     mappings, tensors, _ = virtual_weight_table(config)
+    slow = slowest_chip()
+    # the longest command buffer per chip: the slowest supported GPU on the simdgroup route, and each Max chip
+    cb_chips = {slow["name"]: (slow["bandwidth_gbs"], slow["peak_tflops"], "simdgroup")}
+    cb_chips.update({c: (CHIP_BANDWIDTH_GBS[c], CHIP_PEAK_TFLOPS[c], CHIP_ROUTE[c]) for c in CHIP_ROUTE})
     out = {"chunk": int(chunk), "level_latency_us": LEVEL_LATENCY_S * 1e6, "peak_tflops": dict(CHIP_PEAK_TFLOPS),
            "bandwidth_gbs": dict(CHIP_BANDWIDTH_GBS), "chip_route": dict(CHIP_ROUTE),
-           "m5_lily_rate_tflops": M5_LILY_RATE_TFLOPS, "prompts": {}}
+           "m5_lily_rate_tflops": M5_LILY_RATE_TFLOPS, "watchdog_budget_ms": slow["watchdog_seconds"] * 1e3,
+           "prompts": {}}
     for route in sorted(set(CHIP_ROUTE.values())):
         dev = core.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")     # an M5-like device for "tensor"
         eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
@@ -350,6 +394,10 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
             p["routes"][route] = {
                 "chunks": [{k: int(c[k]) for k in ("position", "rows") + keys} for c in chunks],
                 **{k: int(sum(int(c[k]) for c in chunks)) for k in keys}}
+            for chip, (bw, peak, r) in cb_chips.items():
+                if r == route:
+                    p.setdefault("max_command_buffer_ms", {})[chip] = 1e3 * max(
+                        max_command_buffer_seconds(c, bw, peak) for c in chunks)
             for chip, r in CHIP_ROUTE.items():
                 if r != route:
                     continue

@@ -204,8 +204,12 @@ class Model:
         ("float32" | "bfloat16", rounding where MLX rounds), gdn_mode ("chunked" | "recurrent"), chunk_size
         (GDN prefill chunk, default 64); metal / metal-sim: dtype, kv_dtype, attention, prefill_chunk (tokens per GPU chunk,
         default 4096; the prefix cache snapshots at its boundaries), gemm_route ("auto" | "simdgroup" |
-        "tensor"), gdn_route ("auto" | "scan" | "chunked"), and memory_budget / expert_slots / expert_policy
-        as on cpu (slots in device buffers, per-layer command buffers); see `qwenmetal.metal_backend`.
+        "tensor"), gdn_route ("auto" | "scan" | "chunked"), max_context (the context the GPU memory plan
+        reserves KV for, default 32768: resident, a smaller chunk or expert streaming within the GPU's working
+        set), command_buffer_seconds (modelled GPU time each prefill command buffer is cut to), and
+        memory_budget / expert_slots / expert_policy as on cpu (slots in device buffers, per-layer command
+        buffers); metal-sim also schedule, seed and device_options (SimDevice's modelled Mac limits:
+        pipeline_max_threads, working_set, watchdog_seconds); see `qwenmetal.metal_backend`.
         """
         factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)
@@ -219,6 +223,12 @@ class Model:
     def backend(self) -> str:
         """The backend's name ("reference", "cpu", "metal", "metal-sim"; see `qwenmetal.backends`)."""
         return self._backend.name
+
+    def backend_info(self) -> dict:
+        """What the backend reports of itself (threads and kernels on cpu; the device, its memory plan and
+        the expert cache on metal / metal-sim); {} for the reference."""
+        info = getattr(self._backend, "info", None)
+        return dict(info()) if info else {}
 
     @property
     def eos_token_ids(self) -> tuple:

@@ -19,6 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .config import session_bytes
 from .errors import CheckpointError, InputError
 from .weights import QuantizedTensor
 from .weights_table import _ptr, _root_buffer
@@ -321,7 +322,6 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
                          "expert_slots")
     if budget == "auto":
         budget = available_memory()
-    from .bench.bytes_model import session_bytes
     held = session_bytes(config, RESERVE_CONTEXT)
     # a streaming forward also holds a copy of the GDN state, to restore it if an expert read fails mid-call
     # (src/cpu/forward.cpp, src/gpu/forward.cpp: all-or-nothing calls)

@@ -43,6 +43,16 @@ static msl::Schedule schedule_of(const std::string& s) {
 void register_gpu(nb::module_& m) {
     nb::module_ g = m.def_submodule("gpu", "GPU device interface (simulator-verified, hardware-unverified)");
     nb::exception<DeviceError>(g, "DeviceError", PyExc_RuntimeError);
+    g.def("slowest_chip", [] {
+        nb::dict d;
+        d["name"] = kSlowestChip.name;
+        d["bandwidth_gbs"] = kSlowestChip.bandwidth_gbs;
+        d["peak_tflops"] = kSlowestChip.peak_tflops;
+        d["level_latency_s"] = kSlowestChip.level_latency_s;
+        d["watchdog_seconds"] = kWatchdogBudgetSeconds;
+        d["command_buffer_seconds"] = kCommandBufferTargetSeconds;
+        return d;
+    }, "the GPU time model of src/gpu/cost.h: the slowest supported Apple GPU and the command-buffer budgets");
 
     nb::class_<gpu::Buffer>(g, "Buffer")
         .def_prop_ro("nbytes", [](const gpu::Buffer& b) { return b.length; })
@@ -94,6 +104,7 @@ void register_gpu(nb::module_& m) {
             r["simdgroup_matrix"] = i.simdgroup_matrix;
             r["tensor_ops"] = i.tensor_ops;
             r["executes"] = i.executes;
+            r["working_set"] = i.working_set;
             return r;
         })
         .def("alloc", &Device::alloc, "nbytes"_a, "label"_a = "")
@@ -102,6 +113,10 @@ void register_gpu(nb::module_& m) {
         .def("command_buffer", &Device::command_buffer)
         .def("has_kernel", &Device::has_kernel)
         .def("prepare", &Device::prepare)
+        .def("max_threads", &Device::max_threads, "kernel"_a,
+             "the pipeline's maxTotalThreadsPerThreadgroup (host functions size threadgroups from it)")
+        .def("recover", &Device::recover, nb::call_guard<nb::gil_scoped_release>(),
+             "a new command queue after a failed command buffer (nothing may be in flight)")
         .def("counters", [](const Device& d) {
             const Counters c = d.counters();
             nb::dict r;
@@ -111,11 +126,44 @@ void register_gpu(nb::module_& m) {
             r["barriers"] = c.barriers;
             return r;
         })
-        .def("reset_counters", &Device::reset_counters);
+        .def("reset_counters", &Device::reset_counters)
+        .def(
+            "dispatch",
+            [](Device&, gpu::CommandBuffer& cb, const std::string& kernel, const std::vector<uint32_t>& groups,
+               const std::vector<uint32_t>& threads, nb::list args, const std::vector<uint32_t>& tg_memory) {
+                auto dims = [](const std::vector<uint32_t>& v, const char* what) {
+                    if (v.empty() || v.size() > 3) throw std::invalid_argument(std::string(what) + ": 1 to 3 sizes");
+                    Dims d;
+                    d.x = v[0];
+                    if (v.size() > 1) d.y = v[1];
+                    if (v.size() > 2) d.z = v[2];
+                    return d;
+                };
+                std::vector<Arg> a;
+                for (nb::handle h : args) {
+                    if (nb::isinstance<nb::bytes>(h)) {
+                        nb::bytes b = nb::borrow<nb::bytes>(h);
+                        Arg p;
+                        p.kind = Arg::kBytes;
+                        p.bytes.assign(reinterpret_cast<const uint8_t*>(b.c_str()),
+                                       reinterpret_cast<const uint8_t*>(b.c_str()) + b.size());
+                        a.push_back(std::move(p));
+                    } else {
+                        a.push_back(Arg::inout(nb::cast<gpu::Buffer>(h)));
+                    }
+                }
+                cb.dispatch(kernel, dims(groups, "threadgroups"), dims(threads, "threads_per_threadgroup"), a,
+                            tg_memory);
+            },
+            "command_buffer"_a, "kernel"_a, "threadgroups"_a, "threads_per_threadgroup"_a, "args"_a,
+            "tg_memory"_a = std::vector<uint32_t>(),
+            "Encode one dispatch directly (tests): args bind [[buffer(0..)]] in order, bytes by setBytes, "
+            "buffers as read-write; tg_memory: [[threadgroup(i)]] lengths.");
 
     nb::class_<SimDevice, Device>(g, "SimDevice")
         .def("__init__", [](SimDevice* self, bool execute, const std::string& schedule, uint64_t seed, int workers,
-                            bool keep_records, bool tensor_ops) {
+                            bool keep_records, bool tensor_ops, uint32_t pipeline_max_threads, uint64_t working_set,
+                            double watchdog_seconds) {
             SimOptions o;
             o.execute = execute;
             o.schedule = schedule_of(schedule);
@@ -123,9 +171,26 @@ void register_gpu(nb::module_& m) {
             o.workers = workers;
             o.keep_records = keep_records;
             o.tensor_ops = tensor_ops;
+            o.pipeline_max_threads = pipeline_max_threads;
+            o.working_set = working_set;
+            o.watchdog_seconds = watchdog_seconds;
             new (self) SimDevice(o);
         }, "execute"_a = true, "schedule"_a = "forward", "seed"_a = 0, "workers"_a = 0, "keep_records"_a = false,
-             "tensor_ops"_a = false)
+             "tensor_ops"_a = false, "pipeline_max_threads"_a = 1024, "working_set"_a = 0,
+             "watchdog_seconds"_a = kWatchdogBudgetSeconds)
+        .def("inject_fault", [](SimDevice& d, uint32_t after, const std::string& kind) {
+            if (kind != "error" && kind != "timeout")
+                throw std::invalid_argument("SimDevice.inject_fault: kind must be 'error' or 'timeout', got '" + kind + "'");
+            d.inject_fault(after, kind == "timeout" ? Fault::timeout : Fault::error);
+        }, "after"_a = 0, "kind"_a = "error",
+             "the after-th command buffer committed from now on (0: the next) fails part-way, as a GPU fault would")
+        .def_prop_ro("max_command_buffer_seconds", &SimDevice::max_command_buffer_seconds,
+                     "the longest modelled GPU time (slowest supported GPU) of a command buffer since reset_counters()")
+        .def_prop_ro("faults", &SimDevice::faults)
+        .def_prop_ro("allocated_bytes", &SimDevice::allocated_bytes,
+                     "bytes of every alloc() so far (not wrap()): scratch, state and KV cache")
+        .def_prop_ro("faulted", &SimDevice::faulted,
+                     "a command buffer failed and recover() was not called since: later ones are ignored")
         .def("records", [](const SimDevice& d) {
             nb::list out;
             for (const msl::DispatchRecord& r : d.records()) {

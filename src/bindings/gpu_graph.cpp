@@ -58,6 +58,8 @@ nb::dict cost_dict(const StepCost& c) {
     }
     d["level_bytes"] = copy_out<uint64_t>(b.data(), {b.size()});
     d["level_flops"] = copy_out<uint64_t>(f.data(), {f.size()});
+    // the first level of each command buffer (the graph cuts a prefill chunk into several)
+    d["command_buffer_levels"] = copy_out<uint64_t>(c.command_buffer_levels.data(), {c.command_buffer_levels.size()});
     return d;
 }
 
@@ -163,6 +165,8 @@ void register_gpu_graph(nb::module_& g) {
                          if (!o.gemm_route_auto) o.gemm_route = ops::parse_gemm_route(r);
                      } else if (key == "gdn_route") {
                          o.gdn_route = ops::parse_gdn_route(nb::cast<std::string>(v));
+                     } else if (key == "command_buffer_seconds") {
+                         o.command_buffer_seconds = nb::cast<double>(v);
                      } else throw std::invalid_argument("unknown prefill option '" + key + "'");
                  }
                  // streaming: cpu_backend.stream_spec's dict (its "stacks" unused: the GPU model reads the
@@ -268,6 +272,8 @@ void register_gpu_graph(nb::module_& g) {
             return cost_dict(c);
         }, "state"_a, "rows"_a)
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
+        .def("reserve_prefill", [](PyGpuEngine& e, uint32_t rows) { e.engine->reserve_prefill(rows); }, "rows"_a,
+             nb::call_guard<nb::gil_scoped_release>(), "allocate a prefill chunk's scratch now (memory planning)")
         .def_prop_ro("logits_rows", [](PyGpuEngine& e) { return e.engine->logits_rows(); })
         .def_prop_ro("gemm_route", [](PyGpuEngine& e) {
             return std::string(ops::gemm_route_name(e.engine->gemm_route()));

@@ -85,38 +85,6 @@ void register_metal_device(nb::module_& g) {
             },
             "array"_a, "label"_a = "",
             "(buffer, copied): Device.wrap, and whether the array was copied (False: the GPU uses its memory).")
-        .def(
-            "dispatch",
-            [](MetalDevice&, gpu::CommandBuffer& cb, const std::string& kernel, const std::vector<uint32_t>& groups,
-               const std::vector<uint32_t>& threads, nb::list args, const std::vector<uint32_t>& tg_memory) {
-                auto dims = [](const std::vector<uint32_t>& v, const char* what) {
-                    if (v.empty() || v.size() > 3) throw std::invalid_argument(std::string(what) + ": 1 to 3 sizes");
-                    gpu::Dims d;
-                    d.x = v[0];
-                    if (v.size() > 1) d.y = v[1];
-                    if (v.size() > 2) d.z = v[2];
-                    return d;
-                };
-                std::vector<gpu::Arg> a;
-                for (nb::handle h : args) {
-                    if (nb::isinstance<nb::bytes>(h)) {
-                        nb::bytes b = nb::borrow<nb::bytes>(h);
-                        gpu::Arg p;
-                        p.kind = gpu::Arg::kBytes;
-                        p.bytes.assign(reinterpret_cast<const uint8_t*>(b.c_str()),
-                                       reinterpret_cast<const uint8_t*>(b.c_str()) + b.size());
-                        a.push_back(std::move(p));
-                    } else {
-                        a.push_back(gpu::Arg::inout(nb::cast<gpu::Buffer>(h)));
-                    }
-                }
-                cb.dispatch(kernel, dims(groups, "threadgroups"), dims(threads, "threads_per_threadgroup"), a,
-                            tg_memory);
-            },
-            "command_buffer"_a, "kernel"_a, "threadgroups"_a, "threads_per_threadgroup"_a, "args"_a,
-            "tg_memory"_a = std::vector<uint32_t>(),
-            "Encode one dispatch directly (tests): args bind [[buffer(0..)]] in order, bytes by setBytes, "
-            "buffers as read-write; tg_memory: [[threadgroup(i)]] lengths.")
         .def_static("embedded_families", &MetalDevice::embedded_families)
         .def_static("embedded_source", &MetalDevice::embedded_source, "family"_a,
                     "The flattened MSL of one family, as compiled by newLibraryWithSource: (for `xcrun metal`).");

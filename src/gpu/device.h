@@ -99,9 +99,10 @@ class CommandBuffer {
   public:
     virtual ~CommandBuffer() = default;
     // dispatchThreadgroups on the concurrent compute encoder; args bind [[buffer(0..)]] in order;
-    // tg_memory: [[threadgroup(i)]] lengths (setThreadgroupMemoryLength)
+    // tg_memory: [[threadgroup(i)]] lengths (setThreadgroupMemoryLength); flops: the arithmetic the host
+    // function declares (a multiply-add = 2), for devices that model GPU time (SimDevice's watchdog check)
     virtual void dispatch(const std::string& kernel, Dims groups, Dims threads, const std::vector<Arg>& args,
-                          const std::vector<uint32_t>& tg_memory = {}) = 0;
+                          const std::vector<uint32_t>& tg_memory = {}, uint64_t flops = 0) = 0;
     // memoryBarrierWithScope:MTLBarrierScopeBuffers: later dispatches see earlier writes
     virtual void barrier() = 0;
     // endEncoding + commit; `on_complete` runs once the GPU is done (addCompletedHandler)
@@ -122,7 +123,20 @@ struct DeviceInfo {
     bool tensor_ops = false;          // Metal 4 tensor operations (MetalPerformancePrimitives matmul2d): M5, apple10
     bool unified_memory = true;
     bool executes = true;             // false: encode-only (virtual buffers, nothing runs)
+    // recommendedMaxWorkingSetSize: the bytes of buffers the GPU can keep resident without paging
+    // (about 2/3 to 3/4 of a Mac's memory); 0 when unknown / unlimited
+    uint64_t working_set = 0;
 };
+
+// "N dispatches of k1, k2, ..." for an error message about a command buffer (kernels: distinct names in
+// encoding order)
+inline std::string describe_kernels(uint64_t dispatches, const std::vector<std::string>& kernels) {
+    if (kernels.empty()) return "no dispatches";
+    std::string s = std::to_string(dispatches) + " dispatches of ";
+    for (size_t i = 0; i < kernels.size() && i < 12; ++i) s += (i ? ", " : "") + kernels[i];
+    if (kernels.size() > 12) s += ", ... (" + std::to_string(kernels.size()) + " kernels)";
+    return s;
+}
 
 // What a device counted since it was made (or reset_counters()).
 struct Counters {
@@ -146,6 +160,14 @@ class Device {
     virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
     // compile / look up a pipeline now (first use does it too); throws DeviceError naming the kernel
     virtual void prepare(const std::string& kernel) = 0;
+    // the pipeline's maxTotalThreadsPerThreadgroup (compiling it if needed): Metal lowers it below the
+    // device's 1024 for register-heavy kernels, and a kernel declaring
+    // [[max_total_threads_per_threadgroup(N)]] gets N. Host functions size threadgroups from it.
+    virtual uint32_t max_threads(const std::string& kernel) = 0;
+    // After a command buffer failed (a GPU fault, the watchdog), macOS ignores the process's later
+    // command buffers on that queue: make the device usable again (a new command queue). Call it only
+    // with nothing in flight.
+    virtual void recover() = 0;
     virtual bool has_kernel(const std::string& kernel) const = 0;
     virtual Counters counters() const = 0;
     virtual void reset_counters() = 0;

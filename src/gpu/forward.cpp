@@ -363,6 +363,11 @@ uint32_t GpuEngine::logits_rows() const {
     return uint32_t(std::max<uint64_t>(1, std::min<uint64_t>(chunk_, kLogitsBytes / (V * 4))));
 }
 
+void GpuEngine::reserve_prefill(uint32_t rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ensure_chunk(std::min(std::max<uint32_t>(rows, 1), chunk_), false);
+}
+
 void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     Chunk& k = *ch_;
     if (rows <= k.rows && (!all_logits || k.all_logits)) return;
@@ -421,7 +426,14 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
         const ops::KVCache& kv = st.kv[L.state_index];
         stacked(L.attn_in);                                                                // proj = [q+gate | k | v]
         ops::attn_prepare(e, t, as, ch.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, ch.q, rows, L.attn_in.rows);
-        ops::attention_prefill(e, t, as, ch.q, ch.proj, L.attn_in.rows, kv, uint32_t(p0), rows, ch.mix);
+        // mix = attention(q) over keys 0..p0+r: in query blocks short enough for one command buffer each
+        const uint64_t qrow = uint64_t(c.n_heads) * c.head_dim * es;
+        for (uint32_t r0 = 0, n = 0; r0 < rows; r0 += n) {
+            n = ops::attention_prefill_rows_within(as, uint32_t(p0) + r0, rows - r0, m_->options().command_buffer_seconds,
+                                                   kSlowestChip);
+            ops::attention_prefill(e, t, as, ch.q.view(r0 * qrow), ch.proj.view(uint64_t(r0) * L.attn_in.rows * es),
+                                   L.attn_in.rows, kv, uint32_t(p0) + r0, n, ch.mix.view(r0 * qrow));
+        }
         ops::gemm(e, t, L.o_proj, ch.mix, ch.x, rows, false, 0, 0, res, gr);               // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----
@@ -462,7 +474,7 @@ void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows
     }
 }
 
-void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
+void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
     for (int64_t i = 0; i < n; ++i)
@@ -502,11 +514,10 @@ void GpuEngine::forward(GpuState& st, const int64_t* ids, int64_t n, int want, f
             uint32_t* dst = ch_->ids.as<uint32_t>();
             for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
             const bool last = i0 + M == n;
-            auto cb = d.command_buffer();
-            Encoder e(d, *cb);
+            Encoder e(d, m_->options().command_buffer_seconds);   // command buffers back to back, no waits
             encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0));
-            cb->commit();
-            cb->wait();
+            e.commit();
+            e.wait();
             st.commit_step(M);                         // the chunk's written halves become current
             if (want == 2) std::memcpy(logits + i0 * c.vocab, ch_->logits.data(), size_t(M) * c.vocab * 4);
             else if (want == 1 && last) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
@@ -553,7 +564,7 @@ void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int 
     }
 }
 
-std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, const SamplingConfig& sc,
+std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t n, const SamplingConfig& sc,
                                        const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll) {
     const Config& c = m_->config();
     if (first < 0 || first >= c.vocab)
@@ -620,7 +631,10 @@ std::vector<int32_t> GpuEngine::decode(GpuState& st, int32_t first, int64_t n, c
             try {
                 cur->wait();
             } catch (...) {
-                if (next) next->wait();
+                try {
+                    if (next) next->wait();            // in flight: let it finish (a faulted queue fails it too)
+                } catch (...) {                        // the first failure is the one reported
+                }
                 throw;
             }
             st.commit_step();                              // step i is now the state
@@ -783,7 +797,7 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
     }
 }
 
-void GpuEngine::verify(GpuState& st, const int64_t* ids, int64_t n, float* logits, float* hidden) {
+void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* logits, float* hidden) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens to verify");
     if (n > int64_t(kMaxVerifyRows))
@@ -808,11 +822,10 @@ void GpuEngine::verify(GpuState& st, const int64_t* ids, int64_t n, float* logit
     try {
         uint32_t* dst = vf_->ids.as<uint32_t>();
         for (uint32_t r = 0; r < R; ++r) dst[r] = uint32_t(ids[r]);
-        auto cb = d.command_buffer();
-        Encoder e(d, *cb);
+        Encoder e(d, m_->options().command_buffer_seconds);
         encode_verify(e, st, st.position, R, sets, hidden != nullptr);
-        cb->commit();
-        cb->wait();
+        e.commit();
+        e.wait();
     } catch (...) {
         st.give_sets(std::move(sets));                 // nothing was installed: the state is as it was
         throw;
@@ -858,11 +871,13 @@ StepCost cost_of(const Encoder& e, const Counters& k) {
     r.command_buffers = k.command_buffers;
     r.host_waits = k.host_waits;
     r.per_level = e.level_stats();
+    r.command_buffer_levels = e.command_buffer_levels();
+    if (r.command_buffer_levels.empty()) r.command_buffer_levels.push_back(0);
     return r;
 }
 }  // namespace
 
-StepCost GpuEngine::encode_cost(GpuState& st) {
+StepCost GpuEngine::encode_cost_impl(GpuState& st) {
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     d.reset_counters();
@@ -875,7 +890,7 @@ StepCost GpuEngine::encode_cost(GpuState& st) {
     return cost_of(e, d.counters());
 }
 
-StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows, bool all_logits) {
+StepCost GpuEngine::prefill_cost_impl(GpuState& st, uint32_t rows, bool all_logits) {
     if (rows < 1) throw std::invalid_argument("prefill_cost: rows must be >= 1");
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
@@ -883,16 +898,15 @@ StepCost GpuEngine::prefill_cost(GpuState& st, uint32_t rows, bool all_logits) {
     st.reserve(st.position + rows);
     ensure_chunk(rows, all_logits);
     d.reset_counters();
-    auto cb = d.command_buffer();
-    Encoder e(d, *cb);
+    Encoder e(d, m_->options().command_buffer_seconds);
     encode_chunk(e, st, st.position, rows, all_logits ? 2 : 1);
-    cb->commit();
-    cb->wait();
+    e.commit();
+    e.wait();
     st.commit_step(rows);
     return cost_of(e, d.counters());
 }
 
-StepCost GpuEngine::verify_cost(GpuState& st, uint32_t rows) {
+StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows) {
     if (rows < 1 || rows > kMaxVerifyRows)
         throw std::invalid_argument("verify_cost: rows must be in 1.." + std::to_string(kMaxVerifyRows));
     std::lock_guard<std::mutex> lock(mu_);
@@ -902,13 +916,52 @@ StepCost GpuEngine::verify_cost(GpuState& st, uint32_t rows) {
     ensure_verify(rows);
     std::vector<GpuState::StateSet> sets = st.take_sets(rows);
     d.reset_counters();
-    auto cb = d.command_buffer();
-    Encoder e(d, *cb);
+    Encoder e(d, m_->options().command_buffer_seconds);
     encode_verify(e, st, st.position, rows, sets, false);
-    cb->commit();
-    cb->wait();
+    e.commit();
+    e.wait();
     st.give_sets(std::move(sets));                     // costed only: the state does not advance
     return cost_of(e, d.counters());
+}
+
+// ---------------------------------------------------------------------------------------------- recovery
+namespace {
+// f(); after a DeviceError (every command buffer of the call has completed by then: the calls wait for
+// what they committed before they throw) the device gets a new queue, then the error goes up
+template <class F>
+auto recovering(Device& d, F&& f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const DeviceError&) {
+        d.recover();
+        throw;
+    }
+}
+}  // namespace
+
+void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
+    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll); });
+}
+
+std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
+                                       const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll) {
+    return recovering(m_->device(), [&] { return decode_impl(s, first, n, sc, stop_ids, pipelined, poll); });
+}
+
+void GpuEngine::verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden) {
+    recovering(m_->device(), [&] { verify_impl(s, ids, n, logits, hidden); });
+}
+
+StepCost GpuEngine::encode_cost(GpuState& s) {
+    return recovering(m_->device(), [&] { return encode_cost_impl(s); });
+}
+
+StepCost GpuEngine::prefill_cost(GpuState& s, uint32_t rows, bool all_logits) {
+    return recovering(m_->device(), [&] { return prefill_cost_impl(s, rows, all_logits); });
+}
+
+StepCost GpuEngine::verify_cost(GpuState& s, uint32_t rows) {
+    return recovering(m_->device(), [&] { return verify_cost_impl(s, rows); });
 }
 
 }  // namespace qwenmetal::gpu

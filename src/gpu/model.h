@@ -38,9 +38,13 @@ struct GpuOptions {
     bool kv_f32 = false;              // KV cache element type
     ops::AttnPolicy attn;             // decode attention routes
     uint32_t kv_block = 256;          // KV capacity grows in multiples of this
-    // prefill: rows per chunk (one command buffer each; scratch is sized for it). The default is the
-    // modelled-cost optimum on the real config (docs/metal.md, "The prefill graph")
+    // prefill: rows per chunk (scratch is sized for it). The default is the modelled-cost optimum on the
+    // real config (docs/metal.md, "The prefill graph")
     uint32_t prefill_chunk = kDefaultPrefillChunk;
+    // modelled GPU time (gpu/cost.h, the slowest supported GPU) each prefill / verification command buffer
+    // is cut to: a chunk runs as several command buffers committed back to back, and attention over a long
+    // context in query blocks, so that none comes near macOS's GPU watchdog (0: one command buffer per chunk)
+    double command_buffer_seconds = kCommandBufferTargetSeconds;
     bool gemm_route_auto = true;                       // the GEMM route of the device (ops::gemm_route)
     ops::GemmRoute gemm_route = ops::GemmRoute::Simdgroup;   // ... or this one when not auto
     ops::GdnRoute gdn_route = ops::GdnRoute::Auto;     // GDN prefill: by length from the cost model, or forced
@@ -210,6 +214,7 @@ struct StepCost {
     uint64_t dispatches = 0, levels = 0, command_buffers = 0, host_waits = 0;
     uint64_t bytes_read = 0, bytes_written = 0, flops = 0;
     std::vector<LevelStats> per_level;
+    std::vector<uint64_t> command_buffer_levels;   // the first level of each command buffer (into per_level)
 };
 
 struct SamplingConfig {
@@ -232,6 +237,9 @@ class GpuEngine {
     // chunks; when it throws, the state is restored and the exception rethrown.
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
+    // allocate the scratch of a prefill chunk of `rows` rows now (the first prefill would): the working-set
+    // plan measures it on an encode-only device
+    void reserve_prefill(uint32_t rows);
     uint32_t logits_rows() const;                 // rows of a want-2 chunk
     ops::GemmRoute gemm_route() const { return gemm_route_; }
     // streaming mode: the expert cache's counters and the tokens run (decoded or prefilled) since the last
@@ -270,7 +278,18 @@ class GpuEngine {
     // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
     void rewind(GpuState& s, int64_t keep);
 
+    // Every call above that runs command buffers: when one fails (a GPU fault, the watchdog) the call
+    // throws DeviceError naming the kernels it ran, leaves the state as it was, and gives the device a new
+    // command queue first (Device::recover), so the next call runs.
+
   private:
+    void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll);
+    std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
+                                     const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll);
+    void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden);
+    StepCost encode_cost_impl(GpuState& s);
+    StepCost prefill_cost_impl(GpuState& s, uint32_t rows, bool all_logits);
+    StepCost verify_cost_impl(GpuState& s, uint32_t rows);
     struct Scratch;
     struct Chunk;
     struct Verify;

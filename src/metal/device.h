@@ -61,6 +61,8 @@ class MetalDevice : public Device {
     bool has_kernel(const std::string& kernel) const override;
     Counters counters() const override;
     void reset_counters() override;
+    uint32_t max_threads(const std::string& kernel) override;
+    void recover() override;
 
     // Compile every embedded family not compiled yet (the compile gate of `qwenmetal selftest`);
     // never throws for a compile error: one report per family, in name order.

@@ -240,7 +240,7 @@ class MetalCommandBuffer : public CommandBuffer {
     }
 
     void dispatch(const std::string& kernel, Dims g, Dims t, const std::vector<Arg>& args,
-                  const std::vector<uint32_t>& tg_memory) override {
+                  const std::vector<uint32_t>& tg_memory, uint64_t /*flops: a model's input, not Metal's*/) override {
         if (committed_) throw DeviceError("gpu::CommandBuffer: dispatch after commit");
         std::string err;
         @autoreleasepool {
@@ -385,13 +385,7 @@ class MetalCommandBuffer : public CommandBuffer {
         return std::string();
     }
 
-    std::string kernel_list() const {
-        if (kernels_.empty()) return "no dispatches";
-        std::string s = std::to_string(dispatches_) + " dispatches of ";
-        for (size_t i = 0; i < kernels_.size() && i < 12; ++i) s += (i ? ", " : "") + kernels_[i];
-        if (kernels_.size() > 12) s += ", ... (" + std::to_string(kernels_.size()) + " kernels)";
-        return s;
-    }
+    std::string kernel_list() const { return describe_kernels(dispatches_, kernels_); }
 
     using Impl = MetalDevice::Impl;
     std::shared_ptr<Impl> keep_;
@@ -454,6 +448,7 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
             i.max_threads_per_threadgroup = uint32_t(d.device.maxThreadsPerThreadgroup.width);
             i.max_threadgroup_memory = uint32_t(d.device.maxThreadgroupMemoryLength);
             i.unified_memory = d.device.hasUnifiedMemory;
+            i.working_set = uint64_t(d.device.recommendedMaxWorkingSetSize);
             i.executes = true;
         }
     }
@@ -544,6 +539,32 @@ void MetalDevice::prepare(const std::string& kernel) {
         ok = impl_->pipeline(kernel, &err) != nil;
     }
     if (!ok) throw DeviceError(err);
+}
+
+uint32_t MetalDevice::max_threads(const std::string& kernel) {
+    std::string err;
+    uint32_t n = 0;
+    @autoreleasepool {
+        id<MTLComputePipelineState> pso = impl_->pipeline(kernel, &err);
+        if (pso != nil) n = uint32_t(pso.maxTotalThreadsPerThreadgroup);
+    }
+    if (n == 0) throw DeviceError(err);
+    return n;
+}
+
+void MetalDevice::recover() {
+    // macOS ignores a queue's command buffers after one caused a GPU error ("Ignored (for causing
+    // prior/excessive GPU errors)"): later work goes to a new queue
+    Impl& d = *impl_;
+    bool ok = false;
+    @autoreleasepool {
+        id<MTLCommandQueue> q = [d.device newCommandQueue];
+        if (q != nil) {
+            d.queue = q;
+            ok = true;
+        }
+    }
+    if (!ok) throw DeviceError("MetalDevice::recover: newCommandQueue returned nil");
 }
 
 bool MetalDevice::has_kernel(const std::string& kernel) const {

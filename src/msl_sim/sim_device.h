@@ -7,6 +7,16 @@
 //
 // Encode-only (execute = false): buffers are virtual (an address range, no memory), nothing runs,
 // and every committed command buffer's dispatch records are kept for costing.
+//
+// Apple's runtime limits, modelled so that CI fails where a Mac would (docs/metal.md, "Runtime limits"):
+//   * GPU time: every committed command buffer's time is modelled on the slowest supported GPU
+//     (gpu/cost.h); one above `watchdog_seconds` fails as macOS's watchdog would abort it;
+//   * per-pipeline thread limit: max_threads(kernel) is the kernel's declared
+//     [[max_total_threads_per_threadgroup(N)]], else `pipeline_max_threads` (Metal lowers it below 1024
+//     for register-heavy pipelines); a dispatch above it is refused when encoded;
+//   * working set: info().working_set is `working_set` (recommendedMaxWorkingSetSize);
+//   * GPU faults: inject_fault() makes a later command buffer fail part-way (its first half of dispatches
+//     run); after any fault the queue ignores every later command buffer until recover(), as macOS does.
 #pragma once
 #include <condition_variable>
 #include <deque>
@@ -16,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu/cost.h"
 #include "gpu/device.h"
 #include "msl_sim/runtime.h"
 
@@ -28,7 +39,13 @@ struct SimOptions {
     int workers = 0;                  // simulator threads per dispatch (0: all cores)
     bool keep_records = false;        // keep every dispatch record of committed command buffers
     bool tensor_ops = false;          // claim Metal 4 tensor ops (DeviceInfo::tensor_ops): the M5 routes run emulated
+    uint32_t pipeline_max_threads = 1024;   // maxTotalThreadsPerThreadgroup of pipelines declaring no limit
+    uint64_t working_set = 0;         // DeviceInfo::working_set (0: unlimited)
+    double watchdog_seconds = kWatchdogBudgetSeconds;   // modelled GPU time a command buffer may take (0: any)
 };
+
+// A command buffer failure SimDevice injects (inject_fault).
+enum class Fault : uint8_t { error, timeout };
 
 class SimDevice : public Device {
   public:
@@ -44,6 +61,19 @@ class SimDevice : public Device {
     bool has_kernel(const std::string& kernel) const override;
     Counters counters() const override;
     void reset_counters() override;
+    uint32_t max_threads(const std::string& kernel) override;
+    void recover() override;
+
+    // the `after`-th command buffer committed from now on (0: the next) fails part-way
+    void inject_fault(uint32_t after, Fault kind);
+    // the longest modelled GPU time (kSlowestChip) of a command buffer committed since reset_counters()
+    double max_command_buffer_seconds() const;
+    // command buffers that failed as a GPU would fail them (watchdog, injected, ignored after a fault)
+    uint64_t faults() const;
+    bool faulted() const;             // a fault happened and recover() has not been called since
+    // bytes of every alloc() so far (not wrap(): the weights), freed or not: what a graph's scratch, state
+    // and KV cache take (the working-set plan measures them on an encode-only device)
+    uint64_t allocated_bytes() const;
 
     const SimOptions& options() const { return opt_; }
     msl::Library& library() const { return *lib_; }
@@ -67,9 +97,17 @@ class SimDevice : public Device {
     std::deque<std::shared_ptr<Job>> queue_;
     std::vector<std::shared_ptr<Job>> finished_;
     bool stop_ = false;
+    bool busy_ = false;               // the queue thread is running a job
     std::thread worker_;
     Counters counters_;
     std::vector<msl::DispatchRecord> records_;
+    // modelled limits (mu_)
+    double max_cb_seconds_ = 0;
+    uint64_t allocated_ = 0;
+    uint64_t faults_ = 0;
+    int64_t fault_countdown_ = -1;    // commits left before the injected fault (-1: none pending)
+    Fault fault_kind_ = Fault::error;
+    bool faulted_ = false;            // the queue ignores command buffers until recover()
 };
 
 }  // namespace qwenmetal::gpu

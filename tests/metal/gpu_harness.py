@@ -35,13 +35,17 @@ if DEVICE not in ("sim", "metal"):
 SIM = DEVICE == "sim"
 # the whole-graph tests' backend
 BACKEND = "metal-sim" if SIM else "metal"
+# the simulated pipelines' thread limit (maxTotalThreadsPerThreadgroup of kernels declaring none):
+# tests/metal/test_runtime_limits.py reruns the kernel tests below 1024
+PIPELINE_THREADS = int(os.environ.get("QWENMETAL_TEST_PIPELINE_THREADS", "1024"))
 
 
 def make_device(schedule: str = "forward", seed: int = 0, keep_records: bool = False, tensor_ops: bool = False):
     """tensor_ops: the simulator claims Metal 4 tensor ops (the M5 routes run on its emulation); on a Mac the
     GPU decides (dev.info["tensor_ops"])."""
     if SIM:
-        return gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records, tensor_ops=tensor_ops)
+        return gpu.SimDevice(schedule=schedule, seed=seed, keep_records=keep_records, tensor_ops=tensor_ops,
+                             pipeline_max_threads=PIPELINE_THREADS)
     return gpu.MetalDevice()
 
 

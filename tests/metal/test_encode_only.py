@@ -12,7 +12,7 @@ import pytest
 
 from qwenmetal import bench, cli
 from qwenmetal.config import ModelConfig
-from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_only_prefill_cost
+from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_only_prefill_cost, slowest_chip
 
 # per prefill chunk of the real config (40 layers): bounds on the graph's size (measured: 622 levels, 702
 # dispatches with the chunked GDN form; 562 / 642 with the scan of short chunks)
@@ -80,20 +80,26 @@ def bench_args(**kw):
 
 # ---- prefill (metal_backend.encode_only_prefill_cost) ---------------------------------------------------
 def test_prefill_counts_per_chunk(real):
-    """The real config's prefill of 2.5 chunks: one command buffer and one host wait per chunk, the same
-    dispatches and levels for every chunk whatever its rows (no per-token loop), within the bounds."""
+    """The real config's prefill of 2.5 chunks: each chunk cut into command buffers of at most the target's
+    modelled time on the slowest GPU, waited on only after the last is committed, the same dispatches for
+    every chunk whatever its rows (no per-token loop), within the bounds."""
     r = encode_only_prefill_cost(real, (640,), chunk=256)
     p = r["prompts"]["640"]
     for route in ("simdgroup", "tensor"):
         chunks = p["routes"][route]["chunks"]
         assert [c["rows"] for c in chunks] == [256, 256, 128]
         for c in chunks:
-            assert c["command_buffers"] == 1 and c["host_waits"] == 1
-            assert c["dispatches"] == chunks[0]["dispatches"] and c["levels"] == chunks[0]["levels"]
+            assert c["command_buffers"] >= 2 and c["host_waits"] == c["command_buffers"]   # 256 rows: 0.6 s on an M1
+            assert c["dispatches"] == chunks[0]["dispatches"]
+            # a cut opens a level of its own: at most one more level per extra command buffer
+            assert chunks[0]["levels"] - c["command_buffers"] <= c["levels"] - 1 <= chunks[0]["levels"]
             assert c["levels"] <= PREFILL_LEVELS_MAX and c["dispatches"] <= PREFILL_DISPATCHES_MAX, c
             assert c["flops"] > 0
-        assert p["routes"][route]["command_buffers"] == 3
+        assert p["routes"][route]["command_buffers"] == sum(c["command_buffers"] for c in chunks)
     assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
+    slow = slowest_chip()
+    assert set(p["max_command_buffer_ms"]) == {slow["name"], *CHIP_BANDWIDTH_GBS}
+    assert p["max_command_buffer_ms"][slow["name"]] <= 1e3 * slow["command_buffer_seconds"] * 1.05
 
 
 def test_bench_cli_prefill_json(tmp_path, capsys):
@@ -104,6 +110,7 @@ def test_bench_cli_prefill_json(tmp_path, capsys):
     assert "MODELLED, not measured" in text and "Lily 5724" in text and "MLX 0.32.2 5166" in text
     pf = json.loads(out.read_text())["prefill"]
     p = pf["prompts"]["4096"]
-    assert pf["chunk"] == 2048 and p["routes"]["tensor"]["command_buffers"] == 2
+    assert pf["chunk"] == 2048 and p["routes"]["tensor"]["command_buffers"] >= 2
+    assert max(p["max_command_buffer_ms"].values()) <= pf["watchdog_budget_ms"]
     assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
     assert p["m5_max_vs"]["MLX 0.32.2"] == pytest.approx(p["modelled_tok_s"]["M5 Max"] / 5165.7)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-# bytes per stored element of the KV cache, by the engine's kv_dtype option
-KV_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+from ..config import KV_ELEMENT_BYTES, STATE_ELEMENT_BYTES, session_bytes
+
 # the numpy reference keeps its caches in float32
 BACKEND_KV_DEFAULT = {"reference": "float32", "cpu": "bfloat16"}
-STATE_ELEMENT_BYTES = 4          # GDN recurrent and conv state: float32 (mamba_ssm_dtype)
+__all__ = ["KV_ELEMENT_BYTES", "STATE_ELEMENT_BYTES", "BACKEND_KV_DEFAULT", "session_bytes", "decode_bytes",
+           "tensor_sizes"]
 
 def tensor_sizes(weights) -> dict:
     """Canonical tensor name -> bytes as stored (packed weights + scales + biases for quantized ones)."""
@@ -58,16 +59,3 @@ def decode_bytes(config, sizes: Mapping[str, int], context: int, kv_element_byte
     state = 2 * held["gdn_state"]      # read and written
     return {"total": weights + kv + state, "weights": weights, "kv_cache": kv, "gdn_state": state,
             "weight_parts": parts}
-
-
-def session_bytes(config, context: int, kv_element_bytes: int = 2,
-                  state_element_bytes: int = STATE_ELEMENT_BYTES) -> dict:
-    """Bytes one session holds at `context` tokens: the KV cache (K and V of every attention layer) and the
-    GDN state (recurrent [nv, dk, dv] and conv [conv_dim, K-1] of every linear layer)."""
-    c = config
-    kv_token = 2 * c.num_key_value_heads * c.head_dim * kv_element_bytes       # K and V, one layer, one token
-    kv = len(c.full_attention_layers) * kv_token * int(context)
-    state = len(c.linear_attention_layers) * state_element_bytes * (
-        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        + c.conv_dim * (c.linear_conv_kernel_dim - 1))
-    return {"kv_cache": kv, "gdn_state": state}

@@ -116,10 +116,10 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
     p.eps = s.eps;
     for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
         p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
-    const uint32_t threads = std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS);
+    const std::string kernel = std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv);
+    const uint32_t threads = fit_threads(e, kernel, std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS));
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv) * rows;
-    e.dispatch(std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv),
-               Dims{s.n_heads + s.n_kv_heads, rows, 1}, Dims{threads, 1, 1},
+    e.dispatch(kernel, Dims{s.n_heads + s.n_kv_heads, rows, 1}, Dims{threads, 1, 1},
                {Arg::params(p), Arg::in(proj.view(0, proj_bytes), rows * (uint64_t(s.n_heads) * hd + 2 * kvd) * es),
                 Arg::in(q_norm_w.view(0, hd * es)), Arg::in(k_norm_w.view(0, hd * es)),
                 Arg::out(q_out.view(0, q_bytes)), Arg::out(kv.k.view(0, cache_bytes), row_bytes),
@@ -218,13 +218,27 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
         c.output_gate = p.output_gate;
         combines.push_back({c, sb, gate_src, r.o.view(0, qo_bytes), gate_read});
     }
+    const std::string combine = std::string("attn_decode_combine_") + act_suffix(t);
+    const uint32_t combine_threads = combines.empty() ? 32 : fit_threads(e, combine, ceil_div(hd, 32) * 32);
     for (const Combine& m : combines)
-        e.dispatch(std::string("attn_decode_combine_") + act_suffix(t), Dims{s.n_heads, 1, 1},
-                   Dims{ceil_div(hd, 32) * 32, 1, 1},
+        e.dispatch(combine, Dims{s.n_heads, 1, 1}, Dims{combine_threads, 1, 1},
                    {Arg::params(m.c), Arg::in(m.sb), Arg::in(m.gate_src, m.gate_read), Arg::out(m.o)});
 }
 
-AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M) {
+uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t M, double seconds,
+                                       const ChipModel& chip) {
+    // the flops attention_prefill declares for rows 0..q-1: 4 nh hd per (query row, visible key)
+    auto seconds_of = [&](uint64_t q) {
+        const double visible = double(q) * p0 + double(q) * double(q + 1) / 2;
+        return 4.0 * s.n_heads * s.head_dim * visible / (chip.peak_tflops * 1e12);
+    };
+    if (seconds <= 0 || seconds_of(M) <= seconds) return M;   // 0: no limit
+    uint32_t q = 32;
+    while (q + 32 < M && seconds_of(q + 32) <= seconds) q += 32;
+    return std::min(q, M);
+}
+
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads) {
     const char* op = "attention_prefill";
     check_heads(s, op);
     check(s.head_dim % ATTN_MMA == 0 && s.head_dim <= ATTN_MAX_HEAD_DIM, op,
@@ -235,9 +249,14 @@ AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M) {
           "n_heads / n_kv_heads = " + std::to_string(group) + " above the kernel's " +
               std::to_string(ATTN_PREFILL_MAX_SIMDGROUPS) + " query heads per kv head");
     check(M > 0, op, "M (rows) must be positive");
+    check(group * 32 <= max_threads, op,
+          "a block needs " + std::to_string(group * 32) + " threads (a SIMD-group per query head of a kv head), the "
+          "pipeline allows " + std::to_string(max_threads));
     AttnPrefillGeometry g{};
-    // about ATTN_PREFILL_TARGET_SG SIMD-groups (8 rows of one head each), no more rows than the chunk has
-    const uint32_t rows_max = ATTN_MMA * std::max(1u, ATTN_PREFILL_TARGET_SG / group);
+    // about ATTN_PREFILL_TARGET_SG SIMD-groups (8 rows of one head each) within the pipeline's thread limit,
+    // no more rows than the chunk has
+    const uint32_t sgs = std::min(ATTN_PREFILL_TARGET_SG, max_threads / 32);
+    const uint32_t rows_max = ATTN_MMA * std::max(1u, sgs / group);
     g.block_rows = std::min(rows_max, ceil_div(M, ATTN_MMA) * ATTN_MMA);
     g.tile_keys = ATTN_TILE_FLOATS / s.head_dim / ATTN_MMA * ATTN_MMA;
     g.threads = group * (g.block_rows / ATTN_MMA) * 32;
@@ -248,7 +267,8 @@ AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M) {
 void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
                        uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o) {
     const char* op = "attention_prefill";
-    const AttnPrefillGeometry g = attention_prefill_geometry(s, M);
+    const std::string kernel = std::string("attn_prefill_") + act_suffix(t) + "_" + kv_suffix(kv);
+    const AttnPrefillGeometry g = attention_prefill_geometry(s, M, e.device().max_threads(kernel));
     check_cache(s, kv, op);
     check(uint64_t(p0) + M <= kv.capacity, op,
           "keys 0.." + std::to_string(uint64_t(p0) + M - 1) + " outside a cache of " + std::to_string(kv.capacity) +

@@ -68,6 +68,13 @@ void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, c
 struct AttnPrefillGeometry {
     uint32_t block_rows, tile_keys, threads, blocks;
 };
-AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M);
+// The most query rows of one attention_prefill dispatch at positions p0.. (of M wanted, a multiple of 32
+// unless M itself) whose modelled arithmetic time on `chip` stays within `seconds` (0: M); at least 32. The graph
+// runs a long context's attention in such query blocks, one dispatch each, so that the command buffers it
+// cuts stay far under the GPU watchdog (gpu/cost.h).
+uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t M, double seconds,
+                                       const ChipModel& chip);
+// max_threads: the pipeline's limit (Device::max_threads); the block has fewer rows under a lower one
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads = 1024);
 
 }  // namespace qwenmetal::gpu::ops

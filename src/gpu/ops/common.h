@@ -32,6 +32,16 @@ inline void need(const Buffer& b, uint64_t bytes, const char* op, const char* wh
                                     " bytes, needs " + std::to_string(bytes));
 }
 
+// Threads of a 1-D threadgroup of `kernel`: `want`, capped by the pipeline's maxTotalThreadsPerThreadgroup
+// (Metal lowers it below 1024 for register-heavy pipelines), in whole SIMD-groups. For kernels that loop
+// over their work by the threadgroup size; a kernel that needs an exact size declares
+// [[kernel, max_total_threads_per_threadgroup(N)]] instead, and its pipeline then allows N.
+inline uint32_t fit_threads(Encoder& e, const std::string& kernel, uint32_t want) {
+    const uint32_t cap = e.device().max_threads(kernel) / 32 * 32;
+    const uint32_t t = want < cap ? want : cap;
+    return t < 32 ? 32 : t;
+}
+
 inline void check(bool ok, const char* op, const std::string& msg) {
     if (!ok) throw std::invalid_argument(std::string(op) + ": " + msg);
 }

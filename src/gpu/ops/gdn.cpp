@@ -155,8 +155,9 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
     need(act, na, op, "act");
     const bool same = same_or_disjoint(conv_out, conv_state, ns, op, "conv_out", "conv_state");
     const GdnConvParams p{C, K, rows, stride};
-    e.dispatch(std::string("gdn_conv_") + act_suffix(t), Dims{ceil_div(C, GDN_CONV_THREADS), 1, 1},
-               Dims{GDN_CONV_THREADS, 1, 1},
+    const std::string kernel = std::string("gdn_conv_") + act_suffix(t);
+    const uint32_t threads = fit_threads(e, kernel, GDN_CONV_THREADS);   // one channel per thread
+    e.dispatch(kernel, Dims{ceil_div(C, threads), 1, 1}, Dims{threads, 1, 1},
                {Arg::params(p), Arg::in(qkv.view(0, nx), na), Arg::in(conv_w.view(0, nw)),
                 same ? Arg::inout(conv_state.view(0, ns)) : Arg::in(conv_state.view(0, ns)),
                 same ? Arg::inout(conv_out.view(0, ns), 0, 0) : Arg::out(conv_out.view(0, ns)),

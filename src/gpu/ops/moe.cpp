@@ -204,7 +204,9 @@ void moe_sort(Encoder& e, const Buffer& ids, uint32_t M, uint32_t k, uint32_t n_
     need(slot_of, sn, op, "slot_of");
     need(tm.tiles, tn, op, "tiles");
     const uint32_t block_tokens = ceil_div(M, MOE_SORT_BLOCKS), blocks = ceil_div(M, block_tokens);
-    const uint32_t threads = std::min(MOE_SORT_THREADS, ceil_div(n_experts, QMV_LANES) * QMV_LANES);
+    // one expert per thread (count and scatter share the grid: the smaller pipeline limit of the two)
+    const uint32_t threads = std::min(fit_threads(e, "moe_sort_count", std::min(MOE_SORT_THREADS, ceil_div(n_experts, QMV_LANES) * QMV_LANES)),
+                                      fit_threads(e, "moe_sort_scatter", MOE_SORT_THREADS));
     const MoeSortParams p{S, k, n_experts, block_tokens * k, blocks, tm.tile_rows, tm.capacity};
     const Buffer idv = ids.view(0, sn), counts = scratch.view(0, uint64_t(blocks) * n_experts * 4);
     const Dims grid{blocks, ceil_div(n_experts, threads), 1};
@@ -237,7 +239,8 @@ void moe_combine(Encoder& e, Act t, const Buffer& y, const Buffer& slot_of, cons
         need(logits, ln, op, "logits");
     }
     const MoeCombineParams p{H, k, uint32_t(S), logits_stride, n_experts, shared ? 1u : 0u};
-    const uint32_t threads = std::min(MOE_COMBINE_THREADS, ceil_div(H, QMV_LANES) * QMV_LANES);
+    const std::string kernel = std::string("moe_combine_") + act_suffix(t);
+    const uint32_t threads = fit_threads(e, kernel, std::min(MOE_COMBINE_THREADS, ceil_div(H, QMV_LANES) * QMV_LANES));
     const Buffer wv = weights.view(0, kn);
     std::vector<Arg> args{Arg::params(p), Arg::in(y.view(0, yn)), Arg::in(slot_of.view(0, kn)), Arg::in(wv)};
     // without a shared expert: stand-ins, unread
@@ -245,7 +248,7 @@ void moe_combine(Encoder& e, Act t, const Buffer& y, const Buffer& slot_of, cons
     args.push_back(shared ? Arg::in(logits.view(0, ln), uint64_t(M) * 4) : Arg::in(wv, 0));
     args.push_back(Arg::inout(x.view(0, xn)));
     // flops: per output a multiply-add per expert, the gated shared term's multiply-add, the residual add
-    e.dispatch(std::string("moe_combine_") + act_suffix(t), Dims{ceil_div(H, threads), M, 1}, Dims{threads, 1, 1},
+    e.dispatch(kernel, Dims{ceil_div(H, threads), M, 1}, Dims{threads, 1, 1},
                args, {}, uint64_t(M) * H * (2 * k + 1 + (shared ? 2 : 0)));
 }
 

@@ -5,12 +5,10 @@
 namespace qwenmetal::gpu::ops {
 
 namespace {
-// about H / 4 threads (one 4-vector each per step), a multiple of 32
-Dims norm_threads(uint32_t H) {
-    uint32_t t = (H / 4 + 31) / 32 * 32;
-    if (t < 32) t = 32;
-    if (t > NORM_MAX_THREADS) t = NORM_MAX_THREADS;
-    return Dims{t, 1, 1};
+// about H / 4 threads (one 4-vector each per step), a multiple of 32, within the pipeline's limit
+Dims norm_threads(Encoder& e, const std::string& kernel, uint32_t H) {
+    const uint32_t t = (H / 4 + 31) / 32 * 32;
+    return Dims{fit_threads(e, kernel, t > NORM_MAX_THREADS ? NORM_MAX_THREADS : t), 1, 1};
 }
 }  // namespace
 
@@ -23,7 +21,8 @@ void rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& w, const Buffer& 
     need(w, H * es, op, "w");
     need(y, n, op, "y");
     const NormParams p{H, eps};
-    e.dispatch(std::string("rmsnorm_") + act_suffix(t), Dims{rows, 1, 1}, norm_threads(H),
+    const std::string kernel = std::string("rmsnorm_") + act_suffix(t);
+    e.dispatch(kernel, Dims{rows, 1, 1}, norm_threads(e, kernel, H),
                {Arg::params(p), Arg::in(x.view(0, n)), Arg::in(w.view(0, H * es)), Arg::out(y.view(0, n))});
 }
 
@@ -39,7 +38,8 @@ void add_rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& r, const Buff
     need(y, n, op, "y");
     const NormParams p{H, eps};
     const bool in_place = h.address() == x.address();
-    e.dispatch(std::string("add_rmsnorm_") + act_suffix(t), Dims{rows, 1, 1}, norm_threads(H),
+    const std::string kernel = std::string("add_rmsnorm_") + act_suffix(t);
+    e.dispatch(kernel, Dims{rows, 1, 1}, norm_threads(e, kernel, H),
                {Arg::params(p), in_place ? Arg::inout(x.view(0, n)) : Arg::in(x.view(0, n)), Arg::in(r.view(0, n)),
                 Arg::in(w.view(0, H * es)), Arg::out(h.view(0, n)), Arg::out(y.view(0, n))});
 }

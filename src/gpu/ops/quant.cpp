@@ -173,10 +173,10 @@ void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, co
     const uint64_t es = act_size(t), yn = uint64_t(n) * E.cols * es;
     need(ids, uint64_t(n) * 4, op, "ids");
     need(y, yn, op, "y");
-    // threads: one per VALS values of a row (a multiple of 32, at most EMBED_MAX_THREADS)
+    // threads: one per VALS values of a row (a multiple of 32, at most EMBED_MAX_THREADS and the pipeline's limit)
+    const std::string kernel = "embed_" + E.variant() + "_" + act_suffix(t);
     const uint32_t per = ceil_div(E.cols, vals_per_lane(E.fmt));
-    uint32_t threads = (per + 31) / 32 * 32;
-    if (threads > EMBED_MAX_THREADS) threads = EMBED_MAX_THREADS;
+    const uint32_t threads = fit_threads(e, kernel, std::min<uint32_t>((per + 31) / 32 * 32, EMBED_MAX_THREADS));
     const EmbedParams p{E.cols, E.rows, quantized(E.fmt) ? E.group_size : 0, E.qbits()};
     // n ids touch at most n rows of the table
     std::vector<Arg> args{Arg::params(p)};
@@ -184,7 +184,7 @@ void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, co
     args.push_back(Arg::in(ids.view(0, uint64_t(n) * 4)));
     args.push_back(Arg::out(y.view(0, yn)));
     // a quantized value is one multiply-add (scale * q + bias); a dense one only a conversion
-    e.dispatch("embed_" + E.variant() + "_" + act_suffix(t), Dims{n, 1, 1}, Dims{threads, 1, 1}, args, {},
+    e.dispatch(kernel, Dims{n, 1, 1}, Dims{threads, 1, 1}, args, {},
                quantized(E.fmt) ? 2 * uint64_t(n) * E.cols : 0);
 }
 

@@ -5,6 +5,7 @@
 // <Foundation/Foundation.h> is the SDK's. What this check cannot prove is in docs/metal.md.
 #pragma once
 #include <stddef.h>
+#include <stdint.h>
 
 // 64-bit Apple platforms (LP64); BOOL is bool on arm64 macOS
 typedef long NSInteger;

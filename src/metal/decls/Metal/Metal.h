@@ -132,6 +132,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 @property (readonly) MTLSize maxThreadsPerThreadgroup;
 @property (readonly) NSUInteger maxThreadgroupMemoryLength;
 @property (readonly) BOOL hasUnifiedMemory;
+@property (readonly) uint64_t recommendedMaxWorkingSetSize;
 - (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily;
 - (nullable id<MTLCommandQueue>)newCommandQueue;
 - (nullable id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;

@@ -45,8 +45,10 @@ struct MoeDownParams {
     uint32_t act_stride;
     uint32_t bits;               // WFMT_QN: the routed experts' width; other formats: unused
     uint32_t shared_bits;        // WFMT_QN: the shared expert's width
+    uint32_t shared_given;       // 1: the shared down projection was computed apart (a format the routed
+                                 // kernel cannot read): buffer 4 holds it, float [H]
 };
-static_assert(sizeof(MoeDownParams) == 40, "MoeDownParams: 10 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeDownParams) == 44, "MoeDownParams: 11 x 4 bytes, as the host packs it");
 
 // mlp_gate_up: act = silu(gate x) * up x over one stacked [gate | up] matrix
 struct MlpGateUpParams {

@@ -222,7 +222,8 @@ void moe_gate_up(constant MoeGateUpParams& p [[buffer(0)]], device const uint32_
 // every lane busy), adding weights[s] * result; then the shared expert times sigmoid(its logit);
 // lane 0 adds the total to x and stores (each row is read and written by one thread only).
 // Buffers: 0 params, 1-3 down stack [count, H, inter], 4-6 shared down [H, shared_inter] (without
-// one: any buffer, unused), 7 act [k (+1), act_stride], 8 ids uint [k], 9 weights float [k],
+// one: any buffer, unused; p.shared_given: 4 is its product float [H], 5-6 unused), 7 act [k (+1), act_stride],
+// 8 ids uint [k], 9 weights float [k],
 // 10 the shared-gate logit float [1] (the router GEMV's row n_experts), 11 x [H] (read and written).
 template <int FMT, typename S, typename T>
 [[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
@@ -261,10 +262,17 @@ void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw
         total[r] = rnd<T>(total[r]);                 // ... the sum over the k experts rounded once
     }
     if (p.shared_inter != 0) {
-        device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(p.k) * p.act_stride);
         float d[QMV_ROWS];
-        rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size,
-                            p.shared_bits, row0, p.H, lane, d);
+        if (p.shared_given != 0u) {   // computed apart by qmv (the same rows_dot, another weight format)
+            device const float* given = reinterpret_cast<device const float*>(shw);
+            for (uint r = 0; r < QMV_ROWS; ++r) {
+                d[r] = row0 + r < p.H ? given[row0 + r] : 0.0f;
+            }
+        } else {
+            device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(p.k) * p.act_stride);
+            rows_dot<FMT, S, T>((device const WV*)shw, shsc, shbi, a4, p.shared_inter, p.shared_group_size,
+                                p.shared_bits, row0, p.H, lane, d);
+        }
         const float gate = moe_shared_gate<T>(shared_logit[0]);
         for (uint r = 0; r < QMV_ROWS; ++r) {
             total[r] = moe_plus_shared<T>(total[r], gate, d[r]);   // routed + gated shared, rounded

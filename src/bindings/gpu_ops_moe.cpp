@@ -31,11 +31,12 @@ void register_gpu_ops_moe(nb::module_& ops) {
     ops.def("moe_down", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& down,
                            const gpu::Matrix* shared_down, const gpu::Buffer& act, const gpu::Buffer& ids,
                            const gpu::Buffer& weights, const gpu::Buffer* logits, uint32_t n_experts, uint32_t k,
-                           const gpu::Buffer& x) {
+                           const gpu::Buffer& x, const gpu::Buffer* shared_out) {
         gpu::ops::moe_down(e, gpu::parse_act(t), down, shared_down, act, ids, weights,
-                           logits ? *logits : gpu::Buffer{}, n_experts, k, x);
+                           logits ? *logits : gpu::Buffer{}, n_experts, k, x, shared_out);
     }, "encoder"_a, "dtype"_a, "down"_a, "shared_down"_a.none(), "act"_a, "ids"_a, "weights"_a, "logits"_a.none(),
-       "n_experts"_a, "k"_a, "x"_a);
+       "n_experts"_a, "k"_a, "x"_a, "shared_out"_a.none() = nb::none(),
+       "shared_out (f32 [H]): where a shared expert the routed kernel cannot read has its down projection");
     ops.def("mlp_gate_up", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate_up,
                               const gpu::Buffer& x, const gpu::Buffer& act) {
         gpu::ops::mlp_gate_up(e, gpu::parse_act(t), gate_up, x, act);

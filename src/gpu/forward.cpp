@@ -116,6 +116,8 @@ struct GpuEngine::Scratch {
     Buffer topk_w;         // f32 [k]
     Buffer slot_ids;       // u32 [k]            streaming: the expert cache slots of topk_ids (host-written)
     Buffer moe_act;        // T [k + 1, max(I, Is)]  SwiGLU activations of the routed + shared experts
+    Buffer moe_shared;     // f32 [H]            the shared expert's down projection, when it runs apart
+                           //                    (a format the routed kernel cannot read: ops::moe_down)
     Buffer mlp_act;        // T [I]              dense-MLP SwiGLU activations
     Buffer logits;         // f32 [V]
     Buffer tokens;         // u32 [kSlots]       token ring
@@ -151,6 +153,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     s.topk_w = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "topk_w");
     s.slot_ids = d.alloc(std::max<int64_t>(c.top_k, 1) * 4, "slot_ids");
     s.moe_act = d.alloc(std::max<uint64_t>((c.top_k + 1) * uint64_t(inter), 1) * es, "moe_act");
+    s.moe_shared = d.alloc(c.hidden * 4, "moe_shared");
     s.mlp_act = d.alloc(std::max<uint32_t>(w.dense, 1) * es, "mlp_act");
     s.logits = d.alloc(c.vocab * 4, "logits");
     s.tokens = d.alloc(kSlots * 4, "tokens");
@@ -215,7 +218,7 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
         ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr, s.xn, s.topk_ids, k,
                          s.moe_act, &route);                                            // top-k + SwiGLU
         ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, s.moe_act, s.topk_ids, s.topk_w,
-                      s.router, E, k, s.x);                                             // x += moe(xn)
+                      s.router, E, k, s.x, &s.moe_shared);                              // x += moe(xn)
     } else {
         encode_mlp(e, li);
     }
@@ -308,7 +311,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
             ops::moe_gate_up(*e, t, L.gate, L.up, last && L.has_shared ? &L.shared_gate_up : nullptr, s.xn, sid, n,
                              s.moe_act);                                               // SwiGLU of the batch
             ops::moe_down(*e, t, L.down, last && L.has_shared ? &L.shared_down : nullptr, s.moe_act, sid, w,
-                          s.router, E, n, s.x);                                        // x += the batch's sum
+                          s.router, E, n, s.x, &s.moe_shared);                                        // x += the batch's sum
             if (!last) run();                                                          // its slots are reused next
         }
     }
@@ -690,6 +693,7 @@ struct GpuEngine::Verify {
     Buffer topk_w;                // f32 [R, k]
     Buffer moe_act;               // T [R, act_row]             SwiGLU activations of the routed + shared experts
     uint64_t act_row = 0;         // (k + 1) * max(I, Is): moe_act's row, as the decode scratch's
+    Buffer moe_shared;            // f32 [R, H]                 the shared expert's down projection run apart
     Buffer mlp_act;               // T [R, I]                   dense-MLP SwiGLU activations
     Buffer logits;                // f32 [R, V]
 };
@@ -722,6 +726,7 @@ void GpuEngine::ensure_verify(uint32_t rows) {
     n.topk_w = alloc(R * k * 4, "verify.topk_w");
     n.act_row = (k + 1) * w.inter;
     n.moe_act = alloc(R * n.act_row * es, "verify.moe_act");
+    n.moe_shared = alloc(R * H * 4, "verify.moe_shared");
     n.mlp_act = alloc(R * w.dense * es, "verify.mlp_act");
     n.logits = alloc(R * uint64_t(c.vocab) * 4, "verify.logits");
     v = std::move(n);
@@ -785,9 +790,11 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
             ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr,
                              row(v.xn, H * es, r, H * es), ids(r), k, act(r), &route);    // top-k + SwiGLU
         }
-        for (uint32_t r = 0; r < rows; ++r)                                             // x[r] += moe(xn[r])
+        for (uint32_t r = 0; r < rows; ++r) {                                           // x[r] += moe(xn[r])
+            const Buffer shared = v.moe_shared.view(uint64_t(r) * H * 4, H * 4);
             ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, act(r), ids(r), w(r), logits(r),
-                          E, k, row(v.x, H * es, r, H * es));
+                          E, k, row(v.x, H * es, r, H * es), &shared);
+        }
     } else {
         const uint32_t I = L.mlp_down.cols;
         ops::rmsnorm(e, t, v.x, L.post_norm, v.xn, rows, uint32_t(H), c.eps);

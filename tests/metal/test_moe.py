@@ -213,6 +213,56 @@ def test_moe_down(schedule, fmt, dtype, gs, ng, sng, E, k, H, n_experts, seed):
     assert not SIM or dev.records()[0]["kernel"] == f"moe_down_{fmt}_{dtype}"
 
 
+# pairs the decode kernels cannot read in one dispatch (one dense side, or two dense types, or two scale types)
+APART = [("bf16", "q4_sbf16"), ("q8_sf32", "f32"), ("f16", "bf16"), ("q4_sbf16", "q8_sf32")]
+
+
+@pytest.mark.parametrize("routed,shared_fmt", APART)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_shared_expert_apart(routed, shared_fmt, dtype):
+    """A shared expert whose format cannot share the routed experts' kernel: moe_gate_up writes its slot with
+    mlp_gate_up, moe_down combines its down projection (qmv into shared_out) as it combines its own."""
+    rng = np.random.default_rng(5)
+    E, k, gs = 5, 2, 64
+    H, inter, shared = 128, 64, 128
+    gate, up = make(rng, routed, (E, inter, H), gs), make(rng, routed, (E, inter, H), gs)
+    sgu = make(rng, shared_fmt, (2 * shared, H), gs)
+    down, sdown = make(rng, routed, (E, H, inter), gs), make(rng, shared_fmt, (H, shared), gs)
+    ids = np.array([3, 1], np.uint32)
+    w = np.array([0.7, 0.3], np.float32)
+    logits = rng.standard_normal(E + 1).astype(np.float32)
+    x = rng.standard_normal(H).astype(ACT[dtype])
+    act = np.full((k + 1, shared), 7, ACT[dtype])
+    out = np.zeros(H, np.float32)
+    with run(keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_gate_up(enc, dtype, gate.device(buf, gpu), up.device(buf, gpu), sgu.device(buf, gpu), buf(x),
+                        buf(ids), k, buf(act))
+    xf = x.astype(np.float64)
+    ref, bound = gate_up_ref(sgu.ref[:shared], sgu.ref[shared:], xf, dtype)
+    assert_close(act[k, :shared], ref, bound, tol(dtype), "shared slot")
+    for s in range(k):
+        ref, bound = gate_up_ref(gate.ref[ids[s]], up.ref[ids[s]], xf, dtype)
+        assert_close(act[s, :inter], ref, bound, tol(dtype), f"slot {s}")
+    assert not SIM or [r["kernel"] for r in dev.records()] == [f"moe_gate_up_{routed}_{dtype}",
+                                                               f"mlp_gate_up_{shared_fmt}_{dtype}"]
+    y0 = x.astype(np.float64)
+    with run(keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.moe_down(enc, dtype, down.device(buf, gpu), sdown.device(buf, gpu), buf(act), buf(ids), buf(w),
+                     buf(logits), E, k, buf(x), shared_out=buf(out))
+    a = act.astype(np.float64)
+    y, bound = down_ref([down.ref[ids[s]] for s in range(k)], [a[s, :inter] for s in range(k)], w, dtype,
+                        (sdown.ref, a[k, :shared], logits[E]))
+    assert_close(x, y0 + y, np.abs(y0) + bound, tol(dtype))
+    assert not SIM or [r["kernel"] for r in dev.records()][-1] == f"moe_down_{routed}_{dtype}"
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        with pytest.raises(ValueError, match=r"moe_down: shared_down .* cannot run in one dispatch .* give shared_out"):
+            ops.moe_down(enc, dtype, down.device(buf, gpu), sdown.device(buf, gpu), buf(act), buf(ids), buf(w),
+                         buf(logits), E, k, buf(x))
+
+
 # ------------------------------------------------------------------------------------------ model shape
 def test_moe_block_model_shape():
     """The MoE block of one decode token at the real shapes, in one command buffer as the graph encodes

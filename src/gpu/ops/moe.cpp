@@ -56,18 +56,24 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
     const uint32_t H = gate.cols, inter = gate.rows;
     uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
     std::string variant = gate.variant();
+    // a shared expert in a format the routed kernel cannot read (mlx_lm.convert can leave one side dense)
+    // runs apart: mlp_gate_up into its slot of act, beside this dispatch
+    const Matrix* apart = shared_gate_up && !can_pair(gate, *shared_gate_up) ? shared_gate_up : nullptr;
+    const Matrix* fused = apart ? nullptr : shared_gate_up;
     if (shared_gate_up) {
         const Matrix& s = *shared_gate_up;
         s.validate("moe_gate_up: shared_gate_up");
-        variant = paired_variant(gate, s, op, "shared_gate_up");
-        shared_bits = s.qbits();
         check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
               "shared_gate_up must be one [2 * shared_inter, H] matrix");
         shared_inter = s.rows / 2;
-        shared_gs = quantized(s.fmt) ? s.group_size : 0;
     }
-    const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_gate_up ? 1 : 0);
-    const uint64_t es = act_size(t), an = uint64_t(slots) * stride * es;
+    if (fused) {
+        variant = paired_variant(gate, *fused, op, "shared_gate_up");
+        shared_bits = fused->qbits();
+        shared_gs = quantized(fused->fmt) ? fused->group_size : 0;
+    }
+    const uint32_t stride = std::max(inter, shared_inter), slots = k + (fused ? 1 : 0);
+    const uint64_t es = act_size(t), an = uint64_t(k + (shared_gate_up ? 1 : 0)) * stride * es;
     need(x, uint64_t(H) * es, op, "x");
     need(ids, uint64_t(k) * 4, op, "ids");
     need(act, an, op, "act");
@@ -81,29 +87,32 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
         need(route->weights, uint64_t(k) * 4, op, "route.weights");
         topk = MOE_TOPK_FUSED | (route->norm ? MOE_TOPK_NORM : 0u);
     }
-    const MoeGateUpParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k, shared_inter,
-                            shared_gs, stride, route ? route->n_experts : 0u, topk, gate.qbits(), shared_bits};
+    const MoeGateUpParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k,
+                            fused ? shared_inter : 0u, shared_gs, stride, route ? route->n_experts : 0u, topk,
+                            gate.qbits(), shared_bits};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, gate, uint64_t(k) * inter);  // only the k chosen experts' rows are read
     matrix_args(args, up, uint64_t(k) * inter);
-    if (shared_gate_up) {
-        matrix_args(args, *shared_gate_up, shared_gate_up->rows);
+    if (fused) {
+        matrix_args(args, *fused, fused->rows);
     } else {  // unused slots: bind the gate stack again, declared unread
         for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
     }
-    const Buffer xv = x.view(0, uint64_t(H) * es), av = act.view(0, an);
+    // the routed slots (and the fused shared one): the shared slot apart is mlp_gate_up's
+    const Buffer xv = x.view(0, uint64_t(H) * es), av = act.view(0, uint64_t(slots) * stride * es);
     args.push_back(Arg::in(xv));
     args.push_back(route ? Arg::in(route->logits.view(0, uint64_t(route->n_experts) * 4)) : Arg::in(xv, 0));
     args.push_back(route ? Arg::out(ids.view(0, uint64_t(k) * 4)) : Arg::in(ids.view(0, uint64_t(k) * 4)));
-    args.push_back(Arg::out(av, (uint64_t(k) * inter + shared_inter) * es));
+    args.push_back(Arg::out(av, (uint64_t(k) * inter + (fused ? shared_inter : 0u)) * es));
     args.push_back(route ? Arg::out(route->weights.view(0, uint64_t(k) * 4)) : Arg::in(av, 0));
     e.dispatch("moe_gate_up_" + variant + "_" + act_suffix(t), Dims{ceil_div(stride, QMV_TG_ROWS), slots, 1},
                kGemvThreads, args);
+    if (apart) mlp_gate_up(e, t, *apart, x, act.view(uint64_t(k) * stride * es, uint64_t(shared_inter) * es));
 }
 
 void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, const Buffer& act,
               const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t n_experts, uint32_t k,
-              const Buffer& x) {
+              const Buffer& x, const Buffer* shared_out) {
     const char* op = "moe_down";
     down.validate("moe_down: down");
     check(k >= 1 && k <= down.count, op,
@@ -111,15 +120,24 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     const uint32_t H = down.rows, inter = down.cols;
     uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
     std::string variant = down.variant();
+    // a shared expert the routed kernel cannot read: its down projection by qmv (the same rows_dot) into
+    // shared_out first, which this dispatch then combines as it would its own
+    const Matrix* apart = shared_down && !can_pair(down, *shared_down) ? shared_down : nullptr;
     if (shared_down) {
         const Matrix& s = *shared_down;
         s.validate("moe_down: shared_down");
-        variant = paired_variant(down, s, op, "shared_down");
-        shared_bits = s.qbits();
         check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
         shared_inter = s.cols;
-        shared_gs = quantized(s.fmt) ? s.group_size : 0;
         need(logits, (uint64_t(n_experts) + 1) * 4, op, "logits (n_experts + 1 with a shared expert)");
+        if (apart) {
+            check(shared_out != nullptr, op, "shared_down (" + s.variant() + ") cannot run in one dispatch with the "
+                                         "routed experts (" + down.variant() + "): give shared_out, f32 [H]");
+            need(*shared_out, uint64_t(H) * 4, op, "shared_out");
+        } else {
+            variant = paired_variant(down, s, op, "shared_down");
+            shared_bits = s.qbits();
+            shared_gs = quantized(s.fmt) ? s.group_size : 0;
+        }
     }
     const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_down ? 1 : 0);
     const uint64_t es = act_size(t), an = uint64_t(slots) * stride * es, xn = uint64_t(H) * es;
@@ -129,10 +147,16 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     need(weights, uint64_t(k) * 4, op, "weights");
     need(x, xn, op, "x");
     const MoeDownParams p{H, inter, quantized(down.fmt) ? down.group_size : 0, down.count, k, shared_inter,
-                          shared_gs, stride, down.qbits(), shared_bits};
+                          shared_gs, stride, down.qbits(), shared_bits, apart ? 1u : 0u};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, down, uint64_t(k) * H);  // only the k chosen experts' rows are read
-    if (shared_down) {
+    if (apart) {
+        const Buffer so = shared_out->view(0, uint64_t(H) * 4);
+        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, uint64_t(shared_inter) * es), so, 1, true);
+        args.push_back(Arg::in(so));
+        args.push_back(Arg::in(so, 0));
+        args.push_back(Arg::in(so, 0));
+    } else if (shared_down) {
         matrix_args(args, *shared_down, H);
     } else {
         for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));

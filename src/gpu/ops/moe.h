@@ -18,7 +18,9 @@ void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, 
 // act[s, :inter] = silu(gate_s x) * up_s x for the k routed slots (expert ids[s] of the gate/up
 // stacks) and, when shared_gate_up is given (rows = 2 * shared_inter: [gate | up]), slot k for the
 // shared expert (its row length shared_inter; act's row stride is max(inter, shared_inter)).
-// x [H] (T); act [(k + 1), stride] (T). One dispatch.
+// x [H] (T); act [(k + 1), stride] (T). One dispatch, or two when the shared expert's format cannot
+// share the routed experts' kernel (can_pair: e.g. dense routed experts beside a quantized shared
+// expert): then mlp_gate_up writes its slot.
 // With `route`, the router top-k is fused in (moe_topk's function run by every SIMD-group of a routed
 // slot on route->logits): ids and route->weights are then written, for moe_down, instead of read.
 struct MoeRouting {
@@ -33,10 +35,11 @@ void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const 
 // x[:H] += sum_s weights[s] * down_{ids[s]} act[s]  (+ sigmoid(logits[n_experts]) * shared_down act[k]
 // when shared_down is given; that logit is the shared_expert_gate row of the router GEMV), summed in a
 // fixed order (slots 0..k-1, then shared). x (T) is read and written in place: the residual add.
-// One dispatch.
+// One dispatch; when the shared expert's format cannot share the routed experts' kernel, its down
+// projection runs first (qmv, the same per-row arithmetic) into `shared_out` (f32 [H], required then).
 void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, const Buffer& act,
               const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t n_experts, uint32_t k,
-              const Buffer& x);
+              const Buffer& x, const Buffer* shared_out = nullptr);
 
 // Dense SwiGLU MLP (qwen3_next layers without experts): act = silu(gate x) * up x, one dispatch over
 // the stacked [gate | up] rows; the down projection is qmv + the residual add by the caller.

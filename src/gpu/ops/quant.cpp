@@ -70,10 +70,13 @@ std::string Matrix::variant() const {
     return std::string(runtime_width(fmt) ? "qn" : format_name(fmt)) + (scales_f32 ? "_sf32" : "_sbf16");
 }
 
+bool can_pair(const Matrix& a, const Matrix& b) {
+    return a.variant() == b.variant() || (quantized(a.fmt) && quantized(b.fmt) && a.scales_f32 == b.scales_f32);
+}
+
 std::string paired_variant(const Matrix& a, const Matrix& b, const char* op, const char* what) {
     if (a.variant() == b.variant()) return a.variant();
-    if (quantized(a.fmt) && quantized(b.fmt) && a.scales_f32 == b.scales_f32)
-        return a.scales_f32 ? "qn_sf32" : "qn_sbf16";
+    if (can_pair(a, b)) return a.scales_f32 ? "qn_sf32" : "qn_sbf16";
     throw std::invalid_argument(std::string(op) + ": " + what + " (" + format_name(b.fmt) + ", " + b.variant() +
                                 ") cannot run in one dispatch with the routed experts (" + format_name(a.fmt) + ", " +
                                 a.variant() + "): both must have one format, or both be quantized with one scale type");

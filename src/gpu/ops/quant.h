@@ -58,6 +58,8 @@ struct Matrix {
 // scale type (the run-time-width kernel takes a width per matrix). std::invalid_argument naming `op`
 // and `what` (b) otherwise.
 std::string paired_variant(const Matrix& a, const Matrix& b, const char* op, const char* what);
+// Whether paired_variant finds one for a and b (else the MoE host functions run the shared expert apart).
+bool can_pair(const Matrix& a, const Matrix& b);
 
 // Appends the three kernel arguments of M (w, scales, biases: views over the whole stack), declaring
 // `rows_read` rows as read (e.g. k * rows for the k selected experts of a stack: the costing counts

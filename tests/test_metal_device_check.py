@@ -67,12 +67,13 @@ def test_tool_main(capsys):
 
 # (id, text in device.mm, replacement, expected diagnostic): each must be rejected at the replaced line
 MUTATIONS = [
-    ("arity", "[enc_ setBuffer:bufs[i] offset:a.buf.offset atIndex:i];", "[enc_ setBuffer:bufs[i] offset:a.buf.offset];",
+    ("arity", "[enc_ setBuffer:bufs[i] offset:offs[i] atIndex:i];", "[enc_ setBuffer:bufs[i] offset:offs[i]];",
      r"no known instance method for selector 'setBuffer:offset:'"),
     ("extra-part", "[enc_ setBytes:a.bytes.data() length:a.bytes.size() atIndex:i];",
      "[enc_ setBytes:a.bytes.data() length:a.bytes.size() offset:0 atIndex:i];",
      r"no known instance method for selector 'setBytes:length:offset:atIndex:'"),
-    ("misspelled", "[d.device newBufferWithBytesNoCopy:", "[d.device newBufferWithBytesNoCpy:",
+    ("misspelled", "[d.device newBufferWithBytesNoCopy:reinterpret_cast<void*>(base + x.start)",
+     "[d.device newBufferWithBytesNoCpy:reinterpret_cast<void*>(base + x.start)",
      r"(no known instance method for selector|instance method) 'newBufferWithBytesNoCpy:length:options:deallocator:'"),
     ("property", "threads > pso.maxTotalThreadsPerThreadgroup)", "threads > pso.maxThreadsPerThreadgroup)",
      r"property 'maxThreadsPerThreadgroup' not found on object of type '(__strong )?id<MTLComputePipelineState>'"),
@@ -90,7 +91,7 @@ MUTATIONS = [
     ("arc-release", "[enc_ endEncoding];\n            enc_ = nil;\n            [cb_ addCompletedHandler",
      "[enc_ endEncoding];\n            [enc_ release]; enc_ = nil;\n            [cb_ addCompletedHandler",
      r"ARC forbids explicit message send of 'release'"),
-    ("arc-bridge", "contents_ = [buf_ contents];", "contents_ = (void*)buf_;",
+    ("arc-bridge", ", {buf}, [buf contents], ", ", {buf}, (void*)buf, ",
      r"cast of Objective-C pointer type 'id<MTLBuffer>' to C pointer type 'void \*' requires a bridged cast"),
 ]
 

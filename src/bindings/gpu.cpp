@@ -4,6 +4,7 @@
 #include "bindings/gpu.h"
 
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 
 #include "bindings/registry.h"
+#include "gpu/windows.h"
 #include "msl_sim/sim_device.h"
 
 namespace nb = nanobind;
@@ -53,6 +55,19 @@ void register_gpu(nb::module_& m) {
         d["command_buffer_seconds"] = kCommandBufferTargetSeconds;
         return d;
     }, "the GPU time model of src/gpu/cost.h: the slowest supported Apple GPU and the command-buffer budgets");
+    g.def("plan_windows", [](uint64_t bytes, uint64_t max_len, uint64_t max_view, uint64_t page) {
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        for (const Window& w : plan_windows(bytes, max_len, max_view, page)) out.emplace_back(w.start, w.length);
+        return out;
+    }, "bytes"_a, "max_len"_a, "max_view"_a, "page"_a = 16384,
+       "[(start, length)]: the overlapping buffers MetalDevice.wrap maps a range past maxBufferLength as "
+       "(src/gpu/windows.h)");
+    g.def("window_of", [](const std::vector<std::pair<uint64_t, uint64_t>>& w, uint64_t offset, uint64_t length) {
+        std::vector<Window> ws;
+        for (const auto& [s, n] : w) ws.push_back(Window{s, n});
+        const size_t i = window_of(ws, offset, length);
+        return i == SIZE_MAX ? -1 : int64_t(i);
+    }, "windows"_a, "offset"_a, "length"_a, "the window that holds [offset, offset + length) whole, or -1");
 
     nb::class_<gpu::Buffer>(g, "Buffer")
         .def_prop_ro("nbytes", [](const gpu::Buffer& b) { return b.length; })

@@ -30,6 +30,9 @@ static nb::dict report_dict(const gpu::MetalLibraryReport& r) {
     d["ok"] = r.ok;
     d["log"] = r.log;
     d["seconds"] = r.seconds;
+    d["pipeline_seconds"] = r.pipeline_seconds;
+    d["pipelines"] = r.pipelines;
+    d["language_version"] = r.language_version;
     d["kernels"] = r.kernels;
     return d;
 }
@@ -57,8 +60,9 @@ void register_metal_device(nb::module_& g) {
                  for (const auto& r : reports) out.append(report_dict(r));
                  return out;
              },
-             "Compile every embedded kernel family now; one dict per family "
-             "{family, origin, ok, log, seconds, kernels}. Never raises for a compile error.")
+             "Compile every embedded kernel family this GPU runs and all their pipelines now, in parallel; one dict per "
+             "family {family, origin, ok, log, seconds, pipeline_seconds, pipelines, language_version, kernels}. "
+             "Never raises for a compile error.")
         .def("add_source",
              [](MetalDevice& d, const std::string& name, const std::string& source) {
                  gpu::MetalLibraryReport r;

@@ -128,6 +128,16 @@ struct DeviceInfo {
     uint64_t working_set = 0;
 };
 
+// What the caller knows of a wrapped range (Device::wrap).
+struct WrapHints {
+    // the GPU only reads it (weights): Metal then need not track hazards on it (an untracked buffer) and the
+    // device keeps it resident (MTLResidencySet)
+    bool read_only = false;
+    // the largest view ever bound from it (the largest tensor of a weights file): a range over the device's
+    // maximum buffer length is mapped as overlapping buffers that each such view fits in whole
+    uint64_t max_view = 0;
+};
+
 // "N dispatches of k1, k2, ..." for an error message about a command buffer (kernels: distinct names in
 // encoding order)
 inline std::string describe_kernels(uint64_t dispatches, const std::vector<std::string>& kernels) {
@@ -152,11 +162,11 @@ class Device {
     virtual const DeviceInfo& info() const = 0;
     // a zero-filled buffer (shared storage)
     virtual Buffer alloc(uint64_t bytes, const std::string& label) = 0;
-    // host memory used in place where the device allows (page-aligned span within the maximum buffer
-    // length: newBufferWithBytesNoCopy), else copied once; `keep` is held as long as the buffer lives.
-    // `copied` (if given) tells which happened.
+    // host memory used in place where the device allows (newBufferWithBytesNoCopy over its pages; a range
+    // past the maximum buffer length as overlapping buffers, gpu/windows.h), else copied once; `keep` is held
+    // as long as the buffer lives. `copied` (if given) tells which happened.
     virtual Buffer wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
-                        bool* copied = nullptr) = 0;
+                        bool* copied = nullptr, const WrapHints& hints = WrapHints()) = 0;
     virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
     // compile / look up a pipeline now (first use does it too); throws DeviceError naming the kernel
     virtual void prepare(const std::string& kernel) = 0;

@@ -68,7 +68,8 @@ Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& wh
         if (!maps_.empty()) return maps_[size_t(s.mapping)].view(s.offset, s.nbytes);
         // streaming: each tensor wraps only its own pages, so no buffer covers a routed expert's pages
         // (a whole-file buffer would make the device map, and on a GPU make resident, the expert stacks)
-        return dev_->wrap(static_cast<const uint8_t*>(mp.base) + s.offset, s.nbytes, what, nullptr);
+        return dev_->wrap(static_cast<const uint8_t*>(mp.base) + s.offset, s.nbytes, what, nullptr, nullptr,
+                          WrapHints{true, s.nbytes});
     }
     // a tensor whose offset in its file is not 16-byte aligned: one aligned copy
     Buffer b = owned(s.nbytes, what);
@@ -238,11 +239,18 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
     if (stream && (S < 1 || S > c.n_experts))
         throw std::invalid_argument("metal backend: expert_slots must be in [1, " + std::to_string(c.n_experts) +
                                     "], got " + std::to_string(S));
-    if (!stream)
-        for (const Mapping& mp : w.mappings) {
+    if (!stream) {
+        // weights are only read; the largest tensor of each file is the largest view bound from it
+        std::vector<uint64_t> largest(w.mappings.size(), 0);
+        for (const auto& [name, t] : w.tensors)
+            for (const Span* s : {&t.data, &t.scales, &t.biases})
+                if (s->present()) largest[size_t(s->mapping)] = std::max(largest[size_t(s->mapping)], s->nbytes);
+        for (size_t i = 0; i < w.mappings.size(); ++i) {
+            const Mapping& mp = w.mappings[i];
             if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
-            else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr));
+            else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]}));
         }
+    }
     std::map<int, std::vector<void*>> bases;      // streaming: each MoE layer's slot stacks, in part order
     const int64_t H = c.hidden;
     int64_t n_attention = 0, n_gdn = 0;

@@ -40,7 +40,10 @@ struct MetalLibraryReport {
     std::string origin;               // "metal/norm.metal"
     bool ok = false;                  // newLibraryWithSource: returned a library
     std::string log;                  // the compiler's messages (errors, or warnings when ok)
-    double seconds = 0;               // compile time
+    double seconds = 0;               // compile time of the library (newLibraryWithSource:)
+    double pipeline_seconds = 0;      // compile_all: the time to make the pipelines of all its kernels
+    size_t pipelines = 0;             // compile_all: the pipelines made
+    std::string language_version;     // the MSL version it was compiled as (MTLCompileOptions.languageVersion)
     std::vector<std::string> kernels; // the library's functionNames (ok), else the embedded table's names
 };
 
@@ -55,7 +58,7 @@ class MetalDevice : public Device {
     const DeviceInfo& info() const override;
     Buffer alloc(uint64_t bytes, const std::string& label) override;
     Buffer wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
-                bool* copied = nullptr) override;
+                bool* copied = nullptr, const WrapHints& hints = WrapHints()) override;
     std::unique_ptr<CommandBuffer> command_buffer() override;
     void prepare(const std::string& kernel) override;
     bool has_kernel(const std::string& kernel) const override;
@@ -64,8 +67,9 @@ class MetalDevice : public Device {
     uint32_t max_threads(const std::string& kernel) override;
     void recover() override;
 
-    // Compile every embedded family not compiled yet (the compile gate of `qwenmetal selftest`);
-    // never throws for a compile error: one report per family, in name order.
+    // Compile every embedded family this GPU runs and every pipeline of its kernels now, the families in
+    // parallel (MetalBackend does it at load, so no dispatch waits for a compiler; `qwenmetal selftest`'s
+    // compile gate); never throws for a compile error: one report per family, in name order.
     std::vector<MetalLibraryReport> compile_all();
     // Compile extra MSL (a test's kernel) as a library named `family`; its kernels are then found
     // by name like the embedded ones. Throws DeviceError with the compiler's log on failure.

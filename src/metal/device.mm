@@ -23,10 +23,12 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "gpu/windows.h"
 #include "metal/msl_sources.h"
 
 namespace qwenmetal::gpu {
@@ -52,41 +54,189 @@ std::string describe(NSError* e) {
 constexpr uint64_t kMaxSetBytes = 4096;  // setBytes:length:atIndex: is for data under 4 KB
 constexpr size_t kMaxBufferArgs = 31;    // the buffer argument table of a compute function
 
+// MTLCompileOptions.languageVersion of a "major.minor" version (MslSource::language_version), never below
+// 3.1 (bfloat); by value, (major << 16) + minor, so that SDKs without the newest enumerators still build
+MTLLanguageVersion language_version(const std::string& v) {
+    const size_t dot = v.find('.');
+    const unsigned long major = std::stoul(v.substr(0, dot)), minor = dot == std::string::npos ? 0 : std::stoul(v.substr(dot + 1));
+    return std::max(MTLLanguageVersion3_1, static_cast<MTLLanguageVersion>((major << 16) + minor));
+}
+
+// The weights' residency set (macOS 15 and later): the buffers the GPU only reads, made resident once as a
+// set the queue carries, instead of by every command buffer that binds them. Additions and removals are
+// committed before the next command buffer. Before macOS 15 there is none (active() false): Metal makes a
+// buffer resident when a command buffer uses it, and may page it out in between.
+class Residency {
+  public:
+    explicit Residency(id<MTLDevice> device) {
+        if (@available(macOS 15.0, *)) {
+            MTLResidencySetDescriptor* desc = [[MTLResidencySetDescriptor alloc] init];
+            desc.label = to_ns("qwenmetal weights");
+            desc.initialCapacity = 64;
+            NSError* error = nil;
+            set_ = [device newResidencySetWithDescriptor:desc error:&error];   // nil: plain residency
+        }
+    }
+    bool active() const { return set_ != nil; }
+    void add(id<MTLBuffer> b) {
+        if (@available(macOS 15.0, *)) {
+            std::lock_guard<std::mutex> lk(mu_);
+            if (set_ == nil) return;
+            [(id<MTLResidencySet>)set_ addAllocation:b];
+            dirty_ = true;
+        }
+    }
+    void remove(id<MTLBuffer> b) {
+        if (@available(macOS 15.0, *)) {
+            std::lock_guard<std::mutex> lk(mu_);
+            if (set_ == nil) return;
+            [(id<MTLResidencySet>)set_ removeAllocation:b];
+            dirty_ = true;
+        }
+    }
+    void attach(id<MTLCommandQueue> q) {
+        if (@available(macOS 15.0, *)) {
+            if (set_ != nil) [q addResidencySet:(id<MTLResidencySet>)set_];
+        }
+    }
+    void commit() {
+        if (@available(macOS 15.0, *)) {
+            std::lock_guard<std::mutex> lk(mu_);
+            if (set_ == nil || !dirty_) return;
+            [(id<MTLResidencySet>)set_ commit];
+            [(id<MTLResidencySet>)set_ requestResidency];
+            dirty_ = false;
+        }
+    }
+
+  private:
+    std::mutex mu_;
+    id set_ = nil;        // id<MTLResidencySet>, typed where macOS 15 is checked
+    bool dirty_ = false;
+};
+
+// One device allocation: one MTLBuffer, or (a host range past maxBufferLength) several over overlapping
+// windows of it (gpu/windows.h), a view bound from the window that holds it whole.
 class MetalAllocation : public Allocation {
   public:
-    MetalAllocation(id<MTLBuffer> buf, std::string label, std::shared_ptr<void> keep)
-        : keep_(std::move(keep)), buf_(buf), label_(std::move(label)) {
-        contents_ = [buf_ contents];
-        length_ = uint64_t(buf_.length);
-        if (!label_.empty()) buf_.label = to_ns(label_);
+    MetalAllocation(id<MTLBuffer> buf, std::string label, std::shared_ptr<void> keep,
+                    std::shared_ptr<Residency> residency = nullptr)
+        : MetalAllocation({Window{0, uint64_t(buf.length)}}, {buf}, [buf contents], std::move(label), std::move(keep),
+                          std::move(residency)) {}
+    MetalAllocation(std::vector<Window> windows, std::vector<id<MTLBuffer>> bufs, void* contents, std::string label,
+                    std::shared_ptr<void> keep, std::shared_ptr<Residency> residency)
+        : keep_(std::move(keep)), windows_(std::move(windows)), bufs_(std::move(bufs)), contents_(contents),
+          label_(std::move(label)), residency_(std::move(residency)) {
+        length_ = windows_.back().start + windows_.back().length;
+        for (size_t i = 0; i < bufs_.size(); ++i) {
+            if (!label_.empty())
+                bufs_[i].label = to_ns(bufs_.size() == 1 ? label_ : label_ + " [window " + std::to_string(i) + "]");
+            if (residency_) residency_->add(bufs_[i]);
+        }
+    }
+    ~MetalAllocation() override {
+        if (residency_)
+            for (id<MTLBuffer> b : bufs_) residency_->remove(b);
     }
     void* contents() const override { return contents_; }
     uint64_t length() const override { return length_; }
     uint64_t address() const override { return reinterpret_cast<uint64_t>(contents_); }
     const std::string& label() const override { return label_; }
-    id<MTLBuffer> buffer() const { return buf_; }
+    // the buffer holding [offset, offset + length) whole and the view's offset in it; nil if none does
+    id<MTLBuffer> buffer_for(uint64_t offset, uint64_t length, uint64_t* in_buffer) const {
+        const size_t i = window_of(windows_, offset, length);
+        if (i == SIZE_MAX) return nil;
+        *in_buffer = offset - windows_[i].start;
+        return bufs_[i];
+    }
 
   private:
-    // declared first: destroyed after buf_, so the wrapped host memory outlives the MTLBuffer
+    // declared first: destroyed after the buffers, so the wrapped host memory outlives every MTLBuffer
     std::shared_ptr<void> keep_;
-    id<MTLBuffer> buf_;
+    std::vector<Window> windows_;
+    std::vector<id<MTLBuffer>> bufs_;
     void* contents_ = nullptr;
     uint64_t length_ = 0;
     std::string label_;
+    std::shared_ptr<Residency> residency_;
 };
 
 struct Family {
     std::string name, origin;
     const char* source = nullptr;          // embedded, or source_text
     std::string source_text;               // add_source
+    std::string version = "3.1";           // its MSL version: MTLCompileOptions.languageVersion
     std::vector<std::string> table;        // kernel names from the embedded table
     bool tried = false, ok = false;
     std::string log;
-    double seconds = 0;
+    double seconds = 0;                    // newLibraryWithSource:
+    double pipeline_seconds = 0;           // compile_all: the pipelines of all its functions
     id<MTLLibrary> library = nil;
     std::vector<std::string> functions;    // functionNames once compiled
     bool needs_tensor_ops = false;         // includes <metal_tensor>: compiled only where info.tensor_ops
+    const char* text() const { return source ? source : source_text.c_str(); }
 };
+
+// What compiling one family gives (library_of): no shared state, so families compile on threads of their own.
+struct LibraryResult {
+    bool ok = false;
+    std::string log;
+    double seconds = 0;
+    id<MTLLibrary> library = nil;
+    std::vector<std::string> functions;
+};
+
+LibraryResult library_of(id<MTLDevice> device, const char* text, const std::string& version, bool fast_math) {
+    LibraryResult r;
+    const auto t0 = std::chrono::steady_clock::now();
+    @autoreleasepool {
+        MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+        options.fastMathEnabled = fast_math ? YES : NO;  // mathMode replaces it from macOS 15
+#pragma clang diagnostic pop
+        options.languageVersion = language_version(version);   // pinned: what the sources are checked against
+        NSString* src = [NSString stringWithUTF8String:text];
+        NSError* error = nil;
+        id<MTLLibrary> lib = src ? [device newLibraryWithSource:src options:options error:&error] : nil;
+        if (src == nil) {
+            r.log = "the source is not valid UTF-8";
+        } else if (error != nil) {
+            r.log = to_std(error.localizedDescription);  // errors, or only warnings if lib != nil
+        }
+        if (lib != nil) {
+            r.library = lib;
+            r.ok = true;
+            NSArray<NSString*>* names = lib.functionNames;
+            for (NSUInteger k = 0; k < names.count; ++k) r.functions.push_back(to_std([names objectAtIndex:k]));
+        }
+    }
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+}
+
+// the pipeline of `kernel` in `lib`, or nil with `err` set
+id<MTLComputePipelineState> pipeline_of(id<MTLDevice> device, id<MTLLibrary> lib, const std::string& kernel,
+                                        const std::string& origin, std::string* err) {
+    id<MTLComputePipelineState> pso = nil;
+    @autoreleasepool {
+        id<MTLFunction> fn = [lib newFunctionWithName:to_ns(kernel)];
+        if (fn == nil) {
+            *err = "kernel '" + kernel + "': newFunctionWithName: found no function of that name in " + origin;
+        } else {
+            NSError* error = nil;
+            pso = [device newComputePipelineStateWithFunction:fn error:&error];
+            if (pso == nil) {
+                *err = "kernel '" + kernel + "': newComputePipelineStateWithFunction: failed: " + describe(error);
+            } else if (pso.threadExecutionWidth != 32) {
+                *err = "kernel '" + kernel + "': the kernels assume 32-wide SIMD-groups, this GPU runs it " +
+                       std::to_string(pso.threadExecutionWidth) + " wide";
+                pso = nil;
+            }
+        }
+    }
+    return pso;
+}
 
 // State shared by a MetalCommandBuffer and its completed handler (which may outlive it).
 struct CommandState {
@@ -106,6 +256,7 @@ struct MetalDevice::Impl {
     uint64_t page = 16384;
     id<MTLDevice> device = nil;
     id<MTLCommandQueue> queue = nil;
+    std::shared_ptr<Residency> residency;  // the weights' residency set (macOS 15+)
 
     mutable std::mutex mu;                 // families, pipelines
     std::vector<Family> families;
@@ -115,38 +266,27 @@ struct MetalDevice::Impl {
     mutable std::mutex counters_mu;
     Counters counters;
 
+    // families[i]'s library compiled (mu held), a result of library_of stored
+    void store(size_t i, LibraryResult r) {
+        Family& f = families[i];
+        f.tried = true;
+        f.ok = r.ok;
+        f.log = std::move(r.log);
+        f.seconds = r.seconds;
+        f.library = r.library;
+        f.functions = std::move(r.functions);
+    }
+
     // compile families[i] once (mu held); false if it failed (families[i].log says why)
     bool compile(size_t i) {
         Family& f = families[i];
         if (f.tried) return f.ok;
-        f.tried = true;
         if (f.needs_tensor_ops && !info.tensor_ops) {  // older macOS / GPUs cannot compile it: never tried
+            f.tried = true;
             f.log = "not compiled: it needs Metal 4 tensor operations (GPU family apple10, macOS 26)";
             return false;
         }
-        const auto t0 = std::chrono::steady_clock::now();
-        @autoreleasepool {
-            MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wdeprecated-declarations"
-            options.fastMathEnabled = opt.fast_math ? YES : NO;  // mathMode replaces it from macOS 15
-#pragma clang diagnostic pop
-            NSString* src = [NSString stringWithUTF8String:(f.source ? f.source : f.source_text.c_str())];
-            NSError* error = nil;
-            id<MTLLibrary> lib = src ? [device newLibraryWithSource:src options:options error:&error] : nil;
-            if (src == nil) {
-                f.log = "the source is not valid UTF-8";
-            } else if (error != nil) {
-                f.log = to_std(error.localizedDescription);  // errors, or only warnings if lib != nil
-            }
-            if (lib != nil) {
-                f.library = lib;
-                f.ok = true;
-                NSArray<NSString*>* names = lib.functionNames;
-                for (NSUInteger k = 0; k < names.count; ++k) f.functions.push_back(to_std([names objectAtIndex:k]));
-            }
-        }
-        f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        store(i, library_of(device, f.text(), f.version, opt.fast_math));
         return f.ok;
     }
 
@@ -179,31 +319,14 @@ struct MetalDevice::Impl {
         return SIZE_MAX;
     }
 
-    // the cached pipeline of `kernel`, or nil with `err` set
+    // the cached pipeline of `kernel` (compile_all makes them all at load), or nil with `err` set
     id<MTLComputePipelineState> pipeline(const std::string& kernel, std::string* err) {
         std::lock_guard<std::mutex> lk(mu);
         auto p = pipelines.find(kernel);
         if (p != pipelines.end()) return p->second;
         const size_t i = find(kernel, err);
         if (i == SIZE_MAX) return nil;
-        id<MTLComputePipelineState> pso = nil;
-        @autoreleasepool {
-            id<MTLFunction> fn = [families[i].library newFunctionWithName:to_ns(kernel)];
-            if (fn == nil) {
-                *err = "kernel '" + kernel + "': newFunctionWithName: found no function of that name in " +
-                       families[i].origin;
-            } else {
-                NSError* error = nil;
-                pso = [device newComputePipelineStateWithFunction:fn error:&error];
-                if (pso == nil) {
-                    *err = "kernel '" + kernel + "': newComputePipelineStateWithFunction: failed: " + describe(error);
-                } else if (pso.threadExecutionWidth != 32) {
-                    *err = "kernel '" + kernel + "': the kernels assume 32-wide SIMD-groups, this GPU runs it " +
-                           std::to_string(pso.threadExecutionWidth) + " wide";
-                    pso = nil;
-                }
-            }
-        }
+        id<MTLComputePipelineState> pso = pipeline_of(device, families[i].library, kernel, families[i].origin, err);
         if (pso != nil) pipelines[kernel] = pso;
         return pso;
     }
@@ -346,6 +469,7 @@ class MetalCommandBuffer : public CommandBuffer {
             return "kernel '" + kernel + "': " + std::to_string(tg_total) + " bytes of threadgroup memory, the device has " +
                    std::to_string(dev_.info.max_threadgroup_memory);
         std::vector<id<MTLBuffer>> bufs(args.size(), nil);
+        std::vector<uint64_t> offs(args.size(), 0);   // each view's offset in the buffer bound
         for (size_t i = 0; i < args.size(); ++i) {
             const Arg& a = args[i];
             if (a.kind == Arg::kBytes) {
@@ -361,7 +485,11 @@ class MetalCommandBuffer : public CommandBuffer {
                        "') was not made by this MetalDevice";
             if (a.buf.offset + a.buf.length > m->length())
                 return "kernel '" + kernel + "': buffer argument " + std::to_string(i) + " views past its allocation";
-            bufs[i] = m->buffer();
+            bufs[i] = m->buffer_for(a.buf.offset, a.buf.length, &offs[i]);
+            if (bufs[i] == nil)
+                return "kernel '" + kernel + "': buffer argument " + std::to_string(i) + " ('" + a.buf.alloc->label() +
+                       "', " + std::to_string(a.buf.length) + " bytes at " + std::to_string(a.buf.offset) +
+                       ") lies in no one of its windows: a view larger than the wrap's max_view";
         }
         // everything is valid: encode
         [enc_ setComputePipelineState:pso];
@@ -370,7 +498,7 @@ class MetalCommandBuffer : public CommandBuffer {
             if (a.kind == Arg::kBytes) {
                 [enc_ setBytes:a.bytes.data() length:a.bytes.size() atIndex:i];
             } else {
-                [enc_ setBuffer:bufs[i] offset:a.buf.offset atIndex:i];
+                [enc_ setBuffer:bufs[i] offset:offs[i] atIndex:i];
                 if (a.buf.alloc) {
                     std::lock_guard<std::mutex> lk(st_->mu);
                     st_->bound.push_back(a.buf.alloc);
@@ -412,6 +540,8 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
         } else {
             d.queue = [d.device newCommandQueue];
             if (d.queue == nil) err = "newCommandQueue returned nil";
+            d.residency = std::make_shared<Residency>(d.device);
+            if (d.queue != nil) d.residency->attach(d.queue);
             DeviceInfo& i = d.info;
             i.name = to_std(d.device.name);
             const bool paravirtual = i.name.find("Paravirtual") != std::string::npos;
@@ -459,6 +589,7 @@ MetalDevice::MetalDevice(const MetalOptions& opt) : impl_(std::make_shared<Impl>
         f.name = s.family;
         f.origin = s.origin;
         f.source = s.source;
+        f.version = s.language_version;
         f.needs_tensor_ops = std::strstr(s.source, "#include <metal_tensor>") != nullptr;
         for (size_t j = 0; j < s.kernel_count; ++j) {
             f.table.push_back(s.kernels[j]);
@@ -489,7 +620,7 @@ Buffer MetalDevice::alloc(uint64_t bytes, const std::string& label) {
 }
 
 Buffer MetalDevice::wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
-                         bool* copied) {
+                         bool* copied, const WrapHints& hints) {
     Impl& d = *impl_;
     if (copied) *copied = false;
     if (ptr == nullptr || bytes == 0) {
@@ -502,30 +633,58 @@ Buffer MetalDevice::wrap(const void* ptr, uint64_t bytes, const std::string& lab
     const uint64_t end = (p + bytes + d.page - 1) / d.page * d.page;
     std::shared_ptr<MetalAllocation> a;
     bool was_copied = false;
+    // weights: no hazard tracking (the GPU never writes them, so there is nothing to order) and resident as
+    // one set; written buffers keep Metal's tracking, which orders them across command buffers
+    const MTLResourceOptions options = static_cast<MTLResourceOptions>(
+        hints.read_only ? (MTLResourceStorageModeShared | MTLResourceHazardTrackingModeUntracked) : MTLResourceStorageModeShared);
+    const std::shared_ptr<Residency> residency = hints.read_only && d.residency->active() ? d.residency : nullptr;
+    std::string err;
     @autoreleasepool {
         if (end - base <= d.info.max_buffer_length) {
             // the pages around [ptr, ptr + bytes), used in place; the memory stays owned by `keep`
             id<MTLBuffer> buf = [d.device newBufferWithBytesNoCopy:reinterpret_cast<void*>(base)
                                                             length:end - base
-                                                           options:MTLResourceStorageModeShared
+                                                           options:options
                                                        deallocator:nil];
-            if (buf != nil) a = std::make_shared<MetalAllocation>(buf, label, std::move(keep));
+            if (buf != nil) a = std::make_shared<MetalAllocation>(buf, label, std::move(keep), residency);
+        } else if (hints.max_view > 0) {
+            // past maxBufferLength: overlapping windows of its pages, each view bound from one that holds it
+            try {
+                const std::vector<Window> w = plan_windows(end - base, d.info.max_buffer_length, hints.max_view, d.page);
+                std::vector<id<MTLBuffer>> bufs;
+                for (const Window& x : w) {
+                    id<MTLBuffer> buf = [d.device newBufferWithBytesNoCopy:reinterpret_cast<void*>(base + x.start)
+                                                                    length:x.length
+                                                                   options:options
+                                                               deallocator:nil];
+                    if (buf == nil) break;
+                    bufs.push_back(buf);
+                }
+                if (bufs.size() == w.size())
+                    a = std::make_shared<MetalAllocation>(w, bufs, reinterpret_cast<void*>(base), label, std::move(keep),
+                                                          residency);
+            } catch (const std::exception& e) {
+                err = e.what();
+            }
         }
         if (!a && bytes <= d.info.max_buffer_length) {
-            id<MTLBuffer> buf = [d.device newBufferWithBytes:ptr length:bytes options:MTLResourceStorageModeShared];
-            if (buf != nil) a = std::make_shared<MetalAllocation>(buf, label, nullptr);
+            id<MTLBuffer> buf = [d.device newBufferWithBytes:ptr length:bytes options:options];
+            if (buf != nil) a = std::make_shared<MetalAllocation>(buf, label, nullptr, residency);
             was_copied = true;
         }
     }
     if (!a)
         throw DeviceError("MetalDevice::wrap('" + label + "'): " + std::to_string(bytes) +
                           " bytes could neither be wrapped nor copied (maxBufferLength " +
-                          std::to_string(d.info.max_buffer_length) + ")");
+                          std::to_string(d.info.max_buffer_length) + (err.empty() ? "" : "; " + err) + ")");
     if (copied) *copied = was_copied;
     return Buffer{a, was_copied ? 0 : p - base, bytes};
 }
 
 std::unique_ptr<CommandBuffer> MetalDevice::command_buffer() {
+    @autoreleasepool {
+        impl_->residency->commit();   // weights wrapped or freed since the last command buffer
+    }
     std::string err;
     auto cb = std::make_unique<MetalCommandBuffer>(impl_, &err);
     if (!err.empty()) throw DeviceError("MetalDevice::command_buffer: " + err);
@@ -561,6 +720,7 @@ void MetalDevice::recover() {
         id<MTLCommandQueue> q = [d.device newCommandQueue];
         if (q != nil) {
             d.queue = q;
+            d.residency->attach(q);
             ok = true;
         }
     }
@@ -591,19 +751,75 @@ static MetalLibraryReport report_of(const Family& f) {
     r.ok = f.ok;
     r.log = f.log;
     r.seconds = f.seconds;
+    r.pipeline_seconds = f.pipeline_seconds;
+    r.language_version = f.version;
     r.kernels = f.ok ? f.functions : f.table;
     return r;
 }
 
 std::vector<MetalLibraryReport> MetalDevice::compile_all() {
     Impl& d = *impl_;
+    // the families this GPU runs, each compiled with all its pipelines on a thread of its own (a device's
+    // compile calls are thread-safe); the results are stored under the lock afterwards
+    struct Job {
+        size_t i;
+        const char* text;
+        std::string version, origin;
+        LibraryResult lib;
+        std::vector<std::pair<std::string, id<MTLComputePipelineState>>> pipelines;
+        std::string pipeline_log;
+        double pipeline_seconds = 0;
+    };
+    std::vector<Job> jobs;
+    {
+        std::lock_guard<std::mutex> lk(d.mu);
+        for (size_t i = 0; i < d.families.size(); ++i) {
+            const Family& f = d.families[i];
+            if (f.source == nullptr) continue;                     // add_source libraries are reported there
+            if (f.needs_tensor_ops && !d.info.tensor_ops) continue;  // not for this GPU
+            Job j;
+            j.i = i;
+            j.text = f.tried ? nullptr : f.text();
+            j.version = f.version;
+            j.origin = f.origin;
+            if (f.tried) {                                          // compiled at first use: its library stands
+                j.lib.ok = f.ok;
+                j.lib.library = f.library;
+                j.lib.functions = f.functions;
+            }
+            jobs.push_back(std::move(j));
+        }
+    }
+    std::vector<std::thread> threads;
+    for (Job& j : jobs)
+        threads.emplace_back([&d, &j] {
+            @autoreleasepool {
+                if (j.text) j.lib = library_of(d.device, j.text, j.version, d.opt.fast_math);
+                const auto t0 = std::chrono::steady_clock::now();
+                for (const std::string& k : j.lib.functions) {
+                    std::string err;
+                    id<MTLComputePipelineState> pso = pipeline_of(d.device, j.lib.library, k, j.origin, &err);
+                    if (pso != nil) j.pipelines.emplace_back(k, pso);
+                    else j.pipeline_log += err + "\n";
+                }
+                j.pipeline_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            }
+        });
+    for (std::thread& t : threads) t.join();
     std::lock_guard<std::mutex> lk(d.mu);
     std::vector<MetalLibraryReport> out;
-    for (size_t i = 0; i < d.families.size(); ++i) {
-        if (d.families[i].source == nullptr) continue;  // add_source libraries are reported there
-        if (d.families[i].needs_tensor_ops && !d.info.tensor_ops) continue;  // not for this GPU
-        d.compile(i);
-        out.push_back(report_of(d.families[i]));
+    for (Job& j : jobs) {
+        Family& f = d.families[j.i];
+        if (!f.tried) d.store(j.i, std::move(j.lib));
+        f.pipeline_seconds = j.pipeline_seconds;
+        for (auto& [k, pso] : j.pipelines) d.pipelines.emplace(k, pso);
+        if (!j.pipeline_log.empty()) {
+            f.ok = false;                                            // a kernel without a pipeline cannot run
+            f.log += (f.log.empty() ? "" : "\n") + j.pipeline_log;
+        }
+        MetalLibraryReport r = report_of(f);
+        r.pipelines = j.pipelines.size();
+        out.push_back(std::move(r));
     }
     return out;
 }

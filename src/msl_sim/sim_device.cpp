@@ -186,7 +186,7 @@ Buffer SimDevice::alloc(uint64_t bytes, const std::string& label) {
 }
 
 Buffer SimDevice::wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
-                       bool* copied) {
+                       bool* copied, const WrapHints&) {
     if (copied) *copied = false;
     if (!opt_.execute) {                 // a virtual range of its own, not counted as allocated
         std::lock_guard<std::mutex> lk(mu_);

@@ -55,7 +55,7 @@ class SimDevice : public Device {
     const DeviceInfo& info() const override { return info_; }
     Buffer alloc(uint64_t bytes, const std::string& label) override;
     Buffer wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
-                bool* copied = nullptr) override;
+                bool* copied = nullptr, const WrapHints& hints = WrapHints()) override;
     std::unique_ptr<CommandBuffer> command_buffer() override;
     void prepare(const std::string& kernel) override;
     bool has_kernel(const std::string& kernel) const override;

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qwenmetal as qm
 from qwenmetal import _core, bench
@@ -244,3 +246,35 @@ def test_fault_in_verification(tiny):
         m._backend.rewind(x._state, 4, x._tokens)            # keep them all: a chain ends before the next call
         return out
     _fault_then_recover(m, s, verify, after=0, kind="timeout")
+
+
+# ---- buffers past maxBufferLength -------------------------------------------------------------------
+PAGE = 16384
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.integers(1, 400), max_pages=st.integers(2, 64), view_pages=st.integers(0, 63), data=st.data())
+def test_windows_hold_every_view_whole(pages, max_pages, view_pages, data):
+    """MetalDevice.wrap maps a weights file past maxBufferLength as overlapping buffers (gpu.plan_windows):
+    whole pages, each at most the maximum, covering the range, and every view up to max_view bytes lies in one
+    of them (gpu.window_of finds it)."""
+    bytes_, max_len, max_view = pages * PAGE, max_pages * PAGE, view_pages * PAGE + data.draw(st.integers(0, PAGE - 1))
+    if max_view + PAGE > max_len and bytes_ > max_len:
+        with pytest.raises(ValueError, match="cannot be mapped within buffers"):
+            gpu.plan_windows(bytes_, max_len, max_view, PAGE)
+        return
+    w = gpu.plan_windows(bytes_, max_len, max_view, PAGE)
+    assert w[0][0] == 0 and w[-1][0] + w[-1][1] == bytes_
+    for (s, n), (s2, _) in zip(w, w[1:]):     # whole pages, at most the maximum, overlapping by max_view
+        assert s % PAGE == 0 and n % PAGE == 0 and n <= max_len and s < s2 and s + n - s2 >= max_view
+    n = data.draw(st.integers(0, min(max_view, bytes_)))
+    off = data.draw(st.integers(0, bytes_ - n))
+    i = gpu.window_of(w, off, n)
+    assert i >= 0 and w[i][0] <= off and off + n <= w[i][0] + w[i][1]
+
+
+def test_a_view_larger_than_max_view_may_fall_between_windows():
+    w = gpu.plan_windows(10 * PAGE, 4 * PAGE, PAGE, PAGE)         # steps of 3 pages
+    assert w == [(0, 4 * PAGE), (3 * PAGE, 4 * PAGE), (6 * PAGE, 4 * PAGE)]
+    assert gpu.window_of(w, 5 * PAGE // 2, 2 * PAGE) == -1         # pages 2.5 .. 4.5: in no window
+    assert gpu.window_of(w, 5 * PAGE // 2, PAGE) == 0

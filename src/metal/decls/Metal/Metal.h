@@ -29,12 +29,18 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 }
 
 // ---- MTLResource.h
-// MTLResourceStorageModeShift = 4; MTLStorageModeShared = 0
+// MTLResourceStorageModeShift = 4; MTLStorageModeShared = 0. MTLResourceHazardTrackingModeShift = 8;
+// MTLHazardTrackingModeUntracked = 1
 typedef NS_OPTIONS(NSUInteger, MTLResourceOptions) {
     MTLResourceStorageModeShared = 0UL << 4,
+    MTLResourceHazardTrackingModeUntracked = 1UL << 8,
 };
 
-@protocol MTLResource <NSObject>
+// ---- MTLAllocation.h (macOS 15)
+@protocol MTLAllocation <NSObject>
+@end
+
+@protocol MTLResource <MTLAllocation>
 @property (nullable, copy, atomic) NSString *label;
 @end
 
@@ -62,8 +68,14 @@ typedef NS_ENUM(NSInteger, MTLGPUFamily) {
 @protocol MTLFunction <NSObject>
 @end
 
+// (major << 16) + minor; 3.1: macOS 14 (4.0, macOS 26, is spelled by its value: older SDKs lack it)
+typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
+    MTLLanguageVersion3_1 = (3 << 16) + 1,
+};
+
 @interface MTLCompileOptions : NSObject
 @property (readwrite, nonatomic) BOOL fastMathEnabled;
+@property (readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @end
 
 @protocol MTLLibrary <NSObject>
@@ -120,9 +132,23 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
 - (nullable id<MTLComputeCommandEncoder>)computeCommandEncoderWithDispatchType:(MTLDispatchType)dispatchType;
 @end
 
+// ---- MTLResidencySet.h (macOS 15)
+@interface MTLResidencySetDescriptor : NSObject
+@property (nullable, copy, nonatomic) NSString *label;
+@property (nonatomic) NSUInteger initialCapacity;
+@end
+
+@protocol MTLResidencySet <NSObject>
+- (void)addAllocation:(id<MTLAllocation>)allocation;
+- (void)removeAllocation:(id<MTLAllocation>)allocation;
+- (void)commit;
+- (void)requestResidency;
+@end
+
 // ---- MTLCommandQueue.h
 @protocol MTLCommandQueue <NSObject>
 - (nullable id<MTLCommandBuffer>)commandBuffer;
+- (void)addResidencySet:(id<MTLResidencySet>)residencySet;
 @end
 
 // ---- MTLDevice.h
@@ -148,6 +174,8 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
                                           error:(__autoreleasing NSError *_Nullable *_Nullable)error;
 - (nullable id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                                       error:(__autoreleasing NSError *_Nullable *_Nullable)error;
+- (nullable id<MTLResidencySet>)newResidencySetWithDescriptor:(MTLResidencySetDescriptor *)desc
+                                                         error:(__autoreleasing NSError *_Nullable *_Nullable)error;
 @end
 
 MTL_EXTERN id<MTLDevice> _Nullable MTLCreateSystemDefaultDevice(void) NS_RETURNS_RETAINED;

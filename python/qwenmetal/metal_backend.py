@@ -247,8 +247,16 @@ class MetalBackend(_GpuBackend):
                  gemm_route: str = "auto", gdn_route: str = "auto", memory_budget="auto", expert_slots=None,
                  expert_policy=None, expert_direct_io=False, max_context: int = DEFAULT_CONTEXT,
                  command_buffer_seconds: float | None = None):
-        super().__init__(weights, _core().gpu.MetalDevice(), dtype, kv_dtype, attention, prefill_chunk, gemm_route,
-                         gdn_route, memory_budget, expert_slots, expert_policy, expert_direct_io, max_context,
+        g = _core().gpu
+        dev = g.MetalDevice()
+        # every family this GPU runs and every pipeline, now and in parallel: no dispatch waits for Apple's
+        # compiler, and a kernel the compiler rejects fails the load, naming it, instead of a later call
+        self.compile_report = dev.compile_all()
+        bad = [r for r in self.compile_report if not r["ok"]]
+        if bad:
+            raise g.DeviceError("the Metal compiler rejected " + "; ".join(f"{r['origin']}:\n{r['log']}" for r in bad))
+        super().__init__(weights, dev, dtype, kv_dtype, attention, prefill_chunk, gemm_route, gdn_route,
+                         memory_budget, expert_slots, expert_policy, expert_direct_io, max_context,
                          command_buffer_seconds)
 
 

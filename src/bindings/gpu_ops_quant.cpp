@@ -67,6 +67,8 @@ void register_gpu_ops_quant(nb::module_& ops) {
                    (m.count != 1 ? ", count=" + std::to_string(m.count) : std::string()) + ")";
         });
 
+    ops.def("can_pair", &gpu::can_pair, "a"_a, "b"_a,
+            "whether one MoE kernel reads both matrices (routed experts and shared expert); else the shared runs apart");
     ops.def("qmv", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& x,
                       const gpu::Buffer& y, uint32_t batch, bool f32_out, uint32_t x_stride, uint32_t y_stride,
                       std::optional<gpu::Buffer> norm_w, float eps, std::optional<gpu::Buffer> xn,

@@ -10,7 +10,7 @@
     qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate, expert streaming
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
     qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
-    qwenmetal selftest [--sim]           # the Metal backend on this machine's device, a report to paste
+    qwenmetal selftest [--sim] [--json FILE]   # the Metal backend on this device: a report to paste or attach
 
 Every option is described in docs/usage.md (and docs/server.md for `serve`).
 """
@@ -669,6 +669,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("selftest", help="check the Metal backend on this device (kernels, graph); a report to paste")
     p.add_argument("--sim", action="store_true", help="run on the Metal-on-CPU simulator even on a Mac")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the whole report as JSON (schema qwenmetal-selftest/1) to attach to an issue "
+                        "(docs/mac-first-run.md)")
     p.set_defaults(func=cmd_selftest)
 
     args = parser.parse_args(argv)

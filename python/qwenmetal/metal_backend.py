@@ -321,9 +321,12 @@ CHIP_BANDWIDTH_GBS = {"M1 Max": 400.0, "M2 Max": 400.0, "M3 Max": 400.0, "M4 Max
 LEVEL_LATENCY_S = 4.0e-6
 
 
-def modelled_tok_s(bytes_per_token: float, levels: int, latency_s: float = LEVEL_LATENCY_S) -> dict:
-    """tokens/s = 1 / (bytes / bandwidth + levels * latency) for each chip of CHIP_BANDWIDTH_GBS."""
-    return {chip: 1.0 / (bytes_per_token / (bw * 1e9) + levels * latency_s) for chip, bw in CHIP_BANDWIDTH_GBS.items()}
+def modelled_tok_s(bytes_per_token: float, levels: int, latency_s: float = LEVEL_LATENCY_S,
+                   bandwidth_gbs: dict | None = None) -> dict:
+    """tokens/s = 1 / (bytes / bandwidth + levels * latency) for each chip of ``bandwidth_gbs`` (name -> GB/s;
+    default CHIP_BANDWIDTH_GBS)."""
+    chips = CHIP_BANDWIDTH_GBS if bandwidth_gbs is None else bandwidth_gbs
+    return {chip: 1.0 / (bytes_per_token / (bw * 1e9) + levels * latency_s) for chip, bw in chips.items()}
 
 
 # ------------------------------------------------------------------------------------------ prefill costing
@@ -371,18 +374,23 @@ def max_command_buffer_seconds(cost: dict, bandwidth_gbs: float, peak_tflops: fl
 
 
 def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PREFILL_CHUNK,
-                             dtype: str = "bfloat16", kv_dtype: str = "bfloat16", gdn_route: str = "auto") -> dict:
-    """Encode the prefill of ``config`` (a ModelConfig) for each prompt length, chunk by chunk (one command
-    buffer each), on an encode-only simulator device over virtual weights (the MLX 4-bit layout), once per
+                             dtype: str = "bfloat16", kv_dtype: str = "bfloat16", gdn_route: str = "auto",
+                             chips: dict | None = None) -> dict:
+    """Encode the prefill of ``config`` (a ModelConfig) for each prompt length, chunk by chunk (each cut into
+    command buffers of at most the graph's target time on the slowest GPU), on an encode-only simulator device over virtual weights (the MLX 4-bit layout), once per
     GEMM route of CHIP_ROUTE, and report per chunk and per prompt: dispatches, dependency levels, command
     buffers, host waits, FLOPs and bytes as the host functions declare them, and a modelled tokens/s per
-    chip (`modelled_level_time` with CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS). A model, not a measurement."""
+    chip (`modelled_level_time` with CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS). ``chips``: more chips to model
+    beside the Max chips, name -> (bandwidth_gbs, peak_tflops, route) (`qwenmetal selftest`'s GPU). A model,
+    not a measurement."""
     core = _core()
     mappings, tensors, _ = virtual_weight_table(config)
     slow = slowest_chip()
     # the longest command buffer per chip: the slowest supported GPU on the simdgroup route, and each Max chip
     cb_chips = {slow["name"]: (slow["bandwidth_gbs"], slow["peak_tflops"], "simdgroup")}
     cb_chips.update({c: (CHIP_BANDWIDTH_GBS[c], CHIP_PEAK_TFLOPS[c], CHIP_ROUTE[c]) for c in CHIP_ROUTE})
+    extra = {c: v for c, v in (chips or {}).items() if c not in CHIP_ROUTE}
+    cb_chips.update(extra)
     out = {"chunk": int(chunk), "level_latency_us": LEVEL_LATENCY_S * 1e6, "peak_tflops": dict(CHIP_PEAK_TFLOPS),
            "bandwidth_gbs": dict(CHIP_BANDWIDTH_GBS), "chip_route": dict(CHIP_ROUTE),
            "m5_lily_rate_tflops": M5_LILY_RATE_TFLOPS, "watchdog_budget_ms": slow["watchdog_seconds"] * 1e3,
@@ -416,6 +424,10 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
                     t = sum(modelled_level_time(c["level_bytes"], c["level_flops"], CHIP_BANDWIDTH_GBS[chip],
                                                 M5_LILY_RATE_TFLOPS) for c in chunks)
                     p["m5_max_at_lily_rate_tok_s"] = n / t
+            for chip, (bw, peak, r) in extra.items():
+                if r == route:
+                    p["modelled_tok_s"][chip] = n / sum(modelled_level_time(c["level_bytes"], c["level_flops"],
+                                                                            bw, peak) for c in chunks)
     for n, p in out["prompts"].items():
         tps = p["modelled_tok_s"]["M5 Max"]
         p["published_m5_max"] = {k: v.get(int(n)) for k, v in PUBLISHED_PREFILL.items()}

@@ -311,7 +311,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
             ops::moe_gate_up(*e, t, L.gate, L.up, last && L.has_shared ? &L.shared_gate_up : nullptr, s.xn, sid, n,
                              s.moe_act);                                               // SwiGLU of the batch
             ops::moe_down(*e, t, L.down, last && L.has_shared ? &L.shared_down : nullptr, s.moe_act, sid, w,
-                          s.router, E, n, s.x, &s.moe_shared);                                        // x += the batch's sum
+                          s.router, E, n, s.x, &s.moe_shared);                           // x += the batch's sum
             if (!last) run();                                                          // its slots are reused next
         }
     }

@@ -286,8 +286,7 @@ void SimDevice::submit(std::shared_ptr<Job> job) {
             job->fault = fault_kind_ == Fault::timeout
                              ? "Caused GPU Timeout Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout), "
                                "injected by SimDevice"
-                             : "Internal Error (0000000e:kIOGPUCommandBufferCallbackErrorPageFault), a GPU fault "
-                               "injected by SimDevice";
+                             : "a GPU page fault, injected by SimDevice";
             job->run = n / 2;
         } else if (opt_.watchdog_seconds > 0 && job->seconds > opt_.watchdog_seconds) {
             job->fault = std::string("Impacting Interactivity (0000000e:kIOGPUCommandBufferCallbackError"

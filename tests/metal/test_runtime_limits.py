@@ -204,7 +204,7 @@ def _fault_then_recover(m, s, call, after, kind):
     before, tokens, position = _state(m, s), list(s.tokens), s.position
     dev.inject_fault(after, kind)
     faults = dev.faults
-    with pytest.raises(gpu.DeviceError, match=r"Metal command buffer failed: .*(Timeout|PageFault).*"
+    with pytest.raises(gpu.DeviceError, match=r"Metal command buffer failed: .*(Timeout|page fault).*"
                                               r"injected by SimDevice.*; it ran \d+ dispatches of \w+"):
         call(s)
     assert dev.faults > faults and not dev.faulted            # the engine made a new queue

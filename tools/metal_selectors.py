@@ -290,15 +290,22 @@ def parse_type(s: str | bytes) -> Enc:
     return t
 
 
-def parse_method(s: str | bytes) -> tuple[Enc, list[Enc]]:
-    """(return, [argument types after self and _cmd]) of a method encoding such as 'v40@0:8^v16Q24Q32'."""
+def _signature_types(s: str | bytes, offsets: bool) -> list[Enc]:
+    """The types of a signature encoding, in order; `offsets`: each followed by its frame offset (methods)."""
     if isinstance(s, bytes):
         s = s.decode()
     p = _EncParser(s)
     types = []
     while p.i < len(s):
         types.append(p.type())
-        p.digits()
+        if offsets:
+            p.digits()
+    return types
+
+
+def parse_method(s: str | bytes) -> tuple[Enc, list[Enc]]:
+    """(return, [argument types after self and _cmd]) of a method encoding such as 'v40@0:8^v16Q24Q32'."""
+    types = _signature_types(s, offsets=True)
     if len(types) < 3:
         raise ValueError(f"method encoding without self and _cmd: {s!r}")
     return types[0], types[3:]
@@ -306,12 +313,7 @@ def parse_method(s: str | bytes) -> tuple[Enc, list[Enc]]:
 
 def parse_function(s: str | bytes) -> tuple[Enc, list[Enc]]:
     """(return, [arguments]) of a pyobjc function signature such as '{MTLSize=QQQ}QQQ'."""
-    if isinstance(s, bytes):
-        s = s.decode()
-    p = _EncParser(s)
-    types = []
-    while p.i < len(s):
-        types.append(p.type())
+    types = _signature_types(s, offsets=False)
     return types[0], types[1:]
 
 

@@ -13,7 +13,8 @@ session churn (docs/verification.md, "Sanitizers").
 
 Under CI=true a missing compiler or sanitizer runtime fails these tests; elsewhere they skip with the reason.
 cmake, ninja and nanobind are the `test` extra's, taken from the environment of the interpreter that runs the
-tests (``sys.executable``, passed to the script as $PYTHON); without them the tests fail everywhere. ``QWENMETAL_SANITIZE_TESTS`` replaces the test selection (e.g. ``tests`` for all of it).
+tests (``sys.executable``, passed to the script as $PYTHON); without them the tests fail everywhere.
+``QWENMETAL_SANITIZE_TESTS`` replaces the test selection (e.g. ``tests`` for all of it).
 """
 from __future__ import annotations
 

@@ -228,8 +228,8 @@ def test_info_reports_streaming(capsys):
     assert cli.main(["info", "--model", str(d), "--memory-budget", str(w.nbytes - 1), "--hit-rate", "0.5"]) == 0
     out = capsys.readouterr().out
     assert f"expert streaming: yes, {p.slots_per_layer} of 8 expert slots per MoE layer" in out
-    assert f"hit rate 12.5% (naive: slots / experts): {streaming._size(p.bytes_per_token(0.125))} per token" in out
-    assert f"hit rate 50.0% (given): {streaming._size(p.bytes_per_token(0.5))} per token" in out
+    assert f"hit rate 12.5% (naive: slots / experts): {streaming.size_text(p.bytes_per_token(0.125))} per token" in out
+    assert f"hit rate 50.0% (given): {streaming.size_text(p.bytes_per_token(0.5))} per token" in out
     assert cli.main(["info", "--model", str(d)]) == 0
     assert "expert streaming: no (the checkpoint fits the budget" in capsys.readouterr().out
     assert cli.main(["info", "--model", str(d), "--memory-budget", "1000"]) == 2
@@ -249,4 +249,4 @@ def test_info_on_a_config_only_397b_directory_plans_streaming(tmp_path, capsys):
     assert cli.main(["info", "--model", str(tmp_path), "--memory-budget", "48GB", "--hit-rate", "0.71"]) == 0
     out = capsys.readouterr().out
     assert f"expert streaming: yes, {p.slots_per_layer} of 512 expert slots per MoE layer" in out
-    assert f"hit rate 71.0% (given): {streaming._size(p.bytes_per_token(0.71))} per token" in out
+    assert f"hit rate 71.0% (given): {streaming.size_text(p.bytes_per_token(0.71))} per token" in out

@@ -342,7 +342,8 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
                       slots_per_layer=slots_per_layer, **common)
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """`n` bytes for a reader: "1.25 GiB", "640.00 MiB", "512 bytes"."""
     for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= k:
             return f"{n / k:,.2f} {unit}"
@@ -352,15 +353,15 @@ def _size(n: float) -> str:
 def describe(p: StreamPlan, hit_rate: float | None = None) -> list[str]:
     """Lines for `qwenmetal info`: whether the model streams under the plan's budget, what stays resident,
     the slots, and the expected bytes read per token (at the naive hit rate and at `hit_rate` if given)."""
-    lines = [f"memory budget: {_size(p.budget)}; checkpoint {_size(p.checkpoint_bytes)}, resident (all but "
-             f"routed experts) {_size(p.resident_bytes)}, one expert {_size(p.expert_bytes)} x {p.num_experts} "
+    lines = [f"memory budget: {size_text(p.budget)}; checkpoint {size_text(p.checkpoint_bytes)}, resident (all but "
+             f"routed experts) {size_text(p.resident_bytes)}, one expert {size_text(p.expert_bytes)} x {p.num_experts} "
              f"experts x {p.moe_layers} MoE layers"]
     if not p.stream:
         lines.append("expert streaming: no (the checkpoint fits the budget: every weight stays resident)")
         return lines
     lines.append(f"expert streaming: yes, {p.slots_per_layer} of {p.num_experts} expert slots per MoE layer "
-                 f"({_size(p.slot_bytes)}), policy {p.policy}")
+                 f"({size_text(p.slot_bytes)}), policy {p.policy}")
     rates = [("naive: slots / experts", p.naive_hit_rate)] + ([("given", hit_rate)] if hit_rate is not None else [])
     for what, h in rates:
-        lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {_size(p.bytes_per_token(h))} per token")
+        lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {size_text(p.bytes_per_token(h))} per token")
     return lines

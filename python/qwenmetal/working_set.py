@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from .config import KV_ELEMENT_BYTES, session_bytes
 from .cpu_backend import config_dict
 from .errors import InputError
-from .streaming import StreamPlan, _size
+from .streaming import StreamPlan, size_text
 from .streaming import plan as stream_plan
 from .weights_table import virtual_weight_table
 
@@ -82,11 +82,11 @@ class GpuMemoryPlan:
 
     def describe(self) -> list[str]:
         """Lines for `qwenmetal info`."""
-        ws = "unknown (no limit assumed)" if not self.working_set else _size(self.working_set)
-        parts = (f"weights {_size(self.weight_bytes)}"
-                 + (f" + expert slots {_size(self.stream.slot_bytes)}" if self.stream.stream else "")
-                 + f" + KV at {self.context:,} tokens {_size(self.kv_bytes)} + GDN state {_size(self.state_bytes)}"
-                 + f" + scratch (chunk {self.chunk}) {_size(self.scratch_bytes)} = {_size(self.total_bytes)}")
+        ws = "unknown (no limit assumed)" if not self.working_set else size_text(self.working_set)
+        parts = (f"weights {size_text(self.weight_bytes)}"
+                 + (f" + expert slots {size_text(self.stream.slot_bytes)}" if self.stream.stream else "")
+                 + f" + KV at {self.context:,} tokens {size_text(self.kv_bytes)} + GDN state {size_text(self.state_bytes)}"
+                 + f" + scratch (chunk {self.chunk}) {size_text(self.scratch_bytes)} = {size_text(self.total_bytes)}")
         what = {"resident": "every weight resident",
                 "smaller chunk": f"every weight resident with a prefill chunk of {self.chunk} rows",
                 "stream": f"routed experts streamed from disk, {self.stream.slots_per_layer} of "
@@ -137,16 +137,16 @@ def plan(config, weights_or_sizes, working_set: int, *, context: int = DEFAULT_C
     if expert_slots is None:
         if slots_at(c) < 1:
             raise InputError(
-                f"this GPU's working set is {_size(working_set)}: the model's resident weights "
-                f"({_size(base.resident_bytes)}, everything but the routed experts) + KV at {context:,} tokens "
-                f"({_size(kv)}) + GDN state ({_size(state)}) + scratch ({_size(scratch[c])}, chunk {c}) + one expert "
-                f"slot per MoE layer ({_size(per_slot)}) need "
-                f"{_size(base.resident_bytes + kv + state + scratch[c] + per_slot)}; lower the context", "context")
+                f"this GPU's working set is {size_text(working_set)}: the model's resident weights "
+                f"({size_text(base.resident_bytes)}, everything but the routed experts) + KV at {context:,} tokens "
+                f"({size_text(kv)}) + GDN state ({size_text(state)}) + scratch ({size_text(scratch[c])}, chunk {c}) + one expert "
+                f"slot per MoE layer ({size_text(per_slot)}) need "
+                f"{size_text(base.resident_bytes + kv + state + scratch[c] + per_slot)}; lower the context", "context")
         expert_slots = slots_at(c)
     streamed = replace(stream_plan(config, weights_or_sizes, None, slots_per_layer=expert_slots,
                                    policy=expert_policy, direct_io=expert_direct_io), budget=working_set)
     p = GpuMemoryPlan("stream", working_set, context, c, streamed.resident_bytes, kv, state, scratch[c], streamed)
     if p.total_bytes > working_set:       # expert_slots given: more slots than the working set holds
-        raise InputError(f"this GPU's working set is {_size(working_set)}: {expert_slots} expert slots per MoE layer "
-                         f"need {_size(p.total_bytes)} in all ({'; '.join(p.describe()[1:]).strip()})", "expert_slots")
+        raise InputError(f"this GPU's working set is {size_text(working_set)}: {expert_slots} expert slots per MoE layer "
+                         f"need {size_text(p.total_bytes)} in all ({'; '.join(p.describe()[1:]).strip()})", "expert_slots")
     return p

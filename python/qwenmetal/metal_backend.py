@@ -19,8 +19,8 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
 * ``attention``: overrides of the decode-attention policy, e.g. ``{"single_pass_max": 8}`` (tests use
   it to reach every route on short contexts).
 * ``prefill_chunk``: tokens per prefill chunk (default 4096, the modelled-cost optimum on the real config:
-  docs/metal.md, "The prefill graph"); each chunk is one command buffer and the prefill scratch is sized
-  for it. The prefix cache snapshots at these chunk boundaries (``Model.load`` sets its ``chunk_tokens``).
+  docs/metal.md, "The prefill graph"); each chunk runs as command buffers committed back to back, and the
+  prefill scratch is sized for it. The prefix cache snapshots at these chunk boundaries (``Model.load`` sets its ``chunk_tokens``).
 * ``gemm_route``: the prefill GEMMs' route, ``"auto"`` (the device's: Metal 4 tensor ops on M5, else
   ``simdgroup_matrix``), ``"simdgroup"`` or ``"tensor"``.
 * ``gdn_route``: the Gated DeltaNet prefill, ``"auto"`` (by chunk length from the cost model), ``"scan"``
@@ -34,8 +34,8 @@ Options (``Model.load(path, backend="metal-sim", **options)``):
 * metal-sim only: ``schedule`` (``"forward"``, ``"reverse"``, ``"random"``: the order the simulator
   runs the threads of a threadgroup in) and ``seed``.
 
-Prefill runs the prompt in chunks of ``prefill_chunk`` tokens, one command buffer per chunk with no host
-read-back inside it (docs/metal.md, "The prefill graph"). Weights are used
+Prefill runs the prompt in chunks of ``prefill_chunk`` tokens, each cut into command buffers committed back to
+back (under a modelled time budget: docs/metal.md, "Runtime limits") with no host read-back inside it (docs/metal.md, "The prefill graph"). Weights are used
 in place: each safetensors file is one device buffer wrapping its memory map, tensors are bound by
 offset (``weight_table``); the stacked projections are built at load (their bytes are reported as
 ``copied_bytes``).

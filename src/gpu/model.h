@@ -230,8 +230,8 @@ class GpuEngine {
     const GpuModel& model() const { return *m_; }
     std::unique_ptr<GpuState> new_state() const { return std::make_unique<GpuState>(*m_); }
 
-    // Prefill `ids` (host token ids) in chunks of prefill_chunk rows, one command buffer per chunk with
-    // no host read-back inside it; logits of the last token (want 1), of every token (want 2: chunks
+    // Prefill `ids` (host token ids) in chunks of prefill_chunk rows, each cut into command buffers committed
+    // back to back (GpuOptions::command_buffer_seconds) with no host read-back inside it; logits of the last token (want 1), of every token (want 2: chunks
     // of at most logits_rows() rows, so the logits scratch stays bounded) or none (0).
     // All-or-nothing: on an error the state is restored. `poll` (core/interrupt.h) is called between
     // chunks; when it throws, the state is restored and the exception rethrown.

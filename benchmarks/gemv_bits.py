@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from qwenmetal import _core
-from qwenmetal.cpu_backend import describe
+from qwenmetal.backends.cpu import describe
 from qwenmetal.quant import SUPPORTED_BITS
 from qwenmetal.weights import QuantizedTensor
 

@@ -183,7 +183,7 @@ def _reference_logits(ckpt: Path, ids: np.ndarray, n_decode: int, roundtrip: boo
     given decode tokens)."""
     import qwenmetal as qm
     from qwenmetal.model import Model
-    from qwenmetal.reference_backend import ReferenceBackend
+    from qwenmetal.backends.reference import ReferenceBackend
 
     model = qm.Model.load(str(ckpt), backend="reference")
     if roundtrip:

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from qwenmetal import _core
-from qwenmetal.cpu_backend import describe
+from qwenmetal.backends.cpu import describe
 from qwenmetal.weights import QuantizedTensor
 
 SHAPES = {"expert": (512, 2048, 16), "dense": (2048, 2048, 512)}

@@ -110,7 +110,7 @@ def test_generate_streams_experts_with_the_same_tokens(tmp_path):
 
 def test_stop_escapes():
     """`--stop "\\n\\n"` (as the README writes it) is a blank line; other backslashes are kept."""
-    from qwenmetal.cli import unescape_stop
+    from qwenmetal.options import unescape_stop
     assert unescape_stop("\\n\\n") == "\n\n"
     assert unescape_stop("a\\tb\\r\\\\") == "a\tb\r\\"
     assert unescape_stop("\\d+ é") == "\\d+ é"

@@ -20,7 +20,7 @@ import pytest
 
 import qwenmetal as qm
 from qwenmetal import _core
-from qwenmetal.cpu_backend import describe
+from qwenmetal.backends.cpu import describe
 from qwenmetal.quant import dequantize, quantize
 from qwenmetal.weights import QuantizedTensor
 

@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import qwenmetal as qm
 from qwenmetal import _core
-from qwenmetal import reference as R
+from qwenmetal.backends import reference as R
+from qwenmetal.testing import random_params
 from qwenmetal.config import ModelConfig
-from qwenmetal.cpu_backend import CpuBackend, describe
+from qwenmetal.backends.cpu import CpuBackend, describe
 from qwenmetal.quant import quantize
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import QuantizedTensor, Weights
@@ -405,7 +406,7 @@ def small_models(draw):
 
 def _weights_for(d, fmt, seed):
     cfg = ModelConfig.from_dict(d)
-    params = R.random_params(cfg, seed=seed)
+    params = random_params(cfg, seed=seed)
     tensors = {}
     for name, a in params.items():
         small = a.ndim == 1 or name.endswith("conv1d")

@@ -254,7 +254,7 @@ def test_main_writes_the_file_and_prints_a_family(tmp_path, capsys):
 def test_kernel_table_matches_the_simulator_build():
     """The embedded table names exactly the kernels the simulator registers from the same files."""
     try:
-        from qwenmetal import sim
+        from qwenmetal import msl_sim as sim
         lib = sim.builtin_library()
     except ImportError as e:
         unavailable(f"qwenmetal._core is not built: {e}")

@@ -51,9 +51,10 @@ def _dir_bytes(path) -> int:
 _CHILD = """
 import json, sys
 import qwenmetal as qm
-from qwenmetal import memlimit, streaming
+from qwenmetal import expert_streaming as streaming
+from qwenmetal import memlimit, memory
 path, budget, slots, prompt, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-auto = streaming.available_memory()
+auto = memory.available_memory()
 m = qm.Model.load(path, backend="cpu", threads=2, memory_budget=budget, expert_slots=slots, expert_policy="lru")
 outs = list(m.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True))
 memlimit.report({"tokens": [o.token for o in outs], "experts": outs[-1].stats["experts"], "auto_budget": auto})

@@ -13,13 +13,13 @@ from qwenmetal.checkpoint_writer import canonical_params
 from qwenmetal.config import ModelConfig
 from qwenmetal.convert import convert
 from qwenmetal.mtp import MtpDrafter
-from qwenmetal.reference import ReferenceModel, ReferenceMtp
+from qwenmetal.backends.reference import ReferenceModel, ReferenceMtp
 from qwenmetal.safetensors_io import TensorSource
 from qwenmetal.testing import PRESETS, cached_checkpoint, make_checkpoint
 from qwenmetal.weights import QuantizedTensor, to_float32
 
 
-# ---- a plain numpy MTP head, written from the formula (nothing from qwenmetal.reference) -------------
+# ---- a plain numpy MTP head, written from the formula (nothing from qwenmetal.backends.reference) -------------
 def _norm(x, w, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from oracles import require, unavailable  # fail in CI, skip elsewhere
-from qwenmetal import reference as R
+from qwenmetal.backends import reference as R
+from qwenmetal.testing import random_params
 from qwenmetal.config import ModelConfig
 
 
@@ -53,7 +54,7 @@ NEXT = dict(
 
 def make_model(d=BASE, seed=0, dtype="float32", **over):
     cfg = ModelConfig.from_dict({**d, **over})
-    return R.ReferenceModel(cfg, R.random_params(cfg, seed=seed), dtype=dtype)
+    return R.ReferenceModel(cfg, random_params(cfg, seed=seed), dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -621,17 +622,17 @@ def test_prefill_speed(model):
 
 def test_random_params_shapes_and_dtype():
     cfg = ModelConfig.from_dict(BASE)
-    p = R.random_params(cfg, seed=3)
+    p = random_params(cfg, seed=3)
     assert p["layers.0.linear_attn.in_proj_qkv"].shape == (2 * 32 + 64, 64)
     assert p["layers.0.linear_attn.conv1d"].shape == (128, 4)
     assert p["layers.3.self_attn.q_proj"].shape == (4 * 32 * 2, 64)
     assert p["layers.3.mlp.switch_mlp.down_proj"].shape == (8, 64, 32)
     assert p["layers.3.mlp.shared_expert_gate"].shape == (1, 64)
     assert all(a.dtype == np.float32 for a in p.values())
-    assert np.array_equal(p["embed_tokens"], R.random_params(cfg, seed=3)["embed_tokens"])
-    pb = R.random_params(cfg, seed=3, dtype=R.BF16)
+    assert np.array_equal(p["embed_tokens"], random_params(cfg, seed=3)["embed_tokens"])
+    pb = random_params(cfg, seed=3, dtype=R.BF16)
     assert pb["norm"].dtype == R.BF16
-    nxt = R.random_params(ModelConfig.from_dict(NEXT))
+    nxt = random_params(ModelConfig.from_dict(NEXT))
     assert "lm_head" not in nxt and "layers.2.mlp.gate_proj" in nxt and "layers.0.mlp.shared_expert_gate" not in nxt
     assert nxt["layers.1.self_attn.q_proj"].shape == (4 * 16, 48)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwenmetal import sim
+from qwenmetal import msl_sim as sim
 
 HERE = Path(__file__).resolve().parent
 BUGS = HERE / "msl" / "planted_bugs.metal"

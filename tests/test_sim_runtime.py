@@ -1,4 +1,4 @@
-"""The Metal-on-CPU simulator's model of MSL (qwenmetal.sim, src/msl_sim): SIMD-group functions, vectors,
+"""The Metal-on-CPU simulator's model of MSL (qwenmetal.msl_sim, src/msl_sim): SIMD-group functions, vectors,
 half/bfloat, atomics, simdgroup matrices, builtins, threadgroup memory, schedules, the runtime compiler path,
 command buffers and their counters. Kernels: tests/msl/sim_features.metal.
 """
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qwenmetal import sim
+from qwenmetal import msl_sim as sim
 
 HERE = Path(__file__).resolve().parent
 FEATURES = HERE / "msl" / "sim_features.metal"
@@ -169,7 +169,7 @@ def test_fiber_switches_agree(lib, monkeypatch):
     """The ucontext fallback (used on non-x86-64 hosts) gives the same results as the assembly switch."""
     import subprocess
     import sys
-    code = ("import numpy as np; from qwenmetal import sim; lib = sim.compile(%r); "
+    code = ("import numpy as np; from qwenmetal import msl_sim as sim; lib = sim.compile(%r); "
             "x = np.arange(1280, dtype=np.float32); y = np.zeros(5, np.float32); "
             "lib.dispatch('tree_sum', 5, 256, [x, y], schedule='random', seed=2); "
             "print(sim.info()['fiber_switch'], y.tolist())" % str(FEATURES))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from oracles import unavailable  # fails in CI, skips elsewhere
-from qwenmetal import sim
+from qwenmetal import msl_sim as sim
 
 HERE = Path(__file__).resolve().parent
 SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 5)]

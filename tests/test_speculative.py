@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
+from qwenmetal import session as ses
 from qwenmetal import speculative as sp
 from qwenmetal.sampling import Sampler
 from qwenmetal.speculative import AdaptiveK, PromptLookup, ScriptedDrafter
@@ -45,20 +46,20 @@ def _check_verify_and_rewind(m):
     want = np.stack([m.decode_step(seq, t) for t in drafts])
     for keep in range(len(drafts) + 1):
         s = base.fork()
-        got = sp.verify(m, s, drafts)
+        got = ses.verify(m, s, drafts)
         np.testing.assert_array_equal(got, want)
-        assert s.position == len(PROMPT) + len(drafts) and sp.rewindable(m, s) == len(drafts)
-        sp.rewind(m, s, keep)
+        assert s.position == len(PROMPT) + len(drafts) and ses.rewindable(m, s) == len(drafts)
+        ses.rewind(m, s, keep)
         ref = base.fork()
         for t in drafts[:keep]:
             m.decode_step(ref, t)
-        assert s.tokens == ref.tokens and s.position == ref.position and sp.rewindable(m, s) == 0
+        assert s.tokens == ref.tokens and s.position == ref.position and ses.rewindable(m, s) == 0
         assert _same_state(m, s, ref)
         np.testing.assert_array_equal(m.decode_step(s, 1), m.decode_step(ref, 1))
     chain = base.fork()                               # a chain of one-token calls, as a draft model drafts
     for t in drafts:
-        sp.verify(m, chain, [t])
-    sp.rewind(m, chain, 2)
+        ses.verify(m, chain, [t])
+    ses.rewind(m, chain, 2)
     ref = base.fork()
     for t in drafts[:2]:
         m.decode_step(ref, t)
@@ -83,7 +84,7 @@ def test_metal_graph_verify_rows_are_decode_steps_and_rewind_is_exact(preset, at
     _check_verify_and_rewind(m)
     s = m.new_session()
     m.prefill(s, PROMPT)
-    logits, hidden = sp.verify(m, s, [3, 4], return_hidden=True)
+    logits, hidden = ses.verify(m, s, [3, 4], return_hidden=True)
     assert hidden.shape == (2, m.config.hidden_size) and np.isfinite(hidden).all() and hidden.std() > 0
     assert s._state.verify_bytes > 0
 
@@ -94,20 +95,20 @@ def test_metal_graph_verify_errors_leave_the_state_alone():
     m.prefill(s, PROMPT)
     ref = s.fork()
     with pytest.raises(ValueError, match="nothing to rewind"):
-        sp.rewind(m, s, 0)
+        ses.rewind(m, s, 0)
     with pytest.raises(ValueError, match="at most 16 tokens per verification"):
-        sp.verify(m, s, [1] * 17)
+        ses.verify(m, s, [1] * 17)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         m._backend.verify(s._state, np.array([1, m.config.vocab_size]), s._tokens)
-    assert s.tokens == ref.tokens and _same_state(m, s, ref) and sp.rewindable(m, s) == 0
-    sp.verify(m, s, [1] * 10)
+    assert s.tokens == ref.tokens and _same_state(m, s, ref) and ses.rewindable(m, s) == 0
+    ses.verify(m, s, [1] * 10)
     with pytest.raises(ValueError, match="a verification chain holds at most 16 tokens"):
-        sp.verify(m, s, [1] * 7)
+        ses.verify(m, s, [1] * 7)
     with pytest.raises(ValueError, match="keeps 0..10"):
-        sp.rewind(m, s, 11)
+        ses.rewind(m, s, 11)
     assert s.position == len(PROMPT) + 10 and len(s.tokens) == s.position
     m.decode_step(s, 4)                               # any other call ends the chain
-    assert sp.rewindable(m, s) == 0
+    assert ses.rewindable(m, s) == 0
 
 
 def test_rewind_errors_leave_the_session_alone():
@@ -115,16 +116,16 @@ def test_rewind_errors_leave_the_session_alone():
     s = m.new_session()
     m.prefill(s, PROMPT)
     with pytest.raises(ValueError, match="nothing to rewind"):
-        sp.rewind(m, s, 0)
-    sp.verify(m, s, [1, 2, 3])
+        ses.rewind(m, s, 0)
+    ses.verify(m, s, [1, 2, 3])
     with pytest.raises(ValueError, match="keeps 0..3"):
-        sp.rewind(m, s, 4)
-    assert s.position == len(PROMPT) + 3 and sp.rewindable(m, s) == 3
+        ses.rewind(m, s, 4)
+    assert s.position == len(PROMPT) + 3 and ses.rewindable(m, s) == 3
     m.decode_step(s, 4)                               # any other call ends the chain
-    assert sp.rewindable(m, s) == 0
+    assert ses.rewindable(m, s) == 0
     small = _load(prefill_chunk=4)
     with pytest.raises(ValueError, match="at most 4 tokens"):
-        sp.verify(small, small.new_session(), [1] * 5)
+        ses.verify(small, small.new_session(), [1] * 5)
 
 
 # ---- greedy identity ----------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def test_greedy_speculation_on_the_other_backends(backend, kw):
     if backend not in qm.backends.BACKENDS:
         pytest.fail(f"backend {backend} is not built here")
     m = _load(backend=backend, **kw)
-    assert sp._native(m._backend) == (backend == "metal-sim" and "expert_slots" not in kw)
+    assert m.native_verify == (backend == "metal-sim" and "expert_slots" not in kw)
     n = 24 if backend == "metal-sim" else 40
     plain, _ = _greedy(m, PROMPT, n, cache=False)
     d = ScriptedDrafter(PROMPT + plain, wrong_at=[len(PROMPT) + 3, len(PROMPT) + 9], vocab=m.config.vocab_size)
@@ -355,14 +356,14 @@ def test_row_by_row_fallback_chain_ends_like_the_engines():
     s = m.new_session()
     m.prefill(s, PROMPT)
     ref = s.fork()
-    sp.verify(m, s, [1, 2])
-    sp.verify(m, s, [3])
-    assert sp.rewindable(m, s) == 3
-    sp.rewind(m, s, 1)
+    ses.verify(m, s, [1, 2])
+    ses.verify(m, s, [3])
+    assert ses.rewindable(m, s) == 3
+    ses.rewind(m, s, 1)
     m.decode_step(ref, 1)
     assert s.tokens == ref.tokens and _same_state(m, s, ref)
-    sp.verify(m, s, [4, 5])
+    ses.verify(m, s, [4, 5])
     m.decode_step(s, 6)                               # any other call ends the chain
-    assert sp.rewindable(m, s) == 0
+    assert ses.rewindable(m, s) == 0
     with pytest.raises(ValueError, match="nothing to rewind"):
-        sp.rewind(m, s, 0)
+        ses.rewind(m, s, 0)

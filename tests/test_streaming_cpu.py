@@ -17,7 +17,7 @@ import qwenmetal as qm
 from qwenmetal.memlimit import drop_page_cache
 from qwenmetal.errors import InputError
 from qwenmetal.safetensors_io import SafetensorsWriter, TensorSource
-from qwenmetal.streaming import expert_layout
+from qwenmetal.expert_streaming import expert_layout
 from qwenmetal.testing import PRESETS, cached_checkpoint
 
 from test_interrupts import default_sigint, interrupt_mid_compute, same_state, session_at, timed  # noqa: F401

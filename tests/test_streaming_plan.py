@@ -1,4 +1,4 @@
-"""qwenmetal.streaming: the expert layout points at exactly each expert's bytes in the checkpoint files (and
+"""qwenmetal.expert_streaming: the expert layout points at exactly each expert's bytes in the checkpoint files (and
 the C++ cache reads them from there), the planner's arithmetic, "auto" from a fake /proc + cgroup tree,
 budget parsing and its errors, and the streaming lines of `qwenmetal info`."""
 import os
@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from qwenmetal import _core, cli, streaming
+from qwenmetal import _core, cli, memory, weights
+from qwenmetal import expert_streaming as streaming
 from qwenmetal.config import ModelConfig
 from qwenmetal.errors import CheckpointError, InputError
 from qwenmetal.testing import PRESETS, cached_checkpoint
@@ -27,10 +28,10 @@ def _arrays(t):
 def test_layout_points_at_each_experts_bytes_and_the_cache_reads_them(fmt):
     c, w = _load(fmt)
     layout = streaming.expert_layout(w)
-    assert sorted(layout) == streaming.moe_layers(c) == list(range(c.num_hidden_layers))
+    assert sorted(layout) == weights.moe_layers(c) == list(range(c.num_hidden_layers))
     raw = {}
     for layer, parts in layout.items():
-        arrays = [a for name in streaming.expert_names(layer) for a in _arrays(w.tensors[name])]
+        arrays = [a for name in weights.expert_names(layer) for a in _arrays(w.tensors[name])]
         assert len(parts) == len(arrays) == (9 if fmt == "mlx-q4" else 3)
         for p, a in zip(parts, arrays):
             data = raw.setdefault(p.path, open(p.path, "rb").read())
@@ -42,10 +43,10 @@ def test_layout_points_at_each_experts_bytes_and_the_cache_reads_them(fmt):
     S = 2
     slots = {l: [np.zeros(S * nb, np.uint8) for (_, _, _, nb) in ps] for l, ps in layers.items()}
     cache = _core.ExpertCache(files, layers, slots, num_experts=c.num_experts, slots_per_layer=S)
-    layer = streaming.moe_layers(c)[-1]
+    layer = weights.moe_layers(c)[-1]
     experts = [c.num_experts - 1, 3]
     got = cache.acquire(layer, np.array(experts, np.int32))
-    arrays = [a for name in streaming.expert_names(layer) for a in _arrays(w.tensors[name])]
+    arrays = [a for name in weights.expert_names(layer) for a in _arrays(w.tensors[name])]
     for e, s in zip(experts, got):
         for buf, a in zip(slots[layer], arrays):
             nb = a[0].nbytes
@@ -54,7 +55,7 @@ def test_layout_points_at_each_experts_bytes_and_the_cache_reads_them(fmt):
 
 def test_layout_refuses_experts_the_loader_built():
     c, w = _load("mlx-q4")
-    name = streaming.expert_names(0)[1]
+    name = weights.expert_names(0)[1]
     t = w.tensors[name]
     w.tensors[name] = QuantizedTensor(t.weight.copy(), t.scales, t.biases, t.bits, t.group_size)
     with pytest.raises(CheckpointError, match=r"routed-expert tensor 'layers\.0\.mlp\.switch_mlp\.up_proj\.weight' "
@@ -64,12 +65,12 @@ def test_layout_refuses_experts_the_loader_built():
 
 # ---- the planner -------------------------------------------------------------------------------------
 CFG = ModelConfig.from_dict(PRESETS["tiny"])
-E, L = CFG.num_experts, len(streaming.moe_layers(CFG))
+E, L = CFG.num_experts, len(weights.moe_layers(CFG))
 X = 10_000_000    # bytes of one expert of one matrix: the experts (960 MB) dwarf the reserve (~270 MB)
 RESIDENT = 50_000_000
 SIZES = {"embed_tokens": RESIDENT - 1000, "norm": 1000}
-for _i in streaming.moe_layers(CFG):
-    for _n in streaming.expert_names(_i):
+for _i in weights.moe_layers(CFG):
+    for _n in weights.expert_names(_i):
         SIZES[_n] = X * E
 PER_SLOT = 3 * X * L                       # one expert of every MoE layer
 CHECKPOINT = RESIDENT + PER_SLOT * E
@@ -132,10 +133,10 @@ def test_overrides_force_streaming():
 
 def test_plan_checks_the_expert_tensors():
     sizes = dict(SIZES)
-    del sizes[streaming.expert_names(2)[2]]
+    del sizes[weights.expert_names(2)[2]]
     with pytest.raises(CheckpointError, match=r"no tensor 'layers\.2\.mlp\.switch_mlp\.down_proj'"):
         streaming.plan(CFG, sizes, None)
-    sizes = dict(SIZES, **{streaming.expert_names(0)[0]: X * E + 1})
+    sizes = dict(SIZES, **{weights.expert_names(0)[0]: X * E + 1})
     with pytest.raises(CheckpointError, match=rf"{X * E + 1} bytes do not split into {E} experts"):
         streaming.plan(CFG, sizes, None)
 
@@ -144,18 +145,18 @@ def test_plan_from_weights_and_auto():
     c, w = _load("mlx-q4")
     p = streaming.plan(c, w, w.nbytes)
     assert not p.stream and p.checkpoint_bytes == w.nbytes
-    expert = sum(w.tensors[n].nbytes for i in streaming.moe_layers(c) for n in streaming.expert_names(i))
+    expert = sum(w.tensors[n].nbytes for i in weights.moe_layers(c) for n in weights.expert_names(i))
     assert p.resident_bytes == w.nbytes - expert and p.expert_bytes * c.num_experts * p.moe_layers == expert
     assert streaming.plan(c, w, w.nbytes - 1).stream
     auto = streaming.plan(c, w)                         # this machine has more than a tiny fixture
-    assert not auto.stream and auto.budget == pytest.approx(streaming.available_memory(), rel=0.05)
+    assert not auto.stream and auto.budget == pytest.approx(memory.available_memory(), rel=0.05)
 
 
 @pytest.mark.parametrize("value,want", [
     (None, None), ("auto", "auto"), (12345, 12345), ("8GiB", 8 << 30), ("8G", 8 << 30), ("1.5 GB", 1_500_000_000),
     ("100MiB", 100 << 20), ("64k", 64 << 10), ("4096", 4096)])
 def test_parse_budget(value, want):
-    assert streaming.parse_budget(value) == want
+    assert memory.parse_budget(value) == want
 
 
 @pytest.mark.parametrize("value,match", [
@@ -164,7 +165,7 @@ def test_parse_budget(value, want):
     ("8 parsecs", "got '8 parsecs'"), (True, "got True"), (1.5e9, "got 1500000000.0")])
 def test_parse_budget_errors(value, match):
     with pytest.raises(InputError, match=match) as ei:
-        streaming.parse_budget(value)
+        memory.parse_budget(value)
     assert ei.value.param == "memory_budget"
 
 
@@ -183,7 +184,7 @@ def _tree(tmp_path, cgroup_lines, files, mem_available_kb=8 << 20):
 
 
 def _auto(proc, root):
-    return streaming.available_memory(proc=proc, cgroup_root=root, platform="linux")
+    return memory.available_memory(proc=proc, cgroup_root=root, platform="linux")
 
 
 def test_auto_cgroup_v1_takes_the_tightest_limit_on_the_path(tmp_path):
@@ -191,8 +192,8 @@ def test_auto_cgroup_v1_takes_the_tightest_limit_on_the_path(tmp_path):
         "memory/a/b/memory.limit_in_bytes": "9223372036854771712\n",   # unlimited
         "memory/a/memory.limit_in_bytes": str(3 << 30),
         "memory/memory.limit_in_bytes": "9223372036854771712\n"})
-    headroom = 1 - streaming.AUTO_HEADROOM["linux"]
-    assert streaming.cgroup_memory_limit(proc, root) == 3 << 30
+    headroom = 1 - memory.AUTO_HEADROOM["linux"]
+    assert memory.cgroup_memory_limit(proc, root) == 3 << 30
     assert _auto(proc, root) == int((3 << 30) * headroom)
     # MemAvailable below the limit wins
     proc, root = _tree(tmp_path / "2", ["4:memory:/a"], {"memory/a/memory.limit_in_bytes": str(16 << 30)},
@@ -203,21 +204,21 @@ def test_auto_cgroup_v1_takes_the_tightest_limit_on_the_path(tmp_path):
 def test_auto_cgroup_v2_and_a_namespace_root(tmp_path):
     proc, root = _tree(tmp_path, ["0::/user.slice/job"], {
         "user.slice/job/memory.max": "max\n", "user.slice/memory.max": str(1 << 30)})
-    assert streaming.cgroup_memory_limit(proc, root) == 1 << 30
+    assert memory.cgroup_memory_limit(proc, root) == 1 << 30
     # inside a container the path names the host's cgroup; the limit is at the namespace root
     proc, root = _tree(tmp_path / "2", ["0::/host/path/not/here"], {"memory.max": str(5 << 30)})
-    assert streaming.cgroup_memory_limit(proc, root) == 5 << 30
+    assert memory.cgroup_memory_limit(proc, root) == 5 << 30
     # no limit anywhere, no cgroup file at all: MemAvailable
     proc, root = _tree(tmp_path / "3", ["0::/"], {"memory.max": "max\n"}, mem_available_kb=1 << 20)
-    assert streaming.cgroup_memory_limit(proc, root) is None
-    assert _auto(proc, root) == int((1 << 30) * (1 - streaming.AUTO_HEADROOM["linux"]))
+    assert memory.cgroup_memory_limit(proc, root) is None
+    assert _auto(proc, root) == int((1 << 30) * (1 - memory.AUTO_HEADROOM["linux"]))
     os.remove(os.path.join(proc, "self", "cgroup"))
-    assert streaming.cgroup_memory_limit(proc, root) is None
+    assert memory.cgroup_memory_limit(proc, root) is None
 
 
 def test_auto_on_macos_is_physical_memory_less_headroom():
     phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert streaming.available_memory(platform="darwin") == int(phys * (1 - streaming.AUTO_HEADROOM["darwin"]))
+    assert memory.available_memory(platform="darwin") == int(phys * (1 - memory.AUTO_HEADROOM["darwin"]))
 
 
 # ---- qwenmetal info ----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 """mslpp: the source rewrite that lets a Metal (.metal) file compile as C++17.
 
 Used at build time by CMake (kernels linked into qwenmetal._core), at run time by
-``qwenmetal.sim.compile`` (installed next to the shim headers as ``msl_include/mslpp.py``) and by the
+``qwenmetal.msl_sim.compile`` (installed next to the shim headers as ``msl_include/mslpp.py``) and by the
 clang address-space check (``tools/msl_check.py``). Standard library only; line numbers are preserved
 (every rewrite keeps the newlines of what it replaces) and the output starts with ``#line 1 "<origin>"``
 so diagnostics and simulator errors point into the .metal file.

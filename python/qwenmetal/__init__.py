@@ -5,15 +5,16 @@
     s = model.new_session()
     logits = model.prefill(s, ids)
 """
-from .config import ModelConfig, QuantizationConfig
 from .chat import ChatResponse
+from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError, InputError
-from .model import GenerationOutput, Model, Session, SessionSnapshot
+from .generation import GenerationOutput
+from .model import Model
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
 from .sampling import Sampler
-
-__version__ = "0.1.0"
+from .session import Session, SessionSnapshot
+from .version import __version__
 
 __all__ = ["Model", "Session", "SessionSnapshot", "GenerationOutput", "ModelConfig", "QuantizationConfig",
            "CheckpointError", "InputError", "Sampler", "GenerationOptions", "PrefixCache", "ChatResponse",

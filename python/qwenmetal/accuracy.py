@@ -25,6 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .backends.reference import ReferenceModel
+from .model import Model
+
 MEASURES = ("kl_mean", "kl_max", "top1_agree", "max_abs_err_rel", "rms_rel")
 # the measures the contract compares (the issue's three: KL, top-1 agreement, max logit error); the others
 # are reported beside them
@@ -47,8 +50,6 @@ def load_mode(name: str, path, reference):
     """The model of mode `name` (a key of `MODES`) on the checkpoint at `path`. `reference` is the float32
     reference Model of that checkpoint: the bfloat16 reference is a twin of it over the same dequantized
     float32 weights (no second copy: ~16 GiB at real width, 4 layers); `reference` is left unchanged."""
-    from .model import Model
-    from .reference import ReferenceModel
 
     backend, options = MODES[name]
     if backend != "reference":

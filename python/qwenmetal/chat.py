@@ -15,14 +15,13 @@ import html
 import json
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .errors import InputError
 from .generation import GenerationOutput
-
-if TYPE_CHECKING:
-    from .model import Model
-    from .options import GenerationOptions
+from .options import GenerationOptions
+from .session import ModelBase
+from .transcripts import chat_prompt, remember_reply
 
 #: roles a message may have ("developer" is OpenAI's newer name for "system" and is rendered as one)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -110,7 +109,7 @@ class ChatTurn:
         """``cache_points`` for `Model.generate`."""
         return (self.cache_point,) if self.cache_point else ()
 
-    def generate(self, model: "Model", options: "GenerationOptions | None" = None,
+    def generate(self, model: ModelBase, options: GenerationOptions | None = None,
                  **generate_kwargs) -> Iterator[GenerationOutput]:
         """`Model.generate` on the prompt, with the history's cache point."""
         return model.generate(self.prompt_ids, cache_points=self.cache_points, options=options, **generate_kwargs)
@@ -134,14 +133,13 @@ class ChatTurn:
         return ChatResponse(full, content, reasoning, calls, outs[-1].finish_reason, outs[-1].stats,
                             [o.token for o in outs], lps or None)
 
-    def remember(self, model: "Model", message: dict, tokens: Sequence[int]) -> None:
+    def remember(self, model: ModelBase, message: dict, tokens: Sequence[int]) -> None:
         """Keep the transcript of this turn's reply: the generated `tokens`, appended to the conversation as
         `message` (as the caller sends it back next turn), so the next prompt continues them
         (`qwenmetal.transcripts.remember_reply`: only a reply that ended on an end id)."""
-        from .transcripts import remember_reply
         remember_reply(model, self.prompt_ids, self.keys, message, tokens)
 
-    def remembering(self, model: "Model", outputs: Iterable[GenerationOutput]) -> Iterator[GenerationOutput]:
+    def remembering(self, model: ModelBase, outputs: Iterable[GenerationOutput]) -> Iterator[GenerationOutput]:
         """`outputs` passed through; when they are complete, the reply (`response`) is remembered."""
         outs = []
         for o in outputs:
@@ -152,14 +150,7 @@ class ChatTurn:
             self.remember(model, r.message, r.tokens)
 
 
-def check_chat_support(model: "Model") -> None:
-    """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
-    if model.tokenizer is None:
-        raise InputError(f"{model.path}: no tokenizer.json, so chat is not available")
-    model.tokenizer.require_chat_template()
-
-
-def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = None,
+def chat_turn(model: ModelBase, messages: Sequence[dict], *, tools: list | None = None,
               enable_thinking: bool | None = None,
               template_kwargs: dict | None = None) -> ChatTurn:
     """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
@@ -171,7 +162,6 @@ def chat_turn(model: "Model", messages: Sequence[dict], *, tools: list | None = 
     tools = validate_tools(tools)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
-    from .transcripts import chat_prompt
     p = chat_prompt(model, msgs, tools=tools, enable_thinking=enable_thinking, **(template_kwargs or {}))
     return ChatTurn(msgs, p.ids, p.head, p.text, prompt_opens_thinking(p.text), tools, p.keys)
 

@@ -17,15 +17,34 @@ Every option is described in docs/usage.md (and docs/server.md for `serve`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import re
 import sys
 import threading
 import time
 
+import numpy as np
+
+from . import bench, compare, expert_streaming, selftest, server, working_set
+from .backends import ALL_BACKENDS, BACKENDS
+from .chat import chat_turn, validate_messages
+from .cli_args import add_expert_args, expert_options
+from .config import ModelConfig
+from .convert import convert
 from .errors import InputError
-from .paths import cache_dir
+from .memory import parse_budget
+from .model import Model
+from .mtp import MtpDrafter
+from .options import GenerationOptions
+from .paths import cache_dir, resolve_checkpoint
+from .prefix_cache import PrefixCache
+from .sampling import SAMPLING_KEYS
+from .session import Session
+from .testing import cached_checkpoint
+from .transcripts import check_chat_support
+from .weights import is_routed_expert
+from .weights_table import config_widths, virtual_weight_table
 
 DEMO_PROMPT = "The quick brown fox"
 REAL_MODEL = "mlx-community/Qwen3.6-35B-A3B-4bit"
@@ -36,7 +55,6 @@ def _add_model_args(p, default_model=None, required=False):
                    help="checkpoint directory or Hugging Face hub id" +
                    (" (default: a generated tiny random-weight checkpoint)" if default_model is None and not required
                     else ""))
-    from .backends import ALL_BACKENDS, BACKENDS
     p.add_argument("--backend", default="auto",
                    help=f"auto (default: metal on a Mac, else cpu) | {' | '.join(ALL_BACKENDS)} "
                         f"(available here: {', '.join(BACKENDS)})")
@@ -48,31 +66,6 @@ def _add_model_args(p, default_model=None, required=False):
     add_expert_args(g)
 
 
-def add_expert_args(g) -> None:
-    """--expert-slots, --expert-policy, --expert-direct-io (`expert_options` reads them); `qwenmetal bench`
-    adds them beside its own --memory-budget."""
-    from .streaming import POLICIES
-    g.add_argument("--expert-slots", type=int, default=None, metavar="N",
-                   help="expert cache slots per MoE layer (forces streaming; default: as many as the budget holds)")
-    g.add_argument("--expert-policy", default=None, choices=POLICIES,
-                   help="expert cache replacement policy (default: the planner's, lfu)")
-    g.add_argument("--expert-direct-io", action="store_true",
-                   help="read streamed experts past the page cache (O_DIRECT / F_NOCACHE): their bytes are held "
-                        "once, in the cache's slots")
-
-
-def expert_options(args) -> dict:
-    """The backend options the expert flags set; flags left at their defaults are left out."""
-    o = {}
-    if args.expert_slots is not None:
-        o["expert_slots"] = args.expert_slots
-    if args.expert_policy is not None:
-        o["expert_policy"] = args.expert_policy
-    if args.expert_direct_io:
-        o["expert_direct_io"] = True
-    return o
-
-
 def _load_options(args) -> dict:
     """The backend options the streaming flags set (`Model.load(**options)`); flags left at their defaults
     are left out, so backends that cannot stream (reference) load as before."""
@@ -82,7 +75,7 @@ def _load_options(args) -> dict:
     return o | expert_options(args)
 
 
-#: what each sampling flag's neutral value is (the flags are qm.GenerationOptions' sampling fields)
+#: what each sampling flag's neutral value is (the flags are GenerationOptions' sampling fields)
 _SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",
                   "repetition_penalty": "1 = off", "presence_penalty": "0 = off", "frequency_penalty": "0 = off",
                   "seed": "same seed, same tokens"}
@@ -90,7 +83,6 @@ _SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 =
 
 def _add_sampling_args(p, max_tokens=256):
     """The flags of `GenerationOptions.from_cli_args`: --max-tokens, one per sampling parameter, --stop."""
-    from .sampling import SAMPLING_KEYS
     g = p.add_argument_group("sampling (unset values come from generation_config.json)")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     for k in SAMPLING_KEYS:
@@ -121,42 +113,28 @@ def _speculative(args, model) -> dict:
             raise InputError("--speculative-k needs --speculative", param="speculative_k")
         return {}
     if spec.startswith("mtp:"):
-        from .mtp import MtpDrafter
         spec = MtpDrafter.for_model(model, path=spec[len("mtp:"):])
     elif spec not in ("lookup", "mtp"):
-        import qwenmetal as qm
-        from .model import resolve_checkpoint
-        threads = getattr(model._backend, "threads", None)
-        spec = qm.Model.load(resolve_checkpoint(spec), backend=model.backend,
+        threads = model.backend_info().get("threads")
+        spec = Model.load(resolve_checkpoint(spec), backend=model.backend,
                              **({"threads": threads} if threads else {}))
     return {"speculative": spec, "speculative_k": args.speculative_k}
 
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
-
-
-def unescape_stop(text: str) -> str:
-    """`--stop` values as a shell passes them: \\n, \\t, \\r and \\\\ become newline, tab, return and a
-    backslash (so `--stop "\\n\\n"` stops at a blank line); any other backslash stays as it is."""
-    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
-
-
 def _load(args, quiet: bool = False):
     """Resolve (download with huggingface_hub's progress bars) and load, with a progress line on a terminal."""
-    import qwenmetal as qm
-    from .model import resolve_checkpoint
 
     path = resolve_checkpoint(args.model, getattr(args, "revision", None))
     show = not quiet and sys.stderr.isatty()
     if not show:
-        model = qm.Model.load(path, backend=args.backend, **_load_options(args))
+        model = Model.load(path, backend=args.backend, **_load_options(args))
     else:
         from tqdm.auto import tqdm
         box: dict = {}
 
         def work():
             try:
-                box["model"] = qm.Model.load(path, backend=args.backend, **_load_options(args))
+                box["model"] = Model.load(path, backend=args.backend, **_load_options(args))
             except BaseException as e:  # re-raised in the main thread
                 box["error"] = e
 
@@ -172,7 +150,7 @@ def _load(args, quiet: bool = False):
         model = box["model"]
     cb = getattr(args, "cache_bytes", None)
     if cb is not None:
-        model.prefix_cache = qm.PrefixCache(int(cb)) if cb > 0 else None
+        model.prefix_cache = PrefixCache(int(cb)) if cb > 0 else None
     return model
 
 
@@ -186,7 +164,7 @@ def _stats_line(st: dict) -> str:
     if sp:
         rate = sp["acceptance_rate"]
         line += (f"; speculative ({sp['drafter']}): {sp['accepted_tokens']}/{sp['drafted_tokens']} drafts accepted"
-                 + (f" ({100 * rate:.0f} %)" if rate == rate else ""))
+                 + (f" ({100 * rate:.0f} %)" if rate is not None else ""))
     ex = st.get("experts")
     if ex and ex["streaming"]:
         line += (f"; experts streamed: {ex['slots_per_layer']} slots/layer ({ex['policy']}), hit rate "
@@ -196,11 +174,8 @@ def _stats_line(st: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    import qwenmetal as qm
-
     tiny = args.model is None
     if tiny:
-        from .testing import cached_checkpoint
         t = time.perf_counter()
         path = cached_checkpoint("tiny", "mlx-q4", seed=0)
         print(f"tiny random-weight checkpoint (real architecture, MLX 4-bit layout): {path} "
@@ -208,7 +183,7 @@ def cmd_demo(args) -> int:
     else:
         path = args.model
     t = time.perf_counter()
-    model = qm.Model.load(path, backend=args.backend, **_load_options(args))
+    model = Model.load(path, backend=args.backend, **_load_options(args))
     print(f"loaded on backend {model.backend!r} in {time.perf_counter() - t:.2f} s")
     print(repr(model.config))
     print(f"\nprompt: {args.prompt!r}\n" + "-" * 60)
@@ -233,11 +208,7 @@ def cmd_demo(args) -> int:
 def _info_from_config(path: str, args) -> int:
     """`info` on a directory with a config.json and no weights: sizes from the config alone, in the MLX
     layout at the config's quantization block's widths, or at --bits / --expert-bits."""
-    import numpy as np
 
-    from . import streaming
-    from .config import ModelConfig
-    from .weights_table import config_widths, virtual_weight_table
 
     c = ModelConfig.from_file(path)
     widths = config_widths(c) if args.bits is None else {"bits": args.bits}
@@ -247,7 +218,7 @@ def _info_from_config(path: str, args) -> int:
     _, tensors, sizes = virtual_weight_table(c, **widths)
     print(repr(c))
     n_params = sum(int(np.prod(t["shape"])) for t in tensors.values())
-    routed = sum(v for k, v in sizes.items() if streaming.is_routed_expert(k))
+    routed = sum(v for k, v in sizes.items() if is_routed_expert(k))
     total = sum(sizes.values())
     moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     eb = widths.get("expert_bits", widths["bits"])
@@ -260,7 +231,7 @@ def _info_from_config(path: str, args) -> int:
         print(f"one expert of one layer: {routed // (moe_layers * c.num_experts):,} bytes; "
               f"{c.num_experts_per_tok} active per token over {moe_layers} MoE layers: "
               f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
-    for line in streaming.describe(_info_plan(c, sizes, args), args.hit_rate):
+    for line in expert_streaming.describe(_info_plan(c, sizes, args), args.hit_rate):
         print(line)
     for line in _gpu_plan_lines(c, sizes, args, None):
         print(line)
@@ -270,8 +241,6 @@ def _info_from_config(path: str, args) -> int:
 def _gpu_plan_lines(config, weights_or_sizes, args, model) -> list[str]:
     """The Metal backends' memory plan (qwenmetal.working_set): for a Mac of --mac-memory, a working set of
     --working-set, or the loaded metal model's own device."""
-    from . import working_set
-    from .streaming import parse_budget
     if args.working_set is not None:
         ws, where = parse_budget(args.working_set, "working_set"), "given"
     elif args.mac_memory is not None:
@@ -290,18 +259,14 @@ def _gpu_plan_lines(config, weights_or_sizes, args, model) -> list[str]:
 
 
 def _info_plan(config, weights_or_sizes, args):
-    from . import streaming
     o = _load_options(args)
-    return streaming.plan(config, weights_or_sizes, o.get("memory_budget", "auto"),
+    return expert_streaming.plan(config, weights_or_sizes, o.get("memory_budget", "auto"),
                           slots_per_layer=o.get("expert_slots"), policy=o.get("expert_policy"),
                           direct_io=o.get("expert_direct_io", False))
 
 
 def cmd_info(args) -> int:
-    import numpy as np
 
-    from . import streaming
-    from .model import resolve_checkpoint
 
     path = resolve_checkpoint(args.model, getattr(args, "revision", None))
     if not any(f.endswith(".safetensors") for f in os.listdir(path)):
@@ -326,7 +291,7 @@ def cmd_info(args) -> int:
     for ctx in sorted({min(x, c.max_position_embeddings) for x in (4096, 32768, c.max_position_embeddings)}):
         total = model.weights.nbytes + fixed + ctx * kv_bf16
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
-    for line in streaming.describe(_info_plan(c, model.weights, args), args.hit_rate):
+    for line in expert_streaming.describe(_info_plan(c, model.weights, args), args.hit_rate):
         print(line)
     for line in _gpu_plan_lines(c, model.weights, args, model):
         print(line)
@@ -339,9 +304,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .chat import chat_turn
-    from .options import GenerationOptions
-
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (a system message is part of the chat template)")
     opts = GenerationOptions.from_cli_args(args)           # checked before the model loads
@@ -379,10 +341,7 @@ _CHAT_HELP = """commands:
 
 
 def cmd_chat(args) -> int:
-    from .chat import chat_turn, check_chat_support, validate_messages
-    import qwenmetal as qm
-
-    opts = qm.GenerationOptions.from_cli_args(args)        # checked before the model loads
+    opts = GenerationOptions.from_cli_args(args)        # checked before the model loads
     model = _load(args)
     spec = _speculative(args, model)
     check_chat_support(model)                               # ValueError naming the missing file
@@ -438,7 +397,7 @@ def cmd_chat(args) -> int:
                     print("usage: /load FILE")
                     continue
                 try:
-                    s = qm.Session.load(arg, model)    # also puts its state and transcript in the caches
+                    s = Session.load(arg, model)    # also puts its state and transcript in the caches
                 except (ValueError, OSError, NotImplementedError) as e:
                     print(f"error: {e}")
                     continue
@@ -495,13 +454,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import importlib.util
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"qwenmetal: error: the server needs the 'server' extra (missing {', '.join(missing)}): "
               f"pip install 'qwenmetal[server]'", file=sys.stderr)
         return 2
-    from .server import serve
     api_key = args.api_key or os.environ.get("QWENMETAL_API_KEY") or None
     model = _load(args)
     if args.cache_dir is not None:
@@ -510,7 +467,7 @@ def cmd_serve(args) -> int:
                                       else os.path.basename(os.path.normpath(args.model)))
     print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
-    serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
+    server.serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
           max_queue=args.max_queue, request_timeout=args.request_timeout or None,
           graceful_timeout=args.graceful_timeout, log_level=args.log_level, **_speculative(args, model))
@@ -526,8 +483,6 @@ def _either(args, positional: str, option: str):
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert
-
     src, dst = _either(args, "src", "model"), _either(args, "dst", "out")
     if args.no_quantize and args.expert_bits is not None:
         raise InputError("--expert-bits needs quantization (drop --no-quantize)", param="expert_bits")
@@ -541,20 +496,15 @@ def cmd_convert(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .compare import main_args
-    return main_args(args)
+    return compare.main_args(args)
 
 
 def cmd_bench(args) -> int:
-    from .bench import main_args
-
-    return main_args(args)
+    return bench.main_args(args)
 
 
 def cmd_selftest(args) -> int:
-    from .selftest import main as selftest_main
-
-    return selftest_main(args)
+    return selftest.main(args)
 
 
 def main(argv=None) -> int:
@@ -608,7 +558,6 @@ def main(argv=None) -> int:
     _add_sampling_args(p, max_tokens=4096)
     p.set_defaults(func=cmd_chat)
 
-    from . import server as srv                # stdlib-only at import; starlette/uvicorn load on use
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [server] extra)")
     _add_model_args(p, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -616,19 +565,19 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set QWENMETAL_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the --model value "
                    "for a hub id, the directory name for a path)")
-    p.add_argument("--max-request-bytes", type=int, default=srv.DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", type=int, default=server.DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
-    p.add_argument("--default-max-tokens", type=int, default=srv.DEFAULT_CHAT_MAX_TOKENS,
-                   help=f"max_tokens when a chat request sets none (default {srv.DEFAULT_CHAT_MAX_TOKENS}; "
+    p.add_argument("--default-max-tokens", type=int, default=server.DEFAULT_CHAT_MAX_TOKENS,
+                   help=f"max_tokens when a chat request sets none (default {server.DEFAULT_CHAT_MAX_TOKENS}; "
                    "0: up to the context limit)")
-    p.add_argument("--max-queue", type=int, default=srv.DEFAULT_MAX_QUEUE,
-                   help=f"requests waiting beyond this get 503 with Retry-After (default {srv.DEFAULT_MAX_QUEUE})")
-    p.add_argument("--request-timeout", type=float, default=srv.DEFAULT_REQUEST_TIMEOUT,
+    p.add_argument("--max-queue", type=int, default=server.DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond this get 503 with Retry-After (default {server.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--request-timeout", type=float, default=server.DEFAULT_REQUEST_TIMEOUT,
                    help="seconds a generation may run; then it ends with finish_reason 'length' and what it "
-                   f"generated (default {srv.DEFAULT_REQUEST_TIMEOUT:g}; 0: no limit)")
-    p.add_argument("--graceful-timeout", type=float, default=srv.DEFAULT_GRACEFUL_TIMEOUT,
+                   f"generated (default {server.DEFAULT_REQUEST_TIMEOUT:g}; 0: no limit)")
+    p.add_argument("--graceful-timeout", type=float, default=server.DEFAULT_GRACEFUL_TIMEOUT,
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled "
-                   f"(default {srv.DEFAULT_GRACEFUL_TIMEOUT:g})")
+                   f"(default {server.DEFAULT_GRACEFUL_TIMEOUT:g})")
     p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
     p.add_argument("--cache-dir", nargs="?", const=str(cache_dir("prompt-cache")), default=None, metavar="DIR",
                    help="also keep chat turns' states on disk in DIR (default DIR: "
@@ -657,14 +606,12 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="prefill/decode speed on a random real-width checkpoint (docs/benchmarks.md)")
-    from .bench import add_arguments as _bench_arguments
-    _bench_arguments(p)
+    bench.add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("compare", help="qwenmetal beside mlx-lm and llama.cpp: speed plots, agreement, perplexity "
                        "(docs/benchmarks.md)")
-    from .compare import add_arguments as _compare_arguments
-    _compare_arguments(p)
+    compare.add_arguments(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("selftest", help="check the Metal backend on this device (kernels, graph); a report to paste")

@@ -11,7 +11,8 @@ Every dimension comes from the file; nothing about the 35B model is a constant h
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from html import escape
 from typing import Any, Mapping
 
 from .errors import CheckpointError
@@ -182,7 +183,6 @@ class ModelConfig:
         )
 
     def _repr_html_(self) -> str:  # Jupyter: the same facts as a table
-        from html import escape
         nl, nf = self.num_hidden_layers, len(self.full_attention_layers)
         q = "dense" if self.quantization is None else \
             f"affine {self.quantization.default.bits}-bit g{self.quantization.default.group_size}"
@@ -385,3 +385,11 @@ def session_bytes(config, context: int, kv_element_bytes: int = 2,
         c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         + c.conv_dim * (c.linear_conv_kernel_dim - 1))
     return {"kv_cache": kv, "gdn_state": state}
+
+
+def mtp_layer_config(config: ModelConfig) -> ModelConfig:
+    """`config` with one full-attention MoE layer (index 0): the MTP decoder layer's config, so that
+    `decoder_layer` runs it (mlx-vlm builds its MTP layer the same way, from the text config with
+    ``num_hidden_layers = mtp layers`` and ``full_attention_interval = 1``)."""
+    return replace(config, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=(),
+                   decoder_sparse_step=1)

@@ -41,9 +41,10 @@ import numpy as np
 from .config import ModelConfig
 from .errors import InputError
 from .fileio import atomic_dir, check_free_dir
+from .paths import resolve_checkpoint
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, quantize
-from .safetensors_io import SafetensorsWriter
-from .streaming import is_routed_expert
+from .safetensors_io import DTYPES, SafetensorsWriter, TensorSource
+from .weights import is_routed_expert
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_SHARD_BYTES = 5 << 30                    # mlx-lm's MAX_FILE_SIZE_GB = 5
@@ -391,8 +392,6 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     ``keep_mtp``: keep the multi-token-prediction head (``mtp.*``, which mlx-lm drops), quantized like the
     body, so ``speculative="mtp"`` can use it; raises ValueError if the source has no ``mtp.*`` tensors.
     """
-    from .model import resolve_checkpoint
-    from .safetensors_io import DTYPES, TensorSource
 
     src = Path(resolve_checkpoint(src, revision))
     dst = Path(dst)

@@ -1,7 +1,9 @@
-"""Text generation on top of the two primitive calls (``Model.prefill`` / ``Model.decode_step``).
+"""Text generation on top of the primitive calls (``prefill`` / ``decode_step``, `qwenmetal.session`).
 
-``generate()`` here is what ``Model.generate`` runs: prefix-cache lookup, chunked prefill with snapshots,
-sampling, streaming detokenization, stop conditions and statistics. Its options come as one
+``generate()`` here is what ``Model.generate`` runs, top to bottom: check everything (`generate`), look up
+the prefix cache and prefill the rest in chunks with snapshots (`_prefill`), then sample, detokenize and
+stop token by token (`_decode`) -- on the host, through the Metal backends' pipelined GPU loop, or from a
+speculative round's verified rows. One `_Run` carries a generation's state through these steps. Its options come as one
 `qwenmetal.options.GenerationOptions`; chat turns (rendering, parsing replies) are in `qwenmetal.chat`.
 """
 from __future__ import annotations
@@ -9,16 +11,18 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from .sampling import SampleResult
-
-if TYPE_CHECKING:
-    from .model import Model, Session
-    from .options import GenerationOptions
-    from .sampling import Sampler
+from .errors import InputError
+from .expert_streaming import expert_stats
+from .mtp import MtpDrafter
+from .options import GenerationOptions
+from .prefix_cache import PrefixCache
+from .sampling import Sampler, SampleResult
+from .session import ModelBase, Session
+from .speculative import Drafter, DraftModel, PromptLookup, Speculation, check_k
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -88,30 +92,33 @@ class StopStringMatcher:
         return out
 
 
-def sampleable_vocab(model: "Model") -> int:
-    """The ids a sampler may return: the tokenizer's vocabulary, not the padded rows of lm_head."""
-    tok = model.tokenizer
-    v = tok.vocab_size if tok is not None else model.config.vocab_size
-    return min(v, model.config.vocab_size)
-
-
 def _progress_bar(total: int, enabled: bool | None):
     if enabled is False or (enabled is None and total < 4096):
         return None
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # imported when a long prompt shows a bar (tqdm loads slowly)
     return tqdm(total=total, unit="tok", desc="prefill", leave=False)
 
 
-def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOptions | None" = None, *,
-             sampler: "Sampler | None" = None, session: "Session | None" = None, cache: bool = True,
+def make_drafter(spec, model: ModelBase) -> Drafter:
+    """The drafter `speculative=` names: "lookup", "mtp", a draft `Model`, or a `Drafter`."""
+    if isinstance(spec, Drafter):
+        return spec
+    if isinstance(spec, ModelBase):
+        return DraftModel(spec)
+    if spec == "lookup":
+        return PromptLookup()
+    if spec == "mtp":
+        return MtpDrafter.for_model(model)
+    raise ValueError(f"speculative must be 'lookup', 'mtp', a draft Model or a Drafter, got {spec!r}")
+
+
+def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
+             sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
              cache_points: Sequence[int] = (), progress: bool | None = None,
              cancel: threading.Event | None = None, speculative=None,
              speculative_k: int | None = None) -> Iterator[GenerationOutput]:
     """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).
     Everything is checked before the first output (and before any work)."""
-    from .errors import InputError
-    from .options import GenerationOptions
-
     o = GenerationOptions.build(options)
     tok = model.tokenizer
     if isinstance(prompt, str):
@@ -128,63 +135,101 @@ def generate(model: "Model", prompt: str | Sequence[int], options: "GenerationOp
     if sampler is None:
         sampler = o.sampler(model.generation_config)
     s = session if session is not None else model.new_session()
-    model._check_session(s)
-    model._check_ids(ids, s)                       # validates ids and the context limit, before any work
-    vocab_used = sampleable_vocab(model)
+    model.check_session(s)
+    model.check_ids(ids, s)                        # validates ids and the context limit, before any work
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
-    stop_ids |= set(o.stop_token_ids)
-    pc = model.prefix_cache if cache else None
     drafter = None
     if speculative is not None:
-        from .speculative import check_k, make_drafter
         check_k(speculative_k)
         drafter = make_drafter(speculative, model)
     elif speculative_k is not None:
         raise ValueError("speculative_k needs speculative= (a drafter)")
-    return _run(model, s, ids, o.max_tokens, sampler, list(o.stop), stop_ids, o.logprobs, o.top_logprobs, pc,
-                cache_points, o.skip_special_tokens, progress, cancel, vocab_used, drafter, speculative_k)
+    run = _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
+               model.prefix_cache if cache else None, cache_points, progress, cancel)
+    return _generate(run, drafter, speculative_k)
 
 
-def _run(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
-         skip_special_tokens, progress, cancel, vocab_used, drafter=None, speculative_k=None):
-    spec = None
+@dataclass
+class _Run:
+    """One generation: what it was asked (the model, session, prompt ids, options and sampler), and what it
+    has measured so far (times, the prompt's cached part, the expert counters when decoding started)."""
+
+    model: ModelBase
+    s: Session
+    ids: list
+    o: GenerationOptions
+    sampler: Sampler
+    stop_ids: set
+    vocab: int                       # the ids the sampler may return (`ModelBase.sampleable_vocab`)
+    pc: PrefixCache | None
+    cache_points: Sequence[int]
+    progress: bool | None
+    cancel: threading.Event | None
+    spec: Speculation | None = None
+    t0: float = 0.0                  # start
+    t1: float = 0.0                  # the prompt prefilled
+    cached: int = 0                  # prompt tokens taken from the prefix cache
+    counters: dict | None = None     # the expert counters when decoding started (backends that stream experts)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def stats(self, n_gen: int, reason: str) -> dict:
+        t0, t1, t2 = self.t0, self.t1, time.perf_counter()
+        n_prompt = len(self.ids)
+        computed = n_prompt - self.cached
+        decode_steps = max(n_gen - 1, 0)
+        out = {"prompt_tokens": n_prompt, "cached_tokens": self.cached, "prefill_tokens": computed,
+               "generated_tokens": n_gen, "finish_reason": reason,
+               "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+               "prefill_tokens_per_second": computed / max(t1 - t0, 1e-9) if computed else float("nan"),
+               "decode_tokens_per_second": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else float("nan"),
+               "time_to_first_token": t1 - t0}
+        if self.spec is not None:
+            out["speculative"] = self.spec.stats()
+        if self.counters is not None:
+            out["experts"] = expert_stats(self.model.expert_counters(), self.counters)
+        return out
+
+
+def _generate(run: _Run, drafter: Drafter | None, speculative_k: int | None) -> Iterator[GenerationOutput]:
     if drafter is not None:
-        from .speculative import Speculation
-        spec = Speculation(model, s, drafter, speculative_k)
+        run.spec = Speculation(run.model, run.s, drafter, speculative_k)
     try:
-        yield from _generate(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc,
-                             cache_points, skip_special_tokens, progress, cancel, vocab_used, spec)
+        run.model.reset_expert_stats()             # the expert statistics are per generation
+        run.t0 = time.perf_counter()
+        logits = _prefill(run)
+        if run.cancelled:
+            return
+        run.t1 = time.perf_counter()
+        run.counters = run.model.expert_counters()
+        yield from _decode(run, logits)
     finally:
-        if spec is not None:
-            spec.close()
+        if run.spec is not None:
+            run.spec.close()
 
 
-def _generate(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs, top_n, pc, cache_points,
-              skip_special_tokens, progress, cancel, vocab_used, spec):
-    tok = model.tokenizer
-    counters = getattr(model._backend, "expert_counters", None)   # backends that can stream experts
-    if counters is not None:
-        model._backend.reset_expert_stats()       # the stats are per generation
-    t0 = time.perf_counter()
-    base = s.position
-    n_prompt = len(ids)
-    cached = 0
+def _prefill(run: _Run) -> np.ndarray | None:
+    """The prompt after the prefix cache's longest match, in chunks, snapshotting at chunk boundaries and
+    at the requested points: the last token's logits (None if cancelled)."""
+    model, s, ids, pc, spec = run.model, run.s, run.ids, run.pc, run.spec
+    base, n_prompt = s.position, len(ids)
     logits = None
     if pc is not None and base == 0:
         e = pc.lookup(ids)
         if e is not None:
             s.restore(e.snapshot)
-            cached = len(e.tokens)
-            if cached == n_prompt:
+            run.cached = len(e.tokens)
+            if run.cached == n_prompt:
                 logits = e.logits
-    # chunked prefill of the rest, snapshotting at chunk boundaries and at the requested points
     chunk = pc.chunk_tokens if pc is not None else 2048
-    points = sorted({base + int(p) for p in cache_points if 0 < int(p) < n_prompt})
-    bar = _progress_bar(n_prompt - cached, progress) if logits is None else None
+    points = sorted({base + int(p) for p in run.cache_points if 0 < int(p) < n_prompt})
+    bar = _progress_bar(n_prompt - run.cached, run.progress) if logits is None else None
     try:
         while logits is None:
-            if cancel is not None and cancel.is_set():
-                return
+            if run.cancelled:
+                return None
             pos = s.position
             end = base + n_prompt
             nxt = min(end, (pos // chunk + 1) * chunk)
@@ -208,28 +253,26 @@ def _generate(model, s, ids, max_tokens, sampler, stop, stop_ids, want_logprobs,
     finally:
         if bar is not None:
             bar.close()
-    if pc is not None and cached < n_prompt and s.nbytes <= pc.max_bytes:
+    if pc is not None and run.cached < n_prompt and s.nbytes <= pc.max_bytes:
         pc.put(s.tokens, s.snapshot(), logits=logits, kind="prompt")
-    t1 = time.perf_counter()
-    at_decode = counters() if counters is not None else None
-
-    gpu = _GpuDecode(model, s, sampler, stop_ids, vocab_used, max_tokens) \
-        if spec is None and _gpu_decodable(model, sampler, stop, want_logprobs, top_n) else None
-    yield from _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens, cancel,
-                       vocab_used, max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters, at_decode)
+    return logits
 
 
-def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_special_tokens, cancel, vocab_used,
-            max_tokens, logits, gpu, spec, t0, t1, n_prompt, cached, counters, at_decode):
+def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
+    """Sample, detokenize and stop, token by token: from the logits (host sampling), the pipelined GPU loop,
+    or a speculative round's verified rows."""
+    model, s, sampler, o, spec, pc = run.model, run.s, run.sampler, run.o, run.spec, run.pc
     tok = model.tokenizer
-    decoder = tok.stream_decoder(skip_special_tokens) if tok is not None else None
-    matcher = StopStringMatcher(stop)
+    want_logprobs, top_n = o.logprobs, o.top_logprobs
+    gpu = _GpuDecode(run) if spec is None and _gpu_decodable(run) else None
+    decoder = tok.stream_decoder(o.skip_special_tokens) if tok is not None else None
+    matcher = StopStringMatcher(list(o.stop))
     generated: list = []
     context = list(s.tokens)
     pending: list = []                # (result, in the state, its logits): decided by the last verification
     accepted = 0                      # drafts the model agreed with in the open round
-    for n in range(max_tokens):
-        if cancel is not None and cancel.is_set():
+    for n in range(o.max_tokens):
+        if run.cancelled:
             return
         in_state, row = False, logits     # row: the logits the token comes from
         if pending:                       # decided by the last verification
@@ -237,13 +280,13 @@ def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_sp
         elif gpu is not None and n > 0:   # sampled on the GPU by the pipelined decode loop
             r = SampleResult(gpu.next(n), None, None)
         else:
-            r = sampler.sample(logits, vocab_used, context=context, generated=generated, logprobs=want_logprobs,
+            r = sampler.sample(logits, run.vocab, context=context, generated=generated, logprobs=want_logprobs,
                                top_logprobs=top_n)
         t = r.token
         generated.append(t)
         context.append(t)
         reason = hit = None
-        if t in stop_ids:
+        if t in run.stop_ids:
             reason, hit, text = "stop", t, ""
             if decoder is not None:
                 text, _ = matcher.push(decoder.flush())
@@ -254,7 +297,7 @@ def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_sp
             if hit is not None:
                 reason = "stop"
         if reason is None:
-            if n + 1 == max_tokens:
+            if n + 1 == o.max_tokens:
                 reason = "length"
             elif (spec.position() if spec is not None else s.position) + 1 > s.max_context:
                 reason = "context"
@@ -269,11 +312,11 @@ def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_sp
                 spec.fed()                # an accepted draft: already in the state
             elif spec is not None:
                 spec.end_round(accepted)
-                rows, drafts = spec.step(t, context, max_tokens - n - 1)
+                rows, drafts = spec.step(t, context, o.max_tokens - n - 1)
                 accepted, logits = 0, rows[0]
                 ctx, gen = list(context), list(generated)
                 for i, d in enumerate(drafts):     # the model's token at each drafted position
-                    ri, ok = sampler.verify_draft(rows[i], d, vocab_used, context=ctx, generated=gen,
+                    ri, ok = sampler.verify_draft(rows[i], d, run.vocab, context=ctx, generated=gen,
                                                   logprobs=want_logprobs, top_logprobs=top_n)
                     pending.append((ri, ok, rows[i]))
                     ctx.append(ri.token)
@@ -290,27 +333,22 @@ def _decode(model, s, sampler, stop, stop_ids, want_logprobs, top_n, pc, skip_sp
         if spec is not None:
             spec.close()                  # the session keeps what plain decoding would have fed
             logits = row
-        t2 = time.perf_counter()
+        stats = run.stats(len(generated), reason)
         if gpu is not None:
             logits = None                 # the GPU path reads no logits back: the turn is kept without them
         if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
             pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
-        stats = _stats(n_prompt, cached, len(generated), t0, t1, t2, reason)
-        if spec is not None:
-            stats["speculative"] = spec.stats()
-        if counters is not None:
-            stats["experts"] = expert_stats(counters(), at_decode)
         yield GenerationOutput(t, text, n, reason, stats, lp, top, hit)
         return
 
 
-def _gpu_decodable(model, sampler, stop, want_logprobs, top_n) -> bool:
+def _gpu_decodable(run: _Run) -> bool:
     """Whether the backend's pipelined GPU decode loop can generate for these options: a Metal backend, and
     nothing the GPU does not do (penalties, logprobs) or that is decided on text (stop strings: the loop
     runs ahead of the text by up to a chunk)."""
-    return (hasattr(model._backend, "decode") and not want_logprobs and not top_n and not stop
-            and sampler.repetition_penalty == 1.0 and not sampler.presence_penalty
-            and not sampler.frequency_penalty)
+    sp, o = run.sampler, run.o
+    return (run.model.gpu_decode and not o.logprobs and not o.top_logprobs and not o.stop
+            and sp.repetition_penalty == 1.0 and not sp.presence_penalty and not sp.frequency_penalty)
 
 
 class _GpuDecode:
@@ -321,11 +359,10 @@ class _GpuDecode:
 
     CHUNK = 32
 
-    def __init__(self, model, s, sampler, stop_ids, vocab_used, max_tokens):
-        self.be, self.s, self.sampler = model._backend, s, sampler
-        self.stop_ids, self.vocab = [int(t) for t in stop_ids], int(vocab_used or 0)
-        self.max_tokens = max_tokens
-        seed = sampler.seed if sampler.seed is not None else int(sampler.rng.integers(0, 2**63 - 1))
+    def __init__(self, run: _Run):
+        self.run = run
+        sp = run.sampler
+        seed = sp.seed if sp.seed is not None else int(sp.rng.integers(0, 2**63 - 1))
         self.seed = int(seed)
         self.pending: list = []
         self.fed = None
@@ -335,12 +372,12 @@ class _GpuDecode:
 
     def next(self, n: int) -> int:
         if not self.pending:
-            s, sp = self.s, self.sampler
-            budget = min(self.CHUNK, self.max_tokens - n, s.max_context - s.position)
-            # the session's tokens follow the state inside the call (an interrupt cannot separate them)
-            out = self.be.decode(s._state, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
-                                 top_p=sp.top_p, min_p=sp.min_p, seed=self.seed, stop_ids=self.stop_ids,
-                                 vocab=self.vocab, consumed=s._tokens)
+            run = self.run
+            s, sp = run.s, run.sampler
+            budget = min(self.CHUNK, run.o.max_tokens - n, s.max_context - s.position)
+            out = run.model.decode_loop(s, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
+                                        top_p=sp.top_p, min_p=sp.min_p, seed=self.seed,
+                                        stop_ids=[int(t) for t in run.stop_ids], vocab=int(run.vocab or 0))
             self.pending = [int(t) for t in out]
         return self.pending.pop(0)
 
@@ -352,32 +389,3 @@ def _keep_boundary(k: int, last_k: int) -> bool:
     resumes within two chunks of the divergence and one that diverges early from a power-of-two
     boundary."""
     return k >= last_k - 1 or (k & (k - 1)) == 0
-
-
-def expert_stats(c: dict, at_decode: dict | None = None) -> dict:
-    """A generation's (or a backend's, since its last generation started) expert streaming statistics from
-    the backend's raw counters `c` (``expert_counters()``): streaming, slots_per_layer, policy, hit_rate
-    (hits / lookups), bytes_read and io_seconds (SSD reads into the expert cache), bytes_per_token (bytes
-    read per token run through the model, prompt and generated); with `at_decode` (the counters when
-    decoding started) also decode_bytes_per_token, the decode phase's bytes per decoded token (what
-    `qwenmetal.streaming.StreamPlan.bytes_per_token` predicts)."""
-    nan = float("nan")
-    out = {"streaming": bool(c["streaming"]), "slots_per_layer": int(c["slots_per_layer"]), "policy": c["policy"],
-           "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else nan,
-           "bytes_read": int(c["bytes_read"]), "io_seconds": float(c["io_seconds"]),
-           "bytes_per_token": c["bytes_read"] / c["tokens"] if c["tokens"] else nan}
-    if at_decode is not None:
-        steps = c["tokens"] - at_decode["tokens"]
-        out["decode_bytes_per_token"] = (c["bytes_read"] - at_decode["bytes_read"]) / steps if steps else nan
-    return out
-
-
-def _stats(n_prompt, cached, n_gen, t0, t1, t2, reason) -> dict:
-    computed = n_prompt - cached
-    decode_steps = max(n_gen - 1, 0)
-    return {"prompt_tokens": n_prompt, "cached_tokens": cached, "prefill_tokens": computed,
-            "generated_tokens": n_gen, "finish_reason": reason,
-            "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
-            "prefill_tokens_per_second": computed / max(t1 - t0, 1e-9) if computed else float("nan"),
-            "decode_tokens_per_second": decode_steps / (t2 - t1) if decode_steps and t2 > t1 else float("nan"),
-            "time_to_first_token": t1 - t0}

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from .memory import own_cgroups
+
 RESULT_ENV = "QWENMETAL_MEMLIMIT_RESULT"
 
 
@@ -112,16 +114,6 @@ def _mounts() -> list[tuple[str, str, str, str]]:
     return out
 
 
-def _own_cgroups() -> dict[str, str]:
-    """Controller list ("" for the v2 unified hierarchy) -> this process's cgroup path, from /proc/self/cgroup."""
-    out = {}
-    with open("/proc/self/cgroup", encoding="utf-8") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            out[controllers] = path
-    return out
-
-
 def _under_mount(mount_root: str, mount_point: str, path: str) -> Path | None:
     rel = os.path.relpath(path, mount_root) if mount_root != "/" else path.lstrip("/")
     if rel.startswith(".."):
@@ -135,7 +127,7 @@ def find_memory_cgroup() -> MemoryCgroup:
     if not sys.platform.startswith("linux"):
         raise MemoryLimitUnavailable(f"memory cgroups are Linux-only (this is {sys.platform})")
     try:
-        mounts, own = _mounts(), _own_cgroups()
+        mounts, own = _mounts(), own_cgroups()
     except OSError as e:
         raise MemoryLimitUnavailable(f"cannot read /proc/self/mountinfo or /proc/self/cgroup: {e}") from None
     reasons = []

@@ -1,4 +1,4 @@
-"""`Model` and `Session`: the API every backend implements.
+"""`Model`: a checkpoint loaded on one backend, with generation, chat and the caches.
 
     model = Model.load(path_or_hub_id, backend="reference")
     s = model.new_session()
@@ -6,185 +6,43 @@
     logits = model.decode_step(s, token_id)
     for out in model.generate("Hello", max_tokens=32): print(out.text, end="")
 
-A `Session` holds one sequence's state (KV cache of the attention layers, conv and recurrent
-state of the Gated DeltaNet layers, the position and the tokens). Calls are all-or-nothing: an
-invalid token, empty input or context overflow raises ValueError before anything changes, and an
-exception during compute (including KeyboardInterrupt, which the C++ engines check for between chunks
-and tokens) leaves the session as it was: state and tokens always advance together (docs/api.md,
-"Interrupts").
+The primitive calls and `Session` are `qwenmetal.session`'s; generation, speculative decoding, chat and the
+prefix cache are the runtime modules below this one (docs/architecture.md).
 """
 from __future__ import annotations
 
 import os
-import re
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from html import escape
+from typing import Iterator, Sequence
 
-import numpy as np
-
-from .config import ModelConfig
-from .errors import CheckpointError
-from .generation import GenerationOutput
-from .interrupts import sigint_deferred
-from .options import GenerationOptions
-from .prefix_cache import PrefixCache
-from .tokenizer import load_tokenizer
-from .transcripts import TranscriptStore
-from .weights import load_weights
 from .backends import backend_factory
+from .chat import ChatResponse, chat_turn
+from .config import ModelConfig
+from .generation import GenerationOutput, generate
+from .options import GenerationOptions
+from .paths import resolve_checkpoint
+from .prefix_cache import PrefixCache
+from .sampling import Sampler
+from .session import ModelBase, Session, SessionSnapshot
+from .tokenizer import load_tokenizer
+from .transcripts import TranscriptStore, chat_prompt, conversation_session, restore_from_disk, resume_conversation
+from .weights import load_weights
 
-if TYPE_CHECKING:
-    from .chat import ChatResponse
-    from .sampling import Sampler
-
-RETURN_LOGITS = ("last", "all", "none")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> str:
-    """A local directory as is; otherwise a Hugging Face hub id downloaded (or taken from the
-    local hub cache) with huggingface_hub, which shows its own progress bars."""
-    p = os.fspath(path_or_id)
-    if os.path.isdir(p):
-        return p
-    if os.path.exists(p):
-        raise CheckpointError(f"{p}: expected a checkpoint directory, got a file")
-    if not _HUB_ID.match(p):
-        raise CheckpointError(f"{p}: no such directory, and not a hub id of the form 'org/name'")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(p, revision=revision,
-                                 allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
-    except Exception as e:  # network, auth, missing repo: say which and how to work offline
-        raise CheckpointError(
-            f"could not get {p!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-            f"Download it once with network access (or pass a local directory).") from e
+__all__ = ["Model", "Session", "SessionSnapshot", "resolve_checkpoint"]
 
 
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SessionSnapshot:
-    """An immutable copy of a session's state, for `Session.restore`."""
-
-    model_id: int
-    state: object = field(repr=False)
-    tokens: tuple = field(repr=False)
-
-    @property
-    def position(self) -> int:
-        """The session position the snapshot was taken at."""
-        return self.state.position
-
-
-class Session:
-    """One sequence's decode state. Create with `Model.new_session()`."""
-
-    def __init__(self, model: "Model", state, tokens=(), max_context: int | None = None):
-        self._model = model
-        self._state = state
-        self._tokens = list(tokens)
-        self.max_context = max_context or model.config.max_position_embeddings
-        self.metadata: dict = {}          # user data kept by save()/load()
-
-    @property
-    def position(self) -> int:
-        """Tokens processed so far (the absolute position of the next token)."""
-        return self._state.position
-
-    @property
-    def tokens(self) -> tuple:
-        """Every token the session has processed, in order."""
-        return tuple(self._tokens)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the state (KV cache as stored, conv and recurrent states)."""
-        return self._state.nbytes
-
-    def fork(self) -> "Session":
-        """An independent copy that continues from the same point."""
-        return Session(self._model, self._state.copy(), self._tokens, self.max_context)
-
-    def snapshot(self) -> SessionSnapshot:
-        """An immutable copy of the state, for `restore` (cheap to keep: the prefix cache holds these)."""
-        return SessionSnapshot(id(self._model), self._state.copy(), tuple(self._tokens))
-
-    def restore(self, snap: SessionSnapshot) -> None:
-        """Go back to `snap` (taken from a session of the same model)."""
-        if not isinstance(snap, SessionSnapshot):
-            raise TypeError(f"restore() takes a SessionSnapshot, got {type(snap).__name__}")
-        if snap.model_id != id(self._model):
-            raise ValueError("this snapshot was taken from a session of another model")
-        state, tokens = snap.state.copy(), list(snap.tokens)
-        with sigint_deferred():
-            self._state = state
-            self._tokens = tokens
-
-    def reset(self) -> None:
-        """Back to position 0 (an empty state)."""
-        state = self._model._backend.new_state()
-        with sigint_deferred():
-            self._state = state
-            self._tokens = []
-
-    def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
-        """Write the state, tokens and position to `path` (a safetensors file with a JSON header naming
-        the model; format in `qwenmetal.session_io`). `metadata`: JSON-serialisable user data."""
-        from .session_io import save_session
-        save_session(self, path, metadata if metadata is not None else self.metadata)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, model: "Model", max_context: int | None = None) -> "Session":
-        """A session from `Session.save`'s file. Raises ValueError if it was saved from another model
-        (config.json or weight files differ) or the file is malformed. A session holding a conversation
-        (`Model.chat_session`, the chat command's /save) also goes into the model's prefix cache with its
-        transcript, so `model.chat` on its ``metadata["messages"]`` plus a new message prefills only that."""
-        from .session_io import load_session
-        from .transcripts import resume_conversation
-        state, tokens, max_context, metadata = load_session(path, model, max_context)
-        s = cls(model, state, tokens, max_context=max_context)
-        s.metadata = metadata
-        resume_conversation(model, s)
-        return s
-
-    def __repr__(self) -> str:
-        return (f"Session(position={self.position}, max_context={self.max_context}, "
-                f"state={self.nbytes / 2**20:.2f} MiB)")
-
-    def _repr_html_(self) -> str:
-        from html import escape
-        tail = ""
-        tok = self._model.tokenizer
-        if tok is not None and self._tokens:
-            text = tok.decode(self._tokens[-64:])
-            tail = f"<tr><td>last tokens</td><td><code>{escape(text[-300:])}</code></td></tr>"
-        return (f"<b>qwenmetal.Session</b><table><tr><td>position</td><td>{self.position} / {self.max_context}</td></tr>"
-                f"<tr><td>state</td><td>{self.nbytes / 2**20:.2f} MiB</td></tr>{tail}</table>")
-
-
-# ---------------------------------------------------------------------------------------------
-class Model:
-    """A loaded checkpoint on one backend."""
+class Model(ModelBase):
+    """A loaded checkpoint on one backend: the primitive calls (`qwenmetal.session.ModelBase`), generation,
+    chat and the caches."""
 
     def __init__(self, config: ModelConfig, weights, tokenizer, backend, path: str):
-        self.config = config
-        self.weights = weights
-        self.tokenizer = tokenizer
-        self._backend = backend
-        self.path = path
-        gc_path = os.path.join(path, "generation_config.json")
-        self.generation_config = _read_json(gc_path)
-        try:                                    # its sampling values are what unset options become
-            GenerationOptions().with_defaults(self.generation_config)
-        except ValueError as e:
-            raise CheckpointError(f"{gc_path}: {e}") from None
+        super().__init__(config, weights, tokenizer, backend, path)
         # a backend whose prefill runs in fixed chunks (metal, metal-sim) snapshots at its chunk boundaries:
         # the state there is what one of its command buffers left, so a resume re-runs whole chunks
-        chunk = getattr(backend, "snapshot_chunk", None)
+        chunk = self.snapshot_chunk
         self.prefix_cache: PrefixCache | None = PrefixCache() if chunk is None else PrefixCache(chunk_tokens=chunk)
         self.transcripts: TranscriptStore | None = TranscriptStore()
-        self._identity = None
 
     @classmethod
     def load(cls, path_or_id: str | os.PathLike, backend: str = "auto", *, revision: str | None = None,
@@ -209,7 +67,7 @@ class Model:
         set), command_buffer_seconds (modelled GPU time each prefill command buffer is cut to), and
         memory_budget / expert_slots / expert_policy as on cpu (slots in device buffers, per-layer command
         buffers); metal-sim also schedule, seed and device_options (SimDevice's modelled Mac limits:
-        pipeline_max_threads, working_set, watchdog_seconds); see `qwenmetal.metal_backend`.
+        pipeline_max_threads, working_set, watchdog_seconds); see `qwenmetal.backends.metal`.
         """
         factory = backend_factory(backend)
         path = resolve_checkpoint(path_or_id, revision)
@@ -218,100 +76,6 @@ class Model:
         tokenizer = load_tokenizer(path)
         impl = factory(weights, **options)
         return cls(config, weights, tokenizer, impl, path)
-
-    @property
-    def backend(self) -> str:
-        """The backend's name ("reference", "cpu", "metal", "metal-sim"; see `qwenmetal.backends`)."""
-        return self._backend.name
-
-    def backend_info(self) -> dict:
-        """What the backend reports of itself (threads and kernels on cpu; the device, its memory plan and
-        the expert cache on metal / metal-sim); {} for the reference."""
-        info = getattr(self._backend, "info", None)
-        return dict(info()) if info else {}
-
-    @property
-    def eos_token_ids(self) -> tuple:
-        """Stop ids: generation_config.json's, config.json's (top level and text_config) and the
-        tokenizer's eos, all of them (model-spec §7)."""
-        ids = list(self.config.eos_token_ids)
-        g = self.generation_config.get("eos_token_id")
-        for x in (g if isinstance(g, list) else [g]):
-            if isinstance(x, int) and x not in ids:
-                ids.append(x)
-        if self.tokenizer is not None:
-            for t in (self.tokenizer.eos_token_id, self.tokenizer.token_to_id("<|im_end|>")):
-                if t is not None and t not in ids:
-                    ids.append(t)
-        return tuple(ids)
-
-    @property
-    def identity(self) -> dict:
-        """What names this checkpoint (hash of config.json + the weight files' names, sizes and full
-        SHA-256, cached by `qwenmetal.session_io`); sessions saved with `Session.save` carry it and refuse
-        to load into another model. Raises CheckpointError if a weight file changed since loading."""
-        self.weights.check_unchanged()
-        if self._identity is None:
-            from .session_io import model_identity
-            self._identity = model_identity(self.path)
-        return self._identity
-
-    def new_session(self, max_context: int | None = None) -> Session:
-        """An empty session; `max_context` (1..max_position_embeddings, default: all of it) caps its length."""
-        if max_context is not None and not (0 < max_context <= self.config.max_position_embeddings):
-            raise ValueError(f"max_context must be in 1..{self.config.max_position_embeddings}")
-        return Session(self, self._backend.new_state(), max_context=max_context)
-
-    # ---- the two primitive calls ---------------------------------------------------------
-    def prefill(self, session: Session, token_ids: Sequence[int] | np.ndarray,
-                return_logits: str = "last") -> np.ndarray | None:
-        """Append `token_ids` to the session. Returns float32 logits of the last token ([vocab]),
-        of every token ([L, vocab]) or None, per `return_logits` ("last" | "all" | "none")."""
-        self._check_session(session)
-        if return_logits not in RETURN_LOGITS:
-            raise ValueError(f"return_logits must be one of {RETURN_LOGITS}, got {return_logits!r}")
-        ids = self._check_ids(token_ids, session)
-        # the backend commits the state and the session's tokens together (an interrupt lands before or after)
-        _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
-        return out
-
-    def decode_step(self, session: Session, token_id: int) -> np.ndarray:
-        """Append one token; returns the float32 logits [vocab] for the next one."""
-        if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)):
-            raise ValueError(f"decode_step takes one integer token id, got {token_id!r}")
-        return self.prefill(session, [int(token_id)], return_logits="last")
-
-    def _check_session(self, session):
-        if not isinstance(session, Session):
-            raise TypeError(f"expected a Session, got {type(session).__name__}")
-        if session._model is not self:
-            raise ValueError("this session belongs to another model")
-
-    def _check_ids(self, token_ids, session) -> np.ndarray:
-        if isinstance(token_ids, (str, bytes)):
-            raise ValueError("token_ids must be integers; encode text with model.tokenizer.encode() first")
-        try:
-            arr = np.asarray(token_ids)
-        except Exception:
-            raise ValueError(f"token_ids must be a sequence of integers, got {type(token_ids).__name__}") from None
-        if arr.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
-        if arr.size == 0:
-            raise ValueError("token_ids is empty")
-        if not np.issubdtype(arr.dtype, np.integer):
-            if arr.dtype == object and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr):
-                arr = arr.astype(np.int64)
-            else:
-                raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
-        V = self.config.vocab_size
-        bad = (arr < 0) | (arr >= V)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"token id {int(arr[j])} at index {j} is outside the vocabulary [0, {V})")
-        if session.position + arr.size > session.max_context:
-            raise ValueError(f"context overflow: {session.position} tokens in the session + {arr.size} new "
-                             f"> max_context {session.max_context}")
-        return arr.astype(np.int64)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = None, *,
@@ -347,7 +111,6 @@ class Model:
         Arguments are checked before the first output: invalid ones raise ValueError naming them.
         See docs/usage.md.
         """
-        from .generation import generate
         opts = GenerationOptions.build(
             options, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -364,7 +127,6 @@ class Model:
         (`Model.chat` checks them first; see `qwenmetal.chat.chat_turn`): the transcript of the longest
         answered prefix of the conversation plus the rendering of the rest, or the template's rendering
         (see `qwenmetal.transcripts`)."""
-        from .transcripts import chat_prompt
         p = chat_prompt(self, messages, tools=tools, enable_thinking=enable_thinking, **template_kwargs)
         return p.ids, p.head, p.text
 
@@ -373,7 +135,6 @@ class Model:
         session file per turn, at most `max_bytes`, default 4 GiB, least recently used removed), and read
         the ones already there, so a new process -- a restarted server -- continues those conversations
         without prefilling them. See `qwenmetal.prefix_cache.DiskTier`."""
-        from .transcripts import restore_from_disk
         if self.prefix_cache is None:
             raise ValueError("the prefix cache is off (model.prefix_cache is None): nothing to keep on disk")
         self.prefix_cache.attach_disk(self, directory, max_bytes)
@@ -384,7 +145,6 @@ class Model:
         """A new session holding the conversation `messages` as the model read and wrote it (the transcript
         of its last reply, else its rendering), with the messages in ``metadata``: `Session.save` it, and
         `Session.load` continues it. Uses the prefix cache, so after `chat` it prefills at most one token."""
-        from .transcripts import conversation_session
         return conversation_session(self, messages, tools=tools, enable_thinking=enable_thinking,
                                     **(chat_template_kwargs or {}))
 
@@ -401,8 +161,6 @@ class Model:
         only the new messages. `options` and the other keyword arguments are `generate`'s (max_tokens,
         temperature, stop, seed, sampler, ...).
         """
-        from .chat import chat_turn
-
         turn = chat_turn(self, messages, tools=tools, enable_thinking=enable_thinking,
                          template_kwargs=chat_template_kwargs)
         gen = turn.generate(self, options, **generate_kwargs)
@@ -412,29 +170,30 @@ class Model:
         turn.remember(self, r.message, r.tokens)
         return r
 
+    def session_loaded(self, session: Session) -> None:
+        """A loaded session holding a conversation goes into the prefix cache with its transcript."""
+        resume_conversation(self, session)
+
+    def _experts_streamed(self) -> str | None:
+        """How the routed experts are read when they are streamed from disk, else None."""
+        e = self.backend_info().get("experts")
+        if isinstance(e, dict) and e.get("streaming"):
+            return f"streamed from disk ({e.get('slots_per_layer')} slots per layer, {e.get('policy')})"
+        return None
+
     def __repr__(self) -> str:
+        streamed = self._experts_streamed()
+        experts = f", experts={streamed!r}" if streamed else ""
         return (f"Model(backend={self.backend!r}, path={self.path!r}, layout={self.weights.layout!r}, "
-                f"weights={self.weights.nbytes / 2**20:.1f} MiB,\n      {self.config!r})")
+                f"weights={self.weights.nbytes / 2**20:.1f} MiB{experts},\n      {self.config!r})")
 
     def _repr_html_(self) -> str:
-        from html import escape
         c = self.config
         rows = [("backend", self.backend), ("path", self.path), ("layout", self.weights.layout),
                 ("weights", f"{self.weights.nbytes / 2**20:.1f} MiB"),
+                ("experts", self._experts_streamed() or "resident"),
                 ("layers", f"{c.num_hidden_layers} ({len(c.linear_attention_layers)} Gated DeltaNet, "
                            f"{len(c.full_attention_layers)} attention)"),
                 ("tokenizer", repr(self.tokenizer)), ("prefix cache", repr(self.prefix_cache))]
         body = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows)
         return f"<b>qwenmetal.Model</b><table>{body}</table>" + c._repr_html_()
-
-
-def _read_json(path: str) -> dict:
-    import json
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON: {e}") from None
-    return d if isinstance(d, dict) else {}

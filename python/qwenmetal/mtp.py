@@ -19,7 +19,7 @@ are the final-normed hidden rows the verification calls return (`Drafter.observe
 model runs twice. The head's KV cache holds the (hidden, next token) pairs of the tokens generated in this
 generation (the prompt's hidden states are not computed, so its pairs are not in the cache).
 
-On any other backend: with the numpy reference (`qwenmetal.reference.ReferenceMtp`) on float32
+On any other backend: with the numpy reference (`qwenmetal.backends.reference.ReferenceMtp`) on float32
 (dequantized) weights. The head needs the main model's hidden states, which no backend
 returns, so the drafter runs its *own* reference session of the main model over the context, incrementally
 (each round feeds only the tokens added since the last), and keeps the MTP head's KV cache for the context's
@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .generation import sampleable_vocab
+from .backends.reference import ReferenceModel, ReferenceMtp
+from .memory import total_memory
+from .session import ModelBase
 from .speculative import Drafter
-
-if TYPE_CHECKING:
-    from .model import Model
+from .weights import load_mtp_head, to_float32
 
 __all__ = ["MtpDrafter"]
 
@@ -48,20 +48,17 @@ __all__ = ["MtpDrafter"]
 _REFERENCE_MODELS: dict = {}
 
 
-def _reference_model(model: "Model"):
+def _reference_model(model: ModelBase):
     """A `ReferenceModel` of `model`: the reference backend's own, else one on the dequantized weights
     (built once per loaded model)."""
-    from .reference import ReferenceModel
-
-    impl = getattr(model._backend, "impl", None)
+    impl = model.reference_model
     if isinstance(impl, ReferenceModel):
         return impl
     w = model.weights
     hit = _REFERENCE_MODELS.get(id(w))
     if hit is not None and hit[0]() is w:
         return hit[1]
-    from .reference_backend import _total_memory
-    need, total = w.dense_float32_nbytes(), _total_memory()
+    need, total = w.dense_float32_nbytes(), total_memory()
     if total and need > 0.75 * total:
         raise MemoryError(
             f"the MTP drafter computes with the numpy reference on float32 weights: {need / 2**30:.1f} GiB, more "
@@ -72,6 +69,23 @@ def _reference_model(model: "Model"):
     return ref
 
 
+#: model -> {id(params): (params, the native head)}: one native head per loaded model and head
+_NATIVE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _native_head(model: ModelBase, params: dict):
+    """The backend's native MTP head engine over `params` (built once per model and head), None where the
+    backend has none."""
+    heads = _NATIVE_HEADS.setdefault(model, {})
+    hit = heads.get(id(params))
+    if hit is None or hit[0] is not params:
+        head = model.mtp_head(params)
+        if head is None:
+            return None
+        hit = heads[id(params)] = (params, head)
+    return hit[1].engine
+
+
 class MtpDrafter(Drafter):
     """Greedy drafts from the MTP head (see the module docstring). Build with `for_model`.
 
@@ -80,7 +94,7 @@ class MtpDrafter(Drafter):
 
     name = "mtp"
 
-    def __init__(self, model: "Model", params: dict, *, hidden: str = "final_norm", source=None):
+    def __init__(self, model: ModelBase, params: dict, *, hidden: str = "final_norm", source=None):
         if hidden not in ("final_norm", "pre_norm"):
             raise ValueError(f"hidden must be 'final_norm' or 'pre_norm', got {hidden!r}")
         if not params:
@@ -99,11 +113,10 @@ class MtpDrafter(Drafter):
         return self._native is not None
 
     @classmethod
-    def for_model(cls, model: "Model", path: str | os.PathLike | None = None, **options) -> "MtpDrafter":
+    def for_model(cls, model: ModelBase, path: str | os.PathLike | None = None, **options) -> "MtpDrafter":
         """The drafter of `model`'s own MTP head, or of the separate MTP head folder at `path`. Raises
         ValueError when the checkpoint has no (complete) MTP head and no `path` is given."""
         if path is not None:
-            from .weights import load_mtp_head
             params, src = load_mtp_head(path, model.config)
             return cls(model, params, source=src, **options)
         w = model.weights
@@ -126,27 +139,21 @@ class MtpDrafter(Drafter):
 
     def _build(self) -> None:
         if self._head is None:
-            from .reference import ReferenceMtp
-            from .weights import to_float32
             self._ref = _reference_model(self.model)
             self._head = ReferenceMtp.from_model(self._ref, {k: to_float32(v) for k, v in self.params.items()})
 
-    def start(self, model: "Model") -> None:
+    def start(self, model: ModelBase) -> None:
         if model is not self.model:
             raise ValueError("this MtpDrafter was built for another model")
-        be = model._backend
-        if hasattr(be, "mtp_head") and self.hidden == "final_norm":
-            cache = model.__dict__.setdefault("_mtp_heads", {})
-            head = cache.get(id(self.params))
-            if head is None or head[0] is not self.params:
-                head = cache[id(self.params)] = (self.params, be.mtp_head(self.params))
-            self._native = head[1].engine
+        engine = _native_head(model, self.params) if self.hidden == "final_norm" else None
+        if engine is not None:
+            self._native = engine
             self._nstate = self._native.new_state()
             self._nh: dict = {}            # position -> the main model's hidden row there, not yet paired
             self._npos = 0                 # positions < this have their pair in the head's cache
         else:
             self._build()
-        self._vocab = sampleable_vocab(model)
+        self._vocab = model.sampleable_vocab
 
     def observe(self, position: int, hidden: np.ndarray) -> None:
         for j in range(hidden.shape[0]):

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
+import re
 from dataclasses import dataclass
 
 from .errors import InputError
-from .sampling import GENERATION_CONFIG_KEYS, SAMPLING_KEYS, Sampler, check_sampling
+from .sampling import SAMPLING_KEYS, Sampler, check_sampling, config_defaults
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ class GenerationOptions:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "GenerationOptions":
         """The options of a parsed ``qwenmetal generate`` / ``chat`` command line (see `cli`)."""
-        from .cli import unescape_stop
         return cls.build(max_tokens=args.max_tokens, **{k: getattr(args, k) for k in SAMPLING_KEYS},
                          stop=[unescape_stop(x) for x in args.stop] if args.stop else None,
                          ignore_eos=getattr(args, "ignore_eos", None))
@@ -103,12 +103,7 @@ class GenerationOptions:
         """These options with unset sampling parameters taken from a checkpoint's generation_config.json
         (``do_sample: false`` there means greedy: temperature 0). Values it holds that are not valid for
         qwenmetal raise InputError naming the option."""
-        g = generation_config or {}
-        kw = {k: g[k] for k in GENERATION_CONFIG_KEYS
-              if isinstance(g.get(k), numbers.Real) and not isinstance(g.get(k), bool)}
-        if g.get("do_sample") is False:
-            kw["temperature"] = 0.0
-        kw = {k: v for k, v in kw.items() if getattr(self, k) is None}
+        kw = {k: v for k, v in config_defaults(generation_config).items() if getattr(self, k) is None}
         return dataclasses.replace(self, **kw) if kw else self
 
     def sampler(self, generation_config: dict | None = None) -> Sampler:
@@ -122,3 +117,12 @@ def _count(name: str, v, lo: int) -> int:
     if v < lo:
         raise InputError(f"{name} must be an integer >= {lo}, got {v}", name)
     return int(v)
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape_stop(text: str) -> str:
+    """`--stop` values as a shell passes them: \\n, \\t, \\r and \\\\ become newline, tab, return and a
+    backslash (so `--stop "\\n\\n"` stops at a blank line); any other backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)

@@ -32,12 +32,12 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .model import SessionSnapshot
+from .session import SessionSnapshot
+from .session_io import read_tokens
 
 DEFAULT_CHUNK_TOKENS = 2048
 DEFAULT_DISK_BYTES = 4 << 30
@@ -234,8 +234,6 @@ class DiskTier:
     # ---- index -----------------------------------------------------------------------------------------
     def scan(self) -> None:
         """Index the files not indexed yet (and forget removed ones)."""
-        from .session_io import read_tokens
-
         with self._lock:
             self._scanned = time.monotonic()
             names = {p.name for p in self.directory.glob("*.safetensors")}
@@ -269,9 +267,6 @@ class DiskTier:
     def load_longest(self, tokens, longer_than: int = 0, allow_equal: bool = False):
         """The snapshot of the longest file whose tokens are a prefix of `tokens` and longer than
         `longer_than` (equal to `tokens` only if `allow_equal`), or None."""
-        from .model import SessionSnapshot
-        from .session_io import load_session
-
         tokens = tuple(tokens)
         with self._lock:
             name = self._longest(tokens, longer_than, allow_equal)
@@ -281,7 +276,7 @@ class DiskTier:
             while name is not None:
                 path = self.directory / name
                 try:
-                    loaded = load_session(path, self.model)
+                    snap = SessionSnapshot.load(path, self.model)
                     os.utime(path)                 # recently used
                 except (OSError, ValueError):      # removed meanwhile, or not readable after all
                     self._index.pop(name, None)
@@ -289,7 +284,7 @@ class DiskTier:
                     name = self._longest(tokens, longer_than, allow_equal)
                     continue
                 self.loads += 1
-                return SessionSnapshot(id(self.model), loaded.state, tuple(loaded.tokens))
+                return snap
             return None
 
     # ---- writes ----------------------------------------------------------------------------------------
@@ -322,12 +317,9 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, tokens: tuple, snap, md: dict) -> None:
-        from .model import Session
-        from .session_io import save_session
-
         name = hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:32] + ".safetensors"
         path = self.directory / name
-        save_session(Session(self.model, snap.state, tokens), path, md)
+        snap.save(path, md)
         with self._lock:
             self._index[name] = (tokens, md)
             self._skipped.discard(name)

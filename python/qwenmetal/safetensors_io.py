@@ -14,8 +14,8 @@ as plain arrays.
 from __future__ import annotations
 
 import json
-import mmap
 import math
+import mmap
 import os
 import stat
 from typing import Iterator, NamedTuple

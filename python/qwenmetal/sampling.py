@@ -19,6 +19,7 @@ The pipeline, in this order (documented in docs/usage.md):
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,6 +32,17 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                  "frequency_penalty", "seed")
 #: generation_config.json keys that give sampling defaults
 GENERATION_CONFIG_KEYS = SAMPLING_KEYS[:-1]
+
+
+def config_defaults(generation_config: dict | None) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json gives (``do_sample: false`` there means
+    greedy: temperature 0); its numbers only, checked later where they are used."""
+    g = generation_config or {}
+    kw = {k: g[k] for k in GENERATION_CONFIG_KEYS
+          if isinstance(g.get(k), numbers.Real) and not isinstance(g.get(k), bool)}
+    if g.get("do_sample") is False:
+        kw["temperature"] = 0.0
+    return kw
 
 
 def _number(name: str, v) -> float:
@@ -95,8 +107,11 @@ class Sampler:
     def from_generation_config(cls, generation_config: dict | None, **overrides) -> "Sampler":
         """Defaults from a checkpoint's generation_config.json (``do_sample: false`` means greedy), with
         ``overrides`` (``None`` values ignored) on top: ``GenerationOptions(**overrides).sampler(...)``."""
-        from .options import GenerationOptions
-        return GenerationOptions(**overrides).sampler(generation_config)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(given) - set(SAMPLING_KEYS)
+        if unknown:
+            raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**{**config_defaults(generation_config), **given})
 
     @property
     def greedy(self) -> bool:

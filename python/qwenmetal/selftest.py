@@ -41,9 +41,25 @@ from dataclasses import asdict, dataclass, field
 import ml_dtypes
 import numpy as np
 
+from . import msl_sim, quant
+from .backends.metal import DEFAULT_PREFILL_CHUNK, metal_available
+from .bench.checkpoint import ensure_checkpoint, real_config
+from .bench.cost import (
+    CHIP_BANDWIDTH_GBS,
+    CHIP_PEAK_TFLOPS,
+    CHIP_ROUTE,
+    LEVEL_LATENCY_S,
+    encode_only_cost,
+    encode_only_prefill_cost,
+    modelled_tok_s,
+)
+from .bench.timing import time_decode, time_prefill
+from .config import ModelConfig
 from .fileio import atomic_file
-from .metal_backend import (CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS, CHIP_ROUTE, DEFAULT_PREFILL_CHUNK,
-                            LEVEL_LATENCY_S, encode_only_cost, encode_only_prefill_cost, modelled_tok_s)
+from .model import Model
+from .native import core
+from .testing import cached_checkpoint
+from .version import __version__
 
 BF16 = ml_dtypes.bfloat16
 SCHEMA = "qwenmetal-selftest/1"
@@ -76,7 +92,7 @@ class Chip:
 
 
 def _max_chip(name: str, note: str) -> Chip:
-    """A Max chip from the cost model's figures (metal_backend.CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS /
+    """A Max chip from the cost model's figures (bench.cost.CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS /
     CHIP_ROUTE), so the selftest and the model compare against the same numbers."""
     route, peak = CHIP_ROUTE[name], CHIP_PEAK_TFLOPS[name]
     return Chip(name, CHIP_BANDWIDTH_GBS[name], peak if route == "simdgroup" else None,
@@ -175,7 +191,6 @@ class Report:
                 or any(self.four_k.get(k, {}).get("status") == "FAIL" for k in ("prediction", "measured")))
 
     def text(self) -> str:
-        from . import __version__
         d, chip = self.device, self.chip
         lines = [f"qwenmetal selftest report ({self.label})",
                  f"qwenmetal {__version__}, Python {platform.python_version()}, numpy {np.__version__}, "
@@ -341,7 +356,6 @@ def write_json(report: Report, path) -> None:
 
 def versions() -> dict:
     """The software and machine a report comes from."""
-    from . import __version__
     v = {"qwenmetal": __version__, "python": platform.python_version(), "numpy": np.__version__,
          "platform": platform.platform(), "machine": platform.machine(), "macos": platform.mac_ver()[0] or None,
          "cpus": os.cpu_count()}
@@ -350,7 +364,7 @@ def versions() -> dict:
     except (ValueError, OSError, AttributeError):   # pragma: no cover - a platform without these
         pass
     try:
-        from . import _core
+        _core = core()
         v["build_info"] = dict(_core.build_info())
     except (ImportError, AttributeError):           # pragma: no cover - a build without the extension
         pass
@@ -358,8 +372,7 @@ def versions() -> dict:
 
 
 def _device(sim: bool):
-    from . import _core
-    from .metal_backend import metal_available
+    _core = core()
     g = _core.gpu
     if not sim and metal_available():
         return g.MetalDevice(), "metal"
@@ -398,7 +411,6 @@ def compile_gate(dev) -> list:
     simulator's kernels (compiled into _core). Then every kernel of a compiled family is made into a pipeline
     (``prepare``) and its maxTotalThreadsPerThreadgroup read. The tensor-op GEMM family runs on M5 (apple10)
     GPUs only; elsewhere it is reported as skipped."""
-    from . import sim
     tensor = bool(dev.info.get("tensor_ops"))
     skip_reason = "this GPU has no Metal 4 tensor ops (gemm_tensor runs on M5 / apple10 GPUs only)"
     if hasattr(dev, "compile_all"):
@@ -409,7 +421,7 @@ def compile_gate(dev) -> list:
                  "reason": skip_reason if f == "gemm_tensor" else "not compiled for this GPU", "kernels": [],
                  "compiler": APPLE_COMPILER} for f in embedded if f not in ran]
     else:
-        lib, by_file = sim.builtin_library(), {}
+        lib, by_file = msl_sim.builtin_library(), {}
         for k in lib.kernels:
             by_file.setdefault(lib.kernel_info(k)["file"], []).append(k)
         out = []
@@ -442,7 +454,7 @@ def compile_gate(dev) -> list:
 def declared_threads(kernels) -> dict:
     """Each kernel's maxTotalThreadsPerThreadgroup on the simulator: its declared
     [[max_total_threads_per_threadgroup]], else 1024 -- what the host functions were verified with."""
-    from . import _core
+    _core = core()
     ref = _core.gpu.SimDevice(execute=False)
     out = {}
     for k in kernels:
@@ -498,7 +510,7 @@ def _upload(dev, a: np.ndarray, label=""):
 
 
 def _encode(dev, fn):
-    from . import _core
+    _core = core()
     cb = dev.command_buffer()
     enc = _core.gpu.Encoder(dev, cb)
     fn(enc)
@@ -507,7 +519,7 @@ def _encode(dev, fn):
 
 
 def check_norm(dev) -> tuple:
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     rng = np.random.default_rng(0)
     R, H = 3, 2048
@@ -522,7 +534,7 @@ def check_norm(dev) -> tuple:
 
 def check_qmv(dev) -> tuple:
     """4-bit group-64 GEMV at the real hidden size, bf16 scales, float activations."""
-    from . import _core, quant
+    _core = core()
     g = _core.gpu
     rng = np.random.default_rng(1)
     N, K = 64, 2048
@@ -538,7 +550,7 @@ def check_qmv(dev) -> tuple:
 
 def check_topk(dev) -> tuple:
     """Router softmax + top-8 of 256 experts, renormalised."""
-    from . import _core
+    _core = core()
     rng = np.random.default_rng(2)
     E, k = 256, 8
     logits = (3 * rng.standard_normal(E + 1)).astype(np.float32)
@@ -554,7 +566,7 @@ def check_topk(dev) -> tuple:
 
 def check_argmax(dev) -> tuple:
     """argmax over the real vocabulary (248,320 float logits), ties to the lowest index."""
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     rng = np.random.default_rng(3)
     V = 248320
@@ -570,15 +582,13 @@ def check_graph(backend: str, dtype: str) -> tuple:
     """The decode graph on the tiny checkpoint, teacher-forced over 16 steps: the float build against the CPU
     backend's exact arithmetic (float KV and activations), the bfloat build against the numpy reference's
     bfloat16 mode (MLX's rounding points); max logit error relative to the range, top-1 agreement, tok/s."""
-    import qwenmetal as qm
-    from .testing import cached_checkpoint
     path = cached_checkpoint("tiny", "mlx-q4", seed=0)
     prompt = [5, 17, 3, 99, 42, 7, 250, 1]
     if dtype == "float32":
-        ref = qm.Model.load(path, backend="cpu", kv_dtype="float32", activations="float")
+        ref = Model.load(path, backend="cpu", kv_dtype="float32", activations="float")
     else:
-        ref = qm.Model.load(path, backend="reference", dtype="bfloat16")
-    gpu = qm.Model.load(path, backend=backend, dtype=dtype)
+        ref = Model.load(path, backend="reference", dtype="bfloat16")
+    gpu = Model.load(path, backend=backend, dtype=dtype)
     sr, sg = ref.new_session(), gpu.new_session()
     want, got = ref.prefill(sr, prompt), gpu.prefill(sg, prompt)
     errs, agree, n = [], 0, 16
@@ -634,7 +644,7 @@ class _Inputs:
 
     def q4(self, rows: int, cols: int, count: int = 1, gs: int = 64):
         """a gpu.Matrix of `count` stacked [rows, cols] 4-bit group-`gs` matrices, bf16 scales and biases"""
-        from . import _core
+        _core = core()
         n = count * rows * cols
         return _core.gpu.Matrix("q4", rows, cols, self.words(n // 8), self.normal(n // gs, BF16, 0.02),
                                 self.normal(n // gs, BF16, 0.01), group_size=gs, count=count)
@@ -656,7 +666,7 @@ def _copies(real: bool, per_copy: int, cap: int = 256) -> int:
 
 
 def run_norm(dev, real: bool) -> FamilyRun:
-    from . import _core
+    _core = core()
     R, H = (4096, 2048) if real else (8, 256)
     inp = _Inputs(dev, 10)
     w = inp.normal(H)
@@ -668,7 +678,7 @@ def run_norm(dev, real: bool) -> FamilyRun:
 
 def run_quant(dev, real: bool) -> FamilyRun:
     """The LM head's GEMV (the largest matrix of a decode step)."""
-    from . import _core
+    _core = core()
     N, K = (248320, 2048) if real else (64, 256)
     inp = _Inputs(dev, 11)
     W, x, y = inp.q4(N, K), inp.normal(K), inp.out(4 * N)
@@ -679,7 +689,7 @@ def run_quant(dev, real: bool) -> FamilyRun:
 def run_moe(dev, real: bool) -> FamilyRun:
     """The routed experts of one decode token: gate/up then down over k of E experts (each run picks k
     experts no earlier run picked, so the expert weights come from memory)."""
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     E, k, H, I = (256, 8, 2048, 512) if real else (8, 2, 128, 64)
     inp = _Inputs(dev, 12)
@@ -696,7 +706,7 @@ def run_moe(dev, real: bool) -> FamilyRun:
 
 
 def run_sample(dev, real: bool) -> FamilyRun:
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     V = 248320 if real else 1000
     inp = _Inputs(dev, 13)
@@ -708,7 +718,7 @@ def run_sample(dev, real: bool) -> FamilyRun:
 
 def run_attention(dev, real: bool) -> FamilyRun:
     """Decode attention of one layer at CONTEXT cached keys (bf16 KV), each run another layer's cache."""
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     nh, nkv, hd, n_keys = (16, 2, 256, CONTEXT) if real else (4, 1, 32, 64)
     inp = _Inputs(dev, 14)
@@ -727,7 +737,7 @@ def run_attention(dev, real: bool) -> FamilyRun:
 
 def run_gdn(dev, real: bool) -> FamilyRun:
     """One Gated DeltaNet decode step (the recurrent state read and written), each run another layer's state."""
-    from . import _core
+    _core = core()
     ops = _core.gpu.ops
     s = ops.GdnShape(nk=16, nv=32, dk=128, dv=128, conv_kernel=4) if real else \
         ops.GdnShape(nk=2, nv=4, dk=16, dv=16, conv_kernel=4)
@@ -745,7 +755,7 @@ def run_gdn(dev, real: bool) -> FamilyRun:
 
 def _run_gemm(dev, real: bool, route: str) -> FamilyRun:
     """A prefill GEMM: M rows through a 4-bit [N, K] weight (the attention q projection of a chunk)."""
-    from . import _core
+    _core = core()
     M, N, K = (512, 8192, 2048) if real else (32, 64, 128)
     inp = _Inputs(dev, 16)
     W, x, y = inp.q4(N, K), inp.normal(M * K), inp.out(2 * M * N)
@@ -771,7 +781,7 @@ FAMILY_RUNS = [("attention", run_attention, False), ("gdn", run_gdn, False), ("g
 def time_family(dev, run: FamilyRun, runs: int, chip: Chip | None) -> dict:
     """A warm-up (one run on every input copy), then `runs` runs in one command buffer (cycling through the
     input copies), timed from commit to completion; bytes and FLOPs as the host functions declare them."""
-    from . import _core
+    _core = core()
     g = _core.gpu
     cb = dev.command_buffer()
     warm = g.Encoder(dev, cb)
@@ -825,7 +835,6 @@ def time_families(dev, *, real: bool, chip: Chip | None, runs: int | None = None
 def predict(cfg: dict, chip: Chip | None, *, context: int = CONTEXT, chunk: int = DEFAULT_PREFILL_CHUNK) -> dict:
     """The cost model's decode and prefill tokens/s at `context` for a config.json dict, for the Max chips
     and `chip` (decode from its bandwidth; prefill also needs its peak: None without one)."""
-    from .config import ModelConfig
     c = ModelConfig.from_dict(cfg)
     d = encode_only_cost(c, context=context)
     dec = dict(d["modelled_tok_s"])
@@ -850,19 +859,17 @@ def measure(backend: str, path, context: int = CONTEXT, *, decode_steps: int = D
             repeats: int = REPEATS, **options) -> dict:
     """Prefill of `context` tokens and decode at `context` cached tokens of the checkpoint at `path` on
     `backend` (qwenmetal.bench.timing: the synthetic prompt, median of `repeats`)."""
-    import qwenmetal as qm
-    from .bench.timing import time_decode, time_prefill
     max_context = context + decode_steps + 16
     t = time.perf_counter()
-    model = qm.Model.load(str(path), backend=backend, max_context=max_context, **options)
+    model = Model.load(str(path), backend=backend, max_context=max_context, **options)
     load_s = time.perf_counter() - t
     pre = time_prefill(model, context, repeats, warmup=1, max_context=max_context)
     dec = time_decode(model, context, decode_steps, repeats, max_context=max_context)
     dec.pop("counters", None)
-    b = model._backend
+    b = model.backend_info()
     return {"status": "pass", "backend": backend, "load_seconds": load_s, "layers": model.config.num_hidden_layers,
-            "prefill_chunk": int(getattr(b, "prefill_chunk", DEFAULT_PREFILL_CHUNK)),
-            "gemm_route": getattr(b, "gemm_route", None), "dtype": getattr(b, "dtype", None),
+            "prefill_chunk": int(b.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)),
+            "gemm_route": b.get("gemm_route"), "dtype": b.get("dtype"),
             "prefill": pre, "decode": dec}
 
 
@@ -880,7 +887,6 @@ def compare(measured: dict, prediction: dict, chip: Chip | None) -> dict:
 def four_k(report: Report, *, layers: int = MEASURE_LAYERS, context: int = CONTEXT,
            decode_steps: int = DECODE_STEPS, repeats: int = REPEATS) -> dict:
     """The 4K section: the prediction (always) and, on a GPU, the measured runs on the real-width checkpoint."""
-    from .bench.checkpoint import ensure_checkpoint, real_config
     chip = report.chip
     cfg = real_config(layers)
     out = {"context": context, "layers": layers, "config": f"Qwen3.6-35B-A3B widths, {layers} layers, random weights",

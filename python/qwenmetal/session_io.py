@@ -161,17 +161,14 @@ class LoadedSession(NamedTuple):
 
 def save_session(session, path, metadata: dict | None = None) -> None:
     """Write `session` to `path` atomically (format in the module docstring)."""
-    model = session._model
-    backend = model._backend
-    if not hasattr(backend, "state_to_arrays"):
-        raise NotImplementedError(f"backend {backend.name!r} does not implement state_to_arrays")
-    arrays = backend.state_to_arrays(session._state)
-    check_state_arrays(arrays, model.config, session.position, f"backend {backend.name!r}")
+    model = session.model
+    arrays = session.state_arrays()
+    check_state_arrays(arrays, model.config, session.position, f"backend {model.backend!r}")
     c = model.config
     header = {"format": FORMAT, "version": VERSION, "model": model.identity,
               "position": session.position, "max_context": session.max_context,
               "layers": {"attention": list(c.full_attention_layers), "linear_attention": list(c.linear_attention_layers)},
-              "saved_by_backend": backend.name, "metadata": metadata or {}}
+              "saved_by_backend": model.backend, "metadata": metadata or {}}
     try:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -244,9 +241,6 @@ def load_session(path, model, max_context: int | None = None) -> LoadedSession:
         raise ValueError(f"{path}: this session was saved from another model ({theirs.get('model_type')}, "
                          f"identity {theirs['identity'][:12]}…; {why}) than {model.path} "
                          f"(identity {mine['identity'][:12]}…)")
-    backend = model._backend
-    if not hasattr(backend, "state_from_arrays"):
-        raise NotImplementedError(f"backend {backend.name!r} does not implement state_from_arrays")
     position = header["position"]
     tokens = _tokens(sf, header, path)
     arrays = {k[len("state."):]: np.array(sf.get(k)) for k in sf.keys() if k.startswith("state.")}
@@ -258,7 +252,7 @@ def load_session(path, model, max_context: int | None = None) -> LoadedSession:
     mc = min(int(mc), model.config.max_position_embeddings)
     if position > mc:
         raise ValueError(f"{path}: {position} tokens do not fit max_context {mc}")
-    state = backend.state_from_arrays(arrays)
+    state = model.state_from_arrays(arrays)
     if state.position != position:
         raise ValueError(f"{path}: backend restored position {state.position}, expected {position}")
     return LoadedSession(state, [int(x) for x in tokens], mc, header.get("metadata", {}))

@@ -9,12 +9,10 @@ to k tokens after each sampled one, runs the sampled token and the k drafts thro
 * sampling: a draft d is a point proposal, kept with probability p(d) under the sampler's distribution,
   else replaced by a draw from p without d (`Sampler.verify_draft`) -- the output distribution is p.
 
-The rejected drafts leave the state with `rewind`. On the cpu backend, and in the Metal graph (metal,
-metal-sim) with resident experts, a verification call computes every row exactly as a one-token decode step
-does (docs/speculative.md), so the logits, the tokens and the state after a rejection are bit for bit those
-of plain decoding; the shared weights are read once for all rows. Other backends (the reference, Metal
-expert streaming) verify row by row (one decode step per row, the state copied after each), which is exact
-too but shares no weight reads.
+The rejected drafts leave the state with `rewind` (`verify` and `rewind` are the session layer's,
+`qwenmetal.session`). On the cpu backend, and in the Metal graph (metal, metal-sim) with resident experts, a
+verification call computes every row exactly as a one-token decode step does (docs/speculative.md), so the
+logits, the tokens and the state after a rejection are bit for bit those of plain decoding.
 
 `AdaptiveK` picks k from the measured acceptance rate and the measured cost of a round against a plain
 decode step, and turns speculation off (k = 0) when it does not pay.
@@ -22,92 +20,15 @@ decode step, and turns speculation off (k = 0) when it does not pay.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .generation import sampleable_vocab
 from .interrupts import sigint_deferred
-
-if TYPE_CHECKING:
-    from .model import Model, Session
+from .session import ModelBase, Session, rewind, rewindable, verify
 
 #: the most drafts per round (k); rows verified at once = k + 1
 MAX_DRAFT = 8
-
-
-# ---- verification -------------------------------------------------------------------------------
-def _native(be) -> bool:
-    """Whether the backend verifies and rewinds natively (cpu; metal and metal-sim with resident experts)."""
-    return bool(getattr(be, "native_verify", False))
-
-
-def verify(model: "Model", s: "Session", ids: Sequence[int], return_hidden: bool = False):
-    """Append `ids` to the session, returning the float32 logits of every one ([n, vocab]), and keep what
-    `rewind` needs to drop any tail of them again. Consecutive calls form one chain; `rewind` ends it.
-    Nothing else may run on the session in between. `return_hidden`: (logits, the final-normed hidden
-    rows [n, hidden]), on a backend with a native verification only."""
-    model._check_session(s)
-    arr = model._check_ids(ids, s)
-    be = model._backend
-    if _native(be):
-        return be.verify(s._state, arr, s._tokens, return_hidden=return_hidden) if return_hidden else \
-            be.verify(s._state, arr, s._tokens)
-    if return_hidden:
-        raise ValueError(f"the {be.name} backend does not return hidden states")
-    chain = _open_chain(s)
-    if not chain:
-        chain.append(s._state.copy())
-    start, n0 = len(chain), len(s._tokens)
-    rows = []
-    try:
-        for t in arr:                 # one decode step per row, the state after each kept
-            rows.append(model.prefill(s, [int(t)], "last"))
-            chain.append(s._state.copy())
-    except BaseException:             # all or nothing, as the engine's verification
-        with sigint_deferred():
-            s._state = chain[start - 1].copy()
-            del s._tokens[n0:]
-            del chain[start:]
-        raise
-    s.__dict__["_spec_chain_at"] = len(s._tokens)
-    return np.stack(rows)
-
-
-def _open_chain(s: "Session") -> list:
-    """The row-by-row fallback's chain of state copies on `s` (a new one if anything else ran on the
-    session since the last `verify`, as the engine's chain ends on any other call)."""
-    chain = s.__dict__.setdefault("_spec_chain", [])
-    if chain and s.__dict__.get("_spec_chain_at") != len(s._tokens):
-        chain.clear()
-    return chain
-
-
-def rewind(model: "Model", s: "Session", keep: int) -> None:
-    """End the chain of `verify` calls, keeping its first `keep` tokens: the session is bit for bit what
-    decoding just those would have left (state, position, tokens)."""
-    be = model._backend
-    if _native(be):
-        be.rewind(s._state, int(keep), s._tokens)
-        return
-    chain = _open_chain(s)
-    s.__dict__.pop("_spec_chain", None)
-    if not chain:
-        raise ValueError("nothing to rewind (no open verify chain on this session)")
-    if not 0 <= keep < len(chain):
-        raise ValueError(f"rewind keeps 0..{len(chain) - 1} tokens, got {keep}")
-    drop = len(chain) - 1 - keep
-    with sigint_deferred():
-        s._state = chain[keep]
-        if drop:
-            del s._tokens[-drop:]
-
-
-def rewindable(model: "Model", s: "Session") -> int:
-    """Tokens of the session's open `verify` chain (0: none)."""
-    if _native(model._backend):
-        return int(s._state.rewindable)
-    return max(len(_open_chain(s)) - 1, 0)
 
 
 # ---- drafters -----------------------------------------------------------------------------------
@@ -125,7 +46,7 @@ class Drafter:
     def observe(self, position: int, hidden: np.ndarray) -> None:
         pass
 
-    def start(self, model: "Model") -> None:
+    def start(self, model: ModelBase) -> None:
         pass
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
@@ -167,18 +88,18 @@ class DraftModel(Drafter):
 
     name = "model"
 
-    def __init__(self, model: "Model"):
+    def __init__(self, model: ModelBase):
         self.model = model
-        self.s: "Session | None" = None
+        self.s: Session | None = None
         self.base = 0                  # the draft session's position where its open chain starts
 
-    def start(self, model: "Model") -> None:
+    def start(self, model: ModelBase) -> None:
         if self.model.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs from the "
                              f"model's ({model.config.vocab_size})")
         self.s = self.model.new_session()
         self.base = 0
-        self.vocab = sampleable_vocab(self.model)
+        self.vocab = self.model.sampleable_vocab
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         m, s = self.model, self.s
@@ -233,21 +154,6 @@ class ScriptedDrafter(Drafter):
             t = self.script[p]
             out.append((t + 1) % self.vocab if p in self.bad else t)
         return out
-
-
-def make_drafter(spec, model: "Model") -> Drafter:
-    """The drafter `speculative=` names: "lookup", "mtp", a draft `Model`, or a `Drafter`."""
-    from .model import Model
-    if isinstance(spec, Drafter):
-        return spec
-    if isinstance(spec, Model):
-        return DraftModel(spec)
-    if spec == "lookup":
-        return PromptLookup()
-    if spec == "mtp":
-        from .mtp import MtpDrafter
-        return MtpDrafter.for_model(model)
-    raise ValueError(f"speculative must be 'lookup', 'mtp', a draft Model or a Drafter, got {spec!r}")
 
 
 # ---- the draft length -------------------------------------------------------------------------------
@@ -327,7 +233,7 @@ class AdaptiveK:
 
     def stats(self) -> dict:
         return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,   # None: nothing drafted
                 "draft_length": self.last}
 
 
@@ -339,7 +245,7 @@ class Speculation:
     ``end_round(accepted)`` before feeding the next token; ``close()`` ends an open chain keeping what was
     fed, so the session holds what plain decoding would have fed, however the generation ends."""
 
-    def __init__(self, model: "Model", s: "Session", drafter: Drafter, k: int | None):
+    def __init__(self, model: ModelBase, s: Session, drafter: Drafter, k: int | None):
         self.model, self.s, self.drafter = model, s, drafter
         self.k = AdaptiveK(fixed=k)
         self.rounds = 0
@@ -352,13 +258,10 @@ class Speculation:
         """`Model.prefill` of the session; a drafter that wants hidden states gets every row's, on a backend
         that returns them (cpu)."""
         m, s = self.model, self.s
-        be = m._backend
-        if not (self.drafter.wants_hidden and hasattr(be, "forward_hidden")):
+        if not (self.drafter.wants_hidden and m.returns_hidden):
             return m.prefill(s, ids, logits)
-        m._check_session(s)
-        arr = m._check_ids(ids, s)
         pos = s.position
-        out, hidden = be.forward_hidden(s._state, arr, logits, s._tokens)
+        out, hidden = m.prefill_hidden(s, ids, logits)
         self.drafter.observe(pos, hidden)
         return out
 

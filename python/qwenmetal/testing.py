@@ -54,6 +54,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
+import tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from . import checkpoint_writer as _writer
 from . import convert as _convert
@@ -249,8 +251,6 @@ _family = _convert.family
 
 @functools.lru_cache(maxsize=None)
 def _tokenizer_json(family: str) -> str:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
 
     regex = _QWEN2_REGEX if family == "qwen3_next" else _QWEN35_REGEX
 
@@ -291,7 +291,6 @@ def _tokenizer_json(family: str) -> str:
 
 def build_tokenizer(config: str | Mapping[str, Any] = "tiny"):
     """The fixture tokenizer (a ``tokenizers.Tokenizer``) for a preset name or config dict."""
-    from tokenizers import Tokenizer
     return Tokenizer.from_str(_tokenizer_json(_family(_resolve_config(config))))
 
 
@@ -473,7 +472,6 @@ def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int, mtp:
     """A short hash of everything a generated checkpoint's bytes depend on (config, format, seed, the
     generator's version, numpy and tokenizers, and ``mtp`` when set): the cache key of
     :func:`cached_checkpoint`."""
-    import tokenizers
 
     d = {"config": _resolve_config(config), "format": format, "seed": int(seed),
          "version": FIXTURE_VERSION, "numpy": np.__version__, "tokenizers": tokenizers.__version__}
@@ -506,3 +504,21 @@ def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "m
         if (dest / "config.json").is_file():          # built concurrently by someone else
             return dest
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# random parameters for the numpy model
+# ---------------------------------------------------------------------------------------------
+def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict:
+    """Random parameters with the canonical names and shapes for ``config``, as ``dtype``.
+
+    Drawn by the random checkpoint writer (:func:`qwenmetal.checkpoint_writer.canonical_params`, the one
+    source of random weights: same per-name generator and tensor list as every fixture checkpoint) with
+    its ``"reference"`` scales: input-side projections ~ N(0, clip(1/sqrt(fan_in), 0.02, 0.1)), the
+    residual-writing ones (``o_proj``, ``out_proj``, every ``down_proj``) ~ N(0, 0.02), embeddings ~
+    N(0, 0.5), so that each layer adds a modest update to a residual stream that dominates, as in a
+    trained pre-norm model (see ``checkpoint_writer.INITS`` for why); shifted norm weights and
+    ``linear_attn.norm`` ~ 1 + N(0, 0.1); conv taps ~ N(0, 0.3); ``A_log = log(U(1, 8))``; ``dt_bias ~
+    U(-1, 1)``; router ~ N(0, 0.3) so that routing is not uniform; ``shared_expert_gate`` ~ N(0, 0.1).
+    """
+    return {k: v.astype(dtype) for k, v in _writer.canonical_params(config, seed, "reference").items()}

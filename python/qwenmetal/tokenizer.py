@@ -14,6 +14,11 @@ import json
 import os
 from typing import Sequence
 
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders
+from tokenizers import Tokenizer as HFTokenizer
+
 from .errors import CheckpointError
 
 
@@ -71,7 +76,6 @@ def _normalize_messages(messages) -> list:
 
 
 def _raise_exception(msg):
-    from jinja2.exceptions import TemplateError
     raise TemplateError(msg)
 
 
@@ -79,8 +83,6 @@ class Tokenizer:
     """A checkpoint's tokenizer (tokenizer.json through HF ``tokenizers``) and chat template."""
 
     def __init__(self, directory: str | os.PathLike):
-        from tokenizers import AddedToken
-        from tokenizers import Tokenizer as HFTokenizer
 
         self.directory = os.fspath(directory)
         tj = os.path.join(self.directory, "tokenizer.json")
@@ -109,7 +111,6 @@ class Tokenizer:
         self._added = {int(i): t for i, t in self._tok.get_added_tokens_decoder().items()}
         self.special_ids = frozenset(i for i, t in self._added.items() if t.special)
         try:
-            from tokenizers import decoders
             self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         except Exception:  # pragma: no cover - very old tokenizers
             self.byte_level = False
@@ -207,9 +208,7 @@ class Tokenizer:
         if kwargs.get("enable_thinking", 0) is None:
             kwargs.pop("enable_thinking")          # None: the template's default
         messages = _normalize_messages(messages)
-        from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \

@@ -40,10 +40,19 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .errors import InputError
+
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_TOKENS = 1 << 23                 # 32 MiB of int32 ids
 PRESERVE_THINKING = "preserve_thinking"
 _DROPPED = ("reasoning_content", "reasoning")
+
+
+def check_chat_support(model) -> None:
+    """Raise ValueError saying why `model` cannot chat (no tokenizer.json; no chat template), if it cannot."""
+    if model.tokenizer is None:
+        raise InputError(f"{model.path}: no tokenizer.json, so chat is not available")
+    model.tokenizer.require_chat_template()
 
 
 def _text(content) -> str:
@@ -203,7 +212,6 @@ def chat_prompt(model, messages: Sequence[dict], *, tools=None, enable_thinking:
                 **template_kwargs) -> ChatPrompt:
     """The prompt for answering `messages`: the transcript of the longest answered prefix that lines up with
     the rendering of the rest, plus that rendering; else the plain rendering (module docstring)."""
-    from .chat import check_chat_support
     check_chat_support(model)
     tk = model.tokenizer
     messages = list(messages)
@@ -307,7 +315,6 @@ def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_
     else its rendering without a generation prompt. Resumes from the prefix cache and prefills the rest.
     ``session.metadata`` holds the messages and how they were rendered, which `resume_conversation` reads
     back (`Session.save` writes it)."""
-    from .chat import check_chat_support
     check_chat_support(model)
     tk = model.tokenizer
     messages = list(messages)

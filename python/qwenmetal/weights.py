@@ -46,13 +46,31 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError
-from .quant import infer_bits_and_group_size
+from .native import core
+from .quant import dequantize, infer_bits_and_group_size
 from .safetensors_io import TensorSource
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 SHIFTED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+# the routed-expert matrices of one MoE layer, in the order of its parts
+EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_names(layer: int) -> list[str]:
+    """Canonical names of one MoE layer's routed-expert stacks, in part order."""
+    return [f"layers.{layer}.mlp.switch_mlp.{m}" for m in EXPERT_MATRICES]
+
+
+def moe_layers(config) -> list[int]:
+    """The indices of the layers with a mixture-of-experts MLP."""
+    return [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether canonical tensor `name` is a routed expert stack (the part expert streaming reads from disk)."""
+    return ".mlp.switch_mlp." in name
 
 
 @dataclass
@@ -85,9 +103,8 @@ class QuantizedTensor:
     def dequantize(self) -> np.ndarray:
         """float32 values, by the compiled dequantizer (same result as `quant.dequantize`)."""
         try:
-            from . import _core
+            _core = core()
         except ImportError:   # running from a source tree without the built extension
-            from .quant import dequantize
             return dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size)
         rows = int(np.prod(self.weight.shape[:-1]))
         out = _core.dequantize_affine(
@@ -506,7 +523,6 @@ def load_mtp_head(path: str | os.PathLike, config: ModelConfig) -> tuple[dict, T
         raise CheckpointError(f"{cfg_path}: hidden_size {text.get('hidden_size')} does not match the model's "
                               f"{config.hidden_size}")
     qblock = d.get("quantization") or d.get("quantization_config")
-    from .config import QuantizationConfig
     quant = QuantizationConfig.from_dict(qblock) if qblock else None
     src = TensorSource(path)
     hf = any(k.startswith("mtp.") for k in src.keys())

@@ -14,17 +14,17 @@ import numpy as np
 
 from .errors import CheckpointError, InputError
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
-from .weights import QuantizedTensor, Weights
+from .weights import QuantizedTensor, Weights, is_routed_expert
 
-_NP_DTYPE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+NP_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
              np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 
 
-def _ptr(a: np.ndarray) -> int:
+def ptr(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def _root_buffer(a: np.ndarray):
+def root_buffer(a: np.ndarray):
     """The object whose memory `a` views (an mmap for tensors read from a safetensors file), or None."""
     b = a
     while isinstance(b, np.ndarray) and b.base is not None:
@@ -56,25 +56,25 @@ class _Table:
             else:
                 a = np.ascontiguousarray(a)
         extent = (a.shape[0] - 1) * stride + a[0].nbytes if stride else a.nbytes
-        root = _root_buffer(a)
+        root = root_buffer(a)
         if root is not None and not isinstance(root, (bytes, bytearray)):
             key = id(root)
             if key not in self._by_id:
                 base = np.frombuffer(root, np.uint8)
                 self._by_id[key] = len(self.mappings)
-                self.mappings.append((getattr(root, "name", "") or f"mapping {len(self.mappings)}", _ptr(base),
+                self.mappings.append((getattr(root, "name", "") or f"mapping {len(self.mappings)}", ptr(base),
                                       int(base.nbytes)))
                 self.keep.append(base)
             m = self._by_id[key]
             _, base_ptr, size = self.mappings[m]
-            off = _ptr(a) - base_ptr
+            off = ptr(a) - base_ptr
             if 0 <= off and off + extent <= size:
                 self.keep.append(a)
                 return (m, off, int(extent)), stride
         # a tensor the loader built (converted, stacked, shifted): a mapping of its own
         a = np.ascontiguousarray(a)
         self.keep.append(a)
-        self.mappings.append((name, _ptr(a), int(a.nbytes)))
+        self.mappings.append((name, ptr(a), int(a.nbytes)))
         return (len(self.mappings) - 1, 0, int(a.nbytes)), 0
 
     def add(self, name: str, t) -> None:
@@ -85,14 +85,14 @@ class _Table:
             if ss != bs:   # scales and biases share one stride in the table
                 (sc, ss), (bi, bs) = self.span(np.ascontiguousarray(s), name + ".scales"), \
                     self.span(np.ascontiguousarray(t.biases), name + ".biases")
-            self.tensors[name] = dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_NP_DTYPE[s.dtype],
+            self.tensors[name] = dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=NP_DTYPE_NAMES[s.dtype],
                                       shape=list(t.shape), data=w, scales=sc, biases=bi, stride=ws, sstride=ss)
             return
         a = np.asarray(t)
-        if a.dtype not in _NP_DTYPE:
+        if a.dtype not in NP_DTYPE_NAMES:
             a = a.astype(np.float32)
         data, stride = self.span(a, name)
-        self.tensors[name] = dict(bits=0, group_size=0, dtype=_NP_DTYPE[a.dtype], sdtype="bfloat16", shape=list(a.shape),
+        self.tensors[name] = dict(bits=0, group_size=0, dtype=NP_DTYPE_NAMES[a.dtype], sdtype="bfloat16", shape=list(a.shape),
                                   data=data, scales=None, biases=None, stride=stride, sstride=0)
 
 
@@ -200,7 +200,6 @@ def config_widths(config) -> dict:
     ``group_size`` its default, ``router_bits`` the router's override, ``expert_bits`` the routed
     experts' override), or {} for a dense config. CheckpointError when the routed experts' overrides
     differ between layers (a per-layer recipe only the weights themselves can size)."""
-    from .streaming import is_routed_expert      # (streaming builds on this module)
 
     q = config.quantization
     if q is None:
@@ -216,3 +215,33 @@ def config_widths(config) -> dict:
     if routers:
         out["router_bits"] = next(iter(routers))
     return out
+
+
+def tensor_format(t) -> dict:
+    """The format and shape of a linear tensor, without its data (a streamed stack's descriptor)."""
+    if isinstance(t, QuantizedTensor):
+        sd = t.scales.dtype
+        return dict(bits=t.bits, group_size=t.group_size, dtype="float32",
+                    sdtype=NP_DTYPE_NAMES.get(sd, str(sd)), shape=list(t.shape))
+    a = np.asarray(t)
+    return dict(bits=0, group_size=0, dtype=NP_DTYPE_NAMES.get(a.dtype, str(a.dtype)), sdtype="bfloat16",
+                shape=list(a.shape))
+
+
+def config_dict(c) -> dict:
+    """The model config as the C++ engines take it (src/core/config.h)."""
+    return dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        layer_is_attention=[c.is_full_attention(i) for i in range(c.num_hidden_layers)],
+        layer_is_moe=[c.is_moe_layer(i) for i in range(c.num_hidden_layers)],
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, rotary_dim=c.rotary_dim, attn_output_gate=c.attn_output_gate,
+        rope_theta=float(c.rope_theta),
+        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
+        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
+        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+        intermediate_size=c.intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+        rms_norm_eps=float(c.rms_norm_eps), tie_word_embeddings=bool(c.tie_word_embeddings))

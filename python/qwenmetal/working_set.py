@@ -7,7 +7,7 @@ and slows down by orders of magnitude, or the process is killed. So `plan` decid
 1. **resident**: the weights + the KV cache at the requested context + the GDN state + the graph's scratch
    (decode buffers and one prefill chunk) fit the working set;
 2. **smaller chunk**: they fit with a smaller prefill chunk (the chunk's scratch is most of the graph's);
-3. **stream**: the routed experts are read from disk into a bounded cache (qwenmetal.streaming) sized from
+3. **stream**: the routed experts are read from disk into a bounded cache (qwenmetal.expert_streaming) sized from
    what the working set leaves after everything else;
 4. otherwise a clear error with the figures.
 
@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .config import KV_ELEMENT_BYTES, session_bytes
-from .cpu_backend import config_dict
 from .errors import InputError
-from .streaming import StreamPlan, size_text
-from .streaming import plan as stream_plan
-from .weights_table import virtual_weight_table
+from .expert_streaming import StreamPlan, size_text
+from .expert_streaming import plan as stream_plan
+from .native import core
+from .weights_table import config_dict, virtual_weight_table
 
 # What the planner tries when the default chunk does not fit, largest first (never below 256 rows: a
 # smaller chunk costs prefill speed for little memory).
@@ -41,19 +41,16 @@ def mac_working_set(memory_bytes: int) -> int:
     return int(memory_bytes * (2 / 3 if memory_bytes <= 36 * 2**30 else 3 / 4))
 
 
-def _core():
-    from . import _core
-    return _core
 
 
 def graph_bytes(config, chunk: int, dtype: str = "bfloat16", kv_dtype: str = "bfloat16") -> int:
     """Bytes the Metal graph allocates for itself besides the weights and a session's state: the decode
     scratch and the scratch of one prefill chunk of `chunk` rows. Measured by building the engine on an
     encode-only device over virtual weights of `config` (nothing runs, nothing is read)."""
-    core = _core()
+    ext = core()
     mappings, tensors, _ = virtual_weight_table(config)
-    dev = core.gpu.SimDevice(execute=False)
-    eng = core.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+    dev = ext.gpu.SimDevice(execute=False)
+    eng = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                              kv_dtype == "float32", {}, [], {"chunk": int(chunk)})
     eng.reserve_prefill(int(chunk))
     # less the virtual checkpoint's own buffers (an encode-only device allocates them) and the stacked
@@ -101,7 +98,7 @@ def plan(config, weights_or_sizes, working_set: int, *, context: int = DEFAULT_C
     """The plan for `config` with the tensors of `weights_or_sizes` (a Weights or name -> bytes) on a GPU
     whose working set is `working_set` bytes (0: unknown, nothing is limited by it), for sessions of up to
     `context` tokens and prefill chunks of up to `chunk` rows; memory_budget / expert_* as
-    qwenmetal.streaming.plan takes them (the expert plan is also bounded by the working set). Raises
+    qwenmetal.expert_streaming.plan takes them (the expert plan is also bounded by the working set). Raises
     InputError naming the figures when even streaming cannot fit."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise InputError(f"context must be a positive integer, got {context!r}", "context")

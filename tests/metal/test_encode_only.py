@@ -1,5 +1,5 @@
 """Costing the real Qwen3.6-35B-A3B decode step without its weights: the graph encoded on an encode-only
-simulator device over a virtual weights table (qwenmetal.metal_backend.encode_only_cost, and
+simulator device over a virtual weights table (qwenmetal.backends.metal.encode_only_cost, and
 `qwenmetal bench --backend metal-sim --encode-only --json`). The counts are properties of the graph and
 the host functions, not timings, so the issue's targets are asserted here: bytes per token <= 1.05x the
 floor, <= 300 dependency levels, one command buffer per token, host waits only to read each token; and
@@ -12,7 +12,7 @@ import pytest
 
 from qwenmetal import bench, cli
 from qwenmetal.config import ModelConfig
-from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_only_prefill_cost, slowest_chip
+from qwenmetal.bench.cost import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_only_prefill_cost, slowest_chip
 
 # per prefill chunk of the real config (40 layers): bounds on the graph's size (measured: 622 levels, 702
 # dispatches with the chunked GDN form; 562 / 642 with the scan of short chunks)

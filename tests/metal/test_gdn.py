@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwenmetal import reference as R
+from qwenmetal.backends import reference as R
+from qwenmetal.testing import random_params
 
 from .gpu_harness import ACT, BF16, SCHEDULES, gpu, ops, rel_err, run
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qwenmetal import reference
+from qwenmetal.backends import reference
 
 from .gpu_harness import ACT, BF16, SCHEDULES, SIM, gpu, ops, rel_err, run
 from .wmat import FORMATS, QN_FORMATS, assert_close, cols_for, fmt_bits, make, raw, variant

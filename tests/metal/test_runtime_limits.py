@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 import qwenmetal as qm
 from qwenmetal import _core, bench
 from qwenmetal.config import ModelConfig
-from qwenmetal.cpu_backend import config_dict
-from qwenmetal.metal_backend import encode_only_prefill_cost, prefill_options, slowest_chip
+from qwenmetal.backends.cpu import config_dict
+from qwenmetal.bench.cost import encode_only_prefill_cost, slowest_chip
+from qwenmetal.backends.metal import prefill_options
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights_table import virtual_weight_table
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qwenmetal import _core, cli, selftest
-from qwenmetal.metal_backend import CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS
+from qwenmetal.bench.cost import CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS
 
 g = _core.gpu
 M1_MAX = {"name": "Apple M1 Max", "family": "apple7", "max_buffer_length": 2**34, "max_threads_per_threadgroup": 1024,

@@ -13,13 +13,39 @@ The names below are the public API (``qwenmetal.bench.X``), re-exported from tho
 """
 from .bandwidth import measure_read_bandwidth
 from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, STATE_ELEMENT_BYTES, decode_bytes, tensor_sizes
-from .checkpoint import (CHECKPOINT_FORMAT, ensure_checkpoint, layer_types, qwen35_397b_config, real_config,
-                         resolve_config)
-from .cli import (DEFAULT_CONTEXTS, DEFAULT_PREFILL, QUICK_CONTEXTS, QUICK_PREFILL, SCHEMA, add_arguments,
-                  format_encode_only, format_table, main, main_args, run, run_encode_only)
+from .checkpoint import (
+                         CHECKPOINT_FORMAT,
+                         ensure_checkpoint,
+                         layer_types,
+                         qwen35_397b_config,
+                         real_config,
+                         resolve_config,
+)
+from .cli import (
+                         DEFAULT_CONTEXTS,
+                         DEFAULT_PREFILL,
+                         QUICK_CONTEXTS,
+                         QUICK_PREFILL,
+                         SCHEMA,
+                         add_arguments,
+                         format_encode_only,
+                         format_table,
+                         main,
+                         main_args,
+                         run,
+                         run_encode_only,
+)
 from .load import ForeignLoad, busy_fraction, wait_quiet
-from .timing import (PROMPT_MULTIPLIER, describe_machine, fnv1a, machine_info, peak_rss_bytes, synthetic_prompt,
-                     time_decode, time_prefill)
+from .timing import (
+                         PROMPT_MULTIPLIER,
+                         describe_machine,
+                         fnv1a,
+                         machine_info,
+                         peak_rss_bytes,
+                         synthetic_prompt,
+                         time_decode,
+                         time_prefill,
+)
 
 __all__ = ["measure_read_bandwidth", "BACKEND_KV_DEFAULT", "KV_ELEMENT_BYTES", "STATE_ELEMENT_BYTES",
            "decode_bytes", "tensor_sizes", "CHECKPOINT_FORMAT", "ensure_checkpoint", "layer_types", "qwen35_397b_config", "real_config",

@@ -6,6 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+
+from ..memlimit import drop_page_cache
 
 _BW_CHILD = r"""
 import json, sys, threading, time
@@ -55,10 +59,7 @@ def measure_file_read(paths, nbytes: int = 1 << 30, threads: int = 4, chunk: int
     are evicted from the page cache first (POSIX_FADV_DONTNEED), then up to `nbytes` of them are read with
     `threads` threads of `chunk`-byte preads -- the access pattern of expert streaming's I/O pool, at a
     larger request size. GB/s = 1e9 bytes. Evicted again afterwards, so the benchmark starts cold."""
-    import threading
-    import time
 
-    from ..memlimit import drop_page_cache
 
     spans, left = [], int(nbytes)
     for p in paths:

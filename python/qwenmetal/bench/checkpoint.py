@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..testing import PRESETS, cached_checkpoint, wrap_text_config
+
 CHECKPOINT_FORMAT = "mlx-q4"
 
 
@@ -93,12 +95,10 @@ def resolve_config(spec: str | Mapping[str, Any] = "real", layers: int | None = 
         with open(p, encoding="utf-8") as f:
             cfg = json.load(f)
     else:
-        from ..testing import PRESETS
         if spec not in PRESETS:
             raise ValueError(f"unknown config {spec!r}: 'real', a path to a config.json, or one of {sorted(PRESETS)}")
         cfg = copy.deepcopy(PRESETS[spec])
     if cfg.get("model_type") == "qwen3_5_moe_text":
-        from ..testing import wrap_text_config
         cfg = wrap_text_config(cfg)
     if cfg.get("model_type") != "qwen3_5_moe":
         raise ValueError(f"the benchmark generator writes qwen3_5_moe checkpoints, got {cfg.get('model_type')!r}")
@@ -119,9 +119,8 @@ _BUILD_CHILD = ("import json, sys; from qwenmetal.testing import make_checkpoint
 
 
 def _build_in_child(dest: Path, cfg: dict, format: str, seed: int) -> Path:
-    import qwenmetal
     env = dict(os.environ)
-    root = str(Path(qwenmetal.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])      # the directory holding the package
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     r = subprocess.run([sys.executable, "-c", _BUILD_CHILD, str(dest), json.dumps(cfg), format, str(seed)], env=env)
     if r.returncode and not (dest / "config.json").is_file():     # else: finished concurrently by another
@@ -138,7 +137,6 @@ def ensure_checkpoint(cfg: Mapping[str, Any], seed: int = 0, name: str = "bench"
     ``paths.cache_dir("bench")/<name>-L<layers>-<format>-seed<seed>-<key>``
     (:func:`qwenmetal.testing.cached_checkpoint`; the key changes with the config, the seed and the
     generator). Written atomically, in a child process."""
-    from ..testing import cached_checkpoint
 
     cfg = resolve_config(cfg)
     log = log or (lambda s: None)

@@ -45,14 +45,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..cli import add_expert_args, expert_options
+from .. import memlimit
+from ..backends.metal import DEFAULT_PREFILL_CHUNK, sim_available
+from ..bench.cost import encode_only_cost, encode_only_prefill_cost, encode_only_verify_cost
+from ..cli_args import add_expert_args, expert_options
+from ..config import ModelConfig
+from ..memory import parse_budget
+from ..model import Model
+from ..version import __version__
 from .bandwidth import measure_file_read, measure_read_bandwidth
 from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, tensor_sizes
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
-from .timing import describe_machine, machine_info, peak_rss_bytes, time_decode, time_prefill
 from .speculative import format_speculative, run_speculative
+from .timing import describe_machine, machine_info, peak_rss_bytes, time_decode, time_prefill
 
 SCHEMA = "qwenmetal-bench/1"
 DEFAULT_PREFILL = (128, 512, 2048)
@@ -66,7 +73,6 @@ QUICK_CONTEXTS = (16, 64)
 def load_model(args: argparse.Namespace, threads: int, log: Callable[[str], None]):
     """The model a benchmark runs: --model, or the generated checkpoint of --config/--layers, on --backend
     with its options. Returns (model, checkpoint path, config name, options, load seconds)."""
-    import qwenmetal as qm
 
     if args.model:
         path = Path(args.model)
@@ -96,13 +102,12 @@ def load_model(args: argparse.Namespace, threads: int, log: Callable[[str], None
             raise ValueError(f"--option takes KEY=VALUE, got {kv!r}")
         options[k] = int(v) if v.lstrip("-").isdigit() else v
     t = time.perf_counter()
-    model = qm.Model.load(str(path), backend=backend, **options)
+    model = Model.load(str(path), backend=backend, **options)
     load_s = time.perf_counter() - t
     return model, path, cfg_name, options, load_s
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
-    import qwenmetal as qm
 
     prefill_lens = _ints(args.prefill) if args.prefill else (QUICK_PREFILL if args.quick else DEFAULT_PREFILL)
     contexts = _ints(args.contexts) if args.contexts else (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     model, path, cfg_name, options, load_s = load_model(args, threads, log)
     c = model.config
     backend = model.backend
-    kv_dtype = args.kv_dtype or getattr(model._backend, "kv_dtype", None) or BACKEND_KV_DEFAULT.get(backend, "bfloat16")
+    kv_dtype = args.kv_dtype or model.backend_info().get("kv_dtype") or BACKEND_KV_DEFAULT.get(backend, "bfloat16")
     kv_el = KV_ELEMENT_BYTES.get(kv_dtype, 2)
     sizes = tensor_sizes(model.weights)
     machine = machine_info()
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     result: dict = {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "qwenmetal_version": getattr(qm, "__version__", None),
+        "qwenmetal_version": __version__,
         "machine": machine,
         "model": {"config": cfg_name, "checkpoint": str(path), "layers": c.num_hidden_layers,
                   "full_attention_layers": len(c.full_attention_layers),
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                   "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
                   "weights_bytes": int(sum(sizes.values()))},
         "backend": backend, "options": options, "threads": threads, "kv_dtype": kv_dtype,
-        "engine": model._backend.info() if hasattr(model._backend, "info") else {},
+        "engine": model.backend_info(),
         "method": {"repeats": repeats, "decode_steps": steps, "warmup": "1 exact-shape prefill; 4 decode steps",
                    "statistic": "median", "prompt": "token i = ((i*2654435761) mod 2^32) mod vocab"},
         "load_seconds": load_s, "busy_before": busy,
@@ -266,7 +271,6 @@ def checkpoint_bytes(path) -> int:
 def parse_size(value: str, what: str, whole: int):
     """A size argument: "auto", "none", bytes or a size like "8GiB" (streaming.parse_budget), or "N%" of
     `whole` (the checkpoint's bytes)."""
-    from ..streaming import parse_budget
     v = str(value).strip()
     if v.lower() == "none":
         return None
@@ -291,7 +295,6 @@ def run_limited(args: argparse.Namespace, log: Callable[[str], None] = print) ->
     (qwenmetal.memlimit: RSS + page cache, no swap), the checkpoint evicted from the page cache first.
     The checkpoint is generated and the memory and disk read bandwidths are measured here, outside the
     limit (their buffers would not fit it)."""
-    from .. import memlimit
 
     if args.model:
         path = Path(args.model)
@@ -385,8 +388,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_encode_only(args: argparse.Namespace) -> dict:
     """`qwenmetal bench --backend metal-sim --encode-only`: the decode step of the real config, costed."""
-    from ..config import ModelConfig
-    from ..metal_backend import DEFAULT_PREFILL_CHUNK, encode_only_cost, encode_only_prefill_cost
 
     if args.backend != "metal-sim":
         raise ValueError("--encode-only needs --backend metal-sim")
@@ -431,7 +432,7 @@ def format_encode_only(res: Mapping[str, Any]) -> str:
 
 
 def format_prefill_cost(pf: Mapping[str, Any]) -> str:
-    """The encode-only prefill costing as a table (metal_backend.encode_only_prefill_cost)."""
+    """The encode-only prefill costing as a table (bench.cost.encode_only_prefill_cost)."""
     chips = list(pf["peak_tflops"])
     lines = [f"metal-sim encode-only prefill, chunks of {pf['chunk']} tokens (MODELLED, not measured; "
              "simulator-verified, hardware-unverified)",
@@ -485,16 +486,14 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
     context = _ints(args.contexts)[0] if args.contexts else (64 if args.quick else 512)
     tokens = args.decode_steps or (12 if args.quick else 64)
     res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
-    from ..metal_backend import encode_only_verify_cost, sim_available
     if sim_available():     # the Metal graph's verification, modelled (encode-only)
-        from ..config import ModelConfig
         cfg = ModelConfig.from_dict(resolve_config(args.config, 4 if args.quick else 40))
         res["metal_modelled"] = encode_only_verify_cost(cfg, context=256 if args.quick else 4096)
         res["metal_modelled"]["layers"] = cfg.num_hidden_layers
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
                 "backend": model.backend, "options": options, "threads": threads,
-                "engine": model._backend.info() if hasattr(model._backend, "info") else {}})
+                "engine": model.backend_info()})
     res["machine_label"] = describe_machine(machine)
     return res
 

@@ -8,8 +8,7 @@ from typing import Mapping
 
 def expert_counters(model) -> dict | None:
     """The backend's raw expert-cache counters now; None for a backend that does not stream."""
-    read = getattr(model._backend, "expert_counters", None)
-    c = read() if read else None
+    c = model.expert_counters()
     return dict(c) if c and c.get("streaming") else None
 
 

@@ -7,6 +7,7 @@ import resource
 import time
 from typing import Callable
 
+
 def _cpu_times():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]

@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..speculative import ScriptedDrafter, rewind, verify
 from .timing import _median, synthetic_prompt
 
 ROWS = (2, 3, 5, 9)
@@ -25,7 +26,6 @@ RATES = (0.5, 0.7, 0.9)
 
 def verify_cost(model, context: int, rows=ROWS, repeats: int = 5) -> dict:
     """Seconds of one decode step and of one verification of n rows at `context` (medians, alternating)."""
-    from ..speculative import rewind, verify
 
     V = model.config.vocab_size
     base = model.new_session()
@@ -61,7 +61,6 @@ def _timed_generate(model, prompt, n, **kw):
 
 def throughput(model, context: int, tokens: int, rates=RATES, fixed_k: int = 3, repeats: int = 3) -> dict:
     """Decode tokens/s of plain greedy decoding and of speculation with the oracle drafter at each rate."""
-    from ..speculative import ScriptedDrafter
 
     V = model.config.vocab_size
     prompt = [int(t) for t in synthetic_prompt(context, V)]
@@ -117,7 +116,7 @@ def format_speculative(res: dict) -> str:
                  f"{'k=' + str(t['fixed_k']) + ' tok/s':>11} {'vs plain':>8}")
     for rate, row in t["rates"].items():
         a, f = row["adaptive"], row["fixed"]
-        lines.append(f"{rate:>5} {a['tokens_per_second']:>14.2f} {a['vs_plain']:>8.2f} {a['acceptance_rate']:>8.2f} "
+        lines.append(f"{rate:>5} {a['tokens_per_second']:>14.2f} {a['vs_plain']:>8.2f} {_rate(a['acceptance_rate']):>8} "
                      f"{a['draft_length_at_end']:>8} {f['tokens_per_second']:>11.2f} {f['vs_plain']:>8.2f}")
     mm = res.get("metal_modelled")
     if mm:
@@ -131,3 +130,8 @@ def format_speculative(res: dict) -> str:
             lines.append(f"{n:>5} " + " ".join(f"{r[c]['vs_step']:>7.2f}x ({r[c]['chunk_vs_step']:.2f}x)"
                                                for c in chips))
     return "\n".join(lines)
+
+
+def _rate(r) -> str:
+    """An acceptance rate for the table ("-": nothing was drafted)."""
+    return "-" if r is None else f"{r:.2f}"

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..native import core
+
 PROMPT_MULTIPLIER = 2654435761
 
 def synthetic_prompt(n: int, vocab: int, offset: int = 0) -> np.ndarray:
@@ -109,7 +111,7 @@ def machine_info() -> dict:
     except OSError:                             # pragma: no cover
         pass
     try:
-        from .. import _core
+        _core = core()
     except ImportError:                         # pragma: no cover - a build without the extension
         _core = None
     if _core is not None:

@@ -18,7 +18,20 @@ from typing import Callable
 
 import numpy as np
 
+from ..accuracy import agreement
+from ..backends import resolve_backend
+from ..bench import ensure_checkpoint, machine_info, resolve_config
+from ..bench.cli import checkpoint_bytes
+from ..config import ModelConfig
+from ..convert import convert
+from ..paths import cache_dir, resolve_checkpoint
+from ..testing import cached_checkpoint
+from ..tokenizer import load_tokenizer
+from ..weights import checkpoint_layout
 from .engines import ENGINES
+from .gguf import ensure_q4_0
+from .llama import INSTALL_HINT
+from .report import format_markdown, write_outputs
 
 SCHEMA = "qwenmetal-compare/1"
 # the published write-up's ten prompt lengths / decode contexts (prior-art §A.11), and the small machine's
@@ -108,12 +121,9 @@ def _parse_options(items) -> dict:
 
 def _resolve_checkpoint(a, log) -> Path:
     if a.model:
-        from ..model import resolve_checkpoint
         return Path(resolve_checkpoint(a.model)).resolve()
     if a.quick:
-        from ..testing import cached_checkpoint
         return cached_checkpoint("tiny", "mlx-q4")
-    from ..bench import ensure_checkpoint, resolve_config
     return ensure_checkpoint(resolve_config("real", a.layers), a.seed, log=log)
 
 
@@ -121,11 +131,8 @@ def mlx_copy(ckpt: Path, config, log) -> Path:
     """`ckpt` when it is in the MLX layout; else its MLX 4-bit copy (``qwenmetal convert``, what
     ``mlx_lm.convert -q`` writes), made once under ``cache_dir("compare")``: every engine then runs the same
     quantized weights (llama.cpp's GGUF is written from that copy too)."""
-    from ..weights import checkpoint_layout
     if checkpoint_layout(ckpt, config) == "mlx":
         return ckpt
-    from ..convert import convert
-    from ..paths import cache_dir
     dst = cache_dir("compare") / f"{ckpt.name}-mlx-q4"
     if not dst.exists():
         log(f"writing the MLX 4-bit copy {dst} (one-time) ...")
@@ -137,7 +144,6 @@ def mlx_copy(ckpt: Path, config, log) -> Path:
 def _why_not(engine: str, ckpt: Path, config, a) -> str | None:
     """None when `engine` can run here, else the one-line reason it is skipped."""
     if engine == "qwenmetal":
-        from ..backends import resolve_backend
         try:
             resolve_backend(a.backend)
         except ValueError as e:
@@ -151,7 +157,6 @@ def _why_not(engine: str, ckpt: Path, config, a) -> str | None:
         if a.gguf and not Path(a.gguf).is_file():
             return f"--gguf {a.gguf}: no such file"
         if importlib.util.find_spec("llama_cpp") is None and not shutil.which("llama-bench"):
-            from .llama import INSTALL_HINT
             return INSTALL_HINT + ", or put a llama-bench binary on PATH"
         if a.gguf:
             return None
@@ -165,7 +170,6 @@ def _why_not(engine: str, ckpt: Path, config, a) -> str | None:
 
 def quality_tokens(ckpt: Path, n: int, vocab: int) -> list:
     """The first `n` tokens of QUALITY_TEXT (repeated as needed) under the checkpoint's tokenizer."""
-    from ..tokenizer import load_tokenizer
     tok = load_tokenizer(ckpt)
     if tok is None:
         raise ValueError(f"{ckpt} has no tokenizer: the quality check needs one (or --quality-tokens 0)")
@@ -200,8 +204,6 @@ def _run_engine(spec: dict, work: Path, tag: str, log) -> tuple[dict | None, str
 
 
 def run(a, log: Callable[[str], None] = print) -> dict:
-    from ..bench import machine_info
-    from ..config import ModelConfig
 
     lengths = list(a.lengths or (QUICK_LENGTHS if a.quick else DEFAULT_LENGTHS))
     steps = a.steps if a.steps is not None else (QUICK_STEPS if a.quick else DEFAULT_STEPS)
@@ -228,14 +230,12 @@ def run(a, log: Callable[[str], None] = print) -> dict:
         log(f"skipping {e}: {r}")
     backend = None
     if "qwenmetal" in engines:
-        from ..backends import resolve_backend
         backend = resolve_backend(a.backend)
     gguf = None
     if "llama.cpp" in engines:
         if a.gguf:
             gguf = str(Path(a.gguf).resolve())
         else:
-            from .gguf import ensure_q4_0
             gguf = str(ensure_q4_0(ckpt, log=log))
     qtoks = quality_tokens(ckpt, a.quality_tokens, config.vocab_size) if a.quality_tokens else None
 
@@ -283,7 +283,6 @@ def run(a, log: Callable[[str], None] = print) -> dict:
         if qtoks:
             _quality(record, logits, ckpt, qtoks, base, logs, log)
     record["summary"] = summarize(record)
-    from .report import write_outputs
     write_outputs(record, out, plots=not a.no_plots, log=log)
     return record
 
@@ -291,8 +290,6 @@ def run(a, log: Callable[[str], None] = print) -> dict:
 def _quality(record: dict, logits: dict, ckpt: Path, qtoks: list, base: dict, logs: Path, log) -> None:
     """Top-1 agreement and the perplexity ratio of every engine against mlx-lm's logits, and the logit
     differences against the numpy reference (small checkpoints)."""
-    from ..accuracy import agreement
-    from ..bench.cli import checkpoint_bytes
 
     q = record["quality"]
     q["tokens"] = len(qtoks)
@@ -361,7 +358,6 @@ def summarize(record: dict) -> dict:
 def main_args(a, log: Callable[[str], None] | None = None) -> int:
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     rec = run(a, log)
-    from .report import format_markdown
     print(format_markdown(rec))
     return 0
 

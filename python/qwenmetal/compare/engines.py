@@ -35,6 +35,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..bench import ForeignLoad, fnv1a, peak_rss_bytes, synthetic_prompt
+from ..fileio import atomic_file
+from ..model import Model
+from ..version import __version__
+from . import llama
+
 ENGINES = ("qwenmetal", "mlx-lm", "llama.cpp")
 
 
@@ -46,12 +52,11 @@ def log(msg: str) -> None:
 # the engines: open(spec) -> (stream(ids, n) -> n greedy tokens, teacher_forced(tokens) -> logits, versions)
 # ---------------------------------------------------------------------------------------------
 def _open_qwenmetal(spec: dict):
-    import qwenmetal as qm
 
     opts = dict(spec.get("options") or {})
     if spec.get("backend") == "cpu":
         opts.setdefault("threads", spec["threads"])
-    model = qm.Model.load(spec["checkpoint"], backend=spec["backend"], **opts)
+    model = Model.load(spec["checkpoint"], backend=spec["backend"], **opts)
     longest = max(spec["lengths"], default=1) + spec["steps"] + 2
 
     def stream(ids, n) -> Iterator[int]:
@@ -63,7 +68,7 @@ def _open_qwenmetal(spec: dict):
     def teacher_forced(tokens):
         return model.prefill(model.new_session(max_context=len(tokens) + 1), list(tokens), return_logits="all")
 
-    versions = {"qwenmetal": qm.__version__, "backend": model.backend, "options": opts}
+    versions = {"qwenmetal": __version__, "backend": model.backend, "options": opts}
     return stream, teacher_forced, versions
 
 
@@ -87,7 +92,6 @@ def _open_mlx(spec: dict):
 
 
 def _open_llama(spec: dict):
-    from . import llama
 
     llama_cpp = llama.import_llama()
     n_ctx = max(max(spec["lengths"], default=1) + spec["steps"] + 16, 64)
@@ -180,7 +184,6 @@ OPENERS: dict[str, Callable] = {"qwenmetal": _streamed(_open_qwenmetal), "mlx-lm
 def time_stream(stream: Callable, ids, steps: int) -> dict:
     """One sample: the seconds to the first of ``steps + 1`` streamed tokens (the prefill), the mean interval
     between the later ones (the decode), the tokens' FNV-1a digest."""
-    from ..bench import fnv1a
     toks, stamps = [], []
     t0 = time.perf_counter()
     for tok in stream(ids, steps + 1):
@@ -195,7 +198,6 @@ def time_stream(stream: Callable, ids, steps: int) -> dict:
 
 def measure_point(stream: Callable, vocab: int, length: int, steps: int, repeats: int) -> dict:
     """A point: one untimed run at the exact shape, then `repeats` samples; medians and the digests."""
-    from ..bench import synthetic_prompt
     ids = synthetic_prompt(length, vocab).tolist()
     time_stream(stream, ids, min(steps, 4))                     # exact-shape warm-up (prefill + a few steps)
     samples = [time_stream(stream, ids, steps) for _ in range(repeats)]
@@ -210,7 +212,6 @@ def measure_point(stream: Callable, vocab: int, length: int, steps: int, repeats
 
 
 def run(spec: dict) -> dict:
-    from ..bench import ForeignLoad, peak_rss_bytes
     engine = spec["engine"]
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; the engines are {ENGINES}")
@@ -254,7 +255,6 @@ def main(argv=None) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     res = run(spec)
-    from ..fileio import atomic_file
     with atomic_file(argv[1]) as tmp:
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1)

@@ -43,6 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ModelConfig
+from ..fileio import atomic_file
+from ..tokenizer import bytes_to_unicode
+from ..weights import QuantizedTensor, load_weights, to_float32
+
 ARCH = "qwen35moe"
 # token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
@@ -114,7 +119,6 @@ class _Src:
 
 
 def _dense(t, transform=None):
-    from qwenmetal.weights import QuantizedTensor, to_float32
 
     def fn(r0, r1):
         if isinstance(t, QuantizedTensor):
@@ -128,7 +132,6 @@ def _dense(t, transform=None):
 
 def tensor_plan(weights) -> list:
     """[(gguf_name, _Src)] for every tensor, in llama.cpp's converter order."""
-    from qwenmetal.weights import QuantizedTensor
 
     c = weights.config
     W = weights.tensors
@@ -188,7 +191,6 @@ def tensor_plan(weights) -> list:
 
 
 def _rows(t, rows):
-    from qwenmetal.weights import QuantizedTensor
     if isinstance(t, QuantizedTensor):
         return t.take_rows(rows)                       # exact: scales and biases are per row
     return np.take(np.asarray(t), rows, axis=-2)
@@ -198,7 +200,6 @@ def _rows(t, rows):
 # tokenizer
 # ---------------------------------------------------------------------------------------------
 def _bytes_to_unicode() -> dict:
-    from qwenmetal.tokenizer import bytes_to_unicode
     return bytes_to_unicode()
 
 
@@ -242,9 +243,6 @@ def _nbytes(shape, kind, qtype):
 def convert(checkpoint: str | os.PathLike, out: str | os.PathLike, qtype: str = "q4_0", log=print) -> Path:
     """Write `out` (a GGUF file) from the checkpoint directory. qtype: "q4_0" or "f32"."""
     gguf = _gguf()
-    from qwenmetal.config import ModelConfig
-    from qwenmetal.fileio import atomic_file
-    from qwenmetal.weights import load_weights
 
     if qtype not in ("q4_0", "f32"):
         raise ValueError("qtype must be 'q4_0' or 'f32'")

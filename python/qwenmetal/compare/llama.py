@@ -7,10 +7,13 @@ host's SIMD flags, AMX off; docs/benchmarks.md). The timings have the shape of
 """
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 
 import numpy as np
+
+from ..bench import fnv1a, synthetic_prompt
 
 GGML_TYPE_F32 = 0
 INSTALL_HINT = ("llama-cpp-python is not installed: run  bash benchmarks/build_llama_cpp.sh  (a from-source "
@@ -62,7 +65,6 @@ class SeqState:
     """Save / restore sequence 0 of a llama context (KV cache and recurrent state)."""
 
     def __init__(self, llm):
-        import ctypes
 
         import llama_cpp
         self.llm, self.n_tokens = llm, llm.n_tokens
@@ -85,7 +87,6 @@ class SeqState:
 
 def time_prefill(llm, n: int, repeats: int, warmup: int = 1) -> dict:
     """Prefill of the synthetic prompt of `n` tokens through its argmax (`warmup` untimed runs first)."""
-    from ..bench import synthetic_prompt
     ids = synthetic_prompt(n, llm.n_vocab()).tolist()
     samples = []
     for r in range(warmup + repeats):
@@ -103,7 +104,6 @@ def time_prefill(llm, n: int, repeats: int, warmup: int = 1) -> dict:
 def time_decode(llm, context: int, steps: int, repeats: int, warmup_steps: int = 4, log=None) -> dict:
     """`steps` greedy steps after the synthetic prompt of `context` tokens, every repeat from the same
     context (the sequence state saved after its prefill and restored)."""
-    from ..bench import fnv1a, synthetic_prompt
     V = llm.n_vocab()
     llm.reset()
     t = time.perf_counter()

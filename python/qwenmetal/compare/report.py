@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from ..bench import describe_machine
+from ..fileio import atomic_file
+
 PLOTS = ("prefill.png", "decode.png")
 
 
@@ -18,7 +21,6 @@ def _num(x, fmt="{:.1f}") -> str:
 
 
 def format_markdown(rec: dict) -> str:
-    from ..bench import describe_machine
     s, st = rec["summary"], rec["settings"]
     eng, base = s["engines"], s["baseline"]
     out = [f"Machine: {describe_machine(rec['machine'], threads=st['threads'])}.",
@@ -86,7 +88,6 @@ def plot(rec: dict, out: Path) -> list:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from ..bench import describe_machine
     s = rec["summary"]
     lengths, eng, base = s["lengths"], s["engines"], s["baseline"]
     machine = describe_machine(rec["machine"]).split(", isa")[0]
@@ -135,7 +136,6 @@ def write_outputs(rec: dict, out: Path, plots: bool = True, log: Callable[[str],
             rec["plots"] = {"skipped": "matplotlib is not installed (pip install 'qwenmetal[plots]')"}
     else:
         rec["plots"] = {"skipped": "--no-plots"}
-    from ..fileio import atomic_file
     for name, text in (("compare.json", json.dumps(rec, indent=1) + "\n"), ("compare.md", format_markdown(rec))):
         with atomic_file(out / name) as tmp:
             tmp.write_text(text, encoding="utf-8")

@@ -11,9 +11,6 @@ the files (the cache preads them; the mapping is never touched), `plan` sizes th
 from __future__ import annotations
 
 import mmap
-import os
-import re
-import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -21,11 +18,10 @@ import numpy as np
 
 from .config import session_bytes
 from .errors import CheckpointError, InputError
-from .weights import QuantizedTensor
-from .weights_table import _ptr, _root_buffer
+from .memory import available_memory, parse_budget
+from .weights import EXPERT_MATRICES, QuantizedTensor, Weights, expert_names, moe_layers
+from .weights_table import ptr, root_buffer, tensor_format
 
-# the routed-expert matrices of one MoE layer, in the order of its parts
-EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 POLICIES = ("lru", "lfu", "os")
 # measured (docs/streaming.md, "Measurements"): lfu has the best hit rate where the policy matters (50 % of the
 # 8-layer real-width checkpoint: +10 points over lru), and "os" was slowest under a Linux memory limit
@@ -34,24 +30,8 @@ DEFAULT_POLICY = "lfu"
 # its GDN state (from the config), plus SCRATCH_BYTES for activations, the interpreter and its libraries.
 RESERVE_CONTEXT = 8192
 SCRATCH_BYTES = 256 << 20
-# "auto" leaves this share of the memory it finds to the kernel (Linux: reclaim headroom above MemAvailable
-# or the cgroup limit) or to macOS and the other apps (macOS: of physical memory, as Metal's default
-# working-set limit does).
-AUTO_HEADROOM = {"linux": 1 / 16, "darwin": 1 / 4}
-_UNLIMITED = 1 << 60     # cgroup v1 writes "no limit" as 2^63 rounded down to a page
-
-
-def expert_names(layer: int) -> list[str]:
-    """Canonical names of one MoE layer's routed-expert stacks, in part order."""
-    return [f"layers.{layer}.mlp.switch_mlp.{m}" for m in EXPERT_MATRICES]
-
-
-def moe_layers(config) -> list[int]:
-    return [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-
-
-def is_routed_expert(name: str) -> bool:
-    return ".mlp.switch_mlp." in name
+# the routed-expert stacks of a MoE layer (streamed when the plan says so)
+EXPERT_STACKS = tuple(f"switch_mlp.{m}" for m in EXPERT_MATRICES)
 
 
 @dataclass(frozen=True)
@@ -65,7 +45,7 @@ class ExpertPart:
 
 
 def _expert_part(label: str, a: np.ndarray, num_experts: int, files: dict, where: str) -> ExpertPart:
-    root = _root_buffer(a)
+    root = root_buffer(a)
     sf = files.get(id(root))
     if sf is None:
         raise CheckpointError(
@@ -79,7 +59,7 @@ def _expert_part(label: str, a: np.ndarray, num_experts: int, files: dict, where
     if not inner.flags.c_contiguous or a.strides[0] < inner.nbytes:
         raise CheckpointError(f"{sf.path}: routed-expert tensor {label!r}: one expert's matrix is not one "
                               f"contiguous byte range (strides {a.strides}), so it cannot be read with one pread")
-    offset = _ptr(a) - _ptr(np.frombuffer(root, np.uint8))
+    offset = ptr(a) - ptr(np.frombuffer(root, np.uint8))
     part = ExpertPart(sf.path, int(offset), int(a.strides[0]), int(inner.nbytes))
     if offset < 0 or offset + (num_experts - 1) * part.stride + part.nbytes > sf.size:
         raise CheckpointError(f"{sf.path}: routed-expert tensor {label!r} lies outside the file")
@@ -149,96 +129,6 @@ def cache_tables(layout: Mapping[int, list[ExpertPart]]) -> tuple[list[str], dic
             row.append((index[p.path], p.offset, p.stride, p.nbytes))
         layers[layer] = row
     return files, layers
-
-
-# ---------------------------------------------------------------------------------------------------
-def _read_int(path: str) -> int | None:
-    """The integer in a cgroup/proc file, None if absent or not a number ("max")."""
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def cgroup_memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
-    """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, v1
-    memory.limit_in_bytes), or None. Paths in /proc/self/cgroup are tried under `cgroup_root` (v1: under its
-    memory/ hierarchy), walking up to the root: in a container the namespace root's files hold the limit."""
-    try:
-        with open(os.path.join(proc, "self", "cgroup")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    limits = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hier, controllers, path = parts
-        if hier == "0" and controllers == "":
-            base, fname = cgroup_root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, fname = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"
-        else:
-            continue
-        rel = path.strip("/")
-        while True:
-            v = _read_int(os.path.join(base, rel, fname))
-            if v is not None and 0 < v < _UNLIMITED:
-                limits.append(v)
-            if not rel:
-                break
-            rel = os.path.dirname(rel)
-    return min(limits) if limits else None
-
-
-def mem_available(proc: str = "/proc") -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None."""
-    try:
-        with open(os.path.join(proc, "meminfo")) as f:
-            for line in f:
-                m = re.match(r"MemAvailable:\s+(\d+)\s+kB", line)
-                if m:
-                    return int(m.group(1)) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def available_memory(*, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", platform: str | None = None) -> int:
-    """Bytes a model may use here, what ``memory_budget="auto"`` resolves to. Linux: min(MemAvailable, the
-    cgroup memory limit) less AUTO_HEADROOM; macOS: physical memory (hw.memsize) less AUTO_HEADROOM;
-    elsewhere physical memory as sysconf reports it."""
-    platform = platform or sys.platform
-    if platform.startswith("linux"):
-        found = [v for v in (mem_available(proc), cgroup_memory_limit(proc, cgroup_root)) if v is not None]
-        if found:
-            return int(min(found) * (1 - AUTO_HEADROOM["linux"]))
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")    # hw.memsize on macOS
-    return int(total * (1 - AUTO_HEADROOM.get("darwin" if platform == "darwin" else "linux")))
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
-
-
-def parse_budget(value, param: str = "memory_budget"):
-    """A memory budget as given: None, "auto", an int of bytes, or a string "<number>[unit]" (K/M/G/T and
-    KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal) -> None | "auto" | int bytes."""
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InputError(f"{param} must be 'auto', None, a number of bytes or a string like '8GiB', "
-                         f"got {value!r}", param)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise InputError(f"{param} must be 'auto', a number of bytes or a size like '8GiB', got {value!r}", param)
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise InputError(f"{param} must be positive, got {value}", param)
-    return value
 
 
 @dataclass(frozen=True)
@@ -365,3 +255,35 @@ def describe(p: StreamPlan, hit_rate: float | None = None) -> list[str]:
     for what, h in rates:
         lines.append(f"  expected SSD reads at hit rate {h:.1%} ({what}): {size_text(p.bytes_per_token(h))} per token")
     return lines
+
+
+def stream_spec(weights: Weights, plan) -> dict:
+    """The engine's streaming spec for a streaming `plan`: the checkpoint files, each MoE layer's expert
+    parts (`expert_layout`) as (file, offset, stride, nbytes), the slots and policy,
+    and the stacks' formats. Also advises the maps to keep the streamed stacks out of huge-page faults
+    (`keep_unmapped`): both backends set up streaming through here."""
+    layout = expert_layout(weights)
+    keep_unmapped(weights, layout)
+    files, layers = cache_tables(layout)
+    stacks = {f"layers.{i}.mlp.{n}": tensor_format(weights.tensors[f"layers.{i}.mlp.{n}"])
+              for i in layers for n in EXPERT_STACKS}
+    return dict(files=files, layers=layers, slots_per_layer=int(plan.slots_per_layer), policy=plan.policy,
+                direct_io=bool(plan.direct_io), stacks=stacks)
+
+
+def expert_stats(c: dict, at_decode: dict | None = None) -> dict:
+    """A generation's (or a backend's, since its last generation started) expert streaming statistics from
+    the backend's raw counters `c` (``expert_counters()``): streaming, slots_per_layer, policy, hit_rate
+    (hits / lookups), bytes_read and io_seconds (SSD reads into the expert cache), bytes_per_token (bytes
+    read per token run through the model, prompt and generated); with `at_decode` (the counters when
+    decoding started) also decode_bytes_per_token, the decode phase's bytes per decoded token (what
+    `StreamPlan.bytes_per_token` predicts)."""
+    nan = float("nan")
+    out = {"streaming": bool(c["streaming"]), "slots_per_layer": int(c["slots_per_layer"]), "policy": c["policy"],
+           "hit_rate": c["hits"] / c["lookups"] if c["lookups"] else nan,
+           "bytes_read": int(c["bytes_read"]), "io_seconds": float(c["io_seconds"]),
+           "bytes_per_token": c["bytes_read"] / c["tokens"] if c["tokens"] else nan}
+    if at_decode is not None:
+        steps = c["tokens"] - at_decode["tokens"]
+        out["decode_bytes_per_token"] = (c["bytes_read"] - at_decode["bytes_read"]) / steps if steps else nan
+    return out

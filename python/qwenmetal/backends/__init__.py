@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .cpu_backend import CpuBackend, available as cpu_available
-from .metal_backend import MetalBackend, MetalSimBackend, metal_available, sim_available
-from .reference_backend import ReferenceBackend
+from .cpu import CpuBackend
+from .cpu import available as cpu_available
+from .metal import MetalBackend, MetalSimBackend, metal_available, sim_available
+from .reference import ReferenceBackend
 
 #: every backend qwenmetal has (some need a build option or a machine: "metal" a Mac with a Metal device)
 ALL_BACKENDS = ("reference", "cpu", "metal", "metal-sim")

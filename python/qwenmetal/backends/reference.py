@@ -71,21 +71,25 @@ per-expert MoE loop. numpy's multithreaded BLAS can be slow when the CPU is over
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
+from ..config import ModelConfig, mtp_layer_config
+from ..interrupts import sigint_deferred
+from ..memory import total_memory
+
+if TYPE_CHECKING:
+    from ..weights import Weights
 
 __all__ = [
     "BF16", "to_bf16", "sigmoid", "silu", "softplus", "softmax",
     "rms_norm", "gated_rms_norm", "l2norm", "rope", "rope_tables", "causal_conv1d",
     "gdn_recurrent", "gdn_chunked", "full_attention", "gated_deltanet", "swiglu",
     "sparse_moe", "dense_mlp", "decoder_layer",
-    "ReferenceState", "ReferenceModel", "random_params",
-    "mtp_layer_config", "ReferenceMtp",
+    "ReferenceState", "ReferenceModel", "ReferenceBackend",
+    "ReferenceMtp",
 ]
 
 BF16 = ml_dtypes.bfloat16
@@ -650,14 +654,6 @@ class ReferenceModel:
 # ---------------------------------------------------------------------------------------------
 # the multi-token-prediction head (spec §2.5)
 # ---------------------------------------------------------------------------------------------
-def mtp_layer_config(config: ModelConfig) -> ModelConfig:
-    """`config` with one full-attention MoE layer (index 0): the MTP decoder layer's config, so that
-    `decoder_layer` runs it (mlx-vlm builds its MTP layer the same way, from the text config with
-    ``num_hidden_layers = mtp layers`` and ``full_attention_interval = 1``)."""
-    return replace(config, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=(),
-                   decoder_sparse_step=1)
-
-
 class ReferenceMtp:
     """The MTP head's forward pass (spec §2.5; vLLM ``Qwen3NextMultiTokenPredictor.forward``, mlx-vlm
     ``Qwen3_5MTPDraftModel._forward_hidden``) over dense float32 parameters named as ``Weights.mtp``
@@ -737,20 +733,49 @@ class ReferenceMtp:
         return out[0] if logits == "last" else out
 
 
-# ---------------------------------------------------------------------------------------------
-# random parameters for tests
-# ---------------------------------------------------------------------------------------------
-def random_params(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict:
-    """Random parameters with the canonical names and shapes for ``config``, as ``dtype``.
+# ---------------------------------------------------------------------------------------------------
+# backend="reference": the numpy forward pass behind the backend contract (docs/architecture.md)
+# ---------------------------------------------------------------------------------------------------
+class ReferenceBackend:
+    """numpy reference (`qwenmetal.backends.reference`): float32 on dequantized weights."""
 
-    Drawn by the random checkpoint writer (:func:`qwenmetal.checkpoint_writer.canonical_params`, the one
-    source of random weights: same per-name generator and tensor list as every fixture checkpoint) with
-    its ``"reference"`` scales: input-side projections ~ N(0, clip(1/sqrt(fan_in), 0.02, 0.1)), the
-    residual-writing ones (``o_proj``, ``out_proj``, every ``down_proj``) ~ N(0, 0.02), embeddings ~
-    N(0, 0.5), so that each layer adds a modest update to a residual stream that dominates, as in a
-    trained pre-norm model (see ``checkpoint_writer.INITS`` for why); shifted norm weights and
-    ``linear_attn.norm`` ~ 1 + N(0, 0.1); conv taps ~ N(0, 0.3); ``A_log = log(U(1, 8))``; ``dt_bias ~
-    U(-1, 1)``; router ~ N(0, 0.3) so that routing is not uniform; ``shared_expert_gate`` ~ N(0, 0.1).
-    """
-    from .checkpoint_writer import canonical_params
-    return {k: v.astype(dtype) for k, v in canonical_params(config, seed, "reference").items()}
+    name = "reference"
+
+    def __init__(self, weights: Weights, dtype: str = "float32", gdn_mode: str = "chunked", chunk_size: int = 64):
+        need = weights.dense_float32_nbytes()
+        total = total_memory()
+        if total and need > 0.75 * total:
+            raise MemoryError(
+                f"the reference backend dequantizes every weight to float32: {need / 2**30:.1f} GiB, more than "
+                f"this machine can hold ({total / 2**30:.1f} GiB). It is meant for small checkpoints.")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if gdn_mode not in ("chunked", "recurrent"):
+            raise ValueError(f"gdn_mode must be 'chunked' or 'recurrent', got {gdn_mode!r}")
+        self.impl = ReferenceModel(weights.config, weights.dense_float32(), dtype=dtype)
+        self.dtype, self.gdn_mode, self.chunk_size = dtype, gdn_mode, int(chunk_size)
+
+    def new_state(self) -> ReferenceState:
+        """A zeroed state (position 0)."""
+        return self.impl.new_state()
+
+    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None = None) -> tuple:
+        """Run `ids` after `state` and return (state, logits): computed on a copy, then committed to
+        `state` together with `consumed` (a session's token list, extended by `ids`) in one step that a
+        Ctrl-C cannot split, so an error or interrupt leaves both unchanged."""
+        new = state.copy()
+        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
+        add = [int(i) for i in ids]
+        with sigint_deferred():
+            vars(state).update(vars(new))
+            if consumed is not None:
+                consumed.extend(add)
+        return state, out
+
+    def state_to_arrays(self, state: ReferenceState) -> dict:
+        """The backend-independent state layout of Session.save (see docs/architecture.md)."""
+        return state.to_arrays()
+
+    def state_from_arrays(self, arrays: dict) -> ReferenceState:
+        """The inverse of `state_to_arrays`."""
+        return ReferenceState.from_arrays(arrays)

@@ -30,7 +30,7 @@ Options (``Model.load(path, backend="cpu", **options)``):
     qemu-verified only, with no arm64 timing to choose it by).
 
 * ``memory_budget``: ``"auto"`` (default: the memory available to this process), bytes, or ``None``
-  (never stream). When the checkpoint does not fit (`qwenmetal.streaming.plan`), the non-expert
+  (never stream). When the checkpoint does not fit (`qwenmetal.expert_streaming.plan`), the non-expert
   weights stay mapped and the routed experts are **streamed**: the engine owns ``expert_slots`` slots
   per MoE layer, and after routing each layer reads its missing experts with parallel ``pread`` into
   them (`_core.ExpertCache`); the experts' bytes are never read through the mapping. Streaming output
@@ -53,32 +53,21 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .session_io import gdn_state_arrays, gdn_state_vectors
-from .weights import QuantizedTensor, Weights
-from .weights_table import weight_table
+from ..config import mtp_layer_config
+from ..expert_streaming import expert_stats, stream_spec
+from ..expert_streaming import plan as stream_plan
+from ..native import core
+from ..session_io import gdn_state_arrays, gdn_state_vectors
+from ..weights import QuantizedTensor, Weights
+from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
-_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 # canonical tensors passed as float32 vectors (everything else is a linear layer)
 _SMALL_SUFFIXES = ("layernorm", "q_norm", "k_norm", "linear_attn.norm", "conv1d", "dt_bias", "A_log",
                    "pre_fc_norm_embedding", "pre_fc_norm_hidden")   # the last two: an MTP head's (mtp_head)
-# the routed-expert stacks of a MoE layer (streamed when the plan says so)
-_EXPERT_STACKS = ("switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj")
 
 
-def _core():
-    try:
-        from . import _core
-    except ImportError as e:          # pragma: no cover - source tree without the extension
-        raise ImportError("the cpu backend needs the compiled extension qwenmetal._core "
-                          "(pip install -e . builds it)") from e
-    return _core
-
-
-def _ptr(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
 
 
 def _rows_contiguous(a: np.ndarray) -> np.ndarray:
@@ -94,69 +83,24 @@ def describe(t, keep: list) -> dict:
     if isinstance(t, QuantizedTensor):
         w = _rows_contiguous(t.weight)
         s, b = _rows_contiguous(t.scales), _rows_contiguous(t.biases)
-        if s.dtype == np.dtype(np.float16) or s.dtype not in _DTYPE_NAMES:
+        if s.dtype == np.dtype(np.float16) or s.dtype not in NP_DTYPE_NAMES:
             s, b = np.ascontiguousarray(s, np.float32), np.ascontiguousarray(b, np.float32)
         if w.ndim == 3 and (s.strides[0] != b.strides[0]):
             s, b = np.ascontiguousarray(s), np.ascontiguousarray(b)
         keep += [w, s, b]
-        return dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=_DTYPE_NAMES[s.dtype],
-                    shape=list(t.shape), data=_ptr(w), scales=_ptr(s), biases=_ptr(b),
+        return dict(bits=t.bits, group_size=t.group_size, dtype="float32", sdtype=NP_DTYPE_NAMES[s.dtype],
+                    shape=list(t.shape), data=ptr(w), scales=ptr(s), biases=ptr(b),
                     stride=int(w.strides[0]) if w.ndim == 3 else 0,
                     sstride=int(s.strides[0]) if s.ndim == 3 else 0)
     a = np.asarray(t)
-    if a.dtype not in _DTYPE_NAMES:
+    if a.dtype not in NP_DTYPE_NAMES:
         a = np.asarray(a, np.float32)
     a = _rows_contiguous(a)
     if a.ndim not in (2, 3):
         raise ValueError(f"linear tensor of shape {a.shape} is not supported")
     keep.append(a)
-    return dict(bits=0, group_size=0, dtype=_DTYPE_NAMES[a.dtype], sdtype="bfloat16", shape=list(a.shape),
-                data=_ptr(a), scales=0, biases=0, stride=int(a.strides[0]) if a.ndim == 3 else 0, sstride=0)
-
-
-def _format(t) -> dict:
-    """The format and shape of a linear tensor, without its data (a streamed stack's descriptor)."""
-    if isinstance(t, QuantizedTensor):
-        sd = t.scales.dtype
-        return dict(bits=t.bits, group_size=t.group_size, dtype="float32",
-                    sdtype=_DTYPE_NAMES.get(sd, str(sd)), shape=list(t.shape))
-    a = np.asarray(t)
-    return dict(bits=0, group_size=0, dtype=_DTYPE_NAMES.get(a.dtype, str(a.dtype)), sdtype="bfloat16",
-                shape=list(a.shape))
-
-
-def stream_spec(weights: Weights, plan) -> dict:
-    """The engine's streaming spec for a streaming `plan`: the checkpoint files, each MoE layer's expert
-    parts (`qwenmetal.streaming.expert_layout`) as (file, offset, stride, nbytes), the slots and policy,
-    and the stacks' formats. Also advises the maps to keep the streamed stacks out of huge-page faults
-    (`streaming.keep_unmapped`): both backends set up streaming through here."""
-    from .streaming import cache_tables, expert_layout, keep_unmapped
-
-    layout = expert_layout(weights)
-    keep_unmapped(weights, layout)
-    files, layers = cache_tables(layout)
-    stacks = {f"layers.{i}.mlp.{n}": _format(weights.tensors[f"layers.{i}.mlp.{n}"])
-              for i in layers for n in _EXPERT_STACKS}
-    return dict(files=files, layers=layers, slots_per_layer=int(plan.slots_per_layer), policy=plan.policy,
-                direct_io=bool(plan.direct_io), stacks=stacks)
-
-
-def config_dict(c) -> dict:
-    return dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-        layer_is_attention=[c.is_full_attention(i) for i in range(c.num_hidden_layers)],
-        layer_is_moe=[c.is_moe_layer(i) for i in range(c.num_hidden_layers)],
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim, rotary_dim=c.rotary_dim, attn_output_gate=c.attn_output_gate,
-        rope_theta=float(c.rope_theta),
-        linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
-        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
-        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size,
-        shared_expert_intermediate_size=c.shared_expert_intermediate_size,
-        intermediate_size=c.intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
-        rms_norm_eps=float(c.rms_norm_eps), tie_word_embeddings=bool(c.tie_word_embeddings))
+    return dict(bits=0, group_size=0, dtype=NP_DTYPE_NAMES[a.dtype], sdtype="bfloat16", shape=list(a.shape),
+                data=ptr(a), scales=0, biases=0, stride=int(a.strides[0]) if a.ndim == 3 else 0, sstride=0)
 
 
 class _Impl:
@@ -178,9 +122,9 @@ class CpuBackend:
                  prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto",
                  memory_budget: int | str | None = "auto", expert_slots: int | None = None,
                  expert_policy: str | None = None, expert_direct_io: bool = False):
-        core = _core()
+        ext = core()
         if threads is None:
-            threads = core.cpu_physical_cores()
+            threads = ext.cpu_physical_cores()
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if kv_dtype not in KV_DTYPES:
@@ -192,8 +136,7 @@ class CpuBackend:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         if activations == "auto":
-            activations = "int16" if core.cpu_isa() in ("avx2", "avx512") else "float"
-        from .streaming import plan as stream_plan
+            activations = "int16" if ext.cpu_isa() in ("avx2", "avx512") else "float"
 
         c = weights.config
         self.plan = stream_plan(c, weights, memory_budget, slots_per_layer=expert_slots, policy=expert_policy,
@@ -218,7 +161,7 @@ class CpuBackend:
         self.prefill_chunk = int(prefill_chunk)
         self.quantize = quantize
         self.activations = activations
-        self.engine = core.CpuEngine(config_dict(c), mappings, tensors, small, self.threads, kv_dtype == "float32",
+        self.engine = ext.CpuEngine(config_dict(c), mappings, tensors, small, self.threads, kv_dtype == "float32",
                                      self.prefill_chunk, int(quantize or 0), keep,
                                      activations=activations, stream=stream)
         self.impl = _Impl(self.engine)
@@ -253,7 +196,6 @@ class CpuBackend:
         """A cpu backend running the MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm,
         layers.0.*) as a one-layer model over this model's embedding and lm_head, with this backend's
         threads and activations; its engine takes the main model's hidden rows (`forward(..., hidden=)`)."""
-        from .reference import mtp_layer_config
         c = self.weights.config
         hc = mtp_layer_config(c)
         t = dict(params)
@@ -297,7 +239,7 @@ class CpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
-    # ---- expert streaming statistics (generation.expert_stats summarises them) -------------------
+    # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
     def expert_counters(self) -> dict:
         """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
         policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
@@ -309,23 +251,22 @@ class CpuBackend:
     def info(self) -> dict:
         """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX, and
         the expert streaming state with its statistics since the last generation started."""
-        from .generation import expert_stats
 
-        core = _core()
-        return {"isa": core.cpu_isa(), "activations": self.activations,
-                "amx": core.cpu_amx(),
+        ext = core()
+        return {"isa": ext.cpu_isa(), "activations": self.activations,
+                "amx": ext.cpu_amx(),
                 "threads": self.threads, "kv_dtype": self.kv_dtype, "prefill_chunk": self.prefill_chunk,
                 "experts": expert_stats(self.expert_counters())}
 
     def __repr__(self) -> str:
         return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "
-                f"quantize={self.quantize}, activations={self.activations!r}, isa={_core().cpu_isa()!r})")
+                f"quantize={self.quantize}, activations={self.activations!r}, isa={core().cpu_isa()!r})")
 
 
 def available() -> bool:
     """True when the compiled extension with the CPU engine is importable."""
     try:
-        from . import _core
+        _core = core()
     except ImportError:
         return False
     return hasattr(_core, "CpuEngine")

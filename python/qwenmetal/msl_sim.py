@@ -1,6 +1,6 @@
 """Run Metal compute kernels on the CPU: the msl_sim simulator (simulator-verified, hardware-unverified).
 
-    from qwenmetal import sim
+    from qwenmetal import msl_sim as sim
     lib = sim.builtin_library()                 # metal/*.metal, compiled into qwenmetal._core at build time
     lib = sim.compile("my_kernels.metal")       # or MSL source text: built now with the system C++ compiler
     counters = lib.dispatch("qmv_q4_sbf16_f32", threadgroups=(N // 8, 1), threads_per_threadgroup=(32, 2),
@@ -38,8 +38,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import _core
+from .native import core
+from .paths import cache_dir
 
+_core = core()
 _m = _core.msl_sim
 MetalSimError = _m.MetalSimError
 
@@ -69,7 +71,7 @@ def include_dir() -> Path:
     for d in (source + installed if _IN_CHECKOUT else installed + source):
         if (d / "metal_stdlib").is_file():
             return d
-    raise MetalSimError("qwenmetal.sim: the msl_sim shim headers are not installed (msl_include/ missing)")
+    raise MetalSimError("qwenmetal.msl_sim: the msl_sim shim headers are not installed (msl_include/ missing)")
 
 
 def _metal_dir() -> Path | None:
@@ -84,7 +86,7 @@ def kernel_path(name: str) -> Path:
     """Path of one of the project's kernel files (e.g. ``"quant.metal"``), installed or in the checkout."""
     d = _metal_dir()
     if d is None or not (d / name).is_file():
-        raise FileNotFoundError(f"qwenmetal.sim: no kernel file {name!r} (looked in {d})")
+        raise FileNotFoundError(f"qwenmetal.msl_sim: no kernel file {name!r} (looked in {d})")
     return d / name
 
 
@@ -96,7 +98,7 @@ def _mslpp():
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
             return mod
-    raise MetalSimError("qwenmetal.sim: mslpp.py (the kernel source rewriter) is not installed")
+    raise MetalSimError("qwenmetal.msl_sim: mslpp.py (the kernel source rewriter) is not installed")
 
 
 def info() -> dict:
@@ -111,13 +113,13 @@ def find_compiler(cxx: str | None = None) -> str:
     if explicit:
         if shutil.which(explicit.split()[0]):
             return explicit
-        raise MetalSimError(f"qwenmetal.sim.compile: the C++ compiler {explicit!r} (from "
+        raise MetalSimError(f"qwenmetal.msl_sim.compile: the C++ compiler {explicit!r} (from "
                             f"{'cxx=' if cxx else '$CXX'}) was not found")
     for c in ["c++", "g++", "clang++", "clang++-19", "clang++-18", "clang++-17", "clang++-16", "clang++-15"]:
         if shutil.which(c):
             return c
     raise MetalSimError(
-        "qwenmetal.sim.compile needs a C++17 compiler (g++ >= 12 or clang++ >= 15) to build kernels at run time, "
+        "qwenmetal.msl_sim.compile needs a C++17 compiler (g++ >= 12 or clang++ >= 15) to build kernels at run time, "
         "and none was found: install one or set CXX. (sim.builtin_library() needs no compiler.)")
 
 
@@ -125,12 +127,11 @@ def _compiler_id(cxx: str) -> str:
     try:
         out = subprocess.run(cxx.split() + ["--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise MetalSimError(f"qwenmetal.sim: cannot run the C++ compiler {cxx!r}: {e}") from e
+        raise MetalSimError(f"qwenmetal.msl_sim: cannot run the C++ compiler {cxx!r}: {e}") from e
     return out.strip().splitlines()[0] if out.strip() else cxx
 
 
 def _cache_root() -> Path:
-    from .paths import cache_dir
     root = cache_dir("msl")
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +186,7 @@ def compile(source: str | os.PathLike, *, checked: bool = True, defines: Mapping
                                             and source.strip().endswith((".metal", ".h", ".msl"))):
         src_path = Path(source)
         if not src_path.is_file():
-            raise FileNotFoundError(f"qwenmetal.sim.compile: no such file: {src_path}")
+            raise FileNotFoundError(f"qwenmetal.msl_sim.compile: no such file: {src_path}")
         text = src_path.read_text(encoding="utf-8")
         origin = name or str(source)
     else:
@@ -225,7 +226,7 @@ def compile(source: str | os.PathLike, *, checked: bool = True, defines: Mapping
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 tmp.unlink(missing_ok=True)
-                raise MetalSimCompileError(f"qwenmetal.sim.compile: {origin} failed to compile with {cxx}:\n"
+                raise MetalSimCompileError(f"qwenmetal.msl_sim.compile: {origin} failed to compile with {cxx}:\n"
                                            + (r.stderr or r.stdout).strip())
             deps = _parse_depfile((entry / "kernels.d").read_text())
             deps = [d for d in deps if Path(d).resolve() != cpp.resolve()]
@@ -359,7 +360,7 @@ class Library:
         return name in self.kernels
 
     def __repr__(self):
-        return f"<qwenmetal.sim.Library {self.origin}: {len(self.kernels)} kernels>"
+        return f"<qwenmetal.msl_sim.Library {self.origin}: {len(self.kernels)} kernels>"
 
     def dispatch(self, kernel: str, threadgroups, threads_per_threadgroup, buffers: Sequence = (), params=None, *,
                  schedule: str = "forward", seed: int = 0, reads=None, writes=None,

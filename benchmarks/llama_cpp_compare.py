@@ -19,7 +19,7 @@ Steps:
    * llama.cpp's own (``benchmarks/llama_cpp_gguf.py``): the unquantized bf16 original of the same random
      weights through llama.cpp's converter (``convert_hf_to_gguf.py``) and quantizer
      (``llama_model_quantize``, Q4_0, lm_head forced to Q4_0): the peer's own layout, as a user makes it.
-3. Each engine runs in a fresh process (prior art's method), same threads, same synthetic prompt
+3. Each engine runs in a fresh process (Lily's method, docs/benchmarks.md), same threads, same synthetic prompt
    (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
    median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
    llama.cpp: the sequence state saved after the context prefill and restored before each repeat).

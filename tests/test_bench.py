@@ -2,7 +2,8 @@
 bytes-per-token arithmetic against the checkpoint's tensor sizes, the machine every figure names
 (`_core.cpu_info()` in the JSON and the header), the benchmark checkpoint (the fixture writer's bytes,
 cached, atomic), the GGUF writer of benchmarks/ (read back with the `gguf` package; skipped where it is
-not installed) and the llama.cpp comparison's summary against issue #14's targets. No timing assertions."""
+not installed) and the llama.cpp comparison's summary against the targets of docs/benchmarks.md. No timing
+assertions."""
 import json
 import os
 import shutil
@@ -101,7 +102,7 @@ def test_bench_quick_json(tmp_path, backend):
 
 
 def _check_machine(res, stdout, read_gbps):
-    """Issue #14: every figure names its machine -- the JSON records the CPU as the engine detects it
+    """Every figure names its machine -- the JSON records the CPU as the engine detects it
     (``_core.cpu_info()``: model name, vendor, family / model, micro-architecture, ISA, features, AMX,
     the kernel each family chose) and a one-line label with the measured bandwidth; the table's header
     prints it."""

@@ -19,7 +19,7 @@ Steps:
    * llama.cpp's own (``benchmarks/llama_cpp_gguf.py``): the unquantized bf16 original of the same random
      weights through llama.cpp's converter (``convert_hf_to_gguf.py``) and quantizer
      (``llama_model_quantize``, Q4_0, lm_head forced to Q4_0): the peer's own layout, as a user makes it.
-3. Each engine runs in a fresh process (prior art's method), same threads, same synthetic prompt
+3. Each engine runs in a fresh process (Lily's method, docs/benchmarks.md), same threads, same synthetic prompt
    (token i = ((i * 2654435761) mod 2^32) mod vocab), same prompt lengths and contexts, exact-shape warm-up,
    median of ``--repeats``; decode repeats start from the same context (qwenmetal: a fork of the session;
    llama.cpp: the sequence state saved after the context prefill and restored before each repeat).
@@ -29,8 +29,8 @@ Steps:
 4. The table, headed by the machine (``_core.cpu_info()``: CPU model, vendor, family / model,
    micro-architecture, ISA, kernels chosen, AMX; the measured read bandwidth): prefill tok/s and decode
    ms/token of every arm, each qwenmetal arm against the faster llama.cpp arm at that point, against
-   issue #14's targets (decode >= 1.5x llama.cpp or >= 85 % of the measured read bandwidth, whichever is
-   lower; prefill >= 2x with AMX, >= 1.3x without), each arm's fraction of the measured read bandwidth.
+   the targets of docs/benchmarks.md (decode >= 1.5x llama.cpp or >= 85 % of the measured read bandwidth,
+   whichever is lower; prefill >= 2x with AMX, >= 1.3x without), each arm's fraction of the measured read bandwidth.
 
 llama.cpp settings: n_threads = n_threads_batch = --threads, n_batch = the longest prompt (<= 2048),
 n_ubatch 512 (llama.cpp's default), KV cache f16 (its default; qwenmetal's default is bf16: the same bytes),
@@ -276,8 +276,8 @@ def _csv(xs) -> str:
 # and quantizer make (benchmarks/llama_cpp_gguf.py)
 QM_ARMS = {"auto": "qwenmetal", "off": "qwenmetal/no-amx"}
 LLAMA_ARMS = {"ours": "llama.cpp/our-gguf", "llama.cpp": "llama.cpp/its-gguf"}
-# the issue-#14 targets: decode >= 1.5x llama.cpp or >= 85 % of the measured read bandwidth, whichever is
-# lower; prefill >= 2x llama.cpp with AMX, >= 1.3x without
+# the targets (docs/benchmarks.md, "Targets"): decode >= 1.5x llama.cpp or >= 85 % of the measured read
+# bandwidth, whichever is lower; prefill >= 2x llama.cpp with AMX, >= 1.3x without
 DECODE_SPEEDUP_TARGET, DECODE_BANDWIDTH_TARGET = 1.5, 0.85
 PREFILL_TARGET = {True: 2.0, False: 1.3}
 

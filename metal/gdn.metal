@@ -8,7 +8,7 @@
 //                         S = decay S; kv = S k; S += (beta (v - kv)) k^T; o = S q   (S[h] is [dv, dk]);
 //                         y = o * rsqrt(mean(o^2) + eps) * norm_w * silu(z)
 //                         (the decode step: M = 1; the prefill's scan route: M = the chunk)
-//   the prefill's chunked route, three kernels over the same math (spec §6, WY/UT form):
+//   the prefill's chunked route, three kernels over the same math (docs/model.md §6, WY/UT form):
 //   gdn_prep_{f32,bf16}:  normalised q, k (float [M, nk, dk]) and beta, g_log (float [M, nv]) into scratch
 //   gdn_chunk_{f32,bf16}: the recurrence over blocks of C tokens on simdgroup_matrix: o (float [M, nv dv])
 //   gdn_norm_{f32,bf16}:  the gated RMSNorm of o into y
@@ -311,7 +311,7 @@ inline void gdn_chunk_mask(threadgroup float* A, threadgroup const float* G, thr
 //   V_new = (I + L)^-1 [beta (V - Gamma (K S))]                     (KS tiles; forward substitution)
 //   O = Gamma (Q S) + lower_incl(q_i.k_j D_ij) V_new               (diag(Gamma) tile x QS tile + M V_new)
 //   S = Gamma_C S + K^T (exp(G_C - G) V_new)
-// which is U - W S with U = T^-1 (beta V), W = T^-1 (beta Gamma K) of model-spec §6 regrouped so that only
+// which is U - W S with U = T^-1 (beta V), W = T^-1 (beta Gamma K) of docs/model.md §6 regrouped so that only
 // K S ([C, 8] per SIMD-group) is formed, not W; the triangular solve runs on the panel V_new itself (C
 // dependent rows), not on T^-1. Rows past the block (its padding to a multiple of 8, and the chunk's end) are
 // exact no-ops: g = 0 in the cumsum, a zero right-hand side, no solve, no o stored. The value columns are independent in every line above, so tiles of them run in parallel

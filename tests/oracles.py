@@ -231,7 +231,7 @@ def save_hf_conditional(model, out_dir, dtype: str = "bfloat16", fused_experts: 
     """Save a ``Qwen3_5MoeForCausalLM`` from :func:`hf_model` as the published multimodal checkpoint would be:
     a ``Qwen3_5MoeForConditionalGeneration`` (``model_type: qwen3_5_moe`` + ``text_config``, keys
     ``model.language_model.*``, a tiny random vision tower under ``model.visual.*``) holding the same text
-    weights, fused experts by default (model-spec §2.1). Its text logits equal the causal model's."""
+    weights, fused experts by default (docs/model.md §2.1). Its text logits equal the causal model's."""
     torch = _torch()
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 

@@ -2,7 +2,8 @@
 bytes-per-token arithmetic against the checkpoint's tensor sizes, the machine every figure names
 (`_core.cpu_info()` in the JSON and the header), the benchmark checkpoint (the fixture writer's bytes,
 cached, atomic), the GGUF writer of benchmarks/ (read back with the `gguf` package; skipped where it is
-not installed) and the llama.cpp comparison's summary against issue #14's targets. No timing assertions."""
+not installed) and the llama.cpp comparison's summary against the targets of docs/benchmarks.md. No timing
+assertions."""
 import json
 import os
 import shutil
@@ -101,7 +102,7 @@ def test_bench_quick_json(tmp_path, backend):
 
 
 def _check_machine(res, stdout, read_gbps):
-    """Issue #14: every figure names its machine -- the JSON records the CPU as the engine detects it
+    """Every figure names its machine -- the JSON records the CPU as the engine detects it
     (``_core.cpu_info()``: model name, vendor, family / model, micro-architecture, ISA, features, AMX,
     the kernel each family chose) and a one-line label with the measured bandwidth; the table's header
     prints it."""
@@ -131,7 +132,7 @@ def test_describe_machine_names_every_field():
 
 
 def test_real_width_bytes_budget():
-    """Model-spec §1.2's per-token arithmetic at the real widths (sizes computed from the shapes)."""
+    """docs/model.md §1.2's per-token arithmetic at the real widths (sizes computed from the shapes)."""
     cfg = bench.real_config(8)
     c = ModelConfig.from_dict(cfg)
     q4 = lambda o, i: o * i // 2 + 2 * 2 * o * (i // 64)                  # noqa: E731 packed + bf16 scales, biases
@@ -145,7 +146,7 @@ def test_real_width_bytes_budget():
         sizes[p + "mlp.switch_mlp.down_proj"] = E * q4(H, I)
         sizes[p + "mlp.gate"] = q8(E, H)
     b = bench.decode_bytes(c, sizes, context=0)
-    assert sizes["lm_head"] == 286_064_640                                  # the 286 MB of model-spec §1.2
+    assert sizes["lm_head"] == 286_064_640                                  # the 286 MB of docs/model.md §1.2
     assert b["weight_parts"]["routed_experts"] == 8 * 8 * 3 * q4(I, H)      # 8 layers x top-8 x 1.769 MB
     assert 8 * 3 * q4(I, H) == pytest.approx(14.16e6, rel=1e-3)
     assert b["weight_parts"]["embedding"] == q4(V, H) // V

@@ -387,7 +387,7 @@ def test_mlx_format_is_what_mlx_lm_convert_writes(name, fmt, hf_dirs, tmp_path):
 
 
 def test_mlx_q4_layout_details():
-    """Spot checks of the MLX layout that the engine relies on (model-spec §2.2)."""
+    """Spot checks of the MLX layout that the engine relies on (docs/model.md §2.2)."""
     t = mlx_tensors("tiny", "mlx-q4", seed=0)
     L = "language_model.model.layers."
     assert t[L + "0.linear_attn.in_proj_qkv.weight"].shape == (256, 16) and t[L + "0.linear_attn.in_proj_qkv.weight"].dtype == np.uint32

@@ -1,4 +1,4 @@
-"""Models larger than memory, under a real memory limit (issue #13, "Tests in CI"): a checkpoint about
+"""Models larger than memory, under a real memory limit (docs/verification.md): a checkpoint about
 twice the size of a memory cgroup's limit generates, inside that cgroup, the same greedy tokens as the
 resident run outside it; the cgroup's peak (RSS + page cache + kernel memory charged to it) stays inside
 the limit, and the expert stats show that the routed experts were streamed. The cgroup comes from

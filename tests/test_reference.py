@@ -182,7 +182,7 @@ def test_causal_conv1d_matches_loop_and_splits():
 def gdn_inputs(L, nk=2, nv=4, dk=32, dv=16, seed=0, state_scale=0.5, decay=(0.001, 3.0)):
     rng = np.random.default_rng(seed)
     q = R.l2norm(rng.normal(size=(L, nk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
-    # correlated keys (|k_i . k_j| close to 1 for some pairs) as the spec warns
+    # correlated keys (|k_i . k_j| close to 1 for some pairs), docs/model.md §6
     base = rng.normal(size=(1, nk, dk))
     k = R.l2norm((rng.normal(size=(L, nk, dk)) + 2.0 * base).astype(np.float32))
     v = rng.normal(size=(L, nv, dv)).astype(np.float32)
@@ -269,7 +269,7 @@ def test_gdn_gqa_mapping_is_h_div_ratio():
 
 
 def gdn_layer_naive64(x, p, cfg, conv_state, ssm_state):
-    """The GDN layer of spec §4.5 written out with loops in float64."""
+    """The GDN layer of docs/model.md §4.4 written out with loops in float64."""
     x = x.astype(np.float64)
     L = x.shape[0]
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,

@@ -85,7 +85,7 @@ def test_qwen35_397b_from_its_config_alone(tmp_path, capsys):
     assert (c.linear_num_value_heads, c.linear_num_key_heads, c.shared_expert_intermediate_size) == (64, 16, 1024)
     _, _, sizes = virtual_weight_table(c)
     total = sum(sizes.values())
-    # prior-art §B: "209 GB at 4 bits" (binary GB: 207.7 GiB); mlx-community's card: ~223 GB (decimal)
+    # Flash-MoE's write-up: "209 GB at 4 bits" (binary GB: 207.7 GiB); mlx-community's card: ~223 GB (decimal)
     assert 205 * 2**30 < total < 211 * 2**30 and 222e9 < total < 224e9
     expert = sizes["layers.0.mlp.switch_mlp.gate_proj"] + sizes["layers.0.mlp.switch_mlp.up_proj"] + \
         sizes["layers.0.mlp.switch_mlp.down_proj"]

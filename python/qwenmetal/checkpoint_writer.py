@@ -124,7 +124,7 @@ INITS = {
 def text_specs(c: ModelConfig, init: str = "fixture", mtp: bool = False) -> list[Spec]:
     """Every text-model tensor of `c` by logical name (Qwen3.5 naming, no prefix), with the scales of
     :data:`INITS` ``[init]``: fused ``experts.gate_up_proj`` ``[E, 2I, H]`` (rows ``[:I]`` gate), conv1d
-    ``[C, 1, K]``, unshifted norms. ``mtp``: also the multi-token-prediction head (model-spec §2.5) under
+    ``[C, 1, K]``, unshifted norms. ``mtp``: also the multi-token-prediction head (docs/model.md §2.5) under
     its HF names: ``mtp.fc.weight`` ``[H, 2H]`` (an input-side projection), the zero-centred
     ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm``, and ``mtp.layers.0.*``, a
     full-attention layer with the MoE block drawn like a body layer."""

@@ -1,6 +1,6 @@
 """The checkpoint's multi-token-prediction (MTP) head as a speculative drafter: ``speculative="mtp"``.
 
-Qwen3.5/3.6-MoE and Qwen3-Next ship one MTP layer (``mtp.*``, model-spec §2.5): from the main model's
+Qwen3.5/3.6-MoE and Qwen3-Next ship one MTP layer (``mtp.*``, docs/model.md §2.5, §9): from the main model's
 hidden state at position p and the token at p + 1 it predicts the token at p + 2. `MtpDrafter` chains it
 greedily, as vLLM (``EagleProposer.propose``) and mlx-vlm (``Qwen3_5MTPDraftModel.draft_block``) do:
 

@@ -1,6 +1,6 @@
 """MLX affine quantization in numpy, bit-exact with ``mx.quantize`` / ``mx.dequantize`` on the CPU.
 
-Format (model-spec §3): a weight ``W[..., out, in]`` is cut along its last axis into groups of
+Format (docs/model.md §3): a weight ``W[..., out, in]`` is cut along its last axis into groups of
 ``group_size`` consecutive elements. Each group has one ``scale`` and one ``bias``; element k holds an
 unsigned ``q`` in ``[0, 2**bits - 1]`` and means ``scale * q + bias``. The q values of a row are one
 LSB-first bit stream, ``bits`` bits each, stored as little-endian uint32 words (``in * bits / 32`` per row).
@@ -153,7 +153,7 @@ def _quantize_rows(w: np.ndarray, bits: int, group_size: int, out_dtype) -> tupl
 
 def dequantize(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
                dtype=np.float32) -> np.ndarray:
-    """``float32(scale) * q + float32(bias)`` per group, evaluated in float32 (model-spec §3.2).
+    """``float32(scale) * q + float32(bias)`` per group, evaluated in float32 (docs/model.md §3.2).
 
     With ``dtype=np.float32`` (the default) this is the exact float32 value of every weight; it equals
     ``mx.dequantize`` applied to float32 scales and biases. With another ``dtype`` (e.g. bfloat16) it
@@ -182,7 +182,7 @@ def dequantize(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int
 
 
 def infer_bits_and_group_size(packed_cols: int, scale_cols: int, in_features: int) -> tuple[int, int]:
-    """(bits, group_size) of a quantized tensor from its shapes (model-spec §3.4).
+    """(bits, group_size) of a quantized tensor from its shapes (docs/model.md §3.4).
 
     ``packed_cols``: uint32 columns of ``.weight``; ``scale_cols``: columns of ``.scales``;
     ``in_features``: the logical input dim. ``group_size = in / scale_cols``, ``bits = 32 * packed / in``.

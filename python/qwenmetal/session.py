@@ -216,7 +216,7 @@ class ModelBase:
     @property
     def eos_token_ids(self) -> tuple:
         """Stop ids: generation_config.json's, config.json's (top level and text_config) and the
-        tokenizer's eos, all of them (docs/model.md)."""
+        tokenizer's eos, all of them (docs/model.md §7)."""
         ids = list(self.config.eos_token_ids)
         g = self.generation_config.get("eos_token_id")
         for x in (g if isinstance(g, list) else [g]):

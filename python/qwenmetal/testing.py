@@ -36,7 +36,7 @@ arguments -> byte-identical files. The directory appears atomically (``fileio.at
 half-written one is never mistaken for a checkpoint and an error leaves nothing behind.
 
 ``mtp=True`` (``make_checkpoint``, ``cached_checkpoint``, ``hf_tensors``, ``mlx_tensors``) adds a random
-multi-token-prediction head (``mtp.*``, model-spec §2.5: ``mtp.fc.weight`` [H, 2H], the zero-centred
+multi-token-prediction head (``mtp.*``, docs/model.md §2.5: ``mtp.fc.weight`` [H, 2H], the zero-centred
 ``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm``, ``mtp.layers.0.*`` a full-attention MoE
 layer) and ``mtp_num_hidden_layers: 1`` to config.json; the MLX formats then keep it (as ``qwenmetal convert
 --keep-mtp`` does). Off by default: the fixtures without it are unchanged, byte for byte.
@@ -130,7 +130,7 @@ Berlin
 The end of the corpus; the end of the story. The end.
 """
 
-# A compact Qwen3.5-style chat template (model-spec §8.4): optional system turn (with the XML tool-call
+# A compact Qwen3.5-style chat template (docs/model.md §8.3): optional system turn (with the XML tool-call
 # instructions when tools are given), trimmed user turns, assistant turns with a <think> block only after
 # the last real user query (or with preserve_thinking), XML tool calls, grouped tool responses, and the
 # generation prompt "<|im_start|>assistant\n<think>\n" (or an empty think block if enable_thinking=false).

@@ -1,7 +1,7 @@
 """Tokenizer and chat template from a checkpoint's own files.
 
 Encoding/decoding uses HF ``tokenizers`` on ``tokenizer.json``; added tokens listed only in
-``tokenizer_config.json``'s ``added_tokens_decoder`` are added too (model-spec §8.1). The chat
+``tokenizer_config.json``'s ``added_tokens_decoder`` are added too (docs/model.md §8.1). The chat
 template (``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``) is rendered
 with jinja2's sandbox, so a template from a downloaded checkpoint cannot run arbitrary code.
 """

@@ -24,11 +24,11 @@ Canonical names and layouts (the contract every backend reads)::
 
 Every RMSNorm weight except ``linear_attn.norm`` is stored *shifted* (the factor the normalised
 vector is multiplied by): MLX files already hold ``1 + w``; for HF files the loader adds 1 in float32
-(model-spec §2.3). Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba`` are split into the four
+(docs/model.md §2.3). Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba`` are split into the four
 projections above (per-k-head grouped order), which is an exact row permutation for quantized
 tensors too.
 
-The multi-token-prediction head (``mtp.*`` keys, model-spec §2.5), when a checkpoint carries a complete
+The multi-token-prediction head (``mtp.*`` keys, docs/model.md §2.5), when a checkpoint carries a complete
 one, is loaded into ``Weights.mtp`` -- a separate dict that no backend reads -- under the same names
 without the ``mtp.`` prefix::
 
@@ -202,7 +202,7 @@ def _canonical_key(key: str):
 
 
 def detect_layout(src: TensorSource, stems: dict) -> str:
-    """'hf' or 'mlx' (model-spec §2.3: the conv1d shape decides; other signs as fallback)."""
+    """'hf' or 'mlx' (docs/model.md §2.3: the conv1d shape decides; other signs as fallback)."""
     for stem, parts in stems.items():
         if stem.endswith("linear_attn.conv1d") and "weight" in parts:
             shape = src.shape(parts["weight"])

@@ -1,4 +1,4 @@
-// The per-sequence state of the hybrid model, as every backend holds it (model-spec §5): per full
+// The per-sequence state of the hybrid model, as every backend holds it (docs/model.md §5): per full
 // attention layer a K and a V cache of n_kv_heads x head_dim values per token (keys after RoPE); per
 // Gated DeltaNet layer the last K-1 pre-conv rows [K-1, conv_dim] and the recurrent state
 // [nv, dv, dk], both float32. The CPU engine (src/cpu/engine.h State) and the GPU graph

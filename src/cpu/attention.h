@@ -1,4 +1,4 @@
-// Attention family (gated GQA full attention, model-spec §4.4).
+// Attention family (gated GQA full attention, docs/model.md §4.3).
 //  * attn_qk_rope_kv_write: per token, q/k RMSNorm + partial rotate-half RoPE (fp32 angles at absolute
 //    positions) in place, and the key/value rows written into the KV cache (bf16 rounded to nearest
 //    even, or fp32) — one pass, so q/k/v are touched once after their projection.

@@ -272,7 +272,7 @@ Engine::Engine(const Config& c, const std::map<std::string, TensorDesc>& t,
     embed_ = make_linear(t, "embed_tokens", c.vocab, H, false);
     lm_head_ = c.tie_embeddings ? embed_ : make_linear(t, "lm_head", c.vocab, H, false);
     final_norm_ = vec("norm", H);
-    if (t.count("fc")) {            // an MTP head (model-spec §2.5): its input is fc over [embedding; hidden]
+    if (t.count("fc")) {            // an MTP head (docs/model.md §9): its input is fc over [embedding; hidden]
         mtp_ = true;
         fc_ = make_linear(t, "fc", H, 2 * H, false);
         fc_norm_e_ = vec("pre_fc_norm_embedding", H);

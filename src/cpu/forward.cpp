@@ -1,4 +1,4 @@
-// The forward graph of the hybrid Gated DeltaNet / gated attention / MoE model (model-spec §4),
+// The forward graph of the hybrid Gated DeltaNet / gated attention / MoE model (docs/model.md §4),
 // written to be read next to python/qwenmetal/reference.py. Every heavy step is a kernel of one
 // family in src/cpu/ (quant, norm, attention, gdn, moe) run on the engine's thread pool.
 //

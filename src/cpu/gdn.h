@@ -1,4 +1,4 @@
-// Gated DeltaNet family (model-spec §4.5, §6).
+// Gated DeltaNet family (docs/model.md §4.4, §6).
 //  * gdn_conv_silu: depthwise causal conv (kernel K, taps transposed to [K][C] at load so the loop runs
 //    along channels) with its K-1 row state, then SiLU; state updated in place.
 //  * gdn_prepare_token: split q|k|v, L2-normalise q and k per key head (q also times dk^-0.5),

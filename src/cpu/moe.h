@@ -1,4 +1,4 @@
-// MoE family (model-spec §4.6): router softmax (fp32) -> top-k (ties to the lower expert id) ->
+// MoE family (docs/model.md §4.5): router softmax (fp32) -> top-k (ties to the lower expert id) ->
 // renormalise; token-expert pairs grouped by expert (counting sort) so each chosen expert's weights are
 // read once per prefill chunk; gate and up projections computed by the same task and SwiGLU applied
 // before anything is written; the down projections of all chosen experts, scaled by their routing

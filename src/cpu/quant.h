@@ -1,4 +1,4 @@
-// MLX affine quantization (model-spec §3): value = scale * q + bias per group of `group_size`
+// MLX affine quantization (docs/model.md §3): value = scale * q + bias per group of `group_size`
 // consecutive inputs of a row; the q values of a row are one LSB-first bit stream in uint32 words
 // (cols * bits / 32 words; 16/8/4 whole values per word at 2/4/8 bits, at 3/5/6 bits a value may
 // straddle two words). Widths 2, 3, 4, 5, 6, 8; groups 32, 64, 128 (a group = whole 32-value chunks

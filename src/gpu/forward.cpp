@@ -1,5 +1,5 @@
 // The decode graph of the Metal backend: one token of the hybrid Gated DeltaNet / gated attention /
-// MoE model (model-spec §4) as one command buffer, read top to bottom over named scratch buffers.
+// MoE model (docs/model.md §4) as one command buffer, read top to bottom over named scratch buffers.
 // Every call below is the host function of one kernel (src/gpu/ops/<family>.cpp); the encoder puts
 // memory barriers where a dispatch reads what an earlier one of its level wrote.
 //

@@ -1,9 +1,9 @@
 """Numpy reference forward pass of the Qwen3.5/3.6-MoE and Qwen3-Next hybrid models.
 
-This module is the project's ground truth. It is written to be read next to the model spec
-(`docs/model-spec.md` §4-§6): one function per block, no kernels, no tricks beyond vectorisation.
+This module is the project's ground truth. It is written to be read next to docs/model.md
+(§4-§6): one function per block, no kernels, no tricks beyond vectorisation.
 
-Layout of a forward call (spec §4.1-§4.2)::
+Layout of a forward call (docs/model.md §4.1)::
 
     x = embed_tokens[ids]
     for each layer i:
@@ -38,13 +38,13 @@ accumulate in float32) and rounded only at these points:
 * Gated DeltaNet: projections; the conv output; SiLU as MLX computes it (``sigmoid(x)`` rounded, then
   ``x * sigmoid`` rounded); q/k normalisation as MLX ``normalize_qk`` (``rms_norm`` output rounded,
   then the product with the bf16-rounded scalar ``1/dk`` for q, ``dk^-0.5`` for k, rounded);
-  ``beta = sigmoid(b)`` rounded. ``g_log`` is kept in float32 from the (rounded) ``a`` projection (HF precision, spec §9.2;
-  MLX computes ``a + dt_bias`` and the softplus in bf16). The recurrence (recurrent or chunked) runs in
-  float32 on the rounded q, k, v, beta with a float32 state; its output is rounded. Gated RMSNorm:
-  ``x * inv`` rounded, ``weight * n`` rounded, ``n * silu_fp32(z)`` rounded (spec §4.3).
-  The conv state caches the rounded projection rows.
+  ``beta = sigmoid(b)`` rounded. ``g_log`` is kept in float32 from the (rounded) ``a`` projection (HF
+  precision, docs/model.md §4.4; MLX computes ``a + dt_bias`` and the softplus in bf16). The recurrence
+  (recurrent or chunked) runs in float32 on the rounded q, k, v, beta with a float32 state; its output
+  is rounded. Gated RMSNorm: ``x * inv`` rounded, ``weight * n`` rounded, ``n * silu_fp32(z)`` rounded
+  (docs/model.md §4.2). The conv state caches the rounded projection rows.
 * MoE: router logits rounded; softmax computed in float32 from them and the top-k *selection* made
-  on the float32 probabilities, exact ties going to the lower expert index (spec §9.12; MLX selects
+  on the float32 probabilities, exact ties going to the lower expert index (docs/model.md §4.5; MLX selects
   with ``argpartition`` on bf16 probabilities, so near-ties and the exact ties that bf16 logits
   produce can pick a different expert); the selected probabilities rounded (MLX's bf16 softmax
   output); if renormalising, the sum and the quotient rounded; each expert's gate/up/down outputs
@@ -148,7 +148,7 @@ def _linear(x: np.ndarray, w: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# norms and RoPE (spec §4.3, §4.4, §9.3-§9.8)
+# norms and RoPE (docs/model.md §4.2, §4.3, §4.6)
 # ---------------------------------------------------------------------------------------------
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, bf16: bool = False) -> np.ndarray:
     """RMSNorm over the last axis with a shifted weight: ``x * rsqrt(mean(x^2) + eps) * w``.
@@ -166,7 +166,7 @@ def gated_rms_norm(x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
                    bf16: bool = False) -> np.ndarray:
     """GDN output norm, per head vector (last axis): normalise, times the plain weight, times silu(z).
 
-    bf16 mode (spec §4.3): ``n = bf16(x*inv)``; ``n = bf16(w*n)``; ``y = bf16(n * silu_fp32(z))``.
+    bf16 mode (docs/model.md §4.2): ``n = bf16(x*inv)``; ``n = bf16(w*n)``; ``y = bf16(n * silu_fp32(z))``.
     """
     x = _f32(x)
     inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps))
@@ -209,7 +209,7 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# full (gated) attention (spec §4.4)
+# full (gated) attention (docs/model.md §4.3)
 # ---------------------------------------------------------------------------------------------
 def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndarray, v_cache: np.ndarray,
                    position: int, *, bf16: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -258,7 +258,7 @@ def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndar
 
 
 # ---------------------------------------------------------------------------------------------
-# Gated DeltaNet (spec §4.5, §6)
+# Gated DeltaNet (docs/model.md §4.4, §6)
 # ---------------------------------------------------------------------------------------------
 def causal_conv1d(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Causal depthwise conv (cross-correlation, no bias) over ``x`` [L, C] with kernel ``weight`` [C, K].
@@ -282,7 +282,7 @@ def _expand_heads(x: np.ndarray, n_to: int) -> np.ndarray:
 
 def gdn_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: np.ndarray, g_log: np.ndarray,
                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Gated delta rule, one token at a time (spec §4.5). All float32.
+    """Gated delta rule, one token at a time (docs/model.md §4.4). All float32.
 
     q, k [L, nk, dk] (q already l2-normalised and scaled by dk^-0.5, k l2-normalised); v [L, nv, dv];
     beta, g_log [L, nv]; state [nv, dv, dk] (MLX layout). Returns ``(o [L, nv, dv], new_state)``;
@@ -304,7 +304,7 @@ def gdn_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: np.ndarray,
 
 def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, beta: np.ndarray, g_log: np.ndarray,
                 state: np.ndarray, chunk_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """Gated delta rule in the chunked WY/UT form (spec §6). Same contract as `gdn_recurrent`.
+    """Gated delta rule in the chunked WY/UT form (docs/model.md §6). Same contract as `gdn_recurrent`.
 
     The sequence is padded to a multiple of ``chunk_size`` with q = k = v = 0, beta = 0, g = 0 (exact
     no-ops); a sequence shorter than ``chunk_size`` is processed as a single chunk of length L.
@@ -422,7 +422,7 @@ def gated_deltanet(x: np.ndarray, p: dict, config: ModelConfig, conv_state: np.n
 
 
 # ---------------------------------------------------------------------------------------------
-# MLPs (spec §4.6)
+# MLPs (docs/model.md §4.5)
 # ---------------------------------------------------------------------------------------------
 def swiglu(gate: np.ndarray, up: np.ndarray, *, bf16: bool = False) -> np.ndarray:
     """silu(gate) * up (bf16 mode: silu as MLX, product rounded)."""
@@ -540,7 +540,7 @@ class ReferenceState:
 
 def decoder_layer(x: np.ndarray, lp: dict, config: ModelConfig, i: int, state: ReferenceState, *,
                   gdn_mode: str = "chunked", chunk_size: int = 64, bf16: bool = False) -> tuple[np.ndarray, tuple]:
-    """One decoder layer (spec §4.2). ``lp`` is the layer's parameter dict (names without ``layers.{i}.``).
+    """One decoder layer (docs/model.md §4.1). ``lp`` is the layer's parameter dict (names without ``layers.{i}.``).
 
     Returns ``(out [L, H], new_layer_state)`` where the state is ``(K, V)`` for attention layers and
     ``(conv, ssm)`` for GDN layers; ``state`` is only read.
@@ -652,10 +652,10 @@ class ReferenceModel:
 
 
 # ---------------------------------------------------------------------------------------------
-# the multi-token-prediction head (spec §2.5)
+# the multi-token-prediction head (docs/model.md §9)
 # ---------------------------------------------------------------------------------------------
 class ReferenceMtp:
-    """The MTP head's forward pass (spec §2.5; vLLM ``Qwen3NextMultiTokenPredictor.forward``, mlx-vlm
+    """The MTP head's forward pass (docs/model.md §9; vLLM ``Qwen3NextMultiTokenPredictor.forward``, mlx-vlm
     ``Qwen3_5MTPDraftModel._forward_hidden``) over dense float32 parameters named as ``Weights.mtp``
     (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` (all shifted), ``layers.0.*``),
     sharing the main model's embedding and lm_head. For each (hidden h_p, token t_{p+1}) pair::

@@ -23,7 +23,7 @@ def layer_types(n: int, interval: int = 4) -> list:
 
 def _family_config(layers: int, **dims) -> dict:
     """A config.json dict (nested ``qwen3_5_moe`` form, as released) of a Qwen3.5/3.6-MoE family member:
-    the fields every released size shares (the values of Qwen3.6-35B-A3B's config.json, prior-art §C), with
+    the fields every released size shares (the values of Qwen3.6-35B-A3B's config.json, docs/model.md §1.1), with
     ``dims`` (text_config fields: widths, head and expert counts) replacing them, and ``layers`` layers
     (every fourth full attention)."""
     if layers < 1:
@@ -65,10 +65,10 @@ def qwen35_397b_config(layers: int = 60) -> dict:
 
     Where the values come from:
 
-    * prior-art §B.2 (Flash-MoE, which runs this model): 60 layers (45 GDN + 15 attention), hidden 4096,
-      512 experts, moe_intermediate 1024, GDN 64 value / 16 key heads, 10 experts per token (Flash-MoE's
-      7,077,888-byte 4-bit expert blob = 3 x 1024 x 4096 weights at 4 bits + bf16 scales and biases at
-      group 64 confirms hidden x moe_intermediate);
+    * Flash-MoE's engine (github.com/danveloper/flash-moe, which runs this model; docs/model.md §1.3):
+      60 layers (45 GDN + 15 attention), hidden 4096, 512 experts, moe_intermediate 1024, GDN 64 value /
+      16 key heads, 10 experts per token (Flash-MoE's 7,077,888-byte 4-bit expert blob = 3 x 1024 x 4096
+      weights at 4 bits + bf16 scales and biases at group 64 confirms hidden x moe_intermediate);
     * mlx-community/Qwen3.5-397B-A17B-4bit's model card (a conversion of the released config.json):
       attention 32 query / 2 KV heads of head_dim 256, GDN head dim 128, one shared expert, context
       262,144, vocabulary 248,320;

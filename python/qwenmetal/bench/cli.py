@@ -31,7 +31,7 @@ What it does:
    GB/s = bytes/token x tokens/s; ``bandwidth_ratio`` = effective / measured read bandwidth.
 6. **Peak RSS** of the benchmark process (``getrusage``); memory-mapped weight pages count once touched.
 
-The synthetic prompt follows the benchmark method of prior art: token i = ((i * 2654435761) mod 2^32)
+The synthetic prompt is Lily's (docs/benchmarks.md, "Method"): token i = ((i * 2654435761) mod 2^32)
 mod vocab. Output: a table, and JSON with ``--json PATH`` (schema ``qwenmetal-bench/1``).
 """
 from __future__ import annotations

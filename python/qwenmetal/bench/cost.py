@@ -43,9 +43,10 @@ def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv
 
 # Memory bandwidth of the Max chips (Apple's figures) and the per-level latency of the model below.
 CHIP_BANDWIDTH_GBS = {"M1 Max": 400.0, "M2 Max": 400.0, "M3 Max": 400.0, "M4 Max": 546.0, "M5 Max": 614.0}
-# Calibrated from Lily's published decode on an M5 Max (prior-art A.14 / D.2): 194 tok/s at 256 tokens of
-# context = 5.15 ms per token for about 1.80 GB moved (1.67 GB weights + 126 MB GDN state + KV), which is
-# 2.93 ms at the full 614 GB/s; the other 2.22 ms over Lily's ~555 dependency levels is ~4 us per level.
+# Calibrated from Lily's published decode on an M5 Max (docs/benchmarks.md, "Published figures"): 194 tok/s
+# at 256 tokens of context = 5.15 ms per token for about 1.80 GB moved (1.67 GB weights + 126 MB GDN state
+# + KV), which is 2.93 ms at the full 614 GB/s; the other 2.22 ms over Lily's ~555 dependency levels is
+# ~4 us per level.
 # (Assumes Lily's bandwidth-bound kernels stream at the chip's full rate: the latency is an upper estimate.)
 LEVEL_LATENCY_S = 4.0e-6
 
@@ -64,8 +65,9 @@ def modelled_tok_s(bytes_per_token: float, levels: int, latency_s: float = LEVEL
 #   FP32 peak: Apple's figures for M1 Max (32-core GPU, 10.4) and M2 Max (38-core, 13.6); M3 Max and M4 Max
 #   (40-core; Apple publishes none) derived as cores x 128 FP32 lanes x 2 x clock (~1.6 GHz, ~1.8 GHz).
 #   Metal 4 tensor ops (M5 Max, 40-core): Apple's claim of over 4x the M4's peak GPU compute for AI, applied
-#   to the M4 Max figure (4 x 18.4). Lily's published M5 Max prefill (prior-art A.11), which uses these
-#   tensor ops, implies an achieved rate that `encode_only_prefill_cost` reports beside it as a check.
+#   to the M4 Max figure (4 x 18.4). Lily's published M5 Max prefill (docs/benchmarks.md, "Published
+#   figures"), which uses these tensor ops, implies an achieved rate that `encode_only_prefill_cost`
+#   reports beside it as a check.
 CHIP_PEAK_TFLOPS = {"M1 Max": 10.4, "M2 Max": 13.6, "M3 Max": 16.4, "M4 Max": 18.4, "M5 Max": 73.6}
 # The rate Lily's published M5 Max 4K prefill (5724 tok/s) implies on this graph's declared FLOPs at 4K
 # (5.4 GFLOP/token: `lily_implied_tflops`), 42 % of the peak above: the M5 Max is also modelled at this
@@ -73,7 +75,8 @@ CHIP_PEAK_TFLOPS = {"M1 Max": 10.4, "M2 Max": 13.6, "M3 Max": 16.4, "M4 Max": 18
 M5_LILY_RATE_TFLOPS = 30.9
 CHIP_ROUTE = {"M1 Max": "simdgroup", "M2 Max": "simdgroup", "M3 Max": "simdgroup", "M4 Max": "simdgroup",
               "M5 Max": "tensor"}
-# Published M5 Max prefill tokens/s (prior-art A.11: Lily's 0.32.2-run column and MLX 0.32.2).
+# Published M5 Max prefill tokens/s (Lily's 0.32.2-run column and MLX 0.32.2; docs/benchmarks.md, "Published
+# figures").
 PUBLISHED_PREFILL = {"Lily": {4096: 5724.4, 32768: 3927.5, 131072: 1792.7},
                      "MLX 0.32.2": {4096: 5165.7, 32768: 3963.7, 131072: 2237.5}}
 

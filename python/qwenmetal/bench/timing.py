@@ -18,7 +18,7 @@ from ..native import core
 PROMPT_MULTIPLIER = 2654435761
 
 def synthetic_prompt(n: int, vocab: int, offset: int = 0) -> np.ndarray:
-    """Token i = ((i * 2654435761) mod 2^32) mod vocab (prior art's synthetic prompt)."""
+    """Token i = ((i * 2654435761) mod 2^32) mod vocab (Lily's synthetic prompt, docs/benchmarks.md)."""
     i = np.arange(offset, offset + n, dtype=np.uint64)
     return ((i * np.uint64(PROMPT_MULTIPLIER)) % np.uint64(1 << 32) % np.uint64(vocab)).astype(np.int64)
 

@@ -34,7 +34,8 @@ from .llama import INSTALL_HINT
 from .report import format_markdown, write_outputs
 
 SCHEMA = "qwenmetal-compare/1"
-# the published write-up's ten prompt lengths / decode contexts (prior-art §A.11), and the small machine's
+# the published write-up's ten prompt lengths / decode contexts (Lily's, docs/benchmarks.md "Published
+# figures"), and the small machine's
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 QUICK_LENGTHS = (16, 64)
 DEFAULT_STEPS, QUICK_STEPS = 64, 8

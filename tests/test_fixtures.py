@@ -193,7 +193,7 @@ def test_sharded_streaming_write_is_the_same_model(tmp_path):
 
 
 def test_random_params_share_the_writers_generator():
-    """reference.random_params and the fixtures draw from the one generator: with the fixture scales the
+    """testing.random_params and the fixtures draw from the one generator: with the fixture scales the
     canonical float32 draws round to exactly the checkpoint's bf16 tensors."""
     from qwenmetal import checkpoint_writer as cw
 

@@ -2,7 +2,7 @@
 
 Used by the test fixtures (:func:`qwenmetal.testing.make_checkpoint`), by the benchmark's real-width
 checkpoint (:func:`qwenmetal.bench.ensure_checkpoint`) and, through :func:`canonical_params`, by the
-numpy reference's :func:`qwenmetal.backends.reference.random_params` -- so there is one source of random weights.
+numpy reference's :func:`qwenmetal.backends.testing.random_params` -- so there is one source of random weights.
 
 * **Weights.** :func:`text_specs` lists every text-model tensor by logical name (Qwen3.5 naming, no
   prefix), shape and distribution; each is drawn from its own generator, seeded by ``sha256(seed, name)``,

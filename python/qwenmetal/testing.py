@@ -29,7 +29,7 @@ Qwen pre-tokenizer and the real special tokens), ``tokenizer_config.json`` (with
 ``added_tokens_decoder``), ``chat_template.jinja`` and ``generation_config.json``.
 
 The weights and the writing are :mod:`qwenmetal.checkpoint_writer`'s (the one random-checkpoint writer,
-also behind the benchmark's real-width checkpoint and ``reference.random_params``): drawn from ``seed``
+also behind the benchmark's real-width checkpoint and ``testing.random_params``): drawn from ``seed``
 per tensor name, in float32, then rounded to bf16, so the same seed is the same logical model in every
 format (mlx-q4 is the quantization of exactly the hf-bf16 weights); streamed shard by shard. Same
 arguments -> byte-identical files. The directory appears atomically (``fileio.atomic_dir``), so a

@@ -192,7 +192,7 @@ class _GpuBackend:
         st._import(position, kv, conv, ssm)
         return st
 
-    # ---- expert streaming statistics (generation.expert_stats summarises them) -------------------
+    # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
     def expert_counters(self) -> dict:
         """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
         policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""

@@ -152,6 +152,21 @@ def test_nbytes_grows_with_kv_cache(model):
     assert "Session(position=4" in repr(s)
 
 
+def test_snapshot_repr_says_what_it_holds(model, tmp_path):
+    """A snapshot shows its position and size (not the id of the model object), and round-trips through the
+    session file format."""
+    s = model.new_session()
+    model.prefill(s, [1, 2, 3])
+    snap = s.snapshot()
+    assert repr(snap) == f"SessionSnapshot(position=3, state={snap.nbytes / 2**20:.2f} MiB)"
+    snap.save(tmp_path / "snap.safetensors")
+    back = qm.SessionSnapshot.load(tmp_path / "snap.safetensors", model)
+    assert back.tokens == (1, 2, 3) and back.belongs_to(model)
+    t = model.new_session()
+    t.restore(back)
+    state_equal(s, t)
+
+
 def test_generate_streams_and_is_reproducible(model):
     outs = list(model.generate("hello world", max_tokens=12, temperature=0.0))
     assert 1 <= len(outs) <= 12 and outs[-1].finish_reason in ("stop", "length")

@@ -6,6 +6,7 @@ import pytest
 
 import qwenmetal as qm
 from qwenmetal import session as ses
+from qwenmetal.cli import _stats_line
 from qwenmetal import speculative as sp
 from qwenmetal.sampling import Sampler
 from qwenmetal.speculative import AdaptiveK, PromptLookup, ScriptedDrafter
@@ -367,3 +368,14 @@ def test_row_by_row_fallback_chain_ends_like_the_engines():
     assert ses.rewindable(m, s) == 0
     with pytest.raises(ValueError, match="nothing to rewind"):
         ses.rewind(m, s, 0)
+
+
+def test_no_round_reports_no_acceptance_rate():
+    """With nothing drafted (k = 0) the acceptance rate is None, not NaN, and the CLI's stats line leaves
+    it out."""
+    m = _load()
+    _, st = _greedy(m, PROMPT, 4, cache=False, speculative="lookup", speculative_k=0)
+    sp = st["speculative"]
+    assert sp["drafted_tokens"] == 0 and sp["acceptance_rate"] is None
+    line = _stats_line(st)
+    assert "0/0 drafts accepted" in line and "nan" not in line

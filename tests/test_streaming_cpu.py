@@ -101,6 +101,8 @@ def test_generate_stats_and_tokens(ckpt, resident):
     assert [o.token for o in got] == [o.token for o in want]
     x = got[-1].stats["experts"]
     assert x["streaming"] and x["slots_per_layer"] == 1 and x["policy"] == "lru"
+    assert "experts='streamed from disk (1 slots per layer, lru)'" in repr(m)     # the repr says so
+    assert "experts=" not in repr(resident)
     assert 0 <= x["hit_rate"] < 1 and x["bytes_read"] > 0 and x["bytes_per_token"] > 0
     assert x["decode_bytes_per_token"] > 0
     r = want[-1].stats["experts"]

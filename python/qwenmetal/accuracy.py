@@ -20,12 +20,11 @@ figures of every mode of `MODES` with this module (`load_mode`).
 """
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 import numpy as np
 
-from .backends.reference import ReferenceModel
+from .backends.reference import ReferenceBackend, ReferenceModel
 from .model import Model
 
 MEASURES = ("kl_mean", "kl_max", "top1_agree", "max_abs_err_rel", "rms_rel")
@@ -54,11 +53,8 @@ def load_mode(name: str, path, reference):
     backend, options = MODES[name]
     if backend != "reference":
         return Model.load(path, backend=backend, **options)
-    twin = copy.copy(reference)
-    twin._backend = copy.copy(reference._backend)
-    twin._backend.impl = ReferenceModel(reference.config, reference._backend.impl.params, **options)
-    twin._backend.dtype = twin._backend.impl.dtype
-    return twin
+    impl = reference.reference_model
+    return reference.with_backend(ReferenceBackend.over(ReferenceModel(reference.config, impl.params, **options)))
 
 
 def prompt(vocab_size: int, n: int, seed: int = 0) -> list:

@@ -16,17 +16,24 @@ import threading
 from html import escape
 from typing import Iterator, Sequence
 
+from . import generation
 from .backends import backend_factory
 from .chat import ChatResponse, chat_turn
 from .config import ModelConfig
-from .generation import GenerationOutput, generate
+from .generation import GenerationOutput
 from .options import GenerationOptions
 from .paths import resolve_checkpoint
 from .prefix_cache import PrefixCache
 from .sampling import Sampler
 from .session import ModelBase, Session, SessionSnapshot
 from .tokenizer import load_tokenizer
-from .transcripts import TranscriptStore, chat_prompt, conversation_session, restore_from_disk, resume_conversation
+from .transcripts import (
+    TranscriptStore,
+    chat_prompt,
+    conversation_session,
+    restore_from_disk,
+    resume_conversation,
+)
 from .weights import load_weights
 
 __all__ = ["Model", "Session", "SessionSnapshot", "resolve_checkpoint"]
@@ -117,7 +124,7 @@ class Model(ModelBase):
             frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
             skip_special_tokens=skip_special_tokens)
-        return generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
+        return generation.generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
                         cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
                         speculative_k=speculative_k)
 

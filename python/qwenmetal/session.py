@@ -370,10 +370,13 @@ class ModelBase:
         return getattr(self._backend, "impl", None) if self.backend == "reference" else None
 
     def with_backend(self, backend) -> "ModelBase":
-        """A twin of this model (same config, weights, tokenizer and caches) on another backend object."""
+        """A twin of this model (same config, weights and tokenizer) on another backend object, with no
+        prefix cache or transcripts (their states were computed by this model's backend)."""
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
         twin._backend = backend
+        twin._identity = self._identity
+        twin.prefix_cache = twin.transcripts = None
         return twin
 
 

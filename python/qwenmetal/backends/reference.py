@@ -755,6 +755,13 @@ class ReferenceBackend:
         self.impl = ReferenceModel(weights.config, weights.dense_float32(), dtype=dtype)
         self.dtype, self.gdn_mode, self.chunk_size = dtype, gdn_mode, int(chunk_size)
 
+    @classmethod
+    def over(cls, impl: ReferenceModel, gdn_mode: str = "chunked", chunk_size: int = 64) -> "ReferenceBackend":
+        """The backend over an existing `ReferenceModel` (its parameters shared, not copied)."""
+        be = object.__new__(cls)
+        be.impl, be.dtype, be.gdn_mode, be.chunk_size = impl, impl.dtype, gdn_mode, int(chunk_size)
+        return be
+
     def new_state(self) -> ReferenceState:
         """A zeroed state (position 0)."""
         return self.impl.new_state()

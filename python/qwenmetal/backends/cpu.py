@@ -57,9 +57,9 @@ from ..config import mtp_layer_config
 from ..expert_streaming import expert_stats, stream_spec
 from ..expert_streaming import plan as stream_plan
 from ..native import core
-from ..session_io import gdn_state_arrays, gdn_state_vectors
 from ..weights import QuantizedTensor, Weights
 from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
+from .engine import EngineBackend
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
@@ -113,7 +113,7 @@ class _Impl:
         return self.engine.forward(state, ids, logits, consumed)
 
 
-class CpuBackend:
+class CpuBackend(EngineBackend):
     """C++ threads + SIMD on the checkpoint's own (mmap'd, usually 4-bit) weights."""
 
     name = "cpu"
@@ -206,47 +206,17 @@ class CpuBackend:
         return CpuBackend(head, threads=self.threads, kv_dtype=self.kv_dtype, prefill_chunk=self.prefill_chunk,
                           activations=self.activations, memory_budget=None)
 
-    def rewind(self, state, keep: int, consumed: list | None = None) -> None:
-        """End the verify chain keeping its first `keep` tokens (the rest leave `consumed` too)."""
-        self.engine.rewind(state, int(keep), consumed)
-
-    # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
-    def state_to_arrays(self, state) -> dict:
+    def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
+        """The engine's [P, nkv * hd] rows (bfloat16 exported as uint16) -> [nkv, P, hd]."""
         c = self.weights.config
-        position, kv, conv, ssm = state._export()
-        nkv, hd = c.num_key_value_heads, c.head_dim
-        out = {"position": np.array([position], dtype=np.int64)}
-        for j, i in enumerate(c.full_attention_layers):
-            for n, a in (("key", kv[2 * j]), ("value", kv[2 * j + 1])):
-                if a.dtype == np.uint16:
-                    a = a.view(ml_dtypes.bfloat16)
-                out[f"layers.{i}.{n}"] = np.ascontiguousarray(a.reshape(position, nkv, hd).transpose(1, 0, 2))
-        out.update(gdn_state_arrays(c, conv, ssm))
-        return out
+        if a.dtype == np.uint16:
+            a = a.view(ml_dtypes.bfloat16)
+        return np.ascontiguousarray(a.reshape(position, c.num_key_value_heads, c.head_dim).transpose(1, 0, 2))
 
-    def state_from_arrays(self, arrays: dict):
+    def kv_rows(self, a: np.ndarray, position: int) -> np.ndarray:
+        """[nkv, P, hd] -> the engine's [P, nkv * hd] rows."""
         c = self.weights.config
-        position = int(np.asarray(arrays["position"]).reshape(-1)[0])
-        kv_t = ml_dtypes.bfloat16 if self.kv_dtype == "bfloat16" else np.float32
-        kv = []
-        for i in c.full_attention_layers:
-            for n in ("key", "value"):
-                a = np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t)        # [nkv, P, hd]
-                a = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, c.num_key_value_heads * c.head_dim)
-                kv.append(a.reshape(-1).view(np.uint8))
-        conv, ssm = gdn_state_vectors(c, arrays)
-        st = self.new_state()
-        st._import(position, kv, conv, ssm)
-        return st
-
-    # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
-    def expert_counters(self) -> dict:
-        """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
-        policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
-        return self.engine.expert_stats()
-
-    def reset_expert_stats(self) -> None:
-        self.engine.reset_expert_stats()
+        return np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(position, c.num_key_value_heads * c.head_dim)
 
     def info(self) -> dict:
         """What the engine runs with (benchmarks record it): SIMD kernels, activation arithmetic, AMX, and

@@ -47,11 +47,11 @@ import numpy as np
 
 from ..expert_streaming import expert_stats, stream_spec
 from ..native import core
-from ..session_io import gdn_state_arrays, gdn_state_vectors
 from ..weights import Weights
 from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
+from .engine import EngineBackend
 
 DTYPES = ("bfloat16", "float32")
 # SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
@@ -81,7 +81,7 @@ def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str, command_buff
 
 
 # ------------------------------------------------------------------------------------------ backends
-class _GpuBackend:
+class _GpuBackend(EngineBackend):
     """What metal and metal-sim share: the engine on a device, the state, Session.save/load."""
 
     name = ""
@@ -161,45 +161,15 @@ class _GpuBackend:
         return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
                                   return_hidden=bool(return_hidden))
 
-    def rewind(self, state, keep: int, consumed: list | None = None) -> None:
-        """End the verify chain keeping its first `keep` tokens (the rest leave `consumed` too)."""
-        self.engine.rewind(state, int(keep), consumed)
-
-    # ---- Session.save / Session.load (backend-independent layout, see session_io.py) -------------
-    def state_to_arrays(self, state) -> dict:
+    def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
+        """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config
-        position, kv, conv, ssm = state._export()
-        nkv, hd = c.num_key_value_heads, c.head_dim
         kv_t = np.float32 if self.kv_dtype == "float32" else ml_dtypes.bfloat16
-        out = {"position": np.array([position], dtype=np.int64)}
-        for j, i in enumerate(c.full_attention_layers):
-            for n, a in (("key", kv[2 * j]), ("value", kv[2 * j + 1])):
-                out[f"layers.{i}.{n}"] = a.view(kv_t).reshape(nkv, position, hd).copy()
-        out.update(gdn_state_arrays(c, conv, ssm))
-        return out
+        return a.view(kv_t).reshape(c.num_key_value_heads, position, c.head_dim).copy()
 
-    def state_from_arrays(self, arrays: dict):
-        c = self.weights.config
-        position = int(np.asarray(arrays["position"]).reshape(-1)[0])
-        kv_t = np.float32 if self.kv_dtype == "float32" else ml_dtypes.bfloat16
-        kv = []
-        for i in c.full_attention_layers:
-            for n in ("key", "value"):
-                a = np.ascontiguousarray(np.asarray(arrays[f"layers.{i}.{n}"]).astype(kv_t))   # [nkv, P, hd]
-                kv.append(a.reshape(-1).view(np.uint8))
-        conv, ssm = gdn_state_vectors(c, arrays)
-        st = self.new_state()
-        st._import(position, kv, conv, ssm)
-        return st
-
-    # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
-    def expert_counters(self) -> dict:
-        """Raw ExpertCache counters since the last `reset_expert_stats`: streaming, slots_per_layer,
-        policy, lookups, hits, misses, bytes_read, io_seconds, tokens (run through the engine)."""
-        return self.engine.expert_stats()
-
-    def reset_expert_stats(self) -> None:
-        self.engine.reset_expert_stats()
+    def kv_rows(self, a: np.ndarray, position: int) -> np.ndarray:
+        """The graph keeps the saved [nkv, P, hd] layout."""
+        return np.ascontiguousarray(a)
 
     def info(self) -> dict:
         return {"device": dict(self.device.info), "dtype": self.dtype, "kv_dtype": self.kv_dtype,

@@ -25,7 +25,7 @@ from .options import GenerationOptions
 from .paths import resolve_checkpoint
 from .prefix_cache import PrefixCache
 from .sampling import Sampler
-from .session import ModelBase, Session, SessionSnapshot
+from .session import ModelBase, Session
 from .tokenizer import load_tokenizer
 from .transcripts import (
     TranscriptStore,
@@ -36,7 +36,7 @@ from .transcripts import (
 )
 from .weights import load_weights
 
-__all__ = ["Model", "Session", "SessionSnapshot", "resolve_checkpoint"]
+__all__ = ["Model"]
 
 
 class Model(ModelBase):

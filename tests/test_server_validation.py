@@ -264,3 +264,23 @@ def test_the_limit_counts_every_chunk_of_the_body(app):
                                  {"type": "http.request", "body": big[600:], "more_body": False}], [])
     assert status == 413
     assert body["error"]["message"] == f"request body exceeds the limit of {LIMIT} bytes"
+
+
+def test_a_prompt_over_the_context_names_its_own_field(model):
+    """/v1/completions names 'prompt', /v1/chat/completions 'messages': the field the client has to shorten."""
+    require("starlette")
+    require("httpx")
+    from starlette.testclient import TestClient
+    a = create_app(model, model_name=NAME)
+    try:
+        n = model.config.max_position_embeddings + 1
+        c = TestClient(a, raise_server_exceptions=False)
+        msg = f"the prompt has {n} tokens; this model's context is {n - 1} tokens"
+        r = c.post("/v1/completions", json={"prompt": [5] * n, "max_tokens": 2})
+        _err(r, 400, "prompt", "context_length_exceeded", msg)
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi " * n}], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        a.state.queue.close()
+        assert a.state.queue.join(10)

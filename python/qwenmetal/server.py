@@ -490,14 +490,14 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                            "model_not_found")
         return body
 
-    def max_tokens_of(body, n_prompt, key_default):
+    def max_tokens_of(body, n_prompt, key_default, prompt_param):
         mt = _num(body, "max_completion_tokens", 1, None, integer=True)
         if mt is None:
             mt = _num(body, "max_tokens", 1, None, integer=True)
         limit = model.config.max_position_embeddings
         if n_prompt >= limit:
             raise APIError(400, f"the prompt has {n_prompt} tokens; this model's context is {limit} tokens",
-                           "messages", "context_length_exceeded")
+                           prompt_param, "context_length_exceeded")
         if mt is None:
             mt = key_default if key_default is not None else limit - n_prompt
         return max(1, min(mt, limit - n_prompt))
@@ -568,8 +568,9 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(render.body(outs, reason, _usage(stats)))
 
-    def gen_kwargs_of(body, n_prompt, default_max):
-        return {"options": _options(body, max_tokens_of(body, n_prompt, default_max))}
+    def gen_kwargs_of(body, n_prompt, default_max, prompt_param):
+        """`prompt_param`: the field that holds the prompt ("messages" or "prompt"), named by a too-long one."""
+        return {"options": _options(body, max_tokens_of(body, n_prompt, default_max, prompt_param))}
 
     # ---- endpoints ------------------------------------------------------------------------------
     async def health(request):
@@ -614,7 +615,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             raise _bad_input(e) from None
         except ValueError as e:  # a conversation the chat template refuses
             raise APIError(400, str(e), "messages", "invalid_value") from None
-        kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens)
+        kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens, "messages")
         kw.update(logprobs=want_lp, top_logprobs=top_n)
         render = _ChatRender(name, tok, turn, want_lp, model)
         return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points), render, stream,
@@ -647,7 +648,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         echo = _bool(body, "echo")
         n_lp = body.get("logprobs")
         n_lp = None if n_lp is None else _num(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        kw = gen_kwargs_of(body, len(ids), 16)
+        kw = gen_kwargs_of(body, len(ids), 16, "prompt")
         kw.update(logprobs=n_lp is not None, top_logprobs=n_lp or 0)
         prompt_text = (p if isinstance(p, str) else tok.decode(ids)) if echo and tok is not None else ""
         return await respond(request, make_job(kw, ids), _CompletionRender(name, tok, prompt_text, n_lp), stream,

@@ -181,3 +181,26 @@ def test_backend_help_lists_every_backend(tmp_path):
     text = " ".join(r.stdout.split())
     assert all(b in text for b in ALL_BACKENDS) and "available here:" in text
     assert set(BACKENDS) <= set(ALL_BACKENDS) and {"reference", "cpu", "metal", "metal-sim"} <= set(ALL_BACKENDS)
+
+
+def test_python_dash_m_and_version(tmp_path):
+    """`python -m qwenmetal` is the `qwenmetal` command; `--version` prints the package's version (the
+    installed distribution's, where there is one)."""
+    from importlib import metadata
+
+    import qwenmetal
+    want = qwenmetal.__version__
+    try:
+        assert metadata.version("qwenmetal") == want
+    except metadata.PackageNotFoundError:          # a source tree on PYTHONPATH
+        pass
+    assert qwenmetal.__version__ == want
+    env = dict(os.environ, QWENMETAL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "qwenmetal", "--version"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout == f"qwenmetal {want}\n", (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "qwenmetal", "info", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: qwenmetal info"), r.stderr
+    r = run(["--version"], tmp_path)
+    assert r.returncode == 0 and r.stdout == f"qwenmetal {want}\n"

@@ -43,6 +43,7 @@ from .sampling import SAMPLING_KEYS
 from .session import Session
 from .testing import cached_checkpoint
 from .transcripts import check_chat_support
+from .version import __version__
 from .weights import is_routed_expert
 from .weights_table import config_widths, virtual_weight_table
 
@@ -510,6 +511,7 @@ def cmd_selftest(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qwenmetal", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"qwenmetal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="generate from a tiny offline checkpoint (or --model)")

@@ -158,6 +158,26 @@ def test_wrong_shape(ckpts, tmp_path):
         qm.Model.load(d, backend="reference")
 
 
+@pytest.mark.parametrize("fmt", ["mlx-q4", "hf-bf16"])
+@pytest.mark.parametrize("field,value,tensor", [("hidden_size", 256, "embed_tokens"), ("vocab_size", 1024, "embed_tokens"),
+                                                ("moe_intermediate_size", 128, "mlp")])
+def test_an_edited_config_dimension_is_named_not_blamed_on_quantization(ckpts, tmp_path, fmt, field, value, tensor):
+    """config.json's dimension edited under the same weights: the message says the tensor's shape does not
+    match what config.json's dimensions give it and names the field (quantized too: read at the config's
+    widths the tensor is whole, so its bits are not the problem)."""
+    d = copy(ckpts["tiny", fmt], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"][field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json's dimensions give it") as e:
+        qm.Model.load(d, backend="reference")
+    msg = str(e.value)
+    assert f"tensor '" in msg and tensor in msg and "does not match" in msg and "config.json's dimensions" in msg, msg
+    assert "bit" not in msg.split("does not match")[1] and "packed width" not in msg, msg
+    if (fmt, field) != ("hf-bf16", "moe_intermediate_size"):   # HF's fused gate_up_proj has 2 * it: no one field
+        assert f"config.json's {field} is {value} but the tensor has" in msg, msg
+
+
 def test_wrong_dtype(ckpts, tmp_path):
     d = copy(ckpts["tiny", "mlx-q4"], tmp_path)
     def edit(t):

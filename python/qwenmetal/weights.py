@@ -215,6 +215,18 @@ def detect_layout(src: TensorSource, stems: dict) -> str:
     return "mlx" if src.metadata.get("format") == "mlx" else "hf"
 
 
+class _Dim(int):
+    """A dimension of the model as config.json gives it, carrying the field's name for error messages
+    (arithmetic on it gives a plain int: a product of dimensions names no one field)."""
+
+    field: str
+
+    def __new__(cls, config: ModelConfig, name: str) -> "_Dim":
+        d = super().__new__(cls, getattr(config, name))
+        d.field = name
+        return d
+
+
 class _Reader:
     """Fetches tensors by canonical stem with strict checks; remembers what was used."""
 
@@ -252,11 +264,22 @@ class _Reader:
             self._missing(stem)
         return self._dense(key, shape)
 
+    def _shape_error(self, key: str, got: tuple, shape: tuple, how: str = "") -> CheckpointError:
+        """The tensor `key` holds `got` where config.json's dimensions give `shape`: an edited or foreign
+        config.json, so the message names the config fields (`_Dim`) of the dimensions that differ.
+        `how`: how `got` was read (a quantized tensor's widths)."""
+        fields = [f"{want.field} is {int(want)} but the tensor has {g}" for g, want in zip(got, shape)
+                  if g != want and isinstance(want, _Dim)] if len(got) == len(shape) else []
+        return CheckpointError(
+            f"{self.where(key)}: shape {list(got)}{how} does not match {list(map(int, shape))}, the shape "
+            f"config.json's dimensions give it" + (f" (config.json's {'; '.join(fields)})" if fields else "")
+            + ": does config.json belong to these weights?")
+
     def _dense(self, key: str, shape: tuple) -> np.ndarray:
         self._check_float(key)
         arr = self.src.get(key)
         if tuple(arr.shape) != tuple(shape):
-            raise CheckpointError(f"{self.where(key)}: shape {list(arr.shape)}, expected {list(shape)}")
+            raise self._shape_error(key, tuple(arr.shape), tuple(shape))
         self.used.add(key)
         return arr
 
@@ -287,6 +310,15 @@ class _Reader:
             raise CheckpointError(f"{self.where(parts['biases'])}: shape/dtype {list(b.shape)} {b.dtype} "
                                   f"differs from its scales {list(s.shape)} {s.dtype}")
         lead, in_features = tuple(shape[:-1]), shape[-1]
+        q = self.config.quantization
+        file_path = key[: -len(".weight")] if key.endswith(".weight") else key
+        spec = q.spec_for(file_path) if q is not None else None
+        if spec is not None and tuple(w.shape[:-1]) == tuple(s.shape[:-1]) and (32 * w.shape[-1]) % spec.bits == 0:
+            # read at config.json's widths the tensor is whole: a different shape is the dimensions' doing
+            stored = tuple(w.shape[:-1]) + (32 * w.shape[-1] // spec.bits,)
+            if stored[-1] == s.shape[-1] * spec.group_size and stored != tuple(shape):
+                raise self._shape_error(parts["weight"], stored, tuple(shape),
+                                        f" (read at config.json's {spec.bits}-bit group {spec.group_size})")
         if tuple(w.shape[:-1]) != lead or tuple(s.shape[:-1]) != lead:
             raise CheckpointError(f"{self.where(parts['weight'])}: shape {list(w.shape)} (scales {list(s.shape)}) "
                                   f"does not fit logical shape {list(shape)}")
@@ -295,10 +327,7 @@ class _Reader:
         except ValueError as e:
             raise CheckpointError(f"{self.where(parts['weight'])}: packed width {w.shape[-1]} / {s.shape[-1]} "
                                   f"groups for {in_features} inputs: {e}") from None
-        q = self.config.quantization
-        if q is not None:
-            file_path = key[: -len(".weight")] if key.endswith(".weight") else key
-            spec = q.spec_for(file_path)
+        if spec is not None:
             if (spec.bits, spec.group_size) != (bits, gs):
                 raise CheckpointError(
                     f"{self.where(parts['weight'])}: shapes say {bits}-bit group {gs}, but config.json's "
@@ -331,7 +360,7 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     layout = detect_layout(src, r.stems)
     hf = layout == "hf"
     c = config
-    H, V = c.hidden_size, c.vocab_size
+    H, V = _Dim(c, "hidden_size"), _Dim(c, "vocab_size")
     out: dict = {}
 
     def norm(stem, dim):
@@ -365,10 +394,10 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
 def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool, *, full_attention: bool,
                 moe: bool) -> None:
     """Read decoder layer ``p`` (e.g. ``"layers.3."``) into `out` under the same canonical names."""
-    H = c.hidden_size
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    nk, nv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    H = _Dim(c, "hidden_size")
+    nh, nkv, hd = (_Dim(c, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    nk, nv, dk, dv, K = (_Dim(c, n) for n in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                              "linear_value_head_dim", "linear_conv_kernel_dim"))
     out[p + "input_layernorm"] = norm(p + "input_layernorm", H)
     out[p + "post_attention_layernorm"] = norm(p + "post_attention_layernorm", H)
     if full_attention:
@@ -410,7 +439,7 @@ def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool,
         out[g + "out_proj"] = r.linear(g + "out_proj", (H, c.value_dim))
     m = p + "mlp."
     if moe:
-        E, I, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        E, I, Is = (_Dim(c, n) for n in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"))
         out[m + "gate"] = r.linear(m + "gate", (E, H))
         if r.has(m + "experts.gate_up_proj"):          # HF fused experts
             gu = r.plain(m + "experts.gate_up_proj", (E, 2 * I, H))
@@ -432,7 +461,7 @@ def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool,
             out[s + "down_proj"] = r.linear(s + "down_proj", (H, Is))
             out[m + "shared_expert_gate"] = r.linear(m + "shared_expert_gate", (1, H))
     else:
-        I = c.intermediate_size
+        I = _Dim(c, "intermediate_size")
         out[m + "gate_proj"] = r.linear(m + "gate_proj", (I, H))
         out[m + "up_proj"] = r.linear(m + "up_proj", (I, H))
         out[m + "down_proj"] = r.linear(m + "down_proj", (H, I))
@@ -448,7 +477,7 @@ def _load_mtp(src: TensorSource, c: ModelConfig, hf: bool, canonical=_mtp_canoni
     r = _Reader(src, c, canonical)
     if not r.stems:
         raise CheckpointError(f"{src.directory}: no MTP tensors")
-    H = c.hidden_size
+    H = _Dim(c, "hidden_size")
     out: dict = {}
 
     def norm(stem, dim):

@@ -204,3 +204,30 @@ def test_python_dash_m_and_version(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("usage: qwenmetal info"), r.stderr
     r = run(["--version"], tmp_path)
     assert r.returncode == 0 and r.stdout == f"qwenmetal {want}\n"
+
+
+def test_bad_arguments_name_the_option_and_what_it_takes(tmp_path):
+    """--seed -1 and --cache-bytes -1 are refused by the argument parser, naming the option and what it
+    takes; an empty prompt says so (as the server does), before any model loads."""
+    d = _ckpt(tmp_path)
+    gen = ["generate", "--model", str(d), "--backend", "reference", "--max-tokens", "2"]
+    r = run(gen + ["--prompt", "x", "--seed", "-1"], tmp_path)
+    assert r.returncode == 2 and "argument --seed: must be an integer >= 0" in r.stderr, r.stderr
+    r = run(["demo", "--seed", "-1"], tmp_path)
+    assert r.returncode == 2 and "argument --seed: must be an integer >= 0" in r.stderr, r.stderr
+    r = run(gen + ["--prompt", "x", "--seed", "abc"], tmp_path)
+    assert r.returncode == 2 and "argument --seed: expected an integer >= 0" in r.stderr, r.stderr
+    for opt in ("--cache-bytes", "--cache-dir-bytes"):
+        cmd = gen + ["--prompt", "x"] if opt == "--cache-bytes" else ["serve", "--model", str(d)]
+        r = run(cmd + [opt, "-1"], tmp_path)
+        assert r.returncode == 2 and f"argument {opt}: must be a number of bytes >= 0" in r.stderr, r.stderr
+    for args, stdin in ((["--prompt", ""], None), ([], "")):
+        r = run(gen + args, tmp_path, stdin=stdin)
+        assert r.returncode == 2 and "qwenmetal: error: the prompt is empty" in r.stderr, r.stderr
+        assert "token_ids" not in r.stderr
+    r = run(["demo", "--prompt", ""], tmp_path)
+    assert r.returncode == 2 and "qwenmetal: error: the prompt is empty" in r.stderr, r.stderr
+    assert not (tmp_path / "cache").exists()               # refused before the demo wrote its checkpoint
+    # a valid seed and budget still run
+    r = run(gen + ["--prompt", "x", "--seed", "0", "--cache-bytes", "0", "--quiet"], tmp_path)
+    assert r.returncode == 0, r.stderr

@@ -27,6 +27,7 @@ BAD = [
     ("presence_penalty", "x", "presence_penalty must be a finite number"),
     ("frequency_penalty", float("inf"), "frequency_penalty must be a finite number"),
     ("seed", 1.5, "seed must be an integer or None"), ("seed", False, "seed must be an integer or None"),
+    ("seed", -1, r"seed must be >= 0 \(or None\), got -1"),
     ("stop", [3], "stop must be a string or a list of strings"), ("stop", "", "stop strings must be non-empty"),
     ("stop", ["a", ""], "stop strings must be non-empty"),
     ("stop_token_ids", 5, "stop_token_ids must be a list of integers"),
@@ -129,7 +130,8 @@ def test_cli_server_and_generate_build_the_same_options(model, monkeypatch):
 
 
 JSON_BAD = [b for b in BAD if b[0] not in ("max_tokens", "logprobs", "top_logprobs", "skip_special_tokens")
-            and b[1] == b[1] and b[1] != float("inf")]          # the request fields, with JSON values
+            and b[1] == b[1] and b[1] != float("inf")           # the request fields, with JSON values
+            and (b[0], b[1]) != ("seed", -1)]                   # the server takes any JSON integer as a seed
 
 
 @pytest.mark.parametrize("name,value,message", JSON_BAD)

@@ -76,6 +76,29 @@ def _load_options(args) -> dict:
     return o | expert_options(args)
 
 
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: an integer >= 0 (argparse's message then names the option)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (the same seed gives the same tokens), "
+                                         f"got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (the same seed gives the same tokens), got {v}")
+    return v
+
+
+def bytes_arg(text: str) -> float:
+    """argparse type of the byte budgets (--cache-bytes, --cache-dir-bytes): a number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of bytes >= 0 (0 disables), got {text!r}")
+    return v
+
+
 #: what each sampling flag's neutral value is (the flags are GenerationOptions' sampling fields)
 _SAMPLING_HELP = {"temperature": "0 = greedy", "top_k": "0 = off", "top_p": "1 = off", "min_p": "0 = off",
                   "repetition_penalty": "1 = off", "presence_penalty": "0 = off", "frequency_penalty": "0 = off",
@@ -87,11 +110,11 @@ def _add_sampling_args(p, max_tokens=256):
     g = p.add_argument_group("sampling (unset values come from generation_config.json)")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
     for k in SAMPLING_KEYS:
-        g.add_argument("--" + k.replace("_", "-"), type=int if k in ("top_k", "seed") else float, default=None,
+        g.add_argument("--" + k.replace("_", "-"), type={"top_k": int, "seed": seed_arg}.get(k, float), default=None,
                        help=_SAMPLING_HELP[k])
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable; \\n \\t \\r \\\\ escapes); matched across tokens, not printed")
-    g.add_argument("--cache-bytes", type=float, default=None, metavar="BYTES",
+    g.add_argument("--cache-bytes", type=bytes_arg, default=None, metavar="BYTES",
                    help="prefix cache budget in bytes (0 disables it; default: 10%% of memory, at most 8 GiB)")
 
 
@@ -175,6 +198,8 @@ def _stats_line(st: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
+    if args.prompt == "":
+        raise InputError("the prompt is empty (give --prompt TEXT, or leave it out for the default)", param="prompt")
     tiny = args.model is None
     if tiny:
         t = time.perf_counter()
@@ -308,11 +333,13 @@ def cmd_generate(args) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (a system message is part of the chat template)")
     opts = GenerationOptions.from_cli_args(args)           # checked before the model loads
-    model = _load(args)
-    spec = _speculative(args, model)
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
+    if prompt == "" and not args.chat:
+        raise InputError("the prompt is empty (give --prompt TEXT, or the text on stdin)", param="prompt")
+    model = _load(args)
+    spec = _speculative(args, model)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": prompt}]
@@ -519,7 +546,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("info", help="describe a checkpoint: config, sizes, memory estimate")
@@ -580,11 +607,11 @@ def main(argv=None) -> int:
     p.add_argument("--graceful-timeout", type=float, default=server.DEFAULT_GRACEFUL_TIMEOUT,
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled "
                    f"(default {server.DEFAULT_GRACEFUL_TIMEOUT:g})")
-    p.add_argument("--cache-bytes", type=float, default=None, help="prefix cache budget in bytes (0 disables)")
+    p.add_argument("--cache-bytes", type=bytes_arg, default=None, help="prefix cache budget in bytes (0 disables)")
     p.add_argument("--cache-dir", nargs="?", const=str(cache_dir("prompt-cache")), default=None, metavar="DIR",
                    help="also keep chat turns' states on disk in DIR (default DIR: "
                         f"{cache_dir('prompt-cache')}), so a restarted server continues conversations cached")
-    p.add_argument("--cache-dir-bytes", type=float, default=None, metavar="BYTES",
+    p.add_argument("--cache-dir-bytes", type=bytes_arg, default=None, metavar="BYTES",
                    help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_speculative_args(p)

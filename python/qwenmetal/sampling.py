@@ -58,6 +58,8 @@ def check_sampling(name: str, value: object) -> float | int | None:
     if name == "seed":
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             raise InputError(f"seed must be an integer or None, got {value!r}", name)
+        if value is not None and value < 0:
+            raise InputError(f"seed must be >= 0 (or None), got {int(value)}", name)
         return None if value is None else int(value)
     if name == "top_k":
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) and not (

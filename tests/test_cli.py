@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -231,3 +232,69 @@ def test_bad_arguments_name_the_option_and_what_it_takes(tmp_path):
     # a valid seed and budget still run
     r = run(gen + ["--prompt", "x", "--seed", "0", "--cache-bytes", "0", "--quiet"], tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+def _chat_on_a_terminal(tmp_path, d, key):
+    """`qwenmetal chat` on a pseudo-terminal (stdin, stdout and stderr, where input() writes the prompt):
+    wait for the '> ' prompt, then `key` ("ctrl-c": SIGINT, as the terminal sends it; "ctrl-d": the EOF
+    character); -> (exit code, what the terminal showed after the prompt)."""
+    import pty
+    import select
+    import signal
+
+    exe = shutil.which("qwenmetal")
+    cmd = [exe] if exe else [sys.executable, "-m", "qwenmetal.cli"]
+    env = dict(os.environ, QWENMETAL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd + ["chat", "--model", str(d), "--backend", "reference"], stdin=slave, stdout=slave,
+                         stderr=slave, env=env)
+    os.close(slave)
+    shown, deadline = b"", time.monotonic() + 120
+
+    def read_some():
+        nonlocal shown
+        if select.select([master], [], [], 0.1)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:                   # EIO: the child closed the terminal
+                chunk = b""
+            shown += chunk
+            return bool(chunk)
+        return p.poll() is None
+
+    try:
+        while not shown.endswith(b"> "):
+            assert read_some() and time.monotonic() < deadline, (shown, p.poll())
+        at = len(shown)
+        # the prompt is written just before input() blocks in read(): a SIGINT in between would only be
+        # seen after the next line, so wait until the main thread sleeps (a person is never that quick)
+        stat = f"/proc/{p.pid}/stat"
+        while os.path.exists(stat) and open(stat).read().rsplit(")", 1)[1].split()[0] != "S":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        if key == "ctrl-c":
+            p.send_signal(signal.SIGINT)
+        else:
+            os.write(master, b"\x04")
+        rc = p.wait(60)
+        while read_some() and p.poll() is None:
+            pass
+        while select.select([master], [], [], 0.2)[0] and read_some():
+            pass
+    finally:
+        os.close(master)
+        if p.poll() is None:
+            p.kill()
+    return rc, shown[at:].decode()
+
+
+def test_chat_leaves_the_prompt_line_on_ctrl_c_and_ctrl_d(tmp_path):
+    """Ctrl-C at an idle prompt is an interrupt like in every command (a new line, 'interrupted', 130);
+    Ctrl-D ends the chat with 0 and does not leave the shell's prompt on the '> ' line."""
+    d = _ckpt(tmp_path)
+    rc, shown = _chat_on_a_terminal(tmp_path, d, "ctrl-c")
+    assert rc == 130 and shown.startswith("\r\n") and "qwenmetal: interrupted" in shown, (rc, shown)
+    assert "Traceback" not in shown
+    rc, shown = _chat_on_a_terminal(tmp_path, d, "ctrl-d")
+    assert rc == 0 and shown == "\r\n", (rc, shown)

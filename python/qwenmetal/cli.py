@@ -383,11 +383,11 @@ def cmd_chat(args) -> int:
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
-        except EOFError:
+        except EOFError:                      # Ctrl-D: end the prompt's line, leave with 0
+            if sys.stdin.isatty():
+                print()
             break
-        except KeyboardInterrupt:
-            print()
-            break
+        # Ctrl-C at the prompt goes to main(), as in every command: a new line, "interrupted", 130
         line = line.strip()
         if not line:
             continue

@@ -298,3 +298,20 @@ def test_chat_leaves_the_prompt_line_on_ctrl_c_and_ctrl_d(tmp_path):
     assert "Traceback" not in shown
     rc, shown = _chat_on_a_terminal(tmp_path, d, "ctrl-d")
     assert rc == 0 and shown == "\r\n", (rc, shown)
+
+
+def test_simulator_speeds_say_they_are_the_simulators(tmp_path):
+    """metal-sim's tok/s are the simulator's, not a GPU's: the demo's speed line and the statistics line of
+    generate / chat say so; other backends' lines do not carry the note."""
+    from qwenmetal.backends import BACKENDS
+    from qwenmetal.cli import _stats_line
+    st = {"prefill_tokens_per_second": 20.0, "prefill_tokens": 5, "decode_tokens_per_second": 12.2,
+          "prompt_tokens": 5, "cached_tokens": 0, "generated_tokens": 3, "finish_reason": "length"}
+    note = "(metal-sim: the Metal graph on a CPU simulator, not GPU speed)"
+    assert f"12.2 tok/s decode {note}; finish" in _stats_line(st, "metal-sim")
+    assert "simulator" not in _stats_line(st, "cpu") and "simulator" not in _stats_line(st)
+    if "metal-sim" not in BACKENDS:
+        return
+    r = run(["demo", "--backend", "metal-sim", "--max-tokens", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"[\d.]+ tok/s decode " + re.escape(note), r.stdout), r.stdout

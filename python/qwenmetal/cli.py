@@ -178,12 +178,22 @@ def _load(args, quiet: bool = False):
     return model
 
 
-def _stats_line(st: dict) -> str:
+#: what the speeds of a backend measure, when they are not the hardware's (after the tok/s figures)
+SPEED_NOTES = {"metal-sim": "metal-sim: the Metal graph on a CPU simulator, not GPU speed"}
+
+
+def speed_note(backend: str) -> str:
+    """" (what these speeds are)" for a backend whose tok/s are not its hardware's, else ""."""
+    note = SPEED_NOTES.get(backend)
+    return f" ({note})" if note else ""
+
+
+def _stats_line(st: dict, backend: str = "") -> str:
     pre = (f"{st['prefill_tokens_per_second']:.1f} tok/s prefill" if st["prefill_tokens"] else "no prefill")
     dec = st["decode_tokens_per_second"]
     dec = f"{dec:.1f} tok/s decode" if dec == dec else "-"
     line = (f"prompt {st['prompt_tokens']} tokens ({st['cached_tokens']} cached), {pre}; "
-            f"generated {st['generated_tokens']} tokens, {dec}; finish: {st['finish_reason']}")
+            f"generated {st['generated_tokens']} tokens, {dec}{speed_note(backend)}; finish: {st['finish_reason']}")
     sp = st.get("speculative")
     if sp:
         rate = sp["acceptance_rate"]
@@ -223,7 +233,8 @@ def cmd_demo(args) -> int:
     print("\n" + "-" * 60)
     if stats:
         print(f"prompt {stats['prompt_tokens']} tokens: {stats['prefill_tokens_per_second']:.1f} tok/s prefill; "
-              f"generated {stats['generated_tokens']} tokens: {stats['decode_tokens_per_second']:.1f} tok/s decode")
+              f"generated {stats['generated_tokens']} tokens: {stats['decode_tokens_per_second']:.1f} tok/s decode"
+              + speed_note(model.backend))
     if tiny:
         print("\nNote: these are RANDOM weights, so the text above is noise — the demo shows the whole pipeline\n"
               "(checkpoint -> loader -> forward pass -> sampling -> streaming) working offline.\n"
@@ -354,7 +365,7 @@ def cmd_generate(args) -> int:
         stats = out.stats
     sys.stdout.write("\n")
     if stats and not args.quiet:
-        print(_stats_line(stats), file=sys.stderr)
+        print(_stats_line(stats, model.backend), file=sys.stderr)
     return 0
 
 
@@ -405,7 +416,7 @@ def cmd_chat(args) -> int:
                 for m in history:
                     print(f"[{m['role']}] {m.get('content', '')}")
             elif cmd == "/stats":
-                print(_stats_line(last_stats) if last_stats else "(no reply yet)")
+                print(_stats_line(last_stats, model.backend) if last_stats else "(no reply yet)")
             elif cmd == "/save":
                 if not arg:
                     print("usage: /save FILE")
@@ -477,7 +488,7 @@ def cmd_chat(args) -> int:
         if finished:
             turn.remember(model, history[-1], tokens)
         if last_stats and args.verbose:
-            print(_stats_line(last_stats), file=sys.stderr)
+            print(_stats_line(last_stats, model.backend), file=sys.stderr)
     return 0
 
 

@@ -315,3 +315,38 @@ def test_simulator_speeds_say_they_are_the_simulators(tmp_path):
     r = run(["demo", "--backend", "metal-sim", "--max-tokens", "2"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert re.search(r"[\d.]+ tok/s decode " + re.escape(note), r.stdout), r.stdout
+
+
+def test_install_hints_fit_how_qwenmetal_was_installed(monkeypatch, capsys, tmp_path):
+    """An extra's install hint: 'qwenmetal[x]' from an index; '".[x]"' in the source tree for a copy run or
+    installed from one (an index's qwenmetal could be another version); both where it cannot tell. The
+    serve command and compare's skipped plots use it."""
+    import importlib.util
+
+    from qwenmetal import install_hints
+    from qwenmetal.install_hints import install_hint
+    # this checkout: PYTHONPATH / an editable install (the source tree), or `pip install .` (direct_url.json)
+    assert install_hint("server").startswith('pip install ".[server]" in the source tree ')
+    monkeypatch.setattr(install_hints, "_source_tree", lambda: None)
+    monkeypatch.setattr(install_hints, "_direct_url", lambda: None)
+    assert install_hint("server") == "pip install 'qwenmetal[server]'"
+    monkeypatch.setattr(install_hints, "_direct_url", lambda: {"url": "file:///src/my%20qm", "dir_info": {}})
+    assert install_hint("plots") == 'pip install ".[plots]" in the source tree /src/my qm'
+    monkeypatch.setattr(install_hints, "_direct_url", lambda: {"url": "https://example.org/qm.tar.gz",
+                                                               "archive_info": {}})
+    assert install_hint("server") == ("pip install 'qwenmetal[server]', or pip install \".[server]\" in "
+                                      "qwenmetal's source tree")
+    # where the hints are given
+    monkeypatch.setattr(install_hints, "_direct_url", lambda: {"url": "file:///src/qm", "dir_info": {}})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "uvicorn" else real(n, *a))
+    from qwenmetal import cli
+    assert cli.main(["serve", "--model", str(tmp_path)]) == 2
+    assert 'missing uvicorn): pip install ".[server]" in the source tree /src/qm' in capsys.readouterr().err
+    from qwenmetal.compare import report
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib: ImportError
+    rec = {}
+    monkeypatch.setattr(report, "format_markdown", lambda r: "")
+    report.write_outputs(rec, tmp_path, log=lambda s: None)
+    assert rec["plots"] == {"skipped": 'matplotlib is not installed (pip install ".[plots]" in the source tree '
+                                       '/src/qm)'}

@@ -33,6 +33,7 @@ from .cli_args import add_expert_args, expert_options
 from .config import ModelConfig
 from .convert import convert
 from .errors import InputError
+from .install_hints import install_hint
 from .memory import parse_budget
 from .model import Model
 from .mtp import MtpDrafter
@@ -496,7 +497,7 @@ def cmd_serve(args) -> int:
     missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"qwenmetal: error: the server needs the 'server' extra (missing {', '.join(missing)}): "
-              f"pip install 'qwenmetal[server]'", file=sys.stderr)
+              f"{install_hint('server')}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("QWENMETAL_API_KEY") or None
     model = _load(args)

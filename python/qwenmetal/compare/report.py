@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..bench import describe_machine
 from ..fileio import atomic_file
+from ..install_hints import install_hint
 
 PLOTS = ("prefill.png", "decode.png")
 
@@ -133,7 +134,7 @@ def write_outputs(rec: dict, out: Path, plots: bool = True, log: Callable[[str],
         try:
             rec["plots"] = plot(rec, out)
         except ImportError:
-            rec["plots"] = {"skipped": "matplotlib is not installed (pip install 'qwenmetal[plots]')"}
+            rec["plots"] = {"skipped": f"matplotlib is not installed ({install_hint('plots')})"}
     else:
         rec["plots"] = {"skipped": "--no-plots"}
     for name, text in (("compare.json", json.dumps(rec, indent=1) + "\n"), ("compare.md", format_markdown(rec))):

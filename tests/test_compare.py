@@ -49,6 +49,25 @@ def test_agreement_against_known_answers():
         accuracy.agreement(base, base[:10], tokens)
 
 
+def rendered_tables(md: str) -> list:
+    """The header cells of every table of `md` as markdown-it-py renders it (CommonMark + GFM tables); fails
+    if a block of table lines did not become a table (a separator of another width, an unescaped pipe)."""
+    from markdown_it import MarkdownIt
+    tables = []
+    for t in MarkdownIt("commonmark").enable("table").parse(md):
+        if t.type == "table_open":
+            tables.append([])
+            head = True
+        elif t.type == "thead_close":
+            head = False
+        elif t.type == "inline" and tables and head:
+            tables[-1].append(t.content)
+    blocks = sum(1 for i, line in enumerate(md.splitlines())
+                 if line.startswith("|") and (i == 0 or not md.splitlines()[i - 1].startswith("|")))
+    assert len(tables) == blocks, f"{blocks} blocks of table lines, {len(tables)} rendered as tables:\n{md}"
+    return tables
+
+
 def test_compare_quick_on_the_tiny_fixture(tmp_path, require):
     require("mlx_lm")                    # an oracle: fails in CI when missing
     require("matplotlib")
@@ -80,12 +99,31 @@ def test_compare_quick_on_the_tiny_fixture(tmp_path, require):
     assert ref["top1_agree"] >= 0.9 and abs(ref["ppl_ratio"] - 1) < 0.01 and ref["mean_abs_diff"] < 0.01
     md = (out / "compare.md").read_text()
     assert "| length | qwenmetal | mlx-lm | qwenmetal / mlx-lm |" in md
+    require("markdown_it")
+    quality = ["engine", "top-1 agreement", "perplexity ratio", "max |Δlogit|", "mean |Δlogit|", "KL mean (nats)"]
+    speed = ["length", "qwenmetal", "mlx-lm", "qwenmetal / mlx-lm"]
+    assert rendered_tables(md) == [speed, speed, ["length", "qwenmetal", "mlx-lm"], quality, quality]
     assert "llama.cpp: skipped — --gguf" in md and "top-1 agreement" in md
     for name in ("prefill.png", "decode.png"):
         with Image.open(out / name) as im:
             im.verify()
         with Image.open(out / name) as im:
             assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 400
+
+
+def test_compare_with_one_engine_writes_tables_that_render(tmp_path, require):
+    """One engine (the user's first --quick run without mlx-lm): no ratio columns, and every table of
+    compare.md renders as a table with its columns (the quality table's |Δlogit| headers escaped)."""
+    require("markdown_it")
+    out = tmp_path / "cmp"
+    rc = cli.main(["compare", "--quick", "--backend", "cpu", "--engines", "qwenmetal", "--rounds", "1",
+                   "--lengths", "16", "--quality-tokens", "193", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    md = (out / "compare.md").read_text()
+    quality = ["engine", "top-1 agreement", "perplexity ratio", "max |Δlogit|", "mean |Δlogit|", "KL mean (nats)"]
+    assert rendered_tables(md) == [["length", "qwenmetal"], ["length", "qwenmetal"], ["length", "qwenmetal"],
+                                   quality], md
+    assert "ratio = engine" not in md and "| 16 |" in md
 
 
 def test_compare_reports_an_engine_that_fails_in_one_line(tmp_path, capsys):

@@ -21,6 +21,16 @@ def _num(x, fmt="{:.1f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _row(cells) -> str:
+    """One Markdown table row; a "|" inside a cell is escaped, so it stays in its cell."""
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(header, rows) -> list:
+    """A Markdown table (GFM): the header row, the separator with one column per header cell, the rows."""
+    return [_row(header), "|---" * len(header) + "|"] + [_row(r) for r in rows]
+
+
 def format_markdown(rec: dict) -> str:
     s, st = rec["summary"], rec["settings"]
     eng, base = s["engines"], s["baseline"]
@@ -43,36 +53,36 @@ def format_markdown(rec: dict) -> str:
         out.append(f"* {e}: skipped — {why}")
     if eng:
         names = list(eng)
+        others = [e for e in names if e != base]          # the engines with a ratio to the baseline
         for kind, title in (("prefill_tok_s", "Prefill (tokens/s; time to the first token)"),
                             ("decode_tok_s", "Decode (tokens/s at that context)")):
-            out += ["", f"**{title}**, ratio = engine / {base}", "",
-                    "| length | " + " | ".join(names) + " | " + " | ".join(f"{e} / {base}" for e in names if e != base)
-                    + " |", "|---" * (1 + len(names) + len([e for e in names if e != base])) + "|"]
-            for i, n in enumerate(s["lengths"]):
-                row = [_num(eng[e][kind][i]) for e in names]
-                ratios = [_num(s["ratios"][e][kind][i], "{:.2f}×") for e in names if e != base]
-                out.append(f"| {_length(n)} | " + " | ".join(row) + " | " + " | ".join(ratios) + " |")
+            out += ["", f"**{title}**" + (f", ratio = engine / {base}" if others else ""), ""]
+            out += _table(["length", *names, *(f"{e} / {base}" for e in others)],
+                          [[_length(n), *(_num(eng[e][kind][i]) for e in names),
+                            *(_num(s["ratios"][e][kind][i], "{:.2f}×") for e in others)]
+                           for i, n in enumerate(s["lengths"])])
         out += ["", "Decode token digests (FNV-1a of the greedy tokens; the same digest in every sample and "
                 "round marks a stable point; across engines they may differ, MoE routes being sensitive to "
-                "rounding):", "", "| length | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
-        for i, n in enumerate(s["lengths"]):
-            out.append(f"| {_length(n)} | " + " | ".join(
-                "–" if eng[e]["digest"][i] is None else
-                f"{eng[e]['digest'][i]}{'' if eng[e]['digest_stable'][i] else ' (unstable)'}" for e in names) + " |")
+                "rounding):", ""]
+        out += _table(["length", *names],
+                      [[_length(n), *("–" if eng[e]["digest"][i] is None else
+                                      f"{eng[e]['digest'][i]}{'' if eng[e]['digest_stable'][i] else ' (unstable)'}"
+                                      for e in names)] for i, n in enumerate(s["lengths"])])
     q = rec.get("quality") or {}
     if q:
         out += ["", f"**Quality**, teacher-forced on {q.get('tokens')} tokens of a fixed text "
                 f"({q.get('tokens', 1) - 1} predicted positions):", ""]
         for key, ref in (("vs_mlx_lm", "mlx-lm"), ("vs_reference", "the numpy reference")):
             if key in q:
-                out += [f"against {ref}:", "", "| engine | top-1 agreement | perplexity ratio | max |Δlogit| | "
-                        "mean |Δlogit| | KL mean (nats) |", "|---|---|---|---|---|---|"]
-                for e, m in q[key].items():
-                    out.append(f"| {e} | {100 * m['top1_agree']:.2f} % | {100 * (m['ppl_ratio'] - 1):+.2f} % | "
-                               f"{m['max_abs_diff']:.3g} | {m['mean_abs_diff']:.3g} | {m['kl_mean']:.3g} |")
+                out += [f"against {ref}:", ""]
+                out += _table(["engine", "top-1 agreement", "perplexity ratio", "max |Δlogit|", "mean |Δlogit|",
+                               "KL mean (nats)"],
+                              [[e, f"{100 * m['top1_agree']:.2f} %", f"{100 * (m['ppl_ratio'] - 1):+.2f} %",
+                                f"{m['max_abs_diff']:.3g}", f"{m['mean_abs_diff']:.3g}", f"{m['kl_mean']:.3g}"]
+                               for e, m in q[key].items()])
                 out.append("")
             elif key + "_skipped" in q:
-                out.append(f"against {ref}: skipped — {q[key + '_skipped']}")
+                out += [f"against {ref}: skipped — {q[key + '_skipped']}", ""]
         for e, why in (q.get("unavailable") or {}).items():
             out.append(f"{e}: no quality figures — {why}")
     plots = rec.get("plots")

@@ -104,6 +104,10 @@ def test_compare_quick_on_the_tiny_fixture(tmp_path, require):
     speed = ["length", "qwenmetal", "mlx-lm", "qwenmetal / mlx-lm"]
     assert rendered_tables(md) == [speed, speed, ["length", "qwenmetal", "mlx-lm"], quality, quality]
     assert "llama.cpp: skipped — --gguf" in md and "top-1 agreement" in md
+    from qwenmetal.compare.report import figure
+    for kind in ("prefill_tok_s", "decode_tok_s"):             # the ratio panel's y axis starts at 0
+        fig = figure(rec, kind)
+        assert len(fig.axes) == 2 and fig.axes[1].get_ylim()[0] == 0 and fig.axes[1].get_ylim()[1] > 1
     for name in ("prefill.png", "decode.png"):
         with Image.open(out / name) as im:
             im.verify()
@@ -113,17 +117,28 @@ def test_compare_quick_on_the_tiny_fixture(tmp_path, require):
 
 def test_compare_with_one_engine_writes_tables_that_render(tmp_path, require):
     """One engine (the user's first --quick run without mlx-lm): no ratio columns, and every table of
-    compare.md renders as a table with its columns (the quality table's |Δlogit| headers escaped)."""
+    compare.md renders as a table with its columns (the quality table's |Δlogit| headers escaped); the
+    plots have no (empty) ratio panel. Rerun into the same --out with --no-plots, the report's old PNGs
+    are removed (they would describe the other run) and nothing else is."""
     require("markdown_it")
+    require("matplotlib")
+    from qwenmetal.compare.report import PLOTS, figure
     out = tmp_path / "cmp"
-    rc = cli.main(["compare", "--quick", "--backend", "cpu", "--engines", "qwenmetal", "--rounds", "1",
-                   "--lengths", "16", "--quality-tokens", "193", "--no-plots", "--out", str(out)])
-    assert rc == 0
+    args = ["compare", "--quick", "--backend", "cpu", "--engines", "qwenmetal", "--rounds", "1", "--lengths", "16",
+            "--out", str(out)]
+    assert cli.main(args + ["--quality-tokens", "193"]) == 0
     md = (out / "compare.md").read_text()
     quality = ["engine", "top-1 agreement", "perplexity ratio", "max |Δlogit|", "mean |Δlogit|", "KL mean (nats)"]
     assert rendered_tables(md) == [["length", "qwenmetal"], ["length", "qwenmetal"], ["length", "qwenmetal"],
                                    quality], md
     assert "ratio = engine" not in md and "| 16 |" in md
+    rec = json.loads((out / "compare.json").read_text())
+    assert rec["plots"] == [str(out / p) for p in PLOTS] and all((out / p).is_file() for p in PLOTS)
+    assert [len(figure(rec, k).axes) for k in ("prefill_tok_s", "decode_tok_s")] == [1, 1]
+    (out / "mine.png").write_bytes(b"not the report's")
+    assert cli.main(args + ["--quality-tokens", "0", "--no-plots"]) == 0
+    assert not any((out / p).exists() for p in PLOTS) and (out / "mine.png").read_bytes() == b"not the report's"
+    assert json.loads((out / "compare.json").read_text())["plots"] == {"skipped": "--no-plots"}
 
 
 def test_compare_reports_an_engine_that_fails_in_one_line(tmp_path, capsys):

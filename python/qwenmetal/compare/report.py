@@ -91,9 +91,10 @@ def format_markdown(rec: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def plot(rec: dict, out: Path) -> list:
-    """prefill.png and decode.png in `out`: tokens/s against length (log-log), one line per engine, and
-    below it each engine's ratio to the baseline. ImportError when matplotlib is missing."""
+def figure(rec: dict, kind: str):
+    """The matplotlib figure of ``kind`` ("prefill_tok_s" or "decode_tok_s"): tokens/s against length
+    (log-log), one line per engine, and below it each engine's ratio to the baseline, its y axis from 0
+    (no ratio panel when there is no other engine to compare). ImportError when matplotlib is missing."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,36 +103,53 @@ def plot(rec: dict, out: Path) -> list:
     s = rec["summary"]
     lengths, eng, base = s["lengths"], s["engines"], s["baseline"]
     machine = describe_machine(rec["machine"]).split(", isa")[0]
-    paths = []
-    for kind, name, title in (("prefill_tok_s", "prefill.png", "Prefill"), ("decode_tok_s", "decode.png", "Decode")):
+    title = "Prefill" if kind == "prefill_tok_s" else "Decode"
+    ratios = {e: [(n, r) for n, r in zip(lengths, s["ratios"].get(e, {}).get(kind, [])) if r]
+              for e in eng if e != base}
+    if any(ratios.values()):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-        for i, (e, v) in enumerate(eng.items()):
-            color = f"C{i}"                                      # one colour per engine in both panels
-            pts = [(n, y) for n, y in zip(lengths, v[kind]) if y]
-            if pts:
-                top.plot(*zip(*pts), marker="o", color=color, label=e)
-            rts = [(n, r) for n, r in zip(lengths, s["ratios"].get(e, {}).get(kind, [])) if r]
-            if rts and e != base:
-                bottom.plot(*zip(*rts), marker="o", color=color, label=f"{e} / {base}")
-        top.set_xscale("log", base=2)
-        top.set_yscale("log")
-        plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
-        top.yaxis.set_major_formatter(plain)
-        top.yaxis.set_minor_formatter(plain)
-        top.set_ylabel("tokens/s")
-        what = "time to the first token" if kind == "prefill_tok_s" else f"{rec['settings']['steps']} steps at that context"
-        top.set_title(f"{title} ({what}), batch 1\n{machine}; {rec['model_type']} {rec['layers']} layers", fontsize=9)
-        top.grid(True, which="both", alpha=0.3)
-        top.legend(fontsize=8)
+    else:
+        fig, top = plt.subplots(1, 1, figsize=(8, 5))
+        bottom = None
+    for i, (e, v) in enumerate(eng.items()):
+        color = f"C{i}"                                          # one colour per engine in both panels
+        pts = [(n, y) for n, y in zip(lengths, v[kind]) if y]
+        if pts:
+            top.plot(*zip(*pts), marker="o", color=color, label=e)
+        if bottom is not None and ratios.get(e):
+            bottom.plot(*zip(*ratios[e]), marker="o", color=color, label=f"{e} / {base}")
+    top.set_xscale("log", base=2)
+    top.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+    top.yaxis.set_major_formatter(plain)
+    top.yaxis.set_minor_formatter(plain)
+    top.set_ylabel("tokens/s")
+    what = "time to the first token" if kind == "prefill_tok_s" else f"{rec['settings']['steps']} steps at that context"
+    top.set_title(f"{title} ({what}), batch 1\n{machine}; {rec['model_type']} {rec['layers']} layers", fontsize=9)
+    top.grid(True, which="both", alpha=0.3)
+    top.legend(fontsize=8)
+    last = top
+    if bottom is not None:
         bottom.axhline(1.0, color="grey", lw=0.8)
         bottom.set_ylabel(f"ratio to {base}")
-        bottom.set_xlabel("prompt length (prefill) / context (decode), tokens")
+        bottom.set_ylim(0, 1.1 * max([1.0] + [r for pts in ratios.values() for _, r in pts]))
         bottom.grid(True, which="both", alpha=0.3)
         if len(bottom.lines) > 1:
             bottom.legend(fontsize=8)
-        bottom.set_xticks(lengths)
-        bottom.set_xticklabels([_length(n) for n in lengths], fontsize=8)
-        fig.tight_layout()
+        last = bottom
+    last.set_xlabel("prompt length (prefill) / context (decode), tokens")
+    last.set_xticks(lengths)
+    last.set_xticklabels([_length(n) for n in lengths], fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot(rec: dict, out: Path) -> list:
+    """prefill.png and decode.png in `out` (`figure`). ImportError when matplotlib is missing."""
+    import matplotlib.pyplot as plt
+    paths = []
+    for kind, name in zip(("prefill_tok_s", "decode_tok_s"), PLOTS):
+        fig = figure(rec, kind)
         p = out / name
         fig.savefig(p, dpi=110)
         plt.close(fig)
@@ -140,6 +158,8 @@ def plot(rec: dict, out: Path) -> list:
 
 
 def write_outputs(rec: dict, out: Path, plots: bool = True, log: Callable[[str], None] = print) -> None:
+    """compare.json, compare.md and (`plots`) the PNGs in `out`; a run without plots removes the PNGs an
+    earlier run left there (only the report's own files, `PLOTS`), so none describes another run."""
     if plots:
         try:
             rec["plots"] = plot(rec, out)
@@ -147,6 +167,9 @@ def write_outputs(rec: dict, out: Path, plots: bool = True, log: Callable[[str],
             rec["plots"] = {"skipped": f"matplotlib is not installed ({install_hint('plots')})"}
     else:
         rec["plots"] = {"skipped": "--no-plots"}
+    if not isinstance(rec["plots"], list):
+        for name in PLOTS:
+            (out / name).unlink(missing_ok=True)
     for name, text in (("compare.json", json.dumps(rec, indent=1) + "\n"), ("compare.md", format_markdown(rec))):
         with atomic_file(out / name) as tmp:
             tmp.write_text(text, encoding="utf-8")

@@ -4,6 +4,7 @@ bytes-per-token arithmetic against the checkpoint's tensor sizes, the machine ev
 cached, atomic), the GGUF writer of benchmarks/ (read back with the `gguf` package; skipped where it is
 not installed) and the llama.cpp comparison's summary against the targets of docs/benchmarks.md. No timing
 assertions."""
+import argparse
 import json
 import os
 import shutil
@@ -99,6 +100,27 @@ def test_bench_quick_json(tmp_path, backend):
         assert d["steps"] == 4 and d["digest_stable"] is True
     # a second run reuses the cached checkpoint
     assert len(list((tmp_path / "cache" / "bench").glob("bench-*"))) == 1
+
+
+def test_bench_quick_alone_is_a_smoke_run_on_a_small_model(tmp_path):
+    """`bench --quick` without --config / --layers runs the tiny fixture model (it wrote a 4.36 GB real-width
+    checkpoint first, minutes): a few MB, and --help says so; --layers or --config still choose."""
+    from qwenmetal.bench.cli import QUICK_CONFIG, checkpoint_config
+    ns = argparse.Namespace
+    assert checkpoint_config(ns(config=None, quick=True, layers=None)) == QUICK_CONFIG == "tiny"
+    assert checkpoint_config(ns(config=None, quick=True, layers=2)) == "real"
+    assert checkpoint_config(ns(config=None, quick=False, layers=None)) == "real"
+    assert checkpoint_config(ns(config="tiny-qwen3-next", quick=True, layers=None)) == "tiny-qwen3-next"
+    out = tmp_path / "bench.json"
+    r = _run_cli(["bench", "--quick", "--backend", _backends()[-1], "--threads", "2", "--bandwidth-bytes", "0",
+                  "--json", str(out)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["model"]["config"] == "tiny" and res["model"]["hidden_size"] == 128
+    written = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+    assert res["model"]["weights_bytes"] < written < 10 << 20
+    r = _run_cli(["bench", "--help"], tmp_path)
+    assert "smoke run, seconds: the 'tiny' fixture model" in " ".join(r.stdout.split())
 
 
 def _check_machine(res, stdout, read_gbps):

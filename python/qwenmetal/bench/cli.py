@@ -3,7 +3,7 @@ memory bandwidth.
 
     qwenmetal bench                          # 8 real-width layers, cpu backend, 2 threads
     qwenmetal bench --layers 4 --json out.json
-    qwenmetal bench --quick --config tiny --backend reference     # smoke run, seconds
+    qwenmetal bench --quick                  # smoke run, seconds: the tiny fixture model, short lengths
 
 What it does:
 
@@ -14,7 +14,8 @@ What it does:
    written by the one random-checkpoint writer, :mod:`qwenmetal.checkpoint_writer` (the test fixtures'
    ``mlx-q4`` format: 4-bit g64, bf16 scales/biases, router and shared-expert gate 8-bit -- exactly what
    ``mlx_lm.convert -q`` writes), streamed tensor by tensor and atomically. About 0.46 GB per layer plus
-   0.57 GB for the embedding and lm_head.
+   0.57 GB for the embedding and lm_head. ``--quick`` without ``--config`` / ``--layers`` uses the tiny
+   fixture preset instead (a smoke run of the whole benchmark, not a measurement of real widths).
 2. **Read bandwidth.** Every thread (as many as the engine uses) streams its part of a buffer far larger
    than the last-level cache; best of N passes. The measurement runs in a child process so that its
    buffer does not count in the benchmark's peak RSS.
@@ -66,6 +67,15 @@ DEFAULT_PREFILL = (128, 512, 2048)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
 QUICK_PREFILL = (16, 64)
 QUICK_CONTEXTS = (16, 64)
+QUICK_CONFIG = "tiny"           # --quick's model without --config / --layers: a fixture preset, written in seconds
+
+
+def checkpoint_config(args: argparse.Namespace) -> str:
+    """The config a run generates its checkpoint of: --config; else, with --quick and no --layers, the
+    small `QUICK_CONFIG` (a smoke run must not first write gigabytes of real-width layers); else "real"."""
+    if args.config is not None:
+        return args.config
+    return QUICK_CONFIG if getattr(args, "quick", False) and args.layers is None else "real"
 
 # ---------------------------------------------------------------------------------------------
 # the benchmark
@@ -78,9 +88,9 @@ def load_model(args: argparse.Namespace, threads: int, log: Callable[[str], None
         path = Path(args.model)
         cfg_name = str(path)
     else:
-        cfg = resolve_config(args.config, args.layers)
+        cfg_name = checkpoint_config(args)
+        cfg = resolve_config(cfg_name, args.layers)
         path = ensure_checkpoint(cfg, args.seed, log=log)
-        cfg_name = args.config
     log(f"checkpoint: {path}")
 
     backend = args.backend
@@ -299,7 +309,7 @@ def run_limited(args: argparse.Namespace, log: Callable[[str], None] = print) ->
     if args.model:
         path = Path(args.model)
     else:
-        path = ensure_checkpoint(resolve_config(args.config, args.layers), args.seed, log=log)
+        path = ensure_checkpoint(resolve_config(checkpoint_config(args), args.layers), args.seed, log=log)
     size = checkpoint_bytes(path)
     limit = parse_size(args.memory_limit, "--memory-limit", size)
     if not isinstance(limit, int):
@@ -347,8 +357,9 @@ def _ints(s) -> tuple:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the generated model (default 8 for --config real; a preset keeps its own)")
-    p.add_argument("--config", default="real",
-                   help="'real' (Qwen3.6-35B-A3B widths, default), a fixture preset (e.g. tiny) or a config.json path")
+    p.add_argument("--config", default=None,
+                   help="'real' (Qwen3.6-35B-A3B widths, the default but with --quick), a fixture preset (e.g. tiny) "
+                        "or a config.json path")
     p.add_argument("--model", default=None, help="benchmark an existing checkpoint directory instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="cpu", help="cpu (default) | reference | any registered backend")
@@ -367,7 +378,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="first wait up to this long for other processes to leave the CPUs idle")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: prefill 16,64, contexts 16,64, 1 repeat, 4 decode steps, 512 MiB buffer")
+                   help=f"smoke run, seconds: the {QUICK_CONFIG!r} fixture model (a few MB, not real widths) unless "
+                        "--config, --layers or --model says otherwise; prefill 16,64, contexts 16,64, 1 repeat, "
+                        "4 decode steps, 512 MiB bandwidth buffer")
     p.add_argument("--memory-budget", default=None, metavar="B",
                    help="the backend's memory_budget: auto, none, bytes, a size (8GiB) or N%% of the checkpoint; "
                         "routed experts stream from disk when the checkpoint does not fit (docs/streaming.md)")
@@ -394,8 +407,8 @@ def run_encode_only(args: argparse.Namespace) -> dict:
     if args.model:
         c = ModelConfig.from_file(args.model)
     else:
-        c = ModelConfig.from_dict(resolve_config(args.config, 40 if args.layers is None and args.config == "real"
-                                                 else args.layers))
+        config = args.config or "real"
+        c = ModelConfig.from_dict(resolve_config(config, 40 if args.layers is None and config == "real" else args.layers))
     contexts = _ints(args.contexts) if args.contexts else (4096,)
     kv = args.kv_dtype or "bfloat16"
     by_ctx = {str(n): encode_only_cost(c, context=n, kv_dtype=kv) for n in contexts}
@@ -487,7 +500,7 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
     tokens = args.decode_steps or (12 if args.quick else 64)
     res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
     if sim_available():     # the Metal graph's verification, modelled (encode-only)
-        cfg = ModelConfig.from_dict(resolve_config(args.config, 4 if args.quick else 40))
+        cfg = ModelConfig.from_dict(resolve_config(args.config or "real", 4 if args.quick else 40))
         res["metal_modelled"] = encode_only_verify_cost(cfg, context=256 if args.quick else 4096)
         res["metal_modelled"]["layers"] = cfg.num_hidden_layers
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,

@@ -289,6 +289,42 @@ def test_stream_parser_agrees_with_parse_assistant(cuts):
     assert fields["reasoning_content"].strip() == r and fields["content"].strip() == c and calls == want
 
 
+PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", "\n\n", " ", "a", "ok.", "<", "</", "think", ">",
+          "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=14), cuts=st.lists(st.integers(0, 80), max_size=10),
+       thinking=st.booleans(), parse_tools=st.booleans())
+def test_a_reply_splits_the_same_streamed_in_any_pieces_or_whole(pieces, cuts, thinking, parse_tools):
+    """The server streams a reply through ChatStreamParser and answers a non-streamed request with
+    parse_assistant: for any text (think tags, stray ones, newlines) and any cut into pieces both give
+    the same reasoning and content (up to the whitespace the whole-text form strips)."""
+    text = "".join(pieces)
+    p = ChatStreamParser(thinking, None, parse_tools=parse_tools)
+    fields = {"reasoning_content": "", "content": ""}
+    prev = 0
+    for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
+        for f, t in p.feed(text[prev:c]):
+            fields[f] += t
+        prev = c
+    more, calls = p.finish()
+    for f, t in more:
+        fields[f] += t
+    r, c, want_calls = parse_assistant(text, thinking=thinking, parse_tools=parse_tools)
+    assert (fields["reasoning_content"].strip(), fields["content"].strip(), calls) == (r or "", c, want_calls)
+    assert (r is not None) == p.opened_thinking
+
+
+def test_with_thinking_off_a_stray_close_tag_is_content():
+    """enable_thinking=false: the template closed an empty think block in the prompt, so the reply is
+    content, a '</think>' in it included; with thinking on the text before it is the reasoning."""
+    assert parse_assistant("So: 4</think> is the answer", thinking=False) == (None, "So: 4</think> is the answer", [])
+    assert parse_assistant("So: 4</think> is the answer", thinking=True) == ("So: 4", "is the answer", [])
+    # a reply that opens its own block is still split, newlines before it or not
+    assert parse_assistant("\n<think>hm</think>\n\nyes", thinking=False) == ("hm", "yes", [])
+
+
 def test_chat_end_to_end_with_a_scripted_reply(model):
     tok = model.tokenizer
     msgs = [{"role": "user", "content": "Weather in Berlin?"}]

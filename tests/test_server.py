@@ -146,6 +146,54 @@ def test_chat_non_stream_and_stream_match_the_library(client, local):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens
 
 
+def test_streamed_and_collected_chat_split_a_stray_close_tag_alike(local, monkeypatch):
+    """One scripted reply with a '</think>' in it, asked for streamed and not, with thinking on and off:
+    both give the same reasoning and content. Thinking off (the template closed the think block in the
+    prompt) the reply is content, '</think>' included; thinking on, the text before it is the reasoning."""
+    require("starlette")
+    require("httpx")
+    from starlette.testclient import TestClient
+
+    from qwenmetal.sampling import SampleResult
+    from qwenmetal.server import create_app
+    from qwenmetal.testing import IM_END
+
+    reply = "The sum is 4.</think>\n\nFour."
+    script = local.tokenizer.encode(reply) + [IM_END]
+    real = local.generate
+
+    class Script:
+        def __init__(self):
+            self.i = 0
+
+        def sample(self, logits, vocab_used=None, **kw):
+            self.i += 1
+            return SampleResult(script[min(self.i - 1, len(script) - 1)])
+
+    monkeypatch.setattr(local, "generate", lambda ids, **kw: real(ids, sampler=Script(), **kw))
+    app = create_app(local, model_name=NAME)
+    try:
+        c = TestClient(app)
+        for thinking, want in ((False, ("", reply)), (True, ("The sum is 4.", "Four."))):
+            body = {"messages": MSGS, "max_tokens": 40, "chat_template_kwargs": {"enable_thinking": thinking}}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            msg = r.json()["choices"][0]["message"]
+            got = {"reasoning_content": "", "content": ""}
+            with c.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        for ch in json.loads(line[6:])["choices"]:
+                            for k in got:
+                                got[k] += ch["delta"].get(k) or ""
+            assert (got["reasoning_content"].strip(), got["content"].strip()) == want, (thinking, got)
+            assert (msg.get("reasoning_content") or "", msg["content"]) == want, (thinking, msg)
+            assert ("reasoning_content" in msg) == thinking
+    finally:
+        app.state.queue.close()
+        assert app.state.queue.join(10)
+
+
 def test_completions_stop_strings_stream_and_not(client, local):
     prompt = "The quick brown fox"
     free = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})

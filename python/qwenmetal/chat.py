@@ -207,21 +207,20 @@ def parse_tool_calls(text: str, tools: list | None = None) -> list:
 
 def parse_assistant(text: str, *, thinking: bool = False, tools: list | None = None,
                     parse_tools: bool = True) -> tuple:
-    """Split a generated reply into ``(reasoning, content, tool_calls)``. ``thinking``: the prompt ended
-    inside a ``<think>`` block (Qwen3.5/3.6 with thinking on), so the reply starts with reasoning.
-    ``tools``: their schemas type the arguments; ``parse_tools=False`` leaves ``<tool_call>`` text in the
-    content (as `ChatStreamParser` does)."""
-    reasoning = None
-    content = text
-    if "</think>" in text:
-        r, _, content = text.partition("</think>")
-        reasoning = r.split("<think>", 1)[-1].strip()
-    elif thinking:
-        reasoning, content = text.strip(), ""
-    calls = parse_tool_calls(content, tools) if parse_tools and "<tool_call>" in content else []
-    if calls:
-        content = content.split("<tool_call>", 1)[0]
-    return reasoning, content.strip(), calls
+    """Split a generated reply into ``(reasoning, content, tool_calls)``, as `ChatStreamParser` splits it
+    streamed (so a reply reads the same streamed or not). ``thinking``: the prompt ended inside a
+    ``<think>`` block (Qwen3.5/3.6 with thinking on), so the reply is reasoning up to the first ``</think>``;
+    without it the template has closed the think block in the prompt and the reply is content -- a stray
+    ``</think>`` in it is text -- unless the reply opens a block of its own (``<think>`` at its start).
+    ``reasoning`` is None when there was no think block. ``tools``: their schemas type the arguments;
+    ``parse_tools=False`` leaves ``<tool_call>`` text in the content."""
+    p = ChatStreamParser(thinking, tools, parse_tools=parse_tools)
+    deltas = p.feed(text)
+    more, calls = p.finish()
+    parts = {"reasoning_content": "", "content": ""}
+    for f, t in deltas + more:
+        parts[f] += t
+    return (parts["reasoning_content"].strip() if p.opened_thinking else None), parts["content"].strip(), calls
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
@@ -293,11 +292,13 @@ class ChatStreamParser:
 
     def __init__(self, thinking: bool = False, tools: list | None = None, parse_tools: bool = True):
         self.mode = "reasoning" if thinking else "content"
+        self.opened_thinking = thinking           # the reply had a think block (the prompt's or its own)
         self.tools = tools
         self.parse_tools = parse_tools
         self._buf = ""
         self._tool_text = None
         self._content_started = False
+        self._block_start = thinking              # at the start of a think block: a '<think>' here is its tag
 
     def _emit(self, field_, text, out):
         if not text:
@@ -307,6 +308,8 @@ class ChatStreamParser:
             if not text:
                 return
             self._content_started = True
+        elif field_ == "reasoning_content":
+            self._block_start = False
         out.append((field_, text))
 
     def feed(self, text: str) -> list:
@@ -318,8 +321,9 @@ class ChatStreamParser:
         self._buf += text
         while True:
             if self.mode == "reasoning":
-                if self._buf.startswith("<think>"):
+                if self._buf.startswith("<think>") and self._block_start:
                     self._buf = self._buf[len("<think>"):]
+                    self._block_start = False
                 i = self._buf.find("</think>")
                 if i >= 0:
                     self._emit("reasoning_content", self._buf[:i], out)
@@ -331,12 +335,16 @@ class ChatStreamParser:
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
             tags = ("<tool_call>", "<think>") if self.parse_tools else ("<think>",)
+            if not self._content_started:         # leading newlines are dropped (_emit), whatever the chunks
+                self._buf = self._buf.lstrip("\n")
             if self._buf.startswith("<think>") and not self._content_started:
                 self.mode = "reasoning"
+                self.opened_thinking = True
+                self._block_start = True
                 continue
             i = self._buf.find("<tool_call>") if self.parse_tools else -1
             if i >= 0:
-                self._emit("content", self._buf[:i].rstrip(), out)
+                self._emit("content", self._buf[:i], out)   # (not stripped: the pieces may have sent it)
                 self._tool_text = self._buf[i:]
                 self._buf = ""
                 return out

@@ -449,6 +449,66 @@ def test_disconnect_stops_the_generation_within_one_decode_step(live, stream):
     assert h["completed"] == 0 and h["failed"] == 0 and c.steps < LONG["max_tokens"]
 
 
+def test_a_stream_is_not_written_on_after_its_connection_is_lost(cpu_model):
+    """A client that hangs up while tokens pile up (here: the event loop is held up for half a second):
+    asyncio's transport schedules the connection's loss after the first failed write and logs every
+    write past the fifth before that runs ('socket.send() raised exception.', a line per token). Driven
+    through ASGI as uvicorn does it (a send after the loss is dropped): once a write has found the
+    connection gone, no further write happens before the server learns of it, and the generation is
+    cancelled."""
+    import asyncio
+    require("starlette")
+    from qwenmetal.server import create_app
+
+    app = create_app(cpu_model, model_name=NAME)
+    body = json.dumps(dict(LONG, max_tokens=3000, stream=True)).encode()
+    st = {"chunks": 0, "failed": False, "lost": False, "written_after": 0}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        gone = asyncio.Event()
+        asked = []
+
+        async def receive():
+            if not asked:
+                asked.append(1)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        def connection_lost():                 # what the transport's call_soon runs
+            st["lost"] = True
+            gone.set()
+
+        async def send(m):
+            if m["type"] == "http.response.start":
+                time.sleep(0.5)                # a slow loop turn: the generation's tokens pile up meanwhile
+            elif st["lost"]:
+                pass                           # uvicorn: disconnected, the send is dropped
+            elif st["failed"]:
+                st["written_after"] += 1       # asyncio: a write on a lost connection (logged past the fifth)
+            else:
+                st["chunks"] += 1
+                if st["chunks"] == 3:          # this write finds the connection reset
+                    st["failed"] = True
+                    loop.call_soon(connection_lost)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("t", 1), "server": ("t", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        await app(scope, receive, send)
+
+    try:
+        asyncio.run(main())
+        assert st["failed"] and st["written_after"] == 0, st
+        _until(lambda: not app.state.queue.status()["running"], "the generation's end")
+        assert app.state.queue.status()["cancelled"] == 1
+    finally:
+        app.state.queue.close()
+        assert app.state.queue.join(10)
+
+
 def test_a_queued_request_whose_client_left_never_runs(live):
     import httpx
 

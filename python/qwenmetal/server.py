@@ -536,6 +536,11 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                 yield _sse(c)
             async with contextlib.aclosing(events(request, job)) as evs:
                 async for kind, *val in evs:
+                    # one event-loop turn per event: tokens that arrived together would otherwise be written
+                    # in one go, on past a write that found the connection gone (asyncio logs each such
+                    # write); in the turn the server learns of the disconnect (later writes are dropped)
+                    # and the watcher cancels the job
+                    await asyncio.sleep(0)
                     if kind == "out":
                         for c in render.step(val[0]):
                             yield _sse(c)

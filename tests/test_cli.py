@@ -214,8 +214,9 @@ def test_bad_arguments_name_the_option_and_what_it_takes(tmp_path):
     gen = ["generate", "--model", str(d), "--backend", "reference", "--max-tokens", "2"]
     r = run(gen + ["--prompt", "x", "--seed", "-1"], tmp_path)
     assert r.returncode == 2 and "argument --seed: must be an integer >= 0" in r.stderr, r.stderr
-    r = run(["demo", "--seed", "-1"], tmp_path)
-    assert r.returncode == 2 and "argument --seed: must be an integer >= 0" in r.stderr, r.stderr
+    for cmd in ("demo", "bench", "compare"):        # bench's and compare's seed: their random checkpoint's
+        r = run([cmd, "--seed", "-1"], tmp_path)
+        assert r.returncode == 2 and "argument --seed: must be an integer >= 0" in r.stderr, (cmd, r.stderr)
     r = run(gen + ["--prompt", "x", "--seed", "abc"], tmp_path)
     assert r.returncode == 2 and "argument --seed: expected an integer >= 0" in r.stderr, r.stderr
     for opt in ("--cache-bytes", "--cache-dir-bytes"):

@@ -29,7 +29,7 @@ import numpy as np
 from . import bench, compare, expert_streaming, selftest, server, working_set
 from .backends import ALL_BACKENDS, BACKENDS
 from .chat import chat_turn, validate_messages
-from .cli_args import add_expert_args, expert_options
+from .cli_args import add_expert_args, expert_options, seed_arg
 from .config import ModelConfig
 from .convert import convert
 from .errors import InputError
@@ -75,18 +75,6 @@ def _load_options(args) -> dict:
     if str(args.memory_budget).lower() != "auto":
         o["memory_budget"] = None if str(args.memory_budget).lower() == "none" else args.memory_budget
     return o | expert_options(args)
-
-
-def seed_arg(text: str) -> int:
-    """argparse type of --seed: an integer >= 0 (argparse's message then names the option)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (the same seed gives the same tokens), "
-                                         f"got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (the same seed gives the same tokens), got {v}")
-    return v
 
 
 def bytes_arg(text: str) -> float:

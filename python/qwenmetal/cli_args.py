@@ -1,6 +1,8 @@
 """The command-line arguments that several commands share (`qwenmetal.cli` and `qwenmetal bench`)."""
 from __future__ import annotations
 
+import argparse
+
 from .expert_streaming import POLICIES
 
 
@@ -26,3 +28,15 @@ def expert_options(args) -> dict:
     if args.expert_direct_io:
         o["expert_direct_io"] = True
     return o
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: an integer >= 0 (argparse's message then names the option)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (the same seed gives the same result), "
+                                         f"got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (the same seed gives the same result), got {v}")
+    return v

@@ -48,19 +48,34 @@ from typing import Any, Callable, Mapping
 
 from .. import memlimit
 from ..backends.metal import DEFAULT_PREFILL_CHUNK, sim_available
-from ..bench.cost import encode_only_cost, encode_only_prefill_cost, encode_only_verify_cost
-from ..cli_args import add_expert_args, expert_options
+from ..bench.cost import (
+    encode_only_cost,
+    encode_only_prefill_cost,
+    encode_only_verify_cost,
+)
+from ..cli_args import add_expert_args, expert_options, seed_arg
 from ..config import ModelConfig
 from ..memory import parse_budget
 from ..model import Model
 from ..version import __version__
 from .bandwidth import measure_file_read, measure_read_bandwidth
-from .bytes_model import BACKEND_KV_DEFAULT, KV_ELEMENT_BYTES, decode_bytes, tensor_sizes
+from .bytes_model import (
+    BACKEND_KV_DEFAULT,
+    KV_ELEMENT_BYTES,
+    decode_bytes,
+    tensor_sizes,
+)
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
 from .speculative import format_speculative, run_speculative
-from .timing import describe_machine, machine_info, peak_rss_bytes, time_decode, time_prefill
+from .timing import (
+    describe_machine,
+    machine_info,
+    peak_rss_bytes,
+    time_decode,
+    time_prefill,
+)
 
 SCHEMA = "qwenmetal-bench/1"
 DEFAULT_PREFILL = (128, 512, 2048)
@@ -361,7 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'real' (Qwen3.6-35B-A3B widths, the default but with --quick), a fixture preset (e.g. tiny) "
                         "or a config.json path")
     p.add_argument("--model", default=None, help="benchmark an existing checkpoint directory instead")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random checkpoint")
     p.add_argument("--backend", default="cpu", help="cpu (default) | reference | any registered backend")
     p.add_argument("--threads", type=int, default=None, help="engine and bandwidth threads (default: usable CPUs)")
     p.add_argument("--kv-dtype", default=None, help="cpu backend KV cache dtype (bfloat16 | float32)")

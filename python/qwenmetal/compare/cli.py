@@ -22,6 +22,7 @@ from ..accuracy import agreement
 from ..backends import resolve_backend
 from ..bench import ensure_checkpoint, machine_info, resolve_config
 from ..bench.cli import checkpoint_bytes
+from ..cli_args import seed_arg
 from ..config import ModelConfig
 from ..convert import convert
 from ..paths import cache_dir, resolve_checkpoint
@@ -104,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small machine's preset: short lengths, few steps")
     p.add_argument("--out", default="qwenmetal-compare", help="directory for compare.json, compare.md and the plots")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots (they need matplotlib: the [plots] extra)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random checkpoint")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random checkpoint")
 
 
 def _parse_options(items) -> dict:

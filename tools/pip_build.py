@@ -25,6 +25,20 @@ import time
 from pathlib import Path
 
 STATUS = re.compile(r"^\[(\d+)/(\d+)\]\s+(.*)$")
+# the environment variables CMake takes the compilers and their flags from: a change configures again
+ENV_SETTINGS = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "MACOSX_DEPLOYMENT_TARGET", "ARCHFLAGS",
+                "SDKROOT")
+
+
+def cached_source_dir(cache: Path) -> str | None:
+    """The source directory a CMake cache was made for, or None."""
+    try:
+        for line in cache.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("CMAKE_HOME_DIRECTORY:"):
+                return line.split("=", 1)[1]
+    except OSError:
+        pass
+    return None
 
 
 class Progress:
@@ -142,16 +156,23 @@ def main(argv=None) -> int:
     if n:
         print(f"pip_build: nanobind copied to {a.nanobind_copy} ({n} files changed)", flush=True)
 
-    settings = a.init.read_text(encoding="utf-8")
+    # the settings: the outer build's cache entries, and the environment the compiler is found from
+    settings = a.init.read_text(encoding="utf-8") + "".join(
+        f"# env {k}={os.environ[k]}\n" for k in ENV_SETTINGS if k in os.environ)
     saved = a.build / "qwenmetal-init.cmake"
     cache = a.build / "CMakeCache.txt"
+    home = cached_source_dir(cache)
+    if home is not None and Path(home).resolve() != a.source.resolve():
+        # a tree copied from elsewhere (a container build of the same checkout): nothing to reuse
+        print(f"pip_build: {a.build} was configured for {home}: starting afresh", flush=True)
+        shutil.rmtree(a.build)
     if not cache.exists() or not saved.exists() or saved.read_text(encoding="utf-8") != settings:
         prog.say(f"qwenmetal: configuring the C++ build in {a.build}")
         if cache.exists():
             print("pip_build: the build settings changed: configuring again (object files kept)", flush=True)
             cache.unlink()
         a.build.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(a.init, a.build / "qwenmetal-init.cmake.new")
+        (a.build / "qwenmetal-init.cmake.new").write_text(settings, encoding="utf-8")
         rc = run([a.cmake, "-S", str(a.source), "-B", str(a.build), "-G", a.generator,
                   "-C", str(a.build / "qwenmetal-init.cmake.new")])
         if rc != 0:

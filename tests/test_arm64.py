@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the CPU kernels and what the checker links against (CPU detection, quantizer, thread pool); the x86
 # files compile to their "not this architecture" stubs
 SOURCES = ["src/cpu/kernels_portable.cpp", "src/cpu/kernels_neon.cpp", "src/cpu/kernels_x86.cpp",
-           "src/cpu/kernels_amx.cpp", "src/cpu/cpu_info.cpp", "src/cpu/quant.cpp", "src/cpu/threadpool.cpp",
+           "src/cpu/kernels_amx.cpp", "src/cpu/cpu_info.cpp", "src/cpu/quant.cpp", "src/core/threadpool.cpp",
            "tests/native/kernel_check.cpp"]
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 # emulated CPU -> the integer variant the detection must pick there

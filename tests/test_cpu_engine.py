@@ -67,7 +67,7 @@ PROMPT = [5, 17, 3, 99, 42, 7, 250, 1, 0, 64, 300, 12, 401, 88, 9, 2, 77, 123, 6
 
 
 def test_denormals_flushed_in_the_engine_only():
-    """On x86-64 the engine computes with denormals flushed to zero (cpu/fpenv.h: each costs a microcode
+    """On x86-64 the engine computes with denormals flushed to zero (core/fpenv.h: each costs a microcode
     assist there, and the chunked Gated DeltaNet's decays make many): every task of a pool run, on a worker
     or on the calling thread, sees a denormal result as zero. The caller's own mode comes back after a
     pool run and after a forward pass, so numpy in this thread keeps IEEE denormals. Elsewhere (NEON

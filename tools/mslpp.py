@@ -401,6 +401,14 @@ def main(argv=None) -> int:
     with open(a.input, encoding="utf-8") as f:
         src = f.read()
     out = rewrite(src, a.mode, not a.fast, a.library_id, a.origin or a.input)
+    # an unchanged output is not rewritten: ninja (restat) then recompiles nothing when the command
+    # re-runs for another reason (a pip build from another environment: another interpreter path)
+    try:
+        with open(a.output, encoding="utf-8") as f:
+            if f.read() == out:
+                return 0
+    except OSError:
+        pass
     with open(a.output, "w", encoding="utf-8") as f:
         f.write(out)
     return 0

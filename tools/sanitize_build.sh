@@ -17,7 +17,7 @@ exec 9>/tmp/qwenmetal-build.lock
 flock 9
 if [ ! -f "$bdir/build.ninja" ]; then
     cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSKBUILD_PROJECT_NAME=qwenmetal \
-        -DCMAKE_CXX_COMPILER="$cxx" -DQWENMETAL_SANITIZE=ON \
+        -DCMAKE_CXX_COMPILER="$cxx" -DQWENMETAL_SANITIZE=ON -DQWENMETAL_UNITY=ON \
         -DPython_EXECUTABLE="$python" \
         -Dnanobind_DIR="$("$python" -c 'import nanobind;print(nanobind.cmake_dir())')" >/dev/null
 fi

@@ -555,7 +555,7 @@ void register_cpu_engine(nb::module_& m) {
         for (char f : flushed) out.append(f != 0);
         return nb::make_tuple(out, ran);
     }, "threads"_a, "tests: per task of one pool run, whether a denormal result was flushed to zero "
-                    "(cpu/fpenv.h), and how many of the pool's threads ran tasks");
+                    "(core/fpenv.h), and how many of the pool's threads ran tasks");
     m.def("cpu_physical_cores", &physical_cores, "physical cores available to this process");
     m.def("cpu_isa", [] { return std::string(cpu::kernels().name); }, "the SIMD kernels in use");
     m.def("cpu_info", [] {

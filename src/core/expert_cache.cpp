@@ -11,7 +11,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 
 namespace qwenmetal {
 

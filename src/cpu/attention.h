@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 #include "cpu/quant.h"
 
 namespace qwenmetal::cpu {

@@ -15,7 +15,7 @@
 #include "core/interrupt.h"
 #include "core/state_layout.h"
 #include "cpu/tensor.h"
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 #include "cpu/quant.h"
 
 namespace qwenmetal {

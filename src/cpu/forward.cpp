@@ -20,7 +20,7 @@
 
 #include "cpu/engine.h"
 #include "cpu/attention.h"
-#include "cpu/fpenv.h"
+#include "core/fpenv.h"
 #include "cpu/gdn.h"
 #include "cpu/moe.h"
 #include "cpu/norm.h"

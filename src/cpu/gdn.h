@@ -14,7 +14,7 @@
 #pragma once
 #include <cstdint>
 
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 #include "cpu/kernels.h"
 
 namespace qwenmetal::cpu {

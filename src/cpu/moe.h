@@ -16,7 +16,7 @@
 
 #include "core/expert_cache.h"
 #include "cpu/tensor.h"
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 #include "cpu/quant.h"
 
 namespace qwenmetal::cpu {

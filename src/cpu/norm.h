@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 
 namespace qwenmetal::cpu {
 

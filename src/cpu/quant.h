@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "cpu/tensor.h"
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 #include "cpu/kernels.h"
 
 namespace qwenmetal::cpu {

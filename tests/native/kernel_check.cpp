@@ -5,7 +5,7 @@
 // cortex-a72: neither); by hand:
 //   aarch64-linux-gnu-g++ -std=c++17 -O2 -static -Isrc tests/native/kernel_check.cpp src/cpu/kernels_portable.cpp
 //       src/cpu/kernels_neon.cpp src/cpu/kernels_x86.cpp src/cpu/kernels_amx.cpp src/cpu/cpu_info.cpp
-//       src/cpu/quant.cpp src/cpu/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 -cpu max /tmp/kc
+//       src/cpu/quant.cpp src/core/threadpool.cpp -pthread -o /tmp/kc && qemu-aarch64 -cpu max /tmp/kc
 // (the same command with g++ checks the best x86 table, integer kernels within a tolerance).
 // Prints one line per check and "all ok" / "FAILED n"; the exit status is non-zero on any failure.
 #include <cmath>

@@ -1,6 +1,6 @@
-#include "cpu/threadpool.h"
+#include "core/threadpool.h"
 
-#include "cpu/fpenv.h"
+#include "core/fpenv.h"
 
 #include <chrono>
 #include <fstream>

@@ -272,19 +272,25 @@ def test_parse_assistant_and_tool_calls():
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-@settings(max_examples=40, deadline=None)
-@given(cuts=st.lists(st.integers(0, len(REPLY)), max_size=12))
-def test_stream_parser_agrees_with_parse_assistant(cuts):
-    p = ChatStreamParser(thinking=True, tools=TOOLS)
+def _stream(p: ChatStreamParser, text: str, cuts) -> tuple[dict, list]:
+    """Feed `text` to the parser in the pieces `cuts` makes: (the fields it streamed, the tool calls)."""
     fields = {"reasoning_content": "", "content": ""}
     prev = 0
-    for c in sorted(set(cuts)) + [len(REPLY)]:
-        for f, t in p.feed(REPLY[prev:c]):
+    for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
+        for f, t in p.feed(text[prev:c]):
             fields[f] += t
         prev = c
     more, calls = p.finish()
     for f, t in more:
         fields[f] += t
+    return fields, calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(REPLY)), max_size=12))
+def test_stream_parser_agrees_with_parse_assistant(cuts):
+    p = ChatStreamParser(thinking=True, tools=TOOLS)
+    fields, calls = _stream(p, REPLY, cuts)
     r, c, want = parse_assistant(REPLY, thinking=True, tools=TOOLS)
     assert fields["reasoning_content"].strip() == r and fields["content"].strip() == c and calls == want
 
@@ -302,15 +308,7 @@ def test_a_reply_splits_the_same_streamed_in_any_pieces_or_whole(pieces, cuts, t
     the same reasoning and content (up to the whitespace the whole-text form strips)."""
     text = "".join(pieces)
     p = ChatStreamParser(thinking, None, parse_tools=parse_tools)
-    fields = {"reasoning_content": "", "content": ""}
-    prev = 0
-    for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
-        for f, t in p.feed(text[prev:c]):
-            fields[f] += t
-        prev = c
-    more, calls = p.finish()
-    for f, t in more:
-        fields[f] += t
+    fields, calls = _stream(p, text, cuts)
     r, c, want_calls = parse_assistant(text, thinking=thinking, parse_tools=parse_tools)
     assert (fields["reasoning_content"].strip(), fields["content"].strip(), calls) == (r or "", c, want_calls)
     assert (r is not None) == p.opened_thinking

@@ -92,7 +92,9 @@ def test_wheel_installs_and_runs_without_a_compiler(tmp_path):
     assert "qwenmetal/cli.py" in names
 
     py = _fresh_venv(tmp_path / "venv")
-    _run([py, "-m", "pip", "install", "--no-index", "--no-deps", wheel], env=_env())
+    # --ignore-installed: the qwenmetal this suite runs from is visible through the borrowed directories, and
+    # pip would call the wheel's requirement satisfied by it (and install nothing)
+    _run([py, "-m", "pip", "install", "--no-index", "--no-deps", "--ignore-installed", wheel], env=_env())
     # PATH: the venv's bin alone -- no compiler can be found, and none is needed
     path = str(py.parent)
     assert not [c for c in COMPILERS if shutil.which(c, path=path)]

@@ -64,7 +64,7 @@ class SessionSnapshot:
         model = self.model_ref()
         if model is None:
             raise ValueError("the model this snapshot was taken from is gone")
-        _write(model, self.state, self.tokens, model.config.max_position_embeddings, path, metadata)
+        save_session(Session(model, self.state, self.tokens), path, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: "ModelBase") -> "SessionSnapshot":
@@ -170,11 +170,6 @@ class Session:
             tail = f"<tr><td>last tokens</td><td><code>{escape(text[-300:])}</code></td></tr>"
         return (f"<b>qwenmetal.Session</b><table><tr><td>position</td><td>{self.position} / {self.max_context}</td></tr>"
                 f"<tr><td>state</td><td>{self.nbytes / 2**20:.2f} MiB</td></tr>{tail}</table>")
-
-
-def _write(model, state, tokens, max_context, path, metadata) -> None:
-    s = Session(model, state, tokens, max_context)
-    save_session(s, path, metadata)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,6 +119,26 @@ def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationO
              speculative_k: int | None = None) -> Iterator[GenerationOutput]:
     """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).
     Everything is checked before the first output (and before any work)."""
+    run = _checked_run(model, prompt, options, sampler, session, cache, cache_points, progress, cancel)
+    drafter = None
+    if speculative is not None:
+        check_k(speculative_k)
+        drafter = make_drafter(speculative, model)
+    elif speculative_k is not None:
+        raise ValueError("speculative_k needs speculative= (a drafter)")
+    return _generate(run, drafter, speculative_k)
+
+
+def prepare(model: ModelBase, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
+            sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
+            cache_points: Sequence[int] = (), cancel: threading.Event | None = None) -> "Generation":
+    """One generation, checked as `generate` checks it, for a scheduler to step (`qwenmetal.batching`): its
+    prompt in pieces, then one token per step from logits the scheduler computed for it."""
+    return Generation(_checked_run(model, prompt, options, sampler, session, cache, cache_points, False, cancel))
+
+
+def _checked_run(model: ModelBase, prompt, options, sampler, session, cache, cache_points, progress,
+                 cancel) -> "_Run":
     o = GenerationOptions.build(options)
     tok = model.tokenizer
     if isinstance(prompt, str):
@@ -138,15 +158,8 @@ def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationO
     model.check_session(s)
     model.check_ids(ids, s)                        # validates ids and the context limit, before any work
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
-    drafter = None
-    if speculative is not None:
-        check_k(speculative_k)
-        drafter = make_drafter(speculative, model)
-    elif speculative_k is not None:
-        raise ValueError("speculative_k needs speculative= (a drafter)")
-    run = _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
-               model.prefix_cache if cache else None, cache_points, progress, cancel)
-    return _generate(run, drafter, speculative_k)
+    return _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
+                model.prefix_cache if cache else None, cache_points, progress, cancel)
 
 
 @dataclass
@@ -170,10 +183,21 @@ class _Run:
     t1: float = 0.0                  # the prompt prefilled
     cached: int = 0                  # prompt tokens taken from the prefix cache
     counters: dict | None = None     # the expert counters when decoding started (backends that stream experts)
+    base: int = 0                    # the session's position before the prompt
+    points: tuple = ()               # absolute positions to snapshot the prompt at (`cache_points`)
 
     @property
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
+
+    def finish(self, n_gen: int, reason: str, logits: np.ndarray | None) -> dict:
+        """The generation's statistics; the finished turn goes into the prefix cache (with the logits for the
+        next token, when known)."""
+        stats = self.stats(n_gen, reason)
+        s, pc = self.s, self.pc
+        if pc is not None and n_gen > 1 and s.nbytes <= pc.max_bytes:
+            pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
+        return stats
 
     def stats(self, n_gen: int, reason: str) -> dict:
         t0, t1, t2 = self.t0, self.t1, time.perf_counter()
@@ -202,7 +226,6 @@ def _generate(run: _Run, drafter: Drafter | None, speculative_k: int | None) -> 
         logits = _prefill(run)
         if run.cancelled:
             return
-        run.t1 = time.perf_counter()
         run.counters = run.model.expert_counters()
         yield from _decode(run, logits)
     finally:
@@ -213,78 +236,97 @@ def _generate(run: _Run, drafter: Drafter | None, speculative_k: int | None) -> 
 def _prefill(run: _Run) -> np.ndarray | None:
     """The prompt after the prefix cache's longest match, in chunks, snapshotting at chunk boundaries and
     at the requested points: the last token's logits (None if cancelled)."""
-    model, s, ids, pc, spec = run.model, run.s, run.ids, run.pc, run.spec
-    base, n_prompt = s.position, len(ids)
-    logits = None
-    if pc is not None and base == 0:
-        e = pc.lookup(ids)
-        if e is not None:
-            s.restore(e.snapshot)
-            run.cached = len(e.tokens)
-            if run.cached == n_prompt:
-                logits = e.logits
-    chunk = pc.chunk_tokens if pc is not None else 2048
-    points = sorted({base + int(p) for p in run.cache_points if 0 < int(p) < n_prompt})
-    bar = _progress_bar(n_prompt - run.cached, run.progress) if logits is None else None
+    logits = _prefill_start(run)
+    bar = _progress_bar(len(run.ids) - run.cached, run.progress) if logits is None else None
     try:
         while logits is None:
             if run.cancelled:
                 return None
-            pos = s.position
-            end = base + n_prompt
-            nxt = min(end, (pos // chunk + 1) * chunk)
-            for p in points:
-                if pos < p < nxt:
-                    nxt = p
-                    break
-            last = nxt == end
-            chunk_ids, want = ids[pos - base:nxt - base], "last" if last else "none"
-            # a drafter that takes hidden states (the MTP head) gets the prompt's too
-            out = spec.prefill(chunk_ids, want) if spec is not None else model.prefill(s, chunk_ids, want)
+            n, logits = _prefill_piece(run)
             if bar is not None:
-                bar.update(nxt - pos)
-            if last:
-                logits = out
-            elif pc is not None and s.nbytes <= pc.max_bytes:
-                if nxt in points:
-                    pc.put(s.tokens, s.snapshot(), kind="point")
-                elif _keep_boundary(nxt // chunk, (end - 1) // chunk):
-                    pc.put(s.tokens, s.snapshot(), kind="chunk")
+                bar.update(n)
     finally:
         if bar is not None:
             bar.close()
-    if pc is not None and run.cached < n_prompt and s.nbytes <= pc.max_bytes:
-        pc.put(s.tokens, s.snapshot(), logits=logits, kind="prompt")
     return logits
 
 
-def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
-    """Sample, detokenize and stop, token by token: from the logits (host sampling), the pipelined GPU loop,
-    or a speculative round's verified rows."""
-    model, s, sampler, o, spec, pc = run.model, run.s, run.sampler, run.o, run.spec, run.pc
-    tok = model.tokenizer
-    want_logprobs, top_n = o.logprobs, o.top_logprobs
-    gpu = _GpuDecode(run) if spec is None and _gpu_decodable(run) else None
-    decoder = tok.stream_decoder(o.skip_special_tokens) if tok is not None else None
-    matcher = StopStringMatcher(list(o.stop))
-    generated: list = []
-    context = list(s.tokens)
-    pending: list = []                # (result, in the state, its logits): decided by the last verification
-    accepted = 0                      # drafts the model agreed with in the open round
-    for n in range(o.max_tokens):
-        if run.cancelled:
-            return
-        in_state, row = False, logits     # row: the logits the token comes from
-        if pending:                       # decided by the last verification
-            r, in_state, row = pending.pop(0)
-        elif gpu is not None and n > 0:   # sampled on the GPU by the pipelined decode loop
-            r = SampleResult(gpu.next(n), None, None)
-        else:
-            r = sampler.sample(logits, run.vocab, context=context, generated=generated, logprobs=want_logprobs,
-                               top_logprobs=top_n)
-        t = r.token
-        generated.append(t)
-        context.append(t)
+def _prefill_start(run: _Run) -> np.ndarray | None:
+    """Restore the prefix cache's longest match of the prompt; the last token's logits if it covers all."""
+    s, ids, pc = run.s, run.ids, run.pc
+    run.base = s.position
+    run.points = tuple(sorted({run.base + int(p) for p in run.cache_points if 0 < int(p) < len(ids)}))
+    if pc is not None and run.base == 0:
+        e = pc.lookup(ids)
+        if e is not None:
+            s.restore(e.snapshot)
+            run.cached = len(e.tokens)
+            if run.cached == len(ids):
+                _prefill_end(run, e.logits)
+                return e.logits
+    return None
+
+
+def _prefill_piece(run: _Run, budget: int | None = None) -> tuple[int, np.ndarray | None]:
+    """The next piece of the prompt: up to the next chunk boundary or snapshot point, and at most `budget`
+    tokens. Returns (tokens prefilled, the last token's logits when the prompt is done, else None)."""
+    model, s, ids, pc, spec = run.model, run.s, run.ids, run.pc, run.spec
+    chunk = pc.chunk_tokens if pc is not None else 2048
+    base, pos = run.base, s.position
+    end = base + len(ids)
+    nxt = min(end, (pos // chunk + 1) * chunk)
+    for p in run.points:
+        if pos < p < nxt:
+            nxt = p
+            break
+    if budget is not None:
+        nxt = min(nxt, pos + max(int(budget), 1))
+    last = nxt == end
+    chunk_ids, want = ids[pos - base:nxt - base], "last" if last else "none"
+    # a drafter that takes hidden states (the MTP head) gets the prompt's too
+    out = spec.prefill(chunk_ids, want) if spec is not None else model.prefill(s, chunk_ids, want)
+    if last:
+        _prefill_end(run, out)
+        return nxt - pos, out
+    if pc is not None and s.nbytes <= pc.max_bytes:
+        if nxt in run.points:
+            pc.put(s.tokens, s.snapshot(), kind="point")
+        elif nxt % chunk == 0 and _keep_boundary(nxt // chunk, (end - 1) // chunk):
+            pc.put(s.tokens, s.snapshot(), kind="chunk")
+    return nxt - pos, None
+
+
+def _prefill_end(run: _Run, logits: np.ndarray) -> None:
+    pc, s = run.pc, run.s
+    if pc is not None and run.cached < len(run.ids) and s.nbytes <= pc.max_bytes:
+        pc.put(s.tokens, s.snapshot(), logits=logits, kind="prompt")
+    run.t1 = time.perf_counter()
+
+
+class _Tokens:
+    """A generation's tokens becoming text: each sampled token is detokenized and checked against the stop
+    ids, the stop strings (`StopStringMatcher`), max_tokens and the session's context."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+        tok = run.model.tokenizer
+        self.decoder = tok.stream_decoder(run.o.skip_special_tokens) if tok is not None else None
+        self.matcher = StopStringMatcher(list(run.o.stop))
+        self.generated: list = []
+        self.context = list(run.s.tokens)
+
+    def sample(self, logits: np.ndarray) -> SampleResult:
+        """The next token from `logits` on the host (penalties see the context and the generated tokens)."""
+        run = self.run
+        return run.sampler.sample(logits, run.vocab, context=self.context, generated=self.generated,
+                                  logprobs=run.o.logprobs, top_logprobs=run.o.top_logprobs)
+
+    def take(self, t: int, position: int) -> tuple[str, str | None, str | int | None]:
+        """Token `t` was sampled with the session at `position`: (its text, the finish reason or None, the
+        stop string or id that ended the generation)."""
+        run, decoder, matcher = self.run, self.decoder, self.matcher
+        self.generated.append(t)
+        self.context.append(t)
         reason = hit = None
         if t in run.stop_ids:
             reason, hit, text = "stop", t, ""
@@ -297,13 +339,37 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
             if hit is not None:
                 reason = "stop"
         if reason is None:
-            if n + 1 == o.max_tokens:
+            if len(self.generated) == run.o.max_tokens:
                 reason = "length"
-            elif (spec.position() if spec is not None else s.position) + 1 > s.max_context:
+            elif position + 1 > run.s.max_context:
                 reason = "context"
             if reason is not None and decoder is not None:
                 more, hit = matcher.push(decoder.flush())
                 text += more + ("" if hit is not None else matcher.flush())
+        return text, reason, hit
+
+
+def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
+    """Sample, detokenize and stop, token by token: from the logits (host sampling), the pipelined GPU loop,
+    or a speculative round's verified rows."""
+    model, s, sampler, o, spec = run.model, run.s, run.sampler, run.o, run.spec
+    want_logprobs, top_n = o.logprobs, o.top_logprobs
+    gpu = _GpuDecode(run) if spec is None and _gpu_decodable(run) else None
+    toks = _Tokens(run)
+    pending: list = []                # (result, in the state, its logits): decided by the last verification
+    accepted = 0                      # drafts the model agreed with in the open round
+    for n in range(o.max_tokens):
+        if run.cancelled:
+            return
+        in_state, row = False, logits     # row: the logits the token comes from
+        if pending:                       # decided by the last verification
+            r, in_state, row = pending.pop(0)
+        elif gpu is not None and n > 0:   # sampled on the GPU by the pipelined decode loop
+            r = SampleResult(gpu.next(n), None, None)
+        else:
+            r = toks.sample(logits)
+        t = r.token
+        text, reason, hit = toks.take(t, spec.position() if spec is not None else s.position)
         lp, top = r.logprob, r.top_logprobs
         if reason is None:
             if gpu is not None:
@@ -312,9 +378,9 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
                 spec.fed()                # an accepted draft: already in the state
             elif spec is not None:
                 spec.end_round(accepted)
-                rows, drafts = spec.step(t, context, o.max_tokens - n - 1)
+                rows, drafts = spec.step(t, toks.context, o.max_tokens - n - 1)
                 accepted, logits = 0, rows[0]
-                ctx, gen = list(context), list(generated)
+                ctx, gen = list(toks.context), list(toks.generated)
                 for i, d in enumerate(drafts):     # the model's token at each drafted position
                     ri, ok = sampler.verify_draft(rows[i], d, run.vocab, context=ctx, generated=gen,
                                                   logprobs=want_logprobs, top_logprobs=top_n)
@@ -333,13 +399,77 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
         if spec is not None:
             spec.close()                  # the session keeps what plain decoding would have fed
             logits = row
-        stats = run.stats(len(generated), reason)
-        if gpu is not None:
-            logits = None                 # the GPU path reads no logits back: the turn is kept without them
-        if pc is not None and len(generated) > 1 and s.nbytes <= pc.max_bytes:
-            pc.put(s.tokens, s.snapshot(), logits=logits, kind="turn")
+        # the GPU path reads no logits back: the turn is kept without them
+        stats = run.finish(len(toks.generated), reason, None if gpu is not None else logits)
         yield GenerationOutput(t, text, n, reason, stats, lp, top, hit)
         return
+
+
+class Generation:
+    """One generation stepped from outside (`prepare`; the scheduler in `qwenmetal.batching` runs many):
+    `prefill(budget)` until it returns True, then `first()` and `feed(logits)` per decode step, each giving a
+    `GenerationOutput` (the last one has `finish_reason` and `stats`); `next_token` is what the next decode
+    step must run on the session. Host sampling with the generation's own sampler, so a seeded generation
+    gives what `Model.generate` gives alone on the host path."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+        self.session = run.s
+        self.next_token: int | None = None    # to be fed to the session next (None: prefilling or done)
+        self.done = False
+        self._logits = None
+        self._toks: _Tokens | None = None
+        self._started = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.run.cancelled
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.run.ids)
+
+    def prefill(self, budget: int | None = None) -> int:
+        """Prefill the next piece of the prompt (at most `budget` tokens, within the prefix cache's chunk
+        boundaries): the tokens it ran (0 when the prefix cache held the whole prompt). `prefilled` says
+        when the prompt is done."""
+        run = self.run
+        if not self._started:
+            self._started = True
+            run.model.reset_expert_stats()
+            run.t0 = time.perf_counter()
+            self._logits = _prefill_start(run)
+            if self._logits is not None:
+                return 0
+        if self._logits is not None:
+            return 0
+        n, self._logits = _prefill_piece(run, budget)
+        return n
+
+    @property
+    def prefilled(self) -> bool:
+        return self._logits is not None
+
+    def first(self) -> GenerationOutput:
+        """The first generated token, from the prompt's last logits."""
+        run = self.run
+        run.counters = run.model.expert_counters()
+        self._toks = _Tokens(run)
+        return self.feed(self._logits)
+
+    def feed(self, logits: np.ndarray) -> GenerationOutput:
+        """The next token from the logits the session's last step gave."""
+        toks, s = self._toks, self.run.s
+        r = toks.sample(logits)
+        t = r.token
+        n = len(toks.generated)
+        text, reason, hit = toks.take(t, s.position)
+        if reason is None:
+            self.next_token = t
+            return GenerationOutput(t, text, n, logprob=r.logprob, top_logprobs=r.top_logprobs)
+        self.next_token, self.done = None, True
+        stats = self.run.finish(len(toks.generated), reason, logits)
+        return GenerationOutput(t, text, n, reason, stats, r.logprob, r.top_logprobs, hit)
 
 
 def _gpu_decodable(run: _Run) -> bool:

@@ -341,6 +341,12 @@ class ModelBase:
         self.check_session(session)
         return self._backend.decode(session._state, first, n, consumed=session._tokens, **sampling)
 
+    @property
+    def max_batch_rows(self) -> int | None:
+        """The most sessions one `decode_batch` call runs at once in a shared forward (cpu: 32; metal with
+        resident experts: its verification rows), None where the backend runs rows one by one."""
+        return getattr(self._backend, "max_batch_rows", None)
+
     def expert_counters(self) -> dict | None:
         """The expert cache's raw counters since `reset_expert_stats` (backends that can stream experts),
         else None; `qwenmetal.expert_streaming.expert_stats` summarises them."""
@@ -384,6 +390,58 @@ def _read_json(path: str) -> dict:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON: {e}") from None
     return d if isinstance(d, dict) else {}
+
+
+# ---- many sessions at once: one decode step each ---------------------------------------------------
+def decode_batch(model: ModelBase, sessions: Sequence[Session], token_ids: Sequence[int]) -> np.ndarray:
+    """Append token_ids[i] to sessions[i] (distinct sessions of `model`), returning the float32 logits of the
+    next token for each ([n, vocab]). Row i is bit for bit what ``model.decode_step(sessions[i], token_ids[i])``
+    gives. All-or-nothing: a bad argument raises ValueError before anything changes, and a failure or an
+    interrupt during the step leaves every session as it was.
+
+    On the cpu backend, and in the Metal graph with resident experts, the rows run as one forward that reads
+    every weight once for all of them (the MoE reads the rows' union of experts once), each row keeping a
+    one-token step's arithmetic. Other backends (the reference, the oracle; Metal expert streaming) run the
+    rows one after another."""
+    sessions = list(sessions)
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError("token_ids must be integers, one per session")
+    ids = list(token_ids)
+    if not sessions:
+        raise ValueError("decode_batch needs at least one session")
+    if len(ids) != len(sessions):
+        raise ValueError(f"decode_batch: {len(sessions)} sessions but {len(ids)} token ids")
+    seen = set()
+    arr = np.empty(len(ids), np.int64)
+    for i, (s, t) in enumerate(zip(sessions, ids)):
+        model.check_session(s)
+        if id(s) in seen:
+            raise ValueError(f"decode_batch: sessions[{i}] appears twice")
+        seen.add(id(s))
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"decode_batch: token_ids[{i}] must be one integer token id, got {t!r}")
+        arr[i] = model.check_ids([int(t)], s)[0]
+    be = model._backend
+    limit = model.max_batch_rows
+    if limit is not None:
+        if len(sessions) > limit:
+            raise ValueError(f"decode_batch runs at most {limit} sessions at once on the {be.name} backend, "
+                             f"got {len(sessions)}")
+        return be.decode_batch([s._state for s in sessions], arr, [s._tokens for s in sessions])
+    # one session after another, every session's state kept until all of them are done
+    before = [(s._state.copy(), len(s._tokens)) for s in sessions]
+    rows = []
+    try:
+        for s, t in zip(sessions, arr):
+            _, out = be.forward(s._state, np.array([t]), "last", s._tokens)
+            rows.append(out)
+    except BaseException:
+        with sigint_deferred():
+            for s, (state, n) in zip(sessions, before):
+                s._state = state
+                del s._tokens[n:]
+        raise
+    return np.stack(rows)
 
 
 # ---- verification: several rows at once, and dropping a tail of them again --------------------------

@@ -188,6 +188,16 @@ nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle 
     return engine_run(pe, s, ids, "all", consumed, hidden, return_hidden, true);
 }
 
+// one decode step for each of the states (distinct), row i = ids[i]: logits [B, vocab], each row bit for bit
+// the state's own one-token forward
+nb::object engine_decode_batch(PyEngine& pe, nb::list states, In<int64_t, 1> ids, nb::handle consumed) {
+    const int64_t n = static_cast<int64_t>(ids.shape(0));
+    return bindings::batch_call<State>(states, ids.data(), n, size_t(pe.engine->config().vocab), consumed,
+                                       [&](State* const* st, float* dst) {
+                                           pe.engine->forward_batch(st, ids.data(), n, dst);
+                                       });
+}
+
 // back to the state after the first `keep` tokens of the chain of verify calls; the dropped tokens leave `consumed`
 // in the same call, so the session's tokens and state cannot part
 void engine_rewind(PyEngine& pe, State& s, int64_t keep, nb::handle consumed) {
@@ -509,6 +519,10 @@ void register_cpu_engine(nb::module_& m) {
              "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most 32 "
              "ids, and prefill_chunk), keeping what rewind() needs; consecutive verify() calls form one chain. "
              "Returns float32 logits [n, vocab].")
+        .def("decode_batch", &engine_decode_batch, "states"_a, "ids"_a, "consumed"_a = nb::none(),
+             "One decode step for each state (distinct): row i runs ids[i] on states[i] at its own position, the "
+             "weights read once for all rows; returns float32 logits [n, vocab], row i bit for bit states[i]'s own "
+             "one-token forward. All-or-nothing for every state; ids[i] is appended to consumed[i].")
         .def("rewind", &engine_rewind, "state"_a, "keep"_a, "consumed"_a = nb::none(),
              "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them, bit for "
              "bit what one-token calls of those leave; the other n - keep ids leave the end of `consumed`.")

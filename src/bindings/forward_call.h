@@ -82,6 +82,32 @@ nanobind::object forward_call(const int64_t* ids, int64_t n, size_t vocab, const
     return out;
 }
 
+// A batched step over B sessions: `states` (a list of B engine states, cast to S*), `consumed` None or a
+// list of B session token lists; run(S* const* states, float* dst [B, vocab]) runs with the GIL released,
+// then ids[r] is appended to consumed[r]. Everything is checked before the compute.
+template <class S, class Run>
+nanobind::object batch_call(nanobind::list states, const int64_t* ids, int64_t n, size_t vocab,
+                            nanobind::handle consumed, Run&& run) {
+    if (int64_t(nanobind::len(states)) != n)
+        throw std::invalid_argument("decode_batch: " + std::to_string(nanobind::len(states)) + " states for " +
+                                    std::to_string(n) + " ids");
+    std::vector<S*> ptrs;
+    for (nanobind::handle h : states) ptrs.push_back(&nanobind::cast<S&>(h));
+    std::vector<Consumed> sinks;
+    if (!consumed.is_none()) {
+        if (!PyList_Check(consumed.ptr()) || PyList_GET_SIZE(consumed.ptr()) != n)
+            throw nanobind::type_error("consumed must be None or a list of one token list per state");
+        for (int64_t r = 0; r < n; ++r) sinks.emplace_back(nanobind::handle(PyList_GET_ITEM(consumed.ptr(), r)));
+    }
+    auto arr = new_array({size_t(n > 0 ? n : 0), vocab});
+    {
+        nanobind::gil_scoped_release release;
+        run(ptrs.data(), arr.data());
+    }
+    for (size_t r = 0; r < sinks.size(); ++r) sinks[r].append(ids + r, 1);
+    return nanobind::cast(arr);
+}
+
 // rewind(): run() rolls the state back by `drop` tokens, which leave the session's token list `consumed`
 // (or None) in the same call, so the tokens and the state cannot part; the list is checked first
 template <class Run>

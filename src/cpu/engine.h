@@ -33,7 +33,7 @@ struct TensorDesc {
     size_t stride = 0, sstride = 0;     // bytes between matrices along a leading (expert) axis
 };
 
-// the most tokens of one speculative call (Engine::forward)
+// the most rows of one speculative call (Engine::forward) or one batched step (Engine::forward_batch)
 constexpr int64_t kMaxSpeculativeRows = 32;
 
 struct Options {
@@ -178,6 +178,11 @@ public:
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
                  bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr,
                  bool hidden_all = false);
+    // One decode step for each of B (1..32, at most prefill_chunk) distinct states: row i runs ids[i] on
+    // *states[i] at its own position, sharing every weight read with the other rows (the MoE reads the rows'
+    // union of experts once); logits [B, vocab]. Row i's logits and state are bit for bit those of a one-token
+    // forward() on states[i] alone. All-or-nothing for every state; each state's speculative chain ends.
+    void forward_batch(State* const* states, const int64_t* ids, int64_t B, float* logits);
     // built from tensors holding "fc", "pre_fc_norm_embedding" and "pre_fc_norm_hidden": an MTP head,
     // x = fc([RMSNorm_e(embed(id)); RMSNorm_h(hidden)]) (embedding first) before its layers
     bool is_mtp_head() const { return mtp_; }
@@ -199,8 +204,10 @@ public:
 private:
     void check_state(const State& s) const;
     void reserve_scratch(int64_t L, int64_t T_end, bool speculative);
+    // batch (forward_batch): row i is the one-token call on *batch[i] (L rows, `s` unused), else L tokens on s
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                       bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all);
+                       bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
+                       State* const* batch = nullptr);
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);
     WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,

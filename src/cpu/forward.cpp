@@ -162,6 +162,58 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
     tokens_ += n;
 }
 
+// One decode step for each of B sequences: row i is ids[i] on *states[i], at that state's position. The
+// weights are read once for all rows (the GEMV over the rows, the MoE's union of experts), and every row
+// keeps a one-token call's arithmetic (as a speculative row does), so its logits and its state are bit for
+// bit those of forward(*states[i], &ids[i], 1, want 1). All-or-nothing for every state, as forward().
+void Engine::forward_batch(State* const* states, const int64_t* ids, int64_t B, float* logits) {
+    if (mtp_) throw std::invalid_argument("cpu engine: an MTP head takes no batched steps");
+    const int64_t max_rows = std::min<int64_t>(opt_.prefill_chunk, kMaxSpeculativeRows);
+    if (B < 1 || B > max_rows)
+        throw std::invalid_argument("cpu engine: a batched step takes 1.." + std::to_string(max_rows) +
+                                    " rows (32, and at most prefill_chunk), got " + std::to_string(B));
+    int64_t T = 0;
+    for (int64_t i = 0; i < B; ++i) {
+        if (states[i] == nullptr) throw std::invalid_argument("cpu engine: a batched step's state is missing");
+        check_state(*states[i]);
+        for (int64_t j = 0; j < i; ++j)
+            if (states[j] == states[i])
+                throw std::invalid_argument("cpu engine: a state appears twice in one batched step (rows " +
+                                            std::to_string(j) + " and " + std::to_string(i) + ")");
+        if (ids[i] < 0 || ids[i] >= cfg_.vocab)
+            throw std::invalid_argument("cpu engine: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+        T = std::max(T, states[i]->position + 1);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    const FlushDenormals ftz;
+    for (int64_t i = 0; i < B; ++i) states[i]->reserve(states[i]->position + 1);   // KV growth only
+    reserve_scratch(B, T, true);                     // the speculative sizes: one-token attention, B GEMV rows
+    ws_.gemv_rows = std::max(B, kGemvMaxRows);
+    const size_t conv = size_t(states[0]->conv_floats()), ssm = size_t(states[0]->ssm_floats());
+    const size_t n_gdn = size_t(states[0]->n_gdn()), per = n_gdn * (conv + ssm);
+    if (cache_) {                                    // an expert read can fail mid-step: keep a way back
+        saved_.resize(size_t(B) * per);
+        for (int64_t r = 0; r < B; ++r)
+            for (size_t i = 0; i < n_gdn; ++i) {
+                std::copy_n(states[r]->conv(i), conv, saved_.data() + r * per + i * (conv + ssm));
+                std::copy_n(states[r]->ssm(i), ssm, saved_.data() + r * per + i * (conv + ssm) + conv);
+            }
+    }
+    // ---- nothing below can throw but an expert read: the positions move only at the end ----
+    for (int64_t r = 0; r < B; ++r) states[r]->rewind_.n = 0;   // any call but verify ends a chain
+    try {
+        forward_chunk(*states[0], ids, B, true, false, logits, false, nullptr, nullptr, false, states);
+    } catch (...) {
+        for (int64_t r = 0; r < B; ++r)
+            for (size_t i = 0; i < n_gdn; ++i) {
+                std::copy_n(saved_.data() + r * per + i * (conv + ssm), conv, states[r]->conv(i));
+                std::copy_n(saved_.data() + r * per + i * (conv + ssm) + conv, ssm, states[r]->ssm(i));
+            }
+        throw;
+    }
+    tokens_ += B;
+}
+
 void Engine::rewind(State& s, int64_t keep) {
     check_state(s);
     State::Rewind& rw = s.rewind_;
@@ -211,11 +263,13 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
 }
 
 void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
-                           bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all) {
+                           bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
+                           State* const* batch) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
     const int64_t H = c.hidden, pos0 = s.position;
+    // row i's state: its own (a batched step: one token per state) or the call's
     float* x = x_.data();
     float* xn = xn_.data();
 
@@ -247,14 +301,24 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
             LinearOut proj[3] = {{&A.q, qg, d.q_row, false}, {&A.k, kb, kvd, false}, {&A.v, vb, kvd, false}};
             linear(pool, ws_, xn, L, H, proj, 3);
             const size_t ai = static_cast<size_t>(attn_index_[li]);
-            const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
-            attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
-                                  inv_freq_.data(), cache);
-            if (speculative)                           // row i as the one-token call at position pos0 + i
-                for (int64_t i = 0; i < L; ++i)
-                    attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, pos0 + i, cache, ob + i * od, od);
-            else
-                attention(pool, ws_, shared_.data(), d, qg, L, pos0, cache, ob, od);
+            if (batch) {                               // row i: the one-token call on its own state
+                for (int64_t i = 0; i < L; ++i) {
+                    const State& si = *batch[i];
+                    const KVCacheView ci{si.k(ai), si.v(ai), si.kv_f32()};
+                    attn_qk_rope_kv_write(d, qg + i * d.q_row, kb + i * kvd, kvd, vb + i * kvd, kvd, 1, si.position,
+                                          A.q_norm.data(), A.k_norm.data(), inv_freq_.data(), ci);
+                    attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, si.position, ci, ob + i * od, od);
+                }
+            } else {
+                const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
+                attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
+                                      inv_freq_.data(), cache);
+                if (speculative)                       // row i as the one-token call at position pos0 + i
+                    for (int64_t i = 0; i < L; ++i)
+                        attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, pos0 + i, cache, ob + i * od, od);
+                else
+                    attention(pool, ws_, shared_.data(), d, qg, L, pos0, cache, ob, od);
+            }
             if (c.attn_output_gate)
                 for (int64_t i = 0; i < L; ++i)
                     for (int64_t h = 0; h < c.n_heads; ++h) {
@@ -289,7 +353,12 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
                 if (chain_start) std::copy_n(s.conv(gi), s.conv_floats(), rw.conv.data() + gi * size_t(s.conv_floats()));
                 std::copy_n(qkv, L * cd, rw.raw.data() + gi * rw_rows + at_rows);
             }
-            gdn_conv_silu(pool, qkv, cd, L, cd, c.conv_kernel, G.conv_t.data(), s.conv(gi), act, cd);
+            if (batch)                                 // row i: one conv step on its own state
+                for (int64_t i = 0; i < L; ++i)
+                    gdn_conv_silu(pool, qkv + i * cd, cd, 1, cd, c.conv_kernel, G.conv_t.data(), batch[i]->conv(gi),
+                                  act + i * cd, cd);
+            else
+                gdn_conv_silu(pool, qkv, cd, L, cd, c.conv_kernel, G.conv_t.data(), s.conv(gi), act, cd);
             const GdnDims gd{c.nk, nv, c.dk, c.dv, 1e-6f};
             for (int64_t i = 0; i < L; ++i)
                 gdn_prepare_token(gd, act + i * cd, bb + i * nv, aa + i * nv, G.A_neg_exp.data(), G.dt_bias.data(),
@@ -302,24 +371,36 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
             float* o = qkv;                            // [L][value_dim] (qkv is consumed)
             float* S = s.ssm(gi);
             const int64_t rep = nv / c.nk, kd = c.key_dim();
-            pool.run(nv, [&](int64_t h, int th) {     // one task per value head
-                const int64_t kh = h / rep;
-                const float* q = act + kh * c.dk;
-                const float* k = act + kd + kh * c.dk;
-                const float* v = act + 2 * kd + h * c.dv;
-                float* Sh = S + h * c.dv * c.dk;
-                if (speculative && chain_start)        // the recurrent state before (this head's part)
-                    std::copy_n(Sh, c.dv * c.dk, rw.ssm.data() + gi * size_t(s.ssm_floats()) + h * c.dv * c.dk);
-                if (L == 1 || speculative)
-                    gdn_recurrent_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv);
-                else
-                    gdn_chunked_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv,
-                                     ws_.t(th));
-                for (int64_t i = 0; i < L; ++i) {
+            if (batch) {                               // one task per (row, value head): the decode step
+                pool.run(L * nv, [&](int64_t task, int) {
+                    const int64_t i = task / nv, h = task % nv, kh = h / rep;
+                    const float* a = act + i * cd;
                     float* oh = o + i * vd + h * c.dv;
+                    gdn_recurrent_head(kk, batch[i]->ssm(gi) + h * c.dv * c.dk, 1, a + kh * c.dk, a + kd + kh * c.dk,
+                                       a + 2 * kd + h * c.dv, cd, beta + i * nv + h, g + i * nv + h, nv, oh, vd, c.dk,
+                                       c.dv);
                     gated_rms_norm(oh, z + i * vd + h * c.dv, G.norm.data(), c.eps, oh, c.dv);
-                }
-            });
+                });
+            } else {
+                pool.run(nv, [&](int64_t h, int th) {     // one task per value head
+                    const int64_t kh = h / rep;
+                    const float* q = act + kh * c.dk;
+                    const float* k = act + kd + kh * c.dk;
+                    const float* v = act + 2 * kd + h * c.dv;
+                    float* Sh = S + h * c.dv * c.dk;
+                    if (speculative && chain_start)        // the recurrent state before (this head's part)
+                        std::copy_n(Sh, c.dv * c.dk, rw.ssm.data() + gi * size_t(s.ssm_floats()) + h * c.dv * c.dk);
+                    if (L == 1 || speculative)
+                        gdn_recurrent_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv);
+                    else
+                        gdn_chunked_head(kk, Sh, L, q, k, v, cd, beta + h, g + h, nv, o + h * c.dv, vd, c.dk, c.dv,
+                                         ws_.t(th));
+                    for (int64_t i = 0; i < L; ++i) {
+                        float* oh = o + i * vd + h * c.dv;
+                        gated_rms_norm(oh, z + i * vd + h * c.dv, G.norm.data(), c.eps, oh, c.dv);
+                    }
+                });
+            }
             LinearOut out = {&G.out, x, H, true};      // x += out_proj(y)
             linear(pool, ws_, o, L, vd, &out, 1);
         }
@@ -361,7 +442,10 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
         lm_head(xn, 1, logits);
         if (hidden_out) std::copy_n(xn, H, hidden_out);
     }
-    s.position += L;
+    if (batch)
+        for (int64_t i = 0; i < L; ++i) batch[i]->position += 1;
+    else
+        s.position += L;
 }
 
 }  // namespace qwenmetal

@@ -186,6 +186,17 @@ class CpuBackend(EngineBackend):
         return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
                                   return_hidden=1 if return_hidden else 0)
 
+    @property
+    def max_batch_rows(self) -> int:
+        """The most rows of one `decode_batch` (the MoE decode path's limit, and at most `prefill_chunk`)."""
+        return min(32, self.prefill_chunk)
+
+    def decode_batch(self, states: list, ids: np.ndarray, consumed: list | None = None) -> np.ndarray:
+        """One decode step for each state (distinct), row i running ids[i] on states[i] at its own position:
+        logits [n, vocab], row i bit for bit states[i]'s own one-token `forward`; the weights are read once
+        for all rows. All-or-nothing for every state; ids[i] is appended to consumed[i]."""
+        return self.engine.decode_batch(list(states), np.ascontiguousarray(ids, dtype=np.int64), consumed)
+
     def forward_hidden(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
         """`forward` that also returns every row's final-normed hidden state: (logits or None, [n, hidden]),
         for an MTP head's cache over a prompt."""

@@ -269,7 +269,7 @@ def _prefill_start(run: _Run) -> np.ndarray | None:
 
 def _prefill_piece(run: _Run, budget: int | None = None) -> tuple[int, np.ndarray | None]:
     """The next piece of the prompt: up to the next chunk boundary or snapshot point, and at most `budget`
-    tokens. Returns (tokens prefilled, the last token's logits when the prompt is done, else None)."""
+    tokens, rounded to the backend's prefill chunks (at least one; `ModelBase.prefill_granule`). Returns (tokens prefilled, the last token's logits when the prompt is done, else None)."""
     model, s, ids, pc, spec = run.model, run.s, run.ids, run.pc, run.spec
     chunk = pc.chunk_tokens if pc is not None else 2048
     base, pos = run.base, s.position
@@ -279,8 +279,9 @@ def _prefill_piece(run: _Run, budget: int | None = None) -> tuple[int, np.ndarra
         if pos < p < nxt:
             nxt = p
             break
-    if budget is not None:
-        nxt = min(nxt, pos + max(int(budget), 1))
+    g = model.prefill_granule
+    if budget is not None and g:              # pieces end where the backend's own chunks end: exact
+        nxt = min(nxt, max((pos + int(budget)) // g * g, (pos // g + 1) * g))
     last = nxt == end
     chunk_ids, want = ids[pos - base:nxt - base], "last" if last else "none"
     # a drafter that takes hidden states (the MTP head) gets the prompt's too

@@ -16,7 +16,7 @@ import threading
 from html import escape
 from typing import Iterator, Sequence
 
-from . import generation
+from . import batching, generation
 from .backends import backend_factory
 from .chat import ChatResponse, chat_turn
 from .config import ModelConfig
@@ -127,6 +127,32 @@ class Model(ModelBase):
         return generation.generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
                         cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
                         speculative_k=speculative_k)
+
+    def generate_batch(self, prompts: Sequence, max_tokens: int | None = None, *,
+                       options: GenerationOptions | Sequence[GenerationOptions] | None = None,
+                       max_rows: int | None = None, step_tokens: int = batching.DEFAULT_STEP_TOKENS,
+                       cache: bool = True, cancel: threading.Event | None = None,
+                       **option_kwargs) -> Iterator[tuple[int, GenerationOutput]]:
+        """Generate for several prompts at once: yields ``(index, GenerationOutput)`` for each prompt's outputs
+        as they come (each prompt's last output has `finish_reason` and `stats`).
+
+        The options are `generate`'s (max_tokens, temperature, ..., seed, stop, logprobs; see
+        `qm.GenerationOptions`): keywords apply to every prompt; `options=` is one `GenerationOptions` or one
+        per prompt (keywords given too replace their fields). Every prompt's output is what `generate` gives
+        for it alone on the host path (greedy and seeded sampling: the same tokens). Up to `max_rows` prompts
+        (default: the backend's limit, 32 on cpu) decode together, one token each per step, in one forward
+        that reads the weights once for all of them; the others wait for a free row. New prompts are prefilled
+        in pieces between decode steps, at most `step_tokens` tokens per step. Speculative decoding is
+        single-stream only (`generate`). See `qwenmetal.batching` and docs/usage.md."""
+        prompts = list(prompts)
+        if option_kwargs or max_tokens is not None:
+            extra = dict(option_kwargs, **({} if max_tokens is None else {"max_tokens": max_tokens}))
+            if options is None or isinstance(options, GenerationOptions):
+                options = GenerationOptions.build(options, **extra)
+            else:
+                options = [GenerationOptions.build(o, **extra) for o in options]
+        return batching.generate_batch(self, prompts, options, max_rows=max_rows, step_tokens=step_tokens,
+                                       cache=cache, cancel=cancel)
 
     def chat_prompt(self, messages: Sequence[dict], *, tools: list | None = None,
                     enable_thinking: bool | None = None, **template_kwargs) -> tuple[list, int, str]:

@@ -342,6 +342,15 @@ class ModelBase:
         return self._backend.decode(session._state, first, n, consumed=session._tokens, **sampling)
 
     @property
+    def prefill_granule(self) -> int | None:
+        """The chunk the backend computes a prompt in (cpu and metal: their ``prefill_chunk``): a prompt
+        prefilled in pieces that end at multiples of it is bit for bit the prompt prefilled at once. None for
+        the reference, whose prompt is prefilled at once to stay exact."""
+        if self._backend.name == "reference":
+            return None
+        return getattr(self._backend, "prefill_chunk", None)
+
+    @property
     def max_batch_rows(self) -> int | None:
         """The most sessions one `decode_batch` call runs at once in a shared forward (cpu: 32; metal with
         resident experts: its verification rows), None where the backend runs rows one by one."""

@@ -6,7 +6,6 @@ import threading
 
 import numpy as np
 import pytest
-
 import qwenmetal as qm
 from qwenmetal import session as ses
 from qwenmetal.batching import Batcher

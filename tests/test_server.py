@@ -358,16 +358,25 @@ def cpu_model():
 
 
 class _Counted:
-    """Wraps a model's decode_step (sleeping `delay` per step) and generate, counting calls."""
+    """Wraps a model's decode_step and its backend's batched step (sleeping `delay` per step) and generate,
+    counting calls; `rows` holds each batched step's row count."""
 
     def __init__(self, model, delay):
         self.model, self.delay, self.steps, self.generations = model, delay, 0, 0
         self._decode, self._generate = model.decode_step, model.generate
+        self._batch = model._backend.decode_batch
+        self.rows: list = []
 
     def decode_step(self, s, t):
         self.steps += 1
         time.sleep(self.delay)
         return self._decode(s, t)
+
+    def decode_batch(self, states, ids, consumed=None):
+        self.steps += 1
+        self.rows.append(len(ids))
+        time.sleep(self.delay)
+        return self._batch(states, ids, consumed)
 
     def generate(self, *a, **kw):
         self.generations += 1
@@ -385,6 +394,7 @@ def live(cpu_model, monkeypatch):
     def start(delay=0.0, graceful_timeout=5.0, **opts):
         c = _Counted(cpu_model, delay)
         monkeypatch.setattr(cpu_model, "decode_step", c.decode_step)
+        monkeypatch.setattr(cpu_model._backend, "decode_batch", c.decode_batch)
         monkeypatch.setattr(cpu_model, "generate", c.generate)
         port = _free_port()
         srv = uvicorn_server(create_app(cpu_model, model_name=NAME, **opts), "127.0.0.1", port,
@@ -430,9 +440,9 @@ def _until(pred, what, timeout=20.0):
 LONG = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_stops_the_generation_within_one_decode_step(live, stream):
-    base, c, _ = live(delay=0.1)
+@pytest.mark.parametrize("stream,parallel", [(True, 1), (False, 1), (True, 3)])
+def test_disconnect_stops_the_generation_within_one_decode_step(live, stream, parallel):
+    base, c, _ = live(delay=0.1, parallel=parallel)
     s = _raw(base, "/v1/completions", dict(LONG, stream=stream))
     if stream:
         got = b""
@@ -550,11 +560,11 @@ def test_a_full_queue_answers_503_with_retry_after(live):
     b.close()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
+@pytest.mark.parametrize("stream,parallel", [(False, 1), (True, 1), (False, 3)])
+def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream, parallel):
     import openai
 
-    base, c, _ = live(delay=0.1, request_timeout=1.0)
+    base, c, _ = live(delay=0.1, request_timeout=1.0, parallel=parallel)
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30)
     t0 = time.monotonic()
     args = dict(model=NAME, prompt="Once upon a time", max_tokens=400, temperature=0,
@@ -579,6 +589,71 @@ def test_the_time_limit_ends_a_generation_with_what_it_made(live, stream):
     assert text == want
     h = _health(base)
     assert h["timed_out"] == 1 and h["cancelled"] == 0 and h["completed"] == 0
+
+
+def test_batched_requests_get_the_answers_they_get_alone(live, cpu_model):
+    """Four concurrent clients on a server batching 4 at once, streaming and not, greedy and seeded sampling
+    with stop strings: each gets what the model generates for it alone, and they ran together."""
+    import openai
+
+    base, c, _ = live(delay=0.02, parallel=4)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    reqs = [dict(prompt="Once upon a time", max_tokens=40, temperature=0),
+            dict(prompt="The quick brown fox", max_tokens=30, temperature=0.9, seed=11),
+            dict(prompt="1, 2, 3, 4,", max_tokens=35, temperature=0.7, seed=3, stop=["e"]),
+            dict(prompt="Hello there, how are", max_tokens=25, temperature=0)]
+    want = []
+    for r in reqs:
+        kw = {k: v for k, v in r.items() if k != "prompt"}
+        want.append("".join(o.text for o in c._generate(r["prompt"], ignore_eos=True, cache=False, **kw)))
+    got, errors = [None] * 4, []
+
+    def run(i):
+        try:
+            args = dict(model=NAME, extra_body={"ignore_eos": True}, **reqs[i])
+            if i % 2:
+                got[i] = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **args))
+            else:
+                got[i] = client.completions.create(**args).choices[0].text
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and got == want
+    assert max(c.rows) >= 2                              # rows shared decode steps
+    h = _health(base)
+    assert h["parallel"] == 4 and h["completed"] == 4 and h["active_rows"] == 0
+    assert 0 < h["batch_occupancy"] <= 1
+
+
+def test_a_disconnect_removes_only_its_row(live):
+    """Two long generations batched together; one client leaves: its row is gone by the next step but one,
+    and the other generation goes on to its end with the text it gets alone."""
+    import openai
+
+    base, c, _ = live(delay=0.05, parallel=3)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    args = dict(model=NAME, prompt="The quick brown fox", max_tokens=60, temperature=0,
+                extra_body={"ignore_eos": True})
+    want = "".join(o.text for o in c._generate(args["prompt"], max_tokens=60, temperature=0, ignore_eos=True,
+                                                 cache=False))
+    result = {}
+    th = threading.Thread(target=lambda: result.update(text=client.completions.create(**args).choices[0].text))
+    th.start()
+    s = _raw(base, "/v1/completions", dict(LONG, stream=True))
+    _until(lambda: c.rows.count(2) >= 4, "both rows decoding together")
+    s.close()
+    _until(lambda: _health(base)["cancelled"] == 1, "the cancellation")
+    at = len(c.rows)
+    th.join(60)
+    assert result["text"] == want
+    assert all(r == 1 for r in c.rows[at + 1:])           # the step running at the hang-up may have had 2 rows
+    h = _health(base)
+    assert h["completed"] == 1 and h["failed"] == 0
 
 
 def test_chat_without_max_tokens_gets_the_default_budget(live, capsys):
@@ -621,6 +696,12 @@ def test_bad_server_options_raise(cpu_model):
         create_app(cpu_model, request_timeout=-1)
     with pytest.raises(ValueError, match="max_queue"):
         create_app(cpu_model, max_queue=-1)
+    with pytest.raises(ValueError, match="parallel must be a positive integer"):
+        create_app(cpu_model, parallel=0)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        create_app(cpu_model, parallel=33)
+    with pytest.raises(ValueError, match="single-stream"):
+        create_app(cpu_model, parallel=2, speculative="lookup")
 
 
 def test_shutdown_finishes_the_running_request_and_fails_the_queued_one(live):

@@ -1,10 +1,10 @@
 """Soak test of `qwenmetal serve`: a real server process on loopback, many concurrent clients, abuse mixed in.
 
-The server (``qwenmetal serve``, backend "cpu", the tiny fixture checkpoint, a small queue so that 503s
-happen) runs in its own process, so its RSS can be read from ``/proc/PID/status`` and "it never restarts"
+The server (``qwenmetal serve``, backend "cpu", the tiny fixture checkpoint, PARALLEL requests batched at
+once, a small queue so that 503s happen) runs in its own process, so its RSS can be read from ``/proc/PID/status`` and "it never restarts"
 means the same process answers from start to end. CLIENTS threads loop until the deadline, each request
-drawn at random from: the official ``openai`` client (chat and completions, streaming and not, greedy,
-answers compared with the same checkpoint run in this process), raw sockets sending malformed JSON,
+drawn at random from: the official ``openai`` client (chat and completions, streaming and not, greedy or
+seeded sampling, answers compared with the same checkpoint run alone in this process), raw sockets sending malformed JSON,
 truncated JSON, bodies cut short, bodies over ``--max-request-bytes``, prompts longer than the context, bad
 values, and clients that hang up mid-stream or while waiting. Well-formed requests refused with the
 documented 503 ``server_busy`` are retried after ``Retry-After``, as a client should.
@@ -35,7 +35,8 @@ from qwenmetal.testing import cached_checkpoint
 
 SECONDS = float(os.environ.get("QWENMETAL_SOAK_SECONDS", "60"))
 CLIENTS = 6
-MAX_QUEUE = 3                     # below CLIENTS, so that a full queue (503) happens
+PARALLEL = 3                      # requests generated at once, batched
+MAX_QUEUE = 1                     # PARALLEL + MAX_QUEUE below CLIENTS, so that a full queue (503) happens
 MAX_BODY = 64 * 1024
 CACHE_BYTES = 8 << 20             # a small prefix cache: filled during warm-up
 RSS_GROWTH_BOUND = 24 << 20       # bytes of RSS growth allowed after warm-up
@@ -95,6 +96,8 @@ def expected():
     for i, p in enumerate(PROMPTS):
         for b in BUDGETS:
             out["cmpl", i, b] = "".join(o.text for o in m.generate(p, max_tokens=b, temperature=0, ignore_eos=True))
+            out["seeded", i, b] = "".join(o.text for o in m.generate(p, max_tokens=b, temperature=0.9, seed=i + b,
+                                                                     ignore_eos=True))
     for i, msgs in enumerate(CHATS):
         for b in BUDGETS:
             r = m.chat(msgs, max_tokens=b, temperature=0)
@@ -157,13 +160,14 @@ def _client(soak: Soak, expected, seed: int, deadline: float):
                         got = (msg.content, (msg.model_extra or {}).get("reasoning_content"))
                         want = expected["chat", i, b]
                 else:
-                    args = dict(model=NAME, prompt=PROMPTS[i], max_tokens=b, temperature=0,
-                                extra_body={"ignore_eos": True})
+                    seeded = rng.random() < 0.5          # sampled with a seed: the answer it gets alone too
+                    args = dict(model=NAME, prompt=PROMPTS[i], max_tokens=b, temperature=0.9 if seeded else 0,
+                                seed=i + b if seeded else None, extra_body={"ignore_eos": True})
                     if stream:
                         got = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
                     else:
                         got = client.completions.create(**args).choices[0].text
-                    want = expected["cmpl", i, b]
+                    want = expected["seeded" if seeded else "cmpl", i, b]
             except openai.APIStatusError as e:
                 if e.status_code == 503 and (e.body or {}).get("code") == "server_busy":
                     soak.tally(kind + " (503, retried)", 503)
@@ -256,7 +260,8 @@ def test_soak(expected, tmp_path):
     require("uvicorn")
     httpx = require("httpx")
     with spawned_server(["--model", str(cached_checkpoint("tiny")), "--backend", "cpu", "--served-model-name",
-                         NAME, "--max-request-bytes", str(MAX_BODY), "--max-queue", str(MAX_QUEUE),
+                         NAME, "--parallel", str(PARALLEL), "--max-request-bytes", str(MAX_BODY),
+                         "--max-queue", str(MAX_QUEUE),
                          "--cache-bytes", str(CACHE_BYTES), "--log-level", "warning"],
                         tmp_path / "server.log") as (proc, base):
         port = int(base.rsplit(":", 1)[1])
@@ -314,7 +319,8 @@ def test_soak(expected, tmp_path):
         assert h["rejected"] >= soak.busy              # hang-ups may have been refused unseen too
         ran = h["completed"] + h["cancelled"]
         assert len(soak.latency) <= h["completed"] and ran <= soak.attempts - h["rejected"], (h, soak.attempts)
-        assert h["max_queued"] <= MAX_QUEUE
+        assert h["max_queued"] <= MAX_QUEUE and h["parallel"] == PARALLEL
+        assert max(x["active_rows"] for x in health) > 1, "no two requests ever ran together"
         assert rss_end - rss_warm < RSS_GROWTH_BOUND, figures
         # graceful stop
         t_stop = time.monotonic()

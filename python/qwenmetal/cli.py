@@ -493,13 +493,27 @@ def cmd_serve(args) -> int:
         model.use_disk_cache(args.cache_dir, None if args.cache_dir_bytes is None else int(args.cache_dir_bytes))
     name = args.served_model_name or (args.model if not os.path.isdir(args.model)
                                       else os.path.basename(os.path.normpath(args.model)))
-    print(f"serving {name!r} ({model.backend} backend) on http://{args.host}:{args.port}/v1"
-          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    spec = _speculative(args, model)
+    parallel = args.parallel if args.parallel is not None else _default_parallel(model, spec)
+    if spec and parallel > 1:
+        print("qwenmetal: error: speculative decoding is single-stream: use it with --parallel 1", file=sys.stderr)
+        return 2
+    print(f"serving {name!r} ({model.backend} backend, {parallel} request(s) at once) on "
+          f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
     server.serve(model, host=args.host, port=args.port, model_name=name, api_key=api_key,
           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
           max_queue=args.max_queue, request_timeout=args.request_timeout or None,
-          graceful_timeout=args.graceful_timeout, log_level=args.log_level, **_speculative(args, model))
+          graceful_timeout=args.graceful_timeout, log_level=args.log_level, parallel=parallel,
+          step_tokens=args.step_tokens, **spec)
     return 0
+
+
+def _default_parallel(model, spec: dict) -> int:
+    """--parallel when not given: 1 with speculative decoding (single-stream), else 4, at most the backend's
+    rows per batched step."""
+    if spec:
+        return 1
+    return min(4, model.max_batch_rows or 4)
 
 
 def _either(args, positional: str, option: str):
@@ -613,6 +627,12 @@ def main(argv=None) -> int:
                         f"{cache_dir('prompt-cache')}), so a restarted server continues conversations cached")
     p.add_argument("--cache-dir-bytes", type=bytes_arg, default=None, metavar="BYTES",
                    help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="requests generated at once, batched: one decode step runs all of them and reads the "
+                   "weights once (default: chosen from memory; 1 with --speculative, which is single-stream)")
+    p.add_argument("--step-tokens", type=int, default=server.DEFAULT_STEP_TOKENS, metavar="N",
+                   help="prompt tokens prefilled per batched step between decode steps (default "
+                   f"{server.DEFAULT_STEP_TOKENS}; rounded to the backend's prefill chunk)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_speculative_args(p)
     p.set_defaults(func=cmd_serve)

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server: ``qwenmetal serve`` (needs the ``server`` extra: starlette + uvicorn).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /health``. One model per server; generations run one at a
-time on a worker thread, in arrival order (`GenerationQueue`: bounded, a full queue answers 503 with
-``Retry-After``). A client that disconnects cancels its generation within one decode step (a queued one
-is dropped unrun) and the server goes on serving; a generation past the time limit ends with what it made;
+``"stream": true``), ``GET /v1/models``, ``GET /health``. One model per server; generations run on a worker
+thread, in arrival order (`GenerationQueue`: bounded, a full queue answers 503 with ``Retry-After``): with
+``parallel`` > 1 up to that many at once, batched (`qwenmetal.batching.Batcher`: one decode step for all
+of them per step, new prompts prefilled in pieces between steps), else one at a time. A client that
+disconnects cancels its generation within one decode step (a queued one is dropped unrun; the other rows
+go on) and the server goes on serving; a generation past the time limit ends with what it made;
 shutdown fails queued requests and lets the running one finish for a grace period. Both endpoints share
 one submit/stream/collect path (`respond`, with a `_Render` per endpoint). Errors are OpenAI-style:
 ``{"error": {"message", "type", "param", "code"}}``. The prefix cache makes follow-up turns cheap;
@@ -23,8 +25,10 @@ import threading
 import time
 import uuid
 
+from .batching import DEFAULT_STEP_TOKENS, Batcher
 from .chat import chat_turn, validate_messages
 from .errors import InputError
+from .generation import prepare
 from .options import GenerationOptions
 from .sampling import SAMPLING_KEYS
 
@@ -59,13 +63,16 @@ class APIError(Exception):
 # the request queue: one generation at a time
 # ---------------------------------------------------------------------------------------------------
 class _Job:
-    """One request's generation: `make(cancel)` starts it on the worker; its events go to `out` on the event loop:
-    ``("out", GenerationOutput)`` per token, then ``("end", reason, stats)`` (reason None: cancelled) or
-    ``("error", exception)``."""
+    """One request's generation: `make(cancel)` starts it on the worker (one at a time), `prepare(cancel)` makes
+    it a `Generation` for the batched worker; its events go to `out` on the event loop: ``("out",
+    GenerationOutput)`` per token, then ``("end", reason, stats)`` (reason None: cancelled) or ``("error",
+    exception)``."""
 
-    def __init__(self, make, n_prompt: int):
+    def __init__(self, make, n_prompt: int, prepare=None):
         self.make = make                      # (cancel: threading.Event) -> iterator of GenerationOutput
+        self.prepare = prepare                # (cancel: threading.Event) -> generation.Generation
         self.n_prompt = n_prompt
+        self.n_out = 0                        # outputs pushed so far
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()       # set: stop at the next decode step / prefill chunk
@@ -83,27 +90,34 @@ class _Job:
 
 
 class GenerationQueue:
-    """The server's request queue: generations run one at a time on one worker thread, first come first
-    served. At most `max_waiting` requests wait; `submit` refuses more with 503 and ``Retry-After``. A
-    waiting request that is cancelled (its client left) is dropped at once; a running one stops at its next
-    decode step (or prefill chunk). A running generation that outlives `time_limit` seconds is stopped and
-    its request ends with what it generated (reason ``"time_limit"``). `close` refuses new requests and
-    fails the waiting ones with 503 ``shutting_down``; the running one goes on until it ends."""
+    """The server's request queue, first come first served, on one worker thread: generations run one at a
+    time, or with a `batcher` (`qwenmetal.batching.Batcher`) up to its ``max_rows`` at once, one batched
+    decode step for all of them per step. At most `max_waiting` requests wait; `submit` refuses more with 503
+    and ``Retry-After``. A waiting request that is cancelled (its client left) is dropped at once; a running
+    one stops at its next decode step (or prefill chunk), and its row leaves the batch. A running generation
+    that outlives `time_limit` seconds is stopped and its request ends with what it generated (reason
+    ``"time_limit"``). `close` refuses new requests and fails the waiting ones with 503 ``shutting_down``;
+    the running ones go on until they end."""
 
-    def __init__(self, max_waiting: int = DEFAULT_MAX_QUEUE, time_limit: float | None = None):
+    def __init__(self, max_waiting: int = DEFAULT_MAX_QUEUE, time_limit: float | None = None,
+                 batcher: Batcher | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_waiting}")
         if time_limit is not None and not time_limit > 0:
             raise ValueError(f"request_timeout must be > 0 seconds (or None for no limit), got {time_limit}")
         self.max_waiting = max_waiting
         self.time_limit = time_limit
+        self.batcher = batcher
+        self.parallel = batcher.max_rows if batcher is not None else 1
         self._cond = threading.Condition()
         self._waiting: collections.deque = collections.deque()
-        self._running: _Job | None = None
+        self._running: set = set()
         self._closed = False
         self.counts = dict.fromkeys(("completed", "cancelled", "timed_out", "failed", "rejected"), 0)
         self.max_queued = 0
-        self._thread = threading.Thread(target=self._work, name="qwenmetal-generate", daemon=True)
+        self._occupancy = None                # the batch's mean rows per step / parallel, recently
+        self._thread = threading.Thread(target=self._work if batcher is None else self._work_batched,
+                                        name="qwenmetal-generate", daemon=True)
         self._thread.start()
 
     def submit(self, job: _Job) -> None:
@@ -147,56 +161,118 @@ class GenerationQueue:
                     self._cond.wait()
                 if not self._waiting:
                     return
-                job = self._running = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.add(job)
+            timer = self._timer(job)
             try:
                 self._run(job)
             finally:
+                if timer is not None:
+                    timer.cancel()
                 with self._cond:
-                    self._running = None
+                    self._running.discard(job)
+
+    def _timer(self, job: _Job):
+        if self.time_limit is None:
+            return None
+        timer = threading.Timer(self.time_limit, job.expire)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def _run(self, job: _Job) -> None:
-        timer = None
-        if self.time_limit is not None:
-            timer = threading.Timer(self.time_limit, job.expire)
-            timer.daemon = True
-            timer.start()
-        last, n = None, 0
+        last = None
         try:
             it = job.make(job.cancel)
             try:
                 for last in it:
-                    n += 1
-                    job.push("out", last)
+                    self._out(job, last)
                     if last.finish_reason is not None or job.cancel.is_set():
                         break
             finally:
                 it.close()
         except Exception as e:  # noqa: BLE001 - reported to the client as a 500
-            self._count("failed")
-            job.push("error", e)
+            self._fail(job, e)
             return
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if last is not None and last.finish_reason is not None:
-            self._count("completed")
-            job.push("end", last.finish_reason, last.stats)
-        elif job.timed_out:
-            self._count("timed_out")
-            job.push("end", "time_limit", {"prompt_tokens": job.n_prompt, "generated_tokens": n,
+        if last is None or last.finish_reason is None:
+            self._stopped(job)
+
+    def _work_batched(self) -> None:
+        """The batched worker: admit waiting jobs while the batcher has free rows, then one step for all."""
+        b, timers = self.batcher, {}
+        while True:
+            admit = []
+            with self._cond:
+                while not self._waiting and not b.active and not self._closed:
+                    self._cond.wait()
+                if not self._waiting and not b.active:
+                    return
+                while self._waiting and b.rows + b.waiting < b.max_rows:
+                    job = self._waiting.popleft()
+                    self._running.add(job)
+                    admit.append(job)
+            for job in admit:
+                try:
+                    gen = job.prepare(job.cancel)
+                except Exception as e:  # noqa: BLE001 - reported to the client
+                    self._fail(job, e)
+                    continue
+                b.add(gen, job)
+                timers[job] = self._timer(job)
+            events = b.step()
+            with self._cond:
+                self._occupancy = b.stats.occupancy(b.max_rows)
+            for ev in events:
+                job = ev.tag
+                if ev.kind == "out":
+                    self._out(job, ev.value)
+                    if ev.value.finish_reason is None:
+                        continue
+                elif ev.kind == "error":
+                    self._fail(job, ev.value)
+                else:
+                    self._stopped(job)
+                timer = timers.pop(job, None)
+                if timer is not None:
+                    timer.cancel()
+
+    # ---- how a job ends -------------------------------------------------------------------------
+    def _out(self, job: _Job, out) -> None:
+        job.n_out += 1
+        job.push("out", out)
+        if out.finish_reason is not None:
+            self._count("completed", job)
+            job.push("end", out.finish_reason, out.stats)
+
+    def _fail(self, job: _Job, e: BaseException) -> None:
+        self._count("failed", job)
+        job.push("error", e)
+
+    def _stopped(self, job: _Job) -> None:
+        """`job` stopped before its end: its time ran out, or its client left."""
+        if job.timed_out:
+            self._count("timed_out", job)
+            job.push("end", "time_limit", {"prompt_tokens": job.n_prompt, "generated_tokens": job.n_out,
                                            "cached_tokens": None})
         else:
-            self._count("cancelled")
+            self._count("cancelled", job)
             job.push("end", None, None)
 
-    def _count(self, key: str) -> None:
+    def _count(self, key: str, job: _Job | None = None) -> None:
         with self._cond:
             self.counts[key] += 1
+            self._running.discard(job)
 
     def status(self) -> dict:
+        """What /health reports: queued requests, running ones (``active_rows``, of ``parallel``), the batch's
+        mean occupancy over its recent decode steps, and the counters."""
         with self._cond:
-            return {"queued": len(self._waiting), "running": self._running is not None, **self.counts,
-                    "max_queued": self.max_queued}
+            out = {"queued": len(self._waiting), "running": bool(self._running), "active_rows": len(self._running),
+                   "parallel": self.parallel, **self.counts, "max_queued": self.max_queued}
+            if self.batcher is not None:
+                occ = self._occupancy
+                out["batch_occupancy"] = None if occ is None else round(occ, 3)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -433,12 +509,14 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT, speculative=None,
-               speculative_k: int | None = None):
+               speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS):
     """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
     of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
     requests may wait; `request_timeout`: seconds a generation may run (None: no limit); `speculative` /
     `speculative_k`: every generation decodes speculatively (`Model.generate`'s arguments; the output is
-    unchanged). See docs/server.md."""
+    unchanged; single-stream, so `parallel` must be 1); `parallel`: how many generations run at once,
+    batched (`qwenmetal.batching`), with at most `step_tokens` prompt tokens prefilled per step. See
+    docs/server.md."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -448,8 +526,13 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
 
     if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 1):
         raise ValueError(f"default_max_tokens must be >= 1 (or None for the context limit), got {default_max_tokens!r}")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel must be a positive integer, got {parallel!r}")
+    if speculative is not None and parallel > 1:
+        raise ValueError("speculative decoding is single-stream: serve with parallel=1 (--parallel 1) to use it")
     name = model_name or os.path.basename(os.path.normpath(str(model.path))) or "qwenmetal"
-    queue = GenerationQueue(max_queue, request_timeout)
+    batcher = Batcher(model, parallel, step_tokens) if parallel > 1 else None
+    queue = GenerationQueue(max_queue, request_timeout, batcher)
     created = int(time.time())
     tok = model.tokenizer
 
@@ -503,9 +586,11 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return max(1, min(mt, limit - n_prompt))
 
     def make_job(gen_kwargs, ids, cache_points=()) -> _Job:
-        return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel,
-                                                  speculative=speculative, speculative_k=speculative_k, **gen_kwargs),
-                    len(ids))
+        kw = dict(gen_kwargs)
+        opts = GenerationOptions.build(kw.pop("options", None), **kw)
+        return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel, options=opts,
+                                                  speculative=speculative, speculative_k=speculative_k),
+                    len(ids), lambda cancel: prepare(model, ids, opts, cache_points=cache_points, cancel=cancel))
 
     async def events(request, job):
         """`job`'s events up to its end. The client is watched the whole time (queued or running): its
@@ -709,9 +794,10 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str |
           default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
           graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info", speculative=None,
-          speculative_k: int | None = None) -> None:
+          speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
     """Serve `model` with uvicorn until interrupted (options as for `create_app` and `uvicorn_server`)."""
     app = create_app(model, model_name=model_name, api_key=api_key, max_request_bytes=max_request_bytes,
                      default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout,
-                     speculative=speculative, speculative_k=speculative_k)
+                     speculative=speculative, speculative_k=speculative_k, parallel=parallel,
+                     step_tokens=step_tokens)
     uvicorn_server(app, host, port, log_level=log_level, graceful_timeout=graceful_timeout).run()

@@ -18,16 +18,17 @@ the box may be shared, so the two arrangements alternate in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from test_server import spawned_server  # noqa: E402  (starts `qwenmetal serve`, waits for /health)
 
 MESSAGES = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle gear works.",
             "List ten facts about the moon.", "Describe a walk through a forest in autumn.",
@@ -43,42 +44,6 @@ def _cpu() -> str:
         return f"{name} (family {info.get('cpu family', '?').strip()} model {info.get('model', '?').strip()})"
     except OSError:
         return "unknown CPU"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(args: list, log: Path):
-    import httpx
-
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal", "serve", "--port", str(port), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _request(base: str, i: int, max_tokens: int) -> dict:
@@ -141,7 +106,7 @@ def main(argv=None) -> int:
             "--log-level", "warning"]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"server_concurrency.{os.getpid()}.log"
     seq, conc = [], []
-    with _server(args, log) as base:
+    with spawned_server(args, log) as (_, base):
         _request(base, 0, 4)                                    # warm-up: page the weights in
         texts = None
         for r in range(a.rounds):

@@ -303,29 +303,34 @@ def test_client_disconnect_cancels_generation(server, client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_two_concurrent_clients(client, local):
-    prompts = ["Alpha beta gamma", "One two three four"]
-    want = ["".join(o.text for o in local.generate(p, max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts]
-    got, errors = [None, None], []
+def _completions_at_once(client, reqs: list) -> list:
+    """The texts of completion requests `reqs` (keyword dicts) sent at once from one thread each, the odd
+    ones streamed."""
+    got, errors = [None] * len(reqs), []
 
     def run(i):
         try:
-            if i == 0:
-                got[i] = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=16, temperature=0,
-                                                   extra_body={"ignore_eos": True}).choices[0].text
+            args = dict(model=NAME, extra_body={"ignore_eos": True}, **reqs[i])
+            if i % 2:
+                got[i] = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **args))
             else:
-                chunks = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=16, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True})
-                got[i] = "".join(c.choices[0].text for c in chunks)
+                got[i] = client.completions.create(**args).choices[0].text
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors and got == want
+    assert not errors, errors
+    return got
+
+
+def test_two_concurrent_clients(client, local):
+    prompts = ["Alpha beta gamma", "One two three four"]
+    want = ["".join(o.text for o in local.generate(p, max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts]
+    assert _completions_at_once(client, [dict(prompt=p, max_tokens=16, temperature=0) for p in prompts]) == want
 
 
 def test_second_chat_turn_reports_cached_tokens(client, local):
@@ -606,24 +611,7 @@ def test_batched_requests_get_the_answers_they_get_alone(live, cpu_model):
     for r in reqs:
         kw = {k: v for k, v in r.items() if k != "prompt"}
         want.append("".join(o.text for o in c._generate(r["prompt"], ignore_eos=True, cache=False, **kw)))
-    got, errors = [None] * 4, []
-
-    def run(i):
-        try:
-            args = dict(model=NAME, extra_body={"ignore_eos": True}, **reqs[i])
-            if i % 2:
-                got[i] = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **args))
-            else:
-                got[i] = client.completions.create(**args).choices[0].text
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and got == want
+    assert _completions_at_once(client, reqs) == want
     assert max(c.rows) >= 2                              # rows shared decode steps
     h = _health(base)
     assert h["parallel"] == 4 and h["completed"] == 4 and h["active_rows"] == 0

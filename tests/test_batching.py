@@ -162,6 +162,27 @@ def test_generate_batch_gives_each_prompt_what_it_gets_alone(preset):
     assert len(set(order[:6])) > 1                 # interleaved, not one after another
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generations_added_between_steps(seed):
+    """Generations join at random steps while others run (as the server adds requests), on the hf-bf16
+    fixture: each still gives what it gives alone."""
+    m = _load("tiny", "hf-bf16")
+    rng = np.random.default_rng(seed)
+    prompts, opts = _prompts(rng), _options()
+    alone = [_outputs(m.generate(p, options=o, cache=False)) for p, o in zip(prompts, opts)]
+    b = Batcher(m, max_rows=4, step_tokens=int(rng.integers(8, 64)))
+    todo = list(range(len(prompts)))
+    got = {i: [] for i in todo}
+    while todo or b.active:
+        if todo and rng.random() < 0.4:
+            i = todo.pop(0)
+            b.add(prepare(m, prompts[i], opts[i], cache=False), i)
+        for ev in b.step():
+            assert ev.kind == "out"
+            got[ev.tag].extend(_outputs([ev.value]))
+    assert [got[i] for i in range(len(prompts))] == alone
+
+
 def test_generate_batch_with_stop_strings_and_keywords():
     m = _load()
     prompts = ["hello world", "the cat", "a b c d e f"]

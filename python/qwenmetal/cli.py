@@ -299,11 +299,16 @@ def _parallel_lines(config, weights_or_sizes, args) -> list[str]:
     """`info --parallel N`: one session's bytes at --context, N of them, whether they fit the memory budget
     beside the weights, the most that fit, and the default a server would take (expert_streaming.parallel_plan,
     default_parallel). Sized as the cpu backend allocates (its KV grows by need, 1.5x in 256-token blocks:
-    the worst case), or as the Metal graph does with --backend metal / metal-sim."""
+    the worst case) against the memory budget, or as the Metal graph does (KV in 256-token blocks, the GDN
+    state twice) with --backend metal / metal-sim, against the working set with --mac-memory / --working-set."""
     if not args.parallel:
         return []
     budget = _load_options(args).get("memory_budget", "auto")
     backend = "metal" if str(args.backend).startswith("metal") else "cpu"
+    if args.working_set is not None or args.mac_memory is not None:     # the sessions live in the GPU's working set
+        budget = (parse_budget(args.working_set, "working_set") if args.working_set is not None else
+                  working_set.mac_working_set(parse_budget(args.mac_memory, "mac_memory")))
+        backend = "metal"
     p = expert_streaming.parallel_plan(config, weights_or_sizes, budget, context=args.context,
                                        parallel=args.parallel, backend=backend)
     n = expert_streaming.default_parallel(config, weights_or_sizes, budget, args.context, backend=backend)

@@ -212,4 +212,7 @@ def format_batch(res: dict) -> str:
                      f"{_mark(v['vs_step'], res['targets']['verify_2_rows_vs_step'], le=True)}")
     if marks:
         lines.append("targets: " + "; ".join(marks))
+    if res.get("foreign_load") is not None:
+        lines.append(f"other processes used {100 * res['foreign_load']:.0f}% of the CPUs during the run"
+                     + (f" ({100 * res['busy_before']:.0f}% just before it)" if res.get("busy_before") is not None else ""))
     return "\n".join(lines)

@@ -559,8 +559,12 @@ def run_batch_args(args: argparse.Namespace, log: Callable[[str], None]) -> dict
                                  **dict(options, expert_slots=model.config.num_experts, memory_budget=None))
         except Exception as e:              # the estimate instead, said in the result
             log(f"no expert-cache twin ({e}); distinct experts from the random-routing estimate")
-    res = run_batch(model, batches, context, steps, repeats, log, KV_ELEMENT_BYTES.get(kv_dtype, 2), counter)
+    busy = wait_quiet(args.wait_quiet, log=log) if args.wait_quiet else busy_fraction(1.0)
+    with ForeignLoad() as fl:
+        res = run_batch(model, batches, context, steps, repeats, log, KV_ELEMENT_BYTES.get(kv_dtype, 2), counter)
     del counter
+    res["busy_before"], res["foreign_load"] = busy, fl.fraction
+    log(f"other processes used {100 * (fl.fraction or 0):.0f}% of the CPUs during the run")
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers,
                           "num_experts": model.config.num_experts, "num_experts_per_tok": model.config.num_experts_per_tok,

@@ -145,20 +145,20 @@ def run_batch(model, batches, context: int, steps: int, repeats: int, log: Calla
     measured = count_distinct(counter, batches, context, steps) if counter is not None else None
     sizes = tensor_sizes(model.weights)
     rows = {}
-    b1 = timed[batches[0]]["seconds"] / batches[0] if batches[0] == 1 else None
+    t1 = timed[1]["seconds"] if 1 in timed else None        # batch 1's step
     for B in batches:
         t = timed[B]["seconds"]
         distinct = measured[B] if measured else expected_distinct(c.num_experts, c.num_experts_per_tok, B)
         floor = union_floor(c, sizes, context, B, distinct, kv_element_bytes)
         r = {"rows": B, "ms_per_step": 1e3 * t, "aggregate_tokens_per_second": B / t,
              "per_stream_tokens_per_second": 1.0 / t,
-             "aggregate_vs_batch1": (B / t) * b1 if b1 else None,
+             "aggregate_vs_batch1": B * t1 / t if t1 else None,
              "distinct_experts_per_layer": distinct,
              "floor_bytes_per_step": floor["total"], "floor": floor,
              "floor_gbps": floor["total"] / t / 1e9, **timed[B]}
         r.pop("seconds")
         rows[B] = r
-        agg = f" = {r['aggregate_vs_batch1']:.2f}x batch 1" if b1 else ""
+        agg = f" = {r['aggregate_vs_batch1']:.2f}x batch 1" if t1 else ""
         log(f"  batch {B:2d} @ {context}: {r['ms_per_step']:8.2f} ms/step, {r['aggregate_tokens_per_second']:7.2f} "
             f"tok/s aggregate{agg}, {distinct:.1f} distinct experts/layer, floor {floor['total'] / 1e6:.1f} MB/step")
     if 1 in rows:

@@ -123,6 +123,49 @@ def test_bench_quick_alone_is_a_smoke_run_on_a_small_model(tmp_path):
     assert "smoke run, seconds: the 'tiny' fixture model" in " ".join(r.stdout.split())
 
 
+@pytest.mark.parametrize("backend", _backends())
+def test_bench_batch_quick(tmp_path, capsys, backend):
+    """`qwenmetal bench --batch 1,2 --quick`: a row per batch size with finite times, the aggregate against
+    batch 1, the union floor of the rows' distinct experts (measured on the cpu backend's expert-cache twin:
+    exactly top-k at one row, between k and 2k at two; the random-routing estimate on the reference) and the
+    2-row verification beside it. No timing assertions."""
+    from qwenmetal.bench.batch import expected_distinct
+    from qwenmetal.cli import main
+    from qwenmetal.testing import cached_checkpoint
+    out = tmp_path / "batch.json"
+    path = str(cached_checkpoint("tiny", "mlx-q4", seed=0))
+    assert main(["bench", "--model", path, "--backend", backend, "--batch", "1,2", "--quick", "--threads", "2",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "batched decode (decode_batch) at context 32" in text and "targets: " in text
+    res = json.loads(out.read_text())
+    assert res["schema"] == bench.SCHEMA and res["mode"] == "batch" and res["machine"]["cpu"]
+    assert set(res["batches"]) == {"1", "2"} and res["context"] == 32
+    k, E = res["model"]["num_experts_per_tok"], res["model"]["num_experts"]
+    for B, r in res["batches"].items():
+        B = int(B)
+        assert r["rows"] == B and r["digest_stable"] is True
+        for key in ("ms_per_step", "aggregate_tokens_per_second", "per_stream_tokens_per_second",
+                    "aggregate_vs_batch1", "floor_gbps", "distinct_experts_per_layer"):
+            assert np.isfinite(r[key]) and r[key] > 0, key
+        assert r["aggregate_tokens_per_second"] == pytest.approx(B * r["per_stream_tokens_per_second"])
+        f = r["floor"]
+        assert r["floor_bytes_per_step"] == f["total"] == (f["non_expert_weights"] + f["experts"] + f["kv_cache"]
+                                                           + f["gdn_state"])
+        assert f["experts"] == int(r["distinct_experts_per_layer"] * f["moe_layers"] * f["bytes_per_expert"])
+    one, two = res["batches"]["1"], res["batches"]["2"]
+    assert one["aggregate_vs_batch1"] == 1.0
+    assert two["floor"]["kv_cache"] == 2 * one["floor"]["kv_cache"]
+    if backend == "cpu":
+        assert res["routing_measured"] is True
+        assert one["distinct_experts_per_layer"] == k and k <= two["distinct_experts_per_layer"] <= 2 * k
+    else:
+        assert res["routing_measured"] is False
+        assert two["distinct_experts_per_layer"] == pytest.approx(expected_distinct(E, k, 2))
+    v = res["verify"]
+    assert v["context"] == 32 and np.isfinite(v["vs_step"]) and v["vs_step"] > 0
+
+
 def _check_machine(res, stdout, read_gbps):
     """Every figure names its machine -- the JSON records the CPU as the engine detects it
     (``_core.cpu_info()``: model name, vendor, family / model, micro-architecture, ISA, features, AMX,

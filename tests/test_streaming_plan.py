@@ -251,3 +251,89 @@ def test_info_on_a_config_only_397b_directory_plans_streaming(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"expert streaming: yes, {p.slots_per_layer} of 512 expert slots per MoE layer" in out
     assert f"hit rate 71.0% (given): {streaming.size_text(p.bytes_per_token(0.71))} per token" in out
+
+
+# ---- concurrent sessions: their KV caches and GDN states times N ----------------------------------------
+# the tiny preset by hand: 1 attention layer x K and V x 2 kv heads x 32 x bf16 = 256 bytes of KV per token;
+# 3 GDN layers x float32 x (4 value heads x 32 x 32 recurrent + conv_dim 256 x (kernel 4 - 1)) = 58,368 bytes
+TINY_KV_TOKEN, TINY_STATE = 256, 3 * 4 * (4 * 32 * 32 + 256 * 3)
+
+
+def test_kv_capacity_follows_each_backends_growth():
+    from qwenmetal.config import kv_capacity, session_alloc_bytes
+    # cpu: the worst that growth by need leaves, max(need, 1.5 x capacity) in 256-token blocks
+    # (0 -> 256 -> 512 (384 rounded) -> 768 -> 1280 (1152 rounded) -> ...)
+    assert [kv_capacity(n) for n in (0, 1, 256, 257, 512, 513, 1000, 4096)] == [0, 256, 512, 512, 768, 768, 1536, 6144]
+    # Metal: the tokens rounded up to its kv_block
+    assert [kv_capacity(n, "metal") for n in (1, 256, 257, 1000, 4096)] == [256, 256, 512, 1024, 4096]
+    assert session_alloc_bytes(CFG, 4096) == {"kv_tokens": 6144, "kv_cache": 6144 * TINY_KV_TOKEN,
+                                              "gdn_state": TINY_STATE, "total": 6144 * 256 + TINY_STATE}
+    assert session_alloc_bytes(CFG, 4096, 4, "metal-sim") == {      # float32 KV; the graph's ping-pong state
+        "kv_tokens": 4096, "kv_cache": 4096 * 512, "gdn_state": 2 * TINY_STATE, "total": 4096 * 512 + 2 * TINY_STATE}
+    assert TINY_STATE == 58_368
+
+
+def test_plan_keeps_parallel_sessions_free():
+    one = streaming.plan(CFG, SIZES, None)
+    assert streaming.plan(CFG, SIZES, None, parallel=1).reserve_bytes == one.reserve_bytes    # the default
+    p = streaming.plan(CFG, SIZES, None, parallel=3, context=1024)
+    assert p.reserve_bytes == 3 * (1024 * TINY_KV_TOKEN + 2 * TINY_STATE) + streaming.SCRATCH_BYTES
+    # the slots get what three sessions leave
+    budget = RESIDENT + p.reserve_bytes + 4 * PER_SLOT
+    assert streaming.plan(CFG, SIZES, budget, parallel=3, context=1024).slots_per_layer == 4
+    assert streaming.plan(CFG, SIZES, budget - 1, parallel=3, context=1024).slots_per_layer == 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InputError, match="parallel must be a positive integer"):
+            streaming.plan(CFG, SIZES, None, parallel=bad)
+
+
+def test_parallel_plan_and_default_parallel():
+    S = SCRATCH = streaming.SCRATCH_BYTES
+    one = 6144 * TINY_KV_TOKEN + TINY_STATE                 # a cpu session at 4096 tokens: 1,631,232 bytes
+    assert one == 1_631_232
+    budget = CHECKPOINT + S + 5 * one + 1000                # five sessions beside the whole checkpoint
+    p = streaming.parallel_plan(CFG, SIZES, budget, context=4096, parallel=3)
+    assert (p.weights_bytes, p.scratch_bytes, p.max_sessions, p.streaming) == (CHECKPOINT, SCRATCH, 5, False)
+    assert p.session["total"] == one and p.sessions_bytes == 3 * one and p.fits
+    assert not streaming.parallel_plan(CFG, SIZES, budget, context=4096, parallel=6).fits
+    assert streaming.default_parallel(CFG, SIZES, budget, 4096) == 5
+    assert streaming.default_parallel(CFG, SIZES, budget, 4096, limit=4) == 4          # the backend's rows
+    assert streaming.default_parallel(CFG, SIZES, CHECKPOINT + S + 100 * one, 4096) == 8      # at most 8
+    assert streaming.default_parallel(CFG, SIZES, CHECKPOINT + S + one - 1, 4096) == 1        # at least 1
+    assert streaming.parallel_plan(CFG, SIZES, CHECKPOINT + S + one - 1, context=4096).max_sessions == 0
+    assert streaming.default_parallel(CFG, SIZES, None, 4096) == 8                    # no budget: the cap
+    # Metal: KV rounded to its block, the state twice
+    metal = 4096 * TINY_KV_TOKEN + 2 * TINY_STATE
+    assert streaming.default_parallel(CFG, SIZES, CHECKPOINT + S + 7 * metal, 4096, backend="metal") == 7
+    # a budget short of the checkpoint: the resident weights and top-k slots per layer are what is held
+    small = RESIDENT + L * CFG.num_experts_per_tok * 3 * X
+    p = streaming.parallel_plan(CFG, SIZES, small + S + 2 * one, context=4096)
+    assert p.streaming and p.weights_bytes == small and p.max_sessions == 2
+    lines = p.describe()
+    assert "one session holds 1.56 MiB (KV allocated for 6,144 tokens 1.50 MiB + GDN state 57.00 KiB)" in lines[0]
+    assert "at most 2 session(s) of 4,096 tokens fit" in lines[1]
+
+
+def test_working_set_plan_counts_parallel_sessions():
+    from qwenmetal import working_set
+    p1 = working_set.plan(CFG, SIZES, 0, context=4096, memory_budget=None)
+    p3 = working_set.plan(CFG, SIZES, 0, context=4096, memory_budget=None, parallel=3)
+    assert (p1.kv_bytes, p1.state_bytes, p1.parallel) == (4096 * TINY_KV_TOKEN, 2 * TINY_STATE, 1)
+    assert p3.sessions_bytes == 3 * (4096 * TINY_KV_TOKEN + 2 * TINY_STATE)
+    assert p3.total_bytes - p1.total_bytes == 2 * (4096 * TINY_KV_TOKEN + 2 * TINY_STATE)
+    assert "3 sessions x (KV at 4,096 tokens" in p3.describe()[1]
+
+
+def test_info_parallel(capsys):
+    d = cached_checkpoint("tiny", "mlx-q4")
+    c, w = _load("mlx-q4")
+    budget = w.nbytes + streaming.SCRATCH_BYTES + 3 * (1536 * TINY_KV_TOKEN + TINY_STATE)     # three at 1000 tokens
+    assert cli.main(["info", "--model", str(d), "--parallel", "4", "--context", "1000",
+                     "--memory-budget", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert ("concurrent sessions at 1,000 tokens of context: one session holds 441.00 KiB (KV allocated for "
+            "1,536 tokens 384.00 KiB + GDN state 57.00 KiB) (cpu backend)") in out
+    assert "4 session(s): 1.72 MiB" in out and "does NOT fit; at most 3 session(s) of 1,000 tokens fit" in out
+    assert "default --parallel for this budget and context: 3" in out
+    assert cli.main(["info", "--model", str(d)]) == 0
+    assert "concurrent sessions" not in capsys.readouterr().out          # without --parallel: as before

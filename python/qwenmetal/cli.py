@@ -259,7 +259,7 @@ def _info_from_config(path: str, args) -> int:
               f"{c.num_experts_per_tok * routed / c.num_experts / 1e9:.2f} GB of experts per token")
     for line in expert_streaming.describe(_info_plan(c, sizes, args), args.hit_rate):
         print(line)
-    for line in _gpu_plan_lines(c, sizes, args, None):
+    for line in _parallel_lines(c, sizes, args) + _gpu_plan_lines(c, sizes, args, None):
         print(line)
     return 0
 
@@ -279,16 +279,42 @@ def _gpu_plan_lines(config, weights_or_sizes, args, model) -> list[str]:
     o = _load_options(args)
     p = working_set.plan(config, weights_or_sizes, ws, context=args.context,
                          memory_budget=o.get("memory_budget", None), expert_slots=o.get("expert_slots"),
-                         expert_policy=o.get("expert_policy"), expert_direct_io=o.get("expert_direct_io", False))
+                         expert_policy=o.get("expert_policy"), expert_direct_io=o.get("expert_direct_io", False),
+                         parallel=args.parallel or 1)
     lines = p.describe()
     return [lines[0].replace("GPU working set: ", f"GPU working set ({where}): ", 1), *lines[1:]]
 
 
 def _info_plan(config, weights_or_sizes, args):
+    """The expert-streaming plan; with --parallel N it keeps N sessions of --context tokens free (else one of
+    the planner's RESERVE_CONTEXT, as a loaded model does)."""
     o = _load_options(args)
+    more = {"parallel": args.parallel, "context": args.context} if args.parallel else {}
     return expert_streaming.plan(config, weights_or_sizes, o.get("memory_budget", "auto"),
                           slots_per_layer=o.get("expert_slots"), policy=o.get("expert_policy"),
-                          direct_io=o.get("expert_direct_io", False))
+                          direct_io=o.get("expert_direct_io", False), **more)
+
+
+def _parallel_lines(config, weights_or_sizes, args) -> list[str]:
+    """`info --parallel N`: one session's bytes at --context, N of them, whether they fit the memory budget
+    beside the weights, the most that fit, and the default a server would take (expert_streaming.parallel_plan,
+    default_parallel). Sized as the cpu backend allocates (its KV grows by need, 1.5x in 256-token blocks:
+    the worst case) against the memory budget, or as the Metal graph does (KV in 256-token blocks, the GDN
+    state twice) with --backend metal / metal-sim, against the working set with --mac-memory / --working-set."""
+    if not args.parallel:
+        return []
+    budget = _load_options(args).get("memory_budget", "auto")
+    backend = "metal" if str(args.backend).startswith("metal") else "cpu"
+    if args.working_set is not None or args.mac_memory is not None:     # the sessions live in the GPU's working set
+        budget = (parse_budget(args.working_set, "working_set") if args.working_set is not None else
+                  working_set.mac_working_set(parse_budget(args.mac_memory, "mac_memory")))
+        backend = "metal"
+    p = expert_streaming.parallel_plan(config, weights_or_sizes, budget, context=args.context,
+                                       parallel=args.parallel, backend=backend)
+    n = expert_streaming.default_parallel(config, weights_or_sizes, budget, args.context, backend=backend)
+    return [f"{line} ({backend} backend)" if i == 0 else line for i, line in enumerate(p.describe())] + [
+        f"  default --parallel for this budget and context: {n} (the most that fit, at most "
+        f"{expert_streaming.MAX_DEFAULT_PARALLEL}, at least 1)"]
 
 
 def cmd_info(args) -> int:
@@ -319,7 +345,7 @@ def cmd_info(args) -> int:
         print(f"  {ctx:>7} tokens of context: {total / 2**20:,.1f} MiB (session state {(fixed + ctx * kv_bf16) / 2**20:,.1f} MiB)")
     for line in expert_streaming.describe(_info_plan(c, model.weights, args), args.hit_rate):
         print(line)
-    for line in _gpu_plan_lines(c, model.weights, args, model):
+    for line in _parallel_lines(c, model.weights, args) + _gpu_plan_lines(c, model.weights, args, model):
         print(line)
     if model.tokenizer is not None:
         print(repr(model.tokenizer))
@@ -577,6 +603,10 @@ def main(argv=None) -> int:
     g.add_argument("--working-set", default=None, metavar="SIZE",
                    help="plan for this recommendedMaxWorkingSetSize (e.g. 21.3GiB)")
     g.add_argument("--context", type=int, default=32768, help="tokens of KV cache to plan for (default 32768)")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="plan for N concurrent sessions of --context tokens: one session's KV cache (as allocated) "
+                        "and GDN state, N of them, whether they fit the memory budget beside the weights, the most "
+                        "that fit and the default a server would take; the expert and GPU plans keep N sessions free")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

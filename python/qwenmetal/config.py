@@ -387,6 +387,38 @@ def session_bytes(config, context: int, kv_element_bytes: int = 2,
     return {"kv_cache": kv, "gdn_state": state}
 
 
+# How a session's KV cache grows (it is allocated by need, not for max_context): the cpu State
+# (src/cpu/engine.cpp, State::reserve) grows to max(needed, 1.5 x its capacity) rounded up to KV_BLOCK tokens;
+# the Metal GpuState (src/gpu/model.cpp) to the needed tokens rounded up to its kv_block (default KV_BLOCK).
+KV_BLOCK = 256
+KV_GROWTH = {"cpu": 1.5, "metal": 1.0}
+
+
+def kv_capacity(context: int, backend: str = "cpu", block: int = KV_BLOCK) -> int:
+    """Tokens of KV cache a session of `context` tokens may have allocated. Metal: `context` rounded up to
+    `block`. cpu: the most that growth by need can leave -- the last growth happened at a capacity c <= context
+    - 1 and gave max(c + 1, c + c // 2) rounded up to `block`, so round_up(max(context, (context - 1) * 3 // 2))
+    (a prefill straight to `context`, or a fork, holds less: round_up(context), or exactly `context`)."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    if context == 0:
+        return 0
+    grow = KV_GROWTH["metal" if backend.startswith("metal") else "cpu"]
+    need = context if grow == 1.0 else max(context, (context - 1) + (context - 1) // 2)
+    return -(-need // block) * block
+
+
+def session_alloc_bytes(config, context: int, kv_element_bytes: int = 2, backend: str = "cpu",
+                        state_element_bytes: int = STATE_ELEMENT_BYTES, block: int = KV_BLOCK) -> dict:
+    """Bytes one session holds allocated at `context` tokens on `backend`: its KV cache at `kv_capacity`
+    tokens and its GDN state (fixed per session; the Metal graph keeps two copies, its ping-pong halves).
+    Keys: kv_tokens, kv_cache, gdn_state, total."""
+    cap = kv_capacity(context, backend, block)
+    held = session_bytes(config, cap, kv_element_bytes, state_element_bytes)
+    state = held["gdn_state"] * (2 if backend.startswith("metal") else 1)
+    return {"kv_tokens": cap, "kv_cache": held["kv_cache"], "gdn_state": state, "total": held["kv_cache"] + state}
+
+
 def mtp_layer_config(config: ModelConfig) -> ModelConfig:
     """`config` with one full-attention MoE layer (index 0): the MTP decoder layer's config, so that
     `decoder_layer` runs it (mlx-vlm builds its MTP layer the same way, from the text config with

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .config import session_bytes
+from .config import KV_ELEMENT_BYTES, session_alloc_bytes, session_bytes
 from .errors import CheckpointError, InputError
 from .memory import available_memory, parse_budget
 from .weights import EXPERT_MATRICES, QuantizedTensor, Weights, expert_names, moe_layers
@@ -168,7 +168,8 @@ class StreamPlan:
 
 
 def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int | None = None,
-         policy: str | None = None, direct_io: bool = False) -> StreamPlan:
+         policy: str | None = None, direct_io: bool = False, parallel: int = 1,
+         context: int = RESERVE_CONTEXT) -> StreamPlan:
     """Plan expert streaming for `config` with the tensors of `weights_or_sizes` (a Weights, or a mapping
     canonical name -> bytes as stored) under `memory_budget` (None: never stream; "auto": available_memory();
     bytes, or a size string as `parse_budget` reads).
@@ -210,12 +211,14 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
     if slots_per_layer is not None and not 1 <= slots_per_layer <= max(E, 1):
         raise InputError(f"expert_slots must be in [1, {E}] (the experts per layer), got {slots_per_layer}",
                          "expert_slots")
+    parallel = _positive(parallel, "parallel")
+    context = _positive(context, "context")
     if budget == "auto":
         budget = available_memory()
-    held = session_bytes(config, RESERVE_CONTEXT)
+    held = session_bytes(config, context)
     # a streaming forward also holds a copy of the GDN state, to restore it if an expert read fails mid-call
-    # (src/cpu/forward.cpp, src/gpu/forward.cpp: all-or-nothing calls)
-    reserve = held["kv_cache"] + 2 * held["gdn_state"] + SCRATCH_BYTES
+    # (src/cpu/forward.cpp, src/gpu/forward.cpp: all-or-nothing calls; a batched step copies every row's)
+    reserve = parallel * (held["kv_cache"] + 2 * held["gdn_state"]) + SCRATCH_BYTES
     common = dict(checkpoint_bytes=checkpoint, resident_bytes=resident, expert_bytes=expert_bytes,
                   moe_layers=len(layers), num_experts=E, top_k=config.num_experts_per_tok, policy=policy,
                   reserve_bytes=reserve, direct_io=direct_io)
@@ -230,6 +233,94 @@ def plan(config, weights_or_sizes, memory_budget="auto", *, slots_per_layer: int
             f"{slots_per_layer} expert slot(s) per MoE layer ({slots_per_layer * per_slot} bytes)", "memory_budget")
     return StreamPlan(stream=True, budget=checkpoint if budget is None else budget,
                       slots_per_layer=slots_per_layer, **common)
+
+
+def _positive(v, param: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InputError(f"{param} must be a positive integer, got {v!r}", param)
+    return v
+
+
+# the most concurrent sessions `default_parallel` proposes (a server's default; the backend's batch limit,
+# model.max_batch_rows, may be lower or higher)
+MAX_DEFAULT_PARALLEL = 8
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Concurrent sessions against a memory budget (`parallel_plan`): what one session holds at `context`
+    tokens, what `parallel` of them hold, and how many fit beside the weights."""
+
+    context: int
+    parallel: int
+    budget: int | None         # bytes (None: no budget, nothing is limited)
+    weights_bytes: int         # held weights: the checkpoint, or (streaming) the resident part + top-k slots
+    scratch_bytes: int         # SCRATCH_BYTES
+    session: dict              # config.session_alloc_bytes: kv_tokens, kv_cache, gdn_state, total
+    max_sessions: int | None   # the most sessions that fit beside the weights and scratch (0: not even one;
+                               # None: no budget)
+    streaming: bool            # the weights do not fit the budget: the plan counts the streamed minimum
+
+    @property
+    def sessions_bytes(self) -> int:
+        return self.parallel * self.session["total"]
+
+    @property
+    def fits(self) -> bool:
+        return self.max_sessions is None or self.parallel <= self.max_sessions
+
+    def describe(self) -> list[str]:
+        """Lines for `qwenmetal info --parallel N`."""
+        s = self.session
+        total = self.weights_bytes + self.scratch_bytes + self.sessions_bytes
+        if self.budget is None:
+            where = "no memory budget (nothing limits the sessions)"
+        else:
+            where = (f"of the budget {size_text(self.budget)}: {'fits' if self.fits else 'does NOT fit'}; at most "
+                     f"{self.max_sessions} session(s) of {self.context:,} tokens fit")
+        return [f"concurrent sessions at {self.context:,} tokens of context: one session holds "
+                f"{size_text(s['total'])} (KV allocated for {s['kv_tokens']:,} tokens {size_text(s['kv_cache'])} + "
+                f"GDN state {size_text(s['gdn_state'])})",
+                f"  {self.parallel} session(s): {size_text(self.sessions_bytes)}; with the weights "
+                f"({'streamed: resident + top-k expert slots ' if self.streaming else ''}{size_text(self.weights_bytes)}) "
+                f"and scratch ({size_text(self.scratch_bytes)}): {size_text(total)} {where}"]
+
+
+def parallel_plan(config, weights_or_sizes, memory_budget="auto", *, context: int = RESERVE_CONTEXT,
+                  parallel: int = 1, kv_dtype: str = "bfloat16", backend: str = "cpu") -> ParallelPlan:
+    """How `parallel` sessions of `context` tokens fit in `memory_budget` (as `plan` reads it; None: the
+    budget: nothing limits) beside the weights: each session's KV cache as the backend allocates
+    it by need (config.session_alloc_bytes: cpu worst case of its 1.5x growth in 256-token blocks, Metal
+    rounded up to its kv_block) and its GDN state. The held weights are the checkpoint when it fits the budget,
+    else the resident weights and top-k expert slots per MoE layer (the least that streams)."""
+    context = _positive(context, "context")
+    parallel = _positive(parallel, "parallel")
+    if kv_dtype not in KV_ELEMENT_BYTES:
+        raise InputError(f"kv_dtype must be one of {', '.join(KV_ELEMENT_BYTES)}, got {kv_dtype!r}", "kv_dtype")
+    p = plan(config, weights_or_sizes, None)
+    one = session_alloc_bytes(config, context, KV_ELEMENT_BYTES[kv_dtype], backend)
+    budget = parse_budget(memory_budget)
+    if budget == "auto":
+        budget = available_memory()
+    streaming = budget is not None and p.checkpoint_bytes > budget
+    weights = p.checkpoint_bytes if not streaming else \
+        p.resident_bytes + p.moe_layers * min(p.top_k, p.num_experts) * p.expert_bytes
+    if budget is None:
+        most = None
+    else:
+        left = budget - weights - SCRATCH_BYTES
+        most = int(max(left // one["total"], 0)) if one["total"] else MAX_DEFAULT_PARALLEL
+    return ParallelPlan(context, parallel, budget, weights, SCRATCH_BYTES, one, most, streaming)
+
+
+def default_parallel(config, weights_or_sizes, memory_budget="auto", context: int = RESERVE_CONTEXT, *,
+                     limit: int | None = None, kv_dtype: str = "bfloat16", backend: str = "cpu") -> int:
+    """A server's default number of concurrent sessions: the largest N <= min(MAX_DEFAULT_PARALLEL, `limit`)
+    (`limit`: e.g. the backend's max_batch_rows) whose sessions of `context` tokens fit beside the held weights
+    and scratch in `memory_budget` (`parallel_plan`), and at least 1."""
+    cap = MAX_DEFAULT_PARALLEL if limit is None else min(MAX_DEFAULT_PARALLEL, _positive(limit, "limit"))
+    p = parallel_plan(config, weights_or_sizes, memory_budget, context=context, kv_dtype=kv_dtype, backend=backend)
+    return cap if p.max_sessions is None else max(1, min(cap, p.max_sessions))
 
 
 def size_text(n: float) -> str:

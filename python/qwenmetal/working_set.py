@@ -13,14 +13,15 @@ and slows down by orders of magnitude, or the process is killed. So `plan` decid
 
 The graph's scratch is measured, not estimated: the engine is built on an encode-only device over virtual
 weights of the config and asked to allocate one chunk (`graph_bytes`); the KV cache and the GDN state come
-from the config (config.session_bytes). Off a Mac the working set is a modelled figure
+from the config (config.session_alloc_bytes: the KV rounded up to the graph's kv_block, the GDN state
+twice), times the sessions planned for (`parallel`). Off a Mac the working set is a modelled figure
 (`mac_working_set`), and SimDevice(working_set=...) reports it as a Mac would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import KV_ELEMENT_BYTES, session_bytes
+from .config import KV_ELEMENT_BYTES, session_alloc_bytes
 from .errors import InputError
 from .expert_streaming import StreamPlan, size_text
 from .expert_streaming import plan as stream_plan
@@ -71,18 +72,26 @@ class GpuMemoryPlan:
     state_bytes: int           # one session's GDN state, both halves of the graph's ping-pong
     scratch_bytes: int         # the graph's decode and prefill-chunk scratch
     stream: StreamPlan         # the expert plan (stream=False unless mode == "stream")
+    parallel: int = 1          # sessions planned for, each with kv_bytes + state_bytes
+
+    @property
+    def sessions_bytes(self) -> int:
+        """KV cache and GDN state of every planned session."""
+        return self.parallel * (self.kv_bytes + self.state_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.stream.slot_bytes * self.stream.stream + self.kv_bytes + \
-            self.state_bytes + self.scratch_bytes
+        return self.weight_bytes + self.stream.slot_bytes * self.stream.stream + self.sessions_bytes + \
+            self.scratch_bytes
 
     def describe(self) -> list[str]:
         """Lines for `qwenmetal info`."""
         ws = "unknown (no limit assumed)" if not self.working_set else size_text(self.working_set)
         parts = (f"weights {size_text(self.weight_bytes)}"
                  + (f" + expert slots {size_text(self.stream.slot_bytes)}" if self.stream.stream else "")
-                 + f" + KV at {self.context:,} tokens {size_text(self.kv_bytes)} + GDN state {size_text(self.state_bytes)}"
+                 + (f" + {self.parallel} sessions x (" if self.parallel > 1 else " + ")
+                 + f"KV at {self.context:,} tokens {size_text(self.kv_bytes)} + GDN state {size_text(self.state_bytes)}"
+                 + (")" if self.parallel > 1 else "")
                  + f" + scratch (chunk {self.chunk}) {size_text(self.scratch_bytes)} = {size_text(self.total_bytes)}")
         what = {"resident": "every weight resident",
                 "smaller chunk": f"every weight resident with a prefill chunk of {self.chunk} rows",
@@ -94,40 +103,44 @@ class GpuMemoryPlan:
 
 def plan(config, weights_or_sizes, working_set: int, *, context: int = DEFAULT_CONTEXT, chunk: int = CHUNKS[0],
          dtype: str = "bfloat16", kv_dtype: str = "bfloat16", memory_budget="auto", expert_slots=None,
-         expert_policy=None, expert_direct_io: bool = False) -> GpuMemoryPlan:
+         expert_policy=None, expert_direct_io: bool = False, parallel: int = 1) -> GpuMemoryPlan:
     """The plan for `config` with the tensors of `weights_or_sizes` (a Weights or name -> bytes) on a GPU
     whose working set is `working_set` bytes (0: unknown, nothing is limited by it), for sessions of up to
     `context` tokens and prefill chunks of up to `chunk` rows; memory_budget / expert_* as
-    qwenmetal.expert_streaming.plan takes them (the expert plan is also bounded by the working set). Raises
+    qwenmetal.expert_streaming.plan takes them (the expert plan is also bounded by the working set); `parallel`
+    sessions of `context` tokens each (their KV caches and GDN states; one graph's scratch). Raises
     InputError naming the figures when even streaming cannot fit."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise InputError(f"context must be a positive integer, got {context!r}", "context")
-    held = session_bytes(config, context, KV_ELEMENT_BYTES[kv_dtype], 4)
-    kv, state = held["kv_cache"], 2 * held["gdn_state"]
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise InputError(f"parallel must be a positive integer, got {parallel!r}", "parallel")
+    held = session_alloc_bytes(config, context, KV_ELEMENT_BYTES[kv_dtype], "metal")
+    kv, state = held["kv_cache"], held["gdn_state"]
+    sessions = parallel * (kv + state)
     base = stream_plan(config, weights_or_sizes, memory_budget, slots_per_layer=expert_slots, policy=expert_policy,
                        direct_io=expert_direct_io)
     weights = base.resident_bytes if base.stream else base.checkpoint_bytes
     if not working_set:                   # nothing to fit: the scratch is not measured (0)
-        return GpuMemoryPlan("unlimited", 0, context, chunk, weights, kv, state, 0, base)
+        return GpuMemoryPlan("unlimited", 0, context, chunk, weights, kv, state, 0, base, parallel)
     if base.stream:                       # the memory budget (or forced slots) already streams
         scratch = graph_bytes(config, chunk, dtype, kv_dtype)
-        p = GpuMemoryPlan("stream", working_set, context, chunk, weights, kv, state, scratch, base)
+        p = GpuMemoryPlan("stream", working_set, context, chunk, weights, kv, state, scratch, base, parallel)
         if p.total_bytes <= working_set:
             return p
     candidates = [c for c in CHUNKS if c <= chunk] or [chunk]
     scratch = {}
     for c in candidates:                  # everything resident, the largest chunk that fits
         scratch[c] = graph_bytes(config, c, dtype, kv_dtype)
-        if not base.stream and base.checkpoint_bytes + kv + state + scratch[c] <= working_set:
+        if not base.stream and base.checkpoint_bytes + sessions + scratch[c] <= working_set:
             return GpuMemoryPlan("resident" if c == chunk else "smaller chunk", working_set, context, c,
-                                 base.checkpoint_bytes, kv, state, scratch[c], base)
+                                 base.checkpoint_bytes, kv, state, scratch[c], base, parallel)
     # stream the routed experts: the slots get what the rest leaves of the working set, at the largest chunk
     # that leaves a token's experts (top-k) a slot each, else at the chunk that leaves the most slots
     budget = working_set if not base.stream else min(working_set, base.budget)
     per_slot = base.expert_bytes * base.moe_layers
 
     def slots_at(c: int) -> int:
-        left = budget - base.resident_bytes - kv - state - scratch[c]
+        left = budget - base.resident_bytes - sessions - scratch[c]
         return int(min(base.num_experts, left // per_slot)) if per_slot else 0
     c = next((c for c in candidates if slots_at(c) >= min(base.top_k, base.num_experts)),
              max(candidates, key=lambda c: (slots_at(c), c)))
@@ -135,14 +148,18 @@ def plan(config, weights_or_sizes, working_set: int, *, context: int = DEFAULT_C
         if slots_at(c) < 1:
             raise InputError(
                 f"this GPU's working set is {size_text(working_set)}: the model's resident weights "
-                f"({size_text(base.resident_bytes)}, everything but the routed experts) + KV at {context:,} tokens "
-                f"({size_text(kv)}) + GDN state ({size_text(state)}) + scratch ({size_text(scratch[c])}, chunk {c}) + one expert "
-                f"slot per MoE layer ({size_text(per_slot)}) need "
-                f"{size_text(base.resident_bytes + kv + state + scratch[c] + per_slot)}; lower the context", "context")
+                f"({size_text(base.resident_bytes)}, everything but the routed experts) + "
+                + (f"{parallel} sessions x (" if parallel > 1 else "")
+                + f"KV at {context:,} tokens ({size_text(kv)}) + GDN state ({size_text(state)})"
+                + (")" if parallel > 1 else "") + " + scratch "
+                f"({size_text(scratch[c])}, chunk {c}) + one expert slot per MoE layer ({size_text(per_slot)}) need "
+                f"{size_text(base.resident_bytes + sessions + scratch[c] + per_slot)}; lower the context"
+                + (" or the sessions" if parallel > 1 else ""), "context")
         expert_slots = slots_at(c)
     streamed = replace(stream_plan(config, weights_or_sizes, None, slots_per_layer=expert_slots,
                                    policy=expert_policy, direct_io=expert_direct_io), budget=working_set)
-    p = GpuMemoryPlan("stream", working_set, context, c, streamed.resident_bytes, kv, state, scratch[c], streamed)
+    p = GpuMemoryPlan("stream", working_set, context, c, streamed.resident_bytes, kv, state, scratch[c], streamed,
+                      parallel)
     if p.total_bytes > working_set:       # expert_slots given: more slots than the working set holds
         raise InputError(f"this GPU's working set is {size_text(working_set)}: {expert_slots} expert slots per MoE layer "
                          f"need {size_text(p.total_bytes)} in all ({'; '.join(p.describe()[1:]).strip()})", "expert_slots")

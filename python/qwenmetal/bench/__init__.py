@@ -7,6 +7,8 @@
 * :mod:`.load` -- detection of other work on the machine;
 * :mod:`.timing` -- timed prefill / decode, prompt, digest, peak RSS, the machine (``_core.cpu_info()``) and its
   one-line label;
+* :mod:`.speculative` -- ``--speculative``: verification cost and greedy tok/s with an oracle drafter;
+* :mod:`.batch` -- ``--batch``: one decode_batch step over B sessions against batch 1 and the union floor;
 * :mod:`.cli` -- the run, its table and JSON, the command-line arguments.
 
 The names below are the public API (``qwenmetal.bench.X``), re-exported from those modules.

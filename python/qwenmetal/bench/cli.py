@@ -68,6 +68,7 @@ from .bytes_model import (
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
+from .batch import format_batch, run_batch
 from .speculative import format_speculative, run_speculative
 from .timing import (
     describe_machine,
@@ -408,6 +409,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding instead: the cost of verifying 2/3/5/9 rows against a decode step, "
                         "and greedy tok/s against plain decoding at acceptance 0.5/0.7/0.9 (an oracle drafter; "
                         "context: the first --contexts value, default 512; tokens: --decode-steps, default 64)")
+    p.add_argument("--batch", default=None, metavar="B,...",
+                   help="batched decode instead: for each batch size, one decode_batch step over B sessions forked "
+                        "from one context (ms/step, aggregate and per-stream tok/s, vs batch 1, the bytes floor of "
+                        "the rows' union of experts) and the 2-row verification vs a step; e.g. --batch 1,2,4,8")
+    p.add_argument("--context", type=int, default=None,
+                   help="--batch: tokens of context each session holds (default 512; --quick 32)")
+    p.add_argument("--batch-routing", default="measured", choices=("measured", "random"),
+                   help="--batch: distinct experts per step counted on an expert-cache twin of the model "
+                        "(measured, the default, where the backend streams experts) or the random-routing estimate")
     p.add_argument("--encode-only", action="store_true",
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
                         "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s); "
@@ -498,6 +508,9 @@ def main_args(args: argparse.Namespace) -> int:
     elif getattr(args, "speculative", False):
         res = run_speculative_args(args, log)
         print(format_speculative(res))
+    elif getattr(args, "batch", None):
+        res = run_batch_args(args, log)
+        print(format_batch(res))
     else:
         res = run_limited(args, log=log) if args.memory_limit else run(args, log=log)
         print(format_table(res))
@@ -522,6 +535,42 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
                 "backend": model.backend, "options": options, "threads": threads,
                 "engine": model.backend_info()})
+    res["machine_label"] = describe_machine(machine)
+    return res
+
+
+def run_batch_args(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """`bench --batch 1,2,4,8` (qwenmetal.bench.batch) on the benchmark's model, with the machine. The distinct
+    experts per step are counted on a twin with an expert cache of every expert (--batch-routing measured,
+    the default) where the backend streams experts; else the random-routing estimate."""
+    batches = _ints(args.batch)
+    threads = args.threads or _usable_cpus()
+    model, path, cfg_name, options, load_s = load_model(args, threads, log)
+    machine = machine_info()
+    log(f"machine: {describe_machine(machine)}")
+    context = args.context or (_ints(args.contexts)[0] if args.contexts else (32 if args.quick else 512))
+    steps = args.decode_steps or (3 if args.quick else 16)
+    repeats = args.repeats or (1 if args.quick else 3)
+    kv_dtype = args.kv_dtype or model.backend_info().get("kv_dtype") or BACKEND_KV_DEFAULT.get(model.backend, "bfloat16")
+    counter = None
+    if args.batch_routing == "measured" and model.expert_counters() is not None:
+        try:
+            counter = Model.load(str(path), backend=model.backend,
+                                 **dict(options, expert_slots=model.config.num_experts, memory_budget=None))
+        except Exception as e:              # the estimate instead, said in the result
+            log(f"no expert-cache twin ({e}); distinct experts from the random-routing estimate")
+    busy = wait_quiet(args.wait_quiet, log=log) if args.wait_quiet else busy_fraction(1.0)
+    with ForeignLoad() as fl:
+        res = run_batch(model, batches, context, steps, repeats, log, KV_ELEMENT_BYTES.get(kv_dtype, 2), counter)
+    del counter
+    res["busy_before"], res["foreign_load"] = busy, fl.fraction
+    log(f"other processes used {100 * (fl.fraction or 0):.0f}% of the CPUs during the run")
+    res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
+                "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers,
+                          "num_experts": model.config.num_experts, "num_experts_per_tok": model.config.num_experts_per_tok,
+                          "weights_bytes": int(sum(tensor_sizes(model.weights).values()))},
+                "backend": model.backend, "options": options, "threads": threads, "kv_dtype": kv_dtype,
+                "engine": model.backend_info(), "load_seconds": load_s, "peak_rss_bytes": peak_rss_bytes()})
     res["machine_label"] = describe_machine(machine)
     return res
 

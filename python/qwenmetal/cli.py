@@ -520,7 +520,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model if not os.path.isdir(args.model)
                                       else os.path.basename(os.path.normpath(args.model)))
     spec = _speculative(args, model)
-    parallel = args.parallel if args.parallel is not None else _default_parallel(model, spec)
+    parallel = args.parallel if args.parallel is not None else _default_parallel(model, spec, args)
     if spec and parallel > 1:
         print("qwenmetal: error: speculative decoding is single-stream: use it with --parallel 1", file=sys.stderr)
         return 2
@@ -534,12 +534,17 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _default_parallel(model, spec: dict) -> int:
-    """--parallel when not given: 1 with speculative decoding (single-stream), else 4, at most the backend's
-    rows per batched step."""
+def _default_parallel(model, spec: dict, args) -> int:
+    """--parallel when not given: 1 with speculative decoding (single-stream); else the most sessions of
+    8192 tokens that fit beside the weights in the memory budget (`expert_streaming.default_parallel`: at most
+    8 and the backend's rows per batched step, at least 1)."""
     if spec:
         return 1
-    return min(4, model.max_batch_rows or 4)
+    info = model.backend_info()
+    return expert_streaming.default_parallel(
+        model.config, model.weights, _load_options(args).get("memory_budget", "auto"),
+        limit=model.max_batch_rows, kv_dtype=info.get("kv_dtype") or "bfloat16",
+        backend="metal" if model.backend.startswith("metal") else "cpu")
 
 
 def _either(args, positional: str, option: str):
@@ -659,7 +664,8 @@ def main(argv=None) -> int:
                    help="disk budget of --cache-dir (default 4 GiB; least recently used files removed)")
     p.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="requests generated at once, batched: one decode step runs all of them and reads the "
-                   "weights once (default: chosen from memory; 1 with --speculative, which is single-stream)")
+                   "weights once (default: the most sessions of 8192 tokens that fit the memory budget beside "
+                   "the weights, at most 8; 1 with --speculative, which is single-stream)")
     p.add_argument("--step-tokens", type=int, default=server.DEFAULT_STEP_TOKENS, metavar="N",
                    help="prompt tokens prefilled per batched step between decode steps (default "
                    f"{server.DEFAULT_STEP_TOKENS}; rounded to the backend's prefill chunk)")

@@ -11,8 +11,9 @@ arrangements, alternated over `--rounds` rounds (sequential, concurrent, concurr
 * concurrent: all N sent at once from N threads (the server batches them).
 
 Printed: the wall time of each arrangement (median over rounds), their ratio (target: concurrent <= 0.6x
-sequential), the aggregate tokens per second, each request's time to its last token, and the server's
-/health at the end (batched steps' occupancy). The CPU is named with the figures. A benchmark, not a test:
+sequential), the aggregate tokens per second, each request's time to its last token, the server's /health
+at the end (batched steps' occupancy), and the share of the CPUs other processes used during the rounds
+(it first waits up to 2 minutes for a quiet machine). The CPU is named with the figures. A benchmark, not a test:
 the box may be shared, so the two arrangements alternate in the same run.
 """
 from __future__ import annotations
@@ -44,6 +45,20 @@ def _cpu() -> str:
         return f"{name} (family {info.get('cpu family', '?').strip()} model {info.get('model', '?').strip()})"
     except OSError:
         return "unknown CPU"
+
+
+def _busy() -> float:
+    """CPU seconds the whole machine has spent busy (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds process `pid` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _request(base: str, i: int, max_tokens: int) -> dict:
@@ -97,8 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     import httpx
-
     from qwenmetal.bench import ensure_checkpoint, resolve_config
+    from qwenmetal.bench.load import wait_quiet
 
     ckpt = Path(a.model) if a.model else ensure_checkpoint(resolve_config("real", a.layers), 0,
                                                             log=lambda s: print(s, file=sys.stderr))
@@ -106,9 +121,11 @@ def main(argv=None) -> int:
             "--log-level", "warning"]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"server_concurrency.{os.getpid()}.log"
     seq, conc = [], []
-    with spawned_server(args, log) as (_, base):
+    quiet = wait_quiet(120, log=lambda s: print(s, file=sys.stderr))
+    with spawned_server(args, log) as (proc, base):
         _request(base, 0, 4)                                    # warm-up: page the weights in
         texts = None
+        busy0, server0, self0, t0 = _busy(), _proc_cpu(proc.pid), time.process_time(), time.monotonic()
         for r in range(a.rounds):
             order = (_sequential, _concurrent) if r % 2 == 0 else (_concurrent, _sequential)
             for f in order:
@@ -121,6 +138,9 @@ def main(argv=None) -> int:
                     raise SystemExit("the concurrent answers differ from the sequential ones")
                 print(f"round {r}: {f.__name__[1:]:10s} {t:7.2f} s", file=sys.stderr, flush=True)
         health = httpx.get(base + "/health", timeout=10).json()
+        # other processes' share of the CPUs during the rounds: the machine's busy time less the server's and ours
+        others = (_busy() - busy0) - (_proc_cpu(proc.pid) - server0) - (time.process_time() - self0)
+        foreign = max(0.0, others / max(1e-9, (time.monotonic() - t0) * (os.cpu_count() or 1)))
     ts, tc = statistics.median(t for t, _ in seq), statistics.median(t for t, _ in conc)
     tokens = sum(o["tokens"] for o in seq[0][1])
     res = {"cpu": _cpu(), "checkpoint": str(ckpt), "backend": a.backend, "requests": a.requests,
@@ -128,12 +148,15 @@ def main(argv=None) -> int:
            "concurrent_seconds": [round(t, 3) for t, _ in conc], "ratio": round(tc / ts, 3),
            "sequential_tok_s": round(tokens / ts, 2), "concurrent_tok_s": round(tokens / tc, 2),
            "concurrent_request_seconds": [round(o["seconds"], 2) for o in conc[-1][1]],
-           "batch_occupancy": health.get("batch_occupancy"), "date": time.strftime("%Y-%m-%d")}
+           "batch_occupancy": health.get("batch_occupancy"), "date": time.strftime("%Y-%m-%d"),
+           "foreign_load_before": None if quiet is None else round(quiet, 3),
+           "foreign_load_during": round(foreign, 3)}
     print(json.dumps(res, indent=1))
     verdict = "met" if res["ratio"] <= 0.6 else "MISSED"
     print(f"{a.requests} concurrent chats of {a.max_tokens} tokens: {tc:.2f} s vs {ts:.2f} s one after another "
           f"= {res['ratio']:.2f}x (target <= 0.6x: {verdict}); {res['concurrent_tok_s']} vs "
-          f"{res['sequential_tok_s']} tok/s aggregate; {res['cpu']}")
+          f"{res['sequential_tok_s']} tok/s aggregate; {res['cpu']}; other processes used "
+          f"{100 * foreign:.0f}% of the CPUs during the rounds")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

@@ -271,6 +271,41 @@ void register_gpu_graph(nb::module_& g) {
             }
             return cost_dict(c);
         }, "state"_a, "rows"_a)
+        .def("decode_batch", [](PyGpuEngine& e, nb::list states,
+                                nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, nb::handle consumed) {
+            const int64_t B = int64_t(ids.shape(0));
+            std::vector<GpuState*> st;
+            for (nb::handle h : states) st.push_back(nb::cast<GpuState*>(h));
+            if (int64_t(st.size()) != B)
+                throw std::invalid_argument("decode_batch: " + std::to_string(st.size()) + " states for " +
+                                            std::to_string(B) + " ids");
+            std::vector<Consumed> sinks;              // checked before the compute: a wrong argument changes nothing
+            if (!consumed.is_none()) {
+                if (!PyList_Check(consumed.ptr()) || int64_t(PyList_Size(consumed.ptr())) != B)
+                    throw nb::type_error("consumed must be None or a list of one token list (or None) per state");
+                for (nb::handle h : nb::borrow<nb::list>(consumed)) sinks.emplace_back(h);
+            }
+            auto out = new_array({size_t(B), size_t(e.model->config().vocab)});
+            {
+                nb::gil_scoped_release r;
+                e.engine->decode_batch(st, ids.data(), B, out.data());
+            }
+            for (size_t r = 0; r < sinks.size(); ++r) sinks[r].append(ids.data() + r, 1);
+            return out;
+        }, "states"_a, "ids"_a, "consumed"_a = nb::none(),
+           "One decode step of B (1..16) independent states in one command buffer: row r is ids[r] on states[r] "
+           "at its own position; logits [B, vocab], row r bit for bit a one-token forward on states[r] alone. "
+           "All-or-nothing; on success every state advanced one token and ids[r] appended to consumed[r].")
+        .def("batch_cost", [](PyGpuEngine& e, nb::list states) {
+            std::vector<GpuState*> st;
+            for (nb::handle h : states) st.push_back(nb::cast<GpuState*>(h));
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->batch_cost(st);
+            }
+            return cost_dict(c);
+        }, "states"_a, "encode-only costing of decode_batch over these states (none advances)")
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
         .def("reserve_prefill", [](PyGpuEngine& e, uint32_t rows) { e.engine->reserve_prefill(rows); }, "rows"_a,
              nb::call_guard<nb::gil_scoped_release>(), "allocate a prefill chunk's scratch now (memory planning)")

@@ -814,13 +814,27 @@ void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, 
         const ops::GdnShape gs = gdn_shape(c);
         const size_t gi = L.state_index;
         const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
-        for (uint32_t r = 0; r < rows; ++r) {
-            const RowPlan& pr = plan[r];
+        auto conv = [&](uint32_t r) {
             const Buffer p = row(v.proj, in_rows * es, r, in_rows * es), act = row(v.conv_act, cd * es, r, cd * es);
-            ops::gdn_conv(e, t, gs, p.view(0, cd * es), L.conv_w, pr.conv_in[gi], pr.conv_out[gi], act);
+            ops::gdn_conv(e, t, gs, p.view(0, cd * es), L.conv_w, plan[r].conv_in[gi], plan[r].conv_out[gi], act);
+        };
+        auto step = [&](uint32_t r) {
+            const Buffer p = row(v.proj, in_rows * es, r, in_rows * es), act = row(v.conv_act, cd * es, r, cd * es);
             ops::gdn_step(e, t, gs, act, p.view(cd * es, vd * es), p.view((cd + vd) * es, nv * es),
-                          p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps, pr.ssm_in[gi],
-                          pr.ssm_out[gi], row(v.mix, mix_w * es, r, vd * es));
+                          p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps,
+                          plan[r].ssm_in[gi], plan[r].ssm_out[gi], row(v.mix, mix_w * es, r, vd * es));
+        };
+        // rows chained through one state (a verification): conv r, step r, conv r + 1, ... (rows + 1 levels);
+        // rows on states of their own (a batched step): every conv, then every step (2 levels)
+        const bool chained = rows > 1 && plan[1].st == plan[0].st;
+        if (chained) {
+            for (uint32_t r = 0; r < rows; ++r) {
+                conv(r);
+                step(r);
+            }
+        } else {
+            for (uint32_t r = 0; r < rows; ++r) conv(r);
+            for (uint32_t r = 0; r < rows; ++r) step(r);
         }
         ops::qmv(e, t, L.out_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
     }

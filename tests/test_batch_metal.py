@@ -96,3 +96,16 @@ def test_decode_batch_errors_leave_every_state_alone():
     np.testing.assert_array_equal(got[0], m.decode_step(ref, 5))
     assert ses.rewindable(m, ss[0]) == 0 and ss[0].tokens == ref.tokens
 
+
+
+def test_batch_cost_encode_only_tiny():
+    """batch_cost encodes the batched step without advancing a state; the modelled bench runs at tiny scale."""
+    from qwenmetal.bench.batch import batch_modelled
+    m = _load("tiny")
+    res = batch_modelled(m.config, batches=(1, 2), context=64)
+    assert set(res["batches"]) == {1, 2}
+    b1, b2 = res["batches"][1], res["batches"][2]
+    assert b2["bytes"] > b1["bytes"] and b2["bytes"] < 2 * b1["bytes"]
+    for chip, r in b2["chips"].items():
+        assert r["aggregate_tok_s"] > b1["chips"][chip]["aggregate_tok_s"]
+    assert res["verify2"]["chips"]

@@ -69,6 +69,7 @@ from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
 from .speculative import format_speculative, run_speculative
+from .batch import batch_modelled, format_batch
 from .timing import (
     describe_machine,
     machine_info,
@@ -412,6 +413,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
                         "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s); "
                         "with --prefill, also the chunked prefill of those prompt lengths")
+    p.add_argument("--batch", default=None, metavar="B,...",
+                   help="with --encode-only: also the batched decode step of B sequences (e.g. 1,2,4,8) at the first "
+                        "--contexts value, modelled against the union floor, and the 2-row verification")
 
 
 def run_encode_only(args: argparse.Namespace) -> dict:
@@ -435,6 +439,8 @@ def run_encode_only(args: argparse.Namespace) -> dict:
            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
                       "hidden": c.hidden_size},
            "decode": decode, "decode_by_context": by_ctx}
+    if getattr(args, "batch", None):
+        res["batch"] = batch_modelled(c, _ints(args.batch), context=contexts[0], kv_dtype=kv)
     if args.prefill:
         res["prefill"] = encode_only_prefill_cost(c, _ints(args.prefill), kv_dtype=kv,
                                                   chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
@@ -454,6 +460,8 @@ def format_encode_only(res: Mapping[str, Any]) -> str:
                      f"{r['bytes_vs_floor']:>8.3f}  {tps}")
     lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
                  "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    if "batch" in res:
+        lines.append(format_batch(res["batch"]))
     if "prefill" in res:
         lines.append(format_prefill_cost(res["prefill"]))
     return "\n".join(lines)

@@ -670,12 +670,17 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 //              | gdn(proj[r]) on the state after row r-1   into the state set of row r
 //       x   += W_out mix                            qmv over the rows, the residual add fused
 //       router = W_r rmsnorm(x), xn                 qmv over the rows
-//       x[r] += moe(xn[r])                          the decode MoE kernels per row (its own experts)
+//       x[r] += moe(xn[r])                          top-k of every row, then the union-read MoE: each expert
+//                                                   of the rows' union read once, per row the decode arithmetic
 //            | mlp(rmsnorm(x[r]))                   (dense layers)
 //   logits = lm_head rmsnorm(x) (float, [R, V])     qmv over the rows; xn keeps the normed rows (hidden)
 //
 // The GDN states after each row go to sets of their own (GpuState::take_sets), which GpuState::rewind
 // reinstalls; the KV rows past a rewound position are overwritten by later calls.
+//
+// The same graph runs the batched decode step (decode_batch): a RowPlan per row names the state, position,
+// KV cache and GDN buffers it uses, so rows may be one state's consecutive tokens (verify_plan) or one
+// token on each of B states (batch_plan).
 
 // One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
 // most kMaxVerifyRows): the decode scratch's tensors with one row per token.

@@ -84,6 +84,9 @@ def test_decode_batch_errors_leave_every_state_alone():
         be.decode_batch(st[:2], np.array([1, 2, 3]), toks)
     with pytest.raises(TypeError, match="consumed"):
         be.decode_batch(st, np.array([1, 2, 3]), toks[:2])
+    many = [m.new_session() for _ in range(17)]
+    with pytest.raises(ValueError, match="takes 1..16"):
+        be.decode_batch([x._state for x in many], np.ones(17, np.int64), None)
     for s, (t, a) in zip(ss, before):
         assert s.tokens == t and _same(_state(m, s), a)
     # a state with an open verify chain: the batched step ends it, after the chain's last row
@@ -96,6 +99,26 @@ def test_decode_batch_errors_leave_every_state_alone():
     np.testing.assert_array_equal(got[0], m.decode_step(ref, 5))
     assert ses.rewindable(m, ss[0]) == 0 and ss[0].tokens == ref.tokens
 
+
+
+def test_decode_batch_needs_resident_experts_and_an_executing_device():
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="metal-sim", expert_slots=4)
+    s = m.new_session()
+    m.prefill(s, PROMPTS[1])
+    with pytest.raises(ValueError, match="resident experts"):
+        m._backend.decode_batch([s._state], np.array([1]), [s._tokens])
+    assert s.tokens == tuple(PROMPTS[1])
+    from qwenmetal.bench import batch as bb
+    from qwenmetal.native import core
+    from qwenmetal.weights_table import config_dict, virtual_weight_table
+    ext = core()
+    mappings, tensors, _ = virtual_weight_table(m.config)
+    eng = ext.gpu.GpuEngine(ext.gpu.SimDevice(execute=False), config_dict(m.config), mappings, tensors, "f32",
+                            False, {}, [])
+    st = eng.new_state()
+    with pytest.raises(ValueError, match="encode-only device cannot decode"):
+        eng.decode_batch([st], np.array([1]), None)
+    assert st.position == 0 and bb.expected_union(256, 8, 1) == pytest.approx(8)
 
 
 def test_batch_cost_encode_only_tiny():

@@ -69,8 +69,11 @@ struct MoeGateUpRowsParams {
     uint32_t rows;               // R, 1 .. MOE_ROWS_MAX; rows * k <= MOE_ROWS_MAX_PAIRS
     uint32_t x_stride;           // elements between x rows (a multiple of 4)
     uint32_t act_row;            // elements between act rows (a multiple of 4)
+    uint32_t n_experts;          // router logits per row (fused top-k)
+    uint32_t topk;               // MOE_TOPK_FUSED | MOE_TOPK_NORM (R <= MOE_ROWS_TOPK_FUSED_MAX), or 0: ids read
+    uint32_t logits_stride;      // floats between router-logit rows (fused top-k)
 };
-static_assert(sizeof(MoeGateUpRowsParams) == 52, "MoeGateUpRowsParams: 13 x 4 bytes, as the host packs it");
+static_assert(sizeof(MoeGateUpRowsParams) == 64, "MoeGateUpRowsParams: 16 x 4 bytes, as the host packs it");
 
 struct MoeDownRowsParams {
     uint32_t H;                  // output rows (hidden size)
@@ -96,6 +99,9 @@ static_assert(sizeof(MoeDownRowsParams) == 64, "MoeDownRowsParams: 16 x 4 bytes,
 #define MOE_ROWS_MAX 16u
 #define MOE_ROWS_MAX_PAIRS 256u
 #define MOE_ROWS_MB 4u
+// rows whose router top-k moe_gate_up_rows may fuse (each SIMD-group routes half of them: the work grows
+// with R in every threadgroup, so larger batches route in moe_topk_rows first)
+#define MOE_ROWS_TOPK_FUSED_MAX 4u
 
 // mlp_gate_up: act = silu(gate x) * up x over one stacked [gate | up] matrix
 struct MlpGateUpParams {

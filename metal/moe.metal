@@ -294,16 +294,21 @@ void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw
 // products are rows_dot's (rows_dot_sel, vector by vector the same steps), its SwiGLU, weighted terms,
 // sums and roundings are moe_gate_up's / moe_down's in the same order (slots 0 .. k-1, then the shared
 // expert), so a row's output is bit for bit the single-row kernels' on that row.
-// ids [R, k] come from moe_topk_rows (route_topk: the function the single-row kernel fuses), so the routing
-// costs one dependency level of its own here.
+// ids [R, k] come from moe_topk_rows (route_topk: the function the single-row kernel fuses; one dependency
+// level of its own), or, for R <= MOE_ROWS_TOPK_FUSED_MAX, from route_topk fused into moe_gate_up_rows.
 
 // A pair is (row r, slot j), index r k + j. The leader of an expert is the first pair routed to it.
 // Gate/up + SwiGLU over the union. Thread mapping: grid (ceil(act_stride / 8), R k (+1 with a shared
 // expert), 1) x (32, 2, 1); grid.y is a pair: a threadgroup whose pair is not its expert's leader returns;
 // a leader's runs the expert's 8-row block over the pairs routed to it (ascending), MOE_ROWS_MB at a time
 // (at most one pair per row: top-k picks distinct experts). grid.y = R k: the shared expert over every row.
+// First the threadgroup stages every pair's expert in threadgroup memory (one barrier): read from ids, or
+// with p.topk (MOE_TOPK_FUSED) routed here, SIMD-group sg running route_topk on rows sg, sg + 2, ...;
+// threadgroup (0, 0) then stores the ids and weights for moe_down_rows.
 // Buffers: 0 params, 1-3 gate stack [count, inter, K], 4-6 up stack, 7-9 the shared [gate | up] matrix
-// (without one: any buffer, unused), 10 x [R, x_stride], 11 ids uint [R, k], 12 act [R, act_row].
+// (without one: any buffer, unused), 10 x [R, x_stride], 11 ids uint [R, k] (read; written with the fused
+// top-k), 12 act [R, act_row], 13 router logits float [R, logits_stride] (fused top-k only), 14 routing
+// weights float [R, k] (written with the fused top-k).
 template <int FMT, typename S, typename T>
 [[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
 void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
@@ -311,11 +316,35 @@ void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device cons
                       device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
                       device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
                       device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
-                      device const T* x [[buffer(10)]], device const uint* ids [[buffer(11)]],
-                      device T* act [[buffer(12)]], uint3 tgid [[threadgroup_position_in_grid]],
-                      uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+                      device const T* x [[buffer(10)]], device uint* ids [[buffer(11)]],
+                      device T* act [[buffer(12)]], device const float* logits [[buffer(13)]],
+                      device float* weights [[buffer(14)]], uint3 tgid [[threadgroup_position_in_grid]],
+                      uint tid [[thread_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
+    threadgroup uint tids[MOE_ROWS_MAX_PAIRS];
     const uint n = p.rows * p.k, pair = tgid.y;
+    if ((p.topk & MOE_TOPK_FUSED) != 0u) {
+        const bool store = tgid.x == 0u && tgid.y == 0u;
+        for (uint r = sg; r < p.rows; r += QMV_SIMDGROUPS) {
+            uint id;
+            float w;
+            route_topk<T>(logits + r * p.logits_stride, p.n_experts, p.k, (p.topk & MOE_TOPK_NORM) != 0u, lane, id,
+                          w);
+            if (lane < p.k) {
+                tids[r * p.k + lane] = id;
+                if (store) {
+                    ids[r * p.k + lane] = id;
+                    weights[r * p.k + lane] = w;
+                }
+            }
+        }
+    } else {
+        for (uint q = tid; q < n; q += QMV_LANES * QMV_SIMDGROUPS) {
+            tids[q] = ids[q];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
     device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
     const uint xs4 = p.x_stride / 4u;
@@ -323,10 +352,10 @@ void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device cons
         if (row0 >= p.inter) {
             return;
         }
-        const uint expert = min(ids[pair], p.count - 1u);
+        const uint expert = min(tids[pair], p.count - 1u);
         uint seen = 0u;                          // an earlier pair has this expert: its leader reads it
         for (uint q = lane; q < pair; q += SIMD_WIDTH) {
-            seen = seen | (min(ids[q], p.count - 1u) == expert ? 1u : 0u);
+            seen = seen | (min(tids[q], p.count - 1u) == expert ? 1u : 0u);
         }
         if (simd_max(seen) != 0u) {
             return;
@@ -340,7 +369,7 @@ void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device cons
             uint sel[MOE_ROWS_MB], xo[MOE_ROWS_MB];
             uint nb = 0u;
             for (uint b = 0; b < MOE_ROWS_MB; ++b) {
-                while (q < n && min(ids[q], p.count - 1u) != expert) {
+                while (q < n && min(tids[q], p.count - 1u) != expert) {
                     ++q;
                 }
                 sel[b] = q < n ? q : pair;

@@ -42,11 +42,18 @@ void register_gpu_ops_moe(nb::module_& ops) {
     ops.def("moe_gate_up_rows", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate,
                                    const gpu::Matrix& up, const gpu::Matrix* shared_gate_up, const gpu::Buffer& x,
                                    const gpu::Buffer& ids, uint32_t k, const gpu::Buffer& act, uint32_t rows,
-                                   uint32_t x_stride, uint32_t act_row) {
+                                   uint32_t x_stride, uint32_t act_row, const gpu::Buffer* logits,
+                                   uint32_t logits_stride, uint32_t n_experts, bool norm, const gpu::Buffer* weights) {
+        if (bool(logits) != bool(weights))
+            throw std::invalid_argument("moe_gate_up_rows: the fused top-k needs both logits and weights");
+        gpu::ops::MoeRowsRouting r;
+        if (logits) r = gpu::ops::MoeRowsRouting{*logits, logits_stride, n_experts, norm, *weights};
         gpu::ops::moe_gate_up_rows(e, gpu::parse_act(t), gate, up, shared_gate_up, x, ids, k, act,
-                                   gpu::ops::MoeRows{rows, x_stride, act_row});
+                                   gpu::ops::MoeRows{rows, x_stride, act_row}, logits ? &r : nullptr);
     }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "shared_gate_up"_a.none(), "x"_a, "ids"_a, "k"_a, "act"_a, "rows"_a,
-       "x_stride"_a = 0, "act_row"_a = 0);
+       "x_stride"_a = 0, "act_row"_a = 0, "logits"_a.none() = nb::none(), "logits_stride"_a = 0, "n_experts"_a = 0,
+       "norm"_a = true, "weights"_a.none() = nb::none(),
+       "With logits and weights (rows <= 4) the router top-k is fused in: ids and weights are written, not read.");
     ops.def("moe_down_rows", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& down,
                                 const gpu::Matrix* shared_down, const gpu::Buffer& act, const gpu::Buffer& ids,
                                 const gpu::Buffer& weights, const gpu::Buffer* logits, uint32_t logits_stride,

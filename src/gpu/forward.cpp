@@ -850,17 +850,21 @@ void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, 
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &v.xn);
         rf.round = true;                                                                // bf16 logits, as MLX
         stacked_qmv(e, t, L.router, v.x, v.router, true, rf, rows);                    // router logits, xn
-        // every row's top-k (the function the decode step fuses into gate/up), then the union-read MoE: each
-        // expert of the rows' union read once for the rows that chose it, every row the decode arithmetic.
-        // Rows in groups of at most MOE_ROWS_MAX_PAIRS / k (all of them for k <= 16).
-        ops::moe_topk_rows(e, t, v.router, rows, rr, E, k, c.norm_topk, v.topk_ids, v.topk_w);
+        // every row's top-k (route_topk, the function the decode step fuses into gate/up: fused here too up to
+        // MOE_ROWS_TOPK_FUSED_MAX rows, else moe_topk_rows first), then the union-read MoE: each expert of the
+        // rows' union read once for the rows that chose it, every row the decode arithmetic. Rows in groups of
+        // at most MOE_ROWS_MAX_PAIRS / k (all of them for k <= 16).
+        const bool fuse = rows <= MOE_ROWS_TOPK_FUSED_MAX;
+        if (!fuse) ops::moe_topk_rows(e, t, v.router, rows, rr, E, k, c.norm_topk, v.topk_ids, v.topk_w);
         const uint32_t group = std::max<uint32_t>(1, std::min<uint32_t>(rows, MOE_ROWS_MAX_PAIRS / k));
         for (uint32_t r0 = 0; r0 < rows; r0 += group) {
             const uint32_t n = std::min(group, rows - r0);
             const ops::MoeRows mr{n, uint32_t(H), uint32_t(act_w)};
             const Buffer ids = v.topk_ids.view(uint64_t(r0) * k * 4), acts = v.moe_act.view(r0 * act_w * es);
+            const ops::MoeRowsRouting route{v.router.view(uint64_t(r0) * rr * 4), rr, E, c.norm_topk,
+                                            v.topk_w.view(uint64_t(r0) * k * 4)};
             ops::moe_gate_up_rows(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr,
-                                  v.xn.view(r0 * H * es), ids, k, acts, mr);                     // SwiGLU of the union
+                                  v.xn.view(r0 * H * es), ids, k, acts, mr, fuse ? &route : nullptr);   // SwiGLU
             const Buffer shared = v.moe_shared.view(uint64_t(r0) * H * 4);
             ops::moe_down_rows(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, acts, ids,
                                v.topk_w.view(uint64_t(r0) * k * 4), v.router.view(uint64_t(r0) * rr * 4), rr, E, k,

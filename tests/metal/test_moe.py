@@ -1156,3 +1156,61 @@ def test_moe_rows_declared_bytes_and_checks():
         with pytest.raises(ValueError, match="multiples of 4"):
             ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 2, 66)
         assert enc.dispatches == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(R=st.integers(1, 4), E=st.integers(1, 40), k=st.integers(1, 8), norm=st.booleans(), ties=st.booleans(),
+       shared=st.booleans(), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_gate_up_rows_fused_topk(schedule, R, E, k, norm, ties, shared, dtype, seed):
+    """The router top-k fused into moe_gate_up_rows (up to 4 rows): the ids and weights moe_topk_rows writes,
+    and every row's activations bit for bit moe_gate_up's with its own fused top-k."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    H, inter, Is = 64, 32, 32 if shared else 0
+    c = _rows_case(rng, "q4_sbf16", dtype, R, E, k, inter, Is, H, 32)
+    stride = E + 1 + 2                                       # padded logit rows
+    logits = np.zeros((R, stride), np.float32)
+    logits[:, :E + 1] = rng.integers(-3, 3, (R, E + 1)) if ties else rng.standard_normal((R, E + 1))
+    ids, w = np.full((R, k), 99, np.uint32), np.full((R, k), 7, np.float32)
+    want_ids, want_w = np.full((R, k), 99, np.uint32), np.full((R, k), 7, np.float32)
+    act_rows = np.full((R, c.ar), 7, ACT[dtype])
+    act_one = np.full((R, c.ar), 7, ACT[dtype])
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        lb = buf(logits)
+        ops.moe_topk_rows(enc, dtype, lb, R, stride, E, k, norm, buf(want_ids), buf(want_w))
+        ops.moe_gate_up_rows(enc, dtype, g, u, sgu, buf(c.x), buf(ids), k, buf(act_rows), R, c.xs, c.ar,
+                             logits=lb, logits_stride=stride, n_experts=E, norm=norm, weights=buf(w))
+    assert not SIM or [r["kernel"] for r in dev.records()][-1] == f"moe_gate_up_rows_q4_sbf16_{dtype}"
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        for r in range(R):
+            one_ids, one_w = np.zeros(k, np.uint32), np.zeros(k, np.float32)
+            ops.moe_gate_up(enc, dtype, g, u, sgu, buf(c.x[r, :H].copy()), buf(one_ids), k, buf(act_one[r]),
+                            logits=buf(logits[r].copy()), n_experts=E, norm=norm, weights=buf(one_w))
+    np.testing.assert_array_equal(ids, want_ids)
+    _same_bits(w, want_w, "weights")
+    _same_bits(act_rows, act_one, "act")
+
+
+def test_moe_gate_up_rows_fused_topk_checks():
+    rng = np.random.default_rng(2)
+    c = _rows_case(rng, "q4_sbf16", "f32", 5, 6, 2, 32, 0, 64, 32)
+    logits = np.zeros((5, 7), np.float32)
+    w = np.zeros((5, 2), np.float32)
+    act = np.zeros((5, c.ar), np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        with pytest.raises(ValueError, match="fused top-k takes at most 4 rows"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 5, logits=buf(logits),
+                                 logits_stride=7, n_experts=6, weights=buf(w))
+        with pytest.raises(ValueError, match="needs both logits and weights"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 2, logits=buf(logits))
+        assert enc.dispatches == 0

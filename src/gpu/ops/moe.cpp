@@ -197,7 +197,8 @@ uint64_t union_rows(uint32_t count, uint32_t k, uint32_t R, uint64_t per_expert)
 }  // namespace
 
 void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
-                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows) {
+                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows,
+                      const MoeRowsRouting* route) {
     const char* op = "moe_gate_up_rows";
     gate.validate("moe_gate_up_rows: gate");
     up.validate("moe_gate_up_rows: up");
@@ -233,8 +234,24 @@ void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, c
     need(ids, uint64_t(R) * k * 4, op, "ids");
     need(act, (uint64_t(R - 1) * ar + uint64_t(slots) * stride) * es, op, "act");
     check(x.offset % (4 * es) == 0 && act.offset % (4 * es) == 0, op, "x and act offsets must be 4-element aligned");
+    uint32_t topk = 0;
+    uint64_t ln = 0;
+    if (route) {
+        check(R <= MOE_ROWS_TOPK_FUSED_MAX, op,
+              "the fused top-k takes at most " + std::to_string(MOE_ROWS_TOPK_FUSED_MAX) + " rows, got " +
+                  std::to_string(R));
+        check(route->n_experts >= k && route->n_experts <= MOE_MAX_EXPERTS && k <= MOE_MAX_TOPK, op,
+              "fused top-k needs k <= min(n_experts, " + std::to_string(MOE_MAX_TOPK) + ") and n_experts <= " +
+                  std::to_string(MOE_MAX_EXPERTS));
+        check(route->stride >= route->n_experts, op, "route.stride must be at least n_experts");
+        ln = (uint64_t(R - 1) * route->stride + route->n_experts) * 4;
+        need(route->logits, ln, op, "route.logits");
+        need(route->weights, uint64_t(R) * k * 4, op, "route.weights");
+        topk = MOE_TOPK_FUSED | (route->norm ? MOE_TOPK_NORM : 0u);
+    }
     const MoeGateUpRowsParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k,
-                                fused ? shared_inter : 0u, shared_gs, stride, gate.qbits(), shared_bits, R, xs, ar};
+                                fused ? shared_inter : 0u, shared_gs, stride, gate.qbits(), shared_bits, R, xs, ar,
+                                route ? route->n_experts : 0u, topk, route ? route->stride : 0u};
     std::vector<Arg> args{Arg::params(p)};
     const uint64_t read = union_rows(gate.count, k, R, inter);   // the modelled union's rows (each read once)
     matrix_args(args, gate, read);
@@ -244,10 +261,14 @@ void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, c
     } else {
         for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
     }
-    args.push_back(Arg::in(x.view(0, (uint64_t(R - 1) * xs + H) * es), uint64_t(R) * H * es));
-    args.push_back(Arg::in(ids.view(0, uint64_t(R) * k * 4)));
+    const Buffer xv = x.view(0, (uint64_t(R - 1) * xs + H) * es), iv = ids.view(0, uint64_t(R) * k * 4);
+    args.push_back(Arg::in(xv, uint64_t(R) * H * es));
+    args.push_back(route ? Arg::out(iv) : Arg::in(iv));
     args.push_back(Arg::out(act.view(0, (uint64_t(R - 1) * ar + uint64_t(slots) * stride) * es),
                             uint64_t(R) * (uint64_t(k) * inter + (fused ? shared_inter : 0u)) * es));
+    // fused top-k: every threadgroup reads the rows' logits (from cache after the first), one stores the picks
+    args.push_back(route ? Arg::in(route->logits.view(0, ln), uint64_t(R) * route->n_experts * 4) : Arg::in(xv, 0));
+    args.push_back(route ? Arg::out(route->weights.view(0, uint64_t(R) * k * 4)) : Arg::in(xv, 0));
     e.dispatch("moe_gate_up_rows_" + variant + "_" + act_suffix(t),
                Dims{ceil_div(stride, QMV_TG_ROWS), R * k + (fused ? 1 : 0), 1}, kGemvThreads, args);
     if (apart)

@@ -57,10 +57,20 @@ struct MoeRows {
     uint32_t x_stride = 0;    // elements between x rows (0: H)
     uint32_t act_row = 0;     // elements between act rows (0: (k + 1) stride)
 };
+// The router top-k fused into moe_gate_up_rows (R <= MOE_ROWS_TOPK_FUSED_MAX): moe_topk_rows's function on
+// logits [R, stride], ids and weights [R, k] written for moe_down_rows instead of read.
+struct MoeRowsRouting {
+    Buffer logits;            // f32 [R, stride]
+    uint32_t stride = 0;      // floats between logit rows (>= n_experts)
+    uint32_t n_experts = 0;
+    bool norm = true;
+    Buffer weights;           // f32 [R, k] (written)
+};
 // act[r, j, :inter] = silu(gate_{ids[r, j]} x[r]) * up_{ids[r, j]} x[r]; slot k the shared expert. One
 // dispatch (+ mlp_gate_up per row when the shared expert's format cannot share the routed kernel).
 void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
-                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows);
+                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows,
+                      const MoeRowsRouting* route = nullptr);
 // x[r] += sum_j weights[r, j] down_{ids[r, j]} act[r, j] (+ sigmoid(logits[r, n_experts]) shared_down act[r, k]),
 // moe_down's order and roundings per row. One dispatch (+ qmv over the rows into shared_out f32 [R, H] when
 // the shared expert's format cannot share the routed kernel).

@@ -50,6 +50,59 @@ struct MoeDownParams {
 };
 static_assert(sizeof(MoeDownParams) == 44, "MoeDownParams: 11 x 4 bytes, as the host packs it");
 
+// moe_gate_up_rows / moe_down_rows: the union-read MoE of R rows (a verification or a batched decode
+// step). Row r's routing is ids [R, k] (moe_topk_rows); each expert of the rows' union is read by one
+// column of threadgroups for every row that chose it, each row's arithmetic that of moe_gate_up /
+// moe_down on that row alone (bit for bit). Rows live at x_stride (x) and act_row (act) elements apart;
+// within a row, act is moe_gate_up's [k (+1), act_stride].
+struct MoeGateUpRowsParams {
+    uint32_t K;                  // input features (hidden size)
+    uint32_t inter;              // rows of one routed expert's gate (= up)
+    uint32_t group_size;         // routed experts' quantization group (dense: unused)
+    uint32_t count;              // experts in the stacks (ids are clamped to count - 1)
+    uint32_t k;                  // routed slots per row
+    uint32_t shared_inter;       // rows of the shared expert's gate; 0: none (or run apart)
+    uint32_t shared_group_size;
+    uint32_t act_stride;         // elements between a row's act slots: max(inter, shared_inter)
+    uint32_t bits;               // WFMT_QN: the routed experts' width
+    uint32_t shared_bits;        // WFMT_QN: the shared expert's width
+    uint32_t rows;               // R, 1 .. MOE_ROWS_MAX; rows * k <= MOE_ROWS_MAX_PAIRS
+    uint32_t x_stride;           // elements between x rows (a multiple of 4)
+    uint32_t act_row;            // elements between act rows (a multiple of 4)
+    uint32_t n_experts;          // router logits per row (fused top-k)
+    uint32_t topk;               // MOE_TOPK_FUSED | MOE_TOPK_NORM (R <= MOE_ROWS_TOPK_FUSED_MAX), or 0: ids read
+    uint32_t logits_stride;      // floats between router-logit rows (fused top-k)
+};
+static_assert(sizeof(MoeGateUpRowsParams) == 64, "MoeGateUpRowsParams: 16 x 4 bytes, as the host packs it");
+
+struct MoeDownRowsParams {
+    uint32_t H;                  // output rows (hidden size)
+    uint32_t inter;              // columns of one routed expert's down projection
+    uint32_t group_size;
+    uint32_t count;              // experts in the stack (ids are clamped to count - 1)
+    uint32_t k;
+    uint32_t shared_inter;       // columns of the shared down projection; 0: no shared expert
+    uint32_t shared_group_size;
+    uint32_t act_stride;         // elements between a row's act slots (a multiple of 4)
+    uint32_t bits;
+    uint32_t shared_bits;
+    uint32_t shared_given;       // 1: the shared down projections were computed apart: buffer 4, float [R, H]
+    uint32_t rows;               // R
+    uint32_t act_row;            // elements between act rows (a multiple of 4)
+    uint32_t x_stride;           // elements between x rows
+    uint32_t logits_stride;      // floats between router-logit rows
+    uint32_t n_experts;          // the shared-gate logit is column n_experts of a row
+};
+static_assert(sizeof(MoeDownRowsParams) == 64, "MoeDownRowsParams: 16 x 4 bytes, as the host packs it");
+// rows of one union-read call, (row, slot) pairs of it (the down kernel keeps one partial per pair and
+// SIMD-group in threadgroup memory), and vectors per weight load (rows_dot_sel's MB)
+#define MOE_ROWS_MAX 16u
+#define MOE_ROWS_MAX_PAIRS 256u
+#define MOE_ROWS_MB 4u
+// rows whose router top-k moe_gate_up_rows may fuse (each SIMD-group routes half of them: the work grows
+// with R in every threadgroup, so larger batches route in moe_topk_rows first)
+#define MOE_ROWS_TOPK_FUSED_MAX 4u
+
 // mlp_gate_up: act = silu(gate x) * up x over one stacked [gate | up] matrix
 struct MlpGateUpParams {
     uint32_t K;                  // input features

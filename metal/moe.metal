@@ -285,6 +285,284 @@ void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The union-read MoE of R rows (the verification graph and the batched decode step; docs/metal.md,
+// "The union-read MoE"). Run per row, moe_gate_up / moe_down read each row's k experts, so R rows read
+// up to R k experts even where they share them; these two read each expert of the rows' union once (per
+// output block: one threadgroup column) for every row that chose it, with rows_dot_sel (each weight unit
+// loaded once for up to MOE_ROWS_MB rows). Every row keeps exactly its single-row arithmetic: its dot
+// products are rows_dot's (rows_dot_sel, vector by vector the same steps), its SwiGLU, weighted terms,
+// sums and roundings are moe_gate_up's / moe_down's in the same order (slots 0 .. k-1, then the shared
+// expert), so a row's output is bit for bit the single-row kernels' on that row.
+// ids [R, k] come from moe_topk_rows (route_topk: the function the single-row kernel fuses; one dependency
+// level of its own), or, for R <= MOE_ROWS_TOPK_FUSED_MAX, from route_topk fused into moe_gate_up_rows.
+
+// A pair is (row r, slot j), index r k + j. The leader of an expert is the first pair routed to it.
+// Gate/up + SwiGLU over the union. Thread mapping: grid (ceil(act_stride / 8), R k (+1 with a shared
+// expert), 1) x (32, 2, 1); grid.y is a pair: a threadgroup whose pair is not its expert's leader returns;
+// a leader's runs the expert's 8-row block over the pairs routed to it (ascending), MOE_ROWS_MB at a time
+// (at most one pair per row: top-k picks distinct experts). grid.y = R k: the shared expert over every row.
+// First the threadgroup stages every pair's expert in threadgroup memory (one barrier): read from ids, or
+// with p.topk (MOE_TOPK_FUSED) routed here, SIMD-group sg running route_topk on rows sg, sg + 2, ...;
+// threadgroup (0, 0) then stores the ids and weights for moe_down_rows.
+// Buffers: 0 params, 1-3 gate stack [count, inter, K], 4-6 up stack, 7-9 the shared [gate | up] matrix
+// (without one: any buffer, unused), 10 x [R, x_stride], 11 ids uint [R, k] (read; written with the fused
+// top-k), 12 act [R, act_row], 13 router logits float [R, logits_stride] (fused top-k only), 14 routing
+// weights float [R, k] (written with the fused top-k).
+template <int FMT, typename S, typename T>
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device const uint32_t* gw [[buffer(1)]],
+                      device const S* gsc [[buffer(2)]], device const S* gbi [[buffer(3)]],
+                      device const uint32_t* uw [[buffer(4)]], device const S* usc [[buffer(5)]],
+                      device const S* ubi [[buffer(6)]], device const uint32_t* shw [[buffer(7)]],
+                      device const S* shsc [[buffer(8)]], device const S* shbi [[buffer(9)]],
+                      device const T* x [[buffer(10)]], device uint* ids [[buffer(11)]],
+                      device T* act [[buffer(12)]], device const float* logits [[buffer(13)]],
+                      device float* weights [[buffer(14)]], uint3 tgid [[threadgroup_position_in_grid]],
+                      uint tid [[thread_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    threadgroup uint tids[MOE_ROWS_MAX_PAIRS];
+    const uint n = p.rows * p.k, pair = tgid.y;
+    if ((p.topk & MOE_TOPK_FUSED) != 0u) {
+        const bool store = tgid.x == 0u && tgid.y == 0u;
+        for (uint r = sg; r < p.rows; r += QMV_SIMDGROUPS) {
+            uint id;
+            float w;
+            route_topk<T>(logits + r * p.logits_stride, p.n_experts, p.k, (p.topk & MOE_TOPK_NORM) != 0u, lane, id,
+                          w);
+            if (lane < p.k) {
+                tids[r * p.k + lane] = id;
+                if (store) {
+                    ids[r * p.k + lane] = id;
+                    weights[r * p.k + lane] = w;
+                }
+            }
+        }
+    } else {
+        for (uint q = tid; q < n; q += QMV_LANES * QMV_SIMDGROUPS) {
+            tids[q] = ids[q];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
+    const uint xs4 = p.x_stride / 4u;
+    if (pair < n) {
+        if (row0 >= p.inter) {
+            return;
+        }
+        const uint expert = min(tids[pair], p.count - 1u);
+        uint seen = 0u;                          // an earlier pair has this expert: its leader reads it
+        for (uint q = lane; q < pair; q += SIMD_WIDTH) {
+            seen = seen | (min(tids[q], p.count - 1u) == expert ? 1u : 0u);
+        }
+        if (simd_max(seen) != 0u) {
+            return;
+        }
+        const ulong wo = ulong(expert) * matrix_units<FMT, S, T>(p.inter, p.K, p.bits);
+        const ulong so = ulong(expert) * matrix_scales<FMT, S, T>(p.inter, p.K, p.group_size);
+        device const WV* gv = (device const WV*)gw + wo;
+        device const WV* uv = (device const WV*)uw + wo;
+        uint q = pair;
+        while (q < n) {
+            uint sel[MOE_ROWS_MB], xo[MOE_ROWS_MB];
+            uint nb = 0u;
+            for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                while (q < n && min(tids[q], p.count - 1u) != expert) {
+                    ++q;
+                }
+                sel[b] = q < n ? q : pair;
+                xo[b] = (sel[b] / p.k) * xs4;
+                if (q < n) {
+                    ++nb;
+                    ++q;
+                }
+            }
+            if (nb == 0u) {
+                break;
+            }
+            float g[MOE_ROWS_MB * QMV_ROWS], u[MOE_ROWS_MB * QMV_ROWS];
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(gv, gsc + so, gbi + so, x4, xo, p.K, p.group_size, p.bits, row0,
+                                                 p.inter, nb, lane, g);
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(uv, usc + so, ubi + so, x4, xo, p.K, p.group_size, p.bits, row0,
+                                                 p.inter, nb, lane, u);
+            if (lane == 0u) {
+                for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                    if (b < nb) {
+                        device T* arow = act + (sel[b] / p.k) * p.act_row + (sel[b] % p.k) * p.act_stride;
+                        for (uint r = 0; r < QMV_ROWS && row0 + r < p.inter; ++r) {
+                            arow[row0 + r] = T(swiglu_act<T>(g[b * QMV_ROWS + r], u[b * QMV_ROWS + r]));
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        if (row0 >= p.shared_inter) {
+            return;
+        }
+        const ulong wo = matrix_units<FMT, S, T>(p.shared_inter, p.K, p.shared_bits);
+        const ulong so = matrix_scales<FMT, S, T>(p.shared_inter, p.K, p.shared_group_size);
+        device const WV* sw = (device const WV*)shw;
+        for (uint r0 = 0; r0 < p.rows; r0 += MOE_ROWS_MB) {
+            const uint nb = min(MOE_ROWS_MB, p.rows - r0);
+            uint xo[MOE_ROWS_MB];
+            for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                xo[b] = min(r0 + b, p.rows - 1u) * xs4;
+            }
+            float g[MOE_ROWS_MB * QMV_ROWS], u[MOE_ROWS_MB * QMV_ROWS];
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(sw, shsc, shbi, x4, xo, p.K, p.shared_group_size, p.shared_bits,
+                                                 row0, p.shared_inter, nb, lane, g);
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(sw + wo, shsc + so, shbi + so, x4, xo, p.K, p.shared_group_size,
+                                                 p.shared_bits, row0, p.shared_inter, nb, lane, u);
+            if (lane == 0u) {
+                for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                    if (b < nb) {
+                        device T* arow = act + (r0 + b) * p.act_row + p.k * p.act_stride;
+                        for (uint r = 0; r < QMV_ROWS && row0 + r < p.shared_inter; ++r) {
+                            arow[row0 + r] = T(swiglu_act<T>(g[b * QMV_ROWS + r], u[b * QMV_ROWS + r]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Down projections over the union + each row's weighted sum, gated shared expert and residual add.
+// Thread mapping: grid (ceil(H / 8), 1, 1) x (32, 2, 1); each SIMD-group owns 4 output rows of every row.
+// First the threadgroup marks each pair's expert leader and links the pairs of an expert (lead, next:
+// thread t for pairs t, t + 64, ...; one barrier). Then each SIMD-group walks the leaders in order and
+// runs the expert's 4 rows over its pairs (rows_dot_sel), keeping each pair's result in threadgroup
+// memory (its own region: lane 0 writes and later reads it, no other lane touches it: no padding or
+// barrier needed); then per row, in moe_down's order: the k weighted terms (slots 0 .. k-1) summed and
+// rounded, plus the gated shared expert (its down rows over the rows, MOE_ROWS_MB at a time), added to
+// x by lane 0.
+// Buffers: 0 params, 1-3 down stack [count, H, inter], 4-6 shared down [H, shared_inter] (without one:
+// any buffer, unused; p.shared_given: 4 is its product float [R, H], 5-6 unused), 7 act [R, act_row],
+// 8 ids uint [R, k], 9 weights float [R, k], 10 router logits float [R, logits_stride] (column n_experts:
+// the shared-gate logit; read with a shared expert only), 11 x [R, x_stride] (read and written).
+template <int FMT, typename S, typename T>
+[[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
+void moe_down_rows(constant MoeDownRowsParams& p [[buffer(0)]], device const uint32_t* dw [[buffer(1)]],
+                   device const S* dsc [[buffer(2)]], device const S* dbi [[buffer(3)]],
+                   device const uint32_t* shw [[buffer(4)]], device const S* shsc [[buffer(5)]],
+                   device const S* shbi [[buffer(6)]], device const T* act [[buffer(7)]],
+                   device const uint* ids [[buffer(8)]], device const float* weights [[buffer(9)]],
+                   device const float* logits [[buffer(10)]], device T* x [[buffer(11)]],
+                   uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                   uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+    typedef typename WDot<FMT, S, T>::wvec WV;
+    threadgroup uint lead[MOE_ROWS_MAX_PAIRS];
+    threadgroup uint next[MOE_ROWS_MAX_PAIRS];
+    threadgroup float part[QMV_SIMDGROUPS * MOE_ROWS_MAX_PAIRS * QMV_ROWS];
+    const uint n = p.rows * p.k;
+    for (uint q = tid; q < n; q += QMV_LANES * QMV_SIMDGROUPS) {
+        const uint e = min(ids[q], p.count - 1u);
+        uint first = 1u, nx = n;
+        for (uint j = 0; j < q && first != 0u; ++j) {
+            first = min(ids[j], p.count - 1u) == e ? 0u : 1u;
+        }
+        for (uint j = q + 1u; j < n && nx == n; ++j) {
+            nx = min(ids[j], p.count - 1u) == e ? j : n;
+        }
+        lead[q] = first;
+        next[q] = nx;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
+    if (row0 >= p.H) {
+        return;
+    }
+    const ulong wpe = matrix_units<FMT, S, T>(p.H, p.inter, p.bits);
+    const ulong spe = matrix_scales<FMT, S, T>(p.H, p.inter, p.group_size);
+    device const WV* dv = (device const WV*)dw;
+    device const vec<T, 4>* a4 = (device const vec<T, 4>*)act;
+    threadgroup float* mine = part + sg * (MOE_ROWS_MAX_PAIRS * QMV_ROWS);
+    for (uint q0 = 0; q0 < n; ++q0) {
+        if (lead[q0] == 0u) {
+            continue;
+        }
+        const ulong e = min(ids[q0], p.count - 1u);
+        uint q = q0;
+        while (q < n) {
+            uint sel[MOE_ROWS_MB], xo[MOE_ROWS_MB];
+            uint nb = 0u;
+            for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                sel[b] = q < n ? q : q0;
+                xo[b] = ((sel[b] / p.k) * p.act_row + (sel[b] % p.k) * p.act_stride) / 4u;
+                if (q < n) {
+                    ++nb;
+                    q = next[q];
+                }
+            }
+            float d[MOE_ROWS_MB * QMV_ROWS];
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, xo, p.inter,
+                                                 p.group_size, p.bits, row0, p.H, nb, lane, d);
+            if (lane == 0u) {
+                for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                    if (b < nb) {
+                        for (uint r = 0; r < QMV_ROWS; ++r) {
+                            mine[sel[b] * QMV_ROWS + r] = d[b * QMV_ROWS + r];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    device const float* given = reinterpret_cast<device const float*>(shw);
+    for (uint r0 = 0; r0 < p.rows; r0 += MOE_ROWS_MB) {
+        const uint nb = min(MOE_ROWS_MB, p.rows - r0);
+        float d[MOE_ROWS_MB * QMV_ROWS];
+        for (uint i = 0; i < MOE_ROWS_MB * QMV_ROWS; ++i) {
+            d[i] = 0.0f;
+        }
+        if (p.shared_inter != 0u && p.shared_given == 0u) {
+            uint xo[MOE_ROWS_MB];
+            for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                xo[b] = (min(r0 + b, p.rows - 1u) * p.act_row + p.k * p.act_stride) / 4u;
+            }
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>((device const WV*)shw, shsc, shbi, a4, xo, p.shared_inter,
+                                                 p.shared_group_size, p.shared_bits, row0, p.H, nb, lane, d);
+        }
+        if (lane == 0u) {
+            for (uint b = 0; b < MOE_ROWS_MB; ++b) {
+                if (b < nb) {
+                    const uint r = r0 + b;
+                    float total[QMV_ROWS];
+                    for (uint i = 0; i < QMV_ROWS; ++i) {
+                        total[i] = 0.0f;
+                    }
+                    for (uint s = 0; s < p.k; ++s) {
+                        const float ws = weights[r * p.k + s];
+                        for (uint i = 0; i < QMV_ROWS; ++i) {
+                            total[i] += moe_weighted<T>(ws, mine[(r * p.k + s) * QMV_ROWS + i]);
+                        }
+                    }
+                    for (uint i = 0; i < QMV_ROWS; ++i) {
+                        total[i] = rnd<T>(total[i]);
+                    }
+                    if (p.shared_inter != 0u) {
+                        const float gate = moe_shared_gate<T>(logits[r * p.logits_stride + p.n_experts]);
+                        for (uint i = 0; i < QMV_ROWS; ++i) {
+                            float v = d[b * QMV_ROWS + i];
+                            if (p.shared_given != 0u) {
+                                v = row0 + i < p.H ? given[r * p.H + row0 + i] : 0.0f;
+                            }
+                            total[i] = moe_plus_shared<T>(total[i], gate, v);
+                        }
+                    }
+                    device T* xr = x + r * p.x_stride;
+                    for (uint i = 0; i < QMV_ROWS && row0 + i < p.H; ++i) {
+                        xr[row0 + i] = T(float(xr[row0 + i]) + total[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // Dense SwiGLU MLP gate/up (qwen3_next layers without experts): the shared-expert path of
 // moe_gate_up on its own. Grid (ceil(inter / 8), 1, 1) x (32, 2, 1), 4 outputs per SIMD-group.
 // Buffers: 0 params, 1-3 the [gate | up] matrix [2 inter, K], 4 x [K], 5 act [inter].
@@ -544,3 +822,40 @@ INSTANTIATE_KERNEL("moe_down_f32_f32", moe_down, WFMT_DENSE, float, float)
 INSTANTIATE_KERNEL("moe_down_f32_bf16", moe_down, WFMT_DENSE, float, bfloat)
 INSTANTIATE_KERNEL("mlp_gate_up_f32_f32", mlp_gate_up, WFMT_DENSE, float, float)
 INSTANTIATE_KERNEL("mlp_gate_up_f32_bf16", mlp_gate_up, WFMT_DENSE, float, bfloat)
+// the union-read MoE of R rows
+INSTANTIATE_KERNEL("moe_gate_up_rows_q4_sbf16_f32", moe_gate_up_rows, WFMT_Q4, bfloat, float)
+INSTANTIATE_KERNEL("moe_down_rows_q4_sbf16_f32", moe_down_rows, WFMT_Q4, bfloat, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q4_sbf16_bf16", moe_gate_up_rows, WFMT_Q4, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_q4_sbf16_bf16", moe_down_rows, WFMT_Q4, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q4_sf32_f32", moe_gate_up_rows, WFMT_Q4, float, float)
+INSTANTIATE_KERNEL("moe_down_rows_q4_sf32_f32", moe_down_rows, WFMT_Q4, float, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q4_sf32_bf16", moe_gate_up_rows, WFMT_Q4, float, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_q4_sf32_bf16", moe_down_rows, WFMT_Q4, float, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q8_sbf16_f32", moe_gate_up_rows, WFMT_Q8, bfloat, float)
+INSTANTIATE_KERNEL("moe_down_rows_q8_sbf16_f32", moe_down_rows, WFMT_Q8, bfloat, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q8_sbf16_bf16", moe_gate_up_rows, WFMT_Q8, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_q8_sbf16_bf16", moe_down_rows, WFMT_Q8, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q8_sf32_f32", moe_gate_up_rows, WFMT_Q8, float, float)
+INSTANTIATE_KERNEL("moe_down_rows_q8_sf32_f32", moe_down_rows, WFMT_Q8, float, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_q8_sf32_bf16", moe_gate_up_rows, WFMT_Q8, float, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_q8_sf32_bf16", moe_down_rows, WFMT_Q8, float, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_qn_sbf16_f32", moe_gate_up_rows, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("moe_down_rows_qn_sbf16_f32", moe_down_rows, WFMT_QN, bfloat, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_qn_sbf16_bf16", moe_gate_up_rows, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_qn_sbf16_bf16", moe_down_rows, WFMT_QN, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_qn_sf32_f32", moe_gate_up_rows, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("moe_down_rows_qn_sf32_f32", moe_down_rows, WFMT_QN, float, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_qn_sf32_bf16", moe_gate_up_rows, WFMT_QN, float, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_qn_sf32_bf16", moe_down_rows, WFMT_QN, float, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_bf16_f32", moe_gate_up_rows, WFMT_DENSE, bfloat, float)
+INSTANTIATE_KERNEL("moe_down_rows_bf16_f32", moe_down_rows, WFMT_DENSE, bfloat, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_bf16_bf16", moe_gate_up_rows, WFMT_DENSE, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_bf16_bf16", moe_down_rows, WFMT_DENSE, bfloat, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_f16_f32", moe_gate_up_rows, WFMT_DENSE, half, float)
+INSTANTIATE_KERNEL("moe_down_rows_f16_f32", moe_down_rows, WFMT_DENSE, half, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_f16_bf16", moe_gate_up_rows, WFMT_DENSE, half, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_f16_bf16", moe_down_rows, WFMT_DENSE, half, bfloat)
+INSTANTIATE_KERNEL("moe_gate_up_rows_f32_f32", moe_gate_up_rows, WFMT_DENSE, float, float)
+INSTANTIATE_KERNEL("moe_down_rows_f32_f32", moe_down_rows, WFMT_DENSE, float, float)
+INSTANTIATE_KERNEL("moe_gate_up_rows_f32_bf16", moe_gate_up_rows, WFMT_DENSE, float, bfloat)
+INSTANTIATE_KERNEL("moe_down_rows_f32_bf16", moe_down_rows, WFMT_DENSE, float, bfloat)

@@ -357,6 +357,51 @@ inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint bi
     rows_dot_norm<FMT, S, T, 1u>(w, scales, biases, x4, 0u, x4, one, false, K, gs, bits, row0, nrows, 1u, lane, out);
 }
 
+// rows_dot over nb (<= MB) vectors anywhere in one buffer: vector b starts at x4 + xoff[b] (vec4 units).
+// Why: the union-read MoE kernels (metal/moe.metal, moe_*_rows) run one expert's rows over the rows of a
+// batch that chose it, which are not evenly strided. Each weight unit is loaded once for the nb vectors;
+// vector b's accumulation is rows_dot's for that vector alone, step for step (the same load_x, dot and
+// simd_sum in the same order), so its result is bit for bit rows_dot's.
+template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
+inline void rows_dot_sel(WP w, SP scales, SP biases, XP x4, thread const uint* xoff, uint K, uint gs, uint bits,
+                         uint row0, uint nrows, uint nb, uint lane, thread float* out) {
+    typedef WDot<FMT, S, T> D;
+    typedef typename D::Unit U;
+    const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
+    ulong wo[QMV_ROWS], so[QMV_ROWS];
+    for (uint r = 0; r < QMV_ROWS; ++r) {
+        const ulong row = min(row0 + r, nrows - 1u);
+        wo[r] = row * upr;
+        so[r] = row * spr;
+    }
+    float acc[MB * QMV_ROWS];
+    for (uint i = 0; i < MB * QMV_ROWS; ++i) {
+        acc[i] = 0.0f;
+    }
+    for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
+        U u[QMV_ROWS];
+        for (uint r = 0; r < QMV_ROWS; ++r) {
+            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs, bits);
+        }
+        for (uint b = 0; b < MB; ++b) {
+            if (b < nb) {
+                float xs[D::VALS];
+                const float xsum = D::load_x(x4 + xoff[b], x4, 1.0f, false, k, xs);
+                for (uint r = 0; r < QMV_ROWS; ++r) {
+                    acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
+                }
+            }
+        }
+    }
+    for (uint b = 0; b < MB; ++b) {
+        if (b < nb) {
+            for (uint r = 0; r < QMV_ROWS; ++r) {
+                out[b * QMV_ROWS + r] = simd_sum(acc[b * QMV_ROWS + r]);
+            }
+        }
+    }
+}
+
 // inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an
 // RMSNorm fused into a GEMV; x is read once more per SIMD-group (K values, from cache).
 template <typename T, typename XP>

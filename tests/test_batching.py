@@ -183,6 +183,24 @@ def test_generations_added_between_steps(seed):
     assert [got[i] for i in range(len(prompts))] == alone
 
 
+def test_generate_batch_on_the_metal_graph(preset="tiny"):
+    """metal-sim (float32): the batched steps run in the Metal graph (GpuEngine.decode_batch, the union-read
+    MoE); every prompt gets what it gets alone -- greedy through the GPU decode loop, seeded sampling on the
+    host path (logprobs on). Both architectures' batched steps: tests/test_batch_metal.py."""
+    m = _load(preset, backend="metal-sim", dtype="float32")
+    assert m.max_batch_rows == 16
+    prompts = _prompts(np.random.default_rng(5), (3, 21, 9))
+    o = qm.GenerationOptions
+    opts = [o(max_tokens=10, temperature=0, ignore_eos=True),
+            o(max_tokens=8, temperature=0.8, seed=2, logprobs=True, ignore_eos=True),
+            o(max_tokens=12, temperature=0, ignore_eos=True)]
+    alone = [[x.token for x in m.generate(p, options=q, cache=False)] for p, q in zip(prompts, opts)]
+    got = {i: [] for i in range(3)}
+    for i, out in m.generate_batch(prompts, options=opts, cache=False, max_rows=2):
+        got[i].append(out.token)
+    assert [got[i] for i in range(3)] == alone
+
+
 def test_generate_batch_with_stop_strings_and_keywords():
     m = _load()
     prompts = ["hello world", "the cat", "a b c d e f"]

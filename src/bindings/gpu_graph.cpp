@@ -271,6 +271,28 @@ void register_gpu_graph(nb::module_& g) {
             }
             return cost_dict(c);
         }, "state"_a, "rows"_a)
+        .def("decode_batch", [](PyGpuEngine& e, nb::list states,
+                                nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, nb::handle consumed) {
+            const int64_t B = int64_t(ids.shape(0));
+            return bindings::batch_call<GpuState>(states, ids.data(), B, size_t(e.model->config().vocab), consumed,
+                                                  [&](GpuState* const* st, float* dst) {
+                                                      e.engine->decode_batch(std::vector<GpuState*>(st, st + B),
+                                                                             ids.data(), B, dst);
+                                                  });
+        }, "states"_a, "ids"_a, "consumed"_a = nb::none(),
+           "One decode step of B (1..16) independent states in one command buffer: row r is ids[r] on states[r] "
+           "at its own position; logits [B, vocab], row r bit for bit a one-token forward on states[r] alone. "
+           "All-or-nothing; on success every state advanced one token and ids[r] appended to consumed[r].")
+        .def("batch_cost", [](PyGpuEngine& e, nb::list states) {
+            std::vector<GpuState*> st;
+            for (nb::handle h : states) st.push_back(nb::cast<GpuState*>(h));
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->batch_cost(st);
+            }
+            return cost_dict(c);
+        }, "states"_a, "encode-only costing of decode_batch over these states (none advances)")
         .def_prop_ro("prefill_chunk", [](PyGpuEngine& e) { return e.engine->prefill_chunk(); })
         .def("reserve_prefill", [](PyGpuEngine& e, uint32_t rows) { e.engine->reserve_prefill(rows); }, "rows"_a,
              nb::call_guard<nb::gil_scoped_release>(), "allocate a prefill chunk's scratch now (memory planning)")

@@ -37,6 +37,34 @@ void register_gpu_ops_moe(nb::module_& ops) {
     }, "encoder"_a, "dtype"_a, "down"_a, "shared_down"_a.none(), "act"_a, "ids"_a, "weights"_a, "logits"_a.none(),
        "n_experts"_a, "k"_a, "x"_a, "shared_out"_a.none() = nb::none(),
        "shared_out (f32 [H]): where a shared expert the routed kernel cannot read has its down projection");
+    // the union-read MoE of R rows
+    ops.def("moe_expected_union", &gpu::ops::moe_expected_union, "n_experts"_a, "k"_a, "rows"_a);
+    ops.def("moe_gate_up_rows", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate,
+                                   const gpu::Matrix& up, const gpu::Matrix* shared_gate_up, const gpu::Buffer& x,
+                                   const gpu::Buffer& ids, uint32_t k, const gpu::Buffer& act, uint32_t rows,
+                                   uint32_t x_stride, uint32_t act_row, const gpu::Buffer* logits,
+                                   uint32_t logits_stride, uint32_t n_experts, bool norm, const gpu::Buffer* weights) {
+        if (bool(logits) != bool(weights))
+            throw std::invalid_argument("moe_gate_up_rows: the fused top-k needs both logits and weights");
+        gpu::ops::MoeRowsRouting r;
+        if (logits) r = gpu::ops::MoeRowsRouting{*logits, logits_stride, n_experts, norm, *weights};
+        gpu::ops::moe_gate_up_rows(e, gpu::parse_act(t), gate, up, shared_gate_up, x, ids, k, act,
+                                   gpu::ops::MoeRows{rows, x_stride, act_row}, logits ? &r : nullptr);
+    }, "encoder"_a, "dtype"_a, "gate"_a, "up"_a, "shared_gate_up"_a.none(), "x"_a, "ids"_a, "k"_a, "act"_a, "rows"_a,
+       "x_stride"_a = 0, "act_row"_a = 0, "logits"_a.none() = nb::none(), "logits_stride"_a = 0, "n_experts"_a = 0,
+       "norm"_a = true, "weights"_a.none() = nb::none(),
+       "With logits and weights (rows <= 4) the router top-k is fused in: ids and weights are written, not read.");
+    ops.def("moe_down_rows", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& down,
+                                const gpu::Matrix* shared_down, const gpu::Buffer& act, const gpu::Buffer& ids,
+                                const gpu::Buffer& weights, const gpu::Buffer* logits, uint32_t logits_stride,
+                                uint32_t n_experts, uint32_t k, const gpu::Buffer& x, uint32_t rows, uint32_t x_stride,
+                                uint32_t act_row, const gpu::Buffer* shared_out) {
+        gpu::ops::moe_down_rows(e, gpu::parse_act(t), down, shared_down, act, ids, weights,
+                                logits ? *logits : gpu::Buffer{}, logits_stride, n_experts, k, x,
+                                gpu::ops::MoeRows{rows, x_stride, act_row}, shared_out);
+    }, "encoder"_a, "dtype"_a, "down"_a, "shared_down"_a.none(), "act"_a, "ids"_a, "weights"_a, "logits"_a.none(),
+       "logits_stride"_a, "n_experts"_a, "k"_a, "x"_a, "rows"_a, "x_stride"_a = 0, "act_row"_a = 0,
+       "shared_out"_a.none() = nb::none());
     ops.def("mlp_gate_up", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& gate_up,
                               const gpu::Buffer& x, const gpu::Buffer& act) {
         gpu::ops::mlp_gate_up(e, gpu::parse_act(t), gate_up, x, act);

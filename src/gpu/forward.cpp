@@ -43,6 +43,7 @@
 #include "gpu/model.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/norm.h"
+#include "metal/moe.h"
 
 namespace qwenmetal::gpu {
 
@@ -669,12 +670,17 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 //              | gdn(proj[r]) on the state after row r-1   into the state set of row r
 //       x   += W_out mix                            qmv over the rows, the residual add fused
 //       router = W_r rmsnorm(x), xn                 qmv over the rows
-//       x[r] += moe(xn[r])                          the decode MoE kernels per row (its own experts)
+//       x[r] += moe(xn[r])                          top-k of every row, then the union-read MoE: each expert
+//                                                   of the rows' union read once, per row the decode arithmetic
 //            | mlp(rmsnorm(x[r]))                   (dense layers)
 //   logits = lm_head rmsnorm(x) (float, [R, V])     qmv over the rows; xn keeps the normed rows (hidden)
 //
 // The GDN states after each row go to sets of their own (GpuState::take_sets), which GpuState::rewind
 // reinstalls; the KV rows past a rewound position are overwritten by later calls.
+//
+// The same graph runs the batched decode step (decode_batch): a RowPlan per row names the state, position,
+// KV cache and GDN buffers it uses, so rows may be one state's consecutive tokens (verify_plan) or one
+// token on each of B states (batch_plan).
 
 // One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
 // most kMaxVerifyRows): the decode scratch's tensors with one row per token.
@@ -732,16 +738,55 @@ void GpuEngine::ensure_verify(uint32_t rows) {
     v = std::move(n);
 }
 
-// One layer over the rows: encode_layer's blocks, the GEMVs over all rows, the rest per row. in(r) / out(r):
-// the GDN states row r reads and writes.
-void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t p0, uint32_t rows,
-                                    const std::vector<GpuState::StateSet>& sets) {
+std::vector<GpuEngine::RowPlan> GpuEngine::verify_plan(GpuState& st, uint32_t rows,
+                                                       const std::vector<GpuState::StateSet>& sets) {
+    // row r at p0 + r on the one state: it reads the GDN state after row r - 1 (the current halves for row 0)
+    // and writes set r
+    std::vector<RowPlan> plan(rows);
+    const size_t n_gdn = st.conv.size() / 2;
+    for (uint32_t r = 0; r < rows; ++r) {
+        RowPlan& p = plan[r];
+        p.st = &st;
+        p.position = st.position + r;
+        for (size_t gi = 0; gi < n_gdn; ++gi) {
+            p.conv_in.push_back(r ? sets[r - 1].conv[gi] : st.conv_in(gi));
+            p.ssm_in.push_back(r ? sets[r - 1].ssm[gi] : st.ssm_in(gi));
+            p.conv_out.push_back(sets[r].conv[gi]);
+            p.ssm_out.push_back(sets[r].ssm[gi]);
+        }
+    }
+    return plan;
+}
+
+std::vector<GpuEngine::RowPlan> GpuEngine::batch_plan(const std::vector<GpuState*>& states) {
+    // row r on states[r] at its position: a decode step's halves (read the current, write the other)
+    std::vector<RowPlan> plan(states.size());
+    for (size_t r = 0; r < states.size(); ++r) {
+        GpuState& st = *states[r];
+        RowPlan& p = plan[r];
+        p.st = &st;
+        p.position = st.position;
+        for (size_t gi = 0; gi < st.conv.size() / 2; ++gi) {
+            p.conv_in.push_back(st.conv_in(gi));
+            p.ssm_in.push_back(st.ssm_in(gi));
+            p.conv_out.push_back(st.conv_next(gi));
+            p.ssm_out.push_back(st.ssm_next(gi));
+        }
+    }
+    return plan;
+}
+
+// One layer over the rows: encode_layer's blocks, the GEMVs over all rows (each weight read once), the MoE
+// union-read over the rows, attention and the GDN conv / step per row on its RowPlan (its state's KV cache,
+// its GDN buffers).
+void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, size_t li) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
     const uint64_t es = act_size(t), H = uint64_t(c.hidden);
     const uint64_t nhd = uint64_t(c.n_heads) * c.head_dim;
     const uint64_t mix_w = std::max<uint64_t>(uint64_t(std::max<int64_t>(c.value_dim(), 0)), nhd);
+    const uint32_t rows = uint32_t(plan.size());
     Verify& v = *vf_;
     const uint32_t in_rows = L.attention ? L.attn_in.rows : L.gdn_in.rows;
     auto row = [](const Buffer& b, uint64_t stride, uint32_t r, uint64_t len) { return b.view(r * stride, len); };
@@ -749,27 +794,52 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
     if (L.attention) {
         // ---- gated full attention ----
         const ops::AttnShape as = attn_shape(c);
-        const ops::KVCache& kv = st.kv[L.state_index];
-        ops::attn_prepare(e, t, as, v.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, v.q, rows, in_rows);
+        const size_t ai = L.state_index;
+        // rows on one state at consecutive positions (a verification) write their K/V rows in one dispatch
+        bool one_run = true;
+        for (uint32_t r = 1; r < rows; ++r)
+            one_run = one_run && plan[r].st == plan[0].st && plan[r].position == plan[0].position + r;
+        if (one_run) {
+            ops::attn_prepare(e, t, as, v.proj, L.q_norm, L.k_norm, uint32_t(plan[0].position), plan[0].st->kv[ai], v.q,
+                              rows, in_rows);
+        } else {
+            for (uint32_t r = 0; r < rows; ++r)
+                ops::attn_prepare(e, t, as, row(v.proj, in_rows * es, r, in_rows * es), L.q_norm, L.k_norm,
+                                  uint32_t(plan[r].position), plan[r].st->kv[ai], row(v.q, nhd * es, r, nhd * es));
+        }
         std::vector<ops::AttnDecodeRow> ar;                                             // mix[r] = gated attention
         for (uint32_t r = 0; r < rows; ++r)
             ar.push_back({row(v.q, nhd * es, r, nhd * es), row(v.proj, in_rows * es, r, in_rows * es),
-                          v.attn_part[r], row(v.mix, mix_w * es, r, nhd * es), uint32_t(p0 + r + 1)});
-        ops::attention_decode_rows(e, t, as, m_->options().attn, kv, ar);
+                          v.attn_part[r], row(v.mix, mix_w * es, r, nhd * es), uint32_t(plan[r].position + 1),
+                          &plan[r].st->kv[ai]});
+        ops::attention_decode_rows(e, t, as, m_->options().attn, plan[0].st->kv[ai], ar);
         ops::qmv(e, t, L.o_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
     } else {
-        // ---- Gated DeltaNet, row after row: row r steps the state after row r - 1 ----
+        // ---- Gated DeltaNet, per row on its buffers (a verification: row r steps the state after row r - 1) ----
         const ops::GdnShape gs = gdn_shape(c);
         const size_t gi = L.state_index;
         const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
-        for (uint32_t r = 0; r < rows; ++r) {
+        auto conv = [&](uint32_t r) {
             const Buffer p = row(v.proj, in_rows * es, r, in_rows * es), act = row(v.conv_act, cd * es, r, cd * es);
-            const Buffer& conv_in = r ? sets[r - 1].conv[gi] : st.conv_in(gi);
-            const Buffer& ssm_in = r ? sets[r - 1].ssm[gi] : st.ssm_in(gi);
-            ops::gdn_conv(e, t, gs, p.view(0, cd * es), L.conv_w, conv_in, sets[r].conv[gi], act);
+            ops::gdn_conv(e, t, gs, p.view(0, cd * es), L.conv_w, plan[r].conv_in[gi], plan[r].conv_out[gi], act);
+        };
+        auto step = [&](uint32_t r) {
+            const Buffer p = row(v.proj, in_rows * es, r, in_rows * es), act = row(v.conv_act, cd * es, r, cd * es);
             ops::gdn_step(e, t, gs, act, p.view(cd * es, vd * es), p.view((cd + vd) * es, nv * es),
-                          p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps, ssm_in,
-                          sets[r].ssm[gi], row(v.mix, mix_w * es, r, vd * es));
+                          p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps,
+                          plan[r].ssm_in[gi], plan[r].ssm_out[gi], row(v.mix, mix_w * es, r, vd * es));
+        };
+        // rows chained through one state (a verification): conv r, step r, conv r + 1, ... (rows + 1 levels);
+        // rows on states of their own (a batched step): every conv, then every step (2 levels)
+        const bool chained = rows > 1 && plan[1].st == plan[0].st;
+        if (chained) {
+            for (uint32_t r = 0; r < rows; ++r) {
+                conv(r);
+                step(r);
+            }
+        } else {
+            for (uint32_t r = 0; r < rows; ++r) conv(r);
+            for (uint32_t r = 0; r < rows; ++r) step(r);
         }
         ops::qmv(e, t, L.out_proj, v.mix, v.x, rows, false, uint32_t(mix_w), uint32_t(H), residual(v.x));
     }
@@ -780,20 +850,25 @@ void GpuEngine::encode_verify_layer(Encoder& e, GpuState& st, size_t li, int64_t
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &v.xn);
         rf.round = true;                                                                // bf16 logits, as MLX
         stacked_qmv(e, t, L.router, v.x, v.router, true, rf, rows);                    // router logits, xn
-        auto logits = [&](uint32_t r) { return row(v.router, rr * 4, r, rr * 4); };
-        auto ids = [&](uint32_t r) { return row(v.topk_ids, k * 4, r, k * 4); };
-        auto w = [&](uint32_t r) { return row(v.topk_w, k * 4, r, k * 4); };
-        auto act = [&](uint32_t r) { return row(v.moe_act, act_w * es, r, act_w * es); };
-        // every row's gate/up before any down: the rows share two barrier levels instead of chaining
-        for (uint32_t r = 0; r < rows; ++r) {
-            const ops::MoeRouting route{logits(r), E, c.norm_topk, w(r)};
-            ops::moe_gate_up(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr,
-                             row(v.xn, H * es, r, H * es), ids(r), k, act(r), &route);    // top-k + SwiGLU
-        }
-        for (uint32_t r = 0; r < rows; ++r) {                                           // x[r] += moe(xn[r])
-            const Buffer shared = v.moe_shared.view(uint64_t(r) * H * 4, H * 4);
-            ops::moe_down(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, act(r), ids(r), w(r), logits(r),
-                          E, k, row(v.x, H * es, r, H * es), &shared);
+        // every row's top-k (route_topk, the function the decode step fuses into gate/up: fused here too up to
+        // MOE_ROWS_TOPK_FUSED_MAX rows, else moe_topk_rows first), then the union-read MoE: each expert of the
+        // rows' union read once for the rows that chose it, every row the decode arithmetic. Rows in groups of
+        // at most MOE_ROWS_MAX_PAIRS / k (all of them for k <= 16).
+        const bool fuse = rows <= MOE_ROWS_TOPK_FUSED_MAX;
+        if (!fuse) ops::moe_topk_rows(e, t, v.router, rows, rr, E, k, c.norm_topk, v.topk_ids, v.topk_w);
+        const uint32_t group = std::max<uint32_t>(1, std::min<uint32_t>(rows, MOE_ROWS_MAX_PAIRS / k));
+        for (uint32_t r0 = 0; r0 < rows; r0 += group) {
+            const uint32_t n = std::min(group, rows - r0);
+            const ops::MoeRows mr{n, uint32_t(H), uint32_t(act_w)};
+            const Buffer ids = v.topk_ids.view(uint64_t(r0) * k * 4), acts = v.moe_act.view(r0 * act_w * es);
+            const ops::MoeRowsRouting route{v.router.view(uint64_t(r0) * rr * 4), rr, E, c.norm_topk,
+                                            v.topk_w.view(uint64_t(r0) * k * 4)};
+            ops::moe_gate_up_rows(e, t, L.gate, L.up, L.has_shared ? &L.shared_gate_up : nullptr,
+                                  v.xn.view(r0 * H * es), ids, k, acts, mr, fuse ? &route : nullptr);   // SwiGLU
+            const Buffer shared = v.moe_shared.view(uint64_t(r0) * H * 4);
+            ops::moe_down_rows(e, t, L.down, L.has_shared ? &L.shared_down : nullptr, acts, ids,
+                               v.topk_w.view(uint64_t(r0) * k * 4), v.router.view(uint64_t(r0) * rr * 4), rr, E, k,
+                               v.x.view(r0 * H * es), mr, &shared);                               // x[r] += moe(xn[r])
         }
     } else {
         const uint32_t I = L.mlp_down.cols;
@@ -830,7 +905,7 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
         uint32_t* dst = vf_->ids.as<uint32_t>();
         for (uint32_t r = 0; r < R; ++r) dst[r] = uint32_t(ids[r]);
         Encoder e(d, m_->options().command_buffer_seconds);
-        encode_verify(e, st, st.position, R, sets, hidden != nullptr);
+        encode_rows(e, verify_plan(st, R, sets), hidden != nullptr);
         e.commit();
         e.wait();
     } catch (...) {
@@ -847,15 +922,63 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
     st.chain_rows(std::move(sets));
 }
 
-void GpuEngine::encode_verify(Encoder& e, GpuState& st, int64_t p0, uint32_t rows,
-                              const std::vector<GpuState::StateSet>& sets, bool hidden) {
+void GpuEngine::encode_rows(Encoder& e, const std::vector<RowPlan>& plan, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
+    const uint32_t rows = uint32_t(plan.size());
     Verify& v = *vf_;
     ops::embed(e, t, m_->embed, v.ids.view(0, uint64_t(rows) * 4), rows, v.x);          // x = embed(ids)
-    for (size_t li = 0; li < m_->layers.size(); ++li) encode_verify_layer(e, st, li, p0, rows, sets);
+    for (size_t li = 0; li < m_->layers.size(); ++li) encode_rows_layer(e, plan, li);
     ops::qmv(e, t, m_->lm_head, v.x, v.logits, rows, true, 0, 0,
              normed(m_->final_norm, c.eps, hidden ? &v.xn : nullptr));                   // logits (f32) [, hidden]
+}
+
+// ---------------------------------------------------------------------------------------------- batched decode
+// One decode step of B independent sequences (docs/metal.md, "The batched decode step"): the verification
+// graph (encode_rows) with row r on states[r] -- its position, its KV cache, its GDN halves (read the
+// current, write the other, as a decode step) -- then every state's halves flipped.
+void GpuEngine::check_batch(const std::vector<GpuState*>& states, int64_t B) {
+    if (B < 1 || B > int64_t(kMaxBatchRows))
+        throw std::invalid_argument("metal backend: a batched decode step takes 1.." + std::to_string(kMaxBatchRows) +
+                                    " sequences, got " + std::to_string(B));
+    if (int64_t(states.size()) != B)
+        throw std::invalid_argument("metal backend: " + std::to_string(states.size()) + " states for " +
+                                    std::to_string(B) + " tokens");
+    for (size_t r = 0; r < states.size(); ++r) {
+        if (!states[r]) throw std::invalid_argument("metal backend: state " + std::to_string(r) + " is null");
+        if (&states[r]->model() != m_.get())
+            throw std::invalid_argument("metal backend: state " + std::to_string(r) + " belongs to another model");
+        for (size_t q = 0; q < r; ++q)
+            if (states[q] == states[r])
+                throw std::invalid_argument("metal backend: the same state twice in a batch (rows " +
+                                            std::to_string(q) + " and " + std::to_string(r) + ")");
+    }
+    if (m_->experts())
+        throw std::invalid_argument("metal backend: a batched decode step runs on resident experts (not in streaming mode)");
+}
+
+void GpuEngine::decode_batch_impl(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits) {
+    const Config& c = m_->config();
+    check_batch(states, B);
+    for (int64_t i = 0; i < B; ++i)
+        if (ids[i] < 0 || ids[i] >= c.vocab)
+            throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot decode");
+    for (GpuState* st : states) st->reserve(st->position + 1);   // everything that can fail before a state changes
+    ensure_verify(uint32_t(B));
+    uint32_t* dst = vf_->ids.as<uint32_t>();
+    for (int64_t r = 0; r < B; ++r) dst[r] = uint32_t(ids[r]);
+    Encoder e(d, m_->options().command_buffer_seconds);
+    encode_rows(e, batch_plan(states), false);
+    e.commit();
+    e.wait();                                          // a failure leaves every state as it was (halves unflipped)
+    std::memcpy(logits, vf_->logits.data(), size_t(B) * c.vocab * 4);
+    for (GpuState* st : states) {
+        st->end_chain();                               // the chain's last set is the current half read above
+        st->commit_step();
+    }
 }
 
 void GpuEngine::rewind(GpuState& st, int64_t keep) {
@@ -924,10 +1047,24 @@ StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows) {
     std::vector<GpuState::StateSet> sets = st.take_sets(rows);
     d.reset_counters();
     Encoder e(d, m_->options().command_buffer_seconds);
-    encode_verify(e, st, st.position, rows, sets, false);
+    encode_rows(e, verify_plan(st, rows, sets), false);
     e.commit();
     e.wait();
     st.give_sets(std::move(sets));                     // costed only: the state does not advance
+    return cost_of(e, d.counters());
+}
+
+StepCost GpuEngine::batch_cost_impl(const std::vector<GpuState*>& states) {
+    check_batch(states, int64_t(states.size()));
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    for (GpuState* st : states) st->reserve(st->position + 1);
+    ensure_verify(uint32_t(states.size()));
+    d.reset_counters();
+    Encoder e(d, m_->options().command_buffer_seconds);
+    encode_rows(e, batch_plan(states), false);
+    e.commit();
+    e.wait();                                          // costed only: no state advances
     return cost_of(e, d.counters());
 }
 
@@ -969,6 +1106,14 @@ StepCost GpuEngine::prefill_cost(GpuState& s, uint32_t rows, bool all_logits) {
 
 StepCost GpuEngine::verify_cost(GpuState& s, uint32_t rows) {
     return recovering(m_->device(), [&] { return verify_cost_impl(s, rows); });
+}
+
+void GpuEngine::decode_batch(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits) {
+    recovering(m_->device(), [&] { decode_batch_impl(states, ids, B, logits); });
+}
+
+StepCost GpuEngine::batch_cost(const std::vector<GpuState*>& states) {
+    return recovering(m_->device(), [&] { return batch_cost_impl(states); });
 }
 
 }  // namespace qwenmetal::gpu

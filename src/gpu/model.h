@@ -134,6 +134,9 @@ class GpuModel {
 
 // the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
 constexpr uint32_t kMaxVerifyRows = 16;
+// the most states of one batched decode step (GpuEngine::decode_batch): it runs on the verification
+// graph's scratch and union-read MoE kernels, which are sized for this many rows
+constexpr uint32_t kMaxBatchRows = kMaxVerifyRows;
 
 class GpuState {
   public:
@@ -142,6 +145,7 @@ class GpuState {
     GpuState& operator=(const GpuState&) = delete;
 
     int64_t position = 0;
+    const GpuModel& model() const { return m_; }
     uint32_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
     // make room for `tokens` KV rows (allocates before anything changes: strong guarantee)
@@ -278,6 +282,19 @@ class GpuEngine {
     // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
     void rewind(GpuState& s, int64_t keep);
 
+    // One decode step of B (1..kMaxBatchRows) independent sequences as one command buffer: row r is token
+    // ids[r] on states[r] at its own position (its KV cache, its GDN halves). The verification graph over
+    // per-row states: every weight read once for all rows (the projections, router and lm_head as qmv over
+    // the rows, the union-read MoE), attention and the GDN conv / step per row on its own state, so row r's
+    // logits ([B, vocab] into `logits`) and state are bit for bit a one-token forward() on states[r] alone.
+    // All-or-nothing: arguments (distinct states of this model, ids in the vocabulary, an executing device,
+    // resident experts) and every allocation (KV growth, scratch) are checked / done before any state
+    // changes; on success each state has advanced one token (any open verify chain ended).
+    void decode_batch(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits);
+    // Encode, commit and wait one batched decode step over `states` at their positions (decode_batch's
+    // graph; no state advances): what it cost. For encode-only costing.
+    StepCost batch_cost(const std::vector<GpuState*>& states);
+
     // Every call above that runs command buffers: when one fails (a GPU fault, the watchdog) the call
     // throws DeviceError naming the kernels it ran, leaves the state as it was, and gives the device a new
     // command queue first (Device::recover), so the next call runs.
@@ -293,11 +310,21 @@ class GpuEngine {
     struct Scratch;
     struct Chunk;
     struct Verify;
+    // one row of the verification / batched graph: the state it runs on (its KV cache), its position, and
+    // per GDN layer the conv / recurrent buffers it reads and writes
+    struct RowPlan {
+        GpuState* st = nullptr;
+        int64_t position = 0;
+        std::vector<Buffer> conv_in, conv_out, ssm_in, ssm_out;
+    };
+    static std::vector<RowPlan> verify_plan(GpuState& s, uint32_t rows, const std::vector<GpuState::StateSet>& sets);
+    static std::vector<RowPlan> batch_plan(const std::vector<GpuState*>& states);
+    void decode_batch_impl(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits);
+    StepCost batch_cost_impl(const std::vector<GpuState*>& states);
+    void check_batch(const std::vector<GpuState*>& states, int64_t B);
     void ensure_verify(uint32_t rows);
-    void encode_verify(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, const std::vector<GpuState::StateSet>& sets,
-                       bool hidden);
-    void encode_verify_layer(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows,
-                             const std::vector<GpuState::StateSet>& sets);
+    void encode_rows(Encoder& e, const std::vector<RowPlan>& rows, bool hidden);
+    void encode_rows_layer(Encoder& e, const std::vector<RowPlan>& rows, size_t li);
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc);
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);

@@ -114,3 +114,21 @@ def test_bench_cli_prefill_json(tmp_path, capsys):
     assert max(p["max_command_buffer_ms"].values()) <= pf["watchdog_budget_ms"]
     assert set(p["modelled_tok_s"]) == set(CHIP_BANDWIDTH_GBS)
     assert p["m5_max_vs"]["MLX 0.32.2"] == pytest.approx(p["modelled_tok_s"]["M5 Max"] / 5165.7)
+
+
+def test_bench_cli_batch_json(tmp_path, capsys):
+    """`bench --encode-only --batch`: the batched decode step of the real config, modelled: its bytes within
+    1.05x the union floor at every B, the aggregate growing with B, the levels not growing with B."""
+    out = tmp_path / "batch.json"
+    assert cli.main(["bench", "--backend", "metal-sim", "--encode-only", "--batch", "1,2,4",
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "batched decode step, MODELLED" in text and "hardware-unverified" in text
+    b = json.loads(out.read_text())["batch"]
+    rows = {int(k): v for k, v in b["batches"].items()}
+    assert set(rows) == {1, 2, 4}
+    assert all(r["bytes_vs_union_floor"] <= 1.05 for r in rows.values())
+    assert len({r["levels"] for r in rows.values()}) == 1
+    m5 = [rows[n]["chips"]["M5 Max"]["aggregate_tok_s"] for n in (1, 2, 4)]
+    assert m5[0] < m5[1] < m5[2]
+    assert b["verify2"]["chips"]["M5 Max"]["vs_step"] > 1

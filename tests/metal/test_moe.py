@@ -1031,3 +1031,186 @@ def test_moe_prefill_block_qn(fmt, dtype):
     want_ids, want = blk.reference()
     np.testing.assert_array_equal(sc["ids"], want_ids)
     blk.check_rows(want)
+
+
+# ================================================================================== union-read: R rows at once
+def _rows_case(rng, fmt, dtype, R, E, k, inter, shared, H, gs, shared_fmt=None, pad=0):
+    """Weights, R rows' routing (few experts: the rows share many) and inputs of the union-read MoE."""
+    shared_fmt = shared_fmt or fmt
+    c = SimpleNamespace(R=R, k=k, inter=inter, shared=shared, H=H, E=E)
+    c.gate, c.up = make(rng, fmt, (E, inter, H), gs), make(rng, fmt, (E, inter, H), gs)
+    c.sgu = make(rng, shared_fmt, (2 * shared, H), gs) if shared else None
+    c.down = make(rng, fmt, (E, H, inter), gs)
+    c.sdown = make(rng, shared_fmt, (H, shared), gs) if shared else None
+    c.ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.uint32)
+    c.w = np.stack([rng.dirichlet(np.ones(k)) for _ in range(R)]).astype(np.float32)
+    c.logits = (rng.standard_normal((R, E + 1)) * 2).astype(np.float32)
+    c.stride = max(inter, shared)
+    c.slots = k + (1 if shared else 0)
+    c.xs = H + pad                       # x rows and act rows padded apart (the graph's scratch rows)
+    c.ar = (k + 1) * c.stride + pad
+    c.x = rng.standard_normal((R, c.xs)).astype(ACT[dtype])
+    return c
+
+
+def _rows_vs_single(c, dtype, schedule="forward", seed=0):
+    """The union-read kernels on all rows, and the single-row kernels row by row on the same inputs:
+    (act, x) of both."""
+    R, k = c.R, c.k
+    act_rows = np.full((R, c.ar), 7, ACT[dtype])
+    act_one = np.full((R, c.ar), 7, ACT[dtype])
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        g, u, d = c.gate.device(buf, gpu), c.up.device(buf, gpu), c.down.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        ops.moe_gate_up_rows(enc, dtype, g, u, sgu, buf(c.x), buf(c.ids), k, buf(act_rows), R, c.xs, c.ar)
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        for r in range(R):
+            ops.moe_gate_up(enc, dtype, g, u, sgu, buf(c.x[r, :c.H].copy()), buf(c.ids[r].copy()), k,
+                            buf(act_one[r]))
+    # the down projection from the same activations (the single-row ones)
+    act = act_one.copy()
+    x_rows, x_one = c.x.copy(), c.x.copy()
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        d = c.down.device(buf, gpu)
+        sd = c.sdown.device(buf, gpu) if c.sdown else None
+        out = np.zeros((R, c.H), np.float32)
+        ops.moe_down_rows(enc, dtype, d, sd, buf(act), buf(c.ids), buf(c.w), buf(c.logits) if c.shared else None,
+                          c.E + 1, c.E, k, buf(x_rows), R, c.xs, c.ar, shared_out=buf(out))
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        d = c.down.device(buf, gpu)
+        sd = c.sdown.device(buf, gpu) if c.sdown else None
+        for r in range(R):
+            xr = np.ascontiguousarray(x_one[r, :c.H])
+            out = np.zeros(c.H, np.float32)
+            ops.moe_down(enc, dtype, d, sd, buf(act[r].copy()), buf(c.ids[r].copy()), buf(c.w[r].copy()),
+                         buf(c.logits[r].copy()) if c.shared else None, c.E, k, buf(xr), shared_out=buf(out))
+            x_one[r, :c.H] = xr
+    return act_rows, act_one, x_rows, x_one
+
+
+def _same_bits(a, b, what):
+    assert a.tobytes() == b.tobytes(), f"{what}: not bit for bit the single-row kernels' " \
+        f"(max diff {np.abs(a.astype(np.float64) - b.astype(np.float64)).max()})"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(FORMATS + QN_FORMATS[:1]), dtype=st.sampled_from(["f32", "bf16"]), R=st.integers(1, 7),
+       E=st.integers(1, 9), k=st.integers(1, 4), m=st.integers(1, 3), sm=st.integers(0, 3), pad=st.sampled_from([0, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_moe_rows_union_read_is_the_single_row_kernels(schedule, fmt, dtype, R, E, k, m, sm, pad, seed):
+    """moe_gate_up_rows / moe_down_rows over R rows whose routings overlap (E small): every row's activations
+    and residual bit for bit moe_gate_up's / moe_down's on that row alone (ids given, not fused)."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    gs = 32
+    H = cols_for(fmt, gs, 2)
+    c = _rows_case(rng, fmt, dtype, R, E, k, cols_for(fmt, gs, m), cols_for(fmt, gs, sm), H, gs, pad=pad)
+    act_rows, act_one, x_rows, x_one = _rows_vs_single(c, dtype, schedule, seed)
+    _same_bits(act_rows, act_one, "act")
+    _same_bits(x_rows, x_one, "x")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_moe_rows_sixteen_rows_real_routing_width(dtype):
+    """16 rows, top-8 of 12 experts (every expert shared by many rows; more than MOE_ROWS_MB rows per
+    expert), with a shared expert: bit for bit the single-row kernels."""
+    rng = np.random.default_rng(3)
+    c = _rows_case(rng, "q4_sbf16", dtype, 16, 12, 8, 64, 64, 128, 64)
+    act_rows, act_one, x_rows, x_one = _rows_vs_single(c, dtype, "random", 7)
+    _same_bits(act_rows, act_one, "act")
+    _same_bits(x_rows, x_one, "x")
+
+
+@pytest.mark.parametrize("routed,shared_fmt", APART[:2])
+def test_moe_rows_shared_expert_apart(routed, shared_fmt):
+    """A shared expert the routed kernel cannot read: mlp_gate_up per row and qmv over the rows, combined as
+    the single-row kernels combine it."""
+    rng = np.random.default_rng(9)
+    c = _rows_case(rng, routed, "f32", 3, 4, 2, 64, 128, 128, 64, shared_fmt=shared_fmt)
+    act_rows, act_one, x_rows, x_one = _rows_vs_single(c, "f32")
+    _same_bits(act_rows, act_one, "act")
+    _same_bits(x_rows, x_one, "x")
+
+
+def test_moe_rows_declared_bytes_and_checks():
+    """The union kernels declare the modelled union's expert rows (moe_expected_union), and reject row counts
+    and strides they cannot run."""
+    assert ops.moe_expected_union(256, 8, 1) == pytest.approx(8)
+    assert ops.moe_expected_union(256, 8, 4) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 4))
+    rng = np.random.default_rng(1)
+    c = _rows_case(rng, "q4_sbf16", "f32", 2, 6, 2, 32, 0, 64, 32)
+    act = np.zeros((2, c.ar), np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        with pytest.raises(ValueError, match="rows must be in"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 17)
+        with pytest.raises(ValueError, match="multiples of 4"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 2, 66)
+        assert enc.dispatches == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(R=st.integers(1, 4), E=st.integers(1, 40), k=st.integers(1, 8), norm=st.booleans(), ties=st.booleans(),
+       shared=st.booleans(), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**31 - 1))
+def test_moe_gate_up_rows_fused_topk(schedule, R, E, k, norm, ties, shared, dtype, seed):
+    """The router top-k fused into moe_gate_up_rows (up to 4 rows): the ids and weights moe_topk_rows writes,
+    and every row's activations bit for bit moe_gate_up's with its own fused top-k."""
+    rng = np.random.default_rng(seed)
+    k = min(k, E)
+    H, inter, Is = 64, 32, 32 if shared else 0
+    c = _rows_case(rng, "q4_sbf16", dtype, R, E, k, inter, Is, H, 32)
+    stride = E + 1 + 2                                       # padded logit rows
+    logits = np.zeros((R, stride), np.float32)
+    logits[:, :E + 1] = rng.integers(-3, 3, (R, E + 1)) if ties else rng.standard_normal((R, E + 1))
+    ids, w = np.full((R, k), 99, np.uint32), np.full((R, k), 7, np.float32)
+    want_ids, want_w = np.full((R, k), 99, np.uint32), np.full((R, k), 7, np.float32)
+    act_rows = np.full((R, c.ar), 7, ACT[dtype])
+    act_one = np.full((R, c.ar), 7, ACT[dtype])
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        lb = buf(logits)
+        ops.moe_topk_rows(enc, dtype, lb, R, stride, E, k, norm, buf(want_ids), buf(want_w))
+        ops.moe_gate_up_rows(enc, dtype, g, u, sgu, buf(c.x), buf(ids), k, buf(act_rows), R, c.xs, c.ar,
+                             logits=lb, logits_stride=stride, n_experts=E, norm=norm, weights=buf(w))
+    assert not SIM or [r["kernel"] for r in dev.records()][-1] == f"moe_gate_up_rows_q4_sbf16_{dtype}"
+    with run(schedule, seed=seed) as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        sgu = c.sgu.device(buf, gpu) if c.sgu else None
+        for r in range(R):
+            one_ids, one_w = np.zeros(k, np.uint32), np.zeros(k, np.float32)
+            ops.moe_gate_up(enc, dtype, g, u, sgu, buf(c.x[r, :H].copy()), buf(one_ids), k, buf(act_one[r]),
+                            logits=buf(logits[r].copy()), n_experts=E, norm=norm, weights=buf(one_w))
+    np.testing.assert_array_equal(ids, want_ids)
+    _same_bits(w, want_w, "weights")
+    _same_bits(act_rows, act_one, "act")
+
+
+def test_moe_gate_up_rows_fused_topk_checks():
+    rng = np.random.default_rng(2)
+    c = _rows_case(rng, "q4_sbf16", "f32", 5, 6, 2, 32, 0, 64, 32)
+    logits = np.zeros((5, 7), np.float32)
+    w = np.zeros((5, 2), np.float32)
+    act = np.zeros((5, c.ar), np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        g, u = c.gate.device(buf, gpu), c.up.device(buf, gpu)
+        with pytest.raises(ValueError, match="fused top-k takes at most 4 rows"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 5, logits=buf(logits),
+                                 logits_stride=7, n_experts=6, weights=buf(w))
+        with pytest.raises(ValueError, match="needs both logits and weights"):
+            ops.moe_gate_up_rows(enc, "f32", g, u, None, buf(c.x), buf(c.ids), 2, buf(act), 2, logits=buf(logits))
+        assert enc.dispatches == 0

@@ -161,6 +161,21 @@ class _GpuBackend(EngineBackend):
         return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
                                   return_hidden=bool(return_hidden))
 
+    @property
+    def max_batch_rows(self) -> int | None:
+        """The most rows of one `decode_batch` with resident experts (16); None in streaming mode, where the
+        rows run one by one (`qwenmetal.session.decode_batch`)."""
+        return None if self.plan.stream else 16
+
+    def decode_batch(self, states, ids, consumed=None) -> np.ndarray:
+        """One decode step of B (1..16) independent states in one command buffer: row r is token ids[r] on
+        states[r] at that state's own position; returns the logits [B, vocab] (float32), row r bit for bit a
+        one-token forward on states[r] alone. Every weight is read once for all rows (the union-read MoE).
+        All-or-nothing: on success each state advanced one token and ids[r] was appended to consumed[r]
+        (consumed: None, or one token list or None per state)."""
+        return self.engine.decode_batch(list(states), np.ascontiguousarray(ids, dtype=np.int64),
+                                        None if consumed is None else list(consumed))
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config

@@ -59,6 +59,7 @@ from ..memory import parse_budget
 from ..model import Model
 from ..version import __version__
 from .bandwidth import measure_file_read, measure_read_bandwidth
+from .batch import batch_modelled, format_batch, format_modelled, run_batch
 from .bytes_model import (
     BACKEND_KV_DEFAULT,
     KV_ELEMENT_BYTES,
@@ -68,7 +69,6 @@ from .bytes_model import (
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .load import ForeignLoad, busy_fraction, wait_quiet
-from .batch import format_batch, run_batch
 from .speculative import format_speculative, run_speculative
 from .timing import (
     describe_machine,
@@ -412,7 +412,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, metavar="B,...",
                    help="batched decode instead: for each batch size, one decode_batch step over B sessions forked "
                         "from one context (ms/step, aggregate and per-stream tok/s, vs batch 1, the bytes floor of "
-                        "the rows' union of experts) and the 2-row verification vs a step; e.g. --batch 1,2,4,8")
+                        "the rows' union of experts) and the 2-row verification vs a step; e.g. --batch 1,2,4,8. "
+                        "With --encode-only (metal-sim): the Metal graph's batched step of B sequences at the first "
+                        "--contexts value, modelled against the union floor, and the 2-row verification")
     p.add_argument("--context", type=int, default=None,
                    help="--batch: tokens of context each session holds (default 512; --quick 32)")
     p.add_argument("--batch-routing", default="measured", choices=("measured", "random"),
@@ -445,6 +447,8 @@ def run_encode_only(args: argparse.Namespace) -> dict:
            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
                       "hidden": c.hidden_size},
            "decode": decode, "decode_by_context": by_ctx}
+    if getattr(args, "batch", None):
+        res["batch"] = batch_modelled(c, _ints(args.batch), context=contexts[0], kv_dtype=kv)
     if args.prefill:
         res["prefill"] = encode_only_prefill_cost(c, _ints(args.prefill), kv_dtype=kv,
                                                   chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
@@ -464,6 +468,8 @@ def format_encode_only(res: Mapping[str, Any]) -> str:
                      f"{r['bytes_vs_floor']:>8.3f}  {tps}")
     lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
                  "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    if "batch" in res:
+        lines.append(format_modelled(res["batch"]))
     if "prefill" in res:
         lines.append(format_prefill_cost(res["prefill"]))
     return "\n".join(lines)

@@ -143,21 +143,17 @@ void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& p
     attention_decode_rows(e, t, s, pol, kv, {AttnDecodeRow{q, proj, scratch, o, n_keys}});
 }
 
-void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv,
+void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
                            const std::vector<AttnDecodeRow>& rows) {
     const char* op = "attention_decode";
     check_heads(s, op);
     check_policy(pol, op);
     check(s.head_dim <= ATTN_MAX_HEAD_DIM, op,
           "head_dim " + std::to_string(s.head_dim) + " above the kernels' " + std::to_string(ATTN_MAX_HEAD_DIM));
-    check_cache(s, kv, op);
     const uint64_t es = act_size(t), hd = s.head_dim, qo_bytes = uint64_t(s.n_heads) * hd * es;
     const uint64_t q_rows = uint64_t(s.n_heads) * q_stride(s);
     const Geometry g = geometry(s, pol.gqa_pack);
-    const uint64_t cache_bytes = uint64_t(s.n_kv_heads) * kv.capacity * hd * kv_size(kv);
-    const Buffer kb = kv.k.view(0, cache_bytes), vb = kv.v.view(0, cache_bytes);
     const Dims threads{g.simdgroups() * 32, 1, 1};
-    const std::string tkv = std::string(act_suffix(t)) + "_" + kv_suffix(kv);
     // Each row's combine reads only its own partials: every first kernel, then every combine, so that rows
     // share two barrier levels instead of chaining.
     struct Combine {
@@ -167,6 +163,11 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
     };
     std::vector<Combine> combines;
     for (const AttnDecodeRow& r : rows) {
+        const KVCache& kv = r.kv ? *r.kv : kv0;
+        check_cache(s, kv, op);
+        const uint64_t cache_bytes = uint64_t(s.n_kv_heads) * kv.capacity * hd * kv_size(kv);
+        const Buffer kb = kv.k.view(0, cache_bytes), vb = kv.v.view(0, cache_bytes);
+        const std::string tkv = std::string(act_suffix(t)) + "_" + kv_suffix(kv);
         check(r.n_keys > 0 && r.n_keys <= kv.capacity, op,
               "n_keys " + std::to_string(r.n_keys) + " outside 1 .. capacity " + std::to_string(kv.capacity));
         need(r.q, qo_bytes, op, "q");

@@ -50,6 +50,7 @@ void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& p
 struct AttnDecodeRow {
     Buffer q, proj, scratch, o;
     uint32_t n_keys;
+    const KVCache* kv = nullptr;   // the row's own cache (a batched decode step); null: the call's
 };
 void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv,
                            const std::vector<AttnDecodeRow>& rows);

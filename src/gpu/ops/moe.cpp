@@ -1,6 +1,7 @@
 #include "gpu/ops/moe.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "metal/moe.h"
 #include "metal/quant.h"
@@ -169,6 +170,181 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
     args.push_back(shared_down ? Arg::in(logits.view(uint64_t(n_experts) * 4, 4)) : Arg::in(wv, 0));
     args.push_back(Arg::inout(x.view(0, xn)));
     e.dispatch("moe_down_" + variant + "_" + act_suffix(t), Dims{ceil_div(H, QMV_TG_ROWS), 1, 1},
+               kGemvThreads, args);
+}
+
+// ------------------------------------------------------------------------------- the union-read MoE
+double moe_expected_union(uint32_t n_experts, uint32_t k, uint32_t rows) {
+    if (n_experts == 0) return 0.0;
+    const double miss = 1.0 - double(std::min(k, n_experts)) / double(n_experts);   // a row misses an expert
+    return double(n_experts) * (1.0 - std::pow(miss, double(rows)));
+}
+
+namespace {
+void check_rows(const MoeRows& r, uint32_t k, uint32_t x_stride, uint32_t act_row, const char* op) {
+    check(r.rows >= 1 && r.rows <= MOE_ROWS_MAX, op,
+          "rows must be in [1, " + std::to_string(MOE_ROWS_MAX) + "], got " + std::to_string(r.rows));
+    check(uint64_t(r.rows) * k <= MOE_ROWS_MAX_PAIRS, op,
+          "rows * k must be at most " + std::to_string(MOE_ROWS_MAX_PAIRS));
+    check(x_stride % 4 == 0 && act_row % 4 == 0, op, "x_stride and act_row must be multiples of 4 elements");
+    check(uint64_t(r.rows) * std::max(x_stride, act_row) < (uint64_t(1) << 32), op, "rows too long for 32-bit offsets");
+}
+// the rows of `per_expert` rows each that the modelled union of R rows reads (at least one expert's)
+uint64_t union_rows(uint32_t count, uint32_t k, uint32_t R, uint64_t per_expert) {
+    const double u = std::max(std::min(moe_expected_union(count, k, R), double(uint64_t(R) * k)), double(k));
+    return uint64_t(std::llround(u * double(per_expert)));
+}
+}  // namespace
+
+void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
+                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows,
+                      const MoeRowsRouting* route) {
+    const char* op = "moe_gate_up_rows";
+    gate.validate("moe_gate_up_rows: gate");
+    up.validate("moe_gate_up_rows: up");
+    check(up.fmt == gate.fmt && up.scales_f32 == gate.scales_f32, op, "up must have the format of gate");
+    check(up.rows == gate.rows && up.cols == gate.cols && up.count == gate.count && up.group_size == gate.group_size,
+          op, "gate and up stacks must have the same shape");
+    check(k >= 1 && k <= gate.count, op,
+          "k must be in [1, experts in the stack = " + std::to_string(gate.count) + "], got " + std::to_string(k));
+    const uint32_t H = gate.cols, inter = gate.rows, R = rows.rows;
+    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
+    std::string variant = gate.variant();
+    const Matrix* apart = shared_gate_up && !can_pair(gate, *shared_gate_up) ? shared_gate_up : nullptr;
+    const Matrix* fused = apart ? nullptr : shared_gate_up;
+    if (shared_gate_up) {
+        const Matrix& s = *shared_gate_up;
+        s.validate("moe_gate_up_rows: shared_gate_up");
+        check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
+              "shared_gate_up must be one [2 * shared_inter, H] matrix");
+        shared_inter = s.rows / 2;
+    }
+    if (fused) {
+        variant = paired_variant(gate, *fused, op, "shared_gate_up");
+        shared_bits = fused->qbits();
+        shared_gs = quantized(fused->fmt) ? fused->group_size : 0;
+    }
+    const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_gate_up ? 1 : 0);
+    const uint32_t xs = rows.x_stride ? rows.x_stride : H, ar = rows.act_row ? rows.act_row : (k + 1) * stride;
+    check_rows(rows, k, xs, ar, op);
+    check(xs >= H && ar >= slots * stride && stride % 4 == 0, op,
+          "x rows must hold H, act rows (k + 1) slots of a multiple of 4 elements");
+    const uint64_t es = act_size(t);
+    need(x, (uint64_t(R - 1) * xs + H) * es, op, "x");
+    need(ids, uint64_t(R) * k * 4, op, "ids");
+    need(act, (uint64_t(R - 1) * ar + uint64_t(slots) * stride) * es, op, "act");
+    check(x.offset % (4 * es) == 0 && act.offset % (4 * es) == 0, op, "x and act offsets must be 4-element aligned");
+    uint32_t topk = 0;
+    uint64_t ln = 0;
+    if (route) {
+        check(R <= MOE_ROWS_TOPK_FUSED_MAX, op,
+              "the fused top-k takes at most " + std::to_string(MOE_ROWS_TOPK_FUSED_MAX) + " rows, got " +
+                  std::to_string(R));
+        check(route->n_experts >= k && route->n_experts <= MOE_MAX_EXPERTS && k <= MOE_MAX_TOPK, op,
+              "fused top-k needs k <= min(n_experts, " + std::to_string(MOE_MAX_TOPK) + ") and n_experts <= " +
+                  std::to_string(MOE_MAX_EXPERTS));
+        check(route->stride >= route->n_experts, op, "route.stride must be at least n_experts");
+        ln = (uint64_t(R - 1) * route->stride + route->n_experts) * 4;
+        need(route->logits, ln, op, "route.logits");
+        need(route->weights, uint64_t(R) * k * 4, op, "route.weights");
+        topk = MOE_TOPK_FUSED | (route->norm ? MOE_TOPK_NORM : 0u);
+    }
+    const MoeGateUpRowsParams p{H, inter, quantized(gate.fmt) ? gate.group_size : 0, gate.count, k,
+                                fused ? shared_inter : 0u, shared_gs, stride, gate.qbits(), shared_bits, R, xs, ar,
+                                route ? route->n_experts : 0u, topk, route ? route->stride : 0u};
+    std::vector<Arg> args{Arg::params(p)};
+    const uint64_t read = union_rows(gate.count, k, R, inter);   // the modelled union's rows (each read once)
+    matrix_args(args, gate, read);
+    matrix_args(args, up, read);
+    if (fused) {
+        matrix_args(args, *fused, fused->rows);
+    } else {
+        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+    }
+    const Buffer xv = x.view(0, (uint64_t(R - 1) * xs + H) * es), iv = ids.view(0, uint64_t(R) * k * 4);
+    args.push_back(Arg::in(xv, uint64_t(R) * H * es));
+    args.push_back(route ? Arg::out(iv) : Arg::in(iv));
+    args.push_back(Arg::out(act.view(0, (uint64_t(R - 1) * ar + uint64_t(slots) * stride) * es),
+                            uint64_t(R) * (uint64_t(k) * inter + (fused ? shared_inter : 0u)) * es));
+    // fused top-k: every threadgroup reads the rows' logits (from cache after the first), one stores the picks
+    args.push_back(route ? Arg::in(route->logits.view(0, ln), uint64_t(R) * route->n_experts * 4) : Arg::in(xv, 0));
+    args.push_back(route ? Arg::out(route->weights.view(0, uint64_t(R) * k * 4)) : Arg::in(xv, 0));
+    e.dispatch("moe_gate_up_rows_" + variant + "_" + act_suffix(t),
+               Dims{ceil_div(stride, QMV_TG_ROWS), R * k + (fused ? 1 : 0), 1}, kGemvThreads, args);
+    if (apart)
+        for (uint32_t r = 0; r < R; ++r)
+            mlp_gate_up(e, t, *apart, x.view(uint64_t(r) * xs * es, uint64_t(H) * es),
+                        act.view((uint64_t(r) * ar + uint64_t(k) * stride) * es, uint64_t(shared_inter) * es));
+}
+
+void moe_down_rows(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, const Buffer& act,
+                   const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t logits_stride,
+                   uint32_t n_experts, uint32_t k, const Buffer& x, const MoeRows& rows, const Buffer* shared_out) {
+    const char* op = "moe_down_rows";
+    down.validate("moe_down_rows: down");
+    check(k >= 1 && k <= down.count, op,
+          "k must be in [1, experts in the stack = " + std::to_string(down.count) + "], got " + std::to_string(k));
+    const uint32_t H = down.rows, inter = down.cols, R = rows.rows;
+    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
+    std::string variant = down.variant();
+    const Matrix* apart = shared_down && !can_pair(down, *shared_down) ? shared_down : nullptr;
+    if (shared_down) {
+        const Matrix& s = *shared_down;
+        s.validate("moe_down_rows: shared_down");
+        check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
+        shared_inter = s.cols;
+        check(logits_stride > n_experts, op, "logits rows must hold the shared-gate logit (column n_experts)");
+        need(logits, (uint64_t(R - 1) * logits_stride + n_experts + 1) * 4, op, "logits");
+        if (apart) {
+            check(shared_out != nullptr, op, "shared_down (" + s.variant() + ") cannot run in one dispatch with the "
+                                         "routed experts (" + down.variant() + "): give shared_out, f32 [R, H]");
+            need(*shared_out, uint64_t(R) * H * 4, op, "shared_out");
+        } else {
+            variant = paired_variant(down, s, op, "shared_down");
+            shared_bits = s.qbits();
+            shared_gs = quantized(s.fmt) ? s.group_size : 0;
+        }
+    }
+    const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_down ? 1 : 0);
+    const uint32_t xs = rows.x_stride ? rows.x_stride : H, ar = rows.act_row ? rows.act_row : (k + 1) * stride;
+    check_rows(rows, k, xs, ar, op);
+    check(xs >= H && ar >= slots * stride && stride % 4 == 0, op,
+          "x rows must hold H, act rows (k + 1) slots of a multiple of 4 elements");
+    const uint64_t es = act_size(t), an = (uint64_t(R - 1) * ar + uint64_t(slots) * stride) * es;
+    const uint64_t xn = (uint64_t(R - 1) * xs + H) * es;
+    need(act, an, op, "act");
+    check(act.offset % (4 * es) == 0, op, "act offset must be 4-element aligned");
+    need(ids, uint64_t(R) * k * 4, op, "ids");
+    need(weights, uint64_t(R) * k * 4, op, "weights");
+    need(x, xn, op, "x");
+    const MoeDownRowsParams p{H, inter, quantized(down.fmt) ? down.group_size : 0, down.count, k, shared_inter,
+                              shared_gs, stride, down.qbits(), shared_bits, apart ? 1u : 0u, R, ar, xs,
+                              logits_stride, n_experts};
+    std::vector<Arg> args{Arg::params(p)};
+    matrix_args(args, down, union_rows(down.count, k, R, H));   // the modelled union's rows (each read once)
+    if (apart) {
+        const Buffer so = shared_out->view(0, uint64_t(R) * H * 4);
+        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, an - uint64_t(k) * stride * es), so, R, true, ar, H);
+        args.push_back(Arg::in(so));
+        args.push_back(Arg::in(so, 0));
+        args.push_back(Arg::in(so, 0));
+    } else if (shared_down) {
+        matrix_args(args, *shared_down, H);
+    } else {
+        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+    }
+    const Buffer wv = weights.view(0, uint64_t(R) * k * 4);
+    args.push_back(Arg::in(act.view(0, an), uint64_t(R) * (uint64_t(k) * inter + shared_inter) * es));
+    args.push_back(Arg::in(ids.view(0, uint64_t(R) * k * 4)));
+    args.push_back(Arg::in(wv));
+    if (shared_down) {
+        const uint64_t ln = (uint64_t(R - 1) * logits_stride + n_experts + 1) * 4;
+        args.push_back(Arg::in(logits.view(0, ln), uint64_t(R) * 4));   // the shared-gate logits only
+    } else {
+        args.push_back(Arg::in(wv, 0));
+    }
+    args.push_back(Arg::inout(x.view(0, xn), uint64_t(R) * H * es, uint64_t(R) * H * es));
+    e.dispatch("moe_down_rows_" + variant + "_" + act_suffix(t), Dims{ceil_div(H, QMV_TG_ROWS), 1, 1},
                kGemvThreads, args);
 }
 

@@ -41,6 +41,44 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
               const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t n_experts, uint32_t k,
               const Buffer& x, const Buffer* shared_out = nullptr);
 
+// ------------------------------------------------------------------------------- the union-read MoE
+// The MoE block of R rows (a verification call, a batched decode step) reading each expert of the rows'
+// union once for every row that chose it (metal/moe.metal, moe_*_rows), every row's result bit for bit
+// moe_gate_up's / moe_down's on that row alone. Row r: x[r] at x_stride elements, its routing ids [R, k] /
+// weights [R, k] (moe_topk_rows on the router logits [R, logits_stride]), its act block [k (+1), stride]
+// at act_row elements (stride = max(inter, shared_inter), as moe_gate_up lays one row out).
+// R in 1..MOE_ROWS_MAX, R k <= MOE_ROWS_MAX_PAIRS; strides multiples of 4 elements.
+//
+// Bytes declared: the union's experts are known only on the GPU, so a dispatch declares the rows of
+// moe_expected_union(count, k, R) experts: a model (uniform random routing), not the routing of the call.
+double moe_expected_union(uint32_t n_experts, uint32_t k, uint32_t rows);
+struct MoeRows {
+    uint32_t rows = 1;
+    uint32_t x_stride = 0;    // elements between x rows (0: H)
+    uint32_t act_row = 0;     // elements between act rows (0: (k + 1) stride)
+};
+// The router top-k fused into moe_gate_up_rows (R <= MOE_ROWS_TOPK_FUSED_MAX): moe_topk_rows's function on
+// logits [R, stride], ids and weights [R, k] written for moe_down_rows instead of read.
+struct MoeRowsRouting {
+    Buffer logits;            // f32 [R, stride]
+    uint32_t stride = 0;      // floats between logit rows (>= n_experts)
+    uint32_t n_experts = 0;
+    bool norm = true;
+    Buffer weights;           // f32 [R, k] (written)
+};
+// act[r, j, :inter] = silu(gate_{ids[r, j]} x[r]) * up_{ids[r, j]} x[r]; slot k the shared expert. One
+// dispatch (+ mlp_gate_up per row when the shared expert's format cannot share the routed kernel).
+void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
+                      const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows,
+                      const MoeRowsRouting* route = nullptr);
+// x[r] += sum_j weights[r, j] down_{ids[r, j]} act[r, j] (+ sigmoid(logits[r, n_experts]) shared_down act[r, k]),
+// moe_down's order and roundings per row. One dispatch (+ qmv over the rows into shared_out f32 [R, H] when
+// the shared expert's format cannot share the routed kernel).
+void moe_down_rows(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, const Buffer& act,
+                   const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t logits_stride,
+                   uint32_t n_experts, uint32_t k, const Buffer& x, const MoeRows& rows,
+                   const Buffer* shared_out = nullptr);
+
 // Dense SwiGLU MLP (qwen3_next layers without experts): act = silu(gate x) * up x, one dispatch over
 // the stacked [gate | up] rows; the down projection is qmv + the residual add by the caller.
 void mlp_gate_up(Encoder& e, Act t, const Matrix& gate_up, const Buffer& x, const Buffer& act);

@@ -42,37 +42,75 @@ void moe_topk(Encoder& e, const Buffer& logits, uint32_t n_experts, uint32_t k, 
     topk_rows(e, Act::F32, logits, 1, n_experts, n_experts, k, norm, ids, weights, "moe_topk");
 }
 
-void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
-                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRouting* route) {
-    const char* op = "moe_gate_up";
-    gate.validate("moe_gate_up: gate");
-    up.validate("moe_gate_up: up");
+namespace {
+// What the routed gate/up or down dispatch does with the shared expert: none, paired into the dispatch (its
+// bits and group size go to the params, the variant names both formats), or apart (a format the routed kernel
+// cannot read: run by another kernel beside it). Checks the routed stacks, k and the shared expert's shape.
+struct SharedExpert {
+    const Matrix* apart = nullptr;      // run by another kernel
+    const Matrix* fused = nullptr;      // paired into the dispatch
+    uint32_t inter = 0, group_size = 0, bits = 0;
+    std::string variant;                // the dispatch's kernel variant
+};
+void pair(SharedExpert& se, const Matrix& routed, const Matrix& s, const char* op, const char* name) {
+    if (!can_pair(routed, s)) {
+        se.apart = &s;
+        return;
+    }
+    se.fused = &s;
+    se.variant = paired_variant(routed, s, op, name);
+    se.bits = s.qbits();
+    se.group_size = quantized(s.fmt) ? s.group_size : 0;
+}
+void check_k(uint32_t k, const Matrix& stack, const char* op) {
+    check(k >= 1 && k <= stack.count, op,
+          "k must be in [1, experts in the stack = " + std::to_string(stack.count) + "], got " + std::to_string(k));
+}
+SharedExpert gate_up_shared(const Matrix& gate, const Matrix& up, const Matrix* shared, uint32_t k, const char* op) {
+    gate.validate((std::string(op) + ": gate").c_str());
+    up.validate((std::string(op) + ": up").c_str());
     check(up.fmt == gate.fmt && up.scales_f32 == gate.scales_f32, op,
           "up (" + up.variant() + ", " + format_name(up.fmt) + ") must have the format of gate (" + gate.variant() +
               ", " + format_name(gate.fmt) + ")");
     check(up.rows == gate.rows && up.cols == gate.cols && up.count == gate.count && up.group_size == gate.group_size,
           op, "gate and up stacks must have the same shape");
-    check(k >= 1 && k <= gate.count, op,
-          "k must be in [1, experts in the stack = " + std::to_string(gate.count) + "], got " + std::to_string(k));
-    const uint32_t H = gate.cols, inter = gate.rows;
-    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
-    std::string variant = gate.variant();
+    check_k(k, gate, op);
+    SharedExpert se;
+    se.variant = gate.variant();
+    if (shared) {
+        shared->validate((std::string(op) + ": shared_gate_up").c_str());
+        check(shared->count == 1 && shared->cols == gate.cols && shared->rows % 2 == 0, op,
+              "shared_gate_up must be one [2 * shared_inter, H] matrix");
+        se.inter = shared->rows / 2;
+        pair(se, gate, *shared, op, "shared_gate_up");
+    }
+    return se;
+}
+SharedExpert down_shared(const Matrix& down, const Matrix* shared, uint32_t k, const char* op) {
+    down.validate((std::string(op) + ": down").c_str());
+    check_k(k, down, op);
+    SharedExpert se;
+    se.variant = down.variant();
+    if (shared) {
+        shared->validate((std::string(op) + ": shared_down").c_str());
+        check(shared->count == 1 && shared->rows == down.rows, op, "shared_down must be one [H, shared_inter] matrix");
+        se.inter = shared->cols;
+        pair(se, down, *shared, op, "shared_down");
+    }
+    return se;
+}
+}  // namespace
+
+void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
+                 const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRouting* route) {
+    const char* op = "moe_gate_up";
     // a shared expert in a format the routed kernel cannot read (mlx_lm.convert can leave one side dense)
     // runs apart: mlp_gate_up into its slot of act, beside this dispatch
-    const Matrix* apart = shared_gate_up && !can_pair(gate, *shared_gate_up) ? shared_gate_up : nullptr;
-    const Matrix* fused = apart ? nullptr : shared_gate_up;
-    if (shared_gate_up) {
-        const Matrix& s = *shared_gate_up;
-        s.validate("moe_gate_up: shared_gate_up");
-        check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
-              "shared_gate_up must be one [2 * shared_inter, H] matrix");
-        shared_inter = s.rows / 2;
-    }
-    if (fused) {
-        variant = paired_variant(gate, *fused, op, "shared_gate_up");
-        shared_bits = fused->qbits();
-        shared_gs = quantized(fused->fmt) ? fused->group_size : 0;
-    }
+    const SharedExpert se = gate_up_shared(gate, up, shared_gate_up, k, op);
+    const Matrix *apart = se.apart, *fused = se.fused;
+    const uint32_t H = gate.cols, inter = gate.rows, shared_inter = se.inter, shared_gs = se.group_size;
+    const uint32_t shared_bits = se.bits;
+    const std::string& variant = se.variant;
     const uint32_t stride = std::max(inter, shared_inter), slots = k + (fused ? 1 : 0);
     const uint64_t es = act_size(t), an = uint64_t(k + (shared_gate_up ? 1 : 0)) * stride * es;
     need(x, uint64_t(H) * es, op, "x");
@@ -115,29 +153,19 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
               const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t n_experts, uint32_t k,
               const Buffer& x, const Buffer* shared_out) {
     const char* op = "moe_down";
-    down.validate("moe_down: down");
-    check(k >= 1 && k <= down.count, op,
-          "k must be in [1, experts in the stack = " + std::to_string(down.count) + "], got " + std::to_string(k));
-    const uint32_t H = down.rows, inter = down.cols;
-    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
-    std::string variant = down.variant();
     // a shared expert the routed kernel cannot read: its down projection by qmv (the same rows_dot) into
     // shared_out first, which this dispatch then combines as it would its own
-    const Matrix* apart = shared_down && !can_pair(down, *shared_down) ? shared_down : nullptr;
+    const SharedExpert se = down_shared(down, shared_down, k, op);
+    const Matrix* apart = se.apart;
+    const uint32_t H = down.rows, inter = down.cols, shared_inter = se.inter, shared_gs = se.group_size;
+    const uint32_t shared_bits = se.bits;
+    const std::string& variant = se.variant;
     if (shared_down) {
-        const Matrix& s = *shared_down;
-        s.validate("moe_down: shared_down");
-        check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
-        shared_inter = s.cols;
         need(logits, (uint64_t(n_experts) + 1) * 4, op, "logits (n_experts + 1 with a shared expert)");
         if (apart) {
-            check(shared_out != nullptr, op, "shared_down (" + s.variant() + ") cannot run in one dispatch with the "
-                                         "routed experts (" + down.variant() + "): give shared_out, f32 [H]");
+            check(shared_out != nullptr, op, "shared_down (" + apart->variant() + ") cannot run in one dispatch with "
+                                         "the routed experts (" + down.variant() + "): give shared_out, f32 [H]");
             need(*shared_out, uint64_t(H) * 4, op, "shared_out");
-        } else {
-            variant = paired_variant(down, s, op, "shared_down");
-            shared_bits = s.qbits();
-            shared_gs = quantized(s.fmt) ? s.group_size : 0;
         }
     }
     const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_down ? 1 : 0);
@@ -200,30 +228,11 @@ void moe_gate_up_rows(Encoder& e, Act t, const Matrix& gate, const Matrix& up, c
                       const Buffer& x, const Buffer& ids, uint32_t k, const Buffer& act, const MoeRows& rows,
                       const MoeRowsRouting* route) {
     const char* op = "moe_gate_up_rows";
-    gate.validate("moe_gate_up_rows: gate");
-    up.validate("moe_gate_up_rows: up");
-    check(up.fmt == gate.fmt && up.scales_f32 == gate.scales_f32, op, "up must have the format of gate");
-    check(up.rows == gate.rows && up.cols == gate.cols && up.count == gate.count && up.group_size == gate.group_size,
-          op, "gate and up stacks must have the same shape");
-    check(k >= 1 && k <= gate.count, op,
-          "k must be in [1, experts in the stack = " + std::to_string(gate.count) + "], got " + std::to_string(k));
-    const uint32_t H = gate.cols, inter = gate.rows, R = rows.rows;
-    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
-    std::string variant = gate.variant();
-    const Matrix* apart = shared_gate_up && !can_pair(gate, *shared_gate_up) ? shared_gate_up : nullptr;
-    const Matrix* fused = apart ? nullptr : shared_gate_up;
-    if (shared_gate_up) {
-        const Matrix& s = *shared_gate_up;
-        s.validate("moe_gate_up_rows: shared_gate_up");
-        check(s.count == 1 && s.cols == H && s.rows % 2 == 0, op,
-              "shared_gate_up must be one [2 * shared_inter, H] matrix");
-        shared_inter = s.rows / 2;
-    }
-    if (fused) {
-        variant = paired_variant(gate, *fused, op, "shared_gate_up");
-        shared_bits = fused->qbits();
-        shared_gs = quantized(fused->fmt) ? fused->group_size : 0;
-    }
+    const SharedExpert se = gate_up_shared(gate, up, shared_gate_up, k, op);
+    const Matrix *apart = se.apart, *fused = se.fused;
+    const uint32_t H = gate.cols, inter = gate.rows, R = rows.rows, shared_inter = se.inter;
+    const uint32_t shared_gs = se.group_size, shared_bits = se.bits;
+    const std::string& variant = se.variant;
     const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_gate_up ? 1 : 0);
     const uint32_t xs = rows.x_stride ? rows.x_stride : H, ar = rows.act_row ? rows.act_row : (k + 1) * stride;
     check_rows(rows, k, xs, ar, op);
@@ -281,28 +290,18 @@ void moe_down_rows(Encoder& e, Act t, const Matrix& down, const Matrix* shared_d
                    const Buffer& ids, const Buffer& weights, const Buffer& logits, uint32_t logits_stride,
                    uint32_t n_experts, uint32_t k, const Buffer& x, const MoeRows& rows, const Buffer* shared_out) {
     const char* op = "moe_down_rows";
-    down.validate("moe_down_rows: down");
-    check(k >= 1 && k <= down.count, op,
-          "k must be in [1, experts in the stack = " + std::to_string(down.count) + "], got " + std::to_string(k));
-    const uint32_t H = down.rows, inter = down.cols, R = rows.rows;
-    uint32_t shared_inter = 0, shared_gs = 0, shared_bits = 0;
-    std::string variant = down.variant();
-    const Matrix* apart = shared_down && !can_pair(down, *shared_down) ? shared_down : nullptr;
+    const SharedExpert se = down_shared(down, shared_down, k, op);
+    const Matrix* apart = se.apart;
+    const uint32_t H = down.rows, inter = down.cols, R = rows.rows, shared_inter = se.inter;
+    const uint32_t shared_gs = se.group_size, shared_bits = se.bits;
+    const std::string& variant = se.variant;
     if (shared_down) {
-        const Matrix& s = *shared_down;
-        s.validate("moe_down_rows: shared_down");
-        check(s.count == 1 && s.rows == H, op, "shared_down must be one [H, shared_inter] matrix");
-        shared_inter = s.cols;
         check(logits_stride > n_experts, op, "logits rows must hold the shared-gate logit (column n_experts)");
         need(logits, (uint64_t(R - 1) * logits_stride + n_experts + 1) * 4, op, "logits");
         if (apart) {
-            check(shared_out != nullptr, op, "shared_down (" + s.variant() + ") cannot run in one dispatch with the "
-                                         "routed experts (" + down.variant() + "): give shared_out, f32 [R, H]");
+            check(shared_out != nullptr, op, "shared_down (" + apart->variant() + ") cannot run in one dispatch with "
+                                         "the routed experts (" + down.variant() + "): give shared_out, f32 [R, H]");
             need(*shared_out, uint64_t(R) * H * 4, op, "shared_out");
-        } else {
-            variant = paired_variant(down, s, op, "shared_down");
-            shared_bits = s.qbits();
-            shared_gs = quantized(s.fmt) ? s.group_size : 0;
         }
     }
     const uint32_t stride = std::max(inter, shared_inter), slots = k + (shared_down ? 1 : 0);

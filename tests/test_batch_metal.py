@@ -4,6 +4,8 @@ one-token decode step; rows join and leave between steps; errors leave every sta
 hardware-unverified."""
 import numpy as np
 import pytest
+from test_batching import _check_rows_are_decode_steps   # sessions stepped by changing subsets vs alone
+
 import qwenmetal as qm
 from qwenmetal.testing import cached_checkpoint
 
@@ -25,40 +27,14 @@ def _same(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def _check_batches(m):
-    """Sessions of different lengths decoded by decode_batch over changing subsets (rows join and leave) equal
-    bit for bit the same sessions decoded alone by decode_step: logits, tokens and state."""
-    be = m._backend
-    alone, batched = [], []
-    for p in PROMPTS:
-        a, b = m.new_session(), m.new_session()
-        m.prefill(a, p)
-        m.prefill(b, p)
-        alone.append(a)
-        batched.append(b)
-    rng = np.random.default_rng(0)
-    # the subsets of sessions stepped together: all, some, one, a reordering, rows joining back
-    for rows in ([0, 1, 2, 3], [2, 0], [3], [1, 3, 0], [0, 1, 2, 3], [2, 1]):
-        ids = rng.integers(0, m.config.vocab_size, len(rows))
-        got = be.decode_batch([batched[r]._state for r in rows], ids, [batched[r]._tokens for r in rows])
-        assert got.shape == (len(rows), m.config.vocab_size) and got.dtype == np.float32
-        for i, r in enumerate(rows):
-            want = m.decode_step(alone[r], int(ids[i]))
-            np.testing.assert_array_equal(got[i], want, err_msg=f"row {i} (session {r}) of {rows}")
-    for a, b in zip(alone, batched):
-        assert a.tokens == b.tokens and a.position == b.position
-        assert _same(_state(m, a), _state(m, b))
-        np.testing.assert_array_equal(m.decode_step(a, 1), m.decode_step(b, 1))
-
-
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 def test_decode_batch_rows_are_decode_steps(preset):
-    _check_batches(_load(preset))
+    _check_rows_are_decode_steps(_load(preset), steps=6)
 
 
 def test_decode_batch_bfloat16():
     """The bfloat16 build: the same bit-for-bit equality (every kernel of a row is the decode step's)."""
-    _check_batches(_load("tiny", "bfloat16"))
+    _check_rows_are_decode_steps(_load("tiny", "bfloat16"), steps=6)
 
 
 def test_decode_batch_errors_leave_every_state_alone():

@@ -310,9 +310,20 @@ struct WDot<WFMT_QN, S, T> {
 // indices (a runtime-bounded loop would index acc[] dynamically: memory, not registers).
 // With `norm`, vector b is rmsnorm(x[b]) * g: every input is multiplied by inv[b] * g[k] as it is
 // loaded (rows_dot below: one plain vector, the decode projections).
-template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
-inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, thread const float* inv, bool norm,
-                          uint K, uint gs, uint bits, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
+// Where vector b of rows_dot_x starts in the input buffer (vec4 units): evenly strided (the decode and
+// verification GEMVs' rows), or listed one by one (the union-read MoE's rows that chose an expert).
+struct StridedX {
+    uint stride;
+    uint at(uint b) const { return b * stride; }
+};
+struct ListedX {
+    thread const uint* offsets;
+    uint at(uint b) const { return offsets[b]; }
+};
+
+template <int FMT, typename S, typename T, uint MB, typename XO, typename WP, typename SP, typename XP>
+inline void rows_dot_x(WP w, SP scales, SP biases, XP x4, XO xo, XP g4, thread const float* inv, bool norm, uint K,
+                       uint gs, uint bits, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
     typedef WDot<FMT, S, T> D;
     typedef typename D::Unit U;
     const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
@@ -334,7 +345,7 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, th
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {
                 float xs[D::VALS];
-                const float xsum = D::load_x(x4 + ulong(b) * xs4, g4, inv[b], norm, k, xs);
+                const float xsum = D::load_x(x4 + xo.at(b), g4, inv[b], norm, k, xs);
                 for (uint r = 0; r < QMV_ROWS; ++r) {
                     acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
                 }
@@ -348,6 +359,13 @@ inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, th
             }
         }
     }
+}
+
+template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
+inline void rows_dot_norm(WP w, SP scales, SP biases, XP x4, uint xs4, XP g4, thread const float* inv, bool norm,
+                          uint K, uint gs, uint bits, uint row0, uint nrows, uint nb, uint lane, thread float* out) {
+    rows_dot_x<FMT, S, T, MB>(w, scales, biases, x4, StridedX{xs4}, g4, inv, norm, K, gs, bits, row0, nrows, nb, lane,
+                              out);
 }
 
 template <int FMT, typename S, typename T, typename WP, typename SP, typename XP>
@@ -365,41 +383,12 @@ inline void rows_dot(WP w, SP scales, SP biases, XP x4, uint K, uint gs, uint bi
 template <int FMT, typename S, typename T, uint MB, typename WP, typename SP, typename XP>
 inline void rows_dot_sel(WP w, SP scales, SP biases, XP x4, thread const uint* xoff, uint K, uint gs, uint bits,
                          uint row0, uint nrows, uint nb, uint lane, thread float* out) {
-    typedef WDot<FMT, S, T> D;
-    typedef typename D::Unit U;
-    const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
-    ulong wo[QMV_ROWS], so[QMV_ROWS];
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        const ulong row = min(row0 + r, nrows - 1u);
-        wo[r] = row * upr;
-        so[r] = row * spr;
-    }
-    float acc[MB * QMV_ROWS];
-    for (uint i = 0; i < MB * QMV_ROWS; ++i) {
-        acc[i] = 0.0f;
-    }
-    for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
-        U u[QMV_ROWS];
-        for (uint r = 0; r < QMV_ROWS; ++r) {
-            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs, bits);
-        }
-        for (uint b = 0; b < MB; ++b) {
-            if (b < nb) {
-                float xs[D::VALS];
-                const float xsum = D::load_x(x4 + xoff[b], x4, 1.0f, false, k, xs);
-                for (uint r = 0; r < QMV_ROWS; ++r) {
-                    acc[b * QMV_ROWS + r] += D::dot(u[r], xs, xsum);
-                }
-            }
-        }
-    }
+    float ones[MB];
     for (uint b = 0; b < MB; ++b) {
-        if (b < nb) {
-            for (uint r = 0; r < QMV_ROWS; ++r) {
-                out[b * QMV_ROWS + r] = simd_sum(acc[b * QMV_ROWS + r]);
-            }
-        }
+        ones[b] = 1.0f;
     }
+    rows_dot_x<FMT, S, T, MB>(w, scales, biases, x4, ListedX{xoff}, x4, ones, false, K, gs, bits, row0, nrows, nb,
+                              lane, out);
 }
 
 // inv = rsqrt(mean(x[0, K)^2) + eps) for one SIMD-group (every lane receives it): the statistics of an

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "metal/moe.h"
 #include "metal/quant.h"
@@ -99,6 +100,19 @@ SharedExpert down_shared(const Matrix& down, const Matrix* shared, uint32_t k, c
     }
     return se;
 }
+// A down dispatch's three shared-expert buffers: the projection run apart (`apart_out`, f32, already
+// computed), the paired matrix, or for no shared expert the routed stack again, declared unread
+void shared_down_args(std::vector<Arg>& args, const Buffer* apart_out, const Matrix* shared_down, uint32_t H) {
+    if (apart_out) {
+        args.push_back(Arg::in(*apart_out));
+        args.push_back(Arg::in(*apart_out, 0));
+        args.push_back(Arg::in(*apart_out, 0));
+    } else if (shared_down) {
+        matrix_args(args, *shared_down, H);
+    } else {
+        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+    }
+}
 }  // namespace
 
 void moe_gate_up(Encoder& e, Act t, const Matrix& gate, const Matrix& up, const Matrix* shared_gate_up,
@@ -179,17 +193,12 @@ void moe_down(Encoder& e, Act t, const Matrix& down, const Matrix* shared_down, 
                           shared_gs, stride, down.qbits(), shared_bits, apart ? 1u : 0u};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, down, uint64_t(k) * H);  // only the k chosen experts' rows are read
+    std::optional<Buffer> so;
     if (apart) {
-        const Buffer so = shared_out->view(0, uint64_t(H) * 4);
-        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, uint64_t(shared_inter) * es), so, 1, true);
-        args.push_back(Arg::in(so));
-        args.push_back(Arg::in(so, 0));
-        args.push_back(Arg::in(so, 0));
-    } else if (shared_down) {
-        matrix_args(args, *shared_down, H);
-    } else {
-        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+        so = shared_out->view(0, uint64_t(H) * 4);
+        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, uint64_t(shared_inter) * es), *so, 1, true);
     }
+    shared_down_args(args, so ? &*so : nullptr, shared_down, H);
     const Buffer wv = weights.view(0, uint64_t(k) * 4);
     args.push_back(Arg::in(act.view(0, an), (uint64_t(k) * inter + shared_inter) * es));
     args.push_back(Arg::in(ids.view(0, uint64_t(k) * 4)));
@@ -321,17 +330,12 @@ void moe_down_rows(Encoder& e, Act t, const Matrix& down, const Matrix* shared_d
                               logits_stride, n_experts};
     std::vector<Arg> args{Arg::params(p)};
     matrix_args(args, down, union_rows(down.count, k, R, H));   // the modelled union's rows (each read once)
+    std::optional<Buffer> so;
     if (apart) {
-        const Buffer so = shared_out->view(0, uint64_t(R) * H * 4);
-        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, an - uint64_t(k) * stride * es), so, R, true, ar, H);
-        args.push_back(Arg::in(so));
-        args.push_back(Arg::in(so, 0));
-        args.push_back(Arg::in(so, 0));
-    } else if (shared_down) {
-        matrix_args(args, *shared_down, H);
-    } else {
-        for (int i = 1; i <= 3; ++i) args.push_back(Arg::in(args[size_t(i)].buf, 0));
+        so = shared_out->view(0, uint64_t(R) * H * 4);
+        qmv(e, t, *apart, act.view(uint64_t(k) * stride * es, an - uint64_t(k) * stride * es), *so, R, true, ar, H);
     }
+    shared_down_args(args, so ? &*so : nullptr, shared_down, H);
     const Buffer wv = weights.view(0, uint64_t(R) * k * 4);
     args.push_back(Arg::in(act.view(0, an), uint64_t(R) * (uint64_t(k) * inter + shared_inter) * es));
     args.push_back(Arg::in(ids.view(0, uint64_t(R) * k * 4)));

@@ -464,7 +464,7 @@ def test_disconnect_stops_the_generation_within_one_decode_step(live, stream, pa
     assert h["completed"] == 0 and h["failed"] == 0 and c.steps < LONG["max_tokens"]
 
 
-def test_a_stream_is_not_written_on_after_its_connection_is_lost(cpu_model):
+def test_a_stream_is_not_written_on_after_its_connection_is_lost(cpu_model, monkeypatch):
     """A client that hangs up while tokens pile up (here: the event loop is held up for half a second):
     asyncio's transport schedules the connection's loss after the first failed write and logs every
     write past the fifth before that runs ('socket.send() raised exception.', a line per token). Driven
@@ -475,6 +475,8 @@ def test_a_stream_is_not_written_on_after_its_connection_is_lost(cpu_model):
     require("starlette")
     from qwenmetal.server import create_app
 
+    # 2 ms per decode step: the 3000 tokens outlast the half-second stall (a fast CPU ran them all within it)
+    monkeypatch.setattr(cpu_model, "decode_step", _Counted(cpu_model, 0.002).decode_step)
     app = create_app(cpu_model, model_name=NAME)
     body = json.dumps(dict(LONG, max_tokens=3000, stream=True)).encode()
     st = {"chunks": 0, "failed": False, "lost": False, "written_after": 0}

@@ -117,7 +117,7 @@ class Batcher:
         it in the events."""
         if not isinstance(gen, Generation):
             raise TypeError(f"add() takes a Generation (generation.prepare), got {type(gen).__name__}")
-        if gen.run.model is not self.model and gen.session.model is not self.model:
+        if gen.session.model is not self.model:
             raise ValueError("this generation belongs to another model")
         self._waiting.append(_Row(gen, tag))
 

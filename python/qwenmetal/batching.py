@@ -8,7 +8,8 @@ sampler, seed and stop conditions) and advances all of them by one `step` at a t
 
 1. every generation that is decoding gives the token it sampled last, and one `session.decode_batch` call runs
    them all: one forward that reads every weight once for all rows (on cpu and the Metal graph), each row bit
-   for bit its session's own decode step; each row then samples its next token on the host with its own
+   for bit its session's own decode step (a backend without a batched step -- the reference, Metal expert
+   streaming -- runs a one-row step per row); each row then samples its next token on the host with its own
    sampler;
 2. then the prompts of newly joined generations are prefilled in pieces, oldest first, with what is left of
    the step's token budget (`step_tokens`, at least one piece per step): a long prompt holds the decoding
@@ -60,12 +61,9 @@ class _Row:
 
 @dataclass
 class BatchStats:
-    """What the scheduler has done: batched decode steps, the rows they ran, prompt tokens prefilled."""
+    """What the scheduler has done: decode steps, and the rows of the recent ones."""
 
     steps: int = 0
-    rows: int = 0
-    prefill_tokens: int = 0
-    max_rows_seen: int = 0
     history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
     def occupancy(self, max_rows: int) -> float | None:
@@ -141,9 +139,7 @@ class Batcher:
                 break
             first = False
             try:
-                n = r.gen.prefill(max(budget, 1))
-                budget -= n
-                self.stats.prefill_tokens += n
+                budget -= r.gen.prefill(max(budget, 1))
                 if r.gen.prefilled:
                     self._emit(r, r.gen.first(), events)
             except Exception as e:  # noqa: BLE001 - the generation fails, the others go on
@@ -152,21 +148,15 @@ class Batcher:
         return events
 
     def _decode(self, rows: list[_Row], events: list[Event]) -> None:
-        sessions = [r.gen.session for r in rows]
-        tokens = [r.gen.next_token for r in rows]
-        try:
-            logits = decode_batch(self.model, sessions, tokens)
-            results = [(r, logits[i], None) for i, r in enumerate(rows)]
-        except Exception:  # noqa: BLE001 - every session is unchanged: find the row that fails alone
-            results = []
-            for r, s, t in zip(rows, sessions, tokens):
-                try:
-                    results.append((r, decode_batch(self.model, [s], [t])[0], None))
-                except Exception as e:  # noqa: BLE001
-                    results.append((r, None, e))
+        if self.model.max_batch_rows is None:            # no batched step: the rows one by one
+            results = self._one_by_one(rows)
+        else:
+            try:
+                logits = decode_batch(self.model, [r.gen.session for r in rows], [r.gen.next_token for r in rows])
+                results = [(r, logits[i], None) for i, r in enumerate(rows)]
+            except Exception:  # noqa: BLE001 - every session is unchanged: find the row that fails alone
+                results = self._one_by_one(rows)
         self.stats.steps += 1
-        self.stats.rows += len(rows)
-        self.stats.max_rows_seen = max(self.stats.max_rows_seen, len(rows))
         self.stats.history.append(len(rows))
         for r, row, err in results:
             if err is not None:
@@ -178,6 +168,16 @@ class Batcher:
             except Exception as e:  # noqa: BLE001
                 self._leave(r)
                 events.append(Event(r.tag, "error", e))
+
+    def _one_by_one(self, rows: list[_Row]) -> list[tuple]:
+        """(row, its logits or None, its error or None) from a one-row step per row."""
+        out = []
+        for r in rows:
+            try:
+                out.append((r, decode_batch(self.model, [r.gen.session], [r.gen.next_token])[0], None))
+            except Exception as e:  # noqa: BLE001
+                out.append((r, None, e))
+        return out
 
     def _emit(self, r: _Row, out: GenerationOutput, events: list[Event]) -> None:
         events.append(Event(r.tag, "out", out))

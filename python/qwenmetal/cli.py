@@ -535,10 +535,11 @@ def cmd_serve(args) -> int:
 
 
 def _default_parallel(model, spec: dict, args) -> int:
-    """--parallel when not given: 1 with speculative decoding (single-stream); else the most sessions of
-    8192 tokens that fit beside the weights in the memory budget (`expert_streaming.default_parallel`: at most
-    8 and the backend's rows per batched step, at least 1)."""
-    if spec:
+    """--parallel when not given: 1 with speculative decoding (single-stream) or on a backend without a batched
+    step (the reference, Metal expert streaming: rows would run one by one, and Metal would lose its pipelined
+    decode loop); else the most sessions of 8192 tokens that fit beside the weights in the memory budget
+    (`expert_streaming.default_parallel`: at most 8 and the backend's rows per batched step, at least 1)."""
+    if spec or model.max_batch_rows is None:
         return 1
     info = model.backend_info()
     return expert_streaming.default_parallel(

@@ -408,7 +408,7 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
 
 class Generation:
     """One generation stepped from outside (`prepare`; the scheduler in `qwenmetal.batching` runs many):
-    `prefill(budget)` until it returns True, then `first()` and `feed(logits)` per decode step, each giving a
+    `prefill(budget)` until `prefilled`, then `first()` and `feed(logits)` per decode step, each giving a
     `GenerationOutput` (the last one has `finish_reason` and `stats`); `next_token` is what the next decode
     step must run on the session. Host sampling with the generation's own sampler, so a seeded generation
     gives what `Model.generate` gives alone on the host path."""
@@ -417,7 +417,6 @@ class Generation:
         self.run = run
         self.session = run.s
         self.next_token: int | None = None    # to be fed to the session next (None: prefilling or done)
-        self.done = False
         self._logits = None
         self._toks: _Tokens | None = None
         self._started = False
@@ -425,10 +424,6 @@ class Generation:
     @property
     def cancelled(self) -> bool:
         return self.run.cancelled
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.run.ids)
 
     def prefill(self, budget: int | None = None) -> int:
         """Prefill the next piece of the prompt (at most `budget` tokens, within the prefix cache's chunk
@@ -440,8 +435,6 @@ class Generation:
             run.model.reset_expert_stats()
             run.t0 = time.perf_counter()
             self._logits = _prefill_start(run)
-            if self._logits is not None:
-                return 0
         if self._logits is not None:
             return 0
         n, self._logits = _prefill_piece(run, budget)
@@ -468,7 +461,7 @@ class Generation:
         if reason is None:
             self.next_token = t
             return GenerationOutput(t, text, n, logprob=r.logprob, top_logprobs=r.top_logprobs)
-        self.next_token, self.done = None, True
+        self.next_token = None
         stats = self.run.finish(len(toks.generated), reason, logits)
         return GenerationOutput(t, text, n, reason, stats, r.logprob, r.top_logprobs, hit)
 

@@ -437,8 +437,9 @@ def decode_batch(model: ModelBase, sessions: Sequence[Session], token_ids: Seque
             raise ValueError(f"decode_batch runs at most {limit} sessions at once on the {be.name} backend, "
                              f"got {len(sessions)}")
         return be.decode_batch([s._state for s in sessions], arr, [s._tokens for s in sessions])
-    # one session after another, every session's state kept until all of them are done
-    before = [(s._state.copy(), len(s._tokens)) for s in sessions]
+    # one session after another, each state kept until the later ones are done (the last one's own step is
+    # all-or-nothing: a single session needs no copy)
+    before = [(s._state.copy(), len(s._tokens)) for s in sessions[:-1]]
     rows = []
     try:
         for s, t in zip(sessions, arr):
@@ -446,7 +447,7 @@ def decode_batch(model: ModelBase, sessions: Sequence[Session], token_ids: Seque
             rows.append(out)
     except BaseException:
         with sigint_deferred():
-            for s, (state, n) in zip(sessions, before):
+            for s, (state, n) in zip(sessions, before[:len(rows)]):
                 s._state = state
                 del s._tokens[n:]
         raise

@@ -20,12 +20,7 @@
 // Simulator-verified, hardware-unverified.
 #include "common.h"
 #include "gdn.h"
-
-// overflow-free logistic function, as the reference's sigmoid
-inline float gdn_sigmoid(float x) {
-    const float e = exp(-fabs(x));
-    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
+#include "gdn_conv.h"
 
 // log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)); MSL has no log1p, so log1p(e) is computed as
 // log(u) * e / (u - 1) with u = 1 + e (exact to a few ulps also where e is below float epsilon, where the
@@ -122,8 +117,7 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
             const float x = i < S ? conv_state[ulong(i) * p.C + c] : float(qkv[ulong(i - S) * p.stride + c]);
             acc += x * w[j];
         }
-        const float xr = rnd<T>(acc);                           // as the bf16 graph: conv output rounded, then
-        act[ulong(m) * p.C + c] = T(xr * rnd<T>(gdn_sigmoid(xr)));  // MLX's silu (sigmoid rounded, product rounded)
+        act[ulong(m) * p.C + c] = gdn_conv_silu<T>(acc);
     }
     for (uint r = 0; r < S; ++r) {
         const uint i = p.rows + r;

@@ -16,8 +16,10 @@ struct QmvParams {
     float eps;            // QMV_NORM: added to mean(x^2)
     uint32_t batch;       // input vectors in all (the last threadgroup row may hold fewer than MB)
     uint32_t bits;        // WFMT_QN: the weights' width (2, 3, 4, 5, 6, 8); other formats: unused
+    uint32_t conv_k;      // QMV_CONV: the conv's taps K (its state holds K - 1 rows of conv_c channels)
+    uint32_t conv_c;      // QMV_CONV: the conv's channels, output rows 0 .. conv_c - 1 (<= N)
 };
-static_assert(sizeof(QmvParams) == 36, "QmvParams: 9 x 4 bytes, as the host packs it");
+static_assert(sizeof(QmvParams) == 44, "QmvParams: 11 x 4 bytes, as the host packs it");
 // qmv fusions (flags): the input is rmsnorm(x) * g (QMV_NORM; with QMV_NORM_OUT threadgroup 0 also
 // stores that normalised input to xn, for the next kernels that read it), and the output is added to r
 // (QMV_ADD: y = r + W x, r may be y itself: the residual add in place)
@@ -26,6 +28,10 @@ static_assert(sizeof(QmvParams) == 36, "QmvParams: 9 x 4 bytes, as the host pack
 #define QMV_ADD 4u
 // with float output: store the product rounded to the activation type (QMV_ROUND)
 #define QMV_ROUND 8u
+// the Gated DeltaNet's causal conv + SiLU + conv-state update as the epilogue of its decode in-projection
+// (QMV_CONV, batch 1): output row c < conv_c is channel c; act[c] = silu(conv(state[:, c], y[c])), the
+// state's rows shifted by one with y[c] last (the unfused gdn_conv of one token, bit for bit)
+#define QMV_CONV 16u
 
 // embed: y[i, :K] = row ids[i] of the table, dequantized, for i = threadgroup
 struct EmbedParams {

@@ -23,6 +23,7 @@
 #include "common.h"
 #include "quant.h"
 #include "quant_dot.h"
+#include "gdn_conv.h"
 
 // qmv. Why one kernel per format and not dequantize + GEMV: decode is bound by weight bytes, so each
 // weight is read once, straight from its packed form, and multiplied in registers.
@@ -52,13 +53,21 @@
 // normalised inputs of its vectors to xn (read by the MoE kernels of the next level). QMV_ADD:
 // y = r + W x, the residual add of an output projection (r may be y: in place, each row read and
 // written by the same lane). QMV_ROUND: a float output holds the product rounded to T (the bfloat
-// build's router logits, as the bf16 graph has them).
+// build's router logits, as the bf16 graph has them). QMV_CONV (batch 1, the Gated DeltaNet's decode
+// in-projection, whose first conv_c rows are the q|k|v channels): lane 0, which stores row c < conv_c, also
+// runs the channel's causal conv over the conv state (K - 1 float rows of conv_c channels) and the stored
+// value, its SiLU into act[c], and
+// writes the shifted state to conv_out (may be conv_state: each channel is read and written by one lane).
+// The conv is per channel, so it needs nothing but the row this lane has just reduced: the gdn_conv
+// dispatch and its dependency level disappear from every GDN layer of the decode step.
 template <int FMT, typename S, typename T, typename O, uint MB>
 [[kernel, max_total_threads_per_threadgroup(QMV_LANES * QMV_SIMDGROUPS)]]
 void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
          device const S* scales [[buffer(2)]], device const S* biases [[buffer(3)]],
          device const T* x [[buffer(4)]], device const T* g [[buffer(5)]], device const O* r [[buffer(6)]],
-         device O* y [[buffer(7)]], device T* xn [[buffer(8)]], uint3 tgid [[threadgroup_position_in_grid]],
+         device O* y [[buffer(7)]], device T* xn [[buffer(8)]], device const float* conv_w [[buffer(9)]],
+         device const float* conv_state [[buffer(10)]], device float* conv_out [[buffer(11)]],
+         device T* act [[buffer(12)]], uint3 tgid [[threadgroup_position_in_grid]],
          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
     typedef typename WDot<FMT, S, T>::wvec WV;
     const uint row0 = (tgid.x * QMV_SIMDGROUPS + sg) * QMV_ROWS;
@@ -103,6 +112,26 @@ void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(
                     const float v = add || round ? rnd<T>(out[b * QMV_ROWS + i]) : out[b * QMV_ROWS + i];
                     yb[row0 + i] = O(add ? v + float(rb[row0 + i]) : v);
                 }
+            }
+        }
+        if (MB == 1u && (p.flags & QMV_CONV) != 0u) {
+            const uint srows = p.conv_k - 1u;   // the state's rows
+            for (uint i = 0; i < QMV_ROWS && row0 + i < p.conv_c; ++i) {
+                const uint c = row0 + i;
+                // the window as gdn_conv reads it: state rows 0 .. K-2 (oldest first), then this token's
+                // value as stored (T), taps in order
+                const float xv = float(T(out[i]));
+                device const float* wc = conv_w + c * p.conv_k;
+                float acc = 0.0f;
+                for (uint j = 0; j < srows; ++j) {
+                    acc += conv_state[j * p.conv_c + c] * wc[j];
+                }
+                acc += xv * wc[srows];
+                act[c] = gdn_conv_silu<T>(acc);
+                for (uint j = 0; j + 1u < srows; ++j) {
+                    conv_out[j * p.conv_c + c] = conv_state[(j + 1u) * p.conv_c + c];
+                }
+                conv_out[(srows - 1u) * p.conv_c + c] = xv;
             }
         }
     }

@@ -322,10 +322,12 @@ def test_runtime_compiled_quant_matches_builtin():
     wd = quant.dequantize(wq, s, b, 4, 64).astype(np.float64)
     x = rng.standard_normal(K).astype(np.float32)
     y1, y2 = np.zeros(N, np.float32), np.zeros(N, np.float32)
-    # QmvParams {K, N, group_size, x_stride, y_stride, flags, eps, batch, bits}; buffers 5 (gain), 6 (residual)
-    # and 8 (normalised input) are unused without fusion flags: bound to arrays the dispatch binds anyway
-    params = {0: sim.pack("IIIIIIfII", K, N, 64, K, N, 0, 0.0, 1, 4)}
-    lib.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y1, y1, x], params)
-    rt.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y2, y2, x], params, schedule="reverse")
+    # QmvParams {K, N, group_size, x_stride, y_stride, flags, eps, batch, bits, conv_k, conv_c}; buffers 5 (gain),
+    # 6 (residual), 8 (normalised input) and 9-12 (the conv epilogue) are unused without fusion flags: bound to
+    # arrays the dispatch binds anyway
+    params = {0: sim.pack("IIIIIIfIIII", K, N, 64, K, N, 0, 0.0, 1, 4, 0, 0)}
+    lib.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y1, y1, x, x, x, x, x], params)
+    rt.dispatch("qmv_q4_sf32_f32", (3, 1), (32, 2), [None, wq, s, b, x, x, y2, y2, x, x, x, x, x], params,
+                schedule="reverse")
     np.testing.assert_array_equal(y1, y2)
     assert float(np.abs(y1 - wd @ x).max() / np.abs(wd @ x).max()) <= 1e-5

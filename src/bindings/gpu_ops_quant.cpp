@@ -72,20 +72,30 @@ void register_gpu_ops_quant(nb::module_& ops) {
     ops.def("qmv", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& W, const gpu::Buffer& x,
                       const gpu::Buffer& y, uint32_t batch, bool f32_out, uint32_t x_stride, uint32_t y_stride,
                       std::optional<gpu::Buffer> norm_w, float eps, std::optional<gpu::Buffer> xn,
-                      std::optional<gpu::Buffer> residual, bool round) {
+                      std::optional<gpu::Buffer> residual, bool round, std::optional<gpu::Buffer> conv_w,
+                      std::optional<gpu::Buffer> conv_state, std::optional<gpu::Buffer> conv_out,
+                      std::optional<gpu::Buffer> act, uint32_t conv_taps, uint32_t conv_channels) {
         gpu::ops::QmvFusion f;
         f.norm_w = norm_w ? &*norm_w : nullptr;
         f.eps = eps;
         f.xn = xn ? &*xn : nullptr;
         f.residual = residual ? &*residual : nullptr;
         f.round = round;
+        gpu::ops::QmvConv conv{conv_w ? &*conv_w : nullptr, conv_state ? &*conv_state : nullptr,
+                               conv_out ? &*conv_out : nullptr, act ? &*act : nullptr, conv_taps,
+                               conv_channels};
+        if (conv_w || conv_state || conv_out || act || conv_taps) f.conv = &conv;
         gpu::ops::qmv(e, gpu::parse_act(t), W, x, y, batch, f32_out, x_stride, y_stride, f);
     }, "encoder"_a, "dtype"_a, "W"_a, "x"_a, "y"_a, "batch"_a = 1, "f32_out"_a = false, "x_stride"_a = 0,
        "y_stride"_a = 0, "norm_w"_a = nb::none(), "eps"_a = 1e-6f, "xn"_a = nb::none(), "residual"_a = nb::none(),
-       "round"_a = false,
+       "round"_a = false, "conv_w"_a = nb::none(), "conv_state"_a = nb::none(), "conv_out"_a = nb::none(),
+       "act"_a = nb::none(), "conv_taps"_a = 0, "conv_channels"_a = 0,
        "y[b, :rows] = W x[b, :cols] for b < batch (y float with f32_out); with norm_w the input is rmsnorm(x) * "
        "norm_w (also stored to xn if given), with residual y = residual + W x (residual may be y); with round a "
-       "float output holds the product rounded to the activation type. Batches 2..16 read each weight once.");
+       "float output holds the product rounded to the activation type. Batches 2..16 read each weight once. "
+       "With conv_w/conv_state/conv_out/act/conv_taps (batch 1): the Gated DeltaNet's causal conv of this token "
+       "as the epilogue, row c < conv_channels (default: all rows) being channel c (act = silu(conv), conv_out = "
+       "the shifted state).");
     ops.def("embed", [](gpu::Encoder& e, const std::string& t, const gpu::Matrix& E, const gpu::Buffer& ids,
                         uint32_t n, const gpu::Buffer& y) {
         gpu::ops::embed(e, gpu::parse_act(t), E, ids, n, y);

@@ -60,7 +60,7 @@ ops::GdnShape gdn_shape(const Config& c) {
 
 // y[b, :st.rows] = st x[b] for b < batch: one qmv per part, into consecutive column ranges of y's rows
 // [batch, st.rows] (each part normalises its input itself when the RMSNorm is fused; only the first
-// stores the normalised input)
+// stores the normalised input and runs a conv epilogue)
 void stacked_qmv(Encoder& e, Act t, const Stacked& st, const Buffer& x, const Buffer& y, bool f32_out,
                  const ops::QmvFusion& fuse, uint32_t batch = 1) {
     const uint64_t es = f32_out ? 4 : act_size(t);
@@ -69,6 +69,7 @@ void stacked_qmv(Encoder& e, Act t, const Stacked& st, const Buffer& x, const Bu
     for (const Matrix& m : st.parts) {
         ops::qmv(e, t, m, x, y.view(row * es), batch, f32_out, 0, st.rows, f);
         f.xn = nullptr;
+        f.conv = nullptr;
         row += m.rows;
     }
 }
@@ -184,8 +185,17 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         const ops::GdnShape gs = gdn_shape(c);
         const size_t gi = L.state_index;
         const uint64_t cd = gs.conv_dim(), vd = gs.value_dim(), nv = gs.nv;
-        stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));    // proj = [qkv | z | b | a]
-        ops::gdn_conv(e, t, gs, s.proj.view(0, cd * es), L.conv_w, st.conv_in(gi), st.conv_next(gi), s.conv_act);
+        ops::QmvFusion f = normed(L.input_norm, c.eps);
+        if (L.gdn_in.parts.front().rows >= cd) {
+            // the conv of this token as the epilogue of the part holding q|k|v (one dependency level fewer)
+            const ops::QmvConv conv{&L.conv_w, &st.conv_in(gi), &st.conv_next(gi), &s.conv_act, gs.conv_kernel,
+                                    uint32_t(cd)};
+            f.conv = &conv;
+            stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, f);                   // proj = [qkv | z | b | a], conv_act
+        } else {
+            stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, f);                   // proj = [qkv | z | b | a]
+            ops::gdn_conv(e, t, gs, s.proj.view(0, cd * es), L.conv_w, st.conv_in(gi), st.conv_next(gi), s.conv_act);
+        }
         ops::gdn_step(e, t, gs, s.conv_act, s.proj.view(cd * es, vd * es), s.proj.view((cd + vd) * es, nv * es),
                       s.proj.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps,
                       st.ssm_in(gi), st.ssm_next(gi), s.mix);                           // mix = gated-normed output

@@ -447,3 +447,67 @@ def test_embed_qn(fmt, dtype):
                                    atol=1e-6 * np.abs(ref).max())
         assert enc.flops == 2 * 4 * K
         assert not SIM or dev.records()[0]["kernel"] == f"embed_{variant(fmt)}_{dtype}"
+
+
+# ------------------------------------------------------------------------------------------ qmv + conv epilogue
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("schedule,in_place", [("forward", False), ("reverse", True), ("random", False)])
+def test_qmv_conv_epilogue_is_gdn_conv(dtype, schedule, in_place):
+    """The decode in-projection with the Gated DeltaNet's conv fused (QMV_CONV) gives bit for bit what the
+    unfused pair gives -- qmv (with its input norm), then gdn_conv of one token over the stored rows -- for y,
+    the conv output and the shifted state, with the state updated in place or into the other half. The shape is
+    a GDN layer's stacked in-projection: its first 2 nk dk + nv dv rows are the conv's channels (not a multiple of the 8
+    rows of a threadgroup), the rows after them (z, b, a) are only stored."""
+    rng = np.random.default_rng(11)
+    shape = gpu.ops.GdnShape(1, 2, 16, 12, 4)           # conv_dim 2*16 + 2*12 = 56 channels, 4 taps
+    C, K, H = shape.conv_dim, 4, 128
+    hm = make(rng, "q4_sbf16", (C + 9, H), 64)          # [qkv | z b a]-like: 9 rows past the channels
+    x = rng.standard_normal(H).astype(ACT[dtype])
+    g = (1 + 0.1 * rng.standard_normal(H)).astype(ACT[dtype])
+    conv_w = rng.standard_normal((C, K)).astype(np.float32)
+    state = rng.standard_normal((K - 1, C)).astype(np.float32)
+
+    def unfused():
+        y, act, out = np.zeros(C + 9, ACT[dtype]), np.zeros(C, ACT[dtype]), np.zeros_like(state)
+        with run(schedule) as (dev, enc, b):
+            buf = raw(b)
+            ops.qmv(enc, dtype, hm.device(buf, gpu), buf(x), buf(y), norm_w=buf(g))
+            ops.gdn_conv(enc, dtype, shape, buf(y[:C]), buf(conv_w), buf(state.copy()), buf(act), conv_out=buf(out))
+        return y, act, out
+
+    def fused():
+        y, act = np.zeros(C + 9, ACT[dtype]), np.zeros(C, ACT[dtype])
+        s = state.copy()
+        out = s if in_place else np.zeros_like(state)
+        with run(schedule) as (dev, enc, b):
+            buf = raw(b)
+            ops.qmv(enc, dtype, hm.device(buf, gpu), buf(x), buf(y), norm_w=buf(g), conv_w=buf(conv_w), conv_state=buf(s),
+                    conv_out=buf(out) if not in_place else buf(s), act=buf(act), conv_taps=K, conv_channels=C)
+        return y, act, out
+
+    want, got = unfused(), fused()
+    for w_, g_ in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g_).view(np.uint8), np.asarray(w_).view(np.uint8))
+
+
+def test_qmv_conv_epilogue_argument_checks():
+    rng = np.random.default_rng(3)
+    hm = make(rng, "q4_sbf16", (16, 128), 64)
+    x = np.zeros(128, np.float32)
+    with run() as (dev, enc, b):
+        buf = raw(b)
+        W, y = hm.device(buf, gpu), buf(np.zeros(16, np.float32))
+        cw, cs, act = buf(np.zeros((16, 4), np.float32)), buf(np.zeros((3, 16), np.float32)), buf(np.zeros(16, np.float32))
+        with pytest.raises(ValueError, match="needs all its buffers"):
+            ops.qmv(enc, "f32", W, buf(x), y, conv_w=cw, conv_taps=4)
+        with pytest.raises(ValueError, match="one vector"):
+            ops.qmv(enc, "f32", W, buf(np.zeros(256, np.float32)), buf(np.zeros(32, np.float32)), batch=2,
+                    conv_w=cw, conv_state=cs, conv_out=cs, act=act, conv_taps=4)
+        with pytest.raises(ValueError, match="conv_state"):
+            ops.qmv(enc, "f32", W, buf(x), y, conv_w=cw, conv_state=buf(np.zeros((2, 16), np.float32)), conv_out=cs,
+                    act=act, conv_taps=4)
+        with pytest.raises(ValueError, match="channels 17 > rows 16"):
+            ops.qmv(enc, "f32", W, buf(x), y, conv_w=cw, conv_state=cs, conv_out=cs, act=act, conv_taps=4,
+                    conv_channels=17)
+        with pytest.raises(ValueError, match="residual"):
+            ops.qmv(enc, "f32", W, buf(x), y, residual=y, conv_w=cw, conv_state=cs, conv_out=cs, act=act, conv_taps=4)

@@ -148,7 +148,30 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
         flags |= QMV_ADD;
     }
     if (fuse.round) flags |= QMV_ROUND;
-    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps, batch, W.qbits()};
+    const QmvConv* cv = fuse.conv;
+    uint64_t nw = 0, ns = 0, na = 0;
+    uint32_t cc = 0;
+    bool conv_in_place = false;
+    if (cv) {
+        check(batch == 1, op, "the conv epilogue takes one vector (batch 1), got " + std::to_string(batch));
+        check(!f32_out || t == Act::F32, op, "the conv epilogue needs output in the activation type");
+        check(!fuse.residual && !fuse.round, op, "the conv epilogue excludes the residual add and rounding");
+        check(cv->conv_w && cv->conv_state && cv->conv_out && cv->act, op, "the conv epilogue needs all its buffers");
+        check(cv->taps >= 2, op, "the conv needs at least 2 taps, got " + std::to_string(cv->taps));
+        cc = cv->channels ? cv->channels : W.rows;
+        check(cc <= W.rows, op, "conv channels " + std::to_string(cc) + " > rows " + std::to_string(W.rows));
+        nw = uint64_t(cc) * cv->taps * 4;
+        ns = uint64_t(cc) * (cv->taps - 1) * 4;
+        na = uint64_t(cc) * es;
+        need(*cv->conv_w, nw, op, "conv_w");
+        need(*cv->conv_state, ns, op, "conv_state");
+        need(*cv->conv_out, ns, op, "conv_out");
+        need(*cv->act, na, op, "act");
+        conv_in_place = same_or_disjoint(*cv->conv_out, *cv->conv_state, ns, op, "conv_out", "conv_state");
+        flags |= QMV_CONV;
+    }
+    const QmvParams p{W.cols, W.rows, quantized(W.fmt) ? W.group_size : 0, xs, ys, flags, fuse.eps, batch,
+                      W.qbits(), cv ? cv->taps : 0u, cc};
     const uint32_t mb = qmv_vectors(W.fmt, batch), chunks = ceil_div(batch, mb);
     const std::string kernel = std::string(mb == 1 ? "qmv_" : "qmv_b" + std::to_string(mb) + "_") + W.variant() +
                                "_" + act_suffix(t) + (f32o ? "_f32out" : "");
@@ -164,8 +187,17 @@ void qmv(Encoder& e, Act t, const Matrix& W, const Buffer& x, const Buffer& y, u
     args.push_back(in_place ? Arg::inout(yv, uint64_t(batch) * W.rows * os, uint64_t(batch) * W.rows * os)
                             : Arg::out(yv, uint64_t(batch) * W.rows * os));
     args.push_back(fuse.xn ? Arg::out(fuse.xn->view(0, xn), uint64_t(batch) * W.cols * es) : Arg::in(xv, 0));
+    if (cv) {
+        const Buffer sv = cv->conv_state->view(0, ns), ov = cv->conv_out->view(0, ns);
+        args.push_back(Arg::in(cv->conv_w->view(0, nw)));
+        args.push_back(conv_in_place ? Arg::inout(sv) : Arg::in(sv));
+        args.push_back(conv_in_place ? Arg::inout(ov, 0, 0) : Arg::out(ov));
+        args.push_back(Arg::out(cv->act->view(0, na)));
+    } else {
+        for (int i = 0; i < 4; ++i) args.push_back(Arg::in(xv, 0));
+    }
     e.dispatch(kernel, Dims{ceil_div(W.rows, QMV_TG_ROWS), chunks, 1}, Dims{QMV_LANES, QMV_SIMDGROUPS, 1}, args, {},
-               2 * uint64_t(W.rows) * W.cols * batch);
+               2 * uint64_t(W.rows) * W.cols * batch + uint64_t(cc) * (cv ? 2ull * cv->taps + 4 : 0));
 }
 
 void embed(Encoder& e, Act t, const Matrix& E, const Buffer& ids, uint32_t n, const Buffer& y) {

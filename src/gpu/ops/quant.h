@@ -75,12 +75,25 @@ namespace ops {
 //   residual    y = residual + W x (like y; may be y itself: the residual add in place); the product is
 //               rounded to the activation type first, as the bf16 graph adds two bf16 values
 //   round       a float output holds the product rounded to the activation type
+// The Gated DeltaNet's causal conv as the epilogue of its decode in-projection (batch 1, T output): row
+// c < channels of the product is channel c of the conv; act[c] = silu(conv), conv_out = the state shifted
+// by this token (conv_out may be conv_state). Bit for bit gdn_conv of one token over the stored rows.
+struct QmvConv {
+    const Buffer* conv_w = nullptr;      // float [channels, taps] (the canonical [conv_dim, K])
+    const Buffer* conv_state = nullptr;  // float [taps - 1, channels]
+    const Buffer* conv_out = nullptr;    // float [taps - 1, channels]
+    const Buffer* act = nullptr;         // T [channels]
+    uint32_t taps = 0;                   // K >= 2
+    uint32_t channels = 0;               // the product's first rows (<= W.rows); 0: all of them
+};
+
 struct QmvFusion {
     const Buffer* norm_w = nullptr;
     float eps = 0.0f;
     const Buffer* xn = nullptr;
     const Buffer* residual = nullptr;
     bool round = false;       // float output holding the product rounded to the activation type
+    const QmvConv* conv = nullptr;
 };
 
 // y[b, :rows] = W x[b, :cols] for b < batch; x [batch, x_stride] (T), y [batch, y_stride] (T, or

@@ -433,11 +433,12 @@ void sample_sorted(constant SampleKernelParams& p [[buffer(0)]], device const fl
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < nblk) {
         float a = 0.0f;
-        // one serial scan per 32-candidate block (nblk threads, once per sample) keeps the reference's sum order;
-        // a SIMD prefix sum over a block would be conflict-free but rounds differently
+        // one serial scan per 32-entry block: the fixed summation order docs/metal.md gives (monotone, independent
+        // of the thread count). Its 32-word rows conflict, but it runs once per sample on at most 32 threads,
+        // beside ~9 passes over the logits; a SIMD prefix sum would be conflict-free but sum in another order.
         for (uint q = 0; q < SIMD_WIDTH; ++q) {
-            a += ce[tid * SIMD_WIDTH + q];  // perf-ok(PERF-TG-COLUMN): the serial scan above, in the reference's order
-            cc[tid * SIMD_WIDTH + q] = a;   // perf-ok(PERF-TG-COLUMN): the serial scan above, in the reference's order
+            a += ce[tid * SIMD_WIDTH + q];  // perf-ok(PERF-TG-COLUMN): the fixed-order block scan above
+            cc[tid * SIMD_WIDTH + q] = a;   // perf-ok(PERF-TG-COLUMN): the fixed-order block scan above
         }
         blk[tid] = a;
     }

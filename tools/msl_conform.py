@@ -1300,8 +1300,8 @@ PERF_RULES: dict[str, Rule] = {
         "(simdgroup_load/store/multiply/multiply_accumulate whose arguments use the loop's variable)"),
     "PERF-ANNOTATION": Rule(
         "house rule (docs/metal.md, Performance checks)",
-        "a `// perf-ok(RULE): reason` exception names a performance rule that fires on its line or the next, "
-        "and gives a reason"),
+        "a `// perf-ok(RULE): reason` exception (on a line of code: that line; alone on its line: the next) "
+        "gives a reason and names a performance rule that fires on the line it covers"),
 }
 RULES.update(PERF_RULES)
 

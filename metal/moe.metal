@@ -247,11 +247,14 @@ void moe_down(constant MoeDownParams& p [[buffer(0)]], device const uint32_t* dw
     for (uint r = 0; r < QMV_ROWS; ++r) {
         total[r] = 0.0f;
     }
+    device const T* act_s = act;   // slot s's activations: a row per slot, stepped by a pointer add
     for (uint s = 0; s < p.k; ++s) {
         const ulong e = min(ids[s], p.count - 1u);
         const float ws = weights[s];
-        device const vec<T, 4>* a4 = (device const vec<T, 4>*)(act + ulong(s) * p.act_stride);
+        device const vec<T, 4>* a4 = (device const vec<T, 4>*)act_s;
+        act_s += p.act_stride;
         float d[QMV_ROWS];
+        // perf-ok(PERF-INT64-LOOP): the expert's matrix offsets, once per routed slot (k iterations), not per row
         rows_dot<FMT, S, T>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, p.inter, p.group_size, p.bits, row0, p.H,
                             lane, d);
         for (uint r = 0; r < QMV_ROWS; ++r) {
@@ -485,6 +488,12 @@ void moe_down_rows(constant MoeDownRowsParams& p [[buffer(0)]], device const uin
             continue;
         }
         const ulong e = min(ids[q0], p.count - 1u);
+        // the expert's matrix, located once per expert run (not per batch of rows)
+        // perf-ok(PERF-INT64-LOOP): once per run of rows sharing an expert, outside the dot loops; can pass 2^32
+        const ulong eo = e * wpe, es = e * spe;
+        device const WV* dve = dv + eo;
+        device const S* dsce = dsc + es;
+        device const S* dbie = dbi + es;
         uint q = q0;
         while (q < n) {
             uint sel[MOE_ROWS_MB], xo[MOE_ROWS_MB];
@@ -498,7 +507,7 @@ void moe_down_rows(constant MoeDownRowsParams& p [[buffer(0)]], device const uin
                 }
             }
             float d[MOE_ROWS_MB * QMV_ROWS];
-            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(dv + e * wpe, dsc + e * spe, dbi + e * spe, a4, xo, p.inter,
+            rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(dve, dsce, dbie, a4, xo, p.inter,
                                                  p.group_size, p.bits, row0, p.H, nb, lane, d);
             if (lane == 0u) {
                 for (uint b = 0; b < MOE_ROWS_MB; ++b) {
@@ -684,8 +693,9 @@ void moe_sort_scan(constant MoeSortParams& p [[buffer(0)]], device uint* counts 
     uint slots = 0, ntiles = 0;
     for (uint e = e0; e < e1; ++e) {
         uint c = 0;
-        for (uint g = 0; g < p.blocks; ++g) {
-            c += counts[ulong(g) * E + e];
+        device const uint* ce = counts + e;   // column e of the blocks x E counts, stepped by a row
+        for (uint g = 0; g < p.blocks; ++g, ce += E) {
+            c += *ce;
         }
         slots += c;
         ntiles += (c + t - 1u) / t;
@@ -696,10 +706,10 @@ void moe_sort_scan(constant MoeSortParams& p [[buffer(0)]], device uint* counts 
     uint tile = threadgroup_exclusive_sum(ntiles, tile_part, lane, sg, nsg, all_tiles);
     for (uint e = e0; e < e1; ++e) {
         uint run = slot;
-        for (uint g = 0; g < p.blocks; ++g) {
-            const ulong i = ulong(g) * E + e;
-            const uint n = counts[i];
-            counts[i] = run;
+        device uint* ce = counts + e;
+        for (uint g = 0; g < p.blocks; ++g, ce += E) {
+            const uint n = *ce;
+            *ce = run;
             run += n;
         }
         for (uint f = slot; f < run; f += t) {
@@ -748,9 +758,11 @@ kernel void moe_combine(constant MoeCombineParams& p [[buffer(0)]], device const
         return;
     }
     float routed = 0.0f;
+    const ulong pair0 = ulong(m) * p.k;   // the token's first (slot, weight) pair, formed once
     for (uint j = 0; j < p.k; ++j) {
-        const ulong pair = ulong(m) * p.k + j;
+        const ulong pair = pair0 + j;
         const ulong s = min(slot_of[pair], p.n_slots - 1u);
+        // perf-ok(PERF-INT64-LOOP): one row offset per routed slot (k iterations, no inner loop); slots x H can pass 2^32
         routed += moe_weighted<T>(weights[pair], y[s * p.H + h]);
     }
     routed = rnd<T>(routed);   // the sum over the k experts rounded once

@@ -76,20 +76,24 @@ void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(
     const bool norm = (p.flags & QMV_NORM) != 0u;
     device const T* xb = x + ulong(b0) * p.x_stride;
     float inv[MB];
+    device const T* xv = xb;   // vector b's row, stepped by a pointer add (no 64-bit multiply per vector)
     for (uint b = 0; b < MB; ++b) {
-        inv[b] = norm && b < nb ? rms_inv<T>(xb + ulong(b) * p.x_stride, p.K, p.eps, lane) : 1.0f;
+        inv[b] = norm && b < nb ? rms_inv<T>(xv, p.K, p.eps, lane) : 1.0f;
+        xv += p.x_stride;
     }
     // (loops over b run to the constant MB with the live count a branch inside: fully unrollable, so
     // inv[] and out[] keep constant indices, in registers)
     if ((p.flags & QMV_NORM_OUT) != 0u && tgid.x == 0u && sg == 0u) {
+        device const T* xr = xb;
+        device T* xnr = xn + ulong(b0) * p.x_stride;
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {
-                device const T* xr = xb + ulong(b) * p.x_stride;
-                device T* xnr = xn + ulong(b0 + b) * p.x_stride;
                 for (uint k = lane; k < p.K; k += SIMD_WIDTH) {
                     xnr[k] = T(rnd<T>(float(xr[k]) * inv[b]) * float(g[k]));
                 }
             }
+            xr += p.x_stride;
+            xnr += p.x_stride;
         }
     }
     if (row0 >= p.N) {
@@ -103,16 +107,18 @@ void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(
                                  row0, p.N, nb, lane, out);
     const bool add = (p.flags & QMV_ADD) != 0u, round = (p.flags & QMV_ROUND) != 0u;
     if (lane == 0) {
+        device O* yb = y + ulong(b0) * p.y_stride;
+        device const O* rb = r + ulong(b0) * p.y_stride;
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {
-                device O* yb = y + ulong(b0 + b) * p.y_stride;
-                device const O* rb = r + ulong(b0 + b) * p.y_stride;
                 for (uint i = 0; i < QMV_ROWS && row0 + i < p.N; ++i) {
                     // the product is rounded to T before a residual add (the bf16 graph adds two bf16 values)
                     const float v = add || round ? rnd<T>(out[b * QMV_ROWS + i]) : out[b * QMV_ROWS + i];
                     yb[row0 + i] = O(add ? v + float(rb[row0 + i]) : v);
                 }
             }
+            yb += p.y_stride;
+            rb += p.y_stride;
         }
         if (MB == 1u && (p.flags & QMV_CONV) != 0u) {
             const uint srows = p.conv_k - 1u;   // the state's rows

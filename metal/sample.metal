@@ -215,6 +215,7 @@ inline uint2 radix_select(device const float* x, SampleCtx c, RankFilter f, floa
                 d = (inv >> shift) & 15u;
             }
             bool member;
+            // perf-ok(PERF-STACK-ARRAY): a histogram indexed by the data's digit has no constant index (16 floats of stack per thread)
             h[d] += member_weight(l, key, i, f, c, member);
         }
         for (uint b = 0; b < SAMPLE_RADIX_BUCKETS; ++b) {
@@ -432,9 +433,12 @@ void sample_sorted(constant SampleKernelParams& p [[buffer(0)]], device const fl
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < nblk) {
         float a = 0.0f;
+        // one serial scan per 32-entry block: the fixed summation order docs/metal.md gives (monotone, independent
+        // of the thread count). Its 32-word rows conflict, but it runs once per sample on at most 32 threads,
+        // beside ~9 passes over the logits; a SIMD prefix sum would be conflict-free but sum in another order.
         for (uint q = 0; q < SIMD_WIDTH; ++q) {
-            a += ce[tid * SIMD_WIDTH + q];
-            cc[tid * SIMD_WIDTH + q] = a;
+            a += ce[tid * SIMD_WIDTH + q];  // perf-ok(PERF-TG-COLUMN): the fixed-order block scan above
+            cc[tid * SIMD_WIDTH + q] = a;   // perf-ok(PERF-TG-COLUMN): the fixed-order block scan above
         }
         blk[tid] = a;
     }

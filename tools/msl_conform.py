@@ -22,8 +22,15 @@ compiles with; MSL 3.x is C++14-based (checked as ``-std=c++14``), MSL 4 C++17-b
 (an unknown attribute, a variable-length array, a C++17 feature in an MSL 3.x family, a parse error) are
 reported as violations too. Locations are the original files' (#line markers of the flattened source).
 
+The same AST also answers four performance questions (``PERF_RULES``, sources: Apple's GPU facts and MLX's
+practice; docs/metal.md, "Performance checks"): thread arrays indexed by values the compiler cannot fold,
+64-bit integer multiplies and shifts in loops, threadgroup columns on rows of a multiple of 32 words, and
+run-time loops stepping over SIMD-group matrix operations. A deliberate exception is annotated in the kernel,
+``// perf-ok(RULE): reason``, on the line or alone on the line above.
+
     python3 tools/msl_conform.py metal/*.metal    # prints file:line: [RULE] message; exit 1 on any, 2 without clang
-    python3 tools/msl_conform.py --rules          # the rules and their sections
+    python3 tools/msl_conform.py --no-perf ...    # the conformance rules only
+    python3 tools/msl_conform.py --rules          # the rules and their sections or sources
 """
 
 import argparse
@@ -478,6 +485,8 @@ class _Function:
     calls: list = dataclasses.field(default_factory=list)  # [(callee id, loc)]
     tg_vars: list = dataclasses.field(default_factory=list)  # [(name, type_str, loc)]
     parent_record: str | None = None
+    param_ids: list = dataclasses.field(default_factory=list)  # the ParmVarDecl ids, in order
+    body: dict | None = None  # the CompoundStmt (for the performance rules)
 
     @property
     def is_kernel(self) -> bool:
@@ -528,6 +537,7 @@ class _Checker:
         self.canonical: dict[str, str] = {}  # decl id -> the first declaration's id
         self.std_decls: set[str] = set()
         self.typedefs: dict[str, str] = {}  # user typedef name -> desugared type
+        self.vars: dict[str, dict] = {}  # VarDecl / ParmVarDecl id -> node (the performance rules' constants)
         self._type_cache: dict[tuple, list] = {}
 
     # ---- locations (JSON dumps a file and a line only when they change: resolved in document order)
@@ -610,6 +620,9 @@ class _Checker:
             self._function(node, ctx)
             return
         loc = self.origin(self._node_loc(node))
+        node["_o"] = loc  # the original location, for the performance rules' second look at function bodies
+        if kind in ("VarDecl", "EnumConstantDecl") and node.get("id"):
+            self.vars[node["id"]] = node
         child_ctx = ctx
         if kind == "NamespaceDecl":
             child_ctx = dict(ctx, std=ctx["std"] or node.get("name") == "std")
@@ -690,6 +703,9 @@ class _Checker:
                     elif isinstance(a, dict):
                         self._walk(a, fctx, "ParmVarDecl", 0)
                 fn.params.append((child.get("name", ""), _best_type(child), pattrs, ploc or loc))
+                fn.param_ids.append(child.get("id"))
+                if child.get("id"):
+                    self.vars[child["id"]] = child
                 if ploc:
                     self._node_rules(child, "ParmVarDecl", ploc, fctx, node["kind"], i)
             elif k == "AnnotateAttr":
@@ -702,6 +718,7 @@ class _Checker:
             else:
                 if k in ("CompoundStmt", "CXXTryStmt"):
                     fn.has_body = True
+                    fn.body = child
                 self._walk(child, fctx, node["kind"], i)
         if fid in self.functions and not fn.has_body:
             return
@@ -1252,6 +1269,658 @@ def _strongly_connected(graph: dict[str, list]) -> list[list[str]]:
     return out
 
 
+# ------------------------------------------------------------------------------------------- performance rules
+# Four shapes that keep a kernel far from its bandwidth or FLOP bound on an Apple GPU, decided on the same AST
+# (no second parse): they are checked on the concrete function bodies (template instantiations, non-template
+# functions), after the conformance walk has resolved every node's original location.
+PERF_RULES: dict[str, Rule] = {
+    "PERF-STACK-ARRAY": Rule(
+        "Apple GPU register file and its spilling (philipturner/metal-benchmarks: registers are not "
+        "addressable; a dynamically indexed private array goes to stack memory), MLX steel kernels (register "
+        "fragments indexed only by unrolled compile-time loops)",
+        "a thread-space array (local arrays of scalars, vectors, SIMD-group matrices, also array members of "
+        "local structures) is indexed only by values the compiler can fold: constants, loop variables of loops "
+        "with compile-time bounds, arithmetic of those"),
+    "PERF-INT64-LOOP": Rule(
+        "Apple GPU instruction rates (philipturner/metal-benchmarks: 64-bit integer multiply and shift are "
+        "emulated, 4-13x the 32-bit cost), MLX kernels (64-bit offsets formed once outside the loops)",
+        "no 64-bit integer multiply or shift (*, <<, >> and their compound forms on ulong/long/size_t) inside a "
+        "loop, nor a call from inside a loop of a helper that does one outside its own loops (helpers are "
+        "inlined)"),
+    "PERF-TG-COLUMN": Rule(
+        "Apple GPU threadgroup memory: 32 banks of 4 bytes (philipturner/metal-benchmarks), MLX steel kernels "
+        "(tile rows padded by 16 bytes)",
+        "no threadgroup access whose row index varies across the lanes of one access with a compile-time row "
+        "stride of a multiple of 32 words (a[x * S + y], a[x][y]), nor a simdgroup_load/store of threadgroup "
+        "memory with such a constant stride: the lanes hit one bank at different addresses"),
+    "PERF-SIMDMAT-LOOP": Rule(
+        "Apple GPU SIMD-group matrices (Metal feature set tables: Apple7+; fragments live in registers), MLX "
+        "steel kernels (compile-time loops around register fragments, only the tile loop at run time)",
+        "a loop whose bounds are not compile-time constants does not step over SIMD-group matrix operations "
+        "(simdgroup_load/store/multiply/multiply_accumulate whose arguments use the loop's variable)"),
+    "PERF-ANNOTATION": Rule(
+        "house rule (docs/metal.md, Performance checks)",
+        "a `// perf-ok(RULE): reason` exception (on a line of code: that line; alone on its line: the next) "
+        "gives a reason and names a performance rule that fires on the line it covers"),
+}
+RULES.update(PERF_RULES)
+
+LANE_ATTRS = {"thread_index_in_simdgroup", "thread_index_in_threadgroup", "thread_position_in_threadgroup",
+              "thread_position_in_grid", "thread_index_in_quadgroup"}  # differ between the lanes of one access
+SIMD_MATRIX_OPS = {"simdgroup_load", "simdgroup_store", "simdgroup_multiply", "simdgroup_multiply_accumulate"}
+# dry passes over the bodies that decide which helper parameters fold (the first starts from all of them; a
+# second would only refine loops whose bounds are such parameters: none in these families)
+PARAM_PASSES = 1
+BANK_ROW_BYTES = 32 * 4  # 32 banks of 4 bytes: a row stride of a multiple of this puts a column in one bank
+_ASSIGN_OPS = {"=", "+=", "-=", "*=", "/=", "%=", "<<=", ">>=", "&=", "|=", "^="}
+_WIDE_OPS = {"*", "<<", ">>", "*=", "<<=", ">>="}
+_TRANSPARENT = {"ImplicitCastExpr", "ParenExpr", "CStyleCastExpr", "CXXFunctionalCastExpr", "CXXStaticCastExpr",
+                "ExprWithCleanups", "MaterializeTemporaryExpr", "CXXBindTemporaryExpr", "ConstantExpr",
+                "SubstNonTypeTemplateParmExpr"}
+_PERF_OK = re.compile(r"//.*?\bperf-ok\(([^)]*)\)(?:\s*:)?\s*(.*?)\s*$")
+
+
+class _Known:
+    """A compile-time constant whose value the checker does not compute (sizeof of a structure, ...)."""
+
+
+KNOWN = _Known()
+
+
+def _kids(n: dict) -> list:
+    k = n.get("_k")
+    if k is None:
+        k = n["_k"] = [c for c in (n.get("inner") or ()) if isinstance(c, dict) and c.get("kind")]
+    return k
+
+
+def _strip(n: dict) -> dict:
+    """The expression under casts, parentheses and template-argument substitutions."""
+    while n and n.get("kind") in _TRANSPARENT:
+        if n["kind"] == "ConstantExpr" and "value" in n:
+            return n
+        k = _kids(n)
+        if not k:
+            return n
+        n = k[-1]
+    return n
+
+
+def _refs(n: dict) -> frozenset:
+    """The ids of the variables a subtree names (cached on the node)."""
+    r = n.get("_r")
+    if r is None:
+        out = set()
+        stack = [n]
+        while stack:
+            x = stack.pop()
+            if x.get("kind") == "DeclRefExpr":
+                ref = x.get("referencedDecl") or {}
+                if ref.get("kind") in ("VarDecl", "ParmVarDecl") and ref.get("id"):
+                    out.add(ref["id"])
+            stack.extend(_kids(x))
+        r = n["_r"] = frozenset(out)
+    return r
+
+
+def _callee(call: dict) -> dict | None:
+    k = _kids(call)
+    f = _strip(k[0]) if k else None
+    if f and f.get("kind") == "DeclRefExpr":
+        return f.get("referencedDecl")
+    return None
+
+
+def _assigned(lhs: dict) -> set:
+    """The variable an assignment writes: the root of a[i].x = ... is a (i is only read)."""
+    n = _strip(lhs)
+    while n.get("kind") in ("ArraySubscriptExpr", "MemberExpr", "UnaryOperator") and _kids(n):
+        n = _strip(_kids(n)[0])
+    return set(_refs(n)) if n.get("kind") == "DeclRefExpr" else set()
+
+
+def _init(var: dict) -> dict | None:
+    """The initializer of a VarDecl (its last expression child)."""
+    if not var.get("init"):
+        return None
+    k = [c for c in _kids(var) if not c["kind"].endswith("Attr")]
+    return k[-1] if k else None
+
+
+def _is_const_type(t: str) -> bool:
+    return pointee(t) is None and "[" not in t and re.search(r"\bconst\b", t) is not None
+
+
+@dataclasses.dataclass
+class _Loop:
+    loc: tuple | None
+    unrolled: bool  # compile-time bounds: constant (or foldable) start, bound and step
+    vars: set  # its induction variables and the variables derived from them inside it
+
+
+class _Perf:
+    """The performance rules over the function bodies of one family (after _Checker.walk and finish)."""
+
+    def __init__(self, checker: "_Checker"):
+        self.c = checker
+        self.found: set[Violation] = set()
+        self.values: dict[str, object] = {}
+        self.param_fold: set[str] = set()  # helper parameters passed a foldable value at every call
+        self.sites: list = []  # (parameter id, argument, folded variables at the call)
+        self.dry = False  # a pass that only collects the call sites and the flows of values
+        self.flows: list = []  # (variable id, ids of the variables its value comes from)
+        self.locals: set[str] = set()  # variables declared in function bodies
+        self.lane: set[str] = set()  # variables whose value differs between the lanes of a SIMD-group
+        self.covered: set[tuple] = set()  # original (file, line) of the analysed bodies
+        self.wide_outside: dict[str, tuple] = {}  # function id -> (loc, what) of a 64-bit op outside its loops
+        self.calls_outside: dict[str, list] = {}  # function id -> callee ids called outside its loops
+        self.calls_inside: list = []  # (caller, callee id, loc, loop loc)
+
+    # ---- the functions
+    def run(self) -> set[Violation]:
+        c = self.c
+        canon = lambda i: c.canonical.get(i, i)  # noqa: E731
+        self.by_canon: dict[str, _Function] = {}
+        for f in c.functions.values():
+            if f.has_body and f.body is not None:
+                self.by_canon[canon(f.id)] = f
+        self.canon = canon
+        bodies = [f for f in c.functions.values()
+                  if f.user and not f.pattern and f.has_body and f.body is not None]
+        # helper parameters that every call passes a foldable value (the helper is inlined there): start from
+        # all of them, keep those whose every call site folds, until nothing changes
+        self.param_fold = {pid for f in bodies if not f.is_kernel for pid in f.param_ids if pid}
+        self.dry = True
+        for _ in range(PARAM_PASSES):  # loop bounds may depend on the parameters: again when the set shrank
+            self.sites, self.flows = [], []
+            for f in bodies:
+                self._visit(f.body, f, [], frozenset())
+            by_param: dict[str, list] = {}
+            for pid, a, fo in self.sites:
+                by_param.setdefault(pid, []).append((a, fo))
+            before = set(self.param_fold)
+            self.param_fold &= set(by_param)
+            changed = True
+            while changed:
+                changed = False
+                for pid in list(self.param_fold):
+                    if not all(self.foldable(a, fo) for a, fo in by_param[pid]):
+                        self.param_fold.discard(pid)
+                        changed = True
+            if self.param_fold == before:
+                break
+        self.dry = False
+        self._lanes(bodies)
+        self.wide_outside, self.calls_outside, self.calls_inside = {}, {}, []
+        for f in bodies:
+            self._visit(f.body, f, [], frozenset())
+        self._wide_calls()
+        return self._annotations()
+
+    def _target(self, callee_id):
+        return self.by_canon.get(self.canon(callee_id)) if callee_id else None
+
+    def report(self, loc, rule, message):
+        if loc is not None and not self.dry:
+            self.found.add(Violation(loc[0], loc[1], rule, message))
+
+    # ---- constants and what the compiler folds
+    def value(self, n: dict, depth: int = 0):
+        """The value of a compile-time constant expression (int or float, KNOWN when not computed), else None."""
+        if n is None or depth > 40:
+            return None
+        k = n.get("kind")
+        if k == "ConstantExpr" and "value" in n:
+            try:
+                return int(n["value"])
+            except (TypeError, ValueError):
+                return KNOWN
+        if k in ("IntegerLiteral", "CharacterLiteral"):
+            return int(n.get("value", 0))
+        if k == "CXXBoolLiteralExpr":
+            return int(bool(n.get("value")))
+        if k == "FloatingLiteral":
+            try:
+                return float(n.get("value"))
+            except (TypeError, ValueError):
+                return KNOWN
+        if k in _TRANSPARENT:
+            kids = _kids(n)
+            return self.value(kids[-1], depth + 1) if kids else None
+        if k == "UnaryExprOrTypeTraitExpr":
+            return KNOWN
+        if k == "DeclRefExpr":
+            ref = n.get("referencedDecl") or {}
+            rk, rid = ref.get("kind"), ref.get("id")
+            if rk == "NonTypeTemplateParmDecl":
+                return KNOWN
+            if rk not in ("VarDecl", "EnumConstantDecl") or rid not in self.c.vars:
+                return None
+            if rid in self.values:
+                return self.values[rid]
+            self.values[rid] = None  # a cycle is not a constant
+            var = self.c.vars[rid]
+            if rk == "EnumConstantDecl":
+                kids = _kids(var)
+                v = self.value(kids[-1], depth + 1) if kids else KNOWN
+            elif var.get("constexpr") or _is_const_type(_best_type(var)):
+                v = self.value(_init(var), depth + 1)
+            else:
+                v = None
+            self.values[rid] = v
+            return v
+        if k == "BinaryOperator" and n.get("opcode") not in _ASSIGN_OPS and n.get("opcode") != ",":
+            a, b = (self.value(x, depth + 1) for x in _kids(n)[:2])
+            if n["opcode"] == "%" and b == 1 or n["opcode"] in ("*", "&") and 0 in (a, b):
+                return 0  # x % 1, x * 0: folded whatever x is
+            if a is None or b is None:
+                return None
+            if a is KNOWN or b is KNOWN:
+                return KNOWN
+            return _arith(n["opcode"], a, b)
+        if k == "UnaryOperator" and n.get("opcode") in ("-", "+", "~", "!"):
+            a = self.value(_kids(n)[0], depth + 1) if _kids(n) else None
+            if a is None or a is KNOWN:
+                return a
+            op = n["opcode"]
+            return -a if op == "-" else a if op == "+" else int(not a) if op == "!" else ~int(a)
+        if k == "ConditionalOperator":
+            vals = [self.value(x, depth + 1) for x in _kids(n)[:3]]
+            if any(v is None for v in vals):
+                return None
+            return KNOWN if vals[0] is KNOWN else (vals[1] if vals[0] else vals[2])
+        if k == "CallExpr":
+            ref = _callee(n) or {}
+            if ref.get("name") in ("min", "max"):
+                vals = [self.value(x, depth + 1) for x in _kids(n)[1:]]
+                if len(vals) == 2 and all(v is not None for v in vals):
+                    if KNOWN in vals:
+                        return KNOWN
+                    return min(vals) if ref["name"] == "min" else max(vals)
+        return None
+
+    def foldable(self, n: dict, folded: frozenset, depth: int = 0) -> bool:
+        """True when the compiler can fold `n` once loops with compile-time bounds are unrolled and helpers
+        inlined: a constant, a variable of such a loop, a helper parameter every call passes a foldable value,
+        a const local initialised from foldable values, or arithmetic of these."""
+        if n is None or depth > 20:
+            return False
+        if self.value(n) is not None:
+            return True
+        k = n.get("kind")
+        if k == "DeclRefExpr":
+            rid = (n.get("referencedDecl") or {}).get("id")
+            if rid in folded or rid in self.param_fold:
+                return True
+            var = self.c.vars.get(rid)
+            return var is not None and var.get("kind") == "VarDecl" and _is_const_type(_best_type(var)) and \
+                self.foldable(_init(var), folded, depth + 1)
+        if k in _TRANSPARENT or (k == "BinaryOperator" and n.get("opcode") not in _ASSIGN_OPS) or \
+                k == "ConditionalOperator" or (k == "UnaryOperator" and n.get("opcode") in ("-", "+", "~", "!")):
+            kids = _kids(n)
+            return bool(kids) and all(self.foldable(x, folded, depth + 1) for x in kids)
+        if k == "CallExpr" and (_callee(n) or {}).get("name") in ("min", "max"):
+            return all(self.foldable(x, folded, depth + 1) for x in _kids(n)[1:])
+        return False
+
+    def _for_loop(self, init, cond, inc, folded) -> tuple[list, bool]:
+        """(induction variables, compile-time bounds?) of a for statement."""
+        ivars, ok = [], True
+        if init and init.get("kind") == "DeclStmt":
+            for v in _kids(init):
+                if v.get("kind") == "VarDecl":
+                    ivars.append(v.get("id"))
+                    ok = ok and self.foldable(_init(v), folded)
+        elif init and init.get("kind") == "BinaryOperator" and init.get("opcode") == "=":
+            lhs, rhs = (_strip(x) for x in _kids(init)[:2])
+            if lhs.get("kind") == "DeclRefExpr":
+                ivars.append((lhs.get("referencedDecl") or {}).get("id"))
+                ok = ok and self.foldable(rhs, folded)
+        if not ivars:
+            return ivars, False
+        inner = folded | set(ivars)
+
+        def is_var(x):
+            x = _strip(x)
+            return x.get("kind") == "DeclRefExpr" and (x.get("referencedDecl") or {}).get("id") in ivars
+
+        def bound(x):  # i < N with N foldable; in `i < N && more`, the compiler unrolls N guarded copies
+            x = _strip(x) if x else {}
+            if x.get("kind") == "BinaryOperator" and x.get("opcode") == "&&":
+                return any(bound(y) for y in _kids(x)[:2])
+            if not (x.get("kind") == "BinaryOperator" and x.get("opcode") in ("<", "<=", ">", ">=", "!=")):
+                return False
+            a, b = _kids(x)[:2]
+            return is_var(a) and self.foldable(b, inner) or is_var(b) and self.foldable(a, inner)
+
+        ok = ok and bound(cond)
+
+        def step(x):
+            x = _strip(x) if x else {}
+            k = x.get("kind")
+            if k == "UnaryOperator" and x.get("opcode") in ("++", "--"):
+                return is_var(_kids(x)[0])
+            if k == "CompoundAssignOperator" and x.get("opcode") in ("+=", "-=", "*=", "<<=", ">>="):
+                return is_var(_kids(x)[0]) and self.foldable(_kids(x)[1], inner)
+            if k == "BinaryOperator" and x.get("opcode") == ",":
+                return all(step(y) for y in _kids(x))
+            return False
+
+        return ivars, ok and step(inc)
+
+    # ---- lane-varying values: from the kernel's per-lane attributes, through assignments and helper arguments
+    def _lanes(self, bodies):
+        """The lane-varying variables: the kernels' per-lane parameters, then every variable an initializer,
+        assignment or helper argument (self.flows, from the dry pass) carries them to, to a fixpoint."""
+        for f in bodies:
+            if f.is_kernel:
+                for pid, (_, _, attrs, _) in zip(f.param_ids, f.params):
+                    if any(a in LANE_ATTRS for a, _, _ in attrs):
+                        self.lane.add(pid)
+        changed = True
+        while changed:
+            changed = False
+            for v, r in self.flows:
+                if v and v not in self.lane and r & self.lane:
+                    self.lane.add(v)
+                    changed = True
+
+    # ---- the walk of one body
+    def _visit(self, n: dict, f: _Function, loops: list, folded: frozenset):
+        k = n.get("kind")
+        if k is None:
+            return
+        loc = n.get("_o")
+        if loc:
+            self.covered.add(loc)
+        if k == "ForStmt":
+            inner = (list(n.get("inner") or ()) + [{}] * 5)[:5]
+            init, _, cond, inc, body = inner
+            if init:
+                self._visit(init, f, loops, folded)
+            ivars, unrolled = self._for_loop(init, cond, inc, folded)
+            loop = _Loop(loc, unrolled, set(ivars))
+            inner_folded = folded | set(ivars) if unrolled else folded
+            for part in (cond, inc, body):
+                if part:
+                    self._visit(part, f, loops + [loop], inner_folded)
+            return
+        if k in ("WhileStmt", "DoStmt"):
+            kids = _kids(n)
+            cond = kids[0] if k == "WhileStmt" else kids[-1]
+            loop = _Loop(loc, False, set(_refs(cond)) if cond else set())
+            for x in kids:
+                self._visit(x, f, loops + [loop], folded)
+            return
+        if k == "VarDecl":
+            self.locals.add(n.get("id"))
+            init = _init(n)
+            if init is not None:
+                r = _refs(init)
+                if self.dry:
+                    self.flows.append((n.get("id"), r))
+                for lp in loops:
+                    if r & lp.vars:
+                        lp.vars.add(n.get("id"))
+        elif k in ("BinaryOperator", "CompoundAssignOperator"):
+            op = n.get("opcode")
+            if op in _ASSIGN_OPS:
+                lhs, rhs = _kids(n)[:2]
+                if self.dry:
+                    self.flows.extend((v, _refs(rhs)) for v in _assigned(lhs))
+                for lp in loops:
+                    if _refs(rhs) & lp.vars:
+                        lp.vars |= _assigned(lhs)
+            if op in _WIDE_OPS:
+                self._wide(n, f, loops, folded, loc)
+        elif k == "ArraySubscriptExpr":
+            self._stack_array(n, f, folded, loc)
+            self._tg_column(n, f, loc)
+        elif k == "CallExpr":
+            self._call(n, f, loops, folded, loc)
+        for x in _kids(n):
+            self._visit(x, f, loops, folded)
+
+    # ---- PERF-STACK-ARRAY
+    def _stack_array(self, n, f, folded, loc):
+        kids = _kids(n)
+        if len(kids) < 2:
+            return
+        base, index = kids[0], kids[1]
+        if not (base.get("kind") == "ImplicitCastExpr" and base.get("castKind") == "ArrayToPointerDecay"):
+            # a pointer: a helper's parameter pointing to thread memory is the caller's array, inlined
+            ptr = _strip(base)
+            ref = ptr.get("referencedDecl") or {} if ptr.get("kind") == "DeclRefExpr" else {}
+            var = self.c.vars.get(ref.get("id"))
+            pt = pointee(_best_type(var)) if var is not None and var.get("kind") == "ParmVarDecl" else None
+            if pt and address_space(pt[1]) == "thread" and not f.is_kernel and not self.foldable(index, folded):
+                self.report(loc, "PERF-STACK-ARRAY",
+                            f"in {f.name}(): thread array behind the parameter {ref.get('name', '?')} indexed by a "
+                            "value the compiler cannot fold, even with the helper inlined: the caller's array "
+                            "lives in stack memory, not registers")
+            return
+        root = _strip(base)
+        while root.get("kind") in ("ArraySubscriptExpr", "MemberExpr") and not root.get("isArrow"):
+            root = _strip(_kids(root)[0])
+        if root.get("kind") != "DeclRefExpr":
+            return
+        ref = root.get("referencedDecl") or {}
+        var = self.c.vars.get(ref.get("id"))
+        if var is None or ref.get("id") not in self.locals or ref.get("kind") != "VarDecl":
+            return
+        if object_space(_best_type(var)) != "thread" or var.get("storageClass") == "static":
+            return
+        if not self.foldable(index, folded):
+            self.report(loc, "PERF-STACK-ARRAY",
+                        f"in {f.name}(): thread array {ref.get('name', '?')} indexed by a value the compiler cannot "
+                        "fold (not a constant nor the variable of a loop with compile-time bounds): the array "
+                        "lives in stack memory, not registers")
+
+    # ---- PERF-INT64-LOOP
+    def _wide(self, n, f, loops, folded, loc):
+        shape = vector_shape(_best_type(n))
+        if shape is None or shape[0] not in ("ulong", "long") or self.foldable(n, folded):
+            return
+        what = f"64-bit integer {n.get('opcode')} ({type_name(shape)})"
+        if loops:
+            self.report(loc, "PERF-INT64-LOOP", f"in {f.name}(): {what} inside the loop at line "
+                                                f"{loops[-1].loc[1] if loops[-1].loc else '?'}: emulated on "
+                                                "Apple GPUs; form the 64-bit offset outside the loop or use 32-bit "
+                                                "arithmetic")
+        elif f.id not in self.wide_outside and loc:
+            self.wide_outside[f.id] = (loc, what)
+
+    def _call(self, n, f, loops, folded, loc):
+        ref = _callee(n) or {}
+        name = ref.get("name", "")
+        target = self._target(ref.get("id"))
+        if self.dry:
+            if target is not None:
+                self.flows.extend((pid, _refs(a)) for pid, a in zip(target.param_ids, _kids(n)[1:]))
+            if target is not None and target.user and not target.is_kernel:
+                self.sites.extend((pid, a, folded) for pid, a in zip(target.param_ids, _kids(n)[1:]) if pid)
+            return
+        if target is not None and target.user:
+            if loops:
+                self.calls_inside.append((f, target, loc, loops[-1].loc))
+            else:
+                self.calls_outside.setdefault(f.id, []).append(target)
+        if name not in SIMD_MATRIX_OPS:
+            return
+        args = _kids(n)[1:]
+        refs = frozenset().union(*(_refs(a) for a in args)) if args else frozenset()
+        for lp in reversed(loops):
+            if not lp.unrolled and refs & lp.vars:
+                self.report(loc, "PERF-SIMDMAT-LOOP",
+                            f"in {f.name}(): {name} steps with the loop at line {lp.loc[1] if lp.loc else '?'}, "
+                            "whose bounds are not compile-time constants: the fragments cannot stay in registers "
+                            "and the MMA sequence is not unrolled")
+                break
+        if name in ("simdgroup_load", "simdgroup_store") and len(args) >= 3:
+            ptype = _best_type(args[1])
+            pt = pointee(ptype)
+            stride = self.value(args[2])
+            if pt is None or address_space(pt[1]) != "threadgroup" or not isinstance(stride, int) or stride <= 0:
+                return
+            esize = self.c.sizeof(pt[1])[0]
+            if esize and stride * esize % BANK_ROW_BYTES == 0:
+                self.report(loc, "PERF-TG-COLUMN",
+                            f"in {f.name}(): {name} of threadgroup memory with a row stride of {stride} elements "
+                            f"({stride * esize // 4} words, a multiple of 32): the 8 rows of the matrix hit the "
+                            "same banks; pad the rows (e.g. by 16 bytes)")
+
+    def _wide_calls(self):
+        """PERF-INT64-LOOP across calls: a call inside a loop of a function that does a 64-bit multiply or shift
+        outside its own loops, directly or through the functions it calls there."""
+        witness: dict[str, tuple] = dict(self.wide_outside)
+        changed = True
+        while changed:
+            changed = False
+            for fid, callees in self.calls_outside.items():
+                if fid in witness:
+                    continue
+                w = next((witness[t.id] for t in callees if t.id in witness), None)
+                if w:
+                    witness[fid] = w
+                    changed = True
+        for f, target, loc, loop_loc in self.calls_inside:
+            w = witness.get(target.id)
+            if w:
+                (wf, wl), what = w
+                self.report(loc, "PERF-INT64-LOOP", f"in {f.name}(): call of {target.name}() inside the loop at "
+                                                    f"line {loop_loc[1] if loop_loc else '?'}, which does a {what} "
+                                                    f"at {wf}:{wl} (inlined into the loop)")
+
+    # ---- PERF-TG-COLUMN on subscripts
+    def _tg_column(self, n, f, loc):
+        t = _best_type(n)
+        if address_space(t) != "threadgroup":
+            return
+        esize = self.c.sizeof(t)[0]
+        kids = _kids(n)
+        if not esize or len(kids) < 2:
+            return
+        base = _strip(kids[0])
+        if base.get("kind") == "ArraySubscriptExpr":  # a[x][y]: x selects a row of the declared length
+            m = re.search(r"\[(\d+)\]\s*$", _best_type(base))
+            row_index = _kids(base)[1] if len(_kids(base)) > 1 else None
+            if m and row_index is not None and _refs(row_index) & self.lane and \
+                    int(m.group(1)) * esize % BANK_ROW_BYTES == 0:
+                self._column(loc, f, int(m.group(1)), esize)
+            return
+        for factors in self._terms(kids[1], 0):
+            consts = [self.value(x) for x in factors]
+            stride = 1
+            known = True
+            for v in consts:
+                if v is None:
+                    continue
+                if not isinstance(v, int):
+                    known = False
+                    break
+                stride *= v
+            rows = [x for x, v in zip(factors, consts) if v is None]
+            if not known or not rows or len(rows) == len(factors):
+                continue
+            if any(_refs(x) & self.lane for x in rows) and stride * esize % BANK_ROW_BYTES == 0 and stride:
+                self._column(loc, f, stride, esize)
+                return
+
+    def _column(self, loc, f, stride, esize):
+        self.report(loc, "PERF-TG-COLUMN",
+                    f"in {f.name}(): threadgroup access whose row index varies across the lanes, with a row "
+                    f"stride of {stride} elements ({stride * esize // 4} words, a multiple of 32): the lanes hit "
+                    "one bank at different addresses; pad the rows (e.g. by 16 bytes)")
+
+    def _terms(self, n, depth) -> list[list]:
+        """The index as a sum of products: [[factor, ...], ...] (const locals expanded, shifts by constants as
+        products)."""
+        n = _strip(n)
+        k = n.get("kind")
+        if depth < 4 and k == "DeclRefExpr":
+            ref = n.get("referencedDecl") or {}
+            var = self.c.vars.get(ref.get("id"))
+            if var is not None and ref.get("id") in self.locals and _is_const_type(_best_type(var)) and \
+                    _init(var) is not None:
+                return self._terms(_init(var), depth + 1)
+        if k == "BinaryOperator" and n.get("opcode") in ("+", "-"):
+            a, b = _kids(n)[:2]
+            return self._terms(a, depth) + self._terms(b, depth)
+        return [self._factors(n, depth)]
+
+    def _factors(self, n, depth) -> list:
+        n = _strip(n)
+        if n.get("kind") == "BinaryOperator" and n.get("opcode") == "*":
+            a, b = _kids(n)[:2]
+            return self._factors(a, depth) + self._factors(b, depth)
+        if n.get("kind") == "BinaryOperator" and n.get("opcode") == "<<":
+            a, b = _kids(n)[:2]
+            v = self.value(b)
+            if isinstance(v, int) and 0 <= v < 32:
+                return self._factors(a, depth) + [{"kind": "IntegerLiteral", "value": str(1 << v)}]
+        return [n]
+
+    # ---- exceptions: // perf-ok(RULE): reason, on the line or the line above
+    def _annotations(self) -> set[Violation]:
+        files = sorted({fl for fl, _ in self.c.line_map[1:] if fl != "<conform>"})
+        notes = []  # (file, line, [rules], reason)
+        for fl in files:
+            path = Path(fl) if Path(fl).is_absolute() else ROOT / fl
+            try:
+                lines = path.read_text().splitlines()
+            except OSError:
+                continue
+            for i, text in enumerate(lines, 1):
+                m = _PERF_OK.search(text)
+                if m:
+                    # on a line of code it covers that line; alone on its line, the next one
+                    target = i + 1 if text.lstrip().startswith("//") else i
+                    notes.append((fl, i, target, [r.strip() for r in m.group(1).split(",") if r.strip()],
+                                  m.group(2)))
+        out, used = set(), set()
+        for v in self.found:
+            hit = next(((fl, ln, r) for fl, ln, target, rules, reason in notes for r in rules
+                        if reason and fl == v.path and v.line == target and r == v.rule), None)
+            if hit:
+                used.add(hit)
+            else:
+                out.add(v)
+        for fl, ln, target, rules, reason in notes:
+            if not reason:
+                out.add(Violation(fl, ln, "PERF-ANNOTATION", "perf-ok without a reason: say why the exception "
+                                                            "is deliberate"))
+            for r in rules or ["?"]:
+                if r not in PERF_RULES or r == "PERF-ANNOTATION":
+                    out.add(Violation(fl, ln, "PERF-ANNOTATION", f"perf-ok({r}): not a performance rule"))
+                elif reason and (fl, ln, r) not in used and (fl, target) in self.covered:
+                    out.add(Violation(fl, ln, "PERF-ANNOTATION", f"perf-ok({r}): {r} does not fire on the line it "
+                                                                 "annotates (a stale exception)"))
+        return out
+
+
+def _arith(op: str, a, b):
+    try:
+        if op == "+":
+            return a + b
+        if op == "-":
+            return a - b
+        if op == "*":
+            return a * b
+        if op == "/":
+            return (int(a / b) if isinstance(a, int) and isinstance(b, int) else a / b) if b else KNOWN
+        if op == "%":
+            return (a - b * int(a / b)) if b and isinstance(a, int) and isinstance(b, int) else KNOWN
+        if op in ("<<", ">>", "&", "|", "^") and isinstance(a, int) and isinstance(b, int):
+            return {"<<": lambda: a << b, ">>": lambda: a >> b, "&": lambda: a & b, "|": lambda: a | b,
+                    "^": lambda: a ^ b}[op]()
+        if op in ("<", ">", "<=", ">=", "==", "!=", "&&", "||"):
+            return int({"<": a < b, ">": a > b, "<=": a <= b, ">=": a >= b, "==": a == b, "!=": a != b,
+                        "&&": bool(a) and bool(b), "||": bool(a) or bool(b)}[op])
+    except (ValueError, OverflowError):
+        pass
+    return KNOWN
+
+
 # ------------------------------------------------------------------------------------------- entry points
 def family_version(path: str | Path) -> str:
     """The MSL version of metal/<family>.metal from tools/embed_msl.py's LANGUAGE_VERSION (default for others)."""
@@ -1259,10 +1928,11 @@ def family_version(path: str | Path) -> str:
 
 
 def check_family(path: str | Path, clang: str | None = None, version: str | None = None,
-                 metal_dir: str | Path = METAL) -> list[Violation]:
+                 metal_dir: str | Path = METAL, perf: bool = True) -> list[Violation]:
     """The violations of one family (a .metal file with the headers it includes), sorted by file and line.
 
-    `version` overrides the family's pinned MSL version (tests check one source at two versions)."""
+    `version` overrides the family's pinned MSL version (tests check one source at two versions); `perf`
+    adds the performance rules (PERF-*), checked on the same parse."""
     clang = clang or find_clang()
     if clang is None:
         raise ConformError(f"no clang++ >= {MIN_CLANG} (apt-get install clang-19, or set MSL_CLANG)")
@@ -1273,6 +1943,8 @@ def check_family(path: str | Path, clang: str | None = None, version: str | None
     checker.walk(ast)
     checker.diagnostics(diags)
     checker.finish()
+    if perf:
+        checker.found |= _Perf(checker).run()
     return sorted(checker.found)
 
 
@@ -1287,10 +1959,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="kernel families (default: every metal/*.metal)")
     ap.add_argument("--rules", action="store_true", help="list the rules and the specification sections")
+    ap.add_argument("--no-perf", action="store_true", help="leave out the performance rules (PERF-*)")
     a = ap.parse_args(argv)
     if a.rules:
         for rid, r in RULES.items():
-            print(f"{rid}: {r.summary} [MSL {r.section}]")
+            print(f"{rid}: {r.summary} [{'' if rid in PERF_RULES else 'MSL '}{r.section}]")
         return 0
     files = a.files or sorted(str(p) for p in METAL.glob("*.metal"))
     clang = find_clang()
@@ -1301,7 +1974,7 @@ def main(argv=None) -> int:
     bad = 0
     for f in files:
         try:
-            found = check_family(f, clang)
+            found = check_family(f, clang, perf=not a.no_perf)
         except (ConformError, embed_msl.EmbedError, OSError) as e:
             print(f"msl_conform: {f}: {e}", file=sys.stderr)
             return 2

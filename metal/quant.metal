@@ -126,18 +126,18 @@ void qmv(constant QmvParams& p [[buffer(0)]], device const uint32_t* w [[buffer(
                 const uint c = row0 + i;
                 // the window as gdn_conv reads it: state rows 0 .. K-2 (oldest first), then this token's
                 // value as stored (T), taps in order
-                const float xv = float(T(out[i]));
+                const float xc = float(T(out[i]));
                 device const float* wc = conv_w + c * p.conv_k;
                 float acc = 0.0f;
                 for (uint j = 0; j < srows; ++j) {
                     acc += conv_state[j * p.conv_c + c] * wc[j];
                 }
-                acc += xv * wc[srows];
+                acc += xc * wc[srows];
                 act[c] = gdn_conv_silu<T>(acc);
                 for (uint j = 0; j + 1u < srows; ++j) {
                     conv_out[j * p.conv_c + c] = conv_state[(j + 1u) * p.conv_c + c];
                 }
-                conv_out[(srows - 1u) * p.conv_c + c] = xv;
+                conv_out[(srows - 1u) * p.conv_c + c] = xc;
             }
         }
     }

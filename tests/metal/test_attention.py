@@ -26,7 +26,8 @@ from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
 DT = {"f32": "float32", "bf16": "bfloat16"}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
 LONG_MAX_PARTIALS = 64          # metal/attention.h ATTN_LONG_MAX_PARTIALS
-GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks")   # ops.attention_prefill_geometry's tuple
+# ops.attention_prefill_geometry's tuple
+GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks", "heads_per_tg", "chunks", "head_dim_max")
 
 
 def shape_kw(nh, nkv, hd, cap, gate, kv):
@@ -473,16 +474,29 @@ def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0)
 
 
 def test_prefill_geometry():
-    """About 8 SIMD-groups of 8 rows x 1 head whatever the GQA ratio; no more rows than the chunk has;
-    the real model: 8 rows x 8 heads per threadgroup (256 threads), tiles of 8 keys of 256 dims."""
-    geo = lambda nh, nkv, hd, M: dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
-    assert geo(16, 2, 256, 4096) == dict(block_rows=8, tile_keys=8, threads=256, blocks=512)
-    assert geo(16, 2, 256, 1) == dict(block_rows=8, tile_keys=8, threads=256, blocks=1)
-    assert geo(4, 4, 64, 1000) == dict(block_rows=64, tile_keys=32, threads=256, blocks=16)
-    assert geo(4, 4, 64, 9) == dict(block_rows=16, tile_keys=32, threads=64, blocks=1)
-    assert geo(4, 2, 128, 100) == dict(block_rows=32, tile_keys=16, threads=256, blocks=4)
-    assert geo(6, 2, 32, 100) == dict(block_rows=16, tile_keys=64, threads=192, blocks=7)
-    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=256, threads=1024, blocks=1)
+    """At most 8 SIMD-groups (256 threads) of 8 rows x 1 head: the group's heads (in equal chunks above 8), then as
+    many 8-row groups as fit; no more rows than the chunk has; the real model: 8 rows x 8 heads per threadgroup,
+    tiles of 16 keys with the bf16 cache (8 with a float one at head_dim 256); the instantiation for head_dim up
+    to 64, 128 or 256."""
+    def geo(nh, nkv, hd, M, kv="bfloat16"):
+        return dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype=kv)))
+
+    assert geo(16, 2, 256, 4096) == dict(block_rows=8, tile_keys=16, threads=256, blocks=512, heads_per_tg=8,
+                                         chunks=1, head_dim_max=256)
+    assert geo(16, 2, 256, 4096, "float32")["tile_keys"] == 8
+    assert geo(16, 2, 128, 4096, "float32")["tile_keys"] == 16
+    assert geo(16, 2, 256, 1)["blocks"] == 1
+    assert geo(4, 4, 64, 1000) == dict(block_rows=64, tile_keys=16, threads=256, blocks=16, heads_per_tg=1,
+                                       chunks=1, head_dim_max=64)
+    assert geo(4, 4, 64, 9)["block_rows"] == 16 and geo(4, 4, 64, 9)["threads"] == 64
+    assert geo(4, 2, 128, 100) == dict(block_rows=32, tile_keys=16, threads=256, blocks=4, heads_per_tg=2,
+                                       chunks=1, head_dim_max=128)
+    assert geo(6, 2, 32, 100) == dict(block_rows=16, tile_keys=16, threads=192, blocks=7, heads_per_tg=3,
+                                      chunks=1, head_dim_max=64)
+    assert geo(9, 1, 136, 3) == dict(block_rows=8, tile_keys=16, threads=160, blocks=1, heads_per_tg=5,
+                                     chunks=2, head_dim_max=256)
+    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=256, blocks=1, heads_per_tg=8,
+                                    chunks=4, head_dim_max=64)
 
 
 # (p0, M): a single row, chunks shorter than / equal to / not a multiple of the query block, contexts from
@@ -507,12 +521,15 @@ def test_prefill_dtypes(schedule, t, kv):
         run_prefill(schedule, t, kv, 3, 3, 32, p0, M, False, rng)
 
 
-@pytest.mark.parametrize("hd", [8, 64, 128, 256])
+@pytest.mark.parametrize("hd", [8, 64, 72, 128, 136, 256])
 def test_prefill_head_dims(hd):
-    """Tiles of 2048 / hd keys (8 at hd = 256): contexts spanning several tiles, a chunk crossing tiles."""
+    """The instantiations for head_dim up to 64, 128 and 256, at and below their width (72, 136: the chunks past
+    head_dim skipped), with float and bf16 caches (tiles of 16 keys, 8 for a float cache at 256): contexts
+    spanning several tiles, a chunk crossing tiles."""
     rng = np.random.default_rng(hd)
-    for p0, M in ((0, 3), (13, 10), (40, 25)):
-        run_prefill("random", "f32", "f32", 4, 2, hd, p0, M, True, rng, cap=p0 + M)
+    for kv in ("f32", "bf16"):
+        for p0, M in ((0, 3), (13, 10), (40, 25)):
+            run_prefill("random", "f32", kv, 4, 2, hd, p0, M, True, rng, cap=p0 + M)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
@@ -590,7 +607,8 @@ def test_prefill_real_model_shape(t, kv):
     assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
 
 
-@pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1)])
+@pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1),
+                                             (18, 1, 16, 3, 10)])
 def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
     """K/V read once per (query block, kv head): block b reads keys 0 .. min(p0 + (b+1) rows, p0 + M) - 1; q, the
     gate and o once; flops 2 hd per visible (query head, key) for each of QK^T and PV."""
@@ -599,8 +617,8 @@ def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
     stride = nh * 2 * hd + 2 * nkv * hd
     q, proj, o = f(M, nh * hd), f(M, stride), f(M, nh * hd)
     K, V = np.zeros((nkv, cap, hd), np.float32), np.zeros((nkv, cap, hd), np.float32)
-    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
-    keys = sum(min(p0 + (b + 1) * g["block_rows"], p0 + M) for b in range(g["blocks"]))
+    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype="float32")))
+    keys = g["chunks"] * sum(min(p0 + (b + 1) * g["block_rows"], p0 + M) for b in range(g["blocks"]))
     with run() as (dev, enc, buf):
         ops.attention_prefill(enc, "bfloat16", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), n_heads=nh,
                               n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32")
@@ -631,7 +649,7 @@ def test_prefill_argument_checks():
                            (dict(o=buf(o[:-1])), r"attention_prefill: o holds \d+ bytes, needs"),
                            (dict(proj=buf(proj[:-1])), r"attention_prefill: proj holds \d+ bytes, needs"),
                            (dict(proj_stride=nh * 2 * hd - 1), r"proj_stride 127 below the q rows of 128"),
-                           (dict(head_dim=12, capacity=13), r"head_dim 12 must be a multiple of 8 and at most 256"),
+                           (dict(head_dim=12, capacity=13), r"head_dim 12 must be a multiple of 8 and at most 256 \(the kernels"),
                            (dict(head_dim=264, capacity=1), r"head_dim 264 must be a multiple of 8 and at most 256"),
                            (dict(n_heads=66, n_kv_heads=2), r"n_heads / n_kv_heads = 33 above the kernel's 32"),
                            (dict(n_heads=5), r"n_heads \(5\) must be a multiple of n_kv_heads \(2\)"),

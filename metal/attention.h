@@ -102,9 +102,9 @@ static_assert(sizeof(AttnPrefillParams) == 52, "AttnPrefillParams: 13 x 4 bytes,
 // side of the simdgroup matrices (8x8): the query rows of one SIMD-group and the keys of one
 // sub-step of a tile
 #define ATTN_MMA 8u
-// SIMD-groups of a prefill threadgroup (heads_per_tg * block_rows / ATTN_MMA <= this): 256 threads,
+// SIMD-groups of a prefill threadgroup (heads_per_tg * block_rows / ATTN_MMA <= this): 512 threads,
 // the size the kernel declares. A group of more heads is split into equal head chunks.
-#define ATTN_PREFILL_MAX_SIMDGROUPS 8u
+#define ATTN_PREFILL_MAX_SIMDGROUPS 16u
 // the threadgroup K and V tile rows are padded by 16 bytes (4 floats or 8 bfloats), so the 8 rows a
 // fragment load touches start on different banks
 #define ATTN_PREFILL_PAD_BYTES 16u

@@ -351,31 +351,33 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
 // part of this chunk (written by attn_prepare with rows).
 //
 // Why this shape: GQA sharing and tensor-core-style arithmetic. A threadgroup serves block_rows
-// query rows for heads_per_tg query heads of kv head j (the whole group when it has at most 8
+// query rows for heads_per_tg query heads of kv head j (the whole group when it has at most 16
 // heads), so every K/V tile is read from device memory once per (query block, head chunk, kv head)
 // instead of once per query head (8x fewer K/V bytes on the real model, G = 8). The products run on
 // 8x8 simdgroup matrices with float accumulation: S = Q K^T for 8 query rows x 8 keys, O += P V.
 //
 // Instantiations: D = 64, 128, 256 is the largest head_dim served (the host takes the smallest
 // D >= head_dim); every loop over the hd / 8 column chunks runs to the compile-time D / 8 and skips
-// the chunks past head_dim with a uniform branch, so the Q and O fragment arrays are indexed only by
-// unrolled constants and stay in registers. KB = ATTN_PREFILL_TILE_KEYS(D, sizeof(KV)) keys per
+// the chunks past head_dim with a uniform branch, so the O fragment array is indexed only by
+// unrolled constants and stays in registers. KB = ATTN_PREFILL_TILE_KEYS(D, sizeof(KV)) keys per
 // tile: 16, or 8 for a float cache at D = 256 (16 rows would not fit next to V).
 //
 // Thread mapping: grid (ceil(M / block_rows), head chunks, n_kv_heads); heads_per_tg * block_rows / 8
-// SIMD-groups (<= 8, 256 threads). SIMD-group sg takes query head gi = chunk * heads_per_tg +
-// sg % heads_per_tg of the group (idle when gi >= group) and the 8 query rows r0 = q0 + 8 (sg /
-// heads_per_tg) .. r0 + 7. Fragment layout (the simdgroup_matrix lane layout MLX's steel kernels
+// SIMD-groups (<= 16, 512 threads; the real model: 8 heads x 16 rows). SIMD-group sg takes query
+// head gi = chunk * heads_per_tg + sg % heads_per_tg of the group (idle when gi >= group) and the 8
+// query rows r0 = q0 + 8 (sg / heads_per_tg) .. r0 + 7. Fragment layout (the simdgroup_matrix lane layout MLX's steel kernels
 // use): lane l holds row fr = 4 b4 + 2 b2 + b1 and columns fc = 4 b3 + 2 b0, fc + 1 of each 8x8
 // fragment (b_i the bits of l), so the 4 lanes of a row differ in bits 0 and 3 (simd_shuffle_xor 1
-// and 8). Q: read once from device memory into hd / 8 fragments (pre-scaled by log2(e)/sqrt(hd),
-// zero for rows >= M); O: hd / 8 fragments of float accumulators. Per tile of KB keys: all threads
-// copy the K and V rows of kv head j into threadgroup memory in the cache's type (rows padded by
+// and 8). O: hd / 8 fragments of float accumulators in registers. Q: not held; each SIMD-group reads
+// its hd / 8 Q fragments from device memory once per tile (a cache hit after the first): Q and O in
+// registers would be D / 2 floats per lane (128 at D = 256, the most a thread can have), and the Q of
+// 8 heads x 16 rows does not fit threadgroup memory next to the tiles (docs/metal.md). Per tile of
+// KB keys: all threads copy the K and V rows of kv head j into threadgroup memory in the cache's type (rows padded by
 // 16 bytes; keys past the end zeroed), barrier, each SIMD-group consumes the tile, barrier: one
 // barrier per 8 keys at KB = 16. A SIMD-group's step over a tile: S_k = sum_c Q_c K_{k,c}^T per
-// 8-key sub-step k (K^T fragments read element-wise from the tile, converted to float), the causal
-// mask (key <= the row's position), the row max and sum over the lane's 2 KB / 8 scores and the
-// row's 4 lanes, the online-softmax update in the exp2 domain once per tile, P written over S in
+// 8-key sub-step k (K^T fragments read element-wise from the tile, converted to float), the scale
+// log2(e)/sqrt(hd) (the softmax runs in exp2), the causal mask (key <= the row's position), the
+// row max and sum over the lane's 2 KB / 8 scores and the row's 4 lanes, the online-softmax update in the exp2 domain once per tile, P written over S in
 // place, every O fragment's two elements scaled by the row's correction in place (no extra MMA),
 // then O_c += P_k V_{k,c}. At the end lane l divides its elements by the row sum, applies the gate
 // and stores them: no staging through threadgroup memory anywhere.
@@ -385,11 +387,11 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
 // diagonal of its own last row; only the sub-steps crossing the diagonal are masked. Key 0 is
 // visible to every row, so the first tile leaves a finite running max (exp2 of a masked score is
 // then 0, and a wholly masked sub-step is an exact no-op: the result of a row does not depend on
-// which rows share its threadgroup). Rows >= M compute on zero q and are not stored.
+// which rows share its threadgroup). Rows >= M compute on row M - 1's q and are not stored.
 //
 // Threadgroup memory: the K and V tiles, KB x (D + 16 B) each in the cache's type: 16.5 KB at
 // D = 256 with a bf16 cache (KB 16) or a float one (KB 8), 16.5 KB at D = 128 float. Registers per
-// lane: Q and O, D / 4 floats each (64 + 64 at D = 256), and the 2 KB / 8 scores.
+// lane: O, D / 4 floats (64 at D = 256), the 2 KB / 8 scores and one Q, K or V fragment (2 each).
 template <typename T, typename KV, uint D>
 [[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_PREFILL_MAX_SIMDGROUPS)]]
 void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
@@ -408,7 +410,7 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
 
     const uint hd = p.head_dim, nc = hd / ATTN_MMA, j = tg.z, HP = p.heads_per_tg;
     const uint gi = tg.y * HP + sg % HP;                  // the SIMD-group's head within the group
-    const uint h = j * p.group + gi;
+    const uint h = j * p.group + min(gi, p.group - 1);   // (gi >= group: an idle SIMD-group)
     const uint q0 = tg.x * p.block_rows;                  // first query row of the threadgroup
     const uint r0 = q0 + (sg / HP) * ATTN_MMA;            // first query row of the SIMD-group
     const uint n_keys = p.p0 + p.rows;
@@ -422,15 +424,11 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
     const uint qpos = p.p0 + row;                         // its position: keys 0 .. qpos visible
     const ulong q_row = ulong(row) * p.n_heads * hd + ulong(h) * hd;
 
-    simdgroup_float8x8 qm[NC];
+    // rows >= M (the last block's padding) read row M - 1: finite, never stored
+    device const T* qr = q + ulong(min(row, p.rows - 1)) * p.n_heads * hd + ulong(h) * hd + fc;
     simdgroup_float8x8 om[NC];
     for (uint c = 0; c < NC; ++c) {
         om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        qm[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        if (c < nc && row_ok) {
-            qm[c].thread_elements()[0] = float(q[q_row + c * ATTN_MMA + fc]) * p.scale;
-            qm[c].thread_elements()[1] = float(q[q_row + c * ATTN_MMA + fc + 1]) * p.scale;
-        }
     }
 
     float m = ATTN_NEG_INIT, l = 0.0f;                    // running max and sum of the lane's row
@@ -456,24 +454,34 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (active && t0 < last) {
             simdgroup_float8x8 sm[NS];
-            float mx = ATTN_NEG_INIT;
             for (uint k = 0; k < NS; ++k) {
                 sm[k] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-                if (t0 + k * ATTN_MMA < last) {               // SIMD-group-uniform
-                    for (uint c = 0; c < NC; ++c) {
-                        if (c < nc) {
+            }
+            for (uint c = 0; c < NC; ++c) {
+                if (c < nc) {
+                    // Q fragment from device memory (a cache hit after the first tile), once per tile: the
+                    // lane's row, columns fc, fc + 1 of chunk c
+                    simdgroup_float8x8 qf;
+                    qf.thread_elements()[0] = float(qr[c * ATTN_MMA]);
+                    qf.thread_elements()[1] = float(qr[c * ATTN_MMA + 1]);
+                    for (uint k = 0; k < NS; ++k) {
+                        if (t0 + k * ATTN_MMA < last) {       // SIMD-group-uniform
                             // K^T fragment: element (d, key) = K[key][d], the lane's (fr, fc), (fr, fc + 1)
                             simdgroup_float8x8 km;
                             const uint kb = (k * ATTN_MMA + fc) * DP + c * ATTN_MMA + fr;
                             km.thread_elements()[0] = float(kt[kb]);
                             km.thread_elements()[1] = float(kt[kb + DP]);
-                            simdgroup_multiply_accumulate(sm[k], qm[c], km, sm[k]);
+                            simdgroup_multiply_accumulate(sm[k], qf, km, sm[k]);
                         }
                     }
                 }
+            }
+            float mx = ATTN_NEG_INIT;
+            for (uint k = 0; k < NS; ++k) {
+                // sub-steps past the SIMD-group's last key stay 0 and are masked for every row
                 const uint key = t0 + k * ATTN_MMA + fc;
-                const float sa = key <= qpos ? sm[k].thread_elements()[0] : ATTN_NEG_INIT;
-                const float sb = key + 1 <= qpos ? sm[k].thread_elements()[1] : ATTN_NEG_INIT;
+                const float sa = key <= qpos ? sm[k].thread_elements()[0] * p.scale : ATTN_NEG_INIT;
+                const float sb = key + 1 <= qpos ? sm[k].thread_elements()[1] * p.scale : ATTN_NEG_INIT;
                 sm[k].thread_elements()[0] = sa;
                 sm[k].thread_elements()[1] = sb;
                 mx = max(mx, max(sa, sb));

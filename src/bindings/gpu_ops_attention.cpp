@@ -79,7 +79,7 @@ void register_gpu_ops_attention(nb::module_& ops) {
     ops.def("attention_prefill_geometry",
             [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M, const std::string& kv_dtype) {
                 const gpu::ops::AttnPrefillGeometry g = gpu::ops::attention_prefill_geometry(
-                    make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M, 256,
+                    make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M, 512,
                     gpu::parse_act(kv_dtype) == gpu::Act::F32);
                 return nb::make_tuple(g.block_rows, g.tile_keys, g.threads, g.blocks, g.heads_per_tg, g.chunks,
                                       g.head_dim_max);

@@ -474,29 +474,31 @@ def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0)
 
 
 def test_prefill_geometry():
-    """At most 8 SIMD-groups (256 threads) of 8 rows x 1 head: the group's heads (in equal chunks above 8), then as
-    many 8-row groups as fit; no more rows than the chunk has; the real model: 8 rows x 8 heads per threadgroup,
-    tiles of 16 keys with the bf16 cache (8 with a float one at head_dim 256); the instantiation for head_dim up
-    to 64, 128 or 256."""
+    """At most 16 SIMD-groups (512 threads) of 8 rows x 1 head: the group's heads (in equal chunks above 16), then
+    as many 8-row groups as fit; no more rows than the chunk has; the real model: 16 rows x 8 heads per
+    threadgroup, tiles of 16 keys with the bf16 cache (8 with a float one at head_dim 256); the instantiation for
+    head_dim up to 64, 128 or 256."""
     def geo(nh, nkv, hd, M, kv="bfloat16"):
         return dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype=kv)))
 
-    assert geo(16, 2, 256, 4096) == dict(block_rows=8, tile_keys=16, threads=256, blocks=512, heads_per_tg=8,
+    assert geo(16, 2, 256, 4096) == dict(block_rows=16, tile_keys=16, threads=512, blocks=256, heads_per_tg=8,
                                          chunks=1, head_dim_max=256)
     assert geo(16, 2, 256, 4096, "float32")["tile_keys"] == 8
     assert geo(16, 2, 128, 4096, "float32")["tile_keys"] == 16
-    assert geo(16, 2, 256, 1)["blocks"] == 1
-    assert geo(4, 4, 64, 1000) == dict(block_rows=64, tile_keys=16, threads=256, blocks=16, heads_per_tg=1,
+    assert geo(16, 2, 256, 1)["blocks"] == 1 and geo(16, 2, 256, 1)["threads"] == 256
+    assert geo(4, 4, 64, 1000) == dict(block_rows=128, tile_keys=16, threads=512, blocks=8, heads_per_tg=1,
                                        chunks=1, head_dim_max=64)
     assert geo(4, 4, 64, 9)["block_rows"] == 16 and geo(4, 4, 64, 9)["threads"] == 64
-    assert geo(4, 2, 128, 100) == dict(block_rows=32, tile_keys=16, threads=256, blocks=4, heads_per_tg=2,
+    assert geo(4, 2, 128, 100) == dict(block_rows=64, tile_keys=16, threads=512, blocks=2, heads_per_tg=2,
                                        chunks=1, head_dim_max=128)
-    assert geo(6, 2, 32, 100) == dict(block_rows=16, tile_keys=16, threads=192, blocks=7, heads_per_tg=3,
+    assert geo(6, 2, 32, 100) == dict(block_rows=40, tile_keys=16, threads=480, blocks=3, heads_per_tg=3,
                                       chunks=1, head_dim_max=64)
-    assert geo(9, 1, 136, 3) == dict(block_rows=8, tile_keys=16, threads=160, blocks=1, heads_per_tg=5,
-                                     chunks=2, head_dim_max=256)
-    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=256, blocks=1, heads_per_tg=8,
-                                    chunks=4, head_dim_max=64)
+    assert geo(9, 1, 136, 3) == dict(block_rows=8, tile_keys=16, threads=288, blocks=1, heads_per_tg=9,
+                                     chunks=1, head_dim_max=256)
+    assert geo(17, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=288, blocks=1, heads_per_tg=9,
+                                    chunks=2, head_dim_max=64)
+    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=512, blocks=1, heads_per_tg=16,
+                                    chunks=2, head_dim_max=64)
 
 
 # (p0, M): a single row, chunks shorter than / equal to / not a multiple of the query block, contexts from
@@ -505,7 +507,7 @@ PM = [(0, 1), (0, 7), (0, 8), (0, 13), (3, 1), (5, 12), (16, 9), (29, 30)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("G", [1, 2, 3, 8])
+@pytest.mark.parametrize("G", [1, 2, 3, 8, 17])   # 17: two head chunks of 9, one SIMD-group idle
 def test_prefill_gqa_f32(schedule, G):
     rng = np.random.default_rng(G)
     for p0, M in PM:
@@ -608,7 +610,7 @@ def test_prefill_real_model_shape(t, kv):
 
 
 @pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1),
-                                             (18, 1, 16, 3, 10)])
+                                             (32, 1, 16, 3, 10)])
 def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
     """K/V read once per (query block, kv head): block b reads keys 0 .. min(p0 + (b+1) rows, p0 + M) - 1; q, the
     gate and o once; flops 2 hd per visible (query head, key) for each of QK^T and PV."""

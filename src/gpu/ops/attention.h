@@ -80,7 +80,7 @@ uint32_t attention_prefill_instance(uint32_t head_dim);
 uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t M, double seconds,
                                        const ChipModel& chip);
 // max_threads: the pipeline's limit (Device::max_threads); the block has fewer rows under a lower one
-AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads = 256,
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads = 512,
                                                bool kv_f32 = false);
 
 }  // namespace qwenmetal::gpu::ops

@@ -72,8 +72,9 @@ static_assert(sizeof(AttnCombineParams) == 20, "AttnCombineParams: 5 x 4 bytes, 
 // floats of each of the K and V tiles in threadgroup memory (2 x 8 KB); the per-SIMD-group
 // accumulators of the final reduction reuse the K tile (ATTN_MAX_SIMDGROUPS * ATTN_MAX_HEAD_DIM)
 #define ATTN_TILE_FLOATS 2048u
-// the two-pass route writes at most this many partial results per query head
-#define ATTN_LONG_MAX_PARTIALS 64u
+// the two-pass route writes at most this many partial results per query head (32: 64 threadgroups on the
+// real model's 2 kv heads, about two per core of the largest GPU, and 0.5 MB of scratch)
+#define ATTN_LONG_MAX_PARTIALS 32u
 // attn_prepare: threads per threadgroup (one element of a head each, looping beyond)
 #define ATTN_PREPARE_MAX_THREADS 256u
 // running maximum before any key: finite (fast math assumes no infinities), exp2 of it is 0

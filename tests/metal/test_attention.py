@@ -25,7 +25,7 @@ from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
 
 DT = {"f32": "float32", "bf16": "bfloat16"}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
-LONG_MAX_PARTIALS = 64          # metal/attention.h ATTN_LONG_MAX_PARTIALS
+LONG_MAX_PARTIALS = 32          # metal/attention.h ATTN_LONG_MAX_PARTIALS
 # ops.attention_prefill_geometry's tuple
 GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks", "heads_per_tg", "chunks", "head_dim_max")
 
@@ -38,8 +38,8 @@ def partials(route, n, pol):
     if route == "single":
         return 1
     if route == "split":
-        return -(-n // pol.get("split_block", 256))
-    return min(-(-n // pol.get("long_block", 1024)), LONG_MAX_PARTIALS)
+        return -(-n // pol.get("split_block", 32))
+    return min(-(-n // pol.get("long_block", 32)), LONG_MAX_PARTIALS)
 
 
 def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate):
@@ -95,22 +95,23 @@ def run_decode(schedule, t, kv, nh, nkv, hd, n, gate, pol, rng, cap=None):
 
 # ----------------------------------------------------------------------------------------------- routes
 def test_route_and_scratch_bytes():
+    """The default policy: one pass only up to 64 keys, blocks of 32 keys beyond (at most 32 partials per head)."""
     assert ops.attention_route(1) == "single"
-    assert ops.attention_route(1024) == "single"
-    assert ops.attention_route(1025) == "split"
-    assert ops.attention_route(16384) == "split"
-    assert ops.attention_route(16385) == "two_pass"
+    assert ops.attention_route(64) == "single"
+    assert ops.attention_route(65) == "split"
+    assert ops.attention_route(1024) == "split"
+    assert ops.attention_route(1025) == "two_pass"
     pol = dict(single_pass_max=8, split_max=40, split_block=4, long_block=2)
     assert [ops.attention_route(n, **pol) for n in (8, 9, 40, 41)] == ["single", "split", "split", "two_pass"]
     per = 16 * (256 + 2) * 4    # bytes per partial of every head, real model
-    assert ops.attention_scratch_bytes(16, 2, 256, 1024) == 0
-    assert ops.attention_scratch_bytes(16, 2, 256, 1025) == 5 * per
-    assert ops.attention_scratch_bytes(16, 2, 256, 16384) == 64 * per
-    assert ops.attention_scratch_bytes(16, 2, 256, 17000) == 64 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 64) == 0
+    assert ops.attention_scratch_bytes(16, 2, 256, 65) == 3 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 1024) == 32 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 1025) == 32 * per
     # two-pass: bounded whatever the context
     assert ops.attention_scratch_bytes(16, 2, 256, 262144) == LONG_MAX_PARTIALS * per
     assert ops.attention_scratch_bytes(4, 1, 16, 10**6, split_max=2048, long_block=1024) == \
-        max(8, LONG_MAX_PARTIALS) * 4 * 18 * 4
+        max(2048 // 32, LONG_MAX_PARTIALS) * 4 * 18 * 4
 
 
 # thresholds lowered so that small contexts reach every route; n_keys around each switch
@@ -288,15 +289,15 @@ def test_multistep_against_full_attention(t, kv, schedule):
 @pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16")])
 def test_real_model_shape(t, kv):
     """Qwen3.6 full attention: 16 q / 2 kv heads x 256, rotary 64, theta 1e7, output gate; token at
-    position 599 (600 keys, default policy: single pass), then the split and the two-pass routes at the
-    same context (two-pass: 75 blocks of 8 keys into 64 partials)."""
+    position 599 (600 keys, default policy: split-K, 19 blocks of 32 keys), then the single pass and the two-pass
+    routes at the same context (two-pass: 75 blocks of 8 keys into 32 partials)."""
     nh, nkv, hd, rd, pos = 16, 2, 256, 64, 599
     cap = 640
     rng = np.random.default_rng(600)
     proj, qw, kw, K, V = prepare_case(rng, t, kv, nh, nkv, hd, cap, True)
     qo = np.zeros(nh * hd, ACT[t])
     outs = []
-    for pol in ({}, dict(single_pass_max=256), dict(single_pass_max=64, split_max=128, long_block=8)):
+    for pol in ({}, dict(single_pass_max=1024), dict(single_pass_max=64, split_max=128, long_block=8)):
         o = np.full(nh * hd, np.nan, ACT[t])
         nbytes = ops.attention_scratch_bytes(nh, nkv, hd, pos + 1, **pol)
         scratch = np.zeros(max(nbytes // 4, 1), np.float32)

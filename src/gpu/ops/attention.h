@@ -33,10 +33,13 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
 // The route (single pass, split-K + combine, GQA-packed, two-pass fixed blocks) comes from the
 // policy; `scratch` f32 holds partial results (attention_scratch_bytes).
 struct AttnPolicy {
-    uint32_t single_pass_max = 1024;      // n_keys <= this: one pass, one threadgroup per head group
-    uint32_t split_max = 16384;           // <= this: split-K (key blocks per threadgroup) + combine
-    uint32_t split_block = 256;           // keys per split-K threadgroup
-    uint32_t long_block = 1024;           // very long contexts: fixed blocks, two passes
+    // The single pass has one threadgroup per (head chunk, kv head): 2 on the real model, so it is kept only
+    // where the K/V read is tiny (64 keys: 128 KB); beyond, blocks of 32 keys give min(n / 32, 32) partials
+    // per head, 64 threadgroups on the real model from 1024 keys on (docs/metal.md, attention_decode).
+    uint32_t single_pass_max = 64;        // n_keys <= this: one pass, one threadgroup per head group
+    uint32_t split_max = 1024;            // <= this: split-K (key blocks per threadgroup) + combine
+    uint32_t split_block = 32;            // keys per split-K threadgroup
+    uint32_t long_block = 32;             // longer contexts: fixed blocks, two passes (ATTN_LONG_MAX_PARTIALS)
     bool gqa_pack = true;                 // one K/V read for all query heads of a KV head
     // the route name for n_keys: "single", "split", "two_pass"
     std::string route(uint32_t n_keys) const;

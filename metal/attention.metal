@@ -19,10 +19,11 @@
 //       pass 1 of the split-K and of the two-pass routes.
 //   attn_decode_combine_{f32,bf16}
 //       pass 2: merges a head's partials, normalises and applies the output gate.
-//   attn_prefill_{f32,bf16}_kv{f32,bf16}
+//   attn_prefill_d{64,128,256}_{f32,bf16}_kv{f32,bf16}
 //       causal flash attention of a prefill chunk (M query rows at positions p0 ..) over the cache
 //       (earlier chunks + this one), every K/V tile read once for all query heads of its kv head,
-//       S = Q K^T and O += P V on 8x8 simdgroup matrices, the output gate fused.
+//       S = Q K^T and O += P V on 8x8 simdgroup matrices, the output gate fused; one instantiation
+//       per largest head_dim served (64, 128, 256: compile-time loop bounds).
 //
 // Rounding follows the reference (python/qwenmetal/reference.py): the norm is
 // T(w * T(x * inv)), RoPE in float rounded once to T, and the output T(T(o) * T(sigmoid(gate))).

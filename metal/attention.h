@@ -72,21 +72,24 @@ static_assert(sizeof(AttnCombineParams) == 20, "AttnCombineParams: 5 x 4 bytes, 
 // floats of each of the K and V tiles in threadgroup memory (2 x 8 KB); the per-SIMD-group
 // accumulators of the final reduction reuse the K tile (ATTN_MAX_SIMDGROUPS * ATTN_MAX_HEAD_DIM)
 #define ATTN_TILE_FLOATS 2048u
-// the two-pass route writes at most this many partial results per query head
-#define ATTN_LONG_MAX_PARTIALS 64u
+// the two-pass route writes at most this many partial results per query head (32: 64 threadgroups on the
+// real model's 2 kv heads, about two per core of the largest GPU, and 0.5 MB of scratch)
+#define ATTN_LONG_MAX_PARTIALS 32u
 // attn_prepare: threads per threadgroup (one element of a head each, looping beyond)
 #define ATTN_PREPARE_MAX_THREADS 256u
 // running maximum before any key: finite (fast math assumes no infinities), exp2 of it is 0
 #define ATTN_NEG_INIT (-1.0e30f)
 
-// attn_prefill_*: causal flash attention of a chunk, one threadgroup per (query block, kv head).
+// attn_prefill_d{64,128,256}_*: causal flash attention of a chunk, one threadgroup per (query block,
+// head chunk, kv head). The instantiation's D (64, 128 or 256) is the largest head_dim it serves: the
+// host picks the smallest D >= head_dim, so every register array and loop has a compile-time bound.
 struct AttnPrefillParams {
     uint32_t n_heads;
     uint32_t n_kv_heads;
-    uint32_t head_dim;     // a multiple of 8 (the 8x8 simdgroup matrices), <= ATTN_MAX_HEAD_DIM
-    uint32_t group;        // n_heads / n_kv_heads: query heads of one kv head, all in one threadgroup
+    uint32_t head_dim;     // a multiple of 8 (the 8x8 simdgroup matrices), <= the instantiation's D
+    uint32_t group;        // n_heads / n_kv_heads: query heads of one kv head
     uint32_t block_rows;   // query rows (tokens) per threadgroup: a multiple of ATTN_MMA
-    uint32_t tile_keys;    // keys per threadgroup-memory tile: a multiple of ATTN_MMA
+    uint32_t heads_per_tg; // query heads of the group per threadgroup (head chunk tg.y of grid.y)
     uint32_t rows;         // M: query rows of the chunk
     uint32_t p0;           // position of query row 0; keys 0 .. p0 + rows - 1 exist
     uint32_t capacity;     // cache rows per kv head
@@ -98,10 +101,17 @@ struct AttnPrefillParams {
 static_assert(sizeof(AttnPrefillParams) == 52, "AttnPrefillParams: 13 x 4 bytes, as the host packs it");
 
 // side of the simdgroup matrices (8x8): the query rows of one SIMD-group and the keys of one
-// online-softmax step
+// sub-step of a tile
 #define ATTN_MMA 8u
-// SIMD-groups of a prefill threadgroup: group * block_rows / ATTN_MMA <= this (1024 threads)
-#define ATTN_PREFILL_MAX_SIMDGROUPS 32u
-// query rows per prefill threadgroup: block_rows = ATTN_MMA * max(1, ATTN_PREFILL_TARGET_SG / group)
-// (rounded down to what the chunk needs): about this many SIMD-groups whatever the GQA ratio
-#define ATTN_PREFILL_TARGET_SG 8u
+// SIMD-groups of a prefill threadgroup (heads_per_tg * block_rows / ATTN_MMA <= this): 512 threads,
+// the size the kernel declares. A group of more heads is split into equal head chunks.
+#define ATTN_PREFILL_MAX_SIMDGROUPS 16u
+// the threadgroup K and V tile rows are padded by 16 bytes (4 floats or 8 bfloats), so the 8 rows a
+// fragment load touches start on different banks
+#define ATTN_PREFILL_PAD_BYTES 16u
+// bytes of each of the K and V tiles at most: 16 keys of 256 bfloats (+ pad), or 16 keys of 128 floats
+#define ATTN_PREFILL_TILE_BYTES 8448u
+// keys per tile of an instantiation: 16 where 16 padded rows of D elements of kv_size bytes fit
+// ATTN_PREFILL_TILE_BYTES, else 8 (float cache at D = 256)
+#define ATTN_PREFILL_TILE_KEYS(d, kv_size) \
+    ((16u * ((d) + ATTN_PREFILL_PAD_BYTES / (kv_size)) * (kv_size) <= ATTN_PREFILL_TILE_BYTES) ? 16u : 8u)

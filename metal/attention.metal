@@ -19,10 +19,11 @@
 //       pass 1 of the split-K and of the two-pass routes.
 //   attn_decode_combine_{f32,bf16}
 //       pass 2: merges a head's partials, normalises and applies the output gate.
-//   attn_prefill_{f32,bf16}_kv{f32,bf16}
+//   attn_prefill_d{64,128,256}_{f32,bf16}_kv{f32,bf16}
 //       causal flash attention of a prefill chunk (M query rows at positions p0 ..) over the cache
 //       (earlier chunks + this one), every K/V tile read once for all query heads of its kv head,
-//       S = Q K^T and O += P V on 8x8 simdgroup matrices, the output gate fused.
+//       S = Q K^T and O += P V on 8x8 simdgroup matrices, the output gate fused; one instantiation
+//       per largest head_dim served (64, 128, 256: compile-time loop bounds).
 //
 // Rounding follows the reference (python/qwenmetal/reference.py): the norm is
 // T(w * T(x * inv)), RoPE in float rounded once to T, and the output T(T(o) * T(sigmoid(gate))).
@@ -351,152 +352,184 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
 // part of this chunk (written by attn_prepare with rows).
 //
 // Why this shape: GQA sharing and tensor-core-style arithmetic. A threadgroup serves block_rows
-// query rows for ALL `group` query heads of kv head j, so every K/V tile is read from device
-// memory once per (query block, kv head) instead of once per query head (8x fewer K/V bytes on
-// the real model, G = 8; Lily's prefill reads it per head). The products run on 8x8 simdgroup
-// matrices with float accumulation: S = Q K^T for 8 query rows x 8 keys, then O += P V.
+// query rows for heads_per_tg query heads of kv head j (the whole group when it has at most 16
+// heads), so every K/V tile is read from device memory once per (query block, head chunk, kv head)
+// instead of once per query head (8x fewer K/V bytes on the real model, G = 8). The products run on
+// 8x8 simdgroup matrices with float accumulation: S = Q K^T for 8 query rows x 8 keys, O += P V.
 //
-// Thread mapping: grid (ceil(M / block_rows), n_kv_heads, 1); group * block_rows / 8
-// SIMD-groups. SIMD-group sg takes query head h = j * group + sg % group and the 8 query rows
-// r0 = q0 + 8 (sg / group) .. r0 + 7 (q0 = block * block_rows): its Q (pre-scaled by
-// log2(e)/sqrt(hd), zero for rows >= M) and its output accumulator O (8 x hd) stay in registers as
-// hd / 8 simdgroup matrices each. Per tile of tile_keys keys (K and V rows of kv head j,
-// converted to float in threadgroup memory, zero-padded to a multiple of 8): all threads load
-// it, barrier, each SIMD-group consumes it 8 keys at a time, barrier. One 8-key step: S = sum_c
-// Q_c K_c^T (hd / 8 MMAs; K^T by a transposed simdgroup_load), S through the SIMD-group's 8x8
-// staging slot so that lane l owns row l / 4, columns 2 (l % 4) and + 1: the causal mask
-// (key <= position of the row), the row max and sum over the row's 4 lanes (simd_shuffle_xor
-// 1, 2), the online-softmax update in the exp2 domain; P back through the staging slot into a
-// matrix, then diag(corr) likewise, and per chunk c O_c = diag(corr) O_c + P V_c (2 MMAs).
-// At the end O goes through the staging slot once more: lane l normalises its two elements,
-// applies the gate and stores them.
+// Instantiations: D = 64, 128, 256 is the largest head_dim served (the host takes the smallest
+// D >= head_dim); every loop over the hd / 8 column chunks runs to the compile-time D / 8 and skips
+// the chunks past head_dim with a uniform branch, so the O fragment array is indexed only by
+// unrolled constants and stays in registers. KB = ATTN_PREFILL_TILE_KEYS(D, sizeof(KV)) keys per
+// tile: 16, or 8 for a float cache at D = 256 (16 rows would not fit next to V).
 //
-// Causal skipping: the threadgroup loads only keys < p0 + q0 + block_rows (tiles wholly above
-// the diagonal of its last row are never read) and a SIMD-group skips every 8-key step above the
-// diagonal of its own last row; only the steps crossing the diagonal are masked. Key 0 is
-// visible to every row, so the first step leaves a finite running max (exp2 of a masked score
-// is then 0). Rows >= M (the last block's padding) compute on zero q and are not stored.
+// Thread mapping: grid (ceil(M / block_rows), head chunks, n_kv_heads); heads_per_tg * block_rows / 8
+// SIMD-groups (<= 16, 512 threads; the real model: 8 heads x 16 rows). SIMD-group sg takes query
+// head gi = chunk * heads_per_tg + sg % heads_per_tg of the group (idle when gi >= group) and the 8
+// query rows r0 = q0 + 8 (sg / heads_per_tg) .. r0 + 7. Fragment layout (the simdgroup_matrix lane layout MLX's steel kernels
+// use): lane l holds row fr = 4 b4 + 2 b2 + b1 and columns fc = 4 b3 + 2 b0, fc + 1 of each 8x8
+// fragment (b_i the bits of l), so the 4 lanes of a row differ in bits 0 and 3 (simd_shuffle_xor 1
+// and 8). O: hd / 8 fragments of float accumulators in registers. Q: not held; each SIMD-group reads
+// its hd / 8 Q fragments from device memory once per tile (a cache hit after the first): Q and O in
+// registers would be D / 2 floats per lane (128 at D = 256, the most a thread can have), and the Q of
+// 8 heads x 16 rows does not fit threadgroup memory next to the tiles (docs/metal.md). Per tile of
+// KB keys: all threads copy the K and V rows of kv head j into threadgroup memory in the cache's type (rows padded by
+// 16 bytes; keys past the end zeroed), barrier, each SIMD-group consumes the tile, barrier: one
+// barrier per 8 keys at KB = 16. A SIMD-group's step over a tile: S_k = sum_c Q_c K_{k,c}^T per
+// 8-key sub-step k (K^T fragments read element-wise from the tile, converted to float), the scale
+// log2(e)/sqrt(hd) (the softmax runs in exp2), the causal mask (key <= the row's position), the
+// row max and sum over the lane's 2 KB / 8 scores and the row's 4 lanes, the online-softmax update in the exp2 domain once per tile, P written over S in
+// place, every O fragment's two elements scaled by the row's correction in place (no extra MMA),
+// then O_c += P_k V_{k,c}. At the end lane l divides its elements by the row sum, applies the gate
+// and stores them: no staging through threadgroup memory anywhere.
 //
-// Threadgroup memory: the K and V tiles (2 x ATTN_TILE_FLOATS floats) and one 8x8 float
-// staging slot per SIMD-group: 24 KB. Registers: 2 hd / 8 matrices per SIMD-group (Q and O;
-// hd = 256: 128 floats per lane).
-// Threads: a SIMD-group per query head of the kv head and 8 rows of the block, at most 32 SIMD-groups.
-template <typename T, typename KV>
+// Causal skipping: the threadgroup loads only keys < p0 + q0 + block_rows (tiles wholly above the
+// diagonal of its last row are never read) and a SIMD-group skips every 8-key sub-step above the
+// diagonal of its own last row; only the sub-steps crossing the diagonal are masked. Key 0 is
+// visible to every row, so the first tile leaves a finite running max (exp2 of a masked score is
+// then 0, and a wholly masked sub-step is an exact no-op: the result of a row does not depend on
+// which rows share its threadgroup). Rows >= M compute on row M - 1's q and are not stored.
+//
+// Threadgroup memory: the K and V tiles, KB x (D + 16 B) each in the cache's type: 16.5 KB at
+// D = 256 with a bf16 cache (KB 16) or a float one (KB 8), 16.5 KB at D = 128 float. Registers per
+// lane: O, D / 4 floats (64 at D = 256), the 2 KB / 8 scores and one Q, K or V fragment (2 each).
+template <typename T, typename KV, uint D>
 [[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_PREFILL_MAX_SIMDGROUPS)]]
 void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q [[buffer(1)]],
                   device const T* proj [[buffer(2)]], device const KV* k_cache [[buffer(3)]],
                   device const KV* v_cache [[buffer(4)]], device T* o [[buffer(5)]],
-                  uint2 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-                  uint2 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                  uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                  uint3 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
                   uint sg [[simdgroup_index_in_threadgroup]]) {
+    constexpr uint NC = D / ATTN_MMA;                                   // column chunks of the widest head
+    constexpr uint KB = ATTN_PREFILL_TILE_KEYS(D, sizeof(KV));          // keys per tile
+    constexpr uint NS = KB / ATTN_MMA;                                  // 8-key sub-steps per tile
+    constexpr uint DP = D + ATTN_PREFILL_PAD_BYTES / sizeof(KV);        // padded tile row, elements
     const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
-    threadgroup float kt[ATTN_TILE_FLOATS];
-    threadgroup float vt[ATTN_TILE_FLOATS];
-    threadgroup float stage[ATTN_PREFILL_MAX_SIMDGROUPS * ATTN_MMA * ATTN_MMA];
-    // this SIMD-group's 8x8 slot: stage[slot ..], indexed from the array (a pointer to a slot start
-    // that is also another array's end would be bounds-checked against that array by the simulator)
-    const uint slot = sg * ATTN_MMA * ATTN_MMA;
+    threadgroup KV kt[KB * DP];
+    threadgroup KV vt[KB * DP];
 
-    const uint hd = p.head_dim, nc = hd / ATTN_MMA, j = tg.y;
-    const uint h = j * p.group + sg % p.group;
+    const uint hd = p.head_dim, nc = hd / ATTN_MMA, j = tg.z, HP = p.heads_per_tg;
+    const uint gi = tg.y * HP + sg % HP;                  // the SIMD-group's head within the group
+    const uint h = j * p.group + min(gi, p.group - 1);   // (gi >= group: an idle SIMD-group)
     const uint q0 = tg.x * p.block_rows;                  // first query row of the threadgroup
-    const uint r0 = q0 + (sg / p.group) * ATTN_MMA;       // first query row of the SIMD-group
+    const uint r0 = q0 + (sg / HP) * ATTN_MMA;            // first query row of the SIMD-group
     const uint n_keys = p.p0 + p.rows;
     const uint kend = min(p.p0 + q0 + p.block_rows, n_keys);        // keys the threadgroup reads
-    const bool active = r0 < p.rows;                                 // SIMD-group-uniform
+    const bool active = r0 < p.rows && gi < p.group;                 // SIMD-group-uniform
     const uint last = active ? min(p.p0 + r0 + ATTN_MMA, n_keys) : 0u;  // keys this SIMD-group sees
-    const uint lr = lane / 4, lc = 2 * (lane % 4);        // the lane's staging row and column pair
-    const uint row = r0 + lr;                             // the lane's query row
-    const bool row_ok = row < p.rows;
+    const uint fr = 4 * ((lane >> 4) & 1) + 2 * ((lane >> 2) & 1) + ((lane >> 1) & 1);   // fragment row
+    const uint fc = 4 * ((lane >> 3) & 1) + 2 * (lane & 1);                             // and columns
+    const uint row = r0 + fr;                             // the lane's query row
+    const bool row_ok = row < p.rows && active;
     const uint qpos = p.p0 + row;                         // its position: keys 0 .. qpos visible
     const ulong q_row = ulong(row) * p.n_heads * hd + ulong(h) * hd;
 
-    simdgroup_float8x8 qm[ATTN_MAX_HEAD_DIM / ATTN_MMA];
-    simdgroup_float8x8 om[ATTN_MAX_HEAD_DIM / ATTN_MMA];
-    for (uint c = 0; c < nc; ++c) {
-        for (uint e = 0; e < 2; ++e) {
-            stage[slot + lr * ATTN_MMA + lc + e] = row_ok ? float(q[q_row + c * ATTN_MMA + lc + e]) * p.scale : 0.0f;
-        }
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-        simdgroup_load(qm[c], stage + slot, ATTN_MMA);
-        simdgroup_barrier(mem_flags::mem_threadgroup);
+    // rows >= M (the last block's padding) read row M - 1: finite, never stored
+    device const T* qr = q + ulong(min(row, p.rows - 1)) * p.n_heads * hd + ulong(h) * hd + fc;
+    simdgroup_float8x8 om[NC];
+    for (uint c = 0; c < NC; ++c) {
         om[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
 
     float m = ATTN_NEG_INIT, l = 0.0f;                    // running max and sum of the lane's row
     const ulong head_base = ulong(j) * p.capacity * hd;
-    for (uint t0 = 0; t0 < kend; t0 += p.tile_keys) {
-        const uint nt = min(p.tile_keys, kend - t0);
-        const uint nt8 = (nt + ATTN_MMA - 1) / ATTN_MMA * ATTN_MMA;
+    const uint hd4 = hd / 4;                              // 4-vectors per row (hd is a multiple of 8)
+    for (uint t0 = 0; t0 < kend; t0 += KB) {
+        const uint nt = min(KB, kend - t0);
         if (t0 > 0) {
             threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the last tile
         }
-        attn_load_tile(k_cache, v_cache, head_base + ulong(t0) * hd, nt * hd, true, kt, vt, tid, nthreads);
-        // keys kend .. (padding to 8) are visible to no row; zero so that P (0) times V stays 0
-        for (uint e = nt * hd + tid; e < nt8 * hd; e += nthreads) {
-            kt[e] = 0.0f;
-            vt[e] = 0.0f;
+        device const vec<KV, 4>* k4 = (device const vec<KV, 4>*)(k_cache + head_base + ulong(t0) * hd);
+        device const vec<KV, 4>* v4 = (device const vec<KV, 4>*)(v_cache + head_base + ulong(t0) * hd);
+        for (uint e = tid; e < KB * hd4; e += nthreads) {
+            const uint key = e / hd4, d = 4 * (e - key * hd4);
+            const bool in = key < nt;
+            const float4 a = in ? float4(k4[e]) : float4(0.0f);
+            const float4 b = in ? float4(v4[e]) : float4(0.0f);
+            for (uint i = 0; i < 4; ++i) {
+                kt[key * DP + d + i] = KV(a[i]);
+                vt[key * DP + d + i] = KV(b[i]);
+            }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        if (active) {
-            for (uint s0 = 0; s0 < nt8 && t0 + s0 < last; s0 += ATTN_MMA) {
-                const uint kb = s0 * hd;                  // the step's first K and V row in the tiles
-                simdgroup_float8x8 sm = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-                for (uint c = 0; c < nc; ++c) {
-                    simdgroup_float8x8 km;
-                    simdgroup_load(km, kt + kb + c * ATTN_MMA, hd, ulong2(0, 0), true);   // K_c^T
-                    simdgroup_multiply_accumulate(sm, qm[c], km, sm);
+        if (active && t0 < last) {
+            simdgroup_float8x8 sm[NS];
+            for (uint k = 0; k < NS; ++k) {
+                sm[k] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            }
+            for (uint c = 0; c < NC; ++c) {
+                if (c < nc) {
+                    // Q fragment from device memory (a cache hit after the first tile), once per tile: the
+                    // lane's row, columns fc, fc + 1 of chunk c
+                    simdgroup_float8x8 qf;
+                    qf.thread_elements()[0] = float(qr[c * ATTN_MMA]);
+                    qf.thread_elements()[1] = float(qr[c * ATTN_MMA + 1]);
+                    for (uint k = 0; k < NS; ++k) {
+                        if (t0 + k * ATTN_MMA < last) {       // SIMD-group-uniform
+                            // K^T fragment: element (d, key) = K[key][d], the lane's (fr, fc), (fr, fc + 1)
+                            simdgroup_float8x8 km;
+                            const uint kb = (k * ATTN_MMA + fc) * DP + c * ATTN_MMA + fr;
+                            km.thread_elements()[0] = float(kt[kb]);
+                            km.thread_elements()[1] = float(kt[kb + DP]);
+                            simdgroup_multiply_accumulate(sm[k], qf, km, sm[k]);
+                        }
+                    }
                 }
-                simdgroup_store(sm, stage + slot, ATTN_MMA);
-                simdgroup_barrier(mem_flags::mem_threadgroup);
-                const uint key = t0 + s0 + lc;
-                const float sa = key <= qpos ? stage[slot + lr * ATTN_MMA + lc] : ATTN_NEG_INIT;
-                const float sb = key + 1 <= qpos ? stage[slot + lr * ATTN_MMA + lc + 1] : ATTN_NEG_INIT;
-                float mx = max(sa, sb);
-                mx = max(mx, simd_shuffle_xor(mx, 1));
-                mx = max(mx, simd_shuffle_xor(mx, 2));
-                const float m_new = max(m, mx);
-                const float corr = exp2(m - m_new);
-                const float pa = exp2(sa - m_new), pb = exp2(sb - m_new);
-                float ps = pa + pb;
-                ps += simd_shuffle_xor(ps, 1);
-                ps += simd_shuffle_xor(ps, 2);
-                l = l * corr + ps;
-                m = m_new;
-                stage[slot + lr * ATTN_MMA + lc] = pa;
-                stage[slot + lr * ATTN_MMA + lc + 1] = pb;
-                simdgroup_barrier(mem_flags::mem_threadgroup);
-                simdgroup_float8x8 pm;
-                simdgroup_load(pm, stage + slot, ATTN_MMA);
-                simdgroup_barrier(mem_flags::mem_threadgroup);
-                stage[slot + lr * ATTN_MMA + lc] = lr == lc ? corr : 0.0f;
-                stage[slot + lr * ATTN_MMA + lc + 1] = lr == lc + 1 ? corr : 0.0f;
-                simdgroup_barrier(mem_flags::mem_threadgroup);
-                simdgroup_float8x8 dm;
-                simdgroup_load(dm, stage + slot, ATTN_MMA);
-                simdgroup_barrier(mem_flags::mem_threadgroup);
-                for (uint c = 0; c < nc; ++c) {
-                    simdgroup_float8x8 vm, scaled;
-                    simdgroup_load(vm, vt + kb + c * ATTN_MMA, hd);
-                    simdgroup_multiply(scaled, dm, om[c]);
-                    simdgroup_multiply_accumulate(om[c], pm, vm, scaled);
+            }
+            float mx = ATTN_NEG_INIT;
+            for (uint k = 0; k < NS; ++k) {
+                // sub-steps past the SIMD-group's last key stay 0 and are masked for every row
+                const uint key = t0 + k * ATTN_MMA + fc;
+                const float sa = key <= qpos ? sm[k].thread_elements()[0] * p.scale : ATTN_NEG_INIT;
+                const float sb = key + 1 <= qpos ? sm[k].thread_elements()[1] * p.scale : ATTN_NEG_INIT;
+                sm[k].thread_elements()[0] = sa;
+                sm[k].thread_elements()[1] = sb;
+                mx = max(mx, max(sa, sb));
+            }
+            mx = max(mx, simd_shuffle_xor(mx, 1));
+            mx = max(mx, simd_shuffle_xor(mx, 8));
+            const float m_new = max(m, mx);
+            const float corr = exp2(m - m_new);
+            float ps = 0.0f;
+            for (uint k = 0; k < NS; ++k) {
+                const float pa = exp2(sm[k].thread_elements()[0] - m_new);
+                const float pb = exp2(sm[k].thread_elements()[1] - m_new);
+                sm[k].thread_elements()[0] = pa;
+                sm[k].thread_elements()[1] = pb;
+                ps += pa + pb;
+            }
+            ps += simd_shuffle_xor(ps, 1);
+            ps += simd_shuffle_xor(ps, 8);
+            l = l * corr + ps;
+            m = m_new;
+            for (uint c = 0; c < NC; ++c) {
+                if (c < nc) {
+                    om[c].thread_elements() *= corr;
+                    for (uint k = 0; k < NS; ++k) {
+                        if (t0 + k * ATTN_MMA < last) {       // SIMD-group-uniform
+                            // V fragment: element (key, d) = V[key][d], the lane's (fr, fc), (fr, fc + 1)
+                            simdgroup_float8x8 vm;
+                            const uint vb = (k * ATTN_MMA + fr) * DP + c * ATTN_MMA + fc;
+                            vm.thread_elements()[0] = float(vt[vb]);
+                            vm.thread_elements()[1] = float(vt[vb + 1]);
+                            simdgroup_multiply_accumulate(om[c], sm[k], vm, om[c]);
+                        }
+                    }
                 }
             }
         }
     }
 
-    if (active) {
-        for (uint c = 0; c < nc; ++c) {
-            simdgroup_store(om[c], stage + slot, ATTN_MMA);
-            simdgroup_barrier(mem_flags::mem_threadgroup);
-            if (row_ok) {
-                device const T* gate = proj + ulong(row) * p.proj_stride + ulong(h) * p.q_stride + hd;
+    if (row_ok) {
+        device const T* gate = proj + ulong(row) * p.proj_stride + ulong(h) * p.q_stride + hd;
+        for (uint c = 0; c < NC; ++c) {
+            if (c < nc) {
                 for (uint e = 0; e < 2; ++e) {
-                    const uint d = c * ATTN_MMA + lc + e;
-                    o[q_row + d] = attn_gated(stage[slot + lr * ATTN_MMA + lc + e] / l, gate, d, p.output_gate);
+                    const uint d = c * ATTN_MMA + fc + e;
+                    o[q_row + d] = attn_gated(om[c].thread_elements()[e] / l, gate, d, p.output_gate);
                 }
             }
-            simdgroup_barrier(mem_flags::mem_threadgroup);
         }
     }
 }
@@ -515,7 +548,15 @@ INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvf32", attn_decode_partial, bfloat
 INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvbf16", attn_decode_partial, bfloat, bfloat)
 INSTANTIATE_KERNEL("attn_decode_combine_f32", attn_decode_combine, float)
 INSTANTIATE_KERNEL("attn_decode_combine_bf16", attn_decode_combine, bfloat)
-INSTANTIATE_KERNEL("attn_prefill_f32_kvf32", attn_prefill, float, float)
-INSTANTIATE_KERNEL("attn_prefill_f32_kvbf16", attn_prefill, float, bfloat)
-INSTANTIATE_KERNEL("attn_prefill_bf16_kvf32", attn_prefill, bfloat, float)
-INSTANTIATE_KERNEL("attn_prefill_bf16_kvbf16", attn_prefill, bfloat, bfloat)
+INSTANTIATE_KERNEL("attn_prefill_d64_f32_kvf32", attn_prefill, float, float, 64u)
+INSTANTIATE_KERNEL("attn_prefill_d64_f32_kvbf16", attn_prefill, float, bfloat, 64u)
+INSTANTIATE_KERNEL("attn_prefill_d64_bf16_kvf32", attn_prefill, bfloat, float, 64u)
+INSTANTIATE_KERNEL("attn_prefill_d64_bf16_kvbf16", attn_prefill, bfloat, bfloat, 64u)
+INSTANTIATE_KERNEL("attn_prefill_d128_f32_kvf32", attn_prefill, float, float, 128u)
+INSTANTIATE_KERNEL("attn_prefill_d128_f32_kvbf16", attn_prefill, float, bfloat, 128u)
+INSTANTIATE_KERNEL("attn_prefill_d128_bf16_kvf32", attn_prefill, bfloat, float, 128u)
+INSTANTIATE_KERNEL("attn_prefill_d128_bf16_kvbf16", attn_prefill, bfloat, bfloat, 128u)
+INSTANTIATE_KERNEL("attn_prefill_d256_f32_kvf32", attn_prefill, float, float, 256u)
+INSTANTIATE_KERNEL("attn_prefill_d256_f32_kvbf16", attn_prefill, float, bfloat, 256u)
+INSTANTIATE_KERNEL("attn_prefill_d256_bf16_kvf32", attn_prefill, bfloat, float, 256u)
+INSTANTIATE_KERNEL("attn_prefill_d256_bf16_kvbf16", attn_prefill, bfloat, bfloat, 256u)

@@ -77,13 +77,16 @@ void register_gpu_ops_attention(nb::module_& ops) {
             "causal flash attention of M query rows at positions p0.. over cache keys 0..p0+M-1, gated.");
 
     ops.def("attention_prefill_geometry",
-            [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M) {
+            [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M, const std::string& kv_dtype) {
                 const gpu::ops::AttnPrefillGeometry g = gpu::ops::attention_prefill_geometry(
-                    make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M);
-                return nb::make_tuple(g.block_rows, g.tile_keys, g.threads, g.blocks);
+                    make_shape(n_heads, n_kv_heads, head_dim, 0, true, 0.0f, 0.0f), M, 512,
+                    gpu::parse_act(kv_dtype) == gpu::Act::F32);
+                return nb::make_tuple(g.block_rows, g.tile_keys, g.threads, g.blocks, g.heads_per_tg, g.chunks,
+                                      g.head_dim_max);
             },
-            "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "M"_a,
-            "attention_prefill's tiling of M rows: (block_rows, tile_keys, threads, blocks).");
+            "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "M"_a, nb::kw_only(), "kv_dtype"_a = "bfloat16",
+            "attention_prefill's tiling of M rows: (block_rows, tile_keys, threads, blocks, heads_per_tg, chunks, "
+            "head_dim_max).");
 
     ops.def("attention_decode",
             [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,

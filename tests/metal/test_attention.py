@@ -25,8 +25,9 @@ from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
 
 DT = {"f32": "float32", "bf16": "bfloat16"}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
-LONG_MAX_PARTIALS = 64          # metal/attention.h ATTN_LONG_MAX_PARTIALS
-GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks")   # ops.attention_prefill_geometry's tuple
+LONG_MAX_PARTIALS = 32          # metal/attention.h ATTN_LONG_MAX_PARTIALS
+# ops.attention_prefill_geometry's tuple
+GEOMETRY = ("block_rows", "tile_keys", "threads", "blocks", "heads_per_tg", "chunks", "head_dim_max")
 
 
 def shape_kw(nh, nkv, hd, cap, gate, kv):
@@ -37,8 +38,8 @@ def partials(route, n, pol):
     if route == "single":
         return 1
     if route == "split":
-        return -(-n // pol.get("split_block", 256))
-    return min(-(-n // pol.get("long_block", 1024)), LONG_MAX_PARTIALS)
+        return -(-n // pol.get("split_block", 32))
+    return min(-(-n // pol.get("long_block", 32)), LONG_MAX_PARTIALS)
 
 
 def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate):
@@ -94,22 +95,23 @@ def run_decode(schedule, t, kv, nh, nkv, hd, n, gate, pol, rng, cap=None):
 
 # ----------------------------------------------------------------------------------------------- routes
 def test_route_and_scratch_bytes():
+    """The default policy: one pass only up to 64 keys, blocks of 32 keys beyond (at most 32 partials per head)."""
     assert ops.attention_route(1) == "single"
-    assert ops.attention_route(1024) == "single"
-    assert ops.attention_route(1025) == "split"
-    assert ops.attention_route(16384) == "split"
-    assert ops.attention_route(16385) == "two_pass"
+    assert ops.attention_route(64) == "single"
+    assert ops.attention_route(65) == "split"
+    assert ops.attention_route(1024) == "split"
+    assert ops.attention_route(1025) == "two_pass"
     pol = dict(single_pass_max=8, split_max=40, split_block=4, long_block=2)
     assert [ops.attention_route(n, **pol) for n in (8, 9, 40, 41)] == ["single", "split", "split", "two_pass"]
     per = 16 * (256 + 2) * 4    # bytes per partial of every head, real model
-    assert ops.attention_scratch_bytes(16, 2, 256, 1024) == 0
-    assert ops.attention_scratch_bytes(16, 2, 256, 1025) == 5 * per
-    assert ops.attention_scratch_bytes(16, 2, 256, 16384) == 64 * per
-    assert ops.attention_scratch_bytes(16, 2, 256, 17000) == 64 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 64) == 0
+    assert ops.attention_scratch_bytes(16, 2, 256, 65) == 3 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 1024) == 32 * per
+    assert ops.attention_scratch_bytes(16, 2, 256, 1025) == 32 * per
     # two-pass: bounded whatever the context
     assert ops.attention_scratch_bytes(16, 2, 256, 262144) == LONG_MAX_PARTIALS * per
     assert ops.attention_scratch_bytes(4, 1, 16, 10**6, split_max=2048, long_block=1024) == \
-        max(8, LONG_MAX_PARTIALS) * 4 * 18 * 4
+        max(2048 // 32, LONG_MAX_PARTIALS) * 4 * 18 * 4
 
 
 # thresholds lowered so that small contexts reach every route; n_keys around each switch
@@ -287,15 +289,15 @@ def test_multistep_against_full_attention(t, kv, schedule):
 @pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16")])
 def test_real_model_shape(t, kv):
     """Qwen3.6 full attention: 16 q / 2 kv heads x 256, rotary 64, theta 1e7, output gate; token at
-    position 599 (600 keys, default policy: single pass), then the split and the two-pass routes at the
-    same context (two-pass: 75 blocks of 8 keys into 64 partials)."""
+    position 599 (600 keys, default policy: split-K, 19 blocks of 32 keys), then the single pass and the two-pass
+    routes at the same context (two-pass: 75 blocks of 8 keys into 32 partials)."""
     nh, nkv, hd, rd, pos = 16, 2, 256, 64, 599
     cap = 640
     rng = np.random.default_rng(600)
     proj, qw, kw, K, V = prepare_case(rng, t, kv, nh, nkv, hd, cap, True)
     qo = np.zeros(nh * hd, ACT[t])
     outs = []
-    for pol in ({}, dict(single_pass_max=256), dict(single_pass_max=64, split_max=128, long_block=8)):
+    for pol in ({}, dict(single_pass_max=1024), dict(single_pass_max=64, split_max=128, long_block=8)):
         o = np.full(nh * hd, np.nan, ACT[t])
         nbytes = ops.attention_scratch_bytes(nh, nkv, hd, pos + 1, **pol)
         scratch = np.zeros(max(nbytes // 4, 1), np.float32)
@@ -473,16 +475,31 @@ def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0)
 
 
 def test_prefill_geometry():
-    """About 8 SIMD-groups of 8 rows x 1 head whatever the GQA ratio; no more rows than the chunk has;
-    the real model: 8 rows x 8 heads per threadgroup (256 threads), tiles of 8 keys of 256 dims."""
-    geo = lambda nh, nkv, hd, M: dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
-    assert geo(16, 2, 256, 4096) == dict(block_rows=8, tile_keys=8, threads=256, blocks=512)
-    assert geo(16, 2, 256, 1) == dict(block_rows=8, tile_keys=8, threads=256, blocks=1)
-    assert geo(4, 4, 64, 1000) == dict(block_rows=64, tile_keys=32, threads=256, blocks=16)
-    assert geo(4, 4, 64, 9) == dict(block_rows=16, tile_keys=32, threads=64, blocks=1)
-    assert geo(4, 2, 128, 100) == dict(block_rows=32, tile_keys=16, threads=256, blocks=4)
-    assert geo(6, 2, 32, 100) == dict(block_rows=16, tile_keys=64, threads=192, blocks=7)
-    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=256, threads=1024, blocks=1)
+    """At most 16 SIMD-groups (512 threads) of 8 rows x 1 head: the group's heads (in equal chunks above 16), then
+    as many 8-row groups as fit; no more rows than the chunk has; the real model: 16 rows x 8 heads per
+    threadgroup, tiles of 16 keys with the bf16 cache (8 with a float one at head_dim 256); the instantiation for
+    head_dim up to 64, 128 or 256."""
+    def geo(nh, nkv, hd, M, kv="bfloat16"):
+        return dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype=kv)))
+
+    assert geo(16, 2, 256, 4096) == dict(block_rows=16, tile_keys=16, threads=512, blocks=256, heads_per_tg=8,
+                                         chunks=1, head_dim_max=256)
+    assert geo(16, 2, 256, 4096, "float32")["tile_keys"] == 8
+    assert geo(16, 2, 128, 4096, "float32")["tile_keys"] == 16
+    assert geo(16, 2, 256, 1)["blocks"] == 1 and geo(16, 2, 256, 1)["threads"] == 256
+    assert geo(4, 4, 64, 1000) == dict(block_rows=128, tile_keys=16, threads=512, blocks=8, heads_per_tg=1,
+                                       chunks=1, head_dim_max=64)
+    assert geo(4, 4, 64, 9)["block_rows"] == 16 and geo(4, 4, 64, 9)["threads"] == 64
+    assert geo(4, 2, 128, 100) == dict(block_rows=64, tile_keys=16, threads=512, blocks=2, heads_per_tg=2,
+                                       chunks=1, head_dim_max=128)
+    assert geo(6, 2, 32, 100) == dict(block_rows=40, tile_keys=16, threads=480, blocks=3, heads_per_tg=3,
+                                      chunks=1, head_dim_max=64)
+    assert geo(9, 1, 136, 3) == dict(block_rows=8, tile_keys=16, threads=288, blocks=1, heads_per_tg=9,
+                                     chunks=1, head_dim_max=256)
+    assert geo(17, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=288, blocks=1, heads_per_tg=9,
+                                    chunks=2, head_dim_max=64)
+    assert geo(32, 1, 8, 3) == dict(block_rows=8, tile_keys=16, threads=512, blocks=1, heads_per_tg=16,
+                                    chunks=2, head_dim_max=64)
 
 
 # (p0, M): a single row, chunks shorter than / equal to / not a multiple of the query block, contexts from
@@ -491,7 +508,7 @@ PM = [(0, 1), (0, 7), (0, 8), (0, 13), (3, 1), (5, 12), (16, 9), (29, 30)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("G", [1, 2, 3, 8])
+@pytest.mark.parametrize("G", [1, 2, 3, 8, 17])   # 17: two head chunks of 9, one SIMD-group idle
 def test_prefill_gqa_f32(schedule, G):
     rng = np.random.default_rng(G)
     for p0, M in PM:
@@ -507,12 +524,15 @@ def test_prefill_dtypes(schedule, t, kv):
         run_prefill(schedule, t, kv, 3, 3, 32, p0, M, False, rng)
 
 
-@pytest.mark.parametrize("hd", [8, 64, 128, 256])
+@pytest.mark.parametrize("hd", [8, 64, 72, 128, 136, 256])
 def test_prefill_head_dims(hd):
-    """Tiles of 2048 / hd keys (8 at hd = 256): contexts spanning several tiles, a chunk crossing tiles."""
+    """The instantiations for head_dim up to 64, 128 and 256, at and below their width (72, 136: the chunks past
+    head_dim skipped), with float and bf16 caches (tiles of 16 keys, 8 for a float cache at 256): contexts
+    spanning several tiles, a chunk crossing tiles."""
     rng = np.random.default_rng(hd)
-    for p0, M in ((0, 3), (13, 10), (40, 25)):
-        run_prefill("random", "f32", "f32", 4, 2, hd, p0, M, True, rng, cap=p0 + M)
+    for kv in ("f32", "bf16"):
+        for p0, M in ((0, 3), (13, 10), (40, 25)):
+            run_prefill("random", "f32", kv, 4, 2, hd, p0, M, True, rng, cap=p0 + M)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
@@ -590,7 +610,8 @@ def test_prefill_real_model_shape(t, kv):
     assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
 
 
-@pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1)])
+@pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1),
+                                             (32, 1, 16, 3, 10)])
 def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
     """K/V read once per (query block, kv head): block b reads keys 0 .. min(p0 + (b+1) rows, p0 + M) - 1; q, the
     gate and o once; flops 2 hd per visible (query head, key) for each of QK^T and PV."""
@@ -599,8 +620,8 @@ def test_prefill_declared_bytes_and_flops(nh, nkv, hd, p0, M):
     stride = nh * 2 * hd + 2 * nkv * hd
     q, proj, o = f(M, nh * hd), f(M, stride), f(M, nh * hd)
     K, V = np.zeros((nkv, cap, hd), np.float32), np.zeros((nkv, cap, hd), np.float32)
-    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M)))
-    keys = sum(min(p0 + (b + 1) * g["block_rows"], p0 + M) for b in range(g["blocks"]))
+    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype="float32")))
+    keys = g["chunks"] * sum(min(p0 + (b + 1) * g["block_rows"], p0 + M) for b in range(g["blocks"]))
     with run() as (dev, enc, buf):
         ops.attention_prefill(enc, "bfloat16", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), n_heads=nh,
                               n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32")
@@ -631,7 +652,7 @@ def test_prefill_argument_checks():
                            (dict(o=buf(o[:-1])), r"attention_prefill: o holds \d+ bytes, needs"),
                            (dict(proj=buf(proj[:-1])), r"attention_prefill: proj holds \d+ bytes, needs"),
                            (dict(proj_stride=nh * 2 * hd - 1), r"proj_stride 127 below the q rows of 128"),
-                           (dict(head_dim=12, capacity=13), r"head_dim 12 must be a multiple of 8 and at most 256"),
+                           (dict(head_dim=12, capacity=13), r"head_dim 12 must be a multiple of 8 and at most 256 \(the kernels"),
                            (dict(head_dim=264, capacity=1), r"head_dim 264 must be a multiple of 8 and at most 256"),
                            (dict(n_heads=66, n_kv_heads=2), r"n_heads / n_kv_heads = 33 above the kernel's 32"),
                            (dict(n_heads=5), r"n_heads \(5\) must be a multiple of n_kv_heads \(2\)"),

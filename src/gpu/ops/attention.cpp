@@ -239,28 +239,33 @@ uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t
     return std::min(q, M);
 }
 
-AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads) {
+uint32_t attention_prefill_instance(uint32_t head_dim) {
+    for (uint32_t d : {64u, 128u, 256u})
+        if (head_dim <= d) return d;
+    return 0;
+}
+
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads, bool kv_f32) {
     const char* op = "attention_prefill";
     check_heads(s, op);
-    check(s.head_dim % ATTN_MMA == 0 && s.head_dim <= ATTN_MAX_HEAD_DIM, op,
+    check(s.head_dim % ATTN_MMA == 0 && attention_prefill_instance(s.head_dim) != 0, op,
           "head_dim " + std::to_string(s.head_dim) + " must be a multiple of " + std::to_string(ATTN_MMA) +
-              " and at most " + std::to_string(ATTN_MAX_HEAD_DIM));
+              " and at most 256 (the kernels are instantiated for head_dim up to 64, 128 and 256)");
     const uint32_t group = s.n_heads / s.n_kv_heads;
-    check(group <= ATTN_PREFILL_MAX_SIMDGROUPS, op,
-          "n_heads / n_kv_heads = " + std::to_string(group) + " above the kernel's " +
-              std::to_string(ATTN_PREFILL_MAX_SIMDGROUPS) + " query heads per kv head");
+    check(group <= 32, op, "n_heads / n_kv_heads = " + std::to_string(group) + " above the kernel's 32");
     check(M > 0, op, "M (rows) must be positive");
-    check(group * 32 <= max_threads, op,
-          "a block needs " + std::to_string(group * 32) + " threads (a SIMD-group per query head of a kv head), the "
-          "pipeline allows " + std::to_string(max_threads));
+    check(max_threads >= 32, op, "the pipeline allows " + std::to_string(max_threads) + " threads, below one SIMD-group");
     AttnPrefillGeometry g{};
-    // about ATTN_PREFILL_TARGET_SG SIMD-groups (8 rows of one head each) within the pipeline's thread limit,
+    // at most ATTN_PREFILL_MAX_SIMDGROUPS SIMD-groups (8 rows of one head each) within the pipeline's limit: the
+    // group's heads in as few equal chunks as fit, then as many 8-row groups as the remaining SIMD-groups allow,
     // no more rows than the chunk has
-    const uint32_t sgs = std::min(ATTN_PREFILL_TARGET_SG, max_threads / 32);
-    const uint32_t rows_max = ATTN_MMA * std::max(1u, sgs / group);
-    g.block_rows = std::min(rows_max, ceil_div(M, ATTN_MMA) * ATTN_MMA);
-    g.tile_keys = ATTN_TILE_FLOATS / s.head_dim / ATTN_MMA * ATTN_MMA;
-    g.threads = group * (g.block_rows / ATTN_MMA) * 32;
+    const uint32_t sgs = std::min(ATTN_PREFILL_MAX_SIMDGROUPS, max_threads / 32);
+    g.chunks = ceil_div(group, sgs);
+    g.heads_per_tg = ceil_div(group, g.chunks);
+    g.block_rows = std::min(ATTN_MMA * std::max(1u, sgs / g.heads_per_tg), ceil_div(M, ATTN_MMA) * ATTN_MMA);
+    g.head_dim_max = attention_prefill_instance(s.head_dim);
+    g.tile_keys = ATTN_PREFILL_TILE_KEYS(g.head_dim_max, kv_f32 ? 4u : 2u);
+    g.threads = g.heads_per_tg * (g.block_rows / ATTN_MMA) * 32;
     g.blocks = ceil_div(M, g.block_rows);
     return g;
 }
@@ -268,8 +273,11 @@ AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, u
 void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
                        uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o) {
     const char* op = "attention_prefill";
-    const std::string kernel = std::string("attn_prefill_") + act_suffix(t) + "_" + kv_suffix(kv);
-    const AttnPrefillGeometry g = attention_prefill_geometry(s, M, e.device().max_threads(kernel));
+    check_heads(s, op);
+    const uint32_t dmax = attention_prefill_instance(s.head_dim);
+    const std::string kernel = "attn_prefill_d" + std::to_string(dmax ? dmax : 256) + "_" + act_suffix(t) + "_" +
+                               kv_suffix(kv);
+    const AttnPrefillGeometry g = attention_prefill_geometry(s, M, e.device().max_threads(kernel), kv.f32);
     check_cache(s, kv, op);
     check(uint64_t(p0) + M <= kv.capacity, op,
           "keys 0.." + std::to_string(uint64_t(p0) + M - 1) + " outside a cache of " + std::to_string(kv.capacity) +
@@ -294,7 +302,7 @@ void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, c
     p.head_dim = s.head_dim;
     p.group = s.n_heads / s.n_kv_heads;
     p.block_rows = g.block_rows;
-    p.tile_keys = g.tile_keys;
+    p.heads_per_tg = g.heads_per_tg;
     p.rows = M;
     p.p0 = p0;
     p.capacity = kv.capacity;
@@ -303,16 +311,16 @@ void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, c
     p.output_gate = s.output_gate ? 1 : 0;
     p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
 
-    // block b reads keys 0 .. min(p0 + (b + 1) block_rows, p0 + M) - 1 of its kv head, once for all
-    // its query heads; the arithmetic is that of the visible (causal) scores: QK^T and PV,
+    // block b reads keys 0 .. min(p0 + (b + 1) block_rows, p0 + M) - 1 of its kv head, once per head chunk
+    // (once for all its query heads when the group fits one threadgroup); the arithmetic is that of the visible (causal) scores: QK^T and PV,
     // 2 hd flops per (query head, key) each
     uint64_t keys_read = 0;
     for (uint32_t b = 0; b < g.blocks; ++b) keys_read += std::min<uint64_t>(uint64_t(p0) + (b + 1) * g.block_rows, uint64_t(p0) + M);
-    const uint64_t kv_read = uint64_t(s.n_kv_heads) * keys_read * hd * kv_size(kv);
+    const uint64_t kv_read = uint64_t(s.n_kv_heads) * g.chunks * keys_read * hd * kv_size(kv);
     const uint64_t visible = uint64_t(M) * p0 + uint64_t(M) * (M + 1) / 2;
     const uint64_t flops = 4 * uint64_t(s.n_heads) * hd * visible;
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv);
-    e.dispatch(std::string("attn_prefill_") + act_suffix(t) + "_" + kv_suffix(kv), Dims{g.blocks, s.n_kv_heads, 1},
+    e.dispatch(kernel, Dims{g.blocks, g.chunks, s.n_kv_heads},
                Dims{g.threads, 1, 1},
                {Arg::params(p), Arg::in(q.view(0, qo_bytes)), Arg::in(gate_src, gate_read),
                 Arg::in(kv.k.view(0, cache_bytes), kv_read), Arg::in(kv.v.view(0, cache_bytes), kv_read),

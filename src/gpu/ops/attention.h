@@ -33,10 +33,13 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
 // The route (single pass, split-K + combine, GQA-packed, two-pass fixed blocks) comes from the
 // policy; `scratch` f32 holds partial results (attention_scratch_bytes).
 struct AttnPolicy {
-    uint32_t single_pass_max = 1024;      // n_keys <= this: one pass, one threadgroup per head group
-    uint32_t split_max = 16384;           // <= this: split-K (key blocks per threadgroup) + combine
-    uint32_t split_block = 256;           // keys per split-K threadgroup
-    uint32_t long_block = 1024;           // very long contexts: fixed blocks, two passes
+    // The single pass has one threadgroup per (head chunk, kv head): 2 on the real model, so it is kept only
+    // where the K/V read is tiny (64 keys: 128 KB); beyond, blocks of 32 keys give min(n / 32, 32) partials
+    // per head, 64 threadgroups on the real model from 1024 keys on (docs/metal.md, attention_decode).
+    uint32_t single_pass_max = 64;        // n_keys <= this: one pass, one threadgroup per head group
+    uint32_t split_max = 1024;            // <= this: split-K (key blocks per threadgroup) + combine
+    uint32_t split_block = 32;            // keys per split-K threadgroup
+    uint32_t long_block = 32;             // longer contexts: fixed blocks, two passes (ATTN_LONG_MAX_PARTIALS)
     bool gqa_pack = true;                 // one K/V read for all query heads of a KV head
     // the route name for n_keys: "single", "split", "two_pass"
     std::string route(uint32_t n_keys) const;
@@ -60,15 +63,19 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
 // one): online softmax, S = Q K^T and O += P V on 8x8 simdgroup matrices, each K/V tile read once
 // per (query block, kv head) for all query heads of that kv head; gated by sigmoid(gate) from proj
 // rows [M, proj_stride] (0: the stacked row's length) when the shape has the output gate;
-// o T [M, n_heads * head_dim]. head_dim a multiple of 8, at most 256; n_heads / n_kv_heads <= 32.
+// o T [M, n_heads * head_dim]. head_dim a multiple of 8, at most 256 (instantiations for head_dim up to 64,
+// 128 and 256; the host takes the smallest that fits); n_heads / n_kv_heads <= 32.
 void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
                        uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o);
 
 // How attention_prefill tiles a chunk of M rows (metal/attention.h): query rows per threadgroup,
-// keys per tile, threads per threadgroup, threadgroups along the query rows.
+// keys per tile, threads per threadgroup, threadgroups along the query rows, query heads per threadgroup,
+// head chunks of a group, the instantiation's largest head_dim (64, 128 or 256).
 struct AttnPrefillGeometry {
-    uint32_t block_rows, tile_keys, threads, blocks;
+    uint32_t block_rows, tile_keys, threads, blocks, heads_per_tg, chunks, head_dim_max;
 };
+// The instantiation of attn_prefill serving head_dim: 64, 128 or 256 (0: none).
+uint32_t attention_prefill_instance(uint32_t head_dim);
 // The most query rows of one attention_prefill dispatch at positions p0.. (of M wanted, a multiple of 32
 // unless M itself) whose modelled arithmetic time on `chip` stays within `seconds` (0: M); at least 32. The graph
 // runs a long context's attention in such query blocks, one dispatch each, so that the command buffers it
@@ -76,6 +83,7 @@ struct AttnPrefillGeometry {
 uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t M, double seconds,
                                        const ChipModel& chip);
 // max_threads: the pipeline's limit (Device::max_threads); the block has fewer rows under a lower one
-AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads = 1024);
+AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, uint32_t max_threads = 512,
+                                               bool kv_f32 = false);
 
 }  // namespace qwenmetal::gpu::ops

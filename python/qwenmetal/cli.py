@@ -10,6 +10,7 @@
     qwenmetal info --model PATH_OR_ID    # config, tensor sizes, state sizes, memory estimate, expert streaming
     qwenmetal bench [--layers 8] [--json PATH]   # prefill/decode speed at real width vs memory bandwidth
     qwenmetal bench --backend metal-sim --encode-only [--json PATH]   # the real decode step, costed
+    qwenmetal bench --backend metal-sim --kernels [--json PATH]   # per kernel: occupancy, bank conflicts
     qwenmetal selftest [--sim] [--json FILE]   # the Metal backend on this device: a report to paste or attach
 
 Every option is described in docs/usage.md (and docs/server.md for `serve`).

@@ -364,17 +364,20 @@ class Library:
 
     def dispatch(self, kernel: str, threadgroups, threads_per_threadgroup, buffers: Sequence = (), params=None, *,
                  schedule: str = "forward", seed: int = 0, reads=None, writes=None,
-                 threadgroup_memory: Sequence[int] | None = None, workers: int | None = None) -> dict:
+                 threadgroup_memory: Sequence[int] | None = None, workers: int | None = None,
+                 count_banks: bool = False) -> dict:
         """Run one dispatch now (``dispatchThreadgroups(threadgroups, threads_per_threadgroup)``) and return
         its counters. ``schedule``: the order in which threads of a group run between synchronisation points
         ("forward", "reverse" or seeded "random", also used for the order of threadgroups).
         ``reads``/``writes``: bytes the kernel reads/writes per buffer index ({index: nbytes or True}), as a
         host wrapper declares them (counters and hazard checks). ``threadgroup_memory``: lengths of
-        ``[[threadgroup(i)]]`` arguments."""
+        ``[[threadgroup(i)]]`` arguments. ``count_banks``: also count threadgroup-memory bank conflicts (the
+        record's ``banks``: SIMD-group accesses, conflicted ones, replays; docs/metal.md, "What the simulator
+        counts")."""
         cb = CommandBuffer(execute=True)
         return cb.dispatch(self, kernel, threadgroups, threads_per_threadgroup, buffers, params, schedule=schedule,
                            seed=seed, reads=reads, writes=writes, threadgroup_memory=threadgroup_memory,
-                           workers=workers)
+                           workers=workers, count_banks=count_banks)
 
     def check_schedules(self, kernel: str, threadgroups, threads_per_threadgroup, buffers: Sequence = (),
                         params=None, *, seeds: Sequence[int] = (1, 2), **kw) -> dict:
@@ -428,13 +431,15 @@ class CommandBuffer:
 
     def dispatch(self, library: Library, kernel: str, threadgroups, threads_per_threadgroup, buffers: Sequence = (),
                  params=None, *, schedule: str = "forward", seed: int = 0, reads=None, writes=None,
-                 threadgroup_memory: Sequence[int] | None = None, workers: int | None = None) -> dict:
+                 threadgroup_memory: Sequence[int] | None = None, workers: int | None = None,
+                 count_banks: bool = False) -> dict:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
         b = _bindings(buffers, params, reads, writes, self._cb.executes)
         return self._cb.dispatch(library._lib, kernel, _dims(threadgroups, "threadgroups"),
                                  _dims(threads_per_threadgroup, "threads_per_threadgroup"), b, schedule, int(seed),
-                                 int(workers or 0), [int(x) for x in (threadgroup_memory or ())])
+                                 int(workers or 0), [int(x) for x in (threadgroup_memory or ())],
+                                 bool(count_banks))
 
     @property
     def dispatches(self) -> list[dict]:

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "bindings/registry.h"
+#include "bindings/sim_counters.h"
 #include "gpu/windows.h"
 #include "msl_sim/sim_device.h"
 
@@ -178,7 +179,7 @@ void register_gpu(nb::module_& m) {
     nb::class_<SimDevice, Device>(g, "SimDevice")
         .def("__init__", [](SimDevice* self, bool execute, const std::string& schedule, uint64_t seed, int workers,
                             bool keep_records, bool tensor_ops, uint32_t pipeline_max_threads, uint64_t working_set,
-                            double watchdog_seconds) {
+                            double watchdog_seconds, bool count_banks) {
             SimOptions o;
             o.execute = execute;
             o.schedule = schedule_of(schedule);
@@ -189,10 +190,11 @@ void register_gpu(nb::module_& m) {
             o.pipeline_max_threads = pipeline_max_threads;
             o.working_set = working_set;
             o.watchdog_seconds = watchdog_seconds;
+            o.count_banks = count_banks;
             new (self) SimDevice(o);
         }, "execute"_a = true, "schedule"_a = "forward", "seed"_a = 0, "workers"_a = 0, "keep_records"_a = false,
              "tensor_ops"_a = false, "pipeline_max_threads"_a = 1024, "working_set"_a = 0,
-             "watchdog_seconds"_a = kWatchdogBudgetSeconds)
+             "watchdog_seconds"_a = kWatchdogBudgetSeconds, "count_banks"_a = false)
         .def("inject_fault", [](SimDevice& d, uint32_t after, const std::string& kind) {
             if (kind != "error" && kind != "timeout")
                 throw std::invalid_argument("SimDevice.inject_fault: kind must be 'error' or 'timeout', got '" + kind + "'");
@@ -220,10 +222,33 @@ void register_gpu(nb::module_& m) {
                 e["threadgroup_memory"] = r.tg_memory;
                 e["barriers"] = r.barriers;
                 e["simd_ops"] = r.simd_ops;
+                e["flops"] = r.flops;
+                e["command_buffer"] = r.command_buffer;
+                if (r.banks_counted) e["banks"] = bank_dict(r.banks);
                 out.append(e);
             }
             return out;
-        });
+        })
+        .def("kernel_stats", [](const SimDevice& d) {
+            nb::dict out;
+            for (const auto& [name, k] : d.kernel_stats()) {
+                nb::dict e;
+                e["dispatches"] = k.dispatches;
+                e["threadgroups"] = k.threadgroups;
+                e["threads_per_threadgroup"] = k.max_threads_per_group;
+                e["min_threads_per_threadgroup"] = k.min_threads_per_group;
+                e["threadgroup_memory"] = k.tg_memory >= 0 ? nb::object(nb::int_(k.tg_memory)) : nb::none();
+                e["bytes"] = k.bytes;
+                e["flops"] = k.flops;
+                e["counted_dispatches"] = k.executed;
+                e["banks"] = k.executed ? nb::object(bank_dict(k.banks)) : nb::none();
+                out[name.c_str()] = e;
+            }
+            return out;
+        }, "per pipeline since the device was made or reset_kernel_stats(): dispatches, threadgroups, threads per "
+           "threadgroup (largest), threadgroup memory (bytes, None when unknown), declared bytes and FLOPs, and "
+           "(count_banks) the threadgroup-memory bank conflicts")
+        .def("reset_kernel_stats", &SimDevice::reset_kernel_stats);
 
 #ifdef __APPLE__
     register_metal_device(g);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings/registry.h"
+#include "bindings/sim_counters.h"
 #include "msl_sim/runtime.h"
 
 namespace nb = nanobind;
@@ -46,6 +47,7 @@ nb::dict record_dict(const msl::DispatchRecord& r) {
         d["simd_ops"] = r.simd_ops;
         d["barriers"] = r.barriers;
         d["seconds"] = r.seconds;
+        if (r.banks_counted) d["banks"] = qwenmetal::bindings::bank_dict(r.banks);
     }
     return d;
 }
@@ -116,7 +118,7 @@ void register_msl_sim(nb::module_& m) {
             "dispatch",
             [](msl::CommandBuffer& cb, msl::Library& lib, const std::string& kernel, std::array<uint32_t, 3> groups,
                std::array<uint32_t, 3> threads, nb::list bindings, const std::string& schedule, uint64_t seed, int workers,
-               std::vector<uint32_t> tg_memory) {
+               std::vector<uint32_t> tg_memory, bool count_banks) {
                 std::vector<std::string> keep;
                 keep.reserve(bindings.size());
                 std::vector<msl::Binding> b = parse_bindings(bindings, keep);
@@ -125,6 +127,7 @@ void register_msl_sim(nb::module_& m) {
                 opt.seed = seed;
                 opt.workers = workers;
                 opt.tg_memory = std::move(tg_memory);
+                opt.count_banks = count_banks;
                 const msl::DispatchRecord* rec;
                 {
                     nb::gil_scoped_release release;
@@ -133,7 +136,7 @@ void register_msl_sim(nb::module_& m) {
                 return record_dict(*rec);
             },
             "library"_a, "kernel"_a, "threadgroups"_a, "threads_per_threadgroup"_a, "bindings"_a, "schedule"_a = "forward",
-            "seed"_a = 0, "workers"_a = 0, "threadgroup_memory"_a = std::vector<uint32_t>())
+            "seed"_a = 0, "workers"_a = 0, "threadgroup_memory"_a = std::vector<uint32_t>(), "count_banks"_a = false)
         .def("barrier", &msl::CommandBuffer::barrier)
         .def_prop_ro("level", &msl::CommandBuffer::level)
         .def_prop_ro("executes", &msl::CommandBuffer::executes)

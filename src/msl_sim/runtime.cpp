@@ -134,6 +134,10 @@ struct Worker {
     // counters of the current dispatch
     uint64_t simd_ops = 0, barriers = 0;
     uint32_t arena_peak = 0;
+    // bank counting (count_banks): kBankLogCap entries per lane
+    bool count_banks = false;
+    std::vector<uint32_t> bank_store;
+    BankCounts banks;
 
     ~Worker() {
         if (stacks) munmap(stacks, map_bytes);
@@ -240,6 +244,57 @@ inline void resume(Worker& W, uint32_t i) {
     swapcontext(&W.sched_uc, &W.uc[i]);
 }
 
+// Bank conflicts of SIMD-group `s`'s accesses logged since its lanes' last synchronisation point (every lane
+// of it is parked or has exited), then the logs are cleared. See BankCounts (runtime.h) for the model.
+void count_banks(Worker& W, uint32_t s, uint32_t n) {
+    Lane* L[32];
+    int m = 0;
+    for (uint32_t k = 0; k < 32 && s * 32 + k < n; ++k) {
+        Lane* l = &W.lanes[s * 32 + k];
+        W.banks.dropped += l->banks_dropped;
+        l->banks_dropped = 0;
+        if (l->nbanks) L[m++] = l;
+    }
+    if (!m) return;
+    int pos[32] = {};
+    uint16_t words[32 * 64];
+    for (;;) {
+        int nw = 0;
+        bool any = false;
+        for (int i = 0; i < m; ++i) {
+            Lane* l = L[i];
+            int& p = pos[i];
+            if (p >= l->nbanks) continue;
+            any = true;
+            do {   // one access: an entry and the entries that continue it
+                const uint32_t e = l->banks[p++];
+                const uint32_t off = e & 0xffffu, size = (e >> 16) & 0x7fffu;
+                const uint32_t w0 = off / 4, w1 = (off + (size ? size : 1) - 1) / 4;
+                for (uint32_t w = w0; w <= w1 && w < w0 + 64 && nw < int(sizeof words / sizeof words[0]); ++w)
+                    words[nw++] = uint16_t(w);
+            } while (p < l->nbanks && (l->banks[p] & 0x80000000u));
+        }
+        if (!any) break;
+        std::sort(words, words + nw);
+        const int nu = int(std::unique(words, words + nw) - words);
+        uint32_t per_bank[32] = {};
+        uint32_t deg = 0;
+        for (int i = 0; i < nu; ++i) deg = std::max(deg, ++per_bank[words[i] & 31]);
+        const uint32_t ideal = uint32_t((nu + 31) / 32);
+        ++W.banks.accesses;
+        if (deg > ideal) {
+            ++W.banks.conflicted;
+            W.banks.replays += deg - ideal;
+        }
+        W.banks.max_degree = std::max<uint64_t>(W.banks.max_degree, deg);
+    }
+    for (int i = 0; i < m; ++i) L[i]->nbanks = 0;
+}
+
+void count_all_banks(Worker& W, uint32_t n) {
+    for (uint32_t s = 0; s * 32 < n; ++s) count_banks(W, s, n);
+}
+
 struct Launch {
     const KernelInfo* kernel;
     uint32_t groups[3], tpg[3], nthreads;
@@ -250,6 +305,7 @@ struct Launch {
     uint32_t dyn_total;
     Schedule sched;
     uint64_t seed;
+    bool count_banks;
 };
 
 uint64_t splitmix(uint64_t x) {
@@ -318,6 +374,9 @@ void run_group(Worker& W, const Launch& L, const uint32_t tg[3]) {
         l.line = 0;
         l.resolve = nullptr;
         l.nlog = 0;
+        l.banks = W.count_banks ? W.bank_store.data() + size_t(i) * kBankLogCap : nullptr;
+        l.nbanks = 0;
+        l.banks_dropped = 0;
         start_fiber(W, i);
     }
 
@@ -377,6 +436,7 @@ void run_group(Worker& W, const Launch& L, const uint32_t tg[3]) {
             if (err) group_fail(std::string(first->op ? first->op : "SIMD-group function") + ": " + err, first->file, first->line);
             for (uint32_t k = 0; k < 32; ++k)
                 if (act >> k & 1) lanes[k]->state = LANE_RUN;
+            if (W.count_banks) count_banks(W, s, n);
             ++W.simd_ops;
             progress = true;
         }
@@ -396,7 +456,10 @@ void run_group(Worker& W, const Launch& L, const uint32_t tg[3]) {
                     other = &l;
             }
         }
-        if (done == n) break;
+        if (done == n) {
+            if (W.count_banks) count_all_banks(W, n);
+            break;
+        }
         if (at_bar + done != n) group_fail("deadlock: threads neither run, wait at a barrier, nor exited");
         if (done > 0)
             group_fail(std::to_string(done) + " thread" + (done > 1 ? "s" : "") + " exited while " + std::to_string(at_bar) +
@@ -412,6 +475,7 @@ void run_group(Worker& W, const Launch& L, const uint32_t tg[3]) {
                            " (barrier in divergent control flow)",
                        b0->file, b0->line);
         }
+        if (W.count_banks) count_all_banks(W, n);
         for (uint32_t i = 0; i < n; ++i) W.lanes[i].state = LANE_RUN;
         ++W.barriers;
     }
@@ -584,6 +648,7 @@ void execute(Library& lib, const KernelInfo& k, const uint32_t groups[3], const 
     L.dyn_total = dyn_total;
     L.sched = opt.schedule;
     L.seed = opt.seed;
+    L.count_banks = opt.count_banks;
 
     const uint64_t total = uint64_t(groups[0]) * groups[1] * groups[2];
     std::vector<uint64_t> perm;
@@ -603,6 +668,7 @@ void execute(Library& lib, const KernelInfo& k, const uint32_t groups[3], const 
     std::string first_err;
     std::atomic<uint64_t> simd_ops{0}, barriers{0};
     std::atomic<uint32_t> arena_peak{0};
+    BankCounts banks;   // err_mu
 
     auto work = [&]() {
         std::unique_ptr<Worker> W = take_worker();
@@ -610,8 +676,12 @@ void execute(Library& lib, const KernelInfo& k, const uint32_t groups[3], const 
         W->uc_mode = use_ucontext();
         W->simd_ops = W->barriers = 0;
         W->arena_peak = 0;
+        W->count_banks = L.count_banks;
+        W->banks = BankCounts();
         try {
             W->ensure(L.nthreads);
+            if (L.count_banks && W->bank_store.size() < size_t(L.nthreads) * kBankLogCap)
+                W->bank_store.resize(size_t(L.nthreads) * kBankLogCap);
         } catch (SimError& e) {
             std::lock_guard<std::mutex> lk(err_mu);
             if (!failed.exchange(true)) first_err = e.what();
@@ -640,12 +710,30 @@ void execute(Library& lib, const KernelInfo& k, const uint32_t groups[3], const 
         }
         simd_ops += W->simd_ops;
         barriers += W->barriers;
+        if (L.count_banks) {
+            std::lock_guard<std::mutex> lk(err_mu);
+            banks.accesses += W->banks.accesses;
+            banks.conflicted += W->banks.conflicted;
+            banks.replays += W->banks.replays;
+            banks.dropped += W->banks.dropped;
+            banks.max_degree = std::max(banks.max_degree, W->banks.max_degree);
+        }
         uint32_t p = arena_peak.load();
         while (W->arena_peak > p && !arena_peak.compare_exchange_weak(p, W->arena_peak)) {
         }
         give_worker(std::move(W));
     };
 
+    // raise the kernel library's counting flag for the dispatch (its accesses log themselves while it is up)
+    struct CountingFlag {
+        int* f;
+        explicit CountingFlag(int* p) : f(p) {
+            if (f) __atomic_add_fetch(f, 1, __ATOMIC_SEQ_CST);
+        }
+        ~CountingFlag() {
+            if (f) __atomic_sub_fetch(f, 1, __ATOMIC_SEQ_CST);
+        }
+    } counting(opt.count_banks ? k.bank_counting : nullptr);
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> ts;
     for (uint64_t i = 1; i < nw; ++i) ts.emplace_back(work);
@@ -656,6 +744,8 @@ void execute(Library& lib, const KernelInfo& k, const uint32_t groups[3], const 
     rec.executed = true;
     rec.simd_ops = simd_ops;
     rec.barriers = barriers;
+    rec.banks_counted = opt.count_banks;
+    rec.banks = banks;
     rec.tg_memory = int64_t(arena_peak.load());
     lib.observe_tg_memory(k.name, arena_peak.load() - dyn_total);
 }

@@ -75,6 +75,21 @@ struct DispatchOptions {
     uint64_t seed = 0;
     int workers = 0;                        // 0: all cores
     std::vector<uint32_t> tg_memory;        // [[threadgroup(i)]] lengths (setThreadgroupMemoryLength)
+    bool count_banks = false;               // count threadgroup-memory bank conflicts (BankCounts)
+};
+
+// Threadgroup-memory bank conflicts of one dispatch (DispatchOptions::count_banks; docs/metal.md, "What the
+// simulator counts"). Threadgroup memory is modelled as 32 banks of 4-byte words (word address mod 32). A
+// SIMD-group access is the n-th threadgroup access of each lane of one SIMD-group since their last
+// synchronisation point (the lanes run in lock step between them). Its cycles are the largest number of
+// distinct words any one bank serves (one word read by several lanes is a broadcast); the extra cycles
+// (replays) are those above ceil(distinct words / 32), the fewest any layout of that many words could take.
+struct BankCounts {
+    uint64_t accesses = 0;                  // SIMD-group accesses evaluated
+    uint64_t conflicted = 0;                // of which with at least one replay
+    uint64_t replays = 0;                   // extra cycles summed over them
+    uint64_t dropped = 0;                   // lane accesses past kBankLogCap in one interval (not evaluated)
+    uint64_t max_degree = 0;                // largest number of distinct words on one bank in one access
 };
 
 struct BufferRecord {
@@ -97,6 +112,12 @@ struct DispatchRecord {
     uint64_t simd_ops = 0;                  // SIMD-group collectives resolved (per SIMD-group)
     uint64_t barriers = 0;                  // threadgroup barriers released (per threadgroup)
     double seconds = 0.0;                   // wall time of the simulation
+    bool banks_counted = false;             // DispatchOptions::count_banks was set (and it executed)
+    BankCounts banks;
+    // set by gpu::SimDevice on the records it keeps: the FLOPs the host function declared, and the index of
+    // the command buffer (in commit order since the device was made)
+    uint64_t flops = 0;
+    int64_t command_buffer = -1;
 };
 
 class CommandBuffer {

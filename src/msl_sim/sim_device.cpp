@@ -270,6 +270,16 @@ std::vector<msl::DispatchRecord> SimDevice::records() const {
     return records_;
 }
 
+std::map<std::string, KernelStats> SimDevice::kernel_stats() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return kstats_;
+}
+
+void SimDevice::reset_kernel_stats() {
+    std::lock_guard<std::mutex> lk(mu_);
+    kstats_.clear();
+}
+
 void SimDevice::submit(std::shared_ptr<Job> job) {
     {
         std::lock_guard<std::mutex> lk(mu_);
@@ -323,6 +333,7 @@ void SimDevice::run_queue() {
             msl::DispatchOptions dopt;
             dopt.schedule = opt_.schedule;
             dopt.workers = opt_.workers;
+            dopt.count_banks = opt_.count_banks;
             for (const Step& s : job->steps) {
                 if (!job->fault.empty() && dispatches == job->run)
                     throw DeviceError("Metal command buffer failed: " + job->fault + "; it ran " + job->kernels);
@@ -363,7 +374,33 @@ void SimDevice::run_queue() {
             std::lock_guard<std::mutex> lk(mu_);
             counters_.dispatches += dispatches;
             counters_.barriers += barriers;
-            if (opt_.keep_records) records_.insert(records_.end(), cb.records().begin(), cb.records().end());
+            const int64_t cbi = cb_index_++;
+            size_t i = 0;
+            for (const Step& s : job->steps) {
+                if (s.barrier) continue;
+                if (i >= cb.records().size()) break;
+                msl::DispatchRecord r = cb.records()[i++];
+                r.flops = s.flops;
+                r.command_buffer = cbi;
+                KernelStats& k = kstats_[r.kernel];
+                const uint32_t tpg = r.threads_per_group[0] * r.threads_per_group[1] * r.threads_per_group[2];
+                k.min_threads_per_group = k.dispatches ? std::min(k.min_threads_per_group, tpg) : tpg;
+                k.max_threads_per_group = std::max(k.max_threads_per_group, tpg);
+                ++k.dispatches;
+                k.threadgroups += uint64_t(r.groups[0]) * r.groups[1] * r.groups[2];
+                k.tg_memory = std::max(k.tg_memory, r.tg_memory);
+                k.bytes += r.bytes_read + r.bytes_written;
+                k.flops += r.flops;
+                if (r.banks_counted) {
+                    ++k.executed;
+                    k.banks.accesses += r.banks.accesses;
+                    k.banks.conflicted += r.banks.conflicted;
+                    k.banks.replays += r.banks.replays;
+                    k.banks.dropped += r.banks.dropped;
+                    k.banks.max_degree = std::max(k.banks.max_degree, r.banks.max_degree);
+                }
+                if (opt_.keep_records) records_.push_back(std::move(r));
+            }
         }
         if (error.empty() && job->on_complete) {
             try {

@@ -20,6 +20,7 @@
 #pragma once
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +43,19 @@ struct SimOptions {
     uint32_t pipeline_max_threads = 1024;   // maxTotalThreadsPerThreadgroup of pipelines declaring no limit
     uint64_t working_set = 0;         // DeviceInfo::working_set (0: unlimited)
     double watchdog_seconds = kWatchdogBudgetSeconds;   // modelled GPU time a command buffer may take (0: any)
+    bool count_banks = false;         // count threadgroup-memory bank conflicts per kernel (kernel_stats)
+};
+
+// What the device saw of one pipeline (kernel_stats): dispatch shapes, threadgroup memory, and (executing
+// with count_banks) its threadgroup-memory bank conflicts (msl::BankCounts).
+struct KernelStats {
+    uint64_t dispatches = 0;
+    uint64_t threadgroups = 0;        // summed over dispatches
+    uint32_t max_threads_per_group = 0, min_threads_per_group = 0;
+    int64_t tg_memory = -1;           // bytes per threadgroup, the largest seen (-1: unknown, encode-only)
+    uint64_t bytes = 0, flops = 0;    // declared, summed
+    uint64_t executed = 0;            // dispatches that ran with bank counting
+    msl::BankCounts banks;
 };
 
 // A command buffer failure SimDevice injects (inject_fault).
@@ -79,6 +93,9 @@ class SimDevice : public Device {
     msl::Library& library() const { return *lib_; }
     // dispatch records of the command buffers committed since reset_counters() (keep_records)
     std::vector<msl::DispatchRecord> records() const;
+    // per pipeline, every dispatch since the device was made or reset_kernel_stats() (not reset_counters())
+    std::map<std::string, KernelStats> kernel_stats() const;
+    void reset_kernel_stats();
 
   private:
     friend class SimCommandBuffer;
@@ -101,6 +118,8 @@ class SimDevice : public Device {
     std::thread worker_;
     Counters counters_;
     std::vector<msl::DispatchRecord> records_;
+    std::map<std::string, KernelStats> kstats_;
+    int64_t cb_index_ = 0;            // command buffers run by the queue (DispatchRecord::command_buffer)
     // modelled limits (mu_)
     double max_cb_seconds_ = 0;
     uint64_t allocated_ = 0;

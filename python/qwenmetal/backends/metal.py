@@ -55,7 +55,8 @@ from .engine import EngineBackend
 
 DTYPES = ("bfloat16", "float32")
 # SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
-SIM_DEVICE_OPTIONS = {"pipeline_max_threads", "working_set", "watchdog_seconds"}
+# (and count_banks: the simulator's per-kernel bank-conflict counting, docs/metal.md, "What the simulator counts")
+SIM_DEVICE_OPTIONS = {"pipeline_max_threads", "working_set", "watchdog_seconds", "count_banks"}
 GEMM_ROUTES = ("auto", "simdgroup", "tensor")
 GDN_ROUTES = ("auto", "scan", "chunked")
 DEFAULT_PREFILL_CHUNK = 4096

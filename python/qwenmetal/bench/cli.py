@@ -424,6 +424,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="metal-sim: encode a decode step of the config (default: the full real model, 40 layers) with "
                         "virtual weights and report its cost (dispatches, levels, bytes vs floor, modelled tok/s); "
                         "with --prefill, also the chunked prefill of those prompt lengths")
+    p.add_argument("--kernels", action="store_true",
+                   help="metal-sim: per kernel, dispatches, threads and threadgroup memory per threadgroup, "
+                        "threadgroups resident per GPU core (M1..M5), bank-conflict replays (counted on the tiny "
+                        "fixture model run in the simulator) and the modelled fraction of its bound, for the decode "
+                        "step (first --contexts value, default 4096) and one prefill chunk (--prefill-chunk) of the "
+                        "config (default the real model); alone or with --encode-only")
 
 
 def run_encode_only(args: argparse.Namespace) -> dict:
@@ -439,9 +445,11 @@ def run_encode_only(args: argparse.Namespace) -> dict:
     contexts = _ints(args.contexts) if args.contexts else (4096,)
     kv = args.kv_dtype or "bfloat16"
     by_ctx = {str(n): encode_only_cost(c, context=n, kv_dtype=kv) for n in contexts}
+    for r in by_ctx.values():
+        r.pop("records", None)
     first = by_ctx[str(contexts[0])]
     decode = {k: first[k] for k in ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token",
-                                    "floor_bytes", "bytes_vs_floor", "modelled_tok_s")}
+                                    "floor_bytes", "bytes_vs_floor", "modelled_tok_s", "modelled_tok_s_occupancy")}
     decode.update(context=contexts[0], level_latency_us=first["level_latency_us"])
     res = {"backend": "metal-sim", "mode": "encode-only", "status": "simulator-verified, hardware-unverified",
            "config": {"layers": c.num_hidden_layers, "experts": c.num_experts, "vocab": c.vocab_size,
@@ -452,6 +460,7 @@ def run_encode_only(args: argparse.Namespace) -> dict:
     if args.prefill:
         res["prefill"] = encode_only_prefill_cost(c, _ints(args.prefill), kv_dtype=kv,
                                                   chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK)
+        res["prefill"].pop("records", None)
     return res
 
 
@@ -468,6 +477,10 @@ def format_encode_only(res: Mapping[str, Any]) -> str:
                      f"{r['bytes_vs_floor']:>8.3f}  {tps}")
     lines.append(f"modelled: bytes / bandwidth + levels x {res['decode']['level_latency_us']:.1f} us "
                  "(per-level latency calibrated from Lily's published M5 Max decode; docs/metal.md)")
+    lines.append("modelled tok/s with occupancy (each dispatch at the share of the GPU's cores its grid fills; "
+                 "bench.occupancy):")
+    for ctx, r in res["decode_by_context"].items():
+        lines.append(f"{ctx:>8}  " + ", ".join(f"{chip} {v:.0f}" for chip, v in r["modelled_tok_s_occupancy"].items()))
     if "batch" in res:
         lines.append(format_modelled(res["batch"]))
     if "prefill" in res:
@@ -497,6 +510,8 @@ def format_prefill_cost(pf: Mapping[str, Any]) -> str:
                         for k, v in pub.items() if v)
         lines.append(f"{n:>7}  " + "  ".join(f"{p['modelled_tok_s'][c]:>8.0f}" for c in chips)
                      + f"  {p['m5_max_at_lily_rate_tok_s']:>8.0f}   {ref}")
+        lines.append(f"{'occup.':>7}  " + "  ".join(f"{p['modelled_tok_s_occupancy'][c]:>8.0f}" for c in chips)
+                     + "   the same with occupancy (the cores each dispatch's grid fills; bench.occupancy)")
     lines.append("modelled tok/s: per dependency level max(bytes / bandwidth, FLOPs / peak) + "
                  f"{pf['level_latency_us']:.1f} us; peaks (TFLOP/s) "
                  + ", ".join(f"{c} {v} ({pf['chip_route'][c]})" for c, v in pf["peak_tflops"].items())
@@ -505,10 +520,35 @@ def format_prefill_cost(pf: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_kernels(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """`qwenmetal bench --backend metal-sim --kernels` (qwenmetal.bench.kernels)."""
+    from .kernels import count_kernels, kernel_table
+
+    if args.backend != "metal-sim":
+        raise ValueError("--kernels needs --backend metal-sim")
+    if args.model:
+        c = ModelConfig.from_file(args.model)
+    else:
+        config = args.config or "real"
+        c = ModelConfig.from_dict(resolve_config(config, 40 if args.layers is None and config == "real" else args.layers))
+    log("counting bank conflicts on the tiny fixture model (simulator)")
+    counted = count_kernels(log=log)
+    contexts = _ints(args.contexts) if args.contexts else (4096,)
+    return kernel_table(c, counted, context=contexts[0], chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                        kv_dtype=args.kv_dtype or "bfloat16")
+
+
 def main_args(args: argparse.Namespace) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
-    if getattr(args, "encode_only", False):
+    if getattr(args, "kernels", False):
+        res = {"kernels": run_kernels(args, log)}
+        if getattr(args, "encode_only", False):
+            res["encode_only"] = run_encode_only(args)
+            print(format_encode_only(res["encode_only"]))
+        from .kernels import format_kernels
+        print(format_kernels(res["kernels"]))
+    elif getattr(args, "encode_only", False):
         res = run_encode_only(args)
         print(format_encode_only(res))
     elif getattr(args, "speculative", False):

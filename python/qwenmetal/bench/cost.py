@@ -10,35 +10,44 @@ from ..backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options
 from ..native import core
 from ..weights_table import config_dict, virtual_weight_table
 from .bytes_model import decode_bytes
+from .occupancy import CHIP_CORES, records_seconds, replays_of
 
 
 def encode_only_cost(config, *, context: int = 4096, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
                      tokens: int = 4, attention: dict | None = None, bits: int = 4,
-                     expert_bits: int | None = None) -> dict:
+                     expert_bits: int | None = None, kernel_stats: dict | None = None) -> dict:
     """Encode decode steps of ``config`` (a ModelConfig) on an encode-only simulator device with virtual
     weights (the MLX layout at ``bits``, the routed experts at ``expert_bits``, default ``bits``) at
     ``context`` cached tokens, and report what one step costs: dispatches, dependency levels, command buffers
     and host waits per token of the pipelined decode loop, bytes per token as declared by the host functions
     (a matrix's rows * cols * bits / 8 + scales and biases, so they follow the width) against the floor
-    (weights touched + GDN state + KV)."""
+    (weights touched + GDN state + KV). ``modelled_tok_s`` is the roofline at the bound;
+    ``modelled_tok_s_occupancy`` the same step with each dispatch at its modelled efficiency (bench.occupancy:
+    the cores its grid fills, and the bank-conflict replays of ``kernel_stats``, a counting device's
+    SimDevice.kernel_stats(), when given); ``records``: the step's dispatch records."""
     ext = core()
     mappings, tensors, sizes = virtual_weight_table(config, bits=bits, expert_bits=expert_bits)
-    dev = ext.gpu.SimDevice(execute=False)
+    dev = ext.gpu.SimDevice(execute=False, keep_records=True)
     eng = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                              kv_dtype == "float32", dict(attention or {}), [])
     st = eng.new_state()
     st._set_position(int(context))          # an encode-only state: the KV cache reserved, nothing computed
     step = eng.encode_cost(st)
+    records = dev.records()
     dev.reset_counters()
     eng.decode(st, 0, int(tokens), greedy=True)
     k = dev.counters()
     floor = decode_bytes(config, sizes, context, kv_element_bytes=4 if kv_dtype == "float32" else 2)
     moved = int(step["bytes_read"] + step["bytes_written"])
+    replays = replays_of(kernel_stats)
+    occ = {chip: 1.0 / records_seconds(records, bw, CHIP_PEAK_TFLOPS[chip], CHIP_CORES[chip], LEVEL_LATENCY_S,
+                                       replays)[1] for chip, bw in CHIP_BANDWIDTH_GBS.items()}
     return {"dispatches": int(step["dispatches"]), "levels": int(step["levels"]),
             "command_buffers": k["command_buffers"] / tokens, "host_waits": k["host_waits"] / tokens,
             "bytes_per_token": moved, "floor_bytes": int(floor["total"]), "bytes_vs_floor": moved / floor["total"],
-            "modelled_tok_s": modelled_tok_s(moved, int(step["levels"])), "level_latency_us": LEVEL_LATENCY_S * 1e6,
-            "floor": floor, "context": int(context)}
+            "modelled_tok_s": modelled_tok_s(moved, int(step["levels"])), "modelled_tok_s_occupancy": occ,
+            "level_latency_us": LEVEL_LATENCY_S * 1e6, "floor": floor, "context": int(context),
+            "records": records}
 
 
 # Memory bandwidth of the Max chips (Apple's figures) and the per-level latency of the model below.
@@ -107,14 +116,16 @@ def max_command_buffer_seconds(cost: dict, bandwidth_gbs: float, peak_tflops: fl
 
 def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PREFILL_CHUNK,
                              dtype: str = "bfloat16", kv_dtype: str = "bfloat16", gdn_route: str = "auto",
-                             chips: dict | None = None) -> dict:
+                             chips: dict | None = None, kernel_stats: dict | None = None) -> dict:
     """Encode the prefill of ``config`` (a ModelConfig) for each prompt length, chunk by chunk (each cut into
     command buffers of at most the graph's target time on the slowest GPU), on an encode-only simulator device over virtual weights (the MLX 4-bit layout), once per
     GEMM route of CHIP_ROUTE, and report per chunk and per prompt: dispatches, dependency levels, command
     buffers, host waits, FLOPs and bytes as the host functions declare them, and a modelled tokens/s per
     chip (`modelled_level_time` with CHIP_BANDWIDTH_GBS / CHIP_PEAK_TFLOPS). ``chips``: more chips to model
     beside the Max chips, name -> (bandwidth_gbs, peak_tflops, route) (`qwenmetal selftest`'s GPU). A model,
-    not a measurement."""
+    not a measurement. ``modelled_tok_s_occupancy``: the Max chips with each dispatch at its modelled
+    efficiency (bench.occupancy; bank-conflict replays from ``kernel_stats`` when given); ``records``: the
+    dispatch records of the first chunk of the longest prompt on each route."""
     ext = core()
     mappings, tensors, _ = virtual_weight_table(config)
     slow = slowest_chip()
@@ -127,17 +138,30 @@ def encode_only_prefill_cost(config, lengths=(4096,), *, chunk: int = DEFAULT_PR
            "bandwidth_gbs": dict(CHIP_BANDWIDTH_GBS), "chip_route": dict(CHIP_ROUTE),
            "m5_lily_rate_tflops": M5_LILY_RATE_TFLOPS, "watchdog_budget_ms": slow["watchdog_seconds"] * 1e3,
            "prompts": {}}
+    replays = replays_of(kernel_stats)
+    out["records"] = {}
     for route in sorted(set(CHIP_ROUTE.values())):
-        dev = ext.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")     # an M5-like device for "tensor"
+        # an M5-like device for "tensor"
+        dev = ext.gpu.SimDevice(execute=False, tensor_ops=route == "tensor", keep_records=True)
         eng = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
                                  kv_dtype == "float32", {}, [], prefill_options(chunk, route, gdn_route))
         for n in lengths:
             st = eng.new_state()
             chunks = []
+            occ = {chip: 0.0 for chip, r in CHIP_ROUTE.items() if r == route}
             for p0 in range(0, int(n), int(chunk)):
                 c = eng.prefill_cost(st, min(int(chunk), int(n) - p0))
+                recs = dev.records()
+                if p0 == 0 and int(n) == max(int(x) for x in lengths):
+                    out["records"][route] = recs
+                for chip in occ:
+                    occ[chip] += records_seconds(recs, CHIP_BANDWIDTH_GBS[chip], CHIP_PEAK_TFLOPS[chip],
+                                                 CHIP_CORES[chip], LEVEL_LATENCY_S, replays)[1]
                 chunks.append({"position": p0, "rows": min(int(chunk), int(n) - p0), **c})
-            p = out["prompts"].setdefault(str(n), {"tokens": int(n), "routes": {}, "modelled_tok_s": {}})
+            p = out["prompts"].setdefault(str(n), {"tokens": int(n), "routes": {}, "modelled_tok_s": {},
+                                                   "modelled_tok_s_occupancy": {}})
+            for chip, t in occ.items():
+                p["modelled_tok_s_occupancy"][chip] = n / t
             keys = ("dispatches", "levels", "command_buffers", "host_waits", "flops", "bytes_read", "bytes_written")
             p["routes"][route] = {
                 "chunks": [{k: int(c[k]) for k in ("position", "rows") + keys} for c in chunks],

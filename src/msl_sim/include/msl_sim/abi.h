@@ -9,7 +9,7 @@
 
 namespace msl {
 
-constexpr uint32_t kAbiVersion = 5;
+constexpr uint32_t kAbiVersion = 6;
 constexpr int kSimdWidth = 32;                   // Apple GPUs: 32-wide SIMD-groups
 constexpr uint32_t kMaxThreadsPerGroup = 1024;   // maxTotalThreadsPerThreadgroup upper bound
 constexpr uint32_t kMaxThreadgroupMemory = 32768;  // 32 KB on every Apple GPU family
@@ -17,6 +17,7 @@ constexpr int kMaxBuffers = 31;                  // Metal argument table: buffer
 constexpr int kMaxTgVars = 64;                   // kernel-scope threadgroup declarations per kernel
 constexpr int kMaxTgArgs = 8;                    // [[threadgroup(n)]] parameters
 constexpr int kLogCap = 64;                      // pending "read of poisoned threadgroup slot" entries
+constexpr int kBankLogCap = 256;                 // bank counting: a lane's threadgroup accesses kept per sync interval
 
 struct Lane;
 struct Group;
@@ -64,6 +65,13 @@ struct Lane {
     int32_t nlog;
     int32_t pad3_;
     AccessEntry log[kLogCap];
+    // bank counting (nullptr: off): the lane's threadgroup-memory accesses since its last synchronisation
+    // point, one entry each: byte offset into the group's arena (bits 0-15), bytes (bits 16-30), bit 31 set
+    // when the entry continues the previous access (the second element of a simdgroup_load lane)
+    uint32_t* banks;
+    int32_t nbanks;
+    int32_t pad4_;
+    uint64_t banks_dropped;     // accesses past kBankLogCap in one interval (not evaluated)
 };
 
 struct Buffer {
@@ -124,6 +132,9 @@ struct KernelInfo {
     int32_t checked;
     uint32_t max_threads;       // [[max_total_threads_per_threadgroup(N)]]: N; 0 when the kernel declares none
     uint32_t pad_;
+    // the kernel library's "a dispatch counts banks" flag (msl::g_bank_counting of its shared object): the
+    // runtime raises it while a counting dispatch runs, so the accesses of every other dispatch cost one load
+    int* bank_counting;
 };
 
 struct KernelTable {

@@ -118,6 +118,24 @@ template <class E> inline void note_tg_access(const E* p, const char* file, int 
     e.name = nullptr;
 }
 
+// Bank counting (enabled per dispatch: DispatchOptions::count_banks): every threadgroup-memory access of
+// a lane is logged with its arena offset and size; the runtime (runtime.cpp, count_banks) groups the n-th
+// access of each lane of a SIMD-group since their last synchronisation point into one SIMD-group access
+// and counts its bank conflicts. Addresses outside the group's arena (device memory) are ignored.
+inline int g_bank_counting = 0;   // dispatches of this library counting banks now (KernelInfo::bank_counting)
+inline void note_bank(const void* p, size_t size, bool cont = false) {
+    if (__builtin_expect(__atomic_load_n(&g_bank_counting, __ATOMIC_RELAXED) == 0, 1)) return;
+    Lane* l = cur();
+    if (l->banks == nullptr) return;
+    const ptrdiff_t off = static_cast<const char*>(p) - l->grp->arena;
+    if (off < 0 || off >= ptrdiff_t(l->grp->arena_cap)) return;
+    if (l->nbanks == kBankLogCap) {
+        if (!cont) ++l->banks_dropped;
+        return;
+    }
+    l->banks[l->nbanks++] = uint32_t(off) | (uint32_t(size < 0x7fff ? size : 0x7fff) << 16) | (cont ? 0x80000000u : 0u);
+}
+
 template <class A> struct tg_array;
 template <class E, size_t N> struct tg_array<E[N]> {
     E d[N];
@@ -127,6 +145,7 @@ template <class E, size_t N> struct tg_array<E[N]> {
         if (i >= N) fail(fmt("threadgroup array index %ld out of bounds [0, %zu)", long(i), N), file, line);
         if constexpr (!std::is_array<E>::value) note_tg_access(&d[i], file, line);
 #endif
+        if constexpr (!std::is_array<E>::value) note_bank(&d[i], sizeof(E));
         if constexpr (std::is_array<E>::value) return *reinterpret_cast<tg_array<E>*>(&d[i]);
         else return d[i];
     }
@@ -304,6 +323,7 @@ template <class T> struct tgptr {
                      long(q - lo + long(sizeof(T))), long(hi - lo), line ? "" : " (line unknown)"),
                  file, line);
         note_tg_access(p + i, file, line);
+        note_bank(p + i, sizeof(T));
         return p[i];
     }
     T& operator[](ptrdiff_t i) const { return at(i, nullptr, 0); }
@@ -774,7 +794,9 @@ inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& m, const P& src, ulong ele
     for (int j = 0; j < 2; ++j) {
         ulong rr = ulong(r), cc = ulong(c + j);
         ulong off = transpose ? (origin.y + cc) * elements_per_row + origin.x + rr : (origin.y + rr) * elements_per_row + origin.x + cc;
-        m.e.e[j] = T(*msl::raw(src + ptrdiff_t(off)));
+        auto* q = msl::raw(src + ptrdiff_t(off));
+        msl::note_bank(q, sizeof(*q), j == 1);   // one SIMD-group access: the lane's two elements
+        m.e.e[j] = T(*q);
     }
 }
 template <class T, class P>
@@ -785,7 +807,9 @@ inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, const P& dst, ul
     for (int j = 0; j < 2; ++j) {
         ulong rr = ulong(r), cc = ulong(c + j);
         ulong off = transpose ? (origin.y + cc) * elements_per_row + origin.x + rr : (origin.y + rr) * elements_per_row + origin.x + cc;
-        *msl::raw(dst + ptrdiff_t(off)) = m.e.e[j];
+        auto* q = msl::raw(dst + ptrdiff_t(off));
+        msl::note_bank(q, sizeof(*q), j == 1);
+        *q = m.e.e[j];
     }
 }
 }  // namespace metal
@@ -872,7 +896,7 @@ inline Registry& registry() {
 struct Registrar {
     Registrar(const char* name, KernelFn fn, const char* file, int line, uint32_t max_threads = 0) {
         Registry& r = registry();
-        if (r.n < 512) r.k[r.n++] = KernelInfo{name, fn, file, line, MSL_SIM_CHECKED, max_threads, 0};
+        if (r.n < 512) r.k[r.n++] = KernelInfo{name, fn, file, line, MSL_SIM_CHECKED, max_threads, 0, &g_bank_counting};
     }
 };
 }  // namespace

@@ -233,15 +233,17 @@ struct WDot<WFMT_DENSE, S, T> {
 };
 
 // Code i (0 <= i < 32) of a QN unit: q[0, bits) the unit's words, value i at bits [bits i, bits (i + 1))
-// of their little-endian concatenation. A 64-bit window over the word holding its first bit and the
-// next one (read only when the value straddles into it) is shifted down and masked.
+// of their little-endian concatenation. 32-bit only (Apple GPUs run 64-bit integer shifts several
+// times slower): the word holding its first bit shifted down, and when the value straddles into the next
+// word (sh + bits > 32, so sh >= 25 and the left shift 32 - sh is in [1, 7]) that word's low bits
+// funnelled in above, then masked.
 inline uint qn_code(thread const uint* q, uint i, uint bits) {
     const uint at = i * bits, wi = at / 32u, sh = at % 32u;
-    ulong win = ulong(q[wi]);
+    uint v = q[wi] >> sh;
     if (sh + bits > 32u) {
-        win |= ulong(q[wi + 1u]) << 32;
+        v |= q[wi + 1u] << (32u - sh);
     }
-    return uint(win >> sh) & ((1u << bits) - 1u);
+    return v & ((1u << bits) - 1u);
 }
 
 template <typename S, typename T>
@@ -267,7 +269,7 @@ struct WDot<WFMT_QN, S, T> {
     template <typename WP, typename SP>
     static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs, uint bits) {
         Unit u;
-        const ulong base = ulong(k / 32u) * bits;
+        const uint base = k / 32u * bits;   // < K bits / 32: a 32-bit word index within the row
         for (uint j = 0; j < QN_MAX_BITS; ++j) {
             u.q[j] = j < bits ? wrow[base + j] : 0u;
         }
@@ -327,12 +329,17 @@ inline void rows_dot_x(WP w, SP scales, SP biases, XP x4, XO xo, XP g4, thread c
     typedef WDot<FMT, S, T> D;
     typedef typename D::Unit U;
     const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
-    ulong wo[QMV_ROWS], so[QMV_ROWS];
+    // the 64-bit offsets of the first row once; the (clamped) rows after it at 32-bit offsets from there
+    const uint rb = min(row0, nrows - 1u);
+    const ulong wo0 = ulong(rb) * upr, so0 = ulong(rb) * spr;
+    uint wo[QMV_ROWS], so[QMV_ROWS];
     for (uint r = 0; r < QMV_ROWS; ++r) {
-        const ulong row = min(row0 + r, nrows - 1u);
-        wo[r] = row * upr;
-        so[r] = row * spr;
+        const uint dr = min(row0 + r, nrows - 1u) - rb;   // 0 .. QMV_ROWS - 1
+        wo[r] = dr * upr;
+        so[r] = dr * spr;
     }
+    const WP w0 = w + wo0;
+    const SP s0 = scales + so0, b0 = biases + so0;
     float acc[MB * QMV_ROWS];
     for (uint i = 0; i < MB * QMV_ROWS; ++i) {
         acc[i] = 0.0f;
@@ -340,7 +347,7 @@ inline void rows_dot_x(WP w, SP scales, SP biases, XP x4, XO xo, XP g4, thread c
     for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
         U u[QMV_ROWS];
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs, bits);
+            u[r] = D::load(w0 + wo[r], s0 + so[r], b0 + so[r], k, gs, bits);
         }
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {

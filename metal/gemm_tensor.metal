@@ -78,15 +78,12 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
         ct[i] = 0.0f;
     }
     // the weight parts: rows [n0, n0 + cols) of the first binding, and with SwiGLU the matching up rows
-    // of the second; the tile's matrix of each stack
+    // of the second; the tile's matrix of each stack (64-bit offsets formed once, gemm_tile.h)
     const uint parts = swiglu ? 2u : 1u, n0 = tgid.x * cols;
-    const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
-    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K, p.bits);
-    device const WV* wp[2] = {(device const WV*)w + wo, (device const WV*)w2 + wo};
-    device const S* sp[2] = {scales + so, scales2 + so};
-    device const S* bp[2] = {biases + so, biases2 + so};
-    const uint r0[2] = {n0, p.up_row + n0};
-    const uint rl[2] = {p.N, p.up_row + p.N};
+    typedef device const WV* WVP;
+    const GemmWPart<WVP, device const S*> pa = gemm_w_part<FMT, S, T>(p, (WVP)w, scales, biases, t.expert, n0, p.N);
+    const GemmWPart<WVP, device const S*> pb =
+        gemm_w_part<FMT, S, T>(p, (WVP)w2, scales2, biases2, t.expert, p.up_row + n0, p.up_row + p.N);
 
     constexpr auto desc = matmul2d_descriptor(int(GEMM_BM), 16, int(GEMM_BK), false, true, false,
                                               matmul2d_descriptor::mode::multiply_accumulate);
@@ -98,11 +95,12 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
     auto cts = ctt.slice(16 * int(sg), 0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
-        gemm_stage_x<T, float>((device const vec<T, 4>*)x, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
+        gemm_stage_x<T, float>((device const vec<T, 4>*)x, xr, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
         for (uint q = 0; q < parts; ++q) {
-            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, p.bits, k0,
-                                           GEMM_BN / parts,
-                                           wt + q * cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
+            const GemmWPart<WVP, device const S*> wq = q == 0u ? pa : pb;
+            gemm_stage_w<FMT, S, T, float>(wq.w, wq.scales, wq.biases, wq.upr, wq.spr, wq.rows, p.K, p.group_size,
+                                           p.bits, k0, GEMM_BN / parts, wt + q * cols * GEMM_LD, GEMM_LD, tid,
+                                           GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         op.run(xtt, wts, cts);

@@ -189,7 +189,10 @@ def grouped_case(rng, fmt, dtype, tile_rows, swiglu):
                 assert_close(y[s], rnd(W.ref[e] @ xf[s], dtype), np.abs(W.ref[e]) @ np.abs(xf[s]), dtype, f"slot {s}")
 
     suffix = "_f32out" if dtype == "bf16" and not swiglu else ""
-    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}")
+    # the bf16 build's float output holds T-rounded values: the routes agree to one bf16 rounding (their
+    # float sums differ in order: the simdgroup route adds two K halves), as the dense round case
+    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}",
+                agree=8e-3 if dtype == "bf16" and not swiglu else 0.0)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

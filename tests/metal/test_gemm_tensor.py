@@ -209,7 +209,11 @@ def test_grouped(schedule, tile_rows, swiglu, fmt, dtype):
 def test_model_shape():
     """A 2048 x 2048 4-bit projection (group 64) over a chunk of 64 bf16 rows, float output, on both routes."""
     rng = np.random.default_rng(64)
-    execute(dense_case(rng, "q4_sbf16", "bf16", 64, 2048, 64, 32, f32_out=True, random_words=True), "random", 2)
+    case = dense_case(rng, "q4_sbf16", "bf16", 64, 2048, 64, 32, f32_out=True, random_words=True)
+    # the routes sum the 2048 products in different orders (the simdgroup route in two K halves per step);
+    # each is held to 1e-5 of |x| . |w| against float64 by the case itself, so they agree to about that
+    case.agree = 1e-5
+    execute(case, "random", 2)
 
 
 def test_route_choice():

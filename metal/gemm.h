@@ -37,15 +37,17 @@ static_assert(sizeof(GemmParams) == 52, "GemmParams: 13 x 4 bytes, as the host p
 #define GEMM_TILEMAP 8u  // grouped: threadgroup row ty is tile-map entry ty
 #define GEMM_GATHER 16u  // grouped: the X row of slot s is slot_rows[s]
 
-// Tile geometry (MLX steel-like: 4 SIMD-groups, float tiles in threadgroup memory). GEMM_BM is the
-// largest tile height; grouped tiles are 16 or 32 rows (GEMM_BM_SMALL or GEMM_BM).
+// Tile geometry (4 SIMD-groups; the X tile in the activation type, the dequantized W tile and the
+// product tile float, in threadgroup memory: metal/gemm.metal). GEMM_BM is the largest tile height;
+// grouped tiles are 16 or 32 rows (GEMM_BM_SMALL or GEMM_BM).
 #define GEMM_BM 32u
 #define GEMM_BM_SMALL 16u
 #define GEMM_BN 64u
 #define GEMM_BK 32u
 #define GEMM_SIMDGROUPS 4u
 #define GEMM_THREADS (32u * GEMM_SIMDGROUPS)
-// floats per staged row of the X and W tiles (BK + 4: the padding staggers rows over memory banks)
+// floats per staged row of the W tile and of a float X tile (BK + 4: the padding staggers rows over
+// memory banks; a bfloat/half X tile pads by 16 bytes instead: GemmXLd in gemm_tile.h)
 #define GEMM_LD (GEMM_BK + 4u)
 // floats per row of the output tile
 #define GEMM_LDC (GEMM_BN + 4u)

@@ -27,17 +27,29 @@
 // re-read 4-8x the packed bytes; staging dequantizes each [GEMM_BN, GEMM_BK] weight tile once per
 // threadgroup straight from the packed words into threadgroup memory, where GEMM_BM rows of X reuse it.
 //
-// Thread mapping (MLX steel-like): a threadgroup is GEMM_SIMDGROUPS = 4 SIMD-groups (128 threads) and
-// computes a tile of bm = tile_rows (16 or 32) rows x GEMM_BN = 64 columns (SwiGLU: 32 gate and the 32
-// matching up columns, 32 outputs). Per K step of GEMM_BK = 32 the threadgroup stages the X tile
-// [bm, 32] and the W tile [64, 32] as float (gemm_tile.h; every thread one or two units), then
-// SIMD-group s multiplies the bm rows by tile columns [16 s, 16 s + 16): bm/8 x 2 accumulators
-// (simdgroup_float8x8), one 8x8x8 multiply-accumulate per pair per 8 inputs, W^T read as a transposed
-// load. Float tiles keep the dequantized weights exact (what qmv multiplies) and use one MMA type for
-// both activation types. After the K loop the accumulators go to a float tile [bm, 68] and the
-// threadgroup stores it with the fusions. Threadgroup memory 22,656 bytes. Grid (ceil(N / cols),
-// ceil(M / tile_rows) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns before any barrier
-// (its condition depends only on the threadgroup: uniform).
+// Thread mapping: a threadgroup is GEMM_SIMDGROUPS = 4 SIMD-groups (128 threads) and computes a tile of
+// bm = tile_rows (16 or 32) rows x GEMM_BN = 64 columns (SwiGLU: 32 gate and the 32 matching up columns,
+// 32 outputs). Per K step of GEMM_BK = 32 the threadgroup stages the X tile [bm, 32] in T (exact: X is T)
+// and the W tile [64, 32] dequantized as float (gemm_tile.h; every thread one or two units). SIMD-group
+// s then owns the 32 x 32 block of tile columns [32 (s & 1), + 32) and the half (s >> 1) of the K step
+// (inputs [16 (s >> 1), + 16)): per 8 inputs 4 X fragments and 4 transposed W fragments (W^T) feed
+// 4 x 4 simdgroup 8x8 multiply-accumulates into acc[4][4] (float): 8 fragment loads per 16 multiplies
+// (MLX steel's 32 x 32 warp tile). All loops over fragments have constant bounds, so acc stays in
+// registers; a 16-row tile skips fragment rows 2-3 by a threadgroup-uniform branch inside the loop.
+// After the K loop the two K halves meet in the float product tile ct [bm, 68], which reuses the W
+// tile's memory (the W tile is dead by then): SIMD-groups 2-3 store theirs, SIMD-groups 0-1 add theirs
+// (an exact multiply-accumulate by the identity) and store the sum, and the threadgroup stores ct with
+// the fusions. Threadgroup memory (rows padded so that consecutive rows start in different banks):
+// X bm x 40 (bfloat) or x 36 (float), W 64 x 36 floats, 32 row offsets: 11,904 bytes with bfloat
+// activations, 13,952 with float (was 22,656 with a separate product tile and float X). The W tile stays
+// float: a half or bfloat tile would round the dequantized weights (scale * q + bias has up to 12 + 8
+// significant bits), moving the results by more than the tests' float-accumulation bound.
+// Grid (ceil(N / cols), ceil(M / tile_rows) or the tile-map capacity, 1) x (128, 1, 1). An empty tile
+// returns before any barrier (its condition depends only on the threadgroup: uniform).
+static_assert(GEMM_BM * GEMM_LDC <= GEMM_BN * GEMM_LD, "the product tile fits in the W tile's memory");
+static_assert(GEMM_SIMDGROUPS == 4u && GEMM_BN == 64u && GEMM_BK == 32u && GEMM_BM == 32u,
+              "gemm: 2 column halves x 2 K halves of 32 x 32 per SIMD-group");
+
 template <int FMT, typename S, typename T, typename O>
 [[kernel, max_total_threads_per_threadgroup(GEMM_THREADS)]]
 void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
@@ -48,68 +60,95 @@ void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffe
           device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
           uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
           uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup float xt_[GEMM_BM * GEMM_LD];
+    threadgroup T xt_[GEMM_BM * GemmXLd<T>::LD];
     threadgroup float wt_[GEMM_BN * GEMM_LD];
-    threadgroup float ct_[GEMM_BM * GEMM_LDC];
     threadgroup uint xr_[GEMM_BM];
     // the tiles as pointers: gemm_tile.h's helpers take deduced pointer types (an array would be copied
     // into a by-value template parameter in the simulator)
-    threadgroup float* xt = xt_;
+    threadgroup T* xt = xt_;
     threadgroup float* wt = wt_;
-    threadgroup float* ct = ct_;
+    threadgroup float* ct = wt_;   // the product tile [GEMM_BM, GEMM_LDC] after the K loop
     threadgroup uint* xr = xr_;
+    constexpr uint XLD = GemmXLd<T>::LD;
     typedef typename WDot<FMT, S, T>::wvec WV;
+    typedef device const WV* WVP;
     const bool tilemap = (p.flags & GEMM_TILEMAP) != 0u, swiglu = (p.flags & GEMM_SWIGLU) != 0u;
     const GemmTile t = gemm_tile_of(p, tgid.y, tilemap ? tiles[tgid.y] : uint4(0u));
     if (t.rows == 0u) {
         return;
     }
     const uint bm = min(p.tile_rows, GEMM_BM), cols = swiglu ? GEMM_BN / 2u : GEMM_BN, n0 = tgid.x * cols;
+    const uint frag_rows = bm / 8u;   // 2 or 4: fragment rows i < frag_rows hold tile rows
     gemm_tile_rows(p, t, slot_rows, xr, tid, GEMM_THREADS);
-    // the tile's matrix of each weight stack
-    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K, p.bits);
-    const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
-    device const WV* wa = (device const WV*)w + wo;
-    device const WV* wb = (device const WV*)w2 + wo;
+    // the weight parts of the tile (64-bit offsets formed once): rows [n0, n0 + cols) of the first
+    // binding, and with SwiGLU the matching up rows of the second
+    const GemmWPart<WVP, device const S*> pa =
+        gemm_w_part<FMT, S, T>(p, (WVP)w, scales, biases, t.expert, n0, p.N);
+    const GemmWPart<WVP, device const S*> pb =
+        gemm_w_part<FMT, S, T>(p, (WVP)w2, scales2, biases2, t.expert, p.up_row + n0, p.up_row + p.N);
     device const vec<T, 4>* x4 = (device const vec<T, 4>*)x;
-    simdgroup_float8x8 acc[GEMM_BM / 8u][2];
-    for (uint i = 0; i < GEMM_BM / 8u; ++i) {
-        for (uint j = 0; j < 2u; ++j) {
+    const uint nh = sg & 1u, kh = sg >> 1u;   // this SIMD-group's column half and K half
+    simdgroup_float8x8 acc[4][4];
+    for (uint i = 0; i < 4u; ++i) {
+        for (uint j = 0; j < 4u; ++j) {
             acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
-        gemm_stage_x<T, float>(x4, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
+        gemm_stage_x<T, T>(x4, xr, bm, p.K, k0, xt, XLD, tid, GEMM_THREADS);
         if (swiglu) {
-            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, p.bits, k0, cols,
-                                           wt, GEMM_LD, tid, GEMM_THREADS);
-            gemm_stage_w<FMT, S, T, float>(wb, scales2 + so, biases2 + so, p.up_row + n0, p.up_row + p.N, p.K,
-                                           p.group_size, p.bits, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid,
-                                           GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(pa.w, pa.scales, pa.biases, pa.upr, pa.spr, pa.rows, p.K, p.group_size,
+                                           p.bits, k0, cols, wt, GEMM_LD, tid, GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(pb.w, pb.scales, pb.biases, pb.upr, pb.spr, pb.rows, p.K, p.group_size,
+                                           p.bits, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
         } else {
-            gemm_stage_w<FMT, S, T, float>(wa, scales + so, biases + so, n0, p.N, p.K, p.group_size, p.bits, k0,
-                                           GEMM_BN, wt, GEMM_LD, tid, GEMM_THREADS);
+            gemm_stage_w<FMT, S, T, float>(pa.w, pa.scales, pa.biases, pa.upr, pa.spr, pa.rows, p.K, p.group_size,
+                                           p.bits, k0, GEMM_BN, wt, GEMM_LD, tid, GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        for (uint kk = 0; kk < GEMM_BK; kk += 8u) {
-            simdgroup_float8x8 b[2];
-            for (uint j = 0; j < 2u; ++j) {
-                simdgroup_load(b[j], wt + (16u * sg + 8u * j) * GEMM_LD + kk, GEMM_LD, ulong2(0, 0), true);
+        for (uint s8 = 0; s8 < GEMM_BK / 16u; ++s8) {
+            const uint kk = GEMM_BK / 2u * kh + 8u * s8;
+            simdgroup_float8x8 b[4];
+            for (uint j = 0; j < 4u; ++j) {
+                simdgroup_load(b[j], wt + (32u * nh + 8u * j) * GEMM_LD + kk, GEMM_LD, ulong2(0, 0), true);
             }
-            for (uint i = 0; i < bm / 8u; ++i) {
-                simdgroup_float8x8 a;
-                simdgroup_load(a, xt + 8u * i * GEMM_LD + kk, GEMM_LD);
-                for (uint j = 0; j < 2u; ++j) {
-                    simdgroup_multiply_accumulate(acc[i][j], a, b[j], acc[i][j]);
+            for (uint i = 0; i < 4u; ++i) {
+                if (i < frag_rows) {
+                    simdgroup_matrix<T, 8, 8> a;
+                    simdgroup_load(a, xt + 8u * i * XLD + kk, XLD);
+                    for (uint j = 0; j < 4u; ++j) {
+                        simdgroup_multiply_accumulate(acc[i][j], a, b[j], acc[i][j]);
+                    }
                 }
             }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    for (uint i = 0; i < bm / 8u; ++i) {
-        for (uint j = 0; j < 2u; ++j) {
-            simdgroup_store(acc[i][j], ct + 8u * i * GEMM_LDC + 16u * sg + 8u * j, GEMM_LDC);
+    // the two K halves: SIMD-groups 2-3 store their sums to ct, 0-1 add theirs (identity x part + acc:
+    // exact) and store the total
+    if (kh == 1u) {
+        for (uint i = 0; i < 4u; ++i) {
+            if (i < frag_rows) {
+                for (uint j = 0; j < 4u; ++j) {
+                    simdgroup_store(acc[i][j], ct + 8u * i * GEMM_LDC + 32u * nh + 8u * j, GEMM_LDC);
+                }
+            }
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (kh == 0u) {
+        const simdgroup_float8x8 ident = simdgroup_float8x8(1.0f);
+        for (uint i = 0; i < 4u; ++i) {
+            if (i < frag_rows) {
+                for (uint j = 0; j < 4u; ++j) {
+                    threadgroup float* c8 = ct + 8u * i * GEMM_LDC + 32u * nh + 8u * j;
+                    simdgroup_float8x8 part;
+                    simdgroup_load(part, c8, GEMM_LDC);
+                    simdgroup_multiply_accumulate(acc[i][j], ident, part, acc[i][j]);
+                    simdgroup_store(acc[i][j], c8, GEMM_LDC);
+                }
+            }
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);

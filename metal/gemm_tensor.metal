@@ -7,8 +7,8 @@
 // <w> = q4_sbf16, q4_sf32, q8_sbf16, q8_sf32, qn_sbf16, qn_sf32 (2, 3, 5, 6 bits: GemmParams.bits), bf16,
 // f16, f32 (gpu::Matrix::variant()); T = f32 | bf16.
 //
-// Only the multiply differs from gemm.metal: metal/gemm_tile.h stages the X tile and the dequantized W
-// tile as float in threadgroup memory (the fusion: each packed weight tile is dequantized once per
+// Only the multiply differs from gemm.metal: metal/gemm_tile.h stages the X tile (in T) and the
+// dequantized W tile (float) in threadgroup memory (the fusion: each packed weight tile is dequantized once per
 // threadgroup, straight into the tile the tensor op reads) and stores the product with the epilogue
 // (residual, rounding, SwiGLU) — GemmParams.flags select dense row blocks or tile-map entries exactly as
 // there, so the host (src/gpu/ops/gemm.cpp) binds both routes alike.
@@ -34,19 +34,21 @@ typedef tensor<threadgroup float, gemm_ext, tensor_inline> gemm_tg_tensor;
 
 // Thread mapping: GEMM_SIMDGROUPS = 4 SIMD-groups (128 threads) per threadgroup, a tile of bm =
 // tile_rows (16 or 32) rows x GEMM_BN = 64 columns (SwiGLU: 32 gate and the 32 matching up columns).
-// Per K step of GEMM_BK = 32 every thread stages its units of the X tile xt [bm, 32] and the W tile
-// wt [64, 32] (gemm_tile.h), then SIMD-group s runs one matmul2d (execution_simdgroup scope, all 32
-// lanes) of the bm rows by tile columns [16 s, 16 s + 16): left = xt (extents (GEMM_LD, bm): rows of 36
-// floats, k = GEMM_BK so the 4 padding floats are never read), right = W tile rows [16 s, + 16)
-// (transpose_right: wt holds W rows, extents (GEMM_LD, 64)), destination = the float tile ct columns
-// [16 s, + 16) in threadgroup memory, multiply_accumulate over the K steps from zero. The descriptor
-// is static (m = GEMM_BM): for 16-row tiles the operands' extents are 16 rows, and matmul2d's
-// documented edge checking neither reads nor writes past them. ct then holds the tile's product and
-// the threadgroup stores it with the fusions. float x float -> float is in Apple's documented type
-// table; relaxed_precision off, so the product is the float products the simdgroup route sums (in an
-// undocumented order: the tests compare with tolerances). Threadgroup memory 22.5 KB. Grid
-// (ceil(N / cols), ceil(M / 32) or the tile-map capacity, 1) x (128, 1, 1). An empty tile returns
-// before any barrier (the condition depends only on the threadgroup).
+// Per K step of GEMM_BK = 32 every thread stages its units of the X tile xt [bm, 32] in T (bfloat X
+// stays bfloat: exact) and the dequantized W tile wt [64, 32] in float (gemm_tile.h), then SIMD-group s
+// runs one matmul2d (execution_simdgroup scope, all 32 lanes) of the bm rows by tile columns
+// [16 s, 16 s + 16): left = xt (extents (XLD, bm): rows of 40 bfloat or 36 floats, k = GEMM_BK so the
+// padding is never read), right = W tile rows [16 s, + 16) (transpose_right: wt holds W rows, extents
+// (GEMM_LD, 64)), destination = the float tile ct columns [16 s, + 16) in threadgroup memory,
+// multiply_accumulate over the K steps from zero. The descriptor is static (m = GEMM_BM): for 16-row
+// tiles the operands' extents are 16 rows, and matmul2d's documented edge checking neither reads nor
+// writes past them. ct then holds the tile's product and the threadgroup stores it with the fusions.
+// bfloat (or float) x float -> float is in Apple's documented type table; relaxed_precision off, so the
+// product is the float products the simdgroup route sums (in an undocumented order: the tests compare
+// with tolerances). The W operand stays float: half or bfloat would round the dequantized weights
+// beyond the tests' bound (docs/metal.md, gemm section). Threadgroup memory 20,608 bytes with bfloat
+// activations, 22,656 with float. Grid (ceil(N / cols), ceil(M / 32) or the tile-map capacity, 1) x
+// (128, 1, 1). An empty tile returns before any barrier (the condition depends only on the threadgroup).
 template <int FMT, typename S, typename T, typename O>
 [[kernel, max_total_threads_per_threadgroup(GEMM_THREADS)]]
 void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffer(1)]],
@@ -57,12 +59,13 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
                  device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
                  uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                  uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup float xt_[GEMM_BM * GEMM_LD];
+    threadgroup T xt_[GEMM_BM * GemmXLd<T>::LD];
     threadgroup float wt_[GEMM_BN * GEMM_LD];
     threadgroup float ct_[GEMM_BM * GEMM_LDC];
     threadgroup uint xr_[GEMM_BM];
     // the tiles as pointers, as gemm.metal (gemm_tile.h's helpers take deduced pointer types)
-    threadgroup float* xt = xt_;
+    constexpr uint XLD = GemmXLd<T>::LD;
+    threadgroup T* xt = xt_;
     threadgroup float* wt = wt_;
     threadgroup float* ct = ct_;
     threadgroup uint* xr = xr_;
@@ -78,31 +81,29 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
         ct[i] = 0.0f;
     }
     // the weight parts: rows [n0, n0 + cols) of the first binding, and with SwiGLU the matching up rows
-    // of the second; the tile's matrix of each stack
+    // of the second; the tile's matrix of each stack (64-bit offsets formed once, gemm_tile.h)
     const uint parts = swiglu ? 2u : 1u, n0 = tgid.x * cols;
-    const ulong so = ulong(t.expert) * matrix_scales<FMT, S, T>(p.w_rows, p.K, p.group_size);
-    const ulong wo = ulong(t.expert) * matrix_units<FMT, S, T>(p.w_rows, p.K, p.bits);
-    device const WV* wp[2] = {(device const WV*)w + wo, (device const WV*)w2 + wo};
-    device const S* sp[2] = {scales + so, scales2 + so};
-    device const S* bp[2] = {biases + so, biases2 + so};
-    const uint r0[2] = {n0, p.up_row + n0};
-    const uint rl[2] = {p.N, p.up_row + p.N};
+    typedef device const WV* WVP;
+    const GemmWPart<WVP, device const S*> pa = gemm_w_part<FMT, S, T>(p, (WVP)w, scales, biases, t.expert, n0, p.N);
+    const GemmWPart<WVP, device const S*> pb =
+        gemm_w_part<FMT, S, T>(p, (WVP)w2, scales2, biases2, t.expert, p.up_row + n0, p.up_row + p.N);
 
     constexpr auto desc = matmul2d_descriptor(int(GEMM_BM), 16, int(GEMM_BK), false, true, false,
                                               matmul2d_descriptor::mode::multiply_accumulate);
     matmul2d<desc, execution_simdgroup> op;
-    gemm_tg_tensor xtt(xt, gemm_ext(int(GEMM_LD), int(bm)));
+    tensor<threadgroup T, gemm_ext, tensor_inline> xtt(xt, gemm_ext(int(XLD), int(bm)));
     gemm_tg_tensor wtt(wt, gemm_ext(int(GEMM_LD), int(GEMM_BN)));
     gemm_tg_tensor ctt(ct, gemm_ext(int(GEMM_LDC), int(bm)));
     auto wts = wtt.slice(0, 16 * int(sg));
     auto cts = ctt.slice(16 * int(sg), 0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
-        gemm_stage_x<T, float>((device const vec<T, 4>*)x, xr, p.x_stride, bm, p.K, k0, xt, GEMM_LD, tid, GEMM_THREADS);
+        gemm_stage_x<T, T>((device const vec<T, 4>*)x, xr, bm, p.K, k0, xt, XLD, tid, GEMM_THREADS);
         for (uint q = 0; q < parts; ++q) {
-            gemm_stage_w<FMT, S, T, float>(wp[q], sp[q], bp[q], r0[q], rl[q], p.K, p.group_size, p.bits, k0,
-                                           GEMM_BN / parts,
-                                           wt + q * cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
+            const GemmWPart<WVP, device const S*> wq = q == 0u ? pa : pb;
+            gemm_stage_w<FMT, S, T, float>(wq.w, wq.scales, wq.biases, wq.upr, wq.spr, wq.rows, p.K, p.group_size,
+                                           p.bits, k0, GEMM_BN / parts, wt + q * cols * GEMM_LD, GEMM_LD, tid,
+                                           GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         op.run(xtt, wts, cts);

@@ -8,20 +8,27 @@
 //
 //   const GemmTile t = gemm_tile_of(p, tgid.y, tilemap ? tiles[tgid.y] : uint4(0u));
 //   if (t.rows == 0u) return;                       // empty tile: the whole threadgroup returns
-//   gemm_tile_rows(p, t, slot_rows, xr, tid, nthreads);  // xr[GEMM_BM]: the X row of each tile row
+//   gemm_tile_rows(p, t, slot_rows, xr, tid, nthreads);  // xr[GEMM_BM]: the X row offset of each tile row
+//   const GemmWPart<...> wp = gemm_w_part<FMT, S, T>(p, w, scales, biases, t.expert, n0, N);  // once
 //   threadgroup_barrier(...);
 //   for (k0 = 0; k0 < K; k0 += GEMM_BK) {
-//       gemm_stage_x<T, float>(x4, xr, ..., xt, GEMM_LD, ...);               // [bm, BK] of X
-//       gemm_stage_w<FMT, S, T, float>(w, scales, biases, n0, N, ..., wt, GEMM_LD, ...);  // [BN, BK] of W
+//       gemm_stage_x<T, TX>(x4, xr, bm, K, k0, xt, ldx, ...);                           // [bm, BK] of X
+//       gemm_stage_w<FMT, S, T, float>(wp.w, wp.scales, wp.biases, wp.upr, wp.spr, wp.rows, ..., wt, GEMM_LD, ...);
 //       threadgroup_barrier(...);   multiply xt by wt^T into the accumulators;   threadgroup_barrier(...);
 //   }
 //   accumulators -> ct [bm, GEMM_LDC] (float), threadgroup_barrier(...), gemm_store<T>(p, t, ct, ...).
+//
+// 64-bit arithmetic (several times slower than 32-bit on Apple GPUs) happens once per threadgroup, outside
+// the loops: gemm_w_part forms the weight parts' first-row pointers, gemm_store the output tile's; inside a
+// tile every offset is 32-bit (X rows as vec4 offsets in xr, weight rows i * units per row, output rows
+// i * y_stride), which the host's size checks keep in range (src/gpu/ops/gemm.cpp).
 //
 // Layouts: a staged tile is row-major with `ld` elements per row: X tile row i = X row xr[i], columns
 // k0 .. k0 + GEMM_BK - 1; W tile row i = weight row r0 + i, the same columns. So the product tile is
 // xt . wt^T (W^T as a transposed load of wt). Every element of [rows, GEMM_BK] is written (zeros for
 // absent rows and for inputs past K), so the multiply needs no edge case and no slot is left unwritten.
-// Element type TT of a tile: any type the route multiplies (gemm.metal stages float).
+// Element type TT of a tile: any type the route multiplies (gemm.metal stages X in T and W in float,
+// gemm_tensor.metal both in float).
 //
 // Work split: element units are spread over the threadgroup's threads (thread tid takes units tid,
 // tid + nthreads, ...): a unit is 4 activations (one vec<T, 4> load) or one WDot step of a weight row
@@ -37,6 +44,18 @@
 #include "common.h"
 #include "gemm.h"
 #include "quant_dot.h"
+
+// Elements per staged row of an X tile of element type T: GEMM_BK plus 16 bytes of padding for 2-byte
+// types (bfloat, half: 40), 4 floats for float (GEMM_LD = 36), so that the 8 rows of a fragment load start
+// in different threadgroup-memory banks (a row of 80 or 144 bytes moves the next row by 20 or 4 words).
+template <typename T>
+struct GemmXLd {
+    enum : uint { LD = GEMM_BK + 8u };
+};
+template <>
+struct GemmXLd<float> {
+    enum : uint { LD = GEMM_LD };
+};
 
 // The rows one threadgroup's tile covers.
 struct GemmTile {
@@ -63,11 +82,14 @@ inline GemmTile gemm_tile_of(constant GemmParams& p, uint ty, uint4 entry) {
     return t;
 }
 
-// xr[i] = the X row of tile row i for i < GEMM_BM: first + i, or slot_rows[first + i] with GEMM_GATHER;
-// GEMM_NO_ROW past the tile's rows or for a gathered index past x_rows. Threads tid, tid + nthreads, ...
+// xr[i] = where the X row of tile row i starts, in vec<T, 4> units of X (row * x_stride / 4), for
+// i < GEMM_BM: the row is first + i, or slot_rows[first + i] with GEMM_GATHER; GEMM_NO_ROW past the
+// tile's rows or for a gathered index past x_rows. 32-bit: the host checks that x_rows * x_stride / 4
+// fits (gemm.cpp), so the staging indexes X without 64-bit arithmetic. Threads tid, tid + nthreads, ...
 // write; the caller's barrier makes xr visible. slot_rows is read only with GEMM_GATHER.
 template <typename RP, typename XRP>
 inline void gemm_tile_rows(constant GemmParams& p, GemmTile t, RP slot_rows, XRP xr, uint tid, uint nthreads) {
+    const uint x4_stride = p.x_stride / 4u;
     for (uint i = tid; i < GEMM_BM; i += nthreads) {
         uint row = GEMM_NO_ROW;
         if (i < t.rows) {
@@ -77,22 +99,22 @@ inline void gemm_tile_rows(constant GemmParams& p, GemmTile t, RP slot_rows, XRP
                 row = row < p.x_rows ? row : GEMM_NO_ROW;
             }
         }
-        xr[i] = row;
+        xr[i] = row == GEMM_NO_ROW ? GEMM_NO_ROW : row * x4_stride;
     }
 }
 
 // tile[i * ld + j] = X[xr[i], k0 + j] for i < bm, j < GEMM_BK (zero for absent rows and k0 + j >= K).
-// x4 = X as vec<T, 4> (x_stride and the columns a multiple of 4: whole vectors are in or out).
+// x4 = X as vec<T, 4> (x_stride and the columns a multiple of 4: whole vectors are in or out); xr the
+// rows' vec4 offsets (gemm_tile_rows).
 template <typename T, typename TT, typename XP, typename XRP, typename TP>
-inline void gemm_stage_x(XP x4, XRP xr, uint x_stride, uint bm, uint K, uint k0, TP tile, uint ld, uint tid,
-                         uint nthreads) {
+inline void gemm_stage_x(XP x4, XRP xr, uint bm, uint K, uint k0, TP tile, uint ld, uint tid, uint nthreads) {
     const uint per_row = GEMM_BK / 4u;
     for (uint u = tid; u < bm * per_row; u += nthreads) {
         const uint i = u / per_row, j = 4u * (u % per_row), k = k0 + j;
-        const uint row = xr[i];
+        const uint at = xr[i];
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (row != GEMM_NO_ROW && k < K) {
-            const vec<T, 4> a = x4[(ulong(row) * x_stride + k) / 4u];
+        if (at != GEMM_NO_ROW && k < K) {
+            const vec<T, 4> a = x4[at + k / 4u];
             for (uint c = 0; c < 4u; ++c) {
                 v[c] = float(a[c]);
             }
@@ -103,23 +125,23 @@ inline void gemm_stage_x(XP x4, XRP xr, uint x_stride, uint bm, uint K, uint k0,
     }
 }
 
-// tile[i * ld + j] = W[r0 + i, k0 + j] dequantized, for i < count, j < GEMM_BK (zero for rows >= rlim
-// and k0 + j >= K). w, scales, biases: one matrix of the stack at its row 0 (w as WDot's wvec; bits the
-// run-time width of WFMT_QN, whose unit of 32 values is one whole GEMM_BK step of a row); rlim
-// bounds the rows this part may read (so the gate part of a stacked [gate | up] never reads up rows).
+// tile[i * ld + j] = W[r0 + i, k0 + j] dequantized, for i < count, j < GEMM_BK (zero for rows i >= rows
+// and k0 + j >= K). w, scales, biases: the weight part at its first tile row r0 (w as WDot's wvec; the
+// caller forms these 64-bit offsets once per threadgroup, gemm_w_part), upr / spr its wvec units and
+// scales per row, so a row here is a 32-bit offset i * upr (i < GEMM_BN); `rows` the rows of the part
+// from r0 that this tile may read (so the gate part of a stacked [gate | up] never reads up rows); bits
+// the run-time width of WFMT_QN, whose unit of 32 values is one whole GEMM_BK step of a row.
 // Values are WDot::dequant's (scale * q + bias in float, as every GEMV of the project computes them).
 template <int FMT, typename S, typename T, typename TT, typename WP, typename SP, typename TP>
-inline void gemm_stage_w(WP w, SP scales, SP biases, uint r0, uint rlim, uint K, uint gs, uint bits, uint k0,
-                         uint count, TP tile, uint ld, uint tid, uint nthreads) {
+inline void gemm_stage_w(WP w, SP scales, SP biases, uint upr, uint spr, uint rows, uint K, uint gs, uint bits,
+                         uint k0, uint count, TP tile, uint ld, uint tid, uint nthreads) {
     typedef WDot<FMT, S, T> D;
     const uint per_row = GEMM_BK / D::VALS;
-    const ulong upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
     for (uint u = tid; u < count * per_row; u += nthreads) {
         const uint i = u / per_row, j = D::VALS * (u % per_row), k = k0 + j;
-        const uint row = r0 + i;
         float v[D::VALS];
-        if (row < rlim && k < K) {
-            D::dequant(w + ulong(row) * upr, scales + ulong(row) * spr, biases + ulong(row) * spr, k, gs, bits, v);
+        if (i < rows && k < K) {
+            D::dequant(w + i * upr, scales + i * spr, biases + i * spr, k, gs, bits, v);
         } else {
             for (uint c = 0; c < D::VALS; ++c) {
                 v[c] = 0.0f;
@@ -129,6 +151,31 @@ inline void gemm_stage_w(WP w, SP scales, SP biases, uint r0, uint rlim, uint K,
             tile[i * ld + j + c] = TT(v[c]);
         }
     }
+}
+
+// One weight part of a tile (the whole tile, or the gate or up half with SwiGLU): its rows from row r0 of
+// matrix `expert` of a stack (w as wvec, scales, biases at the stack's start), limited to rows < rlim.
+// The 64-bit offsets are formed here, once per threadgroup (Apple GPUs run 64-bit integer multiplies
+// several times slower: none is left in the staging loops).
+template <typename WP, typename SP>
+struct GemmWPart {
+    WP w;
+    SP scales, biases;
+    uint upr, spr, rows;
+};
+template <int FMT, typename S, typename T, typename WP, typename SP>
+inline GemmWPart<WP, SP> gemm_w_part(constant GemmParams& p, WP w, SP scales, SP biases, uint expert, uint r0,
+                                     uint rlim) {
+    typedef WDot<FMT, S, T> D;
+    GemmWPart<WP, SP> q;
+    q.upr = D::units_per_row(p.K, p.bits);
+    q.spr = D::scales_per_row(p.K, p.group_size);
+    const ulong row = ulong(expert) * p.w_rows + r0;
+    q.w = w + row * q.upr;
+    q.scales = scales + row * q.spr;
+    q.biases = biases + row * q.spr;
+    q.rows = rlim > r0 ? rlim - r0 : 0u;
+    return q;
 }
 
 // Stores the product tile ct ([t.rows, ldc] float; with GEMM_SWIGLU columns [0, cols) the gate and
@@ -141,12 +188,17 @@ inline void gemm_store(constant GemmParams& p, GemmTile t, CP ct, uint ldc, uint
                        uint nthreads) {
     const bool swiglu = (p.flags & GEMM_SWIGLU) != 0u, add = (p.flags & GEMM_ADD) != 0u;
     const bool round = (p.flags & GEMM_ROUND) != 0u;
+    // the tile's first row once at a 64-bit offset; inside it 32-bit offsets (GEMM_BM * y_stride fits:
+    // checked by the host)
+    const ulong first = ulong(t.first) * p.y_stride;
+    const RP rt = residual + first;
+    const YP yt = y + first;
     for (uint u = tid; u < t.rows * cols; u += nthreads) {
         const uint i = u / cols, c = u % cols, n = n0 + c;
         if (n >= p.N) {
             continue;
         }
-        const ulong at = ulong(t.first + i) * p.y_stride + n;
+        const uint at = i * p.y_stride + n;
         float v = ct[i * ldc + c];
         if (swiglu) {
             v = swiglu_act<T>(v, ct[i * ldc + cols + c]);
@@ -154,8 +206,8 @@ inline void gemm_store(constant GemmParams& p, GemmTile t, CP ct, uint ldc, uint
             v = rnd<T>(v);   // the product rounded to T first (the bf16 graph adds two bf16 values)
         }
         if (add) {
-            v += float(residual[at]);
+            v += float(rt[at]);
         }
-        y[at] = O(v);
+        yt[at] = O(v);
     }
 }

@@ -38,22 +38,31 @@
 template <typename T>
 inline void route_topk(device const float* logits, uint n, uint k, bool norm, uint lane, thread uint& id,
                        thread float& weight) {
-    float probs[MOE_MAX_EXPERTS / SIMD_WIDTH];
+    // probs[j] is expert lane + 32 j: every loop over j runs to the array's constant length with the
+    // SIMD-group-uniform guard j < per inside (the slots past it are skipped, never read), so the
+    // unrolled loops index the array with constants and it stays in registers (a loop bounded by the
+    // run-time `per` would index it dynamically: stack memory)
+    constexpr uint PER = MOE_MAX_EXPERTS / SIMD_WIDTH;
     const uint per = (n + SIMD_WIDTH - 1u) / SIMD_WIDTH;
+    float probs[PER];
     float m = logits[0];
     for (uint e = lane; e < n; e += SIMD_WIDTH) {
         m = max(m, logits[e]);
     }
     m = simd_max(m);
     float s = 0.0f;
-    for (uint j = 0; j < per; ++j) {
-        const uint e = lane + j * SIMD_WIDTH;
-        probs[j] = e < n ? exp(logits[e] - m) : 0.0f;
-        s += probs[j];
+    for (uint j = 0; j < PER; ++j) {
+        if (j < per) {
+            const uint e = lane + j * SIMD_WIDTH;
+            probs[j] = e < n ? exp(logits[e] - m) : 0.0f;
+            s += probs[j];
+        }
     }
     s = simd_sum(s);
-    for (uint j = 0; j < per; ++j) {
-        probs[j] = probs[j] / s;
+    for (uint j = 0; j < PER; ++j) {
+        if (j < per) {
+            probs[j] = probs[j] / s;
+        }
     }
     float prev_v = 2.0f;  // above every probability: round 0 may take any expert
     uint prev_i = 0;
@@ -62,13 +71,15 @@ inline void route_topk(device const float* logits, uint n, uint k, bool norm, ui
     for (uint r = 0; r < k; ++r) {
         float bv = -1.0f;  // below every probability
         uint bi = 0xFFFFFFFFu;
-        for (uint j = 0; j < per; ++j) {
-            const uint e = lane + j * SIMD_WIDTH;
-            const float v = probs[j];
-            const bool below = v < prev_v || (v == prev_v && e > prev_i);
-            if (e < n && below && v > bv) {
-                bv = v;
-                bi = e;
+        for (uint j = 0; j < PER; ++j) {
+            if (j < per) {
+                const uint e = lane + j * SIMD_WIDTH;
+                const float v = probs[j];
+                const bool below = v < prev_v || (v == prev_v && e > prev_i);
+                if (e < n && below && v > bv) {
+                    bv = v;
+                    bi = e;
+                }
             }
         }
         const float best = simd_max(bv);

@@ -17,8 +17,8 @@
 // kernel instantiations of qmv, embed, the MoE kernels and both GEMMs (x scale types x activation
 // types x vector counts), and each instantiation costs simulator and ASan build time in CI; the low
 // widths are rare in a checkpoint (the routed experts of a 2/3-bit conversion, or a whole small
-// model), so they share one instantiation whose width is a params field (`bits`), the extraction a
-// 64-bit window shift.
+// model), so they share one instantiation whose width is a params field (`bits`); inside it a uniform
+// switch on the width runs a loop compiled for that width (constant word indices and shifts, 32-bit).
 //
 // Each format is a WDot<FMT, S, T> with
 //   wvec               the unit a lane loads per step (uint2 at 4/8 bits, uint words at QN, vec<S, 4> dense)
@@ -232,16 +232,38 @@ struct WDot<WFMT_DENSE, S, T> {
     }
 };
 
-// Code i (0 <= i < 32) of a QN unit: q[0, bits) the unit's words, value i at bits [bits i, bits (i + 1))
-// of their little-endian concatenation. A 64-bit window over the word holding its first bit and the
-// next one (read only when the value straddles into it) is shifted down and masked.
-inline uint qn_code(thread const uint* q, uint i, uint bits) {
-    const uint at = i * bits, wi = at / 32u, sh = at % 32u;
-    ulong win = ulong(q[wi]);
-    if (sh + bits > 32u) {
-        win |= ulong(q[wi + 1u]) << 32;
+// Code i (0 <= i < 32) of a QN unit at the compile-time width B: q[0, B) the unit's words, value i at
+// bits [B i, B (i + 1)) of their little-endian concatenation. 32-bit only (Apple GPUs run 64-bit integer
+// shifts several times slower): the word holding its first bit shifted down, and when the value
+// straddles into the next word (sh + B > 32, so sh >= 25 and the left shift 32 - sh is in [1, 7]) that
+// word's low bits funnelled in above, then masked. Called from loops over i with a constant trip count:
+// unrolled, the word index and the shifts are constants, so q[] is indexed with constants (registers).
+template <uint B>
+inline uint qn_code(thread const uint* q, uint i) {
+    const uint at = i * B, wi = at / 32u, sh = at % 32u;
+    uint v = q[wi] >> sh;
+    if (sh + B > 32u) {
+        v |= q[wi + 1u] << (32u - sh);
     }
-    return uint(win >> sh) & ((1u << bits) - 1u);
+    return v & ((1u << B) - 1u);
+}
+
+// sum over a unit's 32 values of x * q at width B (one term per value, in value order)
+template <uint B>
+inline float qn_dot(thread const uint* q, thread const float* xs) {
+    float acc = 0.0f;
+    for (uint i = 0; i < QMV_VALS_QN; ++i) {
+        acc += xs[i] * float(qn_code<B>(q, i));
+    }
+    return acc;
+}
+
+// a unit's 32 weights s * q + b at width B
+template <uint B>
+inline void qn_dequant(thread const uint* q, float s, float b, thread float* out) {
+    for (uint i = 0; i < QMV_VALS_QN; ++i) {
+        out[i] = s * float(qn_code<B>(q, i)) + b;
+    }
 }
 
 template <typename S, typename T>
@@ -267,7 +289,7 @@ struct WDot<WFMT_QN, S, T> {
     template <typename WP, typename SP>
     static Unit load(WP wrow, SP srow, SP brow, uint k, uint gs, uint bits) {
         Unit u;
-        const ulong base = ulong(k / 32u) * bits;
+        const uint base = k / 32u * bits;   // < K bits / 32: a 32-bit word index within the row
         for (uint j = 0; j < QN_MAX_BITS; ++j) {
             u.q[j] = j < bits ? wrow[base + j] : 0u;
         }
@@ -277,10 +299,19 @@ struct WDot<WFMT_QN, S, T> {
         return u;
     }
 
+    // The run-time width selects a loop compiled for that width (a uniform switch: every lane of a
+    // dispatch has the same width), so the word index and shifts of every value are constants. The
+    // widths are the ones gpu::Matrix allows (quantized_format: 2, 3, 4, 5, 6, 8 -- 4 and 8 when a MoE
+    // dispatch pairs two widths); 8 is the default arm.
     static float dot(Unit u, thread const float* xs, float xsum) {
-        float acc = 0.0f;
-        for (uint i = 0; i < VALS; ++i) {
-            acc += xs[i] * float(qn_code(u.q, i, u.bits));
+        float acc;
+        switch (u.bits) {
+            case 2u: acc = qn_dot<2u>(u.q, xs); break;
+            case 3u: acc = qn_dot<3u>(u.q, xs); break;
+            case 4u: acc = qn_dot<4u>(u.q, xs); break;
+            case 5u: acc = qn_dot<5u>(u.q, xs); break;
+            case 6u: acc = qn_dot<6u>(u.q, xs); break;
+            default: acc = qn_dot<8u>(u.q, xs); break;
         }
         return u.s * acc + u.b * xsum;
     }
@@ -288,8 +319,13 @@ struct WDot<WFMT_QN, S, T> {
     template <typename WP, typename SP>
     static void dequant(WP wrow, SP srow, SP brow, uint k, uint gs, uint bits, thread float* out) {
         const Unit u = load(wrow, srow, brow, k, gs, bits);
-        for (uint i = 0; i < VALS; ++i) {
-            out[i] = u.s * float(qn_code(u.q, i, bits)) + u.b;
+        switch (bits) {
+            case 2u: qn_dequant<2u>(u.q, u.s, u.b, out); break;
+            case 3u: qn_dequant<3u>(u.q, u.s, u.b, out); break;
+            case 4u: qn_dequant<4u>(u.q, u.s, u.b, out); break;
+            case 5u: qn_dequant<5u>(u.q, u.s, u.b, out); break;
+            case 6u: qn_dequant<6u>(u.q, u.s, u.b, out); break;
+            default: qn_dequant<8u>(u.q, u.s, u.b, out); break;
         }
     }
 };
@@ -327,12 +363,17 @@ inline void rows_dot_x(WP w, SP scales, SP biases, XP x4, XO xo, XP g4, thread c
     typedef WDot<FMT, S, T> D;
     typedef typename D::Unit U;
     const uint upr = D::units_per_row(K, bits), spr = D::scales_per_row(K, gs);
-    ulong wo[QMV_ROWS], so[QMV_ROWS];
+    // the 64-bit offsets of the first row once; the (clamped) rows after it at 32-bit offsets from there
+    const uint rb = min(row0, nrows - 1u);
+    const ulong wo0 = ulong(rb) * upr, so0 = ulong(rb) * spr;
+    uint wo[QMV_ROWS], so[QMV_ROWS];
     for (uint r = 0; r < QMV_ROWS; ++r) {
-        const ulong row = min(row0 + r, nrows - 1u);
-        wo[r] = row * upr;
-        so[r] = row * spr;
+        const uint dr = min(row0 + r, nrows - 1u) - rb;   // 0 .. QMV_ROWS - 1
+        wo[r] = dr * upr;
+        so[r] = dr * spr;
     }
+    const WP w0 = w + wo0;
+    const SP s0 = scales + so0, b0 = biases + so0;
     float acc[MB * QMV_ROWS];
     for (uint i = 0; i < MB * QMV_ROWS; ++i) {
         acc[i] = 0.0f;
@@ -340,7 +381,7 @@ inline void rows_dot_x(WP w, SP scales, SP biases, XP x4, XO xo, XP g4, thread c
     for (uint k = lane * D::VALS; k < K; k += SIMD_WIDTH * D::VALS) {
         U u[QMV_ROWS];
         for (uint r = 0; r < QMV_ROWS; ++r) {
-            u[r] = D::load(w + wo[r], scales + so[r], biases + so[r], k, gs, bits);
+            u[r] = D::load(w0 + wo[r], s0 + so[r], b0 + so[r], k, gs, bits);
         }
         for (uint b = 0; b < MB; ++b) {
             if (b < nb) {

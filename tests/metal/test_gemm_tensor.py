@@ -189,7 +189,10 @@ def grouped_case(rng, fmt, dtype, tile_rows, swiglu):
                 assert_close(y[s], rnd(W.ref[e] @ xf[s], dtype), np.abs(W.ref[e]) @ np.abs(xf[s]), dtype, f"slot {s}")
 
     suffix = "_f32out" if dtype == "bf16" and not swiglu else ""
-    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}")
+    # the bf16 build's float output holds T-rounded values: the routes agree to one bf16 rounding (their
+    # float sums differ in order: the simdgroup route adds two K halves), as the dense round case
+    return Case(call, y0, expect, f"gemm_{variant(fmt)}_{dtype}{suffix}",
+                agree=8e-3 if dtype == "bf16" and not swiglu else 0.0)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -206,7 +209,11 @@ def test_grouped(schedule, tile_rows, swiglu, fmt, dtype):
 def test_model_shape():
     """A 2048 x 2048 4-bit projection (group 64) over a chunk of 64 bf16 rows, float output, on both routes."""
     rng = np.random.default_rng(64)
-    execute(dense_case(rng, "q4_sbf16", "bf16", 64, 2048, 64, 32, f32_out=True, random_words=True), "random", 2)
+    case = dense_case(rng, "q4_sbf16", "bf16", 64, 2048, 64, 32, f32_out=True, random_words=True)
+    # the routes sum the 2048 products in different orders (the simdgroup route in two K halves per step);
+    # each is held to 1e-5 of |x| . |w| against float64 by the case itself, so they agree to about that
+    case.agree = 1e-5
+    execute(case, "random", 2)
 
 
 def test_route_choice():

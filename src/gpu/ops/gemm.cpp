@@ -24,6 +24,7 @@ uint64_t span(uint32_t rows, uint32_t stride, uint32_t cols, uint64_t es) {
 // the same buffers, grid and params); what differs between the dense and the grouped GEMMs is
 // the params, the row bindings and the declarations.
 struct GemmCall {
+    const char* op = "gemm";
     GemmParams p{};
     const Matrix* wa = nullptr;   // binding 1-3 (the gate part with swiglu)
     const Matrix* wb = nullptr;   // binding 4-6 (the up part of grouped swiglu; else wa again, unread)
@@ -44,6 +45,14 @@ struct GemmCall {
 };
 
 void encode(Encoder& e, Act t, const GemmCall& c) {
+    // The kernels index inside a tile with 32-bit offsets (gemm_tile.h: Apple GPUs run 64-bit integer
+    // multiplies several times slower): X rows as vec4 offsets row * x_stride / 4 (0xFFFFFFFF marks an
+    // absent row), Y rows of a tile i * y_stride, weight rows of a tile i * (units per row <= K).
+    check(uint64_t(c.p.x_rows) * (c.p.x_stride / 4) < 0xFFFFFFFFull, c.op,
+          "x is too large for 32-bit row offsets (" + std::to_string(c.p.x_rows) + " rows of " +
+              std::to_string(c.p.x_stride) + " elements)");
+    check(uint64_t(GEMM_BM) * c.p.y_stride < 0xFFFFFFFFull, c.op, "y_stride too large for 32-bit tile offsets");
+    check(uint64_t(GEMM_BN) * c.p.K < 0xFFFFFFFFull, c.op, "K too large for 32-bit tile offsets");
     std::vector<Arg> args{Arg::params(c.p)};
     matrix_args(args, *c.wa, c.w_rows_read);
     matrix_args(args, *c.wb, c.wb == c.wa ? 0 : c.w_rows_read);
@@ -166,6 +175,7 @@ void gemm_grouped_swiglu(Encoder& e, Act t, const Matrix& gate, const Matrix& up
     need(act, uint64_t(S) * I * es, op, "act");
     const uint32_t x_rows = uint32_t(std::min<uint64_t>(x.length / xrow, 0xFFFFFFFFu));
     GemmCall c;
+    c.op = op;
     c.route = route;
     c.p = grouped_params(gate, tm, S, x_rows, GEMM_SWIGLU | GEMM_TILEMAP | GEMM_GATHER);
     c.p.N = I;
@@ -199,6 +209,7 @@ void gemm_grouped(Encoder& e, Act t, const Matrix& W, const Buffer& act, const T
     check(act.offset % (4 * es) == 0, op, "act offset must be 4-element aligned");
     need(y, uint64_t(S) * N * 4, op, "y");
     GemmCall c;
+    c.op = op;
     c.route = route;
     // y float holding the product rounded to T (identity for float activations)
     c.p = grouped_params(W, tm, S, S, GEMM_ROUND | GEMM_TILEMAP);

@@ -97,6 +97,9 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
     const uint half_rot = p.rotary_dim / 2;
     const ulong row = (ulong(j) * p.capacity + position) * hd;
     device const T* v_in = proj + p.q_rows + ulong(p.n_kv_heads) * hd + ulong(j) * hd;
+    device T* q_row = q_out + ulong(g) * hd;             // the 64-bit row bases once, outside the loop
+    device KV* k_row = k_cache + row;
+    device KV* v_row = v_cache + row;
     for (uint d = tid; d < hd; d += nthreads) {
         float y = attn_normed(x, w, d, inv);
         if (d < p.rotary_dim) {
@@ -109,10 +112,10 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
         }
         const T yt = T(y);
         if (is_q) {
-            q_out[ulong(g) * hd + d] = yt;
+            q_row[d] = yt;
         } else {
-            k_cache[row + d] = KV(float(yt));
-            v_cache[row + d] = KV(float(v_in[d]));
+            k_row[d] = KV(float(yt));
+            v_row[d] = KV(float(v_in[d]));
         }
     }
 }
@@ -171,9 +174,10 @@ inline void attn_partial_pass(constant AttnDecodeParams& p, device const T* q, d
 
     float qr[ATTN_LANE_ELEMS];
     float acc[ATTN_LANE_ELEMS];
+    device const T* qh = q + ulong(h) * hd;
     for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
         const uint d = lane + SIMD_WIDTH * i;
-        qr[i] = active && d < hd ? float(q[ulong(h) * hd + d]) * p.scale : 0.0f;
+        qr[i] = active && d < hd ? float(qh[d]) * p.scale : 0.0f;
         acc[i] = 0.0f;
     }
     float m = ATTN_NEG_INIT, l = 0.0f;
@@ -190,7 +194,8 @@ inline void attn_partial_pass(constant AttnDecodeParams& p, device const T* q, d
                 threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the last tile
             }
             first = false;
-            attn_load_tile(k_cache, v_cache, head_base + ulong(t0) * hd, nt * hd, vec4, kt, vt, tid, nthreads);
+            // t0 * hd < capacity * head_dim < 2^32 (the host checks): 32-bit within the head
+            attn_load_tile(k_cache, v_cache, head_base + t0 * hd, nt * hd, vec4, kt, vt, tid, nthreads);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
                 for (uint t = ks; t < nt; t += KS) {
@@ -275,8 +280,9 @@ void attn_decode_single(constant AttnDecodeParams& p [[buffer(0)]], device const
         if (gi < p.group) {
             float M, L;
             const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
+            // head h's rows at 32-bit offsets (n_heads * head_dim and n_heads * q_stride < 2^32: the host checks)
             const uint h = tg.z * p.group + gi;
-            o[ulong(h) * hd + d] = attn_gated(a / L, proj + ulong(h) * p.q_stride + hd, d, p.output_gate);
+            o[h * hd + d] = attn_gated(a / L, proj + h * p.q_stride + hd, d, p.output_gate);
         }
     }
 }
@@ -307,7 +313,8 @@ void attn_decode_partial(constant AttnDecodeParams& p [[buffer(0)]], device cons
         if (gi < p.group) {
             float M, L;
             const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
-            const ulong slot = ulong(tg.z * p.group + gi) * p.n_partials + tg.x;
+            // the scratch's slots at 32-bit offsets (n_heads * n_partials * head_dim < 2^32: the host checks)
+            const uint slot = (tg.z * p.group + gi) * p.n_partials + tg.x;
             scratch[slot * hd + d] = a;
             if (d == 0) {
                 mls[2 * slot] = M;
@@ -340,9 +347,9 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
         for (uint k = 0; k < P; ++k) {
             const float wk = exp2(mls[2 * k] - M);
             L += mls[2 * k + 1] * wk;
-            a += acc[ulong(k) * hd + d] * wk;
+            a += acc[k * hd + d] * wk;   // P * head_dim < 2^32
         }
-        o[ulong(h) * hd + d] = attn_gated(a / L, proj + ulong(h) * p.q_stride + hd, d, p.output_gate);
+        o[h * hd + d] = attn_gated(a / L, proj + h * p.q_stride + hd, d, p.output_gate);
     }
 }
 
@@ -440,8 +447,9 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
         if (t0 > 0) {
             threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the last tile
         }
-        device const vec<KV, 4>* k4 = (device const vec<KV, 4>*)(k_cache + head_base + ulong(t0) * hd);
-        device const vec<KV, 4>* v4 = (device const vec<KV, 4>*)(v_cache + head_base + ulong(t0) * hd);
+        // t0 * hd < capacity * head_dim < 2^32 (the host checks): 32-bit within the head
+        device const vec<KV, 4>* k4 = (device const vec<KV, 4>*)(k_cache + head_base + t0 * hd);
+        device const vec<KV, 4>* v4 = (device const vec<KV, 4>*)(v_cache + head_base + t0 * hd);
         for (uint e = tid; e < KB * hd4; e += nthreads) {
             const uint key = e / hd4, d = 4 * (e - key * hd4);
             const bool in = key < nt;

@@ -397,8 +397,10 @@ void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device cons
                 break;
             }
             float g[MOE_ROWS_MB * QMV_ROWS], u[MOE_ROWS_MB * QMV_ROWS];
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(gv, gsc + so, gbi + so, x4, xo, p.K, p.group_size, p.bits, row0,
                                                  p.inter, nb, lane, g);
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(uv, usc + so, ubi + so, x4, xo, p.K, p.group_size, p.bits, row0,
                                                  p.inter, nb, lane, u);
             if (lane == 0u) {
@@ -426,8 +428,10 @@ void moe_gate_up_rows(constant MoeGateUpRowsParams& p [[buffer(0)]], device cons
                 xo[b] = min(r0 + b, p.rows - 1u) * xs4;
             }
             float g[MOE_ROWS_MB * QMV_ROWS], u[MOE_ROWS_MB * QMV_ROWS];
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(sw, shsc, shbi, x4, xo, p.K, p.shared_group_size, p.shared_bits,
                                                  row0, p.shared_inter, nb, lane, g);
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(sw + wo, shsc + so, shbi + so, x4, xo, p.K, p.shared_group_size,
                                                  p.shared_bits, row0, p.shared_inter, nb, lane, u);
             if (lane == 0u) {
@@ -518,6 +522,7 @@ void moe_down_rows(constant MoeDownRowsParams& p [[buffer(0)]], device const uin
                 }
             }
             float d[MOE_ROWS_MB * QMV_ROWS];
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>(dve, dsce, dbie, a4, xo, p.inter,
                                                  p.group_size, p.bits, row0, p.H, nb, lane, d);
             if (lane == 0u) {
@@ -543,6 +548,7 @@ void moe_down_rows(constant MoeDownRowsParams& p [[buffer(0)]], device const uin
             for (uint b = 0; b < MOE_ROWS_MB; ++b) {
                 xo[b] = (min(r0 + b, p.rows - 1u) * p.act_row + p.k * p.act_stride) / 4u;
             }
+            // perf-ok(PERF-INT64-LOOP): rows_dot_x forms its first row's 64-bit offset once per call, here once per batch of up to MOE_ROWS_MB rows (one pass for a decode step's rows); its weight loop is 32-bit
             rows_dot_sel<FMT, S, T, MOE_ROWS_MB>((device const WV*)shw, shsc, shbi, a4, xo, p.shared_inter,
                                                  p.shared_group_size, p.shared_bits, row0, p.H, nb, lane, d);
         }

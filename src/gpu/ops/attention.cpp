@@ -19,10 +19,16 @@ void check_heads(const AttnShape& s, const char* op) {
     check(s.n_heads % s.n_kv_heads == 0, op,
           "n_heads (" + std::to_string(s.n_heads) + ") must be a multiple of n_kv_heads (" +
               std::to_string(s.n_kv_heads) + ")");
+    // the kernels index a head's rows, and the decode scratch's partial slots, with 32-bit offsets
+    check(uint64_t(s.n_heads) * 2 * s.head_dim * ATTN_LONG_MAX_PARTIALS <= UINT32_MAX, op,
+          "n_heads x head_dim too large for the kernels' 32-bit offsets");
 }
 
 void check_cache(const AttnShape& s, const KVCache& kv, const char* op) {
     check(kv.capacity > 0, op, "the KV cache capacity must be positive");
+    check(uint64_t(kv.capacity) * s.head_dim <= UINT32_MAX, op,
+          "a KV head of " + std::to_string(kv.capacity) + " rows x " + std::to_string(s.head_dim) +
+              " exceeds the kernels' 32-bit offsets within a head");
     const uint64_t bytes = uint64_t(s.n_kv_heads) * kv.capacity * s.head_dim * kv_size(kv);
     need(kv.k, bytes, op, "k cache");
     need(kv.v, bytes, op, "v cache");

@@ -36,7 +36,7 @@ embed = _tool("embed_msl")
 _EXPECT = re.compile(r"EXPECT:((?:\s+(?:MSL|PERF)-[A-Z0-9-]+)+)")
 # the families with no performance finding (PERF-*); the others are being reshaped for Apple GPUs, and join
 # this list as their findings are fixed or annotated (docs/metal.md, "Performance checks")
-PERF_CLEAN = ("norm.metal", "sample.metal")
+PERF_CLEAN = tuple(p.name for p in KERNEL_FILES)
 _VERSION = re.compile(r"^// conform-version: (\d+\.\d+)$", re.M)
 
 

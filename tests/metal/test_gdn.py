@@ -217,6 +217,15 @@ def test_realistic_shape(dtype):
     check_tokens(L, [L.token() for _ in range(2)], "random", tol_y=tol, tol_state=1e-5)
 
 
+@pytest.mark.parametrize("dk", [32, 33, 64, 65, 128, 129, 256])
+def test_step_per_lane_instantiations(dk):
+    """gdn_step's instantiations (1, 2, 4, 8 state elements per lane: dk <= 32, 64, 128, 256), each at both
+    ends of its range, two tokens against the reference."""
+    shape = ops.GdnShape(nk=1, nv=2, dk=dk, dv=8, conv_kernel=2)
+    L = Layer(shape, "f32", dk)
+    check_tokens(L, [L.token() for _ in range(2)], "random", tol_y=1e-5, tol_state=1e-5)
+
+
 def test_dispatch_geometry_and_bytes():
     """One dispatch each; the step's declared traffic is dominated by the state, read and written once."""
     shape = ops.GdnShape(nk=16, nv=32, dk=128, dv=128, conv_kernel=4)
@@ -432,14 +441,19 @@ def test_split_prefill(route):
         check_close(y2, S2, y1, S1, 1e-6, 1e-6, f"{route} split {splits}")
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("K", [2, 4])
-def test_conv_rows(dtype, K):
+@pytest.mark.parametrize("dtype,K,Ms,schedule", [("f32", 2, (1, 2, 5), "random"), ("f32", 4, (1, 2, 5, 70), "random"),
+                                                  ("bf16", 2, (1, 2, 5), "random"), ("bf16", 4, (1, 2, 5, 70), "random"),
+                                                  ("f32", 34, (2, 70), "forward"), ("f32", 34, (70,), "reverse")])
+def test_conv_rows(dtype, K, Ms, schedule):
     """gdn_conv over M rows of a strided projection equals M single-row calls (bit-exact: the same sums), and
-    the reference causal_conv1d; conv_out in place and ping-pong; M < K-1 shifts part of the old window."""
+    the reference causal_conv1d; conv_out in place and ping-pong; M < K-1 shifts part of the old window. 70 rows
+    span three row blocks (32, 32, 6: the state is read and rewritten by block 0 only); K = 34 raises the row
+    block to K - 1 = 33, so that block 0 still holds every row whose window reaches into the state (with
+    blocks of 32, block 1 would read state row 32 in place after block 0 rewrote it: the forward schedule runs
+    block 0 first)."""
     shape = ops.GdnShape(nk=1, nv=2, dk=16, dv=8, conv_kernel=K)
     C = shape.conv_dim
-    for M in (1, 2, 5):
+    for M in Ms:
         L = Layer(shape, dtype, 30 + M)
         stride = C + 7
         qkv = L.rng.normal(size=(M, stride)).astype(F32).astype(L.T)
@@ -449,7 +463,7 @@ def test_conv_rows(dtype, K):
         cs_rows = L.conv_state.copy()
         cs_out = np.full_like(L.conv_state, np.nan)
         cs_one = L.conv_state.copy()
-        with run("random") as (dev, enc, buf):
+        with run(schedule) as (dev, enc, buf):
             cw = buf(L.conv_w)
             ops.gdn_conv(enc, dtype, shape, buf(qkv), cw, buf(cs_rows), buf(act_rows), conv_out=buf(cs_out), rows=M,
                          qkv_stride=stride)

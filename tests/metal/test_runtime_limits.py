@@ -115,7 +115,7 @@ def test_cut_prefill_equals_one_command_buffer():
 # ---- per-pipeline thread limit ------------------------------------------------------------------
 def test_pipeline_limits_follow_the_declarations():
     dev = gpu.SimDevice(pipeline_max_threads=256)
-    assert dev.max_threads("gdn_step_f32") == 1024          # [[max_total_threads_per_threadgroup(32 x 32)]]
+    assert dev.max_threads("gdn_step_f32_dk128") == 1024  # [[max_total_threads_per_threadgroup(32 x 32)]]
     assert dev.max_threads("gemm_q4_sbf16_f32") == 128
     assert dev.max_threads("sample_sorted") == 1024
     assert dev.max_threads("rmsnorm_f32") == 256            # no declaration: the device's lowered limit

@@ -19,13 +19,24 @@ void check_shape(const GdnShape& s, const char* op) {
 void check_scan_shape(const GdnShape& s, const char* op) {
     check(s.dk <= GDN_STEP_MAX_DK, op,
           "dk = " + std::to_string(s.dk) + " exceeds GDN_STEP_MAX_DK = " + std::to_string(GDN_STEP_MAX_DK) +
-              " (32 lanes x GDN_STEP_MAX_DK_PER_LANE elements per lane)");
+              " (32 lanes x at most GDN_STEP_MAX_DK_PER_LANE elements per lane: gdn_step is instantiated for dk <= 32,"
+              " 64, 128 and 256)");
     check(s.dv <= GDN_STEP_MAX_DV, op,
           "dv = " + std::to_string(s.dv) + " exceeds GDN_STEP_MAX_DV = " + std::to_string(GDN_STEP_MAX_DV) +
               " (32 SIMD-groups x GDN_STEP_MAX_ROWS_PER_SG state rows in registers)");
 }
 
 uint32_t step_simdgroups(const GdnShape& s) { return std::min(s.dv, GDN_STEP_MAX_SIMDGROUPS); }
+// gdn_step's state elements per lane (its template parameter): the smallest of 1, 2, 4, 8 with 32 x that >= dk
+// (4 at dk = 128); dk <= GDN_STEP_MAX_DK is checked first (check_scan_shape)
+uint32_t step_per_lane(const GdnShape& s) {
+    uint32_t d = 1;
+    while (32 * d < s.dk) d *= 2;
+    return d;
+}
+std::string step_kernel(Act t, const GdnShape& s) {
+    return std::string("gdn_step_") + act_suffix(t) + "_dk" + std::to_string(32 * step_per_lane(s));
+}
 // the block size: as asked, or the fewest blocks of <= GDN_CHUNK_MAX tokens, balanced (65 tokens: 2 x 33, not
 // 64 + 1: the last block's critical path costs about as much as a full one)
 uint32_t chunk_block(uint32_t M, uint32_t block) {
@@ -126,7 +137,7 @@ void encode_scan(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
     need(a, nh, op, "a");
     const bool same = check_head_buffers(s, t, A_log, dt_bias, norm_w, state, state_out, y, rows, op);
     const GdnParams p = make_params(s, eps, rows, gate_stride, 0);
-    e.dispatch(std::string("gdn_step_") + act_suffix(t), Dims{s.nv, 1, 1}, Dims{32 * step_simdgroups(s), 1, 1},
+    e.dispatch(step_kernel(t, s), Dims{s.nv, 1, 1}, Dims{32 * step_simdgroups(s), 1, 1},
                {Arg::params(p), Arg::in(act.view(0, nact)), Arg::in(z.view(0, nz), rows * V * es),
                 Arg::in(b.view(0, nh), rows * nv * es), Arg::in(a.view(0, nh), rows * nv * es),
                 Arg::in(A_log.view(0, nv * 4)), Arg::in(dt_bias.view(0, nv * 4)), Arg::in(norm_w.view(0, nw)),
@@ -145,6 +156,7 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
     const uint32_t C = s.conv_dim(), K = s.conv_kernel;
     const uint32_t stride = qkv_stride ? qkv_stride : C;
     check(rows >= 1, op, "rows must be at least 1");
+    check(uint64_t(C) * K <= UINT32_MAX, op, "conv_dim x conv_kernel exceeds 2^32 - 1 (the kernel's 32-bit tap offsets)");
     check(stride >= C, op, "qkv_stride (" + std::to_string(stride) + ") is below conv_dim (" + std::to_string(C) + ")");
     const uint64_t es = act_size(t), nx = (uint64_t(rows - 1) * stride + C) * es, na = uint64_t(rows) * C * es,
                    nw = uint64_t(C) * K * 4, ns = uint64_t(C) * (K - 1) * 4;
@@ -154,10 +166,12 @@ void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buf
     need(conv_out, ns, op, "conv_out");
     need(act, na, op, "act");
     const bool same = same_or_disjoint(conv_out, conv_state, ns, op, "conv_out", "conv_state");
-    const GdnConvParams p{C, K, rows, stride};
+    // rows per thread: at least K - 1, so that only row block 0 reads the state (and writes it after)
+    const uint32_t block = std::max(GDN_CONV_ROWS, K - 1);
+    const GdnConvParams p{C, K, rows, stride, block};
     const std::string kernel = std::string("gdn_conv_") + act_suffix(t);
     const uint32_t threads = fit_threads(e, kernel, GDN_CONV_THREADS);   // one channel per thread
-    e.dispatch(kernel, Dims{ceil_div(C, threads), 1, 1}, Dims{threads, 1, 1},
+    e.dispatch(kernel, Dims{ceil_div(C, threads), ceil_div(rows, block), 1}, Dims{threads, 1, 1},
                {Arg::params(p), Arg::in(qkv.view(0, nx), na), Arg::in(conv_w.view(0, nw)),
                 same ? Arg::inout(conv_state.view(0, ns)) : Arg::in(conv_state.view(0, ns)),
                 same ? Arg::inout(conv_out.view(0, ns), 0, 0) : Arg::out(conv_out.view(0, ns)),
@@ -175,7 +189,9 @@ void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buf
 }
 
 bool gdn_chunked_fits(const GdnShape& s) {
-    return s.dk % 8 == 0 && s.dv % 8 == 0 && s.dk <= GDN_CHUNK_MAX_DK;
+    // the kernel's row offsets within a block are 32-bit: GDN_CHUNK_MAX rows of act (conv_dim) and o (value_dim)
+    return s.dk % 8 == 0 && s.dv % 8 == 0 && s.dk <= GDN_CHUNK_MAX_DK &&
+           uint64_t(GDN_CHUNK_MAX) * s.conv_dim() <= UINT32_MAX;
 }
 
 uint64_t gdn_prefill_scratch_bytes(const GdnShape& s, uint32_t max_rows) {
@@ -256,8 +272,9 @@ void gdn_prefill(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
         return;
     }
     check(gdn_chunked_fits(s), op,
-          "the chunked route needs dk and dv multiples of 8 and dk <= GDN_CHUNK_MAX_DK = " +
-              std::to_string(GDN_CHUNK_MAX_DK) + ", got dk = " + std::to_string(s.dk) + ", dv = " + std::to_string(s.dv));
+          "the chunked route needs dk and dv multiples of 8, dk <= GDN_CHUNK_MAX_DK = " +
+              std::to_string(GDN_CHUNK_MAX_DK) + " and GDN_CHUNK_MAX x conv_dim < 2^32, got dk = " +
+              std::to_string(s.dk) + ", dv = " + std::to_string(s.dv) + ", conv_dim = " + std::to_string(s.conv_dim()));
     check(block <= GDN_CHUNK_MAX, op,
           "block = " + std::to_string(block) + " exceeds GDN_CHUNK_MAX = " + std::to_string(GDN_CHUNK_MAX));
     const uint32_t bc = chunk_block(M, block);

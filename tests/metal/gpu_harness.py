@@ -81,11 +81,14 @@ def bf16_ulps(got, ref, floor=0.0) -> np.ndarray:
     return np.abs(got - ref) / ulp
 
 
-# Bars of assert_bf16 (calibration, simulator, every schedule; figures in docs/verification.md, "bf16
-# comparisons"): each kernel against a reference rounding where it rounds differs from it by 1 ulp in a
-# few elements (a float32 reordering -- another reduction order, an FMA -- moves a value across a bf16
-# rounding boundary) and by more in none; dropping one rounding point moves a large share by an ulp.
-#   rmsnorm / add_rmsnorm:     mean 0.000-0.004 ulp, none over 1 ulp;  one rnd<T> dropped: mean 0.16-0.25
+# Bars of assert_bf16, calibrated on the simulator under every schedule (QWENMETAL_BF16_STATS over the family
+# tests; docs/verification.md, "bf16 kernel comparisons"). Each kernel against a reference rounding where it
+# rounds: norm and gdn decode bit-exact; attention mean <= 0.001 ulp, 3 of ~390k elements 2 ulps away (a
+# float32 reordering moves a value across a rounding boundary, then a second rounding); gdn prefill <= 0.002;
+# quant, gemm, moe <= 0.008 on arrays of 64 or more (0.065 on a few tiny ones), one element 2 ulps away. One
+# rounding point dropped (rmsnorm's T(x inv)): mean 0.13-0.33 ulp on arrays of 64 or more, none over 1 ulp --
+# so the mean, not the count, is what catches it; the allowance of 2 ulps per array keeps a flip in a short
+# vector from failing (a dropped rounding shows from about 10 elements on).
 BF16_MEAN_ULPS = 0.05       # mean |got - ref| in ulps
 BF16_OVER_FRAC = 0.002      # share of elements more than 1 ulp away (of at least 1 element)
 

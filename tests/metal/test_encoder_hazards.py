@@ -3,9 +3,9 @@ the forward, reverse and random schedules. Simulator-verified, hardware-unverifi
 
 A dispatch that reads a range written in the current dependency level (read after write), writes a range read
 in it (write after read) or writes a range written in it (write after write) must start a new level; reads
-of one range, and disjoint ranges of one buffer, share a level. The whole-graph tests place few such pairs in
-one level (a write after read there always follows a read after write, whose barrier covers it), so a
-missing barrier of one kind can pass them; here every kind is encoded back to back. A missing barrier is
+of one range, and disjoint ranges of one buffer, share a level. In the whole-graph tests no write after read
+is the only reason for its barrier (a read after write separates the pair already), so the encoder without
+its write-after-read rule passes them; here every kind is encoded back to back, alone. A missing barrier is
 reported by the simulator's own hazard check (msl::CommandBuffer: dispatches of one level that touch the
 same memory, one writing) and by the levels the records carry; the results are checked against the pair's
 sequential meaning. Each pair is a pair of rmsnorm dispatches (x and w read, y written), float, 64 wide.

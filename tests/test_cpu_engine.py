@@ -447,6 +447,31 @@ def test_random_configs_thread_independent_and_match_reference(case):
     assert rel_range_err(outs[0], np.concatenate([want, np.stack(want_dec)])) < 1e-3
 
 
+def test_small_qk_see_the_norm_eps():
+    """q and k of rms about 1e-3 (q_proj / k_proj scaled down), where eps = 1e-6 is as large as mean(q^2): the
+    q/k RMSNorm's output, and with it every attention score, depends on eps (10 eps changes the logits by
+    several % of their range), so the engine must match the reference here too (1e-3 of the logit range).
+    The whole-model fixtures' q and k have rms near 1, where eps is invisible."""
+    cfg = ModelConfig.from_dict(dict(qm.testing._presets()["tiny"]["text_config"], num_hidden_layers=2,
+                                     layer_types=["full_attention", "full_attention"]))
+    params = random_params(cfg, seed=3)
+    for i in range(cfg.num_hidden_layers):
+        a = f"layers.{i}.self_attn."
+        params[a + "q_proj"] = params[a + "q_proj"] * np.float32(1e-3)
+        params[a + "k_proj"] = params[a + "k_proj"] * np.float32(1e-3)
+        params[a + "q_norm"] = np.full_like(params[a + "q_norm"], 3.0)   # scores far from uniform
+        params[a + "k_norm"] = np.full_like(params[a + "k_norm"], 3.0)
+    w = Weights(cfg, params, "mlx", "")
+    ids = np.array(PROMPT[:12])
+    ref = R.ReferenceModel(cfg, w.dense_float32())
+    want = ref.forward(ref.new_state(), ids, logits="all")
+    be = CpuBackend(w, threads=2, kv_dtype="float32", activations="float", prefill_chunk=5)
+    s, pre = be.forward(be.new_state(), ids[:8], "all")            # the prefill path (two chunks) ...
+    dec = [be.forward(s, ids[j:j + 1], "last")[1] for j in range(8, len(ids))]    # ... and the decode path
+    got = np.concatenate([pre, np.stack(dec)])
+    assert rel_range_err(got, want) < 1e-3
+
+
 # ------------------------------------------------------------------------------------------------
 # activations="int8" / "int16": the integer-input GEMV / GEMM for 4-bit group-64 weights
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from qwenmetal.backends import reference as R
 from qwenmetal.testing import random_params
 
-from .gpu_harness import ACT, SCHEDULES, ops, rel_err, run
+from .gpu_harness import ACT, BF16, SCHEDULES, assert_bf16, ops, rel_err, run
 
 DT = {"f32": "float32", "bf16": "bfloat16"}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
@@ -42,8 +42,29 @@ def partials(route, n, pol):
     return min(-(-n // pol.get("long_block", 32)), LONG_MAX_PARTIALS)
 
 
-def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate):
-    """float64 gated attention on the values the kernel reads: q [nh*hd], K/V [nkv, cap, hd]."""
+def gated_out(o, g, bf16):
+    """o times sigmoid(g); bf16: rounded where the kernels round, T(T(o) T(sigmoid(g))) (T(o) without a gate)"""
+    r = (lambda v: np.asarray(v, np.float64).astype(np.float32).astype(BF16).astype(np.float64)) if bf16 \
+        else (lambda v: v)
+    if g is None:
+        return r(o)
+    return r(r(o) * r(1.0 / (1.0 + np.exp(-np.asarray(g, np.float64)))))
+
+
+def check_out(o, ref, tol, what=""):
+    """bf16 outputs against a reference rounded where the kernel rounds (gpu_harness.assert_bf16, ulps of
+    max(|ref|, 1e-3 max|ref|): an output is a float sum of terms as large as the largest values), float
+    ones within `tol` relative"""
+    if np.asarray(o).dtype == BF16:   # a float reference (a float value stored as bf16) rounded once
+        ref = np.asarray(ref, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
+        assert_bf16(o, ref, floor=1e-3 * np.abs(ref).max(), what=what)
+    else:
+        assert rel_err(o, ref) < tol, what
+
+
+def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate, bf16=False):
+    """float64 gated attention on the values the kernel reads: q [nh*hd], K/V [nkv, cap, hd]; bf16: the output
+    rounded as the kernel's."""
     G = nh // nkv
     q64 = np.asarray(q, np.float64).reshape(nkv, G, hd)
     K64 = np.asarray(K[:, :n], np.float64)
@@ -52,10 +73,8 @@ def decode_ref(q, proj, K, V, n, nh, nkv, hd, gate):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     o = np.einsum("jgt,jtd->jgd", p, V64).reshape(nh, hd)
-    if gate:
-        g = np.asarray(proj[:nh * 2 * hd], np.float64).reshape(nh, 2 * hd)[:, hd:]
-        o = o / (1.0 + np.exp(-g))
-    return o.reshape(-1)
+    g = np.asarray(proj[:nh * 2 * hd], np.float64).reshape(nh, 2 * hd)[:, hd:] if gate else None
+    return gated_out(o, g, bf16).reshape(-1)
 
 
 def decode_case(rng, t, kv, nh, nkv, hd, n, cap, gate):
@@ -86,10 +105,9 @@ def run_decode(schedule, t, kv, nh, nkv, hd, n, gate, pol, rng, cap=None):
         need = nh * partials(route, n, pol) * (hd + 2)
         assert need * 4 <= nbytes
         assert not np.isnan(scratch[:need]).any()
-    ref = decode_ref(q, proj, K, V, n, nh, nkv, hd, gate)
+    ref = decode_ref(q, proj, K, V, n, nh, nkv, hd, gate, t == "bf16")
     assert not np.isnan(np.asarray(o, np.float64)).any()
-    err = rel_err(o, ref)
-    assert err < TOL[t], (route, err)
+    check_out(o, ref, TOL[t], route)
     return route
 
 
@@ -201,9 +219,9 @@ def run_prepare(schedule, t, kv, nh, nkv, hd, rd, gate, pos, cap, rng, theta=1e7
                          rope_theta=theta, eps=eps, kv_dtype=DT[kv])
     qn, kn, v = prepare_ref(t, proj, qw, kw, nh, nkv, hd, rd, gate, pos, theta, eps)
     tol = max(TOL[t], TOL[kv])
-    assert rel_err(qo.reshape(nh, hd), qn) < TOL[t]
-    assert rel_err(K[:, pos], kn) < tol
-    assert rel_err(V[:, pos], v) < tol
+    check_out(qo.reshape(nh, hd), qn, TOL[t])
+    check_out(K[:, pos], kn, tol)
+    check_out(V[:, pos], v, tol)
     # no other cache row moved
     others = np.arange(cap) != pos
     assert np.array_equal(K[:, others], K0[:, others]) and np.array_equal(V[:, others], V0[:, others])
@@ -281,8 +299,8 @@ def test_multistep_against_full_attention(t, kv, schedule):
                                  **pol)
     assert {ops.attention_route(i + 1, **pol) for i in range(L)} == {"single", "split", "two_pass"}
     tol = max(TOL[t], TOL[kv])
-    assert rel_err(K[:, :L], Kref) < tol
-    assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+    check_out(K[:, :L], Kref, tol)
+    check_out(o, ref, (3e-5 if tol < 1e-3 else 2e-2))
 
 
 # ------------------------------------------------------------------------------------------- real shape
@@ -309,11 +327,11 @@ def test_real_model_shape(t, kv):
                                  n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype=DT[kv], **pol)
         outs.append(o)
     qn, kn, v = prepare_ref(t, proj, qw, kw, nh, nkv, hd, rd, True, pos, 1e7, 1e-6)
-    assert rel_err(qo.reshape(nh, hd), qn) < TOL[t]
-    assert rel_err(K[:, pos], kn) < TOL[kv]
-    ref = decode_ref(qo, proj, K, V, pos + 1, nh, nkv, hd, True)
+    check_out(qo.reshape(nh, hd), qn, TOL[t])
+    check_out(K[:, pos], kn, TOL[kv])
+    ref = decode_ref(qo, proj, K, V, pos + 1, nh, nkv, hd, True, t == "bf16")
     for o in outs:
-        assert rel_err(o, ref) < TOL[t]
+        check_out(o, ref, TOL[t])
 
 
 @pytest.mark.parametrize("pol,chunks", [({}, 1), (dict(single_pass_max=8), 1), (dict(gqa_pack=False), 4)])
@@ -424,15 +442,16 @@ def test_prepare_rows_equals_decode_prepares(schedule, t, kv):
     tol = max(TOL[t], TOL[kv])
     for r in range(rows):
         qn, kn, v = prepare_ref(t, proj[r, :row_len], qw, kw, nh, nkv, hd, rd, True, pos + r, 1e6, 1e-6)
-        assert rel_err(q1[r].reshape(nh, hd), qn) < TOL[t]
-        assert rel_err(K1[:, pos + r], kn) < tol and rel_err(V1[:, pos + r], v) < tol
+        check_out(q1[r].reshape(nh, hd), qn, TOL[t])
+        check_out(K1[:, pos + r], kn, tol, "k"), check_out(V1[:, pos + r], v, tol, "v")
     others = (np.arange(cap) < pos) | (np.arange(cap) >= pos + rows)
     assert np.array_equal(K1[:, others], K0[:, others]) and np.array_equal(V1[:, others], V0[:, others])
 
 
 # ---------------------------------------------------------------------------------------------- prefill
-def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate):
-    """float64 causal gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]."""
+def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, bf16=False):
+    """float64 causal gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]; bf16:
+    the output rounded as the kernel's."""
     G = nh // nkv
     n = p0 + M
     q64 = np.asarray(q, np.float64).reshape(M, nkv, G, hd)
@@ -442,10 +461,8 @@ def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate):
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
     o = np.einsum("jgmt,jtd->mjgd", pr, np.asarray(V[:, :n], np.float64)).reshape(M, nh, hd)
-    if gate:
-        g = np.asarray(proj, np.float64)[:, :nh * 2 * hd].reshape(M, nh, 2 * hd)[..., hd:]
-        o = o / (1.0 + np.exp(-g))
-    return o.reshape(M, nh * hd)
+    g = np.asarray(proj, np.float64)[:, :nh * 2 * hd].reshape(M, nh, 2 * hd)[..., hd:] if gate else None
+    return gated_out(o, g, bf16).reshape(M, nh * hd)
 
 
 def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0):
@@ -467,10 +484,9 @@ def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0)
                               n_kv_heads=nkv, head_dim=hd, capacity=cap, output_gate=gate, kv_dtype=DT[kv],
                               proj_stride=stride)
         assert enc.dispatches == 1
-    ref = prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate)
+    ref = prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, t == "bf16")
     assert not np.isnan(np.asarray(o, np.float64)).any()
-    err = rel_err(o, ref)
-    assert err < TOL[t], (nh, nkv, hd, p0, M, err)
+    check_out(o, ref, TOL[t], f"{(nh, nkv, hd, p0, M)}")
     return o
 
 
@@ -560,7 +576,7 @@ def test_prefill_one_row_is_decode():
     with run() as (dev, enc, buf):
         ops.attention_decode(enc, "float32", buf(q), buf(proj), buf(K), buf(V), p0 + 1, None, buf(od), n_heads=nh,
                              n_kv_heads=nkv, head_dim=hd, capacity=p0 + 3, kv_dtype="float32")
-    assert rel_err(o[0], od) < 1e-5
+    check_out(o[0], od, 1e-5)
 
 
 def run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, bounds, cap):
@@ -592,8 +608,8 @@ def test_prefill_chunks_against_full_attention(t, kv, schedule):
     one, K1, V1 = run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, L], L + 3)
     split, K2, V2 = run_chunks(schedule, t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, 11, 12, L], L + 3)
     tol = max(TOL[t], TOL[kv])
-    assert rel_err(K1[:, :L], Kref) < tol and rel_err(V1[:, :L], Vref) < tol
-    assert rel_err(one, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+    check_out(K1[:, :L], Kref, tol, "K"), check_out(V1[:, :L], Vref, tol, "V")
+    check_out(one, ref, (3e-5 if tol < 1e-3 else 2e-2))
     assert np.array_equal(one.view(np.uint8), split.view(np.uint8))
     assert np.array_equal(K1.view(np.uint8), K2.view(np.uint8))
 
@@ -606,8 +622,8 @@ def test_prefill_real_model_shape(t, kv):
     proj, qw, kw, ref, Kref, _ = full_attention_case(t, nh, nkv, hd, rd, H, L, 7)
     o, K, _ = run_chunks("random", t, kv, proj, qw, kw, nh, nkv, hd, rd, [0, 12, L], L + 1)
     tol = max(TOL[t], TOL[kv])
-    assert rel_err(K[:, :L], Kref) < tol
-    assert rel_err(o, ref) < (3e-5 if tol < 1e-3 else 2e-2)
+    check_out(K[:, :L], Kref, tol)
+    check_out(o, ref, (3e-5 if tol < 1e-3 else 2e-2))
 
 
 @pytest.mark.parametrize("nh,nkv,hd,p0,M", [(16, 2, 256, 100, 20), (4, 4, 64, 0, 70), (6, 2, 16, 9, 1),

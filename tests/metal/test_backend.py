@@ -4,9 +4,9 @@ simulator, against the numpy reference and the CPU backend. Simulator-verified, 
 * float build (dtype="float32", float KV) on every fixture format of both architectures: logits of the
   prompt (the chunked prefill graph, tests/metal/test_prefill.py) and of 64 greedy decode steps within 1e-4 of the logit
   range of the reference, identical greedy tokens;
-* bfloat build against the reference's bfloat16 mode: teacher-forced top-1 agreement >= 95 % over 64
-  positions, an exact tie of the reference's bf16 logits counting for either id (the max logit error is
-  printed);
+* bfloat build against the reference's bfloat16 mode: teacher-forced top-1 agreement >= 98 % over 64
+  positions, an exact tie of the reference's bf16 logits counting for either id, and a mean logit error
+  below 1.3e-3 of the range (a rounding point dropped from one kernel fails both; the max error is printed);
 * every attention route reached inside the graph (policy thresholds lowered);
 * the pipelined decode loop: the same tokens as unpipelined and as the forward() loop, one command buffer
   per token, host waits only for tokens; a stop token discards the extra step without touching the state;
@@ -79,7 +79,8 @@ def test_low_bit_fixtures_match_reference(fmt, n_prompt):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-next"])
 def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
-    """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 95 % over 64 positions.
+    """Teacher-forced on the bf16 reference's own greedy tokens: top-1 agreement >= 98 % over 64 positions (one
+    position may differ) and a mean logit error below 1.3e-3 of the range.
     The reference's logits are bf16-rounded, so its top two can tie exactly (a few positions on these
     random weights, where they fall depends on the host's BLAS); there the top-1 is any of the tied ids."""
     ref_model, (want_pre, want_dec, want_toks) = reference_runs(preset, "mlx-q4", "bfloat16")
@@ -93,8 +94,13 @@ def test_bfloat_build_agrees_with_reference_bf16(preset, reference_runs):
     top = want[np.arange(len(want)), np.argmax(got, -1)]
     agree = float(np.mean(top == want.max(-1)))          # got's argmax is (one of) the reference's maxima
     err = max(rel_range_err(g, w) for g, w in zip(got, want))
-    print(f"{preset}: bf16 top-1 agreement {agree:.3f}, max logit error {err:.2e} of the range")
-    assert agree >= 0.95
+    mean_err = float(np.mean([np.abs(g - w).mean() / np.ptp(w) for g, w in zip(got, want)]))
+    print(f"{preset}: bf16 top-1 agreement {agree:.3f}, max logit error {err:.2e} of the range, mean {mean_err:.2e}")
+    # the build reaches 1.000 and a mean error of 6.5e-4 of the range (both presets); one rounding point
+    # dropped from rmsnorm gives 0.953 and 2.4e-3 (docs/verification.md): one flip of 64 is allowed, for a
+    # float32 re-association that tips a near-tie, and twice the build's mean error
+    assert agree >= 0.98
+    assert mean_err < 1.3e-3
 
 
 def test_attention_routes_in_graph(reference_runs):

@@ -1,24 +1,37 @@
 """norm family (metal/norm.metal through gpu.ops.rmsnorm / gpu.ops.add_rmsnorm) against numpy, on the simulator
 device under the forward, reverse and random schedules. Simulator-verified, hardware-unverified.
 
-Float within 1e-5 relative, bfloat16 within 1e-2; references in float64 from the values as stored.
+Float within 1e-5 relative of float64 references from the values as stored; bfloat16 against the reference
+backend's bfloat16 mode (reference.rms_norm: the same two rounding points as the kernel), within 1 bf16 ulp and
+a mean distance a dropped rounding point exceeds (gpu_harness.assert_bf16). Inputs of magnitude 1e-4..1e-3,
+where eps = 1e-6 is a large part of mean(x^2), check the eps.
 """
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .gpu_harness import ACT, SCHEDULES, SIM, ops, rel_err, run
+from qwenmetal.backends import reference as R
+
+from .gpu_harness import ACT, SCHEDULES, SIM, assert_bf16, ops, rel_err, run
 from .wmat import raw
 
 HYP = settings(max_examples=50, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-TOL = {"f32": 1e-5, "bf16": 1e-2}
+TOL = {"f32": 1e-5}
 
 
 def rms_ref(h, w, eps):
     h = h.astype(np.float64)
     return h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+def check(y, x, w, eps, dtype, what=""):
+    """float: within 1e-5 of float64; bf16: as the reference's bf16 mode rounds (w * T(x * inv), rounded)"""
+    if dtype == "f32":
+        assert rel_err(y, rms_ref(x, w, eps)) <= TOL[dtype], what
+    else:
+        assert_bf16(y, R.rms_norm(np.asarray(x, np.float32), np.asarray(w, np.float32), eps, bf16=True), what=what)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -34,7 +47,7 @@ def test_rmsnorm(schedule, H, rows, dtype, seed):
     with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
         buf = raw(b)
         ops.rmsnorm(enc, dtype, buf(x), buf(w), buf(y), rows, H, 1e-6)
-    assert rel_err(y, rms_ref(x, w, 1e-6)) <= TOL[dtype]
+    check(y, x, w, 1e-6, dtype)
     if SIM:
         rec = dev.records()[0]
         assert rec["kernel"] == f"rmsnorm_{dtype}" and rec["threadgroup_memory"] == 128 and rec["barriers"] == rows
@@ -60,7 +73,7 @@ def test_add_rmsnorm(schedule, H, rows, dtype, in_place, seed):
     np.testing.assert_array_equal(h.view(np.uint8), h_ref.view(np.uint8))
     if not in_place:
         np.testing.assert_array_equal(x.view(np.uint8), x_in.view(np.uint8))
-    assert rel_err(y, rms_ref(h_ref, w, 1e-6)) <= TOL[dtype]
+    check(y, h_ref, w, 1e-6, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -78,10 +91,33 @@ def test_norms_model_shape(dtype):
         xb = buf(x)
         ops.rmsnorm(enc, dtype, xb, buf(w), buf(y1), 2, H, 1e-6)
         ops.add_rmsnorm(enc, dtype, xb, buf(r), buf(w), buf(h), buf(y2), 2, H, 1e-6)
-    assert rel_err(y1, rms_ref(x, w, 1e-6)) <= TOL[dtype]
+    check(y1, x, w, 1e-6, dtype, "rmsnorm")
     h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dt)
-    assert rel_err(y2, rms_ref(h_ref, w, 1e-6)) <= TOL[dtype]
+    check(y2, h_ref, w, 1e-6, dtype, "add_rmsnorm")
     assert not SIM or [rec["threads_per_threadgroup"] for rec in dev.records()] == [(512, 1, 1)] * 2
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("scale", [1e-4, 1e-3])
+def test_norms_small_inputs_see_eps(dtype, scale):
+    """Rows of rms 1e-4 and 1e-3, where eps = 1e-6 is 100 % and 1 % of mean(x^2): the result depends on eps
+    (an eps off by 10x moves every element by 5-95 %), so a wrong eps, or one applied twice, fails."""
+    rng = np.random.default_rng(int(scale * 1e4))
+    dt = ACT[dtype]
+    H = 256
+    x = (scale * rng.standard_normal((2, H))).astype(dt)
+    r = (scale * rng.standard_normal((2, H))).astype(dt)
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(dt)
+    y1, y2, h = np.zeros_like(x), np.zeros_like(x), np.zeros_like(x)
+    with run("random", seed=3) as (dev, enc, b):
+        buf = raw(b)
+        ops.rmsnorm(enc, dtype, buf(x), buf(w), buf(y1), 2, H, 1e-6)
+        ops.add_rmsnorm(enc, dtype, buf(x), buf(r), buf(w), buf(h), buf(y2), 2, H, 1e-6)
+    check(y1, x, w, 1e-6, dtype, "rmsnorm")
+    h_ref = (x.astype(np.float32) + r.astype(np.float32)).astype(dt)
+    check(y2, h_ref, w, 1e-6, dtype, "add_rmsnorm")
+    # the test can tell eps from 10 eps
+    assert rel_err(rms_ref(x, w, 1e-5), rms_ref(x, w, 1e-6)) > 0.04
 
 
 def test_norm_argument_checks():

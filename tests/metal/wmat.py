@@ -123,3 +123,11 @@ def assert_close(y, ref, bound, dtype: str, what: str = ""):
     j = int(np.argmax(ratio))
     assert ratio.flat[j] <= 1, (f"{what}: element {j}: got {y.flat[j]!r}, expected {ref.flat[j]!r} "
                                 f"(bound {bound.flat[j]:.3g}, {ratio.flat[j]:.2f} x the tolerance)")
+    from .gpu_harness import BF16, assert_bf16
+    if dtype != "f32" and np.array_equal(y, y.astype(np.float32).astype(BF16).astype(np.float64)):
+        # a bf16 output (a float one, e.g. T(product) + residual in float, keeps the bound above only);
+        # and in bf16 ulps of the value, or of the float accumulation's scale (ACC_TOL bound is a fraction of
+        # an ulp of 2^8 ACC_TOL bound): an ulp where float re-association flips a rounding, no rounding point
+        # dropped (the relative bound above allows an ulp, bf16x4 four, everywhere); the output is stored as
+        # bf16, so a float reference is rounded once (a reference rounded already stays as it is)
+        assert_bf16(y, ref.astype(np.float32).astype(BF16), floor=2.0 ** 8 * ACC_TOL * bound, what=what)

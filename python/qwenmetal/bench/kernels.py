@@ -4,8 +4,8 @@ threadgroup-memory bank conflicts -- and the modelled fraction of its bound (ben
 
 Two runs, because an encode-only device runs nothing:
 
-1. **Counting run** (executes): a small fixture model (``--config``, default the tests' ``tiny`` preset) on a
-   ``SimDevice(count_banks=True)`` runs a prefill of two chunks and a few decode steps, so every kernel of the
+1. **Counting run** (executes): a small fixture model (default: the tests' ``tiny`` preset at the real config's
+   head sizes, :func:`count_config`) on a ``SimDevice(count_banks=True)`` runs a prefill of two chunks and a few decode steps, so every kernel of the
    decode step and of the prefill (the chunked GDN form, the simdgroup GEMM route) executes and its bank
    conflicts are counted, and its threadgroup memory is seen.
 2. **Shapes of the real config** (encode-only): the decode step and one prefill chunk of the real config
@@ -32,17 +32,29 @@ from .occupancy import (
     resident_per_core,
 )
 
-COUNT_CONFIG = "tiny"
 FRACTION_CHIPS = ("M1 Max", "M5 Max")
 
 
-def count_kernels(config: str = COUNT_CONFIG, *, dtype: str = "bfloat16", prompt: int = 24, chunk: int = 16,
+def count_config() -> dict:
+    """The tiny preset with the real config's head sizes: attention 16 query / 2 KV heads of 256 (64 rotary
+    dims), Gated DeltaNet key and value heads of 128. The kernels whose instantiation follows a head size
+    (attn_prefill_d<N>, gdn_step_*_dk<N>) and whose tile strides do (the bank conflicts) are then the ones the
+    real config runs; the tiny hidden size, layer and expert counts keep the run to seconds."""
+    cfg = resolve_config("tiny", None)
+    t = cfg["text_config"]
+    t.update(head_dim=256, num_attention_heads=16, num_key_value_heads=2, linear_key_head_dim=128,
+             linear_value_head_dim=128)
+    t["rope_parameters"] = dict(t["rope_parameters"], mrope_section=[11, 11, 10])   # 64 rotary dims
+    return cfg
+
+
+def count_kernels(config: str | Mapping | None = None, *, dtype: str = "bfloat16", prompt: int = 24, chunk: int = 16,
                   decode: int = 2, seed: int = 0, log: Callable[[str], None] | None = None) -> dict:
     """Run a prefill of `prompt` tokens (chunks of `chunk`) and `decode` steps of the fixture model `config`
-    on a bank-counting simulator device; returns SimDevice.kernel_stats()."""
+    (default count_config()) on a bank-counting simulator device; returns SimDevice.kernel_stats()."""
     from ..model import Model
 
-    path = ensure_checkpoint(resolve_config(config, None), seed, log=log)
+    path = ensure_checkpoint(count_config() if config is None else resolve_config(config, None), seed, log=log)
     # the long-context routes the real config takes at thousands of tokens: the chunked GDN prefill and the
     # split decode attention (partials + combine) already at this short context
     model = Model.load(str(path), backend="metal-sim", dtype=dtype, prefill_chunk=chunk, gdn_route="chunked",

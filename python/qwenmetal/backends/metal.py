@@ -219,6 +219,11 @@ class MetalSimBackend(_GpuBackend):
                          memory_budget, expert_slots, expert_policy, expert_direct_io, max_context,
                          command_buffer_seconds)
 
+    def info(self) -> dict:
+        # the simulator's per-pipeline counts (dispatches, threadgroups, threadgroup memory, bank conflicts when
+        # the device counts them): what `bench --kernels` reads
+        return dict(super().info(), kernel_stats=dict(self.device.kernel_stats()))
+
 
 class MetalBackend(_GpuBackend):
     """The Metal graph on this Mac's GPU (macOS builds only)."""

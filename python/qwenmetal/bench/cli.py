@@ -432,16 +432,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "config (default the real model); alone or with --encode-only")
 
 
+def _costed_config(args: argparse.Namespace) -> ModelConfig:
+    """The config an encode-only costing runs: --model's, else --config's (default the real model, all 40
+    layers unless --layers says otherwise)."""
+    if args.model:
+        return ModelConfig.from_file(args.model)
+    config = args.config or "real"
+    return ModelConfig.from_dict(resolve_config(config, 40 if args.layers is None and config == "real" else args.layers))
+
+
 def run_encode_only(args: argparse.Namespace) -> dict:
     """`qwenmetal bench --backend metal-sim --encode-only`: the decode step of the real config, costed."""
 
     if args.backend != "metal-sim":
         raise ValueError("--encode-only needs --backend metal-sim")
-    if args.model:
-        c = ModelConfig.from_file(args.model)
-    else:
-        config = args.config or "real"
-        c = ModelConfig.from_dict(resolve_config(config, 40 if args.layers is None and config == "real" else args.layers))
+    c = _costed_config(args)
     contexts = _ints(args.contexts) if args.contexts else (4096,)
     kv = args.kv_dtype or "bfloat16"
     by_ctx = {str(n): encode_only_cost(c, context=n, kv_dtype=kv) for n in contexts}
@@ -526,11 +531,7 @@ def run_kernels(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
     if args.backend != "metal-sim":
         raise ValueError("--kernels needs --backend metal-sim")
-    if args.model:
-        c = ModelConfig.from_file(args.model)
-    else:
-        config = args.config or "real"
-        c = ModelConfig.from_dict(resolve_config(config, 40 if args.layers is None and config == "real" else args.layers))
+    c = _costed_config(args)
     log("counting bank conflicts on the tiny fixture model (simulator)")
     counted = count_kernels(log=log)
     contexts = _ints(args.contexts) if args.contexts else (4096,)

@@ -65,7 +65,7 @@ def count_kernels(config: str | Mapping | None = None, *, dtype: str = "bfloat16
     model.decode_step(s, ids[0])
     model.decode_loop(s, ids[1], decode)                                      # greedy: GPU argmax
     model.decode_loop(s, ids[2], decode, temperature=0.8, top_k=20, top_p=0.9, seed=1)   # GPU sampling
-    return dict(model._backend.device.kernel_stats())
+    return model.backend_info()["kernel_stats"]
 
 
 def kernel_table(real_config, counted: Mapping, *, context: int = 4096, chunk: int = DEFAULT_PREFILL_CHUNK,

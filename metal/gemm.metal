@@ -30,7 +30,8 @@
 // Thread mapping: a threadgroup is GEMM_SIMDGROUPS = 4 SIMD-groups (128 threads) and computes a tile of
 // bm = tile_rows (16 or 32) rows x GEMM_BN = 64 columns (SwiGLU: 32 gate and the 32 matching up columns,
 // 32 outputs). Per K step of GEMM_BK = 32 the threadgroup stages the X tile [bm, 32] in T (exact: X is T)
-// and the W tile [64, 32] dequantized as float (gemm_tile.h; every thread one or two units). SIMD-group
+// and the W tile [64, 32] dequantized as float (gemm_tile.h; every thread one or two units, stored as
+// whole 4-vectors in a bank-conflict-free lane order). SIMD-group
 // s then owns the 32 x 32 block of tile columns [32 (s & 1), + 32) and the half (s >> 1) of the K step
 // (inputs [16 (s >> 1), + 16)): per 8 inputs 4 X fragments and 4 transposed W fragments (W^T) feed
 // 4 x 4 simdgroup 8x8 multiply-accumulates into acc[4][4] (float): 8 fragment loads per 16 multiplies
@@ -60,14 +61,17 @@ void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffe
           device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
           uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
           uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup T xt_[GEMM_BM * GemmXLd<T>::LD];
-    threadgroup float wt_[GEMM_BN * GEMM_LD];
+    // declared as 4-vectors (row lengths are multiples of 4): the staging's vector stores need their alignment
+    threadgroup vec<T, 4> xt_[GEMM_BM * GemmXLd<T>::LD / 4u];
+    threadgroup float4 wt_[GEMM_BN * GEMM_LD / 4u];
     threadgroup uint xr_[GEMM_BM];
     // the tiles as pointers: gemm_tile.h's helpers take deduced pointer types (an array would be copied
     // into a by-value template parameter in the simulator)
-    threadgroup T* xt = xt_;
-    threadgroup float* wt = wt_;
-    threadgroup float* ct = wt_;   // the product tile [GEMM_BM, GEMM_LDC] after the K loop
+    threadgroup vec<T, 4>* xt4 = xt_;   // the staging's view (gemm_tile.h stores whole vectors)
+    threadgroup float4* wt4 = wt_;
+    threadgroup T* xt = (threadgroup T*)xt4;   // the fragment loads' view
+    threadgroup float* wt = (threadgroup float*)wt4;
+    threadgroup float* ct = wt;    // the product tile [GEMM_BM, GEMM_LDC] after the K loop
     threadgroup uint* xr = xr_;
     constexpr uint XLD = GemmXLd<T>::LD;
     typedef typename WDot<FMT, S, T>::wvec WV;
@@ -96,15 +100,15 @@ void gemm(constant GemmParams& p [[buffer(0)]], device const uint32_t* w [[buffe
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
-        gemm_stage_x<T, T>(x4, xr, bm, p.K, k0, xt, XLD, tid, GEMM_THREADS);
+        gemm_stage_x<T, T>(x4, xr, bm, p.K, k0, xt4, XLD, tid, GEMM_THREADS);
         if (swiglu) {
             gemm_stage_w<FMT, S, T, float>(pa.w, pa.scales, pa.biases, pa.upr, pa.spr, pa.rows, p.K, p.group_size,
-                                           p.bits, k0, cols, wt, GEMM_LD, tid, GEMM_THREADS);
+                                           p.bits, k0, cols, wt4, GEMM_LD, tid, GEMM_THREADS);
             gemm_stage_w<FMT, S, T, float>(pb.w, pb.scales, pb.biases, pb.upr, pb.spr, pb.rows, p.K, p.group_size,
-                                           p.bits, k0, cols, wt + cols * GEMM_LD, GEMM_LD, tid, GEMM_THREADS);
+                                           p.bits, k0, cols, wt4 + cols * GEMM_LD / 4u, GEMM_LD, tid, GEMM_THREADS);
         } else {
             gemm_stage_w<FMT, S, T, float>(pa.w, pa.scales, pa.biases, pa.upr, pa.spr, pa.rows, p.K, p.group_size,
-                                           p.bits, k0, GEMM_BN, wt, GEMM_LD, tid, GEMM_THREADS);
+                                           p.bits, k0, GEMM_BN, wt4, GEMM_LD, tid, GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         for (uint s8 = 0; s8 < GEMM_BK / 16u; ++s8) {

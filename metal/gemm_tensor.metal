@@ -59,14 +59,17 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
                  device const O* r [[buffer(10)]], device O* y [[buffer(11)]],
                  uint3 tgid [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
                  uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup T xt_[GEMM_BM * GemmXLd<T>::LD];
-    threadgroup float wt_[GEMM_BN * GEMM_LD];
+    // declared as 4-vectors (row lengths are multiples of 4): the staging's vector stores need their alignment
+    threadgroup vec<T, 4> xt_[GEMM_BM * GemmXLd<T>::LD / 4u];
+    threadgroup float4 wt_[GEMM_BN * GEMM_LD / 4u];
     threadgroup float ct_[GEMM_BM * GEMM_LDC];
     threadgroup uint xr_[GEMM_BM];
     // the tiles as pointers, as gemm.metal (gemm_tile.h's helpers take deduced pointer types)
     constexpr uint XLD = GemmXLd<T>::LD;
-    threadgroup T* xt = xt_;
-    threadgroup float* wt = wt_;
+    threadgroup vec<T, 4>* xt4 = xt_;   // the staging's view (gemm_tile.h stores whole vectors)
+    threadgroup float4* wt4 = wt_;
+    threadgroup T* xt = (threadgroup T*)xt4;   // the fragment loads' view
+    threadgroup float* wt = (threadgroup float*)wt4;
     threadgroup float* ct = ct_;
     threadgroup uint* xr = xr_;
     typedef typename WDot<FMT, S, T>::wvec WV;
@@ -98,11 +101,11 @@ void gemm_tensor(constant GemmParams& p [[buffer(0)]], device const uint32_t* w 
     auto cts = ctt.slice(16 * int(sg), 0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint k0 = 0; k0 < p.K; k0 += GEMM_BK) {
-        gemm_stage_x<T, T>((device const vec<T, 4>*)x, xr, bm, p.K, k0, xt, XLD, tid, GEMM_THREADS);
+        gemm_stage_x<T, T>((device const vec<T, 4>*)x, xr, bm, p.K, k0, xt4, XLD, tid, GEMM_THREADS);
         for (uint q = 0; q < parts; ++q) {
             const GemmWPart<WVP, device const S*> wq = q == 0u ? pa : pb;
             gemm_stage_w<FMT, S, T, float>(wq.w, wq.scales, wq.biases, wq.upr, wq.spr, wq.rows, p.K, p.group_size,
-                                           p.bits, k0, GEMM_BN / parts, wt + q * cols * GEMM_LD, GEMM_LD, tid,
+                                           p.bits, k0, GEMM_BN / parts, wt4 + q * cols * GEMM_LD / 4u, GEMM_LD, tid,
                                            GEMM_THREADS);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -12,8 +12,8 @@
 //   const GemmWPart<...> wp = gemm_w_part<FMT, S, T>(p, w, scales, biases, t.expert, n0, N);  // once
 //   threadgroup_barrier(...);
 //   for (k0 = 0; k0 < K; k0 += GEMM_BK) {
-//       gemm_stage_x<T, TX>(x4, xr, bm, K, k0, xt, ldx, ...);                           // [bm, BK] of X
-//       gemm_stage_w<FMT, S, T, float>(wp.w, wp.scales, wp.biases, wp.upr, wp.spr, wp.rows, ..., wt, GEMM_LD, ...);
+//       gemm_stage_x<T, TX>(x4, xr, bm, K, k0, xt4, ldx, ...);                 // [bm, BK] of X (xt4: vec<TX, 4>)
+//       gemm_stage_w<FMT, S, T, float>(wp.w, wp.scales, wp.biases, wp.upr, wp.spr, wp.rows, ..., wt4, GEMM_LD, ...);
 //       threadgroup_barrier(...);   multiply xt by wt^T into the accumulators;   threadgroup_barrier(...);
 //   }
 //   accumulators -> ct [bm, GEMM_LDC] (float), threadgroup_barrier(...), gemm_store<T>(p, t, ct, ...).
@@ -23,7 +23,9 @@
 // tile every offset is 32-bit (X rows as vec4 offsets in xr, weight rows i * units per row, output rows
 // i * y_stride), which the host's size checks keep in range (src/gpu/ops/gemm.cpp).
 //
-// Layouts: a staged tile is row-major with `ld` elements per row: X tile row i = X row xr[i], columns
+// Layouts: a staged tile is row-major with `ld` elements per row (a multiple of 4: the staging stores whole
+// vec<TT, 4>, one SIMD-group access of 64 or 128 words per store, bank-conflict free in the simulator's
+// 32-bank model; the caller passes the tile as a vec<TT, 4> pointer): X tile row i = X row xr[i], columns
 // k0 .. k0 + GEMM_BK - 1; W tile row i = weight row r0 + i, the same columns. So the product tile is
 // xt . wt^T (W^T as a transposed load of wt). Every element of [rows, GEMM_BK] is written (zeros for
 // absent rows and for inputs past K), so the multiply needs no edge case and no slot is left unwritten.
@@ -56,6 +58,8 @@ template <>
 struct GemmXLd<float> {
     enum : uint { LD = GEMM_LD };
 };
+
+static_assert(GEMM_LD % 4u == 0u && GemmXLd<bfloat>::LD % 4u == 0u, "tile rows hold whole 4-vectors (vector stores)");
 
 // The rows one threadgroup's tile covers.
 struct GemmTile {
@@ -105,23 +109,32 @@ inline void gemm_tile_rows(constant GemmParams& p, GemmTile t, RP slot_rows, XRP
 
 // tile[i * ld + j] = X[xr[i], k0 + j] for i < bm, j < GEMM_BK (zero for absent rows and k0 + j >= K).
 // x4 = X as vec<T, 4> (x_stride and the columns a multiple of 4: whole vectors are in or out); xr the
-// rows' vec4 offsets (gemm_tile_rows).
+// rows' vec4 offsets (gemm_tile_rows); tile the tile as vec<TT, 4> (ld elements per row, a multiple of 4).
+// Each unit (4 activations) is one vector store. Lane mapping (bm a multiple of 16, nthreads of 32): the
+// 32 units of one SIMD-group access are the 8 units of 4 rows i, i + 4, i + 8, i + 12 of a 16-row block
+// (g = u / 32 picks the block and i), not 4 consecutive rows: with 2-byte T a row is 20 words, so rows 4
+// apart start 80 words = 16 banks apart and each pair covers the 32 banks once (2 cycles for 64 words, the
+// fewest); 4 consecutive rows start 20 banks apart and put 3 words on some banks. With float T (36 floats a
+// row) any 4 rows are already spread (4 cycles for 128 words).
 template <typename T, typename TT, typename XP, typename XRP, typename TP>
 inline void gemm_stage_x(XP x4, XRP xr, uint bm, uint K, uint k0, TP tile, uint ld, uint tid, uint nthreads) {
-    const uint per_row = GEMM_BK / 4u;
+    const uint per_row = GEMM_BK / 4u;   // 8: 4 rows per 32 units
     for (uint u = tid; u < bm * per_row; u += nthreads) {
-        const uint i = u / per_row, j = 4u * (u % per_row), k = k0 + j;
+        const uint g = u / 32u, l = u % 32u;
+        const uint i = 16u * (g / 4u) + g % 4u + 4u * (l / per_row), j = 4u * (l % per_row), k = k0 + j;
         const uint at = xr[i];
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        vec<TT, 4> o;
         if (at != GEMM_NO_ROW && k < K) {
             const vec<T, 4> a = x4[at + k / 4u];
             for (uint c = 0; c < 4u; ++c) {
-                v[c] = float(a[c]);
+                o[c] = TT(float(a[c]));
+            }
+        } else {
+            for (uint c = 0; c < 4u; ++c) {
+                o[c] = TT(0.0f);
             }
         }
-        for (uint c = 0; c < 4u; ++c) {
-            tile[i * ld + j + c] = TT(v[c]);
-        }
+        tile[(i * ld + j) / 4u] = o;
     }
 }
 
@@ -132,6 +145,12 @@ inline void gemm_stage_x(XP x4, XRP xr, uint bm, uint K, uint k0, TP tile, uint 
 // from r0 that this tile may read (so the gate part of a stacked [gate | up] never reads up rows); bits
 // the run-time width of WFMT_QN, whose unit of 32 values is one whole GEMM_BK step of a row.
 // Values are WDot::dequant's (scale * q + bias in float, as every GEMV of the project computes them).
+// tile: the tile as vec<TT, 4> (ld elements per row, a multiple of 4); a unit's VALS values (16, 8 or 32)
+// are stored as VALS / 4 vectors. With a float tile of 36 floats a row, lane l's q-th vector of one
+// SIMD-group access is 16-byte slot 9 i + VALS / 4 * (unit in row) + q, i.e. slot (i + ...) mod 8 of a
+// 128-byte bank line: the 32 lanes spread evenly over the 8 slots (4 cycles for 128 words, the fewest).
+// Scalar stores (word 36 i + j + c, bank 4 i + j + c) put the 32 lanes of one store on 8 banks (4 cycles
+// for 32 words where 1 is possible).
 template <int FMT, typename S, typename T, typename TT, typename WP, typename SP, typename TP>
 inline void gemm_stage_w(WP w, SP scales, SP biases, uint upr, uint spr, uint rows, uint K, uint gs, uint bits,
                          uint k0, uint count, TP tile, uint ld, uint tid, uint nthreads) {
@@ -147,8 +166,12 @@ inline void gemm_stage_w(WP w, SP scales, SP biases, uint upr, uint spr, uint ro
                 v[c] = 0.0f;
             }
         }
-        for (uint c = 0; c < D::VALS; ++c) {
-            tile[i * ld + j + c] = TT(v[c]);
+        for (uint q = 0; q < D::VALS / 4u; ++q) {
+            vec<TT, 4> o;
+            for (uint c = 0; c < 4u; ++c) {
+                o[c] = TT(v[4u * q + c]);
+            }
+            tile[(i * ld + j) / 4u + q] = o;
         }
     }
 }

@@ -47,13 +47,10 @@ GPU_FAMILIES = {
     "Apple8": {"chips": "M2", "threads_per_core": 3072, "threads_per_core_min": 768,
                "tg_memory_per_core": 65536, "tg_memory_per_threadgroup": 32768, "threadgroups_per_core": None,
                "published": True},
-    "Apple9": {"chips": "M3, M4", "threads_per_core": 3072, "threads_per_core_min": 768,
-               "tg_memory_per_core": 65536, "tg_memory_per_threadgroup": 32768, "threadgroups_per_core": None,
-               "published": False},
-    "Apple10": {"chips": "M5", "threads_per_core": 3072, "threads_per_core_min": 768,
-                "tg_memory_per_core": 65536, "tg_memory_per_threadgroup": 32768, "threadgroups_per_core": None,
-                "published": False},
 }
+# not published: assumed equal to Apple8 (above)
+GPU_FAMILIES["Apple9"] = dict(GPU_FAMILIES["Apple8"], chips="M3, M4", published=False)
+GPU_FAMILIES["Apple10"] = dict(GPU_FAMILIES["Apple8"], chips="M5", published=False)
 # The column of each family in the per-kernel table.
 FAMILY_LABEL = {"Apple7": "M1", "Apple8": "M2", "Apple9": "M3/M4", "Apple10": "M5"}
 

@@ -68,6 +68,7 @@ from .bytes_model import (
 )
 from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
+from .kernels import count_kernels, format_kernels, kernel_table
 from .load import ForeignLoad, busy_fraction, wait_quiet
 from .speculative import format_speculative, run_speculative
 from .timing import (
@@ -527,8 +528,6 @@ def format_prefill_cost(pf: Mapping[str, Any]) -> str:
 
 def run_kernels(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     """`qwenmetal bench --backend metal-sim --kernels` (qwenmetal.bench.kernels)."""
-    from .kernels import count_kernels, kernel_table
-
     if args.backend != "metal-sim":
         raise ValueError("--kernels needs --backend metal-sim")
     c = _costed_config(args)
@@ -547,7 +546,6 @@ def main_args(args: argparse.Namespace) -> int:
         if getattr(args, "encode_only", False):
             res["encode_only"] = run_encode_only(args)
             print(format_encode_only(res["encode_only"]))
-        from .kernels import format_kernels
         print(format_kernels(res["kernels"]))
     elif getattr(args, "encode_only", False):
         res = run_encode_only(args)

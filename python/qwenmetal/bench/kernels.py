@@ -21,8 +21,14 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..backends.metal import DEFAULT_PREFILL_CHUNK
+from ..model import Model
 from .checkpoint import ensure_checkpoint, resolve_config
-from .cost import CHIP_BANDWIDTH_GBS, CHIP_PEAK_TFLOPS, encode_only_cost, encode_only_prefill_cost
+from .cost import (
+    CHIP_BANDWIDTH_GBS,
+    CHIP_PEAK_TFLOPS,
+    encode_only_cost,
+    encode_only_prefill_cost,
+)
 from .occupancy import (
     CHIP_CORES,
     FAMILY_LABEL,
@@ -52,8 +58,6 @@ def count_kernels(config: str | Mapping | None = None, *, dtype: str = "bfloat16
                   decode: int = 2, seed: int = 0, log: Callable[[str], None] | None = None) -> dict:
     """Run a prefill of `prompt` tokens (chunks of `chunk`) and `decode` steps of the fixture model `config`
     (default count_config()) on a bank-counting simulator device; returns SimDevice.kernel_stats()."""
-    from ..model import Model
-
     path = ensure_checkpoint(count_config() if config is None else resolve_config(config, None), seed, log=log)
     # the long-context routes the real config takes at thousands of tokens: the chunked GDN prefill and the
     # split decode attention (partials + combine) already at this short context

@@ -17,6 +17,9 @@
 //   attn_decode_partial_{f32,bf16}_kv{f32,bf16}
 //       the same over the blocks of one partial, leaving (max, sum, unnormalised acc) in scratch:
 //       pass 1 of the split-K and of the two-pass routes.
+//   attn_decode_{single,partial}_prep_{f32,bf16}_kv{f32,bf16}
+//       the same with attn_prepare of the token fused in (the decode graph's route): they read its
+//       stacked projection and write its K/V row themselves, bit for bit prepare + attend.
 //   attn_decode_combine_{f32,bf16}
 //       pass 2: merges a head's partials, normalises and applies the output gate.
 //   attn_prefill_d{64,128,256}_{f32,bf16}_kv{f32,bf16}
@@ -54,6 +57,27 @@ inline T attn_gated(float o, device const T* gate, uint d, uint output_gate) {
     return T(float(T(o)) * float(T(attn_sigmoid(float(gate[d])))));
 }
 
+// Element d of a normalised, rotated head (attn_prepare's arithmetic, shared with the fused decode prepare):
+// rmsnorm(x) * w, then rotate-half RoPE at `position` for d < rotary_dim. A rotating element recomputes its
+// partner d +- rotary_dim / 2 (one more load and multiply) rather than exchanging it. angle =
+// float(pos) * inv_freq[i] in float (the table comes with the params, see attention.h), cos/sin precise: the
+// angle reaches ~1e5 radians at long contexts, where fast sin/cos lose all accuracy.
+template <typename T>
+inline float attn_normed_rope(constant AttnPrepareParams& p, device const T* x, device const T* w, uint d, float inv,
+                              uint position) {
+    float y = attn_normed(x, w, d, inv);
+    if (d < p.rotary_dim) {
+        const uint half_rot = p.rotary_dim / 2;
+        const bool lo = d < half_rot;
+        const uint i = lo ? d : d - half_rot;
+        const float yp = attn_normed(x, w, lo ? d + half_rot : i, inv);
+        const float ang = float(position) * p.inv_freq[i];
+        const float c = precise::cos(ang), s = precise::sin(ang);
+        y = lo ? y * c - yp * s : y * c + yp * s;
+    }
+    return y;
+}
+
 // attn_prepare: q/k RMSNorm + partial RoPE + KV write, fused.
 //
 // Why fused: all three read the same few kilobytes of proj; one dispatch instead of three and no
@@ -62,12 +86,8 @@ inline T attn_gated(float o, device const T* gate, uint d, uint output_gate) {
 // Thread mapping: one threadgroup per (head, token row), grid (n_heads + n_kv_heads, rows, 1):
 // threadgroups (g < n_heads, r) take query head g of row r, the others kv head j = g - n_heads
 // (its k, and the copy of its v row) of row r, at position + r. Threads: head_dim rounded up to 32, at most ATTN_PREPARE_MAX_THREADS; thread tid owns
-// elements tid, tid + threads, ... The sum of squares goes through threadgroup_sum (common.h);
-// a rotating element d < rotary_dim also recomputes its partner d +- rotary_dim / 2 (one more
-// load and multiply) instead of exchanging it through threadgroup memory and a second barrier.
-// angle = float(pos) * inv_freq[i] in float (the table comes with the params, see attention.h),
-// cos/sin precise: the angle reaches ~1e5 radians at long contexts, where fast sin/cos lose all
-// accuracy.
+// elements tid, tid + threads, ... The sum of squares goes through threadgroup_sum (common.h), the
+// elements through attn_normed_rope.
 template <typename T, typename KV>
 kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device const T* proj [[buffer(1)]],
                          device const T* q_norm_w [[buffer(2)]], device const T* k_norm_w [[buffer(3)]],
@@ -94,23 +114,13 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
     }
     const float inv = rsqrt(threadgroup_sum(ss, partial, lane, sg, nsg) / float(hd) + p.eps);
 
-    const uint half_rot = p.rotary_dim / 2;
     const ulong row = (ulong(j) * p.capacity + position) * hd;
     device const T* v_in = proj + p.q_rows + ulong(p.n_kv_heads) * hd + ulong(j) * hd;
     device T* q_row = q_out + ulong(g) * hd;             // the 64-bit row bases once, outside the loop
     device KV* k_row = k_cache + row;
     device KV* v_row = v_cache + row;
     for (uint d = tid; d < hd; d += nthreads) {
-        float y = attn_normed(x, w, d, inv);
-        if (d < p.rotary_dim) {
-            const bool lo = d < half_rot;
-            const uint i = lo ? d : d - half_rot;
-            const float yp = attn_normed(x, w, lo ? d + half_rot : i, inv);
-            const float ang = float(position) * p.inv_freq[i];
-            const float c = precise::cos(ang), s = precise::sin(ang);
-            y = lo ? y * c - yp * s : y * c + yp * s;
-        }
-        const T yt = T(y);
+        const T yt = T(attn_normed_rope(p, x, w, d, inv, position));
         if (is_q) {
             q_row[d] = yt;
         } else {
@@ -143,6 +153,104 @@ inline void attn_load_tile(device const KV* k, device const KV* v, ulong base, u
     }
 }
 
+// One SIMD-group's query head in registers: lane l holds elements l + 32 i, pre-scaled into the exp2
+// domain (a struct so that both ways of filling it return it by value; indexed only in unrolled loops).
+struct AttnLaneQ {
+    float v[ATTN_LANE_ELEMS];
+    bool active;   // the head exists (gi < group): SIMD-group-uniform
+};
+
+// The query head of SIMD-group sg in threadgroup (chunk, kv head j): head j * group + chunk * HP + sg % HP.
+inline uint attn_head_of(constant AttnDecodeParams& p, uint chunk, uint j, uint sg, thread bool* active) {
+    const uint gi = chunk * p.heads_per_tg + sg % p.heads_per_tg;   // index in the GQA group
+    *active = gi < p.group;
+    return j * p.group + (*active ? gi : 0u);
+}
+
+// q of a prepared token, read from q [n_heads, head_dim] (attn_prepare's output).
+template <typename T>
+inline AttnLaneQ attn_lane_q(constant AttnDecodeParams& p, device const T* q, uint chunk, uint j, uint lane, uint sg) {
+    AttnLaneQ r;
+    const uint h = attn_head_of(p, chunk, j, sg, &r.active);
+    device const T* qh = q + ulong(h) * p.head_dim;
+    for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
+        const uint d = lane + SIMD_WIDTH * i;
+        r.v[i] = r.active && d < p.head_dim ? float(qh[d]) * p.scale : 0.0f;
+    }
+    return r;
+}
+
+// 1 / rms of a head's hd <= 32 * ATTN_LANE_ELEMS elements by one SIMD-group, summed in exactly
+// attn_prepare's order: there, ceil(hd / 32) SIMD-groups of one element per thread each simd_sum their
+// squares and threadgroup_sum adds those partials with a second simd_sum. Here partial w is the simd_sum of
+// elements 32 w + lane, kept by lane w, then the same second simd_sum: bit for bit attn_prepare's value.
+template <typename T>
+inline float attn_head_inv_rms(device const T* x, uint hd, float eps, uint lane) {
+    float part = 0.0f;
+    for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
+        const uint d = lane + SIMD_WIDTH * i;
+        const float v = d < hd ? float(x[d]) : 0.0f;
+        const float sq = simd_sum(v * v);
+        part = lane == i ? sq : part;
+    }
+    return rsqrt(simd_sum(lane < ATTN_LANE_ELEMS ? part : 0.0f) / float(hd) + eps);
+}
+
+// The fused prepare of attn_decode_*_prep: the token at r.position = n_keys - 1 is normalised and rotated
+// here instead of by a separate attn_prepare dispatch (one dependency level fewer per attention layer).
+// Every SIMD-group computes its own query head's q in registers (the key_split SIMD-groups of a head
+// repeat it: a few hundred multiplies). The threadgroup whose keys include the token's (its partial holds
+// the last block) also computes the kv head's new k and v rows into last_row [k | v] (float, as a tile
+// holds them: float(KV(T(k)))), which its tile load uses in place of the cache row; head chunk 0 of that
+// partial writes them to the cache for the next tokens. No threadgroup reads that cache row in this
+// dispatch, so the write needs no fence. The arithmetic is attn_prepare's (attn_normed_rope, and
+// attn_head_inv_rms's summation order): q, k and v are bit for bit what attn_prepare writes.
+template <typename T, typename KV>
+inline void attn_prep_token(constant AttnDecodeParams& p, constant AttnPrepareParams& r, device const T* proj,
+                            device const T* q_norm_w, device const T* k_norm_w, device KV* k_cache,
+                            device KV* v_cache, uint part, uint chunk, uint j, uint lane, uint sg,
+                            threadgroup float* last_row, thread AttnLaneQ* q) {
+    const uint hd = p.head_dim;
+    const bool owner = ((p.n_keys - 1) / p.block) % p.n_partials == part;
+    if (owner && sg == 0) {
+        device const T* x = proj + r.q_rows + j * hd;   // 32-bit: n_heads * q_stride + 2 n_kv_heads hd < 2^32
+        device const T* v_in = proj + r.q_rows + r.n_kv_heads * hd + j * hd;
+        const float inv = attn_head_inv_rms(x, hd, r.eps, lane);
+        const ulong row = (ulong(j) * r.capacity + r.position) * hd;   // 64-bit once, outside the loop
+        device KV* k_row = k_cache + row;
+        device KV* v_row = v_cache + row;
+        for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
+            const uint d = lane + SIMD_WIDTH * i;
+            if (d < hd) {
+                const KV kk = KV(float(T(attn_normed_rope(r, x, k_norm_w, d, inv, r.position))));
+                const KV vv = KV(float(v_in[d]));
+                last_row[d] = float(kk);
+                last_row[hd + d] = float(vv);
+                if (chunk == 0) {
+                    k_row[d] = kk;
+                    v_row[d] = vv;
+                }
+            }
+        }
+    }
+    const uint h = attn_head_of(p, chunk, j, sg, &q->active);
+    if (q->active) {
+        device const T* x = proj + h * r.q_stride;     // 32-bit: the host checks n_heads * q_stride
+        const float inv = attn_head_inv_rms(x, hd, r.eps, lane);
+        for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
+            const uint d = lane + SIMD_WIDTH * i;
+            q->v[i] = d < hd ? float(T(attn_normed_rope(r, x, q_norm_w, d, inv, r.position))) * p.scale : 0.0f;
+        }
+    } else {
+        for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
+            q->v[i] = 0.0f;
+        }
+    }
+    if (owner) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // last_row is complete before any tile load
+    }
+}
+
 // Online-softmax attention of one chunk of a GQA group over the blocks of one partial, shared by
 // attn_decode_single and attn_decode_partial.
 //
@@ -157,27 +265,22 @@ inline void attn_load_tile(device const KV* k, device const KV* v, ulong base, u
 // holds q and the accumulator at elements l + 32 i (conflict-free threadgroup reads); a score is
 // one simd_sum. Per tile: all threads load it (coalesced, 4-vectors when head_dim % 4 == 0),
 // barrier, every SIMD-group consumes it, barrier. Partial `part` takes blocks part,
-// part + n_partials, ... of `block` keys each.
+// part + n_partials, ... of `block` keys each. Keys from dev_keys on (only the last one, and only in the
+// fused prepare's owner) come from last_row instead of the cache.
 //
 // On return each SIMD-group's accumulator is in kt[sg * head_dim ..] and its running (max, sum)
 // in ml[2 sg], ml[2 sg + 1], visible to the whole threadgroup (attn_merge combines them).
-template <typename T, typename KV>
-inline void attn_partial_pass(constant AttnDecodeParams& p, device const T* q, device const KV* k_cache,
-                              device const KV* v_cache, uint part, uint chunk, uint j, uint tid, uint nthreads,
-                              uint lane, uint sg, threadgroup float* kt, threadgroup float* vt,
-                              threadgroup float* ml) {
+template <typename KV>
+inline void attn_partial_pass(constant AttnDecodeParams& p, AttnLaneQ q, device const KV* k_cache,
+                              device const KV* v_cache, uint dev_keys, threadgroup const float* last_row, uint part,
+                              uint j, uint tid, uint nthreads, uint lane, uint sg, threadgroup float* kt,
+                              threadgroup float* vt, threadgroup float* ml) {
     const uint hd = p.head_dim, HP = p.heads_per_tg, KS = p.key_split;
-    const uint hh = sg % HP, ks = sg / HP;
-    const uint gi = chunk * HP + hh;             // index in the GQA group
-    const bool active = gi < p.group;            // SIMD-group-uniform
-    const uint h = j * p.group + (active ? gi : 0u);
+    const uint ks = sg / HP;
+    const bool active = q.active;
 
-    float qr[ATTN_LANE_ELEMS];
     float acc[ATTN_LANE_ELEMS];
-    device const T* qh = q + ulong(h) * hd;
     for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
-        const uint d = lane + SIMD_WIDTH * i;
-        qr[i] = active && d < hd ? float(qh[d]) * p.scale : 0.0f;
         acc[i] = 0.0f;
     }
     float m = ATTN_NEG_INIT, l = 0.0f;
@@ -195,7 +298,14 @@ inline void attn_partial_pass(constant AttnDecodeParams& p, device const T* q, d
             }
             first = false;
             // t0 * hd < capacity * head_dim < 2^32 (the host checks): 32-bit within the head
-            attn_load_tile(k_cache, v_cache, head_base + t0 * hd, nt * hd, vec4, kt, vt, tid, nthreads);
+            const uint nd = min(nt, dev_keys - min(dev_keys, t0));   // rows of this tile in device memory
+            attn_load_tile(k_cache, v_cache, head_base + t0 * hd, nd * hd, vec4, kt, vt, tid, nthreads);
+            if (nd < nt) {   // the fused prepare's own key (the last one): k | v from threadgroup memory
+                for (uint e = tid; e < hd; e += nthreads) {
+                    kt[nd * hd + e] = last_row[e];
+                    vt[nd * hd + e] = last_row[hd + e];
+                }
+            }
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (active) {
                 for (uint t = ks; t < nt; t += KS) {
@@ -205,7 +315,7 @@ inline void attn_partial_pass(constant AttnDecodeParams& p, device const T* q, d
                     for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
                         const uint d = lane + SIMD_WIDTH * i;
                         if (d < hd) {
-                            s += qr[i] * kr[d];
+                            s += q.v[i] * kr[d];
                         }
                     }
                     s = simd_sum(s);
@@ -257,6 +367,48 @@ inline float attn_merge(threadgroup const float* kt, threadgroup const float* ml
     return a;
 }
 
+// The single pass's store: the key_split results of every head of the chunk merged, normalised and
+// multiplied by sigmoid(gate).
+template <typename T>
+inline void attn_single_store(constant AttnDecodeParams& p, device const T* proj, device T* o, uint chunk, uint j,
+                              uint tid, uint nthreads, threadgroup const float* kt, threadgroup const float* ml) {
+    const uint hd = p.head_dim, HP = p.heads_per_tg;
+    for (uint e = tid; e < HP * hd; e += nthreads) {
+        const uint eh = e / hd, d = e - eh * hd;
+        const uint gi = chunk * HP + eh;
+        if (gi < p.group) {
+            float M, L;
+            const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
+            // head h's rows at 32-bit offsets (n_heads * head_dim and n_heads * q_stride < 2^32: the host checks)
+            const uint h = j * p.group + gi;
+            o[h * hd + d] = attn_gated(a / L, proj + h * p.q_stride + hd, d, p.output_gate);
+        }
+    }
+}
+
+// Pass 1's store: the merged, unnormalised accumulator and (max, sum) of every head of the chunk to its
+// slot of scratch: acc f32 [n_heads, n_partials, head_dim], then ml f32 [n_heads, n_partials, 2].
+inline void attn_partial_store(constant AttnDecodeParams& p, device float* scratch, uint part, uint chunk, uint j,
+                               uint tid, uint nthreads, threadgroup const float* kt, threadgroup const float* ml) {
+    const uint hd = p.head_dim, HP = p.heads_per_tg;
+    device float* mls = scratch + ulong(p.n_heads) * p.n_partials * hd;
+    for (uint e = tid; e < HP * hd; e += nthreads) {
+        const uint eh = e / hd, d = e - eh * hd;
+        const uint gi = chunk * HP + eh;
+        if (gi < p.group) {
+            float M, L;
+            const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
+            // the scratch's slots at 32-bit offsets (n_heads * n_partials * head_dim < 2^32: the host checks)
+            const uint slot = (j * p.group + gi) * p.n_partials + part;
+            scratch[slot * hd + d] = a;
+            if (d == 0) {
+                mls[2 * slot] = M;
+                mls[2 * slot + 1] = L;
+            }
+        }
+    }
+}
+
 // attn_decode_single: the whole attention of a token in one pass (short contexts): one partial
 // covering all keys (the host sets n_partials = n_blocks = 1), merged, normalised and multiplied
 // by sigmoid(gate) on store. Grid (1, head chunks, n_kv_heads).
@@ -272,26 +424,15 @@ void attn_decode_single(constant AttnDecodeParams& p [[buffer(0)]], device const
     threadgroup float kt[ATTN_TILE_FLOATS];
     threadgroup float vt[ATTN_TILE_FLOATS];
     threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
-    attn_partial_pass(p, q, k_cache, v_cache, tg.x, tg.y, tg.z, tid, nthreads, lane, sg, kt, vt, ml);
-    const uint hd = p.head_dim, HP = p.heads_per_tg;
-    for (uint e = tid; e < HP * hd; e += nthreads) {
-        const uint eh = e / hd, d = e - eh * hd;
-        const uint gi = tg.y * HP + eh;
-        if (gi < p.group) {
-            float M, L;
-            const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
-            // head h's rows at 32-bit offsets (n_heads * head_dim and n_heads * q_stride < 2^32: the host checks)
-            const uint h = tg.z * p.group + gi;
-            o[h * hd + d] = attn_gated(a / L, proj + h * p.q_stride + hd, d, p.output_gate);
-        }
-    }
+    const AttnLaneQ qr = attn_lane_q(p, q, tg.y, tg.z, lane, sg);
+    attn_partial_pass(p, qr, k_cache, v_cache, p.n_keys, kt, tg.x, tg.z, tid, nthreads, lane, sg, kt, vt, ml);
+    attn_single_store(p, proj, o, tg.y, tg.z, tid, nthreads, kt, ml);
 }
 
 // attn_decode_partial: pass 1 of the split-K route (one block of `block` keys per partial) and of
 // the two-pass route (at most ATTN_LONG_MAX_PARTIALS partials, each looping over every
 // n_partials-th block of long_block keys, so scratch is bounded whatever the context). Stores
-// the merged, unnormalised accumulator and (max, sum) of each head to scratch:
-// acc f32 [n_heads, n_partials, head_dim], then ml f32 [n_heads, n_partials, 2].
+// the merged, unnormalised accumulator and (max, sum) of each head to scratch (attn_partial_store).
 // Grid (n_partials, head chunks, n_kv_heads).
 template <typename T, typename KV>
 [[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_MAX_SIMDGROUPS)]]
@@ -304,24 +445,55 @@ void attn_decode_partial(constant AttnDecodeParams& p [[buffer(0)]], device cons
     threadgroup float kt[ATTN_TILE_FLOATS];
     threadgroup float vt[ATTN_TILE_FLOATS];
     threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
-    attn_partial_pass(p, q, k_cache, v_cache, tg.x, tg.y, tg.z, tid, nthreads, lane, sg, kt, vt, ml);
-    const uint hd = p.head_dim, HP = p.heads_per_tg;
-    device float* mls = scratch + ulong(p.n_heads) * p.n_partials * hd;
-    for (uint e = tid; e < HP * hd; e += nthreads) {
-        const uint eh = e / hd, d = e - eh * hd;
-        const uint gi = tg.y * HP + eh;
-        if (gi < p.group) {
-            float M, L;
-            const float a = attn_merge(kt, ml, HP, p.key_split, hd, eh, d, &M, &L);
-            // the scratch's slots at 32-bit offsets (n_heads * n_partials * head_dim < 2^32: the host checks)
-            const uint slot = (tg.z * p.group + gi) * p.n_partials + tg.x;
-            scratch[slot * hd + d] = a;
-            if (d == 0) {
-                mls[2 * slot] = M;
-                mls[2 * slot + 1] = L;
-            }
-        }
-    }
+    const AttnLaneQ qr = attn_lane_q(p, q, tg.y, tg.z, lane, sg);
+    attn_partial_pass(p, qr, k_cache, v_cache, p.n_keys, kt, tg.x, tg.z, tid, nthreads, lane, sg, kt, vt, ml);
+    attn_partial_store(p, scratch, tg.x, tg.y, tg.z, tid, nthreads, kt, ml);
+}
+
+// attn_decode_single_prep / attn_decode_partial_prep: attn_decode_single / attn_decode_partial of the
+// token at r.position = n_keys - 1 with attn_prepare fused in (attn_prep_token): they read the token's
+// stacked projection instead of q and write its K/V cache row themselves. Bit for bit attn_prepare
+// followed by the unfused kernel. The decode graph's route: one dependency level fewer per attention layer.
+template <typename T, typename KV>
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_MAX_SIMDGROUPS)]]
+void attn_decode_single_prep(constant AttnDecodeParams& p [[buffer(0)]], constant AttnPrepareParams& r [[buffer(1)]],
+                             device const T* proj [[buffer(2)]], device const T* q_norm_w [[buffer(3)]],
+                             device const T* k_norm_w [[buffer(4)]], device KV* k_cache [[buffer(5)]],
+                             device KV* v_cache [[buffer(6)]], device T* o [[buffer(7)]],
+                             uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                             uint3 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
+    threadgroup float kt[ATTN_TILE_FLOATS];
+    threadgroup float vt[ATTN_TILE_FLOATS];
+    threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
+    threadgroup float last_row[2 * ATTN_MAX_HEAD_DIM];
+    AttnLaneQ qr;
+    attn_prep_token(p, r, proj, q_norm_w, k_norm_w, k_cache, v_cache, tg.x, tg.y, tg.z, lane, sg, last_row, &qr);
+    attn_partial_pass<KV>(p, qr, k_cache, v_cache, p.n_keys - 1, last_row, tg.x, tg.z, tid, nthreads, lane, sg, kt, vt,
+                      ml);
+    attn_single_store(p, proj, o, tg.y, tg.z, tid, nthreads, kt, ml);
+}
+
+template <typename T, typename KV>
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * ATTN_MAX_SIMDGROUPS)]]
+void attn_decode_partial_prep(constant AttnDecodeParams& p [[buffer(0)]], constant AttnPrepareParams& r [[buffer(1)]],
+                              device const T* proj [[buffer(2)]], device const T* q_norm_w [[buffer(3)]],
+                              device const T* k_norm_w [[buffer(4)]], device KV* k_cache [[buffer(5)]],
+                              device KV* v_cache [[buffer(6)]], device float* scratch [[buffer(7)]],
+                              uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                              uint3 tpg [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]]) {
+    const uint nthreads = tpg.x;   // 1-D threadgroups (the grid attributes of a kernel share one width)
+    threadgroup float kt[ATTN_TILE_FLOATS];
+    threadgroup float vt[ATTN_TILE_FLOATS];
+    threadgroup float ml[2 * ATTN_MAX_SIMDGROUPS];
+    threadgroup float last_row[2 * ATTN_MAX_HEAD_DIM];
+    AttnLaneQ qr;
+    attn_prep_token(p, r, proj, q_norm_w, k_norm_w, k_cache, v_cache, tg.x, tg.y, tg.z, lane, sg, last_row, &qr);
+    attn_partial_pass<KV>(p, qr, k_cache, v_cache, p.n_keys - 1, last_row, tg.x, tg.z, tid, nthreads, lane, sg, kt, vt,
+                      ml);
+    attn_partial_store(p, scratch, tg.x, tg.y, tg.z, tid, nthreads, kt, ml);
 }
 
 // attn_decode_combine: pass 2 of the split-K and two-pass routes, with the output gate fused.
@@ -554,6 +726,14 @@ INSTANTIATE_KERNEL("attn_decode_partial_f32_kvf32", attn_decode_partial, float, 
 INSTANTIATE_KERNEL("attn_decode_partial_f32_kvbf16", attn_decode_partial, float, bfloat)
 INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvf32", attn_decode_partial, bfloat, float)
 INSTANTIATE_KERNEL("attn_decode_partial_bf16_kvbf16", attn_decode_partial, bfloat, bfloat)
+INSTANTIATE_KERNEL("attn_decode_single_prep_f32_kvf32", attn_decode_single_prep, float, float)
+INSTANTIATE_KERNEL("attn_decode_single_prep_f32_kvbf16", attn_decode_single_prep, float, bfloat)
+INSTANTIATE_KERNEL("attn_decode_single_prep_bf16_kvf32", attn_decode_single_prep, bfloat, float)
+INSTANTIATE_KERNEL("attn_decode_single_prep_bf16_kvbf16", attn_decode_single_prep, bfloat, bfloat)
+INSTANTIATE_KERNEL("attn_decode_partial_prep_f32_kvf32", attn_decode_partial_prep, float, float)
+INSTANTIATE_KERNEL("attn_decode_partial_prep_f32_kvbf16", attn_decode_partial_prep, float, bfloat)
+INSTANTIATE_KERNEL("attn_decode_partial_prep_bf16_kvf32", attn_decode_partial_prep, bfloat, float)
+INSTANTIATE_KERNEL("attn_decode_partial_prep_bf16_kvbf16", attn_decode_partial_prep, bfloat, bfloat)
 INSTANTIATE_KERNEL("attn_decode_combine_f32", attn_decode_combine, float)
 INSTANTIATE_KERNEL("attn_decode_combine_bf16", attn_decode_combine, bfloat)
 INSTANTIATE_KERNEL("attn_prefill_d64_f32_kvf32", attn_prefill, float, float, 64u)

@@ -7,7 +7,8 @@
 //   for each layer:
 //       proj = W_in rmsnorm(x)                     stacked [q+gate | k | v] or [qkv | z | b | a]; the
 //                                                  input norm is fused into the GEMV
-//       mix  = attention(proj) | gdn(proj)
+//       mix  = attention(proj) | gdn(proj)          attention: q/k norm, RoPE and the K/V write fused into its
+//                                                  first pass; gdn: the conv fused into the in-projection
 //       x   += W_out mix                           the residual add is fused into the GEMV
 //       router = W_r rmsnorm(x), xn = rmsnorm(x)   post-attention norm fused into the router GEMV
 //       x   += moe(xn)                             top-k fused into gate/up; residual into down
@@ -15,8 +16,9 @@
 //   logits = lm_head rmsnorm(x) (float)            the final norm fused into the GEMV
 //   tokens[out] = argmax(logits) | sample(logits)  read by the next step, and by the host (4 bytes)
 //
-// Dependency levels per token: GDN layer 7 (in-proj, conv, step, out-proj, router, gate/up, down),
-// attention layer 8 or 9 (prepare, attention in 1 or 2 passes); embed, lm_head and argmax 4.
+// Dependency levels per token: GDN layer 6 (in-proj + conv, step, out-proj, router, gate/up, down),
+// attention layer 6 or 7 (in-proj, attention in 1 or 2 passes, out-proj, router, gate/up, down); embed,
+// lm_head and argmax 4.
 //
 // The prefill graph (GpuEngine::forward): a chunk of M tokens at positions p0.. as one command buffer,
 // the same blocks over [M, ...] rows (chunk scratch, struct Chunk), nothing read back inside it:
@@ -110,7 +112,6 @@ struct GpuEngine::Scratch {
     Buffer xn;             // T [H]              normalised input of the current block
     Buffer proj;           // T [max in rows]    stacked input projection of the attention / GDN block
     Buffer conv_act;       // T [conv_dim]       GDN q | k | v after the conv and SiLU
-    Buffer q;              // T [nh * hd]        attention queries after norm + RoPE
     Buffer attn_part;      // f32                attention partial results (split-K / two-pass routes)
     Buffer mix;            // T [max(value_dim, nh * hd)]  block output before the out projection
     Buffer router;         // f32 [E + 1]        router logits (+ the shared-expert gate logit)
@@ -145,7 +146,6 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     s.xn = d.alloc(c.hidden * es, "xn");
     s.proj = d.alloc(in_rows * es, "proj");
     s.conv_act = d.alloc(std::max<int64_t>(c.conv_dim(), 1) * es, "conv_act");
-    s.q = d.alloc(nhd * es, "q");
     // the partials of every route are bounded (the two-pass route's count is capped): size for any context
     s.attn_part = d.alloc(std::max<uint64_t>(ops::attention_scratch_bytes(attn_shape(c), UINT32_MAX,
                                                                           m_->options().attn), 16), "attn_part");
@@ -176,9 +176,9 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         const ops::AttnShape as = attn_shape(c);
         const size_t ai = L.state_index;
         stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
-        ops::attn_prepare(e, t, as, s.proj, L.q_norm, L.k_norm, uint32_t(position), st.kv[ai], s.q);
-        ops::attention_decode(e, t, as, m_->options().attn, s.q, s.proj, st.kv[ai], uint32_t(position + 1),
-                              s.attn_part, s.mix);                                      // mix = gated attention
+        // mix = gated attention over keys 0..position, the q/k norm, RoPE and K/V write of this token fused in
+        ops::attention_decode_prepared(e, t, as, m_->options().attn, s.proj, L.q_norm, L.k_norm, uint32_t(position),
+                                       st.kv[ai], s.attn_part, s.mix);
         ops::qmv(e, t, L.o_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));           // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----

@@ -271,11 +271,12 @@ def full_attention_case(t, nh, nkv, hd, rd, H, L, seed):
     return proj, p["q_norm"].astype(T), p["k_norm"].astype(T), ref, Kref, Vref
 
 
-@pytest.mark.parametrize("t,kv,schedule", [("f32", "f32", "forward"), ("f32", "bf16", "reverse"),
-                                           ("bf16", "bf16", "random")])
-def test_multistep_against_full_attention(t, kv, schedule):
+@pytest.mark.parametrize("t,kv,schedule,fused", [("f32", "f32", "forward", False), ("f32", "bf16", "reverse", True),
+                                                 ("bf16", "bf16", "random", True)])
+def test_multistep_against_full_attention(t, kv, schedule, fused):
     """L decode steps in one command buffer (prepare at position i, then attend over the i + 1 keys the
-    earlier prepares wrote; the routes change on the way) against reference.full_attention over all L."""
+    earlier prepares wrote; the routes change on the way; fused: the decode graph's attention_decode_prepared)
+    against reference.full_attention over all L."""
     nh, nkv, hd, rd, H, L = 6, 2, 16, 8, 24, 30
     proj, qw, kw, ref, Kref, _ = full_attention_case(t, nh, nkv, hd, rd, H, L, 2)
     T = ACT[t]
@@ -293,6 +294,10 @@ def test_multistep_against_full_attention(t, kv, schedule):
         row_p, row_o = proj.shape[1] * proj.itemsize, nh * hd * o.itemsize
         for i in range(L):
             pi = bproj.view(i * row_p, row_p)
+            if fused:
+                ops.attention_decode_prepared(enc, DT[t], pi, buf(qw), buf(kw), i, bK, bV, bs, bo.view(i * row_o, row_o),
+                                              rotary_dim=rd, rope_theta=1e6, eps=1e-6, **kw_shape, **pol)
+                continue
             ops.attn_prepare(enc, DT[t], pi, buf(qw), buf(kw), i, bK, bV, bq, rotary_dim=rd, rope_theta=1e6,
                              eps=1e-6, **kw_shape)
             ops.attention_decode(enc, DT[t], bq, pi, bK, bV, i + 1, bs, bo.view(i * row_o, row_o), **kw_shape,
@@ -692,3 +697,82 @@ def test_prefill_argument_checks():
             with pytest.raises(ValueError, match=match):
                 prep(**bad)
         prep()
+
+
+# --------------------------------------------------------------------------------------- fused prepare
+def prepared_vs_separate(schedule, t, kv, nh, nkv, hd, rd, gate, pos, cap, pol, seed):
+    """attention_decode_prepared against attn_prepare + attention_decode on the same inputs: o, every K/V cache
+    row and the dispatch count (one fewer), bit for bit."""
+    rng = np.random.default_rng(seed)
+    proj, qw, kw, K0, V0 = prepare_case(rng, t, kv, nh, nkv, hd, cap, gate)
+    nbytes = ops.attention_scratch_bytes(nh, nkv, hd, pos + 1, **pol)
+    shape = shape_kw(nh, nkv, hd, cap, gate, kv)
+    outs = []
+    for fused in (False, True):
+        K, V = K0.copy(), V0.copy()
+        o = np.full(nh * hd, np.nan, ACT[t])
+        scratch = np.full(max(nbytes // 4, 1), np.nan, np.float32)
+        with run(schedule, seed=seed) as (dev, enc, buf):
+            if fused:
+                ops.attention_decode_prepared(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K), buf(V),
+                                              buf(scratch), buf(o), rotary_dim=rd, rope_theta=1e6, eps=1e-6,
+                                              **shape, **pol)
+            else:
+                qo = np.full(nh * hd, np.nan, ACT[t])
+                ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K), buf(V), buf(qo),
+                                 rotary_dim=rd, rope_theta=1e6, eps=1e-6, **shape)
+                ops.attention_decode(enc, DT[t], buf(qo), buf(proj), buf(K), buf(V), pos + 1, buf(scratch), buf(o),
+                                     **shape, **pol)
+            dispatches = enc.dispatches
+        outs.append((o, K, V, dispatches))
+    (o1, K1, V1, d1), (o2, K2, V2, d2) = outs
+    assert d2 == d1 - 1
+    assert not np.isnan(np.asarray(o2, np.float64)).any()
+    for a, b in ((o1, o2), (K1, K2), (V1, V2)):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return ops.attention_route(pos + 1, **pol)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_decode_prepared_every_route(schedule):
+    """The decode graph's fused route equals prepare + decode bit for bit on every route, head chunks (G 12 in
+    2 chunks) and without GQA packing, float and bf16."""
+    seen = set()
+    for i, (t, kv, G, pack) in enumerate([("f32", "f32", 4, True), ("bf16", "bf16", 12, True),
+                                          ("bf16", "f32", 3, False)]):
+        for pos in (0, 11, 12, 39, 40, 2 * LONG_MAX_PARTIALS + 2):
+            seen.add(prepared_vs_separate(schedule, t, kv, 2 * G, 2, 40, 16, True, pos, pos + 3,
+                                          dict(POL, gqa_pack=pack), 17 * i + pos))
+    assert seen == {"single", "split", "two_pass"}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(nkv=st.integers(1, 3), G=st.sampled_from([1, 2, 8, 9]), hd=st.sampled_from([6, 16, 24, 40, 64, 256]),
+       rot=st.floats(0.0, 1.0), gate=st.booleans(), t=st.sampled_from(["f32", "bf16"]),
+       kv=st.sampled_from(["f32", "bf16"]), pos=st.integers(0, 80), spm=st.integers(0, 30),
+       sb=st.integers(1, 16), lb=st.integers(1, 8), extra=st.integers(0, 30), pack=st.booleans(),
+       schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
+def test_decode_prepared_hypothesis(nkv, G, hd, rot, gate, t, kv, pos, spm, sb, lb, extra, pack, schedule, seed):
+    pol = dict(single_pass_max=spm, split_max=spm + extra, split_block=sb, long_block=lb, gqa_pack=pack)
+    rd = 2 * int(rot * hd / 2)
+    prepared_vs_separate(schedule, t, kv, G * nkv, nkv, hd, rd, gate, pos, pos + 1 + seed % 4, pol, seed)
+
+
+def test_decode_prepared_real_shape_and_checks():
+    """The real model's shape (16 q / 2 kv heads x 256, rotary 64) at 600 keys on the default policy (split-K), and
+    the fused call's own argument checks."""
+    assert prepared_vs_separate("random", "bf16", "bf16", 16, 2, 256, 64, True, 599, 640, {}, 5) == "split"
+    nh, nkv, hd, cap = 4, 2, 16, 8
+    proj, qw, kw, K, V = prepare_case(np.random.default_rng(0), "f32", "f32", nh, nkv, hd, cap, True)
+    o = np.zeros(nh * hd, np.float32)
+    with run() as (dev, enc, buf):
+        call = lambda pos=3, **kw_: ops.attention_decode_prepared(
+            enc, "float32", kw_.pop("proj", buf(proj)), buf(qw), buf(kw), pos, buf(K), buf(V), None, buf(o),
+            **{**dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, rotary_dim=8, capacity=cap, kv_dtype="float32"), **kw_})
+        with pytest.raises(ValueError, match=r"attention_decode_prepared: position 8 outside a cache of 8 rows"):
+            call(pos=8)
+        with pytest.raises(ValueError, match=r"attention_decode_prepared: rotary_dim \(7\) must be even"):
+            call(rotary_dim=7)
+        with pytest.raises(ValueError, match=r"attention_decode_prepared: proj"):
+            call(proj=buf(proj[:nh * 2 * hd]))
+        assert enc.dispatches == 0

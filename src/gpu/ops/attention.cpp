@@ -83,14 +83,39 @@ std::string AttnPolicy::route(uint32_t n_keys) const {
     return "two_pass";
 }
 
+namespace {
+
+void check_rotary(const AttnShape& s, const char* op) {
+    check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim && s.rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF, op,
+          "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even, at most head_dim and at most " +
+              std::to_string(2 * ATTN_MAX_ROTARY_HALF));
+}
+
+AttnPrepareParams prepare_params(const AttnShape& s, const KVCache& kv, uint32_t position, uint64_t stride) {
+    AttnPrepareParams p{};
+    p.n_heads = s.n_heads;
+    p.n_kv_heads = s.n_kv_heads;
+    p.head_dim = s.head_dim;
+    p.rotary_dim = s.rotary_dim;
+    p.q_stride = q_stride(s);
+    p.q_rows = s.n_heads * q_stride(s);
+    p.position = position;
+    p.capacity = kv.capacity;
+    p.proj_stride = uint32_t(stride);
+    p.eps = s.eps;
+    for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
+        p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
+    return p;
+}
+
+}  // namespace
+
 void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
                   const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out,
                   uint32_t rows, uint32_t proj_stride) {
     const char* op = "attn_prepare";
     check_heads(s, op);
-    check(s.rotary_dim % 2 == 0 && s.rotary_dim <= s.head_dim && s.rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF, op,
-          "rotary_dim (" + std::to_string(s.rotary_dim) + ") must be even, at most head_dim and at most " +
-              std::to_string(2 * ATTN_MAX_ROTARY_HALF));
+    check_rotary(s, op);
     check_cache(s, kv, op);
     check(rows > 0, op, "rows must be positive");
     check(uint64_t(position) + rows <= kv.capacity, op,
@@ -109,19 +134,7 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
     need(k_norm_w, hd * es, op, "k_norm_w");
     need(q_out, q_bytes, op, "q_out");
 
-    AttnPrepareParams p{};
-    p.n_heads = s.n_heads;
-    p.n_kv_heads = s.n_kv_heads;
-    p.head_dim = s.head_dim;
-    p.rotary_dim = s.rotary_dim;
-    p.q_stride = q_stride(s);
-    p.q_rows = uint32_t(q_rows);
-    p.position = position;
-    p.capacity = kv.capacity;
-    p.proj_stride = uint32_t(stride);
-    p.eps = s.eps;
-    for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
-        p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
+    const AttnPrepareParams p = prepare_params(s, kv, position, stride);
     const std::string kernel = std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv);
     const uint32_t threads = fit_threads(e, kernel, std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS));
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv) * rows;
@@ -143,15 +156,16 @@ uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const At
     return bytes;
 }
 
-void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
-                      const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
-                      const Buffer& o) {
-    attention_decode_rows(e, t, s, pol, kv, {AttnDecodeRow{q, proj, scratch, o, n_keys}});
-}
+namespace {
 
-void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
-                           const std::vector<AttnDecodeRow>& rows) {
-    const char* op = "attention_decode";
+// The token's prepare fused into the first kernel of its decode (attention_decode_prepared).
+struct FusedPrepare {
+    Buffer q_norm_w, k_norm_w;
+};
+
+void decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
+                 const std::vector<AttnDecodeRow>& rows, const FusedPrepare* fp) {
+    const char* op = fp ? "attention_decode_prepared" : "attention_decode";
     check_heads(s, op);
     check_policy(pol, op);
     check(s.head_dim <= ATTN_MAX_HEAD_DIM, op,
@@ -176,11 +190,13 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
         const std::string tkv = std::string(act_suffix(t)) + "_" + kv_suffix(kv);
         check(r.n_keys > 0 && r.n_keys <= kv.capacity, op,
               "n_keys " + std::to_string(r.n_keys) + " outside 1 .. capacity " + std::to_string(kv.capacity));
-        need(r.q, qo_bytes, op, "q");
+        if (!fp) need(r.q, qo_bytes, op, "q");
         need(r.o, qo_bytes, op, "o");
-        if (s.output_gate) need(r.proj, q_rows * es, op, "proj");
-        // without the gate the kernel never reads proj: any bound buffer will do
-        const Buffer gate_src = s.output_gate ? r.proj.view(0, q_rows * es) : r.q.view(0, qo_bytes);
+        // the fused prepare reads the whole stacked row [q (+gate) | k | v]
+        const uint64_t row_len = q_rows + (fp ? 2 * uint64_t(s.n_kv_heads) * hd : 0);
+        if (s.output_gate || fp) need(r.proj, row_len * es, op, "proj");
+        // without the gate the unfused kernels never read proj: any bound buffer will do
+        const Buffer gate_src = s.output_gate || fp ? r.proj.view(0, row_len * es) : r.q.view(0, qo_bytes);
         const uint64_t gate_read = s.output_gate ? qo_bytes : 0;
         const std::string route = pol.route(r.n_keys);
         const Split sp = split_of(pol, route, r.n_keys);
@@ -202,21 +218,36 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
         p.output_gate = s.output_gate ? 1 : 0;
         p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
 
-        // every threadgroup (one per head chunk) reads its kv head's first n_keys rows
-        const uint64_t kv_read = uint64_t(s.n_kv_heads) * r.n_keys * hd * kv_size(kv) * g.chunks;
+        // every threadgroup (one per head chunk) reads its kv head's first n_keys rows (the fused prepare: the
+        // first n_keys - 1, the last one it writes)
+        const uint64_t keys_read = fp ? r.n_keys - 1 : r.n_keys;
+        const uint64_t kv_read = uint64_t(s.n_kv_heads) * keys_read * hd * kv_size(kv) * g.chunks;
         const Dims grid{sp.n_partials, g.chunks, s.n_kv_heads};
-        if (route == "single") {
+        const uint64_t sbytes = route == "single" ? 0 : partial_bytes(s, sp.n_partials);
+        if (route != "single") need(r.scratch, sbytes, op, ("scratch (" + route + " route)").c_str());
+        const Buffer sb = route == "single" ? Buffer{} : r.scratch.view(0, sbytes);
+        const std::string first = route == "single" ? "attn_decode_single_" : "attn_decode_partial_";
+        if (fp) {
+            const AttnPrepareParams pp = prepare_params(s, kv, r.n_keys - 1, row_len);
+            const uint64_t new_row = uint64_t(s.n_kv_heads) * hd * kv_size(kv);
+            // reads: q (+ gate) of every head and the k, v rows once, the two norm weights
+            const uint64_t proj_read = (uint64_t(s.n_heads) * hd + gate_read / es + 2 * uint64_t(s.n_kv_heads) * hd) * es;
+            e.dispatch(first + "prep_" + tkv, grid, threads,
+                       {Arg::params(p), Arg::params(pp), Arg::in(r.proj.view(0, row_len * es), proj_read),
+                        Arg::in(fp->q_norm_w.view(0, hd * es)), Arg::in(fp->k_norm_w.view(0, hd * es)),
+                        Arg::inout(kb, kv_read, new_row), Arg::inout(vb, kv_read, new_row),
+                        route == "single" ? Arg::out(r.o.view(0, qo_bytes)) : Arg::out(sb)});
+            if (route == "single") continue;
+        } else if (route == "single") {
             e.dispatch("attn_decode_single_" + tkv, grid, threads,
                        {Arg::params(p), Arg::in(r.q.view(0, qo_bytes)), Arg::in(gate_src, gate_read),
                         Arg::in(kb, kv_read), Arg::in(vb, kv_read), Arg::out(r.o.view(0, qo_bytes))});
             continue;
+        } else {
+            e.dispatch("attn_decode_partial_" + tkv, grid, threads,
+                       {Arg::params(p), Arg::in(r.q.view(0, qo_bytes)), Arg::in(kb, kv_read), Arg::in(vb, kv_read),
+                        Arg::out(sb)});
         }
-        const uint64_t sbytes = partial_bytes(s, sp.n_partials);
-        need(r.scratch, sbytes, op, ("scratch (" + route + " route)").c_str());
-        const Buffer sb = r.scratch.view(0, sbytes);
-        e.dispatch("attn_decode_partial_" + tkv, grid, threads,
-                   {Arg::params(p), Arg::in(r.q.view(0, qo_bytes)), Arg::in(kb, kv_read), Arg::in(vb, kv_read),
-                    Arg::out(sb)});
         AttnCombineParams c{};
         c.n_heads = s.n_heads;
         c.head_dim = s.head_dim;
@@ -230,6 +261,36 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
     for (const Combine& m : combines)
         e.dispatch(combine, Dims{s.n_heads, 1, 1}, Dims{combine_threads, 1, 1},
                    {Arg::params(m.c), Arg::in(m.sb), Arg::in(m.gate_src, m.gate_read), Arg::out(m.o)});
+}
+
+}  // namespace
+
+void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
+                      const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
+                      const Buffer& o) {
+    decode_rows(e, t, s, pol, kv, {AttnDecodeRow{q, proj, scratch, o, n_keys}}, nullptr);
+}
+
+void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
+                           const std::vector<AttnDecodeRow>& rows) {
+    decode_rows(e, t, s, pol, kv0, rows, nullptr);
+}
+
+void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
+                               const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
+                               const Buffer& scratch, const Buffer& o) {
+    const char* op = "attention_decode_prepared";
+    check_heads(s, op);
+    check_rotary(s, op);
+    check_cache(s, kv, op);
+    check(uint64_t(position) < kv.capacity, op,
+          "position " + std::to_string(position) + " outside a cache of " + std::to_string(kv.capacity) + " rows");
+    const uint64_t es = act_size(t);
+    need(q_norm_w, s.head_dim * es, op, "q_norm_w");
+    need(k_norm_w, s.head_dim * es, op, "k_norm_w");
+    const FusedPrepare fp{q_norm_w, k_norm_w};
+    // the q buffer of an unfused row is not read: proj stands in
+    decode_rows(e, t, s, pol, kv, {AttnDecodeRow{proj, proj, scratch, o, position + 1}}, &fp);
 }
 
 uint32_t attention_prefill_rows_within(const AttnShape& s, uint32_t p0, uint32_t M, double seconds,

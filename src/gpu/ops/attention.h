@@ -48,6 +48,12 @@ uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const At
 void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& q,
                       const Buffer& proj, const KVCache& kv, uint32_t n_keys, const Buffer& scratch,
                       const Buffer& o);
+// attn_prepare of the token at `position` fused into attention_decode over keys 0..position (its first kernel
+// normalises and rotates q and k itself and writes the K/V row): one dispatch and dependency level fewer, bit for
+// bit the two calls. The decode graph's route.
+void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
+                               const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
+                               const Buffer& scratch, const Buffer& o);
 // Several independent decode rows over one cache (the verification graph: row r sees n_keys + r keys): the
 // same kernels as attention_decode, every row's first kernel before any combine.
 struct AttnDecodeRow {

@@ -333,3 +333,21 @@ def test_greedy_generation_keeps_accepted_drafts(tmp_path):
     assert res["tokens"] == plain
     assert max(res["acceptance_lengths"]) == 5 and 2 in res["acceptance_lengths"]
     assert seen == [len(prompt) + sum(res["acceptance_lengths"][:r]) for r in range(len(seen))]
+
+
+def test_sliding_window_layers_match_both(tmp_path):
+    """A draft with a sliding-attention layer (as the Gemma drafts have): causal within a window over the
+    context and the block, in both runtimes; the window changes the logits."""
+    _oracle("torch")
+    _oracle("mlx")
+    cfg = draft_config(TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                       use_sliding_window=True)
+    path = write_draft(tmp_path / "swa", cfg, random_tensors(cfg))
+    ref, embed, head = _ref(path, cfg)
+    rounds = random_rounds(cfg)
+    ours = _our_rounds(ref, rounds)
+    _close("dflash (torch), sliding window", ours, torch_rounds(path, embed, head, rounds))
+    _close("dflash-mlx, sliding window", ours, mlx_rounds(path, embed, head, rounds))
+    full = DFlashReference(DFlashConfig.from_dict(dict(cfg, layer_types=["full_attention"] * 2)),
+                           ref.params, embed, head)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(ours, _our_rounds(full, rounds))) > 1e-2

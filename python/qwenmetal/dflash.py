@@ -57,7 +57,7 @@ from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError
 from .fileio import parse_json
 from .safetensors_io import TensorSource
-from .weights import QuantizedTensor, _Dim, _Reader, _split_part, to_float32
+from .weights import ConfigDim, QuantizedTensor, TensorReader, split_part, to_float32
 
 __all__ = [
     "VARIANTS", "DFlashConfig", "DFlashDraft", "DFlashCache", "DFlashReference", "DFlashRound",
@@ -276,7 +276,7 @@ def check_target(config: DFlashConfig, target: ModelConfig, where: str = "the DF
 # ---------------------------------------------------------------------------------------------------------
 def _draft_key(key: str):
     """(stem, part) of a draft file key: an optional ``model.`` prefix removed."""
-    return _split_part(key[len("model."):] if key.startswith("model.") else key)
+    return split_part(key[len("model."):] if key.startswith("model.") else key)
 
 
 @dataclass
@@ -307,13 +307,13 @@ def load_dflash_draft(path: str | os.PathLike, target: ModelConfig | None = None
     if target is not None:
         check_target(c, target, path)
     src = TensorSource(path)
-    r = _Reader(src, c, canonical=_draft_key)
+    r = TensorReader(src, c, canonical=_draft_key)
     owned = sorted(s for s in r.stems if s.split(".")[0] in ("lm_head", "embed_tokens"))
     if owned:
         raise CheckpointError(f"{path}: the draft carries its own {owned}; a DFlash draft here shares the "
                               f"target's embedding and lm_head (a draft-owned one is not supported)")
-    H, I = _Dim(c, "hidden_size"), _Dim(c, "intermediate_size")
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, _Dim(c, "head_dim")
+    H, I = ConfigDim(c, "hidden_size"), ConfigDim(c, "intermediate_size")
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, ConfigDim(c, "head_dim")
     out: dict = {"fc": r.linear("fc", (H, len(c.target_layer_ids) * H)),
                  "hidden_norm": r.plain("hidden_norm", (H,)), "norm": r.plain("norm", (H,))}
     for i in range(c.num_hidden_layers):
@@ -335,7 +335,7 @@ def load_dflash_draft(path: str | os.PathLike, target: ModelConfig | None = None
                 out[f"{p}{conv}.base_kernel"] = r.plain(f"{p}{conv}.base_kernel", (2, K, H))
                 out[f"{p}{conv}.kernel_projection"] = r.linear(f"{p}{conv}.kernel_projection", (2 * K * groups, H))
     if c.variant == "dflash2":
-        V, R = _Dim(c, "vocab_size"), _Dim(c, "selector_rank")
+        V, R = ConfigDim(c, "vocab_size"), ConfigDim(c, "selector_rank")
         for name in ("predecessor_codebook", "successor_codebook"):
             out["candidate_selector." + name] = r.linear("candidate_selector." + name, (V, R))
         out["candidate_selector.hidden_projection"] = r.linear("candidate_selector.hidden_projection", (R, H))

@@ -792,6 +792,21 @@ class ReferenceBackend:
                 consumed.extend(add)
         return state, out
 
+    def forward_features(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None,
+                         layers) -> tuple:
+        """`forward` that also returns the outputs of the decoder layers `layers` for every row, concatenated
+        ([n, len(layers) * hidden], float32): a DFlash draft's context features. Returns (logits, features)."""
+        new = state.copy()
+        feats: list = []
+        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size,
+                                feature_layers=tuple(layers), features=feats)
+        add = [int(i) for i in ids]
+        with sigint_deferred():
+            vars(state).update(vars(new))
+            if consumed is not None:
+                consumed.extend(add)
+        return out, np.asarray(feats[0], dtype=F32)
+
     def state_to_arrays(self, state: ReferenceState) -> dict:
         """The backend-independent state layout of Session.save (see docs/architecture.md)."""
         return state.to_arrays()

@@ -57,11 +57,12 @@ from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError
 from .fileio import parse_json
 from .safetensors_io import TensorSource
+from .speculative import Drafter
 from .weights import ConfigDim, QuantizedTensor, TensorReader, split_part, to_float32
 
 __all__ = [
     "VARIANTS", "DFlashConfig", "DFlashDraft", "DFlashCache", "DFlashReference", "DFlashRound",
-    "build_target_layer_ids", "load_dflash_draft", "check_target", "dflash_generate_greedy",
+    "build_target_layer_ids", "load_dflash_draft", "check_target", "dflash_generate_greedy", "DFlashDrafter",
 ]
 
 F32 = np.float32
@@ -610,3 +611,78 @@ def dflash_generate_greedy(target: ReferenceModel, draft: DFlashReference, promp
         if size > 1:
             rnd.observe(feats[0][:produced])
     return {"tokens": out[:min(start + 1, max_length)], "acceptance_lengths": accepted, "drafts": drafted}
+
+
+# ---- the drafter: speculative="dflash:DIR" ------------------------------------------------------------------------
+class DFlashDrafter(Drafter):
+    """A DFlash draft as a speculative drafter (``speculative="dflash:DIR"``, ``--speculative dflash:DIR``).
+
+    Each round it drafts a block after the last sampled token t: ``[t, mask, ...]`` of ``k + 1`` tokens (k at most
+    ``block_size - 1``) over the context features it was given, and returns the block's k drafts. The model
+    verifies t and the drafts in one call that also returns the outputs of the draft's ``target_layer_ids``
+    (`qwenmetal.speculative.Speculation`), and the kept rows' features go to the draft's cache
+    (`observe_features`) for the next round, as in the ``dflash`` package's loop. The prompt's features come from
+    its prefill in the same pass. Greedy drafts (and DFlash2's candidate walk) are point proposals; with a
+    sampling temperature a DFlash draft draws its tokens from ``softmax(logits / temperature)`` and hands those
+    distributions to the verification (the rejection rule for a drafted distribution: exact either way).
+
+    The draft runs in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
+    dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
+    features (`ModelBase.returns_features`). A session's tokens from before this generation (an earlier turn, a
+    restored prefix) give the draft no features: it drafts from what this generation fed.
+    """
+
+    name = "dflash"
+
+    def __init__(self, draft: DFlashDraft, seed: int = 0):
+        self.checkpoint = draft
+        self.feature_layers = tuple(int(i) for i in draft.config.target_layer_ids)
+        self.seed = int(seed)
+        self.reference: DFlashReference | None = None
+        self._target = None                   # the weights the reference's embedding and lm_head come from
+        self.round: DFlashRound | None = None
+
+    @classmethod
+    def for_model(cls, model, path: str | os.PathLike, **options) -> "DFlashDrafter":
+        """The drafter of the draft at `path` (a folder with config.json and safetensors) for `model`;
+        CheckpointError if it was made for another model."""
+        draft = load_dflash_draft(path, model.config)
+        return cls(draft, **options)
+
+    @property
+    def block_size(self) -> int:
+        return self.checkpoint.config.block_size
+
+    def start(self, model) -> None:
+        c = self.checkpoint.config
+        check_target(c, model.config, self.checkpoint.path)
+        w = model.weights
+        if self.reference is None or self._target is not w:
+            embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=F32)
+            head = embed if model.config.tie_word_embeddings else \
+                np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=F32)
+            self.reference = DFlashReference(c, self.checkpoint.float32(), embed, head)
+            self._target = w
+        self.round = DFlashRound(self.reference)
+        self.rng = np.random.default_rng(self.seed)
+
+    def observe_features(self, position: int, features: np.ndarray) -> None:
+        self.round.observe(features)
+
+    def propose(self, context: Sequence[int], k: int, temperature: float = 0.0) -> tuple[list, list | None]:
+        n = min(int(k), self.block_size - 1)
+        if n < 1 or not len(context):
+            return [], None
+        drafts, logits = self.round.propose(int(context[-1]), n + 1)
+        if temperature == 0.0 or self.checkpoint.config.variant == "dflash2":
+            return [int(d) for d in drafts], None
+        q = softmax(np.asarray(logits, dtype=np.float64) / float(temperature), axis=-1)
+        q = q / q.sum(axis=-1, keepdims=True)
+        out = [int(self.rng.choice(q.shape[1], p=row)) for row in q]
+        return out, list(q)
+
+    def draft(self, context: Sequence[int], k: int) -> list:
+        return self.propose(context, k)[0]
+
+    def close(self) -> None:
+        self.round = None

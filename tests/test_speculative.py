@@ -294,8 +294,8 @@ def test_adaptive_k_turns_speculation_off_when_it_does_not_pay():
             good.observe(k, 1.0 + 0.05 * k, drafted=k, accepted=k)
     assert good.choose() >= 6
     assert AdaptiveK(fixed=3).choose() == 3
-    with pytest.raises(ValueError, match="speculative_k must be in 0..8"):
-        AdaptiveK(fixed=9)
+    with pytest.raises(ValueError, match="speculative_k must be in 0..15"):
+        AdaptiveK(fixed=16)
 
 
 def test_speculative_argument_errors():
@@ -304,7 +304,7 @@ def test_speculative_argument_errors():
         m.generate(PROMPT, speculative="ngram")
     with pytest.raises(ValueError, match="speculative_k needs speculative"):
         m.generate(PROMPT, speculative_k=2)
-    with pytest.raises(ValueError, match="speculative_k must be in 0..8"):
+    with pytest.raises(ValueError, match="speculative_k must be in 0..15"):
         m.generate(PROMPT, speculative="lookup", speculative_k=-1)
 
     class Wild(sp.Drafter):

@@ -34,10 +34,10 @@ from .cli_args import add_expert_args, expert_options, seed_arg
 from .config import ModelConfig
 from .convert import convert
 from .errors import InputError
+from .generation import make_drafter
 from .install_hints import install_hint
 from .memory import parse_budget
 from .model import Model
-from .mtp import MtpDrafter
 from .options import GenerationOptions
 from .paths import cache_dir, resolve_checkpoint
 from .prefix_cache import PrefixCache
@@ -112,10 +112,10 @@ def _add_speculative_args(p):
     g = p.add_argument_group("speculative decoding (docs/speculative.md; the output is unchanged)")
     g.add_argument("--speculative", default=None, metavar="DRAFTER",
                    help="'lookup' (n-grams of the session's own tokens), 'mtp' (the checkpoint's MTP head), "
-                        "'mtp:DIR' (a separate MTP head folder) or a draft model's checkpoint directory / hub id "
-                        "(same vocabulary, loaded on --backend)")
+                        "'mtp:DIR' (a separate MTP head folder), 'dflash:DIR' (a DFlash block draft's folder) or a "
+                        "draft model's checkpoint directory / hub id (same vocabulary, loaded on --backend)")
     g.add_argument("--speculative-k", type=int, default=None, metavar="K",
-                   help="drafts per round, 0..8 (default: chosen from the measured acceptance and cost)")
+                   help="drafts per round, 0..15 (default: chosen from the measured acceptance and cost)")
 
 
 def _speculative(args, model) -> dict:
@@ -126,8 +126,8 @@ def _speculative(args, model) -> dict:
         if args.speculative_k is not None:
             raise InputError("--speculative-k needs --speculative", param="speculative_k")
         return {}
-    if spec.startswith("mtp:"):
-        spec = MtpDrafter.for_model(model, path=spec[len("mtp:"):])
+    if spec.startswith(("mtp:", "dflash:")):
+        spec = make_drafter(spec, model)
     elif spec not in ("lookup", "mtp"):
         threads = model.backend_info().get("threads")
         spec = Model.load(resolve_checkpoint(spec), backend=model.backend,
@@ -187,8 +187,10 @@ def _stats_line(st: dict, backend: str = "") -> str:
     sp = st.get("speculative")
     if sp:
         rate = sp["acceptance_rate"]
+        mean = sp.get("mean_accepted_length")
         line += (f"; speculative ({sp['drafter']}): {sp['accepted_tokens']}/{sp['drafted_tokens']} drafts accepted"
-                 + (f" ({100 * rate:.0f} %)" if rate is not None else ""))
+                 + (f" ({100 * rate:.0f} %)" if rate is not None else "")
+                 + (f", {mean:.2f} tokens per round" if mean is not None else ""))
     ex = st.get("experts")
     if ex and ex["streaming"]:
         line += (f"; experts streamed: {ex['slots_per_layer']} slots/layer ({ex['policy']}), hit rate "

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .dflash import DFlashDrafter
 from .errors import InputError
 from .expert_streaming import expert_stats
 from .mtp import MtpDrafter
@@ -100,7 +101,8 @@ def _progress_bar(total: int, enabled: bool | None):
 
 
 def make_drafter(spec, model: ModelBase) -> Drafter:
-    """The drafter `speculative=` names: "lookup", "mtp", a draft `Model`, or a `Drafter`."""
+    """The drafter `speculative=` names: "lookup", "mtp" (the checkpoint's head), "mtp:DIR" (a separate MTP
+    head folder), "dflash:DIR" (a DFlash draft folder), a draft `Model`, or a `Drafter`."""
     if isinstance(spec, Drafter):
         return spec
     if isinstance(spec, ModelBase):
@@ -109,7 +111,12 @@ def make_drafter(spec, model: ModelBase) -> Drafter:
         return PromptLookup()
     if spec == "mtp":
         return MtpDrafter.for_model(model)
-    raise ValueError(f"speculative must be 'lookup', 'mtp', a draft Model or a Drafter, got {spec!r}")
+    if isinstance(spec, str) and spec.startswith("mtp:") and len(spec) > 4:
+        return MtpDrafter.for_model(model, path=spec[4:])
+    if isinstance(spec, str) and spec.startswith("dflash:") and len(spec) > 7:
+        return DFlashDrafter.for_model(model, spec[7:])
+    raise ValueError("speculative must be 'lookup', 'mtp', 'mtp:DIR', 'dflash:DIR', a draft Model or a Drafter, "
+                     f"got {spec!r}")
 
 
 def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
@@ -219,7 +226,7 @@ class _Run:
 
 def _generate(run: _Run, drafter: Drafter | None, speculative_k: int | None) -> Iterator[GenerationOutput]:
     if drafter is not None:
-        run.spec = Speculation(run.model, run.s, drafter, speculative_k)
+        run.spec = Speculation(run.model, run.s, drafter, speculative_k, run.sampler.temperature)
     try:
         run.model.reset_expert_stats()             # the expert statistics are per generation
         run.t0 = time.perf_counter()
@@ -379,12 +386,13 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
                 spec.fed()                # an accepted draft: already in the state
             elif spec is not None:
                 spec.end_round(accepted)
-                rows, drafts = spec.step(t, toks.context, o.max_tokens - n - 1)
+                rows, drafts, probs = spec.step(t, toks.context, o.max_tokens - n - 1)
                 accepted, logits = 0, rows[0]
                 ctx, gen = list(toks.context), list(toks.generated)
                 for i, d in enumerate(drafts):     # the model's token at each drafted position
                     ri, ok = sampler.verify_draft(rows[i], d, run.vocab, context=ctx, generated=gen,
-                                                  logprobs=want_logprobs, top_logprobs=top_n)
+                                                  logprobs=want_logprobs, top_logprobs=top_n,
+                                                  draft_probs=None if probs is None else probs[i])
                     pending.append((ri, ok, rows[i]))
                     ctx.append(ri.token)
                     gen.append(ri.token)

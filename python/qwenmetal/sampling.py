@@ -143,16 +143,19 @@ class Sampler:
 
     def verify_draft(self, logits: np.ndarray, draft: int, vocab_used: int | None = None, *,
                      context: Sequence[int] = (), generated: Sequence[int] = (), logprobs: bool = False,
-                     top_logprobs: int = 0) -> tuple[SampleResult, bool]:
+                     top_logprobs: int = 0, draft_probs: np.ndarray | None = None) -> tuple[SampleResult, bool]:
         """The token at a drafted position and whether it is the draft (`qwenmetal.speculative`): the
         distribution is `sample`'s (same penalties, filters, temperature) and so is the token's law. Greedy:
-        the argmax, accepted when it equals the draft. Sampling: the draft is a point proposal, so the
-        rejection rule of speculative sampling (Leviathan et al., Chen et al.) accepts it with probability
-        p(draft) and otherwise draws from p with the draft removed, renormalised -- exactly p in all."""
+        the argmax, accepted when it equals the draft. Sampling: the rejection rule of speculative sampling
+        (Leviathan et al., Chen et al.). A point proposal (`draft_probs` None: the draft was chosen, not drawn)
+        is accepted with probability p(draft), otherwise a draw from p with the draft removed, renormalised.
+        A draft drawn from `draft_probs` = q (a probability vector over the vocabulary) is accepted with
+        probability min(1, p(draft) / q(draft)), otherwise a draw from max(p - q, 0), renormalised (from p
+        where that is all zero). Either way the token's law is exactly p."""
         raw, x = self._penalised(logits, vocab_used, context, generated)
         if self.temperature == 0.0:
             tok = int(np.argmax(x))
-        else:
+        elif draft_probs is None:
             cand, p = self._distribution(x / self.temperature)
             hit = np.flatnonzero(cand == int(draft))
             pd = float(p[hit[0]]) if hit.size else 0.0
@@ -163,6 +166,21 @@ class Sampler:
                     cand, p = np.delete(cand, hit[0]), np.delete(p, hit[0])
                     p = p / p.sum()
                 tok = self._pick(cand, p)
+        else:
+            cand, p = self._distribution(x / self.temperature)
+            q = np.asarray(draft_probs, dtype=np.float64)
+            if q.ndim != 1 or q.size < x.size:
+                raise ValueError(f"draft_probs must be a probability vector over the {x.size} logits, "
+                                 f"got shape {q.shape}")
+            qd = float(q[int(draft)])
+            hit = np.flatnonzero(cand == int(draft))
+            pd = float(p[hit[0]]) if hit.size else 0.0
+            if qd > 0.0 and self.rng.random() * qd < pd:
+                tok = int(draft)
+            else:
+                resid = np.maximum(p - q[cand], 0.0)
+                total = resid.sum()
+                tok = self._pick(cand, resid / total if total > 0.0 else p)
         return self._result(raw, tok, logprobs, top_logprobs), tok == int(draft)
 
     def _penalised(self, logits, vocab_used, context, generated) -> tuple[np.ndarray, np.ndarray]:

@@ -34,6 +34,9 @@ from .options import GenerationOptions
 from .session_io import load_session, model_identity, save_session
 
 RETURN_LOGITS = ("last", "all", "none")
+#: the most decoder layers one call returns the outputs of (`prefill_features`, ``verify(features=)``): a DFlash
+#: draft reads 5 on the published 40-layer drafts
+MAX_FEATURE_LAYERS = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +291,39 @@ class ModelBase:
         ids = self.check_ids(token_ids, session)
         return self._backend.forward_hidden(session._state, ids, return_logits, session._tokens)
 
+    @property
+    def returns_features(self) -> bool:
+        """Whether `prefill_features` and ``verify(..., features=layers)`` work on this backend: the outputs of
+        chosen decoder layers (a DFlash draft's context features)."""
+        return hasattr(self._backend, "forward_features")
+
+    def check_feature_layers(self, layers) -> tuple:
+        """`layers` as a tuple of distinct decoder-layer indices of this model (1..8 of them); ValueError
+        otherwise."""
+        n = self.config.num_hidden_layers
+        try:
+            out = tuple(int(i) for i in layers)
+        except (TypeError, ValueError):
+            raise ValueError(f"feature layers must be a sequence of layer indices, got {layers!r}") from None
+        if not 1 <= len(out) <= MAX_FEATURE_LAYERS:
+            raise ValueError(f"feature layers: 1..{MAX_FEATURE_LAYERS} of them, got {len(out)}")
+        if any(isinstance(i, bool) for i in layers) or any(not 0 <= i < n for i in out) or len(set(out)) != len(out):
+            raise ValueError(f"feature layers must be distinct indices 0..{n - 1}, got {list(layers)}")
+        return out
+
+    def prefill_features(self, session: Session, token_ids, return_logits: str = "last", layers=()) -> tuple:
+        """`prefill`, also returning the outputs of the decoder layers `layers` for every token, concatenated
+        ([n, len(layers) * hidden], float32; the layer outputs before the final norm): (logits, features), on a
+        backend that has them (`returns_features`)."""
+        if not self.returns_features:
+            raise ValueError(f"the {self.backend} backend does not return layer features")
+        self.check_session(session)
+        layers = self.check_feature_layers(layers)
+        ids = self.check_ids(token_ids, session)
+        if return_logits not in RETURN_LOGITS:
+            raise ValueError(f"return_logits must be 'last', 'all' or 'none', got {return_logits!r}")
+        return self._backend.forward_features(session._state, ids, return_logits, session._tokens, layers)
+
     def check_session(self, session) -> None:
         """TypeError / ValueError unless `session` is a Session of this model."""
         if not isinstance(session, Session):
@@ -455,11 +491,13 @@ def decode_batch(model: ModelBase, sessions: Sequence[Session], token_ids: Seque
 
 
 # ---- verification: several rows at once, and dropping a tail of them again --------------------------
-def verify(model: ModelBase, s: Session, ids: Sequence[int], return_hidden: bool = False):
+def verify(model: ModelBase, s: Session, ids: Sequence[int], return_hidden: bool = False, features=None):
     """Append `ids` to the session, returning the float32 logits of every one ([n, vocab]), and keep what
     `rewind` needs to drop any tail of them again. Consecutive calls form one chain; `rewind` ends it.
     Nothing else may run on the session in between. `return_hidden`: (logits, the final-normed hidden
-    rows [n, hidden]), on a backend with a native verification only.
+    rows [n, hidden]), on a backend with a native verification only. `features` (decoder-layer indices):
+    (logits, the outputs of those layers for every row [n, len(features) * hidden]), on a backend that
+    `returns_features`; not together with `return_hidden`.
 
     On the cpu backend, and in the Metal graph with resident experts, a verification computes every row
     exactly as a one-token decode step does, reading the shared weights once for all rows. Other backends
@@ -468,7 +506,15 @@ def verify(model: ModelBase, s: Session, ids: Sequence[int], return_hidden: bool
     model.check_session(s)
     arr = model.check_ids(ids, s)
     be = model._backend
+    if features is not None:
+        if return_hidden:
+            raise ValueError("verify returns hidden states or layer features, not both")
+        if not model.returns_features:
+            raise ValueError(f"the {be.name} backend does not return layer features")
+        features = model.check_feature_layers(features)
     if model.native_verify:
+        if features is not None:
+            return be.verify(s._state, arr, s._tokens, features=features)
         return be.verify(s._state, arr, s._tokens, return_hidden=return_hidden) if return_hidden else \
             be.verify(s._state, arr, s._tokens)
     if return_hidden:
@@ -477,10 +523,16 @@ def verify(model: ModelBase, s: Session, ids: Sequence[int], return_hidden: bool
     if not chain:
         chain.append(s._state.copy())
     start, n0 = len(chain), len(s._tokens)
-    rows = []
+    rows, feats = [], []
     try:
         for t in arr:                 # one decode step per row, the state after each kept
-            rows.append(model.prefill(s, [int(t)], "last"))
+            if features is None:
+                rows.append(model.prefill(s, [int(t)], "last"))
+            else:
+                lg, f = be.forward_features(s._state, np.asarray([int(t)], dtype=np.int64), "last", s._tokens,
+                                            features)
+                rows.append(lg)
+                feats.append(f)
             chain.append(s._state.copy())
     except BaseException:             # all or nothing, as the engine's verification
         with sigint_deferred():
@@ -489,6 +541,8 @@ def verify(model: ModelBase, s: Session, ids: Sequence[int], return_hidden: bool
             del chain[start:]
         raise
     s._chain_at = len(s._tokens)
+    if features is not None:
+        return np.stack(rows), np.concatenate(feats, axis=0)
     return np.stack(rows)
 
 

@@ -27,8 +27,9 @@ import numpy as np
 from .interrupts import sigint_deferred
 from .session import ModelBase, Session, rewind, rewindable, verify
 
-#: the most drafts per round (k); rows verified at once = k + 1
-MAX_DRAFT = 8
+#: the most drafts per round (k); rows verified at once = k + 1 (16: a DFlash block of the sampled token and
+#: 15 drafts, and the Metal graph's verification limit)
+MAX_DRAFT = 15
 
 
 # ---- drafters -----------------------------------------------------------------------------------
@@ -38,13 +39,28 @@ class Drafter:
     draft as a point proposal). ``start(model)`` is called once per generation; ``close()`` after it.
     A drafter whose `wants_hidden` is true also gets ``observe(position, hidden)`` after every round: the
     model's final-normed hidden rows [n, hidden] of the tokens kept at positions ``position..`` (the MTP
-    head's input)."""
+    head's input). A drafter with `feature_layers` (decoder-layer indices) gets
+    ``observe_features(position, features)`` instead: the outputs of those layers for every token the model
+    consumed in this generation, concatenated ([n, len(feature_layers) * hidden]; a DFlash draft's context).
+
+    A drafter that samples its drafts overrides ``propose(context, k, temperature)``, returning the drafts
+    and, per draft, the probability vector it was drawn from: the verification then uses the rejection rule
+    for a drafted distribution q (accept with min(1, p/q), else draw from max(p - q, 0)) instead of the point
+    rule."""
 
     name = "drafter"
     wants_hidden = False
+    feature_layers: tuple = ()
 
     def observe(self, position: int, hidden: np.ndarray) -> None:
         pass
+
+    def observe_features(self, position: int, features: np.ndarray) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int, temperature: float = 0.0) -> tuple[list, list | None]:
+        """(drafts, their proposal distributions or None for point proposals); `draft` by default."""
+        return self.draft(context, k), None
 
     def start(self, model: ModelBase) -> None:
         pass
@@ -164,12 +180,15 @@ def check_k(k) -> None:
 
 
 class AdaptiveK:
-    """Chooses the drafts per round. With a measured per-draft acceptance rate a, a round of k drafts
-    yields E(k) = 1 + a + ... + a^k tokens in the time T(k) of drafting and verifying k + 1 rows; plain
-    decoding yields 1 token in T(0). The choice maximises E(k) / T(k) over k = 0 .. k_max, so k = 0 (plain
-    decoding) wins whenever speculation does not pay; T is measured (an exponential average per k, and a
-    straight line through the measured points for the others), and while plain decoding is chosen a round
-    of k = 1 is tried every `probe_every` steps so a change in acceptance is noticed. `fixed`: always k."""
+    """Chooses the drafts per round. With a measured acceptance rate a_i at each draft position i (the
+    share of rounds that reached draft i and kept it: a block drafter's later drafts are kept less often
+    than its first), a round of k drafts yields E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens in the
+    time T(k) of drafting and verifying k + 1 rows; plain decoding yields 1 token in T(0). The choice
+    maximises E(k) / T(k) over k = 0 .. k_max, so k = 0 (plain decoding) wins whenever speculation does not
+    pay; T is measured (an exponential average per k, and a straight line through the measured points for
+    the others), and while plain decoding is chosen a round of k = 1 is tried every `probe_every` steps so
+    a change in acceptance is noticed. A position not reached yet takes the rate of the one before it (the
+    overall rate for the first). `fixed`: always k."""
 
     def __init__(self, k_max: int = MAX_DRAFT, fixed: int | None = None, probe_every: int = 16,
                  decay: float = 0.25):
@@ -180,7 +199,9 @@ class AdaptiveK:
         self.decay = decay
         self.cost: dict[int, float] = {}     # k -> seconds per round (k = 0: a plain decode step)
         self.acc = 0.7                       # prior: accepted / drafted
+        self.pos_acc: dict[int, float] = {}  # draft position i (1-based) -> kept / reached, averaged
         self.drafted = self.accepted = 0
+        self.spec_rounds = 0                 # rounds with drafts
         self.since_probe = self.rounds = 0
         self.last = 0                        # the k chosen last
 
@@ -192,7 +213,27 @@ class AdaptiveK:
         if drafted:
             self.drafted += drafted
             self.accepted += accepted
+            self.spec_rounds += 1
             self.acc = self._avg(self.acc, accepted / drafted)
+            # positions 1..accepted were kept; position accepted + 1 (if drafted) was reached and rejected
+            for i in range(1, min(accepted + 1, drafted) + 1):
+                self.pos_acc[i] = self._avg(self.pos_acc.get(i, self.acc), 1.0 if i <= accepted else 0.0)
+
+    def rates(self) -> list:
+        """a_1 .. a_k_max: the measured acceptance at each draft position (unreached: the one before's)."""
+        out, prev = [], self.acc
+        for i in range(1, self.k_max + 1):
+            prev = self.pos_acc.get(i, prev)
+            out.append(min(max(prev, 0.0), 0.999))
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): the tokens a round of k drafts yields under the measured per-position rates."""
+        e, run = 1.0, 1.0
+        for a in self.rates()[:k]:
+            run *= a
+            e += run
+        return e
 
     def _t(self, k: int) -> float:
         if k in self.cost:
@@ -218,10 +259,9 @@ class AdaptiveK:
         self.rounds += 1
         if 0 not in self.cost or self.rounds % (2 * self.probe_every) == 0:
             return 0                          # (re)measure a plain decode step
-        a = min(max(self.acc, 0.0), 0.999)
         best, gain = 0, 1.0 / self._t(0)
         for k in range(1, self.k_max + 1):
-            g = ((1 - a ** (k + 1)) / (1 - a)) / self._t(k)
+            g = self.expected_tokens(k) / self._t(k)
             if g > gain:
                 best, gain = k, g
         if best == 0:
@@ -234,6 +274,8 @@ class AdaptiveK:
     def stats(self) -> dict:
         return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else None,   # None: nothing drafted
+                # tokens per round with drafts: its kept drafts and the model's own token after them
+                "mean_accepted_length": (1 + self.accepted / self.spec_rounds) if self.spec_rounds else None,
                 "draft_length": self.last}
 
 
@@ -245,22 +287,33 @@ class Speculation:
     ``end_round(accepted)`` before feeding the next token; ``close()`` ends an open chain keeping what was
     fed, so the session holds what plain decoding would have fed, however the generation ends."""
 
-    def __init__(self, model: ModelBase, s: Session, drafter: Drafter, k: int | None):
+    def __init__(self, model: ModelBase, s: Session, drafter: Drafter, k: int | None, temperature: float = 0.0):
         self.model, self.s, self.drafter = model, s, drafter
         self.k = AdaptiveK(fixed=k)
+        self.temperature = float(temperature)
         self.rounds = 0
         self.open = False
         self.n_fed = 0
         self._round = (0, 0.0)
+        self.layers = tuple(drafter.feature_layers)
+        if self.layers and not model.returns_features:
+            raise ValueError(f"the {drafter.name} drafter reads the outputs of the model's layers "
+                             f"{list(self.layers)}, which the {model.backend} backend does not return")
+        if self.layers:
+            model.check_feature_layers(self.layers)
         drafter.start(model)
 
     def prefill(self, ids, logits: str):
         """`Model.prefill` of the session; a drafter that wants hidden states gets every row's, on a backend
-        that returns them (cpu)."""
+        that returns them (cpu), and one that wants layer features gets every row's."""
         m, s = self.model, self.s
+        pos = s.position
+        if self.layers:
+            out, feats = m.prefill_features(s, ids, logits, self.layers)
+            self.drafter.observe_features(pos, feats)
+            return out
         if not (self.drafter.wants_hidden and m.returns_hidden):
             return m.prefill(s, ids, logits)
-        pos = s.position
         out, hidden = m.prefill_hidden(s, ids, logits)
         self.drafter.observe(pos, hidden)
         return out
@@ -270,29 +323,38 @@ class Speculation:
         extra = rewindable(self.model, self.s) - self.n_fed if self.open else 0
         return self.s.position - extra
 
-    def step(self, t: int, context: list, budget: int) -> tuple[np.ndarray, list]:
-        """Feed t (the last token of `context`) and up to `budget` drafts after it."""
+    def step(self, t: int, context: list, budget: int) -> tuple[np.ndarray, list, list | None]:
+        """Feed t (the last token of `context`) and up to `budget` drafts after it. Returns (logits of every
+        row, drafts, the drafts' proposal distributions or None: `Drafter.propose`)."""
         m, s = self.model, self.s
         t0 = time.perf_counter()
         k = min(self.k.choose(), s.max_context - s.position - 1, budget)
-        drafts = [int(d) for d in self.drafter.draft(context, k)[:k]] if k > 0 else []
+        drafts, probs = self.drafter.propose(context, k, self.temperature) if k > 0 else ([], None)
+        drafts = [int(d) for d in drafts[:k]]
         if any(not 0 <= d < m.config.vocab_size for d in drafts):
             raise ValueError(f"drafter {self.drafter.name!r} proposed an id outside the vocabulary: {drafts}")
-        hidden = self.drafter.wants_hidden
-        if not drafts and not hidden:
+        if probs is not None:
+            probs = list(probs[:len(drafts)])
+            if len(probs) != len(drafts):
+                raise ValueError(f"drafter {self.drafter.name!r} gave {len(probs)} distributions for "
+                                 f"{len(drafts)} drafts")
+        hidden, layers = self.drafter.wants_hidden, self.layers
+        if not drafts and not hidden and not layers:
             logits = m.prefill(s, [t], "last")[None]
             self.k.observe(0, time.perf_counter() - t0)
-            return logits, []
+            return logits, [], None
         self._pos0 = s.position
         with sigint_deferred():           # the round is open exactly when the session holds its rows
-            if hidden:                    # a one-row verification is a decode step, with its hidden row
+            if layers:                    # a one-row verification is a decode step, with its features
+                logits, self._hidden = verify(m, s, [t, *drafts], features=layers)
+            elif hidden:                  # ... or with its hidden row
                 logits, self._hidden = verify(m, s, [t, *drafts], return_hidden=True)
             else:
                 logits = verify(m, s, [t, *drafts])
             self.open, self.n_fed = True, 1
         self._round = (len(drafts), time.perf_counter() - t0)
         self.rounds += bool(drafts)
-        return logits, drafts
+        return logits, drafts, probs
 
     def fed(self) -> None:
         self.n_fed += 1
@@ -304,7 +366,9 @@ class Speculation:
                 self.open = False
             k, dt = self._round
             self.k.observe(k, dt, k, accepted)
-            if self.drafter.wants_hidden:
+            if self.layers:
+                self.drafter.observe_features(self._pos0, self._hidden[:self.n_fed])
+            elif self.drafter.wants_hidden:
                 self.drafter.observe(self._pos0, self._hidden[:self.n_fed])
 
     def close(self) -> None:

@@ -162,7 +162,8 @@ class Weights:
 
 
 # ---------------------------------------------------------------------------------------------
-def _split_part(rest: str):
+def split_part(rest: str):
+    """A tensor key's stem and part: ("x.weight" -> ("x", "weight"); a key without a quantization part -> (key, ""))."""
     for part in ("weight", "scales", "biases"):
         if rest.endswith("." + part):
             return rest[: -len(part) - 1], part
@@ -179,7 +180,7 @@ def _mtp_canonical_key(key: str):
     if not _is_mtp_key(key):
         return None
     at = 0 if key.startswith("mtp.") else key.index(".mtp.") + 1
-    return _split_part(key[at + len("mtp."):])
+    return split_part(key[at + len("mtp."):])
 
 
 def _canonical_key(key: str):
@@ -198,7 +199,7 @@ def _canonical_key(key: str):
     if head in ("visual", "vision_tower", "vision_model", "multi_modal_projector") or key.startswith(
             ("vision_tower.", "visual.", "language_model.vision_tower.")):
         return None
-    return _split_part(rest)
+    return split_part(rest)
 
 
 def detect_layout(src: TensorSource, stems: dict) -> str:
@@ -215,20 +216,21 @@ def detect_layout(src: TensorSource, stems: dict) -> str:
     return "mlx" if src.metadata.get("format") == "mlx" else "hf"
 
 
-class _Dim(int):
+class ConfigDim(int):
     """A dimension of the model as config.json gives it, carrying the field's name for error messages
     (arithmetic on it gives a plain int: a product of dimensions names no one field)."""
 
     field: str
 
-    def __new__(cls, config: ModelConfig, name: str) -> "_Dim":
+    def __new__(cls, config: ModelConfig, name: str) -> "ConfigDim":
         d = super().__new__(cls, getattr(config, name))
         d.field = name
         return d
 
 
-class _Reader:
-    """Fetches tensors by canonical stem with strict checks; remembers what was used."""
+class TensorReader:
+    """Fetches tensors by canonical stem with strict checks; remembers what was used. Shared by the checkpoint
+    readers of the model, its MTP head and DFlash drafts (`canonical` maps a file's key to (stem, part))."""
 
     def __init__(self, src: TensorSource, config: ModelConfig, canonical=_canonical_key):
         self.src, self.config = src, config
@@ -266,10 +268,10 @@ class _Reader:
 
     def _shape_error(self, key: str, got: tuple, shape: tuple, how: str = "") -> CheckpointError:
         """The tensor `key` holds `got` where config.json's dimensions give `shape`: an edited or foreign
-        config.json, so the message names the config fields (`_Dim`) of the dimensions that differ.
+        config.json, so the message names the config fields (`ConfigDim`) of the dimensions that differ.
         `how`: how `got` was read (a quantized tensor's widths)."""
         fields = [f"{want.field} is {int(want)} but the tensor has {g}" for g, want in zip(got, shape)
-                  if g != want and isinstance(want, _Dim)] if len(got) == len(shape) else []
+                  if g != want and isinstance(want, ConfigDim)] if len(got) == len(shape) else []
         return CheckpointError(
             f"{self.where(key)}: shape {list(got)}{how} does not match {list(map(int, shape))}, the shape "
             f"config.json's dimensions give it" + (f" (config.json's {'; '.join(fields)})" if fields else "")
@@ -349,18 +351,18 @@ def _shift_norm(arr: np.ndarray) -> np.ndarray:
 def checkpoint_layout(path: str | os.PathLike, config: ModelConfig) -> str:
     """'hf' or 'mlx': the layout of the checkpoint directory `path` (from its tensor headers only)."""
     src = TensorSource(os.fspath(path))
-    return detect_layout(src, _Reader(src, config).stems)
+    return detect_layout(src, TensorReader(src, config).stems)
 
 
 def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     """Load and check every tensor of the checkpoint directory `path` for `config`."""
     path = os.fspath(path)
     src = TensorSource(path)
-    r = _Reader(src, config)
+    r = TensorReader(src, config)
     layout = detect_layout(src, r.stems)
     hf = layout == "hf"
     c = config
-    H, V = _Dim(c, "hidden_size"), _Dim(c, "vocab_size")
+    H, V = ConfigDim(c, "hidden_size"), ConfigDim(c, "vocab_size")
     out: dict = {}
 
     def norm(stem, dim):
@@ -391,12 +393,12 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     return Weights(config, out, layout, path, src, mtp=mtp, mtp_error=mtp_error)
 
 
-def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool, *, full_attention: bool,
+def _load_layer(r: "TensorReader", c: ModelConfig, p: str, out: dict, norm, hf: bool, *, full_attention: bool,
                 moe: bool) -> None:
     """Read decoder layer ``p`` (e.g. ``"layers.3."``) into `out` under the same canonical names."""
-    H = _Dim(c, "hidden_size")
-    nh, nkv, hd = (_Dim(c, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
-    nk, nv, dk, dv, K = (_Dim(c, n) for n in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    H = ConfigDim(c, "hidden_size")
+    nh, nkv, hd = (ConfigDim(c, n) for n in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    nk, nv, dk, dv, K = (ConfigDim(c, n) for n in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                               "linear_value_head_dim", "linear_conv_kernel_dim"))
     out[p + "input_layernorm"] = norm(p + "input_layernorm", H)
     out[p + "post_attention_layernorm"] = norm(p + "post_attention_layernorm", H)
@@ -439,7 +441,7 @@ def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool,
         out[g + "out_proj"] = r.linear(g + "out_proj", (H, c.value_dim))
     m = p + "mlp."
     if moe:
-        E, I, Is = (_Dim(c, n) for n in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"))
+        E, I, Is = (ConfigDim(c, n) for n in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"))
         out[m + "gate"] = r.linear(m + "gate", (E, H))
         if r.has(m + "experts.gate_up_proj"):          # HF fused experts
             gu = r.plain(m + "experts.gate_up_proj", (E, 2 * I, H))
@@ -461,7 +463,7 @@ def _load_layer(r: "_Reader", c: ModelConfig, p: str, out: dict, norm, hf: bool,
             out[s + "down_proj"] = r.linear(s + "down_proj", (H, Is))
             out[m + "shared_expert_gate"] = r.linear(m + "shared_expert_gate", (1, H))
     else:
-        I = _Dim(c, "intermediate_size")
+        I = ConfigDim(c, "intermediate_size")
         out[m + "gate_proj"] = r.linear(m + "gate_proj", (I, H))
         out[m + "up_proj"] = r.linear(m + "up_proj", (I, H))
         out[m + "down_proj"] = r.linear(m + "down_proj", (H, I))
@@ -474,10 +476,10 @@ MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 def _load_mtp(src: TensorSource, c: ModelConfig, hf: bool, canonical=_mtp_canonical_key) -> dict:
     """The MTP head's tensors (canonical names without ``mtp.``, see the module docstring), strictly:
     every tensor present with its shape, nothing else. `hf`: the norms are zero-centred (add 1)."""
-    r = _Reader(src, c, canonical)
+    r = TensorReader(src, c, canonical)
     if not r.stems:
         raise CheckpointError(f"{src.directory}: no MTP tensors")
-    H = _Dim(c, "hidden_size")
+    H = ConfigDim(c, "hidden_size")
     out: dict = {}
 
     def norm(stem, dim):
@@ -527,7 +529,7 @@ def _folder_key(key: str):
         key = key[len("mtp."):]
     if key.startswith(("embed_tokens.", "lm_head.")):
         return None            # a copy of the shared embedding / head: the main model's is used
-    return _split_part(key)
+    return split_part(key)
 
 
 def load_mtp_head(path: str | os.PathLike, config: ModelConfig) -> tuple[dict, TensorSource]:

@@ -71,7 +71,7 @@ per-expert MoE loop. numpy's multithreaded BLAS can be slow when the CPU is over
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -603,14 +603,18 @@ class ReferenceModel:
 
     def forward(self, state: ReferenceState, token_ids: np.ndarray, logits: str = "last",
                 gdn_mode: str = "chunked", chunk_size: int = 64, hidden: list | None = None,
-                final_hidden: list | None = None):
+                final_hidden: list | None = None, feature_layers: Sequence[int] = (),
+                features: list | None = None):
         """Run ``token_ids`` (1-D ints) at positions ``state.position..``; update ``state`` in place.
 
         Returns float32 logits [vocab] (``logits="last"``), [L, vocab] (``"all"``) or None (``"none"``).
         If ``hidden`` is a list, the embedding output and each decoder layer's output [L, H] are appended
         (``hidden[-1]``: the last layer's output before the final norm). If ``final_hidden`` is a list, the
         final norm's output [L, H] of every token -- what the lm_head multiplies, and the hidden state the
-        MTP head takes (`ReferenceMtp`) -- is appended.
+        MTP head takes (`ReferenceMtp`) -- is appended. If ``features`` is a list, the outputs of the decoder
+        layers ``feature_layers`` (0-based, in that order) are concatenated along the hidden axis and appended
+        ([L, len(feature_layers) * H]): a DFlash draft's context features (`qwenmetal.dflash`), taken in the
+        same pass.
         """
         ids = np.asarray(token_ids)
         assert ids.ndim == 1 and ids.size >= 1, ids.shape
@@ -618,6 +622,10 @@ class ReferenceModel:
         assert gdn_mode in ("chunked", "recurrent"), gdn_mode
         c, bf16 = self.config, self.bf16
 
+        want = {int(i): None for i in feature_layers} if features is not None else {}
+        bad = [i for i in want if not 0 <= i < c.num_hidden_layers]
+        if bad:
+            raise ValueError(f"feature_layers {list(feature_layers)}: the model has layers 0..{c.num_hidden_layers - 1}")
         x = self.embed(ids)
         if hidden is not None:
             hidden.append(x)
@@ -627,6 +635,11 @@ class ReferenceModel:
                                              bf16=bf16)
             if hidden is not None:
                 hidden.append(x)
+            if i in want:
+                want[i] = x
+        if features is not None:
+            features.append(np.concatenate([want[int(i)] for i in feature_layers], axis=-1)
+                            if want else np.zeros((ids.size, 0), dtype=F32))
 
         out = None
         if final_hidden is not None:
@@ -778,6 +791,21 @@ class ReferenceBackend:
             if consumed is not None:
                 consumed.extend(add)
         return state, out
+
+    def forward_features(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None,
+                         layers) -> tuple:
+        """`forward` that also returns the outputs of the decoder layers `layers` for every row, concatenated
+        ([n, len(layers) * hidden], float32): a DFlash draft's context features. Returns (logits, features)."""
+        new = state.copy()
+        feats: list = []
+        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size,
+                                feature_layers=tuple(layers), features=feats)
+        add = [int(i) for i in ids]
+        with sigint_deferred():
+            vars(state).update(vars(new))
+            if consumed is not None:
+                consumed.extend(add)
+        return out, np.asarray(feats[0], dtype=F32)
 
     def state_to_arrays(self, state: ReferenceState) -> dict:
         """The backend-independent state layout of Session.save (see docs/architecture.md)."""

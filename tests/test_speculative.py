@@ -338,16 +338,23 @@ def test_bench_speculative_quick(tmp_path, capsys):
     path = str(cached_checkpoint("tiny", "mlx-q4", seed=0))
     assert main(["bench", "--model", path, "--speculative", "--quick", "--threads", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "verification cost at context 64" in text and "oracle drafter" in text
+    assert "verification cost at context 64" in text and "oracle block drafter" in text
     res = json.loads(out.read_text())
-    assert set(res["verify"]["rows"]) == {"2", "3", "5", "9"}
-    assert set(res["throughput"]["rates"]) == {"0.5", "0.7", "0.9"}
+    assert set(res["verify"]["rows"]) == {"2", "4", "8", "16"}
+    lengths = res["throughput"]["lengths"]
+    assert set(lengths) == {"2", "4", "5", "6"}
+    for n, row in lengths.items():    # the oracle yields exactly L tokens a round with whole blocks
+        assert row["block"]["mean_accepted_length"] == pytest.approx(int(n), abs=0.5)
     assert res["machine"]["cpu"]
     if "metal-sim" in qm.backends.BACKENDS:                    # the Metal graph's chunk, modelled
         mm = res["metal_modelled"]
-        assert set(mm["rows"]) == {"2", "3", "5", "9"} and "Metal graph, MODELLED" in text
+        assert set(mm["rows"]) == {"2", "4", "8", "16"} and "Metal graph, MODELLED" in text
         for r in mm["rows"].values():
             assert all(v["vs_step"] > 0 for v in r.values())
+        assert "DFlash decoding, MODELLED" in text
+        for chip in mm["lengths"].values():   # more tokens a round never model slower
+            ls = chip["lengths"]
+            assert ls["6"]["adaptive_vs_plain"] > ls["2"]["adaptive_vs_plain"] > 0
 
 
 def test_row_by_row_fallback_chain_ends_like_the_engines():

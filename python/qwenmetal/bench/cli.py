@@ -58,6 +58,7 @@ from ..config import ModelConfig
 from ..memory import parse_budget
 from ..model import Model
 from ..version import __version__
+from ..weights_table import virtual_weight_table
 from .bandwidth import measure_file_read, measure_read_bandwidth
 from .batch import batch_modelled, format_batch, format_modelled, run_batch
 from .bytes_model import (
@@ -70,7 +71,13 @@ from .checkpoint import ensure_checkpoint, resolve_config
 from .experts import expert_counters, per_token
 from .kernels import count_kernels, format_kernels, kernel_table
 from .load import ForeignLoad, busy_fraction, wait_quiet
-from .speculative import format_speculative, run_speculative
+from .speculative import (
+    LENGTHS,
+    ROWS,
+    format_speculative,
+    modelled_lengths,
+    run_speculative,
+)
 from .timing import (
     describe_machine,
     machine_info,
@@ -407,9 +414,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(RSS + page cache, no swap; Linux, root or a delegated cgroup)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--speculative", action="store_true",
-                   help="speculative decoding instead: the cost of verifying 2/3/5/9 rows against a decode step, "
-                        "and greedy tok/s against plain decoding at acceptance 0.5/0.7/0.9 (an oracle drafter; "
-                        "context: the first --contexts value, default 512; tokens: --decode-steps, default 64)")
+                   help="speculative decoding instead: the cost of verifying 2/4/8/16 rows against a decode step, "
+                        "and greedy tok/s against plain decoding at mean accepted lengths 2/4/5/6 (an oracle block "
+                        "drafter; context: the first --contexts value, default 512; tokens: --decode-steps, "
+                        "default 64), with the Metal graph and a DFlash draft MODELLED beside them")
     p.add_argument("--batch", default=None, metavar="B,...",
                    help="batched decode instead: for each batch size, one decode_batch step over B sessions forked "
                         "from one context (ms/step, aggregate and per-stream tok/s, vs batch 1, the bytes floor of "
@@ -572,10 +580,15 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
     context = _ints(args.contexts)[0] if args.contexts else (64 if args.quick else 512)
     tokens = args.decode_steps or (12 if args.quick else 64)
     res = run_speculative(model, context, tokens, args.repeats or (1 if args.quick else 3), log)
-    if sim_available():     # the Metal graph's verification, modelled (encode-only)
+    if sim_available():     # the Metal graph's verification, and DFlash decoding with it, modelled (encode-only)
         cfg = ModelConfig.from_dict(resolve_config(args.config or "real", 4 if args.quick else 40))
-        res["metal_modelled"] = encode_only_verify_cost(cfg, context=256 if args.quick else 4096)
-        res["metal_modelled"]["layers"] = cfg.num_hidden_layers
+        mm = encode_only_verify_cost(cfg, rows=sorted(set(ROWS) | set(LENGTHS) - {1}),
+                                     context=256 if args.quick else 4096)
+        lm_head = decode_bytes(cfg, virtual_weight_table(cfg)[2], 0)["weight_parts"]["lm_head"]
+        mm["lengths"] = modelled_lengths(mm, lm_head)
+        mm["rows"] = {n: r for n, r in mm["rows"].items() if n in ROWS}
+        mm["layers"] = cfg.num_hidden_layers
+        res["metal_modelled"] = mm
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
                 "backend": model.backend, "options": options, "threads": threads,

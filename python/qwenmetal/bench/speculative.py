@@ -1,11 +1,17 @@
 """``qwenmetal bench --speculative``: what speculative decoding costs and gains on this machine.
 
-1. The cost of one verification call of n = 2, 3, 5, 9 rows (k = n - 1 drafts) against one decode step, at a
-   fixed context (the drafts are rewound after each timed call).
-2. Greedy tokens per second against plain decoding at controlled acceptance rates: an oracle drafter proposes
-   the model's own greedy continuation (measured first, by plain decoding), each proposal corrupted with
-   probability 1 - rate (random weights make real acceptance meaningless). The adaptive draft length runs as
-   it would for a user, and a fixed k is shown beside it; the tokens must equal the plain ones.
+1. The cost of one verification call of n = 2, 4, 8, 16 rows (k = n - 1 drafts; 16: a DFlash block) against one
+   decode step, at a fixed context (the drafts are rewound after each timed call).
+2. Greedy tokens per second against plain decoding at controlled mean accepted lengths L = 2, 4, 5, 6 (tokens
+   a round yields: its kept drafts and the model's own token): an oracle block drafter proposes the model's
+   own greedy continuation (measured first, by plain decoding), wrong at the L-th draft of every round (random
+   weights make real acceptance meaningless). Two draft lengths: the adaptive one, as a user runs it, and
+   k = 15, a whole DFlash block verified every round. The tokens must equal the plain ones. The oracle drafts
+   for free: a real draft's forward is not in these figures.
+3. Beside them, where the simulator is built, the Metal graph MODELLED (encode-only, the real config): the
+   verification graph of n rows against a decode step, and the tok/s at each mean accepted length with a
+   DFlash draft's own forward costed from its published size (`dflash_draft_seconds`: the draft graph is not
+   built; its bytes and dependency levels are counted as the verification graph counts its own).
 
 Timings alternate between the compared cases and report medians (docs/speculative.md explains the method).
 """
@@ -17,11 +23,38 @@ from typing import Callable
 
 import numpy as np
 
-from ..speculative import ScriptedDrafter, rewind, verify
+from ..speculative import MAX_DRAFT, ScriptedDrafter, rewind, verify
+from .cost import CHIP_BANDWIDTH_GBS, LEVEL_LATENCY_S
 from .timing import _median, synthetic_prompt
 
-ROWS = (2, 3, 5, 9)
-RATES = (0.5, 0.7, 0.9)
+ROWS = (2, 4, 8, 16)
+LENGTHS = (2, 4, 5, 6)
+#: the DFlash draft published for Qwen3.6-35B-A3B (z-lab/Qwen3.6-35B-A3B-DFlash's config.json): 8 Qwen3
+#: decoder layers of hidden 2048, MLP 6144, 32 query / 4 KV heads of 128, bf16, blocks of 16
+PUBLISHED_DRAFT = dict(num_hidden_layers=8, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, target_layers=5, block_size=16)
+#: dependency levels of one draft layer in a graph shaped like the decode graph's (norm+qkv, attention over
+#: context + block, o_proj + residual, norm+gate/up, down + residual, the context rows' k/v): an estimate
+DRAFT_LEVELS_PER_LAYER = 6
+
+
+class BlockOracle(ScriptedDrafter):
+    """The script's continuation, wrong at the `length`-th draft of every round: each round yields exactly
+    `length` tokens (length - 1 kept drafts and the model's own) whenever it drafts at least `length`."""
+
+    name = "oracle"
+
+    def __init__(self, script, length: int, vocab: int):
+        super().__init__(script, vocab=vocab)
+        self.length = int(length)
+
+    def draft(self, context, k):
+        p0 = len(context)
+        out = self.script[p0:p0 + k]
+        if len(out) >= self.length:
+            out = list(out)
+            out[self.length - 1] = (out[self.length - 1] + 1) % self.vocab
+        return list(out)
 
 
 def verify_cost(model, context: int, rows=ROWS, repeats: int = 5) -> dict:
@@ -59,37 +92,73 @@ def _timed_generate(model, prompt, n, **kw):
     return [o.token for o in outs], time.perf_counter() - t, outs[-1].stats
 
 
-def throughput(model, context: int, tokens: int, rates=RATES, fixed_k: int = 3, repeats: int = 3) -> dict:
-    """Decode tokens/s of plain greedy decoding and of speculation with the oracle drafter at each rate."""
+def throughput(model, context: int, tokens: int, lengths=LENGTHS, block_k: int = MAX_DRAFT, repeats: int = 3) -> dict:
+    """Decode tokens/s of plain greedy decoding and of speculation with the block oracle at each mean accepted
+    length, with the adaptive draft length and with whole blocks (k = `block_k`)."""
 
     V = model.config.vocab_size
     prompt = [int(t) for t in synthetic_prompt(context, V)]
     plain, _, _ = _timed_generate(model, prompt, tokens)          # the oracle's script (and a warm-up)
-    out = {"context": context, "tokens": tokens, "fixed_k": fixed_k, "rates": {}}
+    out = {"context": context, "tokens": tokens, "block_k": block_k, "lengths": {}}
     plain_s = []
-    runs: dict = {r: {"adaptive": [], "fixed": []} for r in rates}
+    runs: dict = {n: {"adaptive": [], "block": []} for n in lengths}
     for _ in range(repeats):
         toks, dt, st = _timed_generate(model, prompt, tokens)
         plain_s.append(st["decode_seconds"])
-        for rate in rates:
-            for mode, k in (("adaptive", None), ("fixed", fixed_k)):
-                d = ScriptedDrafter(prompt + plain, corrupt=1 - rate, vocab=V, seed=int(rate * 100))
+        for n in lengths:
+            for mode, k in (("adaptive", None), ("block", block_k)):
+                d = BlockOracle(prompt + plain, n, V)
                 toks, dt, st = _timed_generate(model, prompt, tokens, speculative=d, speculative_k=k)
                 if toks != plain:
-                    raise AssertionError(f"speculation changed the greedy tokens (rate {rate}, k {k})")
-                runs[rate][mode].append((st["decode_seconds"], st["speculative"]))
+                    raise AssertionError(f"speculation changed the greedy tokens (length {n}, k {k})")
+                runs[n][mode].append((st["decode_seconds"], st["speculative"]))
     steps = tokens - 1
     out["plain_tokens_per_second"] = steps / _median(plain_s)
-    for rate in rates:
+    for n in lengths:
         row = {}
-        for mode in ("adaptive", "fixed"):
-            secs = [x[0] for x in runs[rate][mode]]
-            sp = runs[rate][mode][len(secs) // 2][1]
+        for mode in ("adaptive", "block"):
+            secs = [x[0] for x in runs[n][mode]]
+            sp = runs[n][mode][len(secs) // 2][1]
             tps = steps / _median(secs)
             row[mode] = {"tokens_per_second": tps, "vs_plain": tps / out["plain_tokens_per_second"],
-                         "acceptance_rate": sp["acceptance_rate"], "rounds": sp["rounds"],
+                         "mean_accepted_length": sp["mean_accepted_length"], "rounds": sp["rounds"],
                          "draft_length_at_end": sp["draft_length"]}
-        out["rates"][rate] = row
+        out["lengths"][n] = row
+    return out
+
+
+def dflash_draft_seconds(lm_head_bytes: int, bandwidth_gbs: float, draft: dict = PUBLISHED_DRAFT,
+                         bytes_per_weight: float = 2.0) -> dict:
+    """A MODEL of one DFlash drafting call on a GPU (the draft graph is not built): its weights read once
+    (`bytes_per_weight` 2: the published bf16; 0.5625: an MLX 4-bit copy), the target's lm_head for the block's
+    rows, the fc over the context features, and DRAFT_LEVELS_PER_LAYER dependency levels per layer plus 3 (fc,
+    final norm + lm_head, argmax) at the decode model's 4 us each."""
+    H, I, L = draft["hidden_size"], draft["intermediate_size"], draft["num_hidden_layers"]
+    q, kv = draft["num_attention_heads"] * draft["head_dim"], draft["num_key_value_heads"] * draft["head_dim"]
+    per_layer = H * q * 2 + H * kv * 2 + 3 * H * I
+    params = L * per_layer + draft["target_layers"] * H * H
+    nbytes = params * bytes_per_weight + lm_head_bytes
+    levels = DRAFT_LEVELS_PER_LAYER * L + 3
+    return {"bytes": nbytes, "levels": levels,
+            "seconds": nbytes / (bandwidth_gbs * 1e9) + levels * LEVEL_LATENCY_S}
+
+
+def modelled_lengths(verify_modelled: dict, lm_head_bytes: int, lengths=LENGTHS, block: int = 16,
+                     bytes_per_weight: float = 2.0) -> dict:
+    """Modelled tok/s against plain decoding at each mean accepted length L, per chip: a round of n rows yields
+    L tokens in verify(n) + one draft call; n = L (the draft length the adaptive choice settles on when every
+    round keeps L - 1 drafts) and n = `block` (whole blocks). `verify_modelled`: encode_only_verify_cost's
+    result holding rows L and `block`."""
+    out: dict = {}
+    for chip, step in verify_modelled["step_seconds"].items():
+        draft = dflash_draft_seconds(lm_head_bytes, CHIP_BANDWIDTH_GBS[chip], bytes_per_weight=bytes_per_weight)
+        row = {}
+        for n in lengths:
+            fit = verify_modelled["rows"][n][chip]["seconds"] if n > 1 else step
+            whole = verify_modelled["rows"][block][chip]["seconds"]
+            row[n] = {"adaptive_vs_plain": n * step / (fit + draft["seconds"]),
+                      "block_vs_plain": n * step / (whole + draft["seconds"])}
+        out[chip] = {"step_seconds": step, "draft_seconds": draft["seconds"], "lengths": row}
     return out
 
 
@@ -99,8 +168,8 @@ def run_speculative(model, context: int, tokens: int, repeats: int, log: Callabl
         log(f"  verify {n} rows @ {context}: {r['ms']:.2f} ms = {r['vs_step']:.2f}x a decode step "
             f"({cost['step_ms']:.2f} ms)")
     thr = throughput(model, context, tokens, repeats=repeats)
-    for rate, row in thr["rates"].items():
-        log(f"  acceptance {rate}: " + ", ".join(
+    for n, row in thr["lengths"].items():
+        log(f"  mean accepted length {n}: " + ", ".join(
             f"{m} {v['tokens_per_second']:.1f} tok/s ({v['vs_plain']:.2f}x)" for m, v in row.items()))
     return {"verify": cost, "throughput": thr}
 
@@ -111,13 +180,15 @@ def format_speculative(res: dict) -> str:
              f"{'rows':>5} {'ms':>9} {'vs step':>8}"]
     lines += [f"{n:>5} {r['ms']:>9.2f} {r['vs_step']:>8.2f}" for n, r in c["rows"].items()]
     lines.append(f"greedy decode, {t['tokens']} tokens at context {t['context']}: plain "
-                 f"{t['plain_tokens_per_second']:.2f} tok/s; oracle drafter corrupted at 1 - rate")
-    lines.append(f"{'rate':>5} {'adaptive tok/s':>14} {'vs plain':>8} {'accepted':>8} {'k at end':>8} "
-                 f"{'k=' + str(t['fixed_k']) + ' tok/s':>11} {'vs plain':>8}")
-    for rate, row in t["rates"].items():
-        a, f = row["adaptive"], row["fixed"]
-        lines.append(f"{rate:>5} {a['tokens_per_second']:>14.2f} {a['vs_plain']:>8.2f} {_rate(a['acceptance_rate']):>8} "
-                     f"{a['draft_length_at_end']:>8} {f['tokens_per_second']:>11.2f} {f['vs_plain']:>8.2f}")
+                 f"{t['plain_tokens_per_second']:.2f} tok/s; oracle block drafter (drafts for free), wrong at the "
+                 "L-th draft of every round")
+    lines.append(f"{'L':>3} {'adaptive tok/s':>14} {'vs plain':>8} {'mean len':>8} {'k at end':>8} "
+                 f"{'k=' + str(t['block_k']) + ' tok/s':>12} {'vs plain':>8} {'mean len':>8}")
+    for n, row in t["lengths"].items():
+        a, b = row["adaptive"], row["block"]
+        lines.append(f"{n:>3} {a['tokens_per_second']:>14.2f} {a['vs_plain']:>8.2f} {_len(a['mean_accepted_length']):>8} "
+                     f"{a['draft_length_at_end']:>8} {b['tokens_per_second']:>12.2f} {b['vs_plain']:>8.2f} "
+                     f"{_len(b['mean_accepted_length']):>8}")
     mm = res.get("metal_modelled")
     if mm:
         chips = list(mm["step_seconds"])
@@ -129,9 +200,21 @@ def format_speculative(res: dict) -> str:
         for n, r in mm["rows"].items():
             lines.append(f"{n:>5} " + " ".join(f"{r[c]['vs_step']:>7.2f}x ({r[c]['chunk_vs_step']:.2f}x)"
                                                for c in chips))
+        ml = mm.get("lengths")
+        if ml:
+            draft_ms = ", ".join(f"{c} {1e3 * ml[c]['draft_seconds']:.2f} ms" for c in chips)
+            lines.append("DFlash decoding, MODELLED vs plain decoding at mean accepted length L (rows verified = L "
+                         f"/ whole blocks of 16), the published bf16 draft's forward costed per round ({draft_ms})")
+            lines.append(f"{'L':>5} " + " ".join(f"{c:>16}" for c in chips))
+            for n in next(iter(ml.values()))["lengths"]:
+                cells = []
+                for c in chips:
+                    v = ml[c]["lengths"][n]
+                    cells.append(f"{v['adaptive_vs_plain']:>7.2f}x / {v['block_vs_plain']:.2f}x")
+                lines.append(f"{n:>5} " + " ".join(cells))
     return "\n".join(lines)
 
 
-def _rate(r) -> str:
-    """An acceptance rate for the table ("-": nothing was drafted)."""
-    return "-" if r is None else f"{r:.2f}"
+def _len(x) -> str:
+    """A mean accepted length for the table ("-": nothing was drafted)."""
+    return "-" if x is None else f"{x:.2f}"

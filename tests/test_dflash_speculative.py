@@ -7,16 +7,15 @@ import re
 
 import numpy as np
 import pytest
-from dflash_oracles import TINY, draft_config, random_tensors, write_draft
-from test_sampling import CHI2_DF8_P001
-
 import qwenmetal as qm
+from dflash_oracles import TINY, draft_config, random_tensors, write_draft
 from qwenmetal.backends.reference import ReferenceModel
 from qwenmetal.dflash import DFlashDrafter, load_dflash_draft
 from qwenmetal.errors import CheckpointError
 from qwenmetal.sampling import Sampler
 from qwenmetal.session import verify
 from qwenmetal.testing import cached_checkpoint
+from test_sampling import CHI2_DF8_P001
 
 PROMPT = "The quick brown fox"
 LAYERS = (1, 2)

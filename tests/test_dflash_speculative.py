@@ -7,16 +7,15 @@ import re
 
 import numpy as np
 import pytest
-from dflash_oracles import TINY, draft_config, random_tensors, write_draft
-from test_sampling import CHI2_DF8_P001
-
 import qwenmetal as qm
+from dflash_oracles import TINY, draft_config, random_tensors, write_draft
 from qwenmetal.backends.reference import ReferenceModel
 from qwenmetal.dflash import DFlashDrafter, load_dflash_draft
 from qwenmetal.errors import CheckpointError
 from qwenmetal.sampling import Sampler
 from qwenmetal.session import verify
 from qwenmetal.testing import cached_checkpoint
+from test_sampling import CHI2_DF8_P001
 
 PROMPT = "The quick brown fox"
 LAYERS = (1, 2)
@@ -68,7 +67,7 @@ def test_reference_features_and_their_errors(target_dir):
 
 
 # ---- DFlash drafting: exact -----------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_dflash_greedy_is_plain_greedy(target_dir, draft_dir, backend):
     m = _load(target_dir, backend)
     kw = dict(max_tokens=24, temperature=0, ignore_eos=True, cache=False)
@@ -97,7 +96,7 @@ class ScriptedDFlash(DFlashDrafter):
         return want, None
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_forced_acceptance_keeps_the_output_and_feeds_the_draft_in_order(target_dir, draft_dir, backend):
     m = _load(target_dir, backend)
     kw = dict(max_tokens=30, temperature=0, ignore_eos=True, cache=False)

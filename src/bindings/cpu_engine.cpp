@@ -145,13 +145,48 @@ struct PyEngine {
     nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
 };
 
+// `features` as given to forward()/verify(): a sequence of decoder-layer indices (Python ints, not bools);
+// the engine checks the values (range, distinct, 1..8 of them)
+std::vector<int64_t> parse_feature_layers(nb::handle features) {
+    if (PyUnicode_Check(features.ptr()) || PyBytes_Check(features.ptr()) || !PySequence_Check(features.ptr()))
+        throw std::invalid_argument("features must be a sequence of decoder-layer indices");
+    std::vector<int64_t> out;
+    for (nb::handle v : nb::borrow<nb::sequence>(features)) {
+        if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr()))
+            throw std::invalid_argument("features must be a sequence of decoder-layer indices");
+        const long long i = PyLong_AsLongLong(nb::steal(PyNumber_Index(v.ptr())).ptr());
+        if (i == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            throw std::invalid_argument("features: a layer index out of range");
+        }
+        out.push_back(int64_t(i));
+    }
+    return out;
+}
+
 // forward() and verify(): the ids run on the state (verify: speculative, every row as a one-token call),
 // with the hidden-state options: `hidden`, an MTP head's input [n, hidden_size] (None for the main
-// model), and `return_hidden`, which returns (logits, final-normed hidden rows) instead of the logits
+// model), and `return_hidden`, which returns (logits, final-normed hidden rows) instead of the logits;
+// `features` (decoder-layer indices, not with return_hidden) returns (logits, every row's outputs of those
+// layers [n, len(features) * hidden_size])
 nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                      nb::handle hidden, int return_hidden, bool speculative) {
+                      nb::handle hidden, int return_hidden, bool speculative, nb::handle features) {
     // return_hidden: 0 no, 1 the rows the logits are of, 2 every row (any logits mode)
     const int64_t n = static_cast<int64_t>(ids.shape(0)), H = pe.engine->config().hidden;
+    std::optional<LayerFeatures> feats;
+    nb::object fout = nb::none();
+    if (!features.is_none()) {
+        if (return_hidden) throw std::invalid_argument("hidden states or layer features, not both");
+        feats.emplace();
+        feats->layers = parse_feature_layers(features);
+        const int64_t nf = int64_t(feats->layers.size());
+        if (nf < 1 || nf > kMaxFeatureLayers)       // checked again by the engine; here before allocating
+            throw std::invalid_argument("cpu engine: feature layers: 1.." + std::to_string(kMaxFeatureLayers) +
+                                        " of them, got " + std::to_string(nf));
+        auto a = bindings::new_array({size_t(std::max<int64_t>(n, 0)), size_t(nf * H)});
+        feats->out = a.data();
+        fout = nb::cast(a);
+    }
     std::optional<In<float, 2>> hin;
     if (!hidden.is_none()) {
         hin = nb::cast<In<float, 2>>(hidden);
@@ -172,20 +207,22 @@ nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::str
     nb::object out = bindings::forward_call(ids.data(), n, size_t(pe.engine->config().vocab), logits, consumed,
                                             [&](int want, float* dst, InterruptPoll poll) {
                                                 pe.engine->forward(s, ids.data(), n, want, dst, poll, speculative,
-                                                                   hin ? hin->data() : nullptr, hp, return_hidden == 2);
+                                                                   hin ? hin->data() : nullptr, hp, return_hidden == 2,
+                                                                   feats ? &*feats : nullptr);
                                             });
+    if (feats) return nb::make_tuple(out, fout);
     return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
 }
 
 nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                          nb::handle hidden, int return_hidden) {
-    return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false);
+                          nb::handle hidden, int return_hidden, nb::handle features) {
+    return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false, features);
 }
 
 // the verification of drafted tokens: logits [n, vocab], every row bit for bit a one-token call's
 nb::object engine_verify(PyEngine& pe, State& s, In<int64_t, 1> ids, nb::handle consumed, nb::handle hidden,
-                         int return_hidden) {
-    return engine_run(pe, s, ids, "all", consumed, hidden, return_hidden, true);
+                         int return_hidden, nb::handle features) {
+    return engine_run(pe, s, ids, "all", consumed, hidden, return_hidden, true, features);
 }
 
 // one decode step for each of the states (distinct), row i = ids[i]: logits [B, vocab], each row bit for bit
@@ -506,19 +543,22 @@ void register_cpu_engine(nb::module_& m) {
              "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
-             "hidden"_a = nb::none(), "return_hidden"_a = 0,
+             "hidden"_a = nb::none(), "return_hidden"_a = 0, "features"_a = nb::none(),
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
              "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
              "token list) inside the call. The GIL is released; between chunks a call from the main thread "
              "runs Python's signal handlers. On error or interrupt the state is unchanged. hidden: an MTP head "
              "engine's input, the main model's final-normed hidden rows [n, hidden_size] before the ids; "
              "return_hidden: 1 returns (logits, the final-normed hidden rows of the logits), 2 (logits or None, "
-             "every row's).")
+             "every row's). features: decoder-layer indices (1..8, distinct, any order; not with return_hidden): "
+             "returns (logits or None, every row's outputs of those layers, concatenated in that order "
+             "[n, len(features) * hidden_size] float32: the residual stream after each, before the final norm).")
         .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(), "hidden"_a = nb::none(),
-             "return_hidden"_a = 0,
+             "return_hidden"_a = 0, "features"_a = nb::none(),
              "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most 32 "
              "ids, and prefill_chunk), keeping what rewind() needs; consecutive verify() calls form one chain. "
-             "Returns float32 logits [n, vocab].")
+             "Returns float32 logits [n, vocab]; with features (as forward's), (logits, features), each row's "
+             "bit for bit a one-token call's.")
         .def("decode_batch", &engine_decode_batch, "states"_a, "ids"_a, "consumed"_a = nb::none(),
              "One decode step for each state (distinct): row i runs ids[i] on states[i] at its own position, the "
              "weights read once for all rows; returns float32 logits [n, vocab], row i bit for bit states[i]'s own "

@@ -36,6 +36,18 @@ struct TensorDesc {
 // the most rows of one speculative call (Engine::forward) or one batched step (Engine::forward_batch)
 constexpr int64_t kMaxSpeculativeRows = 32;
 
+// the most decoder layers one call returns the outputs of (LayerFeatures; a DFlash draft reads a few)
+constexpr int64_t kMaxFeatureLayers = 8;
+
+// The outputs of chosen decoder layers for every row a call runs (a DFlash draft's context features): the
+// residual stream after layer layers[j] (after its MoE/MLP residual add, before the final norm), copied
+// while the forward runs into out[row][j * hidden ..] ([n][layers.size() * hidden], float32,
+// caller-allocated). `layers`: 1..kMaxFeatureLayers distinct indices of decoder layers, in any order.
+struct LayerFeatures {
+    std::vector<int64_t> layers;
+    float* out = nullptr;
+};
+
 struct Options {
     int threads = 0;                    // 0: physical cores
     bool kv_f32 = false;                // KV cache element type: float32, else bf16
@@ -175,9 +187,13 @@ public:
     // input), or of every row [n, hidden] with hidden_all (then any `want`: a prompt's rows for the head). hidden_in: required by an MTP head engine (is_mtp_head()), else null: the main model's
     // final-normed hidden state [n, hidden] at the positions before `ids`, which the head's input layer
     // combines with the ids' embeddings; its hidden_out is then the head's own normed output.
+    //
+    // features (optional, not with hidden_out, not on an MTP head): every row's outputs of the listed
+    // layers (LayerFeatures), in any call (prefill across chunks, speculative); a speculative row's are bit
+    // for bit those of a one-token call. A bad list throws before anything is touched.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
                  bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr,
-                 bool hidden_all = false);
+                 bool hidden_all = false, const LayerFeatures* features = nullptr);
     // One decode step for each of B (1..32, at most prefill_chunk) distinct states: row i runs ids[i] on
     // *states[i] at its own position, sharing every weight read with the other rows (the MoE reads the rows'
     // union of experts once); logits [B, vocab]. Row i's logits and state are bit for bit those of a one-token
@@ -205,9 +221,12 @@ private:
     void check_state(const State& s) const;
     void reserve_scratch(int64_t L, int64_t T_end, bool speculative);
     // batch (forward_batch): row i is the one-token call on *batch[i] (L rows, `s` unused), else L tokens on s
+    // features: the call's, with `feat_out` at this chunk's first row
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
                        bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
-                       State* const* batch = nullptr);
+                       State* const* batch = nullptr, const LayerFeatures* features = nullptr,
+                       float* feat_out = nullptr);
+    void check_features(const LayerFeatures& f) const;
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);
     WMat make_linear(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows,

@@ -8,6 +8,7 @@
 //       x += GatedAttention(xn) | GatedDeltaNet(xn)           the output projection adds into x
 //       xn = RMSNorm(x)
 //       x += MoE(xn) | MLP(xn)                                the down projections add into x
+//       [features: x copied out if the layer is listed]       a DFlash draft's context (LayerFeatures)
 //   logits = RMSNorm(x[rows asked for]) @ lm_head^T
 //
 // A speculative call (the verification of drafted tokens) computes every row as a one-token call would,
@@ -94,9 +95,32 @@ void Engine::reserve_rewind(State& s, int64_t total) const {
     rw.cap = cap;
 }
 
+void Engine::check_features(const LayerFeatures& f) const {
+    const int64_t n = int64_t(f.layers.size());
+    if (n < 1 || n > kMaxFeatureLayers)
+        throw std::invalid_argument("cpu engine: feature layers: 1.." + std::to_string(kMaxFeatureLayers) +
+                                    " of them, got " + std::to_string(n));
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t l = f.layers[size_t(j)];
+        if (l < 0 || l >= cfg_.n_layers)
+            throw std::invalid_argument("cpu engine: feature layer " + std::to_string(l) + " outside the layers 0.." +
+                                        std::to_string(cfg_.n_layers - 1));
+        for (int64_t k = 0; k < j; ++k)
+            if (f.layers[size_t(k)] == l)
+                throw std::invalid_argument("cpu engine: feature layer " + std::to_string(l) + " listed twice");
+    }
+    if (!f.out) throw std::invalid_argument("cpu engine: no output for the layer features");
+    if (mtp_) throw std::invalid_argument("cpu engine: an MTP head returns no layer features");
+}
+
 void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                     bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all) {
+                     bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
+                     const LayerFeatures* features) {
     check_state(s);
+    if (features) {                                  // before anything, the chain included, is touched
+        check_features(*features);
+        if (hidden_out) throw std::invalid_argument("cpu engine: hidden states or layer features, not both");
+    }
     if (mtp_ != (hidden_in != nullptr))
         throw std::invalid_argument(mtp_ ? "cpu engine: an MTP head needs the main model's hidden states"
                                          : "cpu engine: hidden states are an MTP head's input");
@@ -143,7 +167,9 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
             forward_chunk(s, ids + c0, L, want == 2, want == 1 && last,
                           want == 2 ? logits + c0 * cfg_.vocab : logits, speculative,
                           hidden_in ? hidden_in + c0 * H : nullptr,
-                          hidden_out && (want == 2 || hidden_all) ? hidden_out + c0 * H : hidden_out, hidden_all);
+                          hidden_out && (want == 2 || hidden_all) ? hidden_out + c0 * H : hidden_out, hidden_all,
+                          nullptr, features,
+                          features ? features->out + c0 * int64_t(features->layers.size()) * H : nullptr);
         }
     } catch (...) {
         if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
@@ -264,7 +290,7 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
 
 void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
                            bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
-                           State* const* batch) {
+                           State* const* batch, const LayerFeatures* features, float* feat_out) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
@@ -426,6 +452,12 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
             moe_forward(pool, ws_, shared_.data(), w, moe_dims(c), xn, L, x);
         } else {
             mlp_forward(pool, ws_, shared_.data(), ly.mlp.gate, ly.mlp.up, ly.mlp.down, xn, L, H, x);
+        }
+        if (features) {                                // the layer's output rows, if listed: its columns
+            const int64_t nf = int64_t(features->layers.size());
+            for (int64_t j = 0; j < nf; ++j)
+                if (features->layers[size_t(j)] == li)
+                    for (int64_t i = 0; i < L; ++i) std::copy_n(x + i * H, H, feat_out + (i * nf + j) * H);
         }
     }
 

@@ -179,12 +179,19 @@ class CpuBackend(EngineBackend):
     # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
     native_verify = True             # verify / rewind below (qwenmetal.speculative)
 
-    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False):
+    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False,
+               features=None):
         """Run `ids` with the logits of each ([n, vocab]), every row bit for bit a one-token call's, keeping
         what `rewind` needs (consecutive calls chain); at most 32 ids (and `prefill_chunk`) per call.
-        `return_hidden`: (logits, the final-normed hidden rows [n, hidden]) -- an MTP head's input."""
-        return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
-                                  return_hidden=1 if return_hidden else 0)
+        `return_hidden`: (logits, the final-normed hidden rows [n, hidden]) -- an MTP head's input.
+        `features` (decoder-layer indices): (logits, the outputs of those layers for every row
+        [n, len(features) * hidden]) -- a DFlash draft's context; not together with `return_hidden`."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if features is not None:
+            if return_hidden:
+                raise ValueError("verify returns hidden states or layer features, not both")
+            return self.engine.verify(state, ids, consumed, features=features)
+        return self.engine.verify(state, ids, consumed, return_hidden=1 if return_hidden else 0)
 
     @property
     def max_batch_rows(self) -> int:
@@ -202,6 +209,14 @@ class CpuBackend(EngineBackend):
         for an MTP head's cache over a prompt."""
         return self.engine.forward(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed,
                                    return_hidden=2)
+
+    def forward_features(self, state, ids: np.ndarray, logits: str, consumed: list | None, layers) -> tuple:
+        """`forward` that also returns the outputs of the decoder layers `layers` (0-based, distinct, 1..8, any
+        order) for every row, concatenated in that order ([n, len(layers) * hidden], float32; the residual
+        stream after each layer, before the final norm): a DFlash draft's context features, copied while the
+        forward runs (across its prefill chunks). Returns (logits or None, features); all-or-nothing."""
+        return self.engine.forward(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed,
+                                   features=layers)
 
     def mtp_head(self, params: dict) -> "CpuBackend":
         """A cpu backend running the MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm,

@@ -25,6 +25,25 @@ MAX_LAYERS = 1 << 16          # a sanity bound (real models have < 200), so a ba
 MAX_CONFIG_BYTES = 16 << 20
 
 
+def read_config_json(path: str | os.PathLike, expected: str = "") -> tuple[str, Any]:
+    """(the file's path, its parsed JSON) of a config.json, or of the one in the folder `path`; CheckpointError
+    for a missing, unreadable, oversized (MAX_CONFIG_BYTES) or malformed file (`expected` says whose config a
+    missing file should have been)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json" + (f" (expected {expected})" if expected else "")) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config.json")
+    return path, parse_json(data, path, CheckpointError)
+
+
 def _positive_int(v, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise CheckpointError(f"{what} must be a positive integer, got {v!r}")
@@ -202,19 +221,7 @@ class ModelConfig:
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no config.json") from None
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-        if len(data) > MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config.json")
-        d = parse_json(data, path, CheckpointError)
+        path, d = read_config_json(path)
         try:
             return cls.from_dict(d)
         except CheckpointError as e:

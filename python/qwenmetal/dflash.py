@@ -53,9 +53,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .backends.reference import ReferenceModel, rms_norm, rope, silu, softmax
-from .config import ModelConfig, QuantizationConfig
+from .config import ModelConfig, QuantizationConfig, read_config_json
 from .errors import CheckpointError
-from .fileio import parse_json
 from .safetensors_io import TensorSource
 from .speculative import Drafter
 from .weights import ConfigDim, QuantizedTensor, TensorReader, split_part, to_float32
@@ -73,7 +72,6 @@ _DFLASH_KEYS = frozenset({"target_layer_ids", "block_size", "mask_token_id", "nu
                           "input_embedding_scale", "output_multiplier", "final_logit_softcapping"})
 _DFLASH2_KEYS = frozenset({"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"})
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-MAX_CONFIG_BYTES = 16 << 20
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple:
@@ -126,20 +124,9 @@ class DFlashConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "DFlashConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
+        path, data = read_config_json(path, "a DFlash draft's")
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no config.json (expected a DFlash draft's)") from None
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-        if len(data) > MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a config.json")
-        try:
-            return cls.from_dict(parse_json(data, path, CheckpointError))
+            return cls.from_dict(data)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
 
@@ -340,12 +327,7 @@ def load_dflash_draft(path: str | os.PathLike, target: ModelConfig | None = None
         for name in ("predecessor_codebook", "successor_codebook"):
             out["candidate_selector." + name] = r.linear("candidate_selector." + name, (V, R))
         out["candidate_selector.hidden_projection"] = r.linear("candidate_selector.hidden_projection", (R, H))
-    left = r.leftovers()
-    if left:
-        k = left[0]
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise CheckpointError(f"{src.file_of(k)}: unexpected tensor {k!r}{more}: not part of a {c.variant} draft "
-                              f"with this config.json (another DFlash variant?)")
+    r.refuse_leftovers(f"a {c.variant} draft with this config.json (another DFlash variant?)")
     return DFlashDraft(c, out, path, src)
 
 

@@ -343,6 +343,14 @@ class TensorReader:
             left.extend(k for k in parts.values() if k not in self.used)
         return left
 
+    def refuse_leftovers(self, what: str) -> None:
+        """CheckpointError naming the first tensor nothing read (and how many more), "not part of `what`"."""
+        left = self.leftovers()
+        if left:
+            k = left[0]
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise CheckpointError(f"{self.src.file_of(k)}: unexpected tensor {k!r}{more} — not part of {what}")
+
 
 def _shift_norm(arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32) + np.float32(1.0)
@@ -384,12 +392,7 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     if any(_is_mtp_key(k) for k in src.keys()):
         mtp, mtp_error = _try_load_mtp(src, c, hf)
 
-    left = r.leftovers()
-    if left:
-        k = left[0]
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise CheckpointError(f"{src.file_of(k)}: unexpected tensor {k!r}{more} — not part of a "
-                              f"{c.model_type} model with this config.json")
+    r.refuse_leftovers(f"a {c.model_type} model with this config.json")
     return Weights(config, out, layout, path, src, mtp=mtp, mtp_error=mtp_error)
 
 

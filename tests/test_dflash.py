@@ -190,16 +190,22 @@ def test_cached_rounds_equal_one_call(tiny):
     assert ref.forward(cache, np.zeros((0, ref.config.feature_size), np.float32), rounds[0][1]).shape == (8, 128)
 
 
+def _tiny_pair(tmp_path, seed: int, block_size: int, layers: list) -> tuple:
+    """The tiny reference target (random weights of `seed`) and a random draft made for it."""
+    c = ModelConfig.from_dict(PRESETS["tiny"])
+    target = ReferenceModel(c, random_params(c, seed))
+    cfg = draft_config(TINY, vocab_size=512, num_target_layers=4, block_size=block_size,
+                       dflash_config={"mask_token_id": 511, "target_layer_ids": layers})
+    draft = DFlashReference.from_draft(load_dflash_draft(write_draft(tmp_path / "d", cfg, random_tensors(cfg))),
+                                       target)
+    return target, draft
+
+
 def test_greedy_generation_is_lossless_and_drafts_from_the_accepted_features(tmp_path):
     """`dflash_generate_greedy` gives the target's own greedy tokens, and each round's drafts are the draft's
     greedy block over exactly the features of the tokens the target had accepted (recomputed from one pass
     over the final sequence)."""
-    c = ModelConfig.from_dict(PRESETS["tiny"])
-    target = ReferenceModel(c, random_params(c, 0))
-    cfg = draft_config(TINY, vocab_size=512, num_target_layers=4, block_size=4,
-                       dflash_config={"mask_token_id": 511, "target_layer_ids": [1, 2]})
-    draft = DFlashReference.from_draft(load_dflash_draft(write_draft(tmp_path / "d", cfg, random_tensors(cfg))),
-                                       target)
+    target, draft = _tiny_pair(tmp_path, 0, block_size=4, layers=[1, 2])
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 400, 10)]
     res = dflash_generate_greedy(target, draft, prompt, 14)
     st = target.new_state()
@@ -305,12 +311,7 @@ def test_greedy_generation_keeps_accepted_drafts(tmp_path):
     """With drafts that follow the target's own greedy continuation (a wrong token every third round), rounds
     accept several tokens, the output stays the target's greedy output, and each accepted round's features
     reach the draft (its cache position follows the accepted tokens)."""
-    c = ModelConfig.from_dict(PRESETS["tiny"])
-    target = ReferenceModel(c, random_params(c, 1))
-    cfg = draft_config(TINY, vocab_size=512, num_target_layers=4, block_size=5,
-                       dflash_config={"mask_token_id": 511, "target_layer_ids": [0, 3]})
-    draft = DFlashReference.from_draft(load_dflash_draft(write_draft(tmp_path / "d", cfg, random_tensors(cfg))),
-                                       target)
+    target, draft = _tiny_pair(tmp_path, 1, block_size=5, layers=[0, 3])
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 400, 7)]
     st, plain = target.new_state(), list(prompt)
     nxt = int(np.argmax(target.forward(st, np.asarray(prompt))))

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from qwenmetal.backends import reference as R
 
 from .gpu_harness import ACT, SCHEDULES, SIM, assert_bf16, ops, rel_err, run

@@ -10,5 +10,10 @@ struct NormParams {
 };
 static_assert(sizeof(NormParams) == 8, "NormParams: 2 x 4 bytes, as the host packs it");
 
+struct CopyParams {
+    uint32_t H;     // elements per row
+};
+static_assert(sizeof(CopyParams) == 4, "CopyParams: 4 bytes, as the host packs it");
+
 // one threadgroup per row; threads: about H / 4, a multiple of 32, at most NORM_MAX_THREADS
 #define NORM_MAX_THREADS 1024u

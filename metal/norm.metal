@@ -1,8 +1,10 @@
-// RMSNorm, and the residual add fused with it.
+// RMSNorm, the residual add fused with it, and rows of the residual stream copied out as float.
 //
 //   rmsnorm_{f32,bf16}:      y = T(w * T(x * rsqrt(mean(x^2) + eps)))
 //   add_rmsnorm_{f32,bf16}:  h = x + r   (stored: the residual stream)
 //                            y = T(w * T(h * rsqrt(mean(h^2) + eps)))
+//   copy_f32_{f32,bf16}:     y = float(x)  (exact: the rows of x as the graph holds them; a DFlash draft's
+//                            target features, taken after chosen decoder layers)
 // w is the multiplicative gain as the canonical weights store it (1 + w for Qwen's
 // zero-centred norms is folded in at load). Statistics in float; the bfloat build rounds as
 // MLX's mx.fast.rms_norm does (x * inv, then the product with w), the float build computes
@@ -93,7 +95,25 @@ kernel void add_rmsnorm(constant NormParams& p [[buffer(0)]], device const T* x 
     }
 }
 
+// y[row] = float(x[row]): the same thread mapping as rmsnorm (one threadgroup per row, 4 elements per step),
+// no reduction and no threadgroup memory
+template <typename T>
+kernel void copy_f32(constant CopyParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
+                     device float* y [[buffer(2)]], uint row [[threadgroup_position_in_grid]],
+                     uint tid [[thread_index_in_threadgroup]], uint nthreads [[threads_per_threadgroup]]) {
+    const ulong base = ulong(row) * p.H;
+    device const T* xr = x + base;
+    device float* yr = y + base;
+    for (uint i = tid * 4; i < p.H; i += nthreads * 4) {
+        for (uint j = 0; j < 4 && i + j < p.H; ++j) {
+            yr[i + j] = float(xr[i + j]);
+        }
+    }
+}
+
 INSTANTIATE_KERNEL("rmsnorm_f32", rmsnorm, float)
 INSTANTIATE_KERNEL("rmsnorm_bf16", rmsnorm, bfloat)
 INSTANTIATE_KERNEL("add_rmsnorm_f32", add_rmsnorm, float)
 INSTANTIATE_KERNEL("add_rmsnorm_bf16", add_rmsnorm, bfloat)
+INSTANTIATE_KERNEL("copy_f32_f32", copy_f32, float)
+INSTANTIATE_KERNEL("copy_f32_bf16", copy_f32, bfloat)

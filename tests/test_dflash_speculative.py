@@ -67,7 +67,7 @@ def test_reference_features_and_their_errors(target_dir):
 
 
 # ---- DFlash drafting: exact -----------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "metal-sim"])
 def test_dflash_greedy_is_plain_greedy(target_dir, draft_dir, backend):
     m = _load(target_dir, backend)
     kw = dict(max_tokens=24, temperature=0, ignore_eos=True, cache=False)
@@ -96,7 +96,7 @@ class ScriptedDFlash(DFlashDrafter):
         return want, None
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "metal-sim"])
 def test_forced_acceptance_keeps_the_output_and_feeds_the_draft_in_order(target_dir, draft_dir, backend):
     m = _load(target_dir, backend)
     kw = dict(max_tokens=30, temperature=0, ignore_eos=True, cache=False)

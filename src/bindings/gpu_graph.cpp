@@ -1,6 +1,7 @@
 // gpu: the decode graph (src/gpu/forward.cpp) as the engine of the metal-sim / metal backends
 // (python/qwenmetal/metal_backend.py): GpuEngine, GpuState. Compute releases the GIL; calls from the main
 // thread run Python's signal handlers between tokens / steps (an interrupt restores the state).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -196,9 +197,28 @@ void register_gpu_graph(nb::module_& g) {
                                     e.engine->forward(s, ids.data(), n, want, dst, poll);
                                 });
         }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
-        .def("verify", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
-                          nb::handle consumed, bool return_hidden) {
+        .def("forward_features", [](PyGpuEngine& e, GpuState& s,
+                                    nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, const std::string& logits,
+                                    nb::handle consumed, std::vector<int64_t> layers) {
             const int64_t n = int64_t(ids.shape(0));
+            e.engine->check_feature_layers(layers);
+            FeatureRequest fr{layers, nullptr};
+            auto feats = new_array({size_t(n > 0 ? n : 0), layers.size() * size_t(e.model->config().hidden)});
+            fr.out = feats.data();
+            nb::object out = forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+                                          [&](int want, float* dst, InterruptPoll poll) {
+                                              e.engine->forward(s, ids.data(), n, want, dst, poll, &fr);
+                                          });
+            return nb::make_tuple(out, nb::cast(feats));
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a, "layers"_a,
+           "forward() that also returns the outputs of the decoder layers `layers` (0-based, distinct, 1..8, any "
+           "order) for every row: (logits or None, features f32 [n, len(layers) * hidden]), the residual stream "
+           "after each layer as the graph holds it, widened to float.")
+        .def("verify", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                          nb::handle consumed, bool return_hidden, std::optional<std::vector<int64_t>> features) {
+            const int64_t n = int64_t(ids.shape(0));
+            if (return_hidden && features)
+                throw std::invalid_argument("verify returns hidden states or layer features, not both");
             nb::object hout = nb::none();
             float* hp = nullptr;
             if (return_hidden) {
@@ -206,15 +226,25 @@ void register_gpu_graph(nb::module_& g) {
                 hp = a.data();
                 hout = nb::cast(a);
             }
+            FeatureRequest fr;
+            if (features) {
+                e.engine->check_feature_layers(*features);
+                fr.layers = *features;
+                auto a = new_array({size_t(n), fr.layers.size() * size_t(e.model->config().hidden)});
+                fr.out = a.data();
+                hout = nb::cast(a);
+            }
             nb::object out = forward_call(ids.data(), n, size_t(e.model->config().vocab), "all", consumed,
                                           [&](int, float* dst, InterruptPoll) {
-                                              e.engine->verify(s, ids.data(), n, dst, hp);
+                                              e.engine->verify(s, ids.data(), n, dst, hp, features ? &fr : nullptr);
                                           });
-            return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
-        }, "state"_a, "ids"_a, "consumed"_a = nb::none(), "return_hidden"_a = false,
+            return return_hidden || features ? nb::object(nb::make_tuple(out, hout)) : out;
+        }, "state"_a, "ids"_a, "consumed"_a = nb::none(), "return_hidden"_a = false, "features"_a = nb::none(),
            "Run ids (1..16) with the logits of each ([n, vocab]), every row bit for bit a decode step's, keeping "
            "the GDN state after each row for rewind(); consecutive verify() calls form one chain (16 tokens at "
-           "most). return_hidden: (logits, the final-normed rows [n, hidden]).")
+           "most). return_hidden: (logits, the final-normed rows [n, hidden]); features (decoder-layer indices, "
+           "not with return_hidden): (logits, the layers' outputs [n, len(features) * hidden]), row r bit for bit "
+           "a one-token forward_features'.")
         .def("rewind", [](PyGpuEngine& e, GpuState& s, int64_t keep, nb::handle consumed) {
             rewind_call(s.rewindable() - keep, consumed, [&] { e.engine->rewind(s, keep); });
         }, "state"_a, "keep"_a, "consumed"_a = nb::none(),
@@ -247,30 +277,32 @@ void register_gpu_graph(nb::module_& g) {
         }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
            "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true,
            "vocab"_a = 0, "consumed"_a = nb::none())
-        .def("encode_cost", [](PyGpuEngine& e, GpuState& s) {
+        // features: the costing with the target features of these layers taken (empty: none)
+        .def("encode_cost", [](PyGpuEngine& e, GpuState& s, std::vector<int64_t> features) {
             StepCost c;
             {
                 nb::gil_scoped_release r;
-                c = e.engine->encode_cost(s);
+                c = e.engine->encode_cost(s, features);
             }
             return cost_dict(c);
-        }, "state"_a)
-        .def("prefill_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows, bool all_logits) {
+        }, "state"_a, "features"_a = std::vector<int64_t>())
+        .def("prefill_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows, bool all_logits,
+                                std::vector<int64_t> features) {
             StepCost c;
             {
                 nb::gil_scoped_release r;
-                c = e.engine->prefill_cost(s, rows, all_logits);
+                c = e.engine->prefill_cost(s, rows, all_logits, features);
             }
             return cost_dict(c);
-        }, "state"_a, "rows"_a, "all_logits"_a = false)
-        .def("verify_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows) {
+        }, "state"_a, "rows"_a, "all_logits"_a = false, "features"_a = std::vector<int64_t>())
+        .def("verify_cost", [](PyGpuEngine& e, GpuState& s, uint32_t rows, std::vector<int64_t> features) {
             StepCost c;
             {
                 nb::gil_scoped_release r;
-                c = e.engine->verify_cost(s, rows);
+                c = e.engine->verify_cost(s, rows, features);
             }
             return cost_dict(c);
-        }, "state"_a, "rows"_a)
+        }, "state"_a, "rows"_a, "features"_a = std::vector<int64_t>())
         .def("decode_batch", [](PyGpuEngine& e, nb::list states,
                                 nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, nb::handle consumed) {
             const int64_t B = int64_t(ids.shape(0));

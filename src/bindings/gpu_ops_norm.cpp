@@ -19,6 +19,10 @@ void register_gpu_ops_norm(nb::module_& ops) {
                               uint32_t H, float eps) {
         gpu::ops::add_rmsnorm(e, gpu::parse_act(t), x, r, w, h, y, rows, H, eps);
     }, "encoder"_a, "dtype"_a, "x"_a, "r"_a, "w"_a, "h"_a, "y"_a, "rows"_a, "H"_a, "eps"_a);
+    ops.def("copy_f32", [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& x, const gpu::Buffer& y,
+                           uint32_t rows, uint32_t H) {
+        gpu::ops::copy_f32(e, gpu::parse_act(t), x, y, rows, H);
+    }, "encoder"_a, "dtype"_a, "x"_a, "y"_a, "rows"_a, "H"_a, "y (float32) = x rows [rows, H] widened");
 }
 
 }  // namespace qwenmetal::bindings

@@ -37,6 +37,11 @@
 //
 // The host waits once per chunk, then flips the GDN halves (GpuState::commit_step(M)), polls for an
 // interrupt and writes the next chunk's ids.
+//
+// Target features (FeatureRequest; decode step, prefill chunk, verification and streaming step alike): after
+// each listed layer, copy_f32 copies the rows of x into that layer's block of feat_ (float). It reads x, which
+// the layer's last dispatch wrote, and writes only feat_, so it opens the level that the next layer's first
+// dispatch (or the lm_head) opens anyway by reading x: no dependency level is added (docs/metal.md).
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -236,12 +241,65 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
 }
 
 void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                            const SamplingConfig* sc) {
+                            const SamplingConfig* sc, const Taps* taps) {
     const Act t = m_->options().act;
     Scratch& s = *sc_;
     ops::embed(e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);                // x = embed(token)
-    for (size_t li = 0; li < m_->layers.size(); ++li) encode_layer(e, st, li, position);
+    for (size_t li = 0; li < m_->layers.size(); ++li) {
+        encode_layer(e, st, li, position);
+        tap(e, taps, li, s.x, 1);                                                       // features[li] = x
+    }
     encode_head(e, position, out_slot, sc);
+}
+
+// ---------------------------------------------------------------------------------------------- target features
+void GpuEngine::check_feature_layers(const std::vector<int64_t>& layers) const {
+    const int64_t n = int64_t(m_->layers.size());
+    if (layers.empty() || layers.size() > kMaxFeatureLayers)
+        throw std::invalid_argument("metal backend: feature layers: 1.." + std::to_string(kMaxFeatureLayers) +
+                                    " of them, got " + std::to_string(layers.size()));
+    for (size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i] < 0 || layers[i] >= n)
+            throw std::invalid_argument("metal backend: feature layer " + std::to_string(layers[i]) +
+                                        " outside the model's layers 0.." + std::to_string(n - 1));
+        for (size_t j = 0; j < i; ++j)
+            if (layers[j] == layers[i])
+                throw std::invalid_argument("metal backend: feature layer " + std::to_string(layers[i]) +
+                                            " given twice (the layers must be distinct)");
+    }
+}
+
+uint32_t GpuEngine::feature_rows(size_t layers) const {
+    const uint64_t row = uint64_t(std::max<size_t>(layers, 1)) * uint64_t(m_->config().hidden) * 4;
+    return uint32_t(std::max<uint64_t>(1, std::min<uint64_t>(chunk_, kFeatureBytes / row)));
+}
+
+std::optional<GpuEngine::Taps> GpuEngine::taps_for(const std::vector<int64_t>& layers, uint32_t rows) {
+    if (layers.empty()) return std::nullopt;
+    check_feature_layers(layers);
+    Taps tp;
+    tp.slot.assign(m_->layers.size(), -1);
+    for (size_t j = 0; j < layers.size(); ++j) tp.slot[size_t(layers[j])] = int32_t(j);
+    tp.block = uint64_t(rows) * uint64_t(m_->config().hidden) * 4;
+    const uint64_t need = tp.block * layers.size();
+    if (!feat_.valid() || feat_.length < need) feat_ = m_->device().alloc(need, "features");
+    return tp;
+}
+
+void GpuEngine::tap(Encoder& e, const Taps* taps, size_t li, const Buffer& x, uint32_t rows) {
+    if (!taps || taps->slot[li] < 0) return;
+    const uint32_t H = uint32_t(m_->config().hidden);
+    ops::copy_f32(e, m_->options().act, x, feat_.view(uint64_t(taps->slot[li]) * taps->block, uint64_t(rows) * H * 4),
+                  rows, H);
+}
+
+void GpuEngine::gather(const Taps& taps, const std::vector<int64_t>& layers, uint32_t rows, float* out) const {
+    const size_t H = size_t(m_->config().hidden), L = layers.size();
+    const uint8_t* base = feat_.as<uint8_t>();
+    for (size_t j = 0; j < L; ++j) {
+        const float* blk = reinterpret_cast<const float*>(base + j * taps.block);
+        for (uint32_t r = 0; r < rows; ++r) std::memcpy(out + (size_t(r) * L + j) * H, blk + size_t(r) * H, H * 4);
+    }
 }
 
 // logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given
@@ -280,7 +338,7 @@ void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, con
 // S >= k the token's arithmetic is the resident step's exactly. With S < k the routed sum is added to x
 // batch by batch (one rounding of x per batch): equal within the backend's tolerance.
 void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                            const SamplingConfig* sc) {
+                            const SamplingConfig* sc, const Taps* taps) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     Device& d = m_->device();
@@ -302,6 +360,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
         encode_mixer(*e, st, li, position);
         if (!L.moe) {
             encode_mlp(*e, li);
+            tap(*e, taps, li, s.x, 1);                                                 // features[li] = x
             continue;
         }
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
@@ -325,6 +384,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
                           s.router, E, n, s.x, &s.moe_shared);                           // x += the batch's sum
             if (!last) run();                                                          // its slots are reused next
         }
+        tap(*e, taps, li, s.x, 1);                                                     // features[li] = x
     }
     if (logits || sc) encode_head(*e, position, out_slot, sc);
     cb->commit();
@@ -472,13 +532,16 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
     }
 }
 
-void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want) {
+void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t), H = uint64_t(c.hidden);
     Chunk& ch = *ch_;
     ops::embed(e, t, m_->embed, ch.ids.view(0, uint64_t(rows) * 4), rows, ch.x);          // x = embed(ids)
-    for (size_t li = 0; li < m_->layers.size(); ++li) encode_layer_rows(e, st, li, p0, rows);
+    for (size_t li = 0; li < m_->layers.size(); ++li) {
+        encode_layer_rows(e, st, li, p0, rows);
+        tap(e, taps, li, ch.x, rows);                                                      // features[li] = x
+    }
     if (want == 1)                                                                         // the last row only
         ops::qmv(e, t, m_->lm_head, ch.x.view((rows - 1) * H * es, H * es), sc_->logits, 1, true, 0, 0,
                  normed(m_->final_norm, c.eps));
@@ -488,36 +551,46 @@ void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows
     }
 }
 
-void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
+void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
+                             const FeatureRequest* feats) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
     for (int64_t i = 0; i < n; ++i)
         if (ids[i] < 0 || ids[i] >= c.vocab)
             throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    if (feats) check_feature_layers(feats->layers);
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot run forward()");
-    st.end_chain();                                    // any call but verify ends a verification chain
     if (m_->experts()) {                               // streaming: token by token through the expert cache
-        stream_forward(st, ids, n, want, logits, poll);
+        st.reserve(st.position + n);
+        st.end_chain();                                // any call but verify ends a verification chain
+        stream_forward(st, ids, n, want, logits, poll, feats);
         return;
     }
+    const size_t FL = feats ? feats->layers.size() : 0;
     if (n == 1) {                                      // one token: a decode step (decode() and verify() rows
         st.reserve(st.position + 1);                   // compute the same), the state advanced once it ran
+        const std::optional<Taps> taps = feats ? taps_for(feats->layers, 1) : std::nullopt;
+        st.end_chain();                                // any call but verify ends a verification chain
         const uint32_t id = uint32_t(ids[0]);
         std::memcpy(sc_->tokens.data(), &id, 4);
         auto cb = d.command_buffer();
         Encoder e(d, *cb);
-        encode_step(e, st, st.position, 0, 1, nullptr);
+        encode_step(e, st, st.position, 0, 1, nullptr, taps ? &*taps : nullptr);
         cb->commit();
         cb->wait();
         st.commit_step();
         if (want) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+        if (taps) gather(*taps, feats->layers, 1, feats->out);
         return;
     }
-    const int64_t C = want == 2 ? logits_rows() : chunk_;
+    int64_t C = want == 2 ? logits_rows() : chunk_;
+    if (feats) C = std::min<int64_t>(C, feature_rows(FL));
     st.reserve(st.position + n);                       // KV growth first (strong guarantee)
     ensure_chunk(uint32_t(std::min<int64_t>(C, n)), want == 2);
+    const std::optional<Taps> taps = feats ? taps_for(feats->layers, uint32_t(std::min<int64_t>(C, n))) : std::nullopt;
+    st.end_chain();                                    // any call but verify ends a verification chain
     // one chunk needs no copy: the GDN halves are flipped only once its command buffer succeeded
     const bool multi = n > C;
     const GpuState::Saved saved = multi ? st.save() : GpuState::Saved{};
@@ -529,12 +602,13 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
             for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
             const bool last = i0 + M == n;
             Encoder e(d, m_->options().command_buffer_seconds);   // command buffers back to back, no waits
-            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0));
+            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr);
             e.commit();
             e.wait();
             st.commit_step(M);                         // the chunk's written halves become current
             if (want == 2) std::memcpy(logits + i0 * c.vocab, ch_->logits.data(), size_t(M) * c.vocab * 4);
             else if (want == 1 && last) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+            if (taps) gather(*taps, feats->layers, M, feats->out + size_t(i0) * FL * c.hidden);
         }
     } catch (...) {
         if (multi) st.restore(saved);
@@ -557,9 +631,10 @@ void GpuEngine::reset_expert_stats() {
 // Streaming prefill: each token is one stream_step (the routing of a token is known only after its
 // top-k), the state advanced after each; all-or-nothing like the chunked prefill.
 void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits,
-                               InterruptPoll poll) {
+                               InterruptPoll poll, const FeatureRequest* feats) {
     const Config& c = m_->config();
-    st.reserve(st.position + n);
+    const std::optional<Taps> taps = feats ? taps_for(feats->layers, 1) : std::nullopt;
+    const size_t FL = feats ? feats->layers.size() : 0;
     const GpuState::Saved saved = st.save();
     try {
         for (int64_t i = 0; i < n; ++i) {
@@ -567,10 +642,11 @@ void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int 
             const uint32_t id = uint32_t(ids[i]);
             std::memcpy(sc_->tokens.data(), &id, 4);
             const bool want_logits = want == 2 || (want == 1 && i + 1 == n);
-            stream_step(st, st.position, 0, 1, want_logits, nullptr);
+            stream_step(st, st.position, 0, 1, want_logits, nullptr, taps ? &*taps : nullptr);
             st.commit_step();
             if (want == 2) std::memcpy(logits + i * c.vocab, sc_->logits.data(), size_t(c.vocab) * 4);
             else if (want_logits) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+            if (taps) gather(*taps, feats->layers, 1, feats->out + size_t(i) * FL * c.hidden);
         }
     } catch (...) {
         st.restore(saved);
@@ -889,8 +965,12 @@ void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, 
     }
 }
 
-void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* logits, float* hidden) {
+void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* logits, float* hidden,
+                            const FeatureRequest* feats) {
     const Config& c = m_->config();
+    if (hidden && feats)
+        throw std::invalid_argument("metal backend: verify returns hidden states or layer features, not both");
+    if (feats) check_feature_layers(feats->layers);
     if (n < 1) throw std::invalid_argument("metal backend: no tokens to verify");
     if (n > int64_t(kMaxVerifyRows))
         throw std::invalid_argument("metal backend: at most " + std::to_string(kMaxVerifyRows) +
@@ -910,12 +990,13 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
     const uint32_t R = uint32_t(n);
     st.reserve(st.position + n);                       // everything that can fail before the state changes
     ensure_verify(R);
+    const std::optional<Taps> taps = feats ? taps_for(feats->layers, R) : std::nullopt;
     std::vector<GpuState::StateSet> sets = st.take_sets(R);
     try {
         uint32_t* dst = vf_->ids.as<uint32_t>();
         for (uint32_t r = 0; r < R; ++r) dst[r] = uint32_t(ids[r]);
         Encoder e(d, m_->options().command_buffer_seconds);
-        encode_rows(e, verify_plan(st, R, sets), hidden != nullptr);
+        encode_rows(e, verify_plan(st, R, sets), hidden != nullptr, taps ? &*taps : nullptr);
         e.commit();
         e.wait();
     } catch (...) {
@@ -929,16 +1010,20 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
         else
             for (size_t i = 0; i < m; ++i) hidden[i] = bf16_to_f32(vf_->xn.as<uint16_t>()[i]);
     }
+    if (taps) gather(*taps, feats->layers, R, feats->out);
     st.chain_rows(std::move(sets));
 }
 
-void GpuEngine::encode_rows(Encoder& e, const std::vector<RowPlan>& plan, bool hidden) {
+void GpuEngine::encode_rows(Encoder& e, const std::vector<RowPlan>& plan, bool hidden, const Taps* taps) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint32_t rows = uint32_t(plan.size());
     Verify& v = *vf_;
     ops::embed(e, t, m_->embed, v.ids.view(0, uint64_t(rows) * 4), rows, v.x);          // x = embed(ids)
-    for (size_t li = 0; li < m_->layers.size(); ++li) encode_rows_layer(e, plan, li);
+    for (size_t li = 0; li < m_->layers.size(); ++li) {
+        encode_rows_layer(e, plan, li);
+        tap(e, taps, li, v.x, rows);                                                     // features[li] = x
+    }
     ops::qmv(e, t, m_->lm_head, v.x, v.logits, rows, true, 0, 0,
              normed(m_->final_norm, c.eps, hidden ? &v.xn : nullptr));                   // logits (f32) [, hidden]
 }
@@ -1017,36 +1102,39 @@ StepCost cost_of(const Encoder& e, const Counters& k) {
 }
 }  // namespace
 
-StepCost GpuEngine::encode_cost_impl(GpuState& st) {
+StepCost GpuEngine::encode_cost_impl(GpuState& st, const std::vector<int64_t>& layers) {
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
+    const std::optional<Taps> taps = taps_for(layers, 1);
     d.reset_counters();
     auto cb = d.command_buffer();
     Encoder e(d, *cb);
     SamplingConfig greedy;
-    encode_step(e, st, st.position, 0, 1, &greedy);
+    encode_step(e, st, st.position, 0, 1, &greedy, taps ? &*taps : nullptr);
     cb->commit();
     cb->wait();
     return cost_of(e, d.counters());
 }
 
-StepCost GpuEngine::prefill_cost_impl(GpuState& st, uint32_t rows, bool all_logits) {
+StepCost GpuEngine::prefill_cost_impl(GpuState& st, uint32_t rows, bool all_logits,
+                                      const std::vector<int64_t>& layers) {
     if (rows < 1) throw std::invalid_argument("prefill_cost: rows must be >= 1");
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     st.end_chain();
     st.reserve(st.position + rows);
     ensure_chunk(rows, all_logits);
+    const std::optional<Taps> taps = taps_for(layers, rows);
     d.reset_counters();
     Encoder e(d, m_->options().command_buffer_seconds);
-    encode_chunk(e, st, st.position, rows, all_logits ? 2 : 1);
+    encode_chunk(e, st, st.position, rows, all_logits ? 2 : 1, taps ? &*taps : nullptr);
     e.commit();
     e.wait();
     st.commit_step(rows);
     return cost_of(e, d.counters());
 }
 
-StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows) {
+StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows, const std::vector<int64_t>& layers) {
     if (rows < 1 || rows > kMaxVerifyRows)
         throw std::invalid_argument("verify_cost: rows must be in 1.." + std::to_string(kMaxVerifyRows));
     std::lock_guard<std::mutex> lock(mu_);
@@ -1054,10 +1142,11 @@ StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows) {
     st.end_chain();
     st.reserve(st.position + rows);
     ensure_verify(rows);
+    const std::optional<Taps> taps = taps_for(layers, rows);
     std::vector<GpuState::StateSet> sets = st.take_sets(rows);
     d.reset_counters();
     Encoder e(d, m_->options().command_buffer_seconds);
-    encode_rows(e, verify_plan(st, rows, sets), false);
+    encode_rows(e, verify_plan(st, rows, sets), false, taps ? &*taps : nullptr);
     e.commit();
     e.wait();
     st.give_sets(std::move(sets));                     // costed only: the state does not advance
@@ -1093,8 +1182,9 @@ auto recovering(Device& d, F&& f) -> decltype(f()) {
 }
 }  // namespace
 
-void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll) {
-    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll); });
+void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
+                        const FeatureRequest* feats) {
+    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats); });
 }
 
 std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
@@ -1102,20 +1192,21 @@ std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, co
     return recovering(m_->device(), [&] { return decode_impl(s, first, n, sc, stop_ids, pipelined, poll); });
 }
 
-void GpuEngine::verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden) {
-    recovering(m_->device(), [&] { verify_impl(s, ids, n, logits, hidden); });
+void GpuEngine::verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden,
+                       const FeatureRequest* feats) {
+    recovering(m_->device(), [&] { verify_impl(s, ids, n, logits, hidden, feats); });
 }
 
-StepCost GpuEngine::encode_cost(GpuState& s) {
-    return recovering(m_->device(), [&] { return encode_cost_impl(s); });
+StepCost GpuEngine::encode_cost(GpuState& s, const std::vector<int64_t>& layers) {
+    return recovering(m_->device(), [&] { return encode_cost_impl(s, layers); });
 }
 
-StepCost GpuEngine::prefill_cost(GpuState& s, uint32_t rows, bool all_logits) {
-    return recovering(m_->device(), [&] { return prefill_cost_impl(s, rows, all_logits); });
+StepCost GpuEngine::prefill_cost(GpuState& s, uint32_t rows, bool all_logits, const std::vector<int64_t>& layers) {
+    return recovering(m_->device(), [&] { return prefill_cost_impl(s, rows, all_logits, layers); });
 }
 
-StepCost GpuEngine::verify_cost(GpuState& s, uint32_t rows) {
-    return recovering(m_->device(), [&] { return verify_cost_impl(s, rows); });
+StepCost GpuEngine::verify_cost(GpuState& s, uint32_t rows, const std::vector<int64_t>& layers) {
+    return recovering(m_->device(), [&] { return verify_cost_impl(s, rows, layers); });
 }
 
 void GpuEngine::decode_batch(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits) {

@@ -134,6 +134,22 @@ class GpuModel {
 
 // the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
 constexpr uint32_t kMaxVerifyRows = 16;
+// the most decoder layers one call returns the outputs of (FeatureRequest; a DFlash draft reads 5 of 40)
+constexpr size_t kMaxFeatureLayers = 8;
+// the most bytes of target features a prefill chunk holds on the device: a call with features cuts its chunks
+// to fit (GpuEngine::feature_rows)
+constexpr uint64_t kFeatureBytes = uint64_t(256) << 20;
+
+// Target features (a DFlash draft's context, docs/speculative.md "DFlash drafts"): the residual stream after
+// the decoder layers `layers` (0-based; distinct, any order, 1..kMaxFeatureLayers of them; the output of layer
+// i is HF's output_hidden_states[i + 1]) for every row a call feeds, into `out`: f32 [n, layers.size() *
+// hidden], row r the concatenation of the layers' rows in the given order. In the bfloat build the rows as the
+// graph holds them (bf16), widened to float.
+struct FeatureRequest {
+    std::vector<int64_t> layers;
+    float* out = nullptr;
+};
+
 // the most states of one batched decode step (GpuEngine::decode_batch): it runs on the verification
 // graph's scratch and union-read MoE kernels, which are sized for this many rows
 constexpr uint32_t kMaxBatchRows = kMaxVerifyRows;
@@ -239,8 +255,16 @@ class GpuEngine {
     // of at most logits_rows() rows, so the logits scratch stays bounded) or none (0).
     // All-or-nothing: on an error the state is restored. `poll` (core/interrupt.h) is called between
     // chunks; when it throws, the state is restored and the exception rethrown.
-    void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr);
+    // `feats` (optional): the target features of every row (FeatureRequest), copied out of the residual stream
+    // by copy_f32 dispatches that add no dependency level (docs/metal.md, "Target features"); a call with
+    // features runs chunks of at most feature_rows() rows.
+    void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
+                 const FeatureRequest* feats = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
+    // rows of a prefill chunk that returns the features of `layers` layers (kFeatureBytes of them at most)
+    uint32_t feature_rows(size_t layers) const;
+    // std::invalid_argument naming the problem unless `layers` is a valid FeatureRequest::layers of this model
+    void check_feature_layers(const std::vector<int64_t>& layers) const;
     // allocate the scratch of a prefill chunk of `rows` rows now (the first prefill would): the working-set
     // plan measures it on an encode-only device
     void reserve_prefill(uint32_t rows);
@@ -261,14 +285,16 @@ class GpuEngine {
                                 InterruptPoll poll = nullptr);
 
     // Encode (without waiting) one decode step at s.position on a fresh command buffer; what it cost.
-    StepCost encode_cost(GpuState& s);
+    // `feature_layers` (all three costings): with the features of these layers taken (FeatureRequest).
+    StepCost encode_cost(GpuState& s, const std::vector<int64_t>& feature_layers = {});
     // Encode, commit and wait one prefill chunk of `rows` tokens at s.position (logits of the last row, or
     // of every row: the cost of verifying rows - 1 drafted tokens as one chunk), then advance the state:
     // what it cost. For encode-only costing (token ids are not written: 0s).
-    StepCost prefill_cost(GpuState& s, uint32_t rows, bool all_logits = false);
+    StepCost prefill_cost(GpuState& s, uint32_t rows, bool all_logits = false,
+                          const std::vector<int64_t>& feature_layers = {});
     // Encode, commit and wait one verification of `rows` tokens at s.position (verify's graph; the state does
     // not advance): what it cost. For encode-only costing.
-    StepCost verify_cost(GpuState& s, uint32_t rows);
+    StepCost verify_cost(GpuState& s, uint32_t rows, const std::vector<int64_t>& feature_layers = {});
 
     // The verification of drafted tokens (docs/speculative.md): `ids` (1..kMaxVerifyRows) at s.position..
     // as one command buffer in which every row is computed as a decode step computes it -- the
@@ -276,9 +302,12 @@ class GpuEngine {
     // them, per row the decode kernel's arithmetic), attention, the GDN conv and recurrence and the MoE
     // block per row -- so the logits of every row ([n, vocab] into `logits`) and the state after any
     // prefix of the rows are bit for bit those of decode steps. `hidden` (optional): the final-normed
-    // rows [n, hidden]. Consecutive calls form a chain (GpuState::rewindable, at most kMaxVerifyRows
-    // tokens); any other call on the state ends it. All-or-nothing. Resident experts only.
-    void verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden = nullptr);
+    // rows [n, hidden]. `feats` (optional, not with `hidden`): the target features of every row (FeatureRequest),
+    // row r bit for bit what a one-token forward() returns for it. Consecutive calls form a chain
+    // (GpuState::rewindable, at most kMaxVerifyRows tokens); any other call on the state ends it.
+    // All-or-nothing. Resident experts only.
+    void verify(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden = nullptr,
+                const FeatureRequest* feats = nullptr);
     // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
     void rewind(GpuState& s, int64_t keep);
 
@@ -300,14 +329,29 @@ class GpuEngine {
     // command queue first (Device::recover), so the next call runs.
 
   private:
-    void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll);
+    void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
+                      const FeatureRequest* feats);
     std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
                                      const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll);
-    void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden);
-    StepCost encode_cost_impl(GpuState& s);
-    StepCost prefill_cost_impl(GpuState& s, uint32_t rows, bool all_logits);
-    StepCost verify_cost_impl(GpuState& s, uint32_t rows);
+    void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden,
+                     const FeatureRequest* feats);
+    StepCost encode_cost_impl(GpuState& s, const std::vector<int64_t>& layers);
+    StepCost prefill_cost_impl(GpuState& s, uint32_t rows, bool all_logits, const std::vector<int64_t>& layers);
+    StepCost verify_cost_impl(GpuState& s, uint32_t rows, const std::vector<int64_t>& layers);
     struct Scratch;
+    // Where the graph copies the target features of a call: per decoder layer its block of `feat_` (-1: not
+    // taken), each block f32 [rows, hidden] (the call's rows: 1, a chunk's or a verification's)
+    struct Taps {
+        std::vector<int32_t> slot;
+        uint64_t block = 0;                      // bytes of one layer's block
+    };
+    // the taps of `layers` for calls of up to `rows` rows, feat_ grown to hold them (allocated before anything
+    // changes); nullopt when no layers are asked for
+    std::optional<Taps> taps_for(const std::vector<int64_t>& layers, uint32_t rows);
+    // after layer li: x's `rows` rows into the layer's block (when it is taken)
+    void tap(Encoder& e, const Taps* taps, size_t li, const Buffer& x, uint32_t rows);
+    // the blocks' `rows` rows into out rows [rows, L * hidden] (the host side, after the wait)
+    void gather(const Taps& taps, const std::vector<int64_t>& layers, uint32_t rows, float* out) const;
     struct Chunk;
     struct Verify;
     // one row of the verification / batched graph: the state it runs on (its KV cache), its position, and
@@ -323,26 +367,28 @@ class GpuEngine {
     StepCost batch_cost_impl(const std::vector<GpuState*>& states);
     void check_batch(const std::vector<GpuState*>& states, int64_t B);
     void ensure_verify(uint32_t rows);
-    void encode_rows(Encoder& e, const std::vector<RowPlan>& rows, bool hidden);
+    void encode_rows(Encoder& e, const std::vector<RowPlan>& rows, bool hidden, const Taps* taps = nullptr);
     void encode_rows_layer(Encoder& e, const std::vector<RowPlan>& rows, size_t li);
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                     const SamplingConfig* sc);
+                     const SamplingConfig* sc, const Taps* taps = nullptr);
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
     void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position);
     void encode_mlp(Encoder& e, size_t li);
     void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc);
     // streaming mode: one token as per-layer command buffers around the expert cache (forward.cpp)
     void stream_step(GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                     const SamplingConfig* sc);
-    void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll);
+                     const SamplingConfig* sc, const Taps* taps = nullptr);
+    void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
+                        const FeatureRequest* feats);
     void ensure_chunk(uint32_t rows, bool all_logits);
-    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want);
+    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;
     std::unique_ptr<Scratch> sc_;
     std::unique_ptr<Chunk> ch_;
     std::unique_ptr<Verify> vf_;
+    Buffer feat_;                                 // the target features of a call (Taps), grown on demand
     uint32_t chunk_ = 0;
     int64_t stream_tokens_ = 0;                   // streaming: tokens run since reset_expert_stats()
     ops::GemmRoute gemm_route_ = ops::GemmRoute::Simdgroup;

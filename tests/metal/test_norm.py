@@ -1,16 +1,15 @@
-"""norm family (metal/norm.metal through gpu.ops.rmsnorm / gpu.ops.add_rmsnorm) against numpy, on the simulator
+"""norm family (metal/norm.metal through gpu.ops.rmsnorm / gpu.ops.add_rmsnorm / gpu.ops.copy_f32) against numpy, on the simulator
 device under the forward, reverse and random schedules. Simulator-verified, hardware-unverified.
 
 Float within 1e-5 relative of float64 references from the values as stored; bfloat16 against the reference
 backend's bfloat16 mode (reference.rms_norm: the same two rounding points as the kernel), within 1 bf16 ulp and
 a mean distance a dropped rounding point exceeds (gpu_harness.assert_bf16). Inputs of magnitude 1e-4..1e-3,
-where eps = 1e-6 is a large part of mean(x^2), check the eps.
+where eps = 1e-6 is a large part of mean(x^2), check the eps. copy_f32 (the target features' copy) is exact.
 """
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from qwenmetal.backends import reference as R
 
 from .gpu_harness import ACT, SCHEDULES, SIM, assert_bf16, ops, rel_err, run
@@ -120,6 +119,27 @@ def test_norms_small_inputs_see_eps(dtype, scale):
     assert rel_err(rms_ref(x, w, 1e-5), rms_ref(x, w, 1e-6)) > 0.04
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@HYP
+@given(H=st.integers(1, 600), rows=st.integers(1, 4), dtype=st.sampled_from(["f32", "bf16"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_copy_f32(schedule, H, rows, dtype, seed):
+    """y = float(x): the rows bit for bit, widened (bf16 -> f32 is exact), nothing past them written, the bytes
+    declared are the rows read and written."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, H)) * 10).astype(ACT[dtype])
+    y = np.full((rows + 1, H), 7.0, np.float32)
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, b):
+        buf = raw(b)
+        ops.copy_f32(enc, dtype, buf(x), buf(y), rows, H)
+        assert enc.bytes_read == x.nbytes and enc.bytes_written == rows * H * 4
+    np.testing.assert_array_equal(y[:rows], x.astype(np.float32))
+    assert (y[rows] == 7.0).all()
+    if SIM:
+        rec = dev.records()[0]
+        assert rec["kernel"] == f"copy_f32_{dtype}" and rec["threadgroup_memory"] == 0 and rec["barriers"] == 0
+
+
 def test_norm_argument_checks():
     x = np.zeros((2, 64), np.float32)
     w = np.ones(64, np.float32)
@@ -135,4 +155,8 @@ def test_norm_argument_checks():
             ops.rmsnorm(enc, "f32", buf(x), buf(w), buf(x), 0, 64, 1e-6)
         with pytest.raises(ValueError, match="activation type"):
             ops.rmsnorm(enc, "f16", buf(x), buf(w), buf(x), 2, 64, 1e-6)
+        with pytest.raises(ValueError, match="copy_f32: y holds 256 bytes, needs 512"):
+            ops.copy_f32(enc, "f32", buf(x), buf(x[:1]), 2, 64)
+        with pytest.raises(ValueError, match="copy_f32: x holds 256 bytes, needs 512"):
+            ops.copy_f32(enc, "f32", buf(x[:1]), buf(x), 2, 64)
         assert enc.dispatches == 0

@@ -42,6 +42,8 @@ offset (``weight_table``); the stacked projections are built at load (their byte
 """
 from __future__ import annotations
 
+import operator
+
 import ml_dtypes
 import numpy as np
 
@@ -79,6 +81,17 @@ def prefill_options(prefill_chunk, gemm_route: str, gdn_route: str, command_buff
     return out
 
 
+
+
+def _layer_list(layers) -> list:
+    """Decoder-layer indices as the engine takes them (it checks range, count and duplicates itself)."""
+    try:
+        out = [operator.index(i) for i in layers]
+    except TypeError:
+        raise ValueError(f"feature layers must be a sequence of layer indices, got {layers!r}") from None
+    if isinstance(layers, (str, bytes)) or any(isinstance(i, bool) for i in layers):
+        raise ValueError(f"feature layers must be a sequence of layer indices, got {layers!r}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -135,6 +148,15 @@ class _GpuBackend(EngineBackend):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return state, self.engine.forward(state, ids, logits, consumed)
 
+    def forward_features(self, state, ids: np.ndarray, logits: str, consumed: list | None, layers) -> tuple:
+        """`forward` that also returns the outputs of the decoder layers `layers` (0-based, distinct, 1..8, any
+        order) for every row, concatenated ([n, len(layers) * hidden], float32; the residual stream after each
+        layer as the graph holds it, widened to float): a DFlash draft's context features, copied out in the
+        same pass (prefill chunks, or the decode step for one token). Returns (logits, features). Bad layers:
+        ValueError, the state untouched."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        return self.engine.forward_features(state, ids, logits, consumed, _layer_list(layers))
+
     def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0,
                consumed: list | None = None) -> list:
@@ -155,12 +177,18 @@ class _GpuBackend(EngineBackend):
         row by row by qwenmetal.speculative."""
         return not self.plan.stream
 
-    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False):
+    def verify(self, state, ids: np.ndarray, consumed: list | None = None, return_hidden: bool = False,
+               features=None):
         """Run `ids` (at most 16, and 16 in a chain) with the logits of each ([n, vocab]), every row bit for
         bit a decode step's, keeping the GDN state after each row for `rewind` (consecutive calls chain).
-        `return_hidden`: (logits, the final-normed hidden rows [n, hidden])."""
+        `return_hidden`: (logits, the final-normed hidden rows [n, hidden]). `features` (decoder-layer indices,
+        not with `return_hidden`): (logits, those layers' outputs [n, len(features) * hidden]), row r bit for
+        bit what a one-token `forward_features` gives it."""
+        if features is not None and return_hidden:
+            raise ValueError("verify returns hidden states or layer features, not both")
         return self.engine.verify(state, np.ascontiguousarray(ids, dtype=np.int64), consumed,
-                                  return_hidden=bool(return_hidden))
+                                  return_hidden=bool(return_hidden),
+                                  features=None if features is None else _layer_list(features))
 
     @property
     def max_batch_rows(self) -> int | None:

@@ -44,4 +44,16 @@ void add_rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& r, const Buff
                 Arg::in(w.view(0, H * es)), Arg::out(h.view(0, n)), Arg::out(y.view(0, n))});
 }
 
+void copy_f32(Encoder& e, Act t, const Buffer& x, const Buffer& y, uint32_t rows, uint32_t H) {
+    const char* op = "copy_f32";
+    check(rows > 0 && H > 0, op, "rows and H must be positive");
+    const uint64_t n = uint64_t(rows) * H;
+    need(x, n * act_size(t), op, "x");
+    need(y, n * 4, op, "y");
+    const CopyParams p{H};
+    const std::string kernel = std::string("copy_f32_") + act_suffix(t);
+    e.dispatch(kernel, Dims{rows, 1, 1}, norm_threads(e, kernel, H),
+               {Arg::params(p), Arg::in(x.view(0, n * act_size(t))), Arg::out(y.view(0, n * 4))});
+}
+
 }  // namespace qwenmetal::gpu::ops

@@ -96,6 +96,17 @@ def test_native_logits_match_the_reference_round_after_round(model, draft_dirs, 
     np.testing.assert_array_equal(native.forward(twin, f, block), a)
 
 
+def test_context_rows_in_pieces_of_prefill_chunk(draft_dirs):
+    """Context projections over more rows than the target's prefill_chunk run in pieces: the same logits."""
+    small = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0), backend="cpu", threads=2, prefill_chunk=4)
+    draft = load_dflash_draft(draft_dirs["bf16"], small.config)
+    native, ref = small.dflash_draft(draft), _reference(small, draft)
+    nc, rc = native.new_cache(), ref.new_cache()
+    rng = np.random.default_rng(8)
+    for n, L in ((11, 8), (5, 8), (4, 8)):
+        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+
+
 def test_sliding_window_layer_and_scalings(model, tmp_path):
     """A sliding-attention layer (causal within its window), input_embedding_scale, output_multiplier and a
     logit soft cap, against the reference, with the window smaller than the context."""

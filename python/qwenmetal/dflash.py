@@ -60,8 +60,9 @@ from .speculative import Drafter
 from .weights import ConfigDim, QuantizedTensor, TensorReader, split_part, to_float32
 
 __all__ = [
-    "VARIANTS", "DFlashConfig", "DFlashDraft", "DFlashCache", "DFlashReference", "DFlashRound",
-    "build_target_layer_ids", "load_dflash_draft", "check_target", "dflash_generate_greedy", "DFlashDrafter",
+    "VARIANTS", "DFlashConfig", "DFlashDraft", "DFlashCache", "DFlashReference", "DFlashRound", "NativeDFlash",
+    "drafting_block", "build_target_layer_ids", "load_dflash_draft", "check_target", "dflash_generate_greedy",
+    "DFlashDrafter",
 ]
 
 F32 = np.float32
@@ -504,14 +505,38 @@ class DFlashReference:
         features -> (drafts [block_len - 1], their logits [block_len - 1, V]). Commits the features to
         `cache`."""
         c = self.config
-        B = c.block_size if block_len is None else int(block_len)
-        if B < 2:
-            raise ValueError(f"a drafting block needs at least 2 tokens, got {B}")
-        block = np.array([int(first_token)] + [c.mask_token_id] * (B - 1), dtype=np.int64)
+        block = drafting_block(c, first_token, block_len)
         hidden = self.forward(cache, features, block)[1:]
         logits = self.logits(hidden)
         if c.variant == "dflash2":
             return self.select(hidden, logits, first_token), logits
+        return np.argmax(logits, axis=-1), logits
+
+
+def drafting_block(config: DFlashConfig, first_token: int, block_len: int | None = None) -> np.ndarray:
+    """The token ids of a drafting round's block: ``[first_token, mask * (block_len - 1)]`` (block_len defaults
+    to the config's ``block_size``; at least 2)."""
+    B = config.block_size if block_len is None else int(block_len)
+    if B < 2:
+        raise ValueError(f"a drafting block needs at least 2 tokens, got {B}")
+    return np.array([int(first_token)] + [config.mask_token_id] * (B - 1), dtype=np.int64)
+
+
+class NativeDFlash:
+    """A backend's native DFlash forward (`ModelBase.dflash_draft`, e.g. `CpuBackend.dflash_draft`: ``new_cache()``
+    and ``forward(cache, features, block, commit) -> logits of rows 1..``) behind the reference's drafting
+    interface (`new_cache`, `propose`), so a `DFlashRound` runs either. DFlash only (no DFlash2 selector)."""
+
+    def __init__(self, config: DFlashConfig, impl):
+        self.config = config
+        self.impl = impl
+
+    def new_cache(self):
+        return self.impl.new_cache()
+
+    def propose(self, cache, features: np.ndarray, first_token: int, block_len: int | None = None):
+        """`DFlashReference.propose` on the backend: (greedy drafts [block_len - 1], their logits)."""
+        logits = self.impl.forward(cache, features, drafting_block(self.config, first_token, block_len))
         return np.argmax(logits, axis=-1), logits
 
 
@@ -520,7 +545,7 @@ class DFlashRound:
     features not yet handed to it. `observe` takes the features of the tokens the target accepted (in order),
     `propose` drafts a block after a token and hands the pending features over."""
 
-    def __init__(self, draft: DFlashReference):
+    def __init__(self, draft: "DFlashReference | NativeDFlash"):
         self.draft = draft
         self.cache = draft.new_cache()
         self.pending = np.zeros((0, draft.config.feature_size), dtype=F32)
@@ -608,7 +633,9 @@ class DFlashDrafter(Drafter):
     sampling temperature a DFlash draft draws its tokens from ``softmax(logits / temperature)`` and hands those
     distributions to the verification (the rejection rule for a drafted distribution: exact either way).
 
-    The draft runs in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
+    The draft runs natively where the model's backend has a DFlash forward (`ModelBase.dflash_draft`: the cpu
+    engine, over the target's own embedding and lm_head in place; ``native`` is then True), else (and for
+    DFlash2) in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
     dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
     features (`ModelBase.returns_features`). A session's tokens from before this generation (an earlier turn, a
     restored prefix) give the draft no features: it drafts from what this generation fed.
@@ -622,6 +649,8 @@ class DFlashDrafter(Drafter):
         self.seed = int(seed)
         self.reference: DFlashReference | None = None
         self._target = None                   # the weights the reference's embedding and lm_head come from
+        self.native: NativeDFlash | None = None
+        self._native_model = None             # the model whose backend runs `native`
         self.round: DFlashRound | None = None
 
     @classmethod
@@ -638,14 +667,21 @@ class DFlashDrafter(Drafter):
     def start(self, model) -> None:
         c = self.checkpoint.config
         check_target(c, model.config, self.checkpoint.path)
-        w = model.weights
-        if self.reference is None or self._target is not w:
-            embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=F32)
-            head = embed if model.config.tie_word_embeddings else \
-                np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=F32)
-            self.reference = DFlashReference(c, self.checkpoint.float32(), embed, head)
-            self._target = w
-        self.round = DFlashRound(self.reference)
+        if c.variant == "dflash" and self._native_model is not model:
+            impl = model.dflash_draft(self.checkpoint)
+            self.native = NativeDFlash(c, impl) if impl is not None else None
+            self._native_model = model
+        if self.native is not None:
+            self.round = DFlashRound(self.native)
+        else:
+            w = model.weights
+            if self.reference is None or self._target is not w:
+                embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=F32)
+                head = embed if model.config.tie_word_embeddings else \
+                    np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=F32)
+                self.reference = DFlashReference(c, self.checkpoint.float32(), embed, head)
+                self._target = w
+            self.round = DFlashRound(self.reference)
         self.rng = np.random.default_rng(self.seed)
 
     def observe_features(self, position: int, features: np.ndarray) -> None:

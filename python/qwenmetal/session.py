@@ -410,6 +410,13 @@ class ModelBase:
         make = getattr(self._backend, "mtp_head", None)
         return make(params) if make is not None else None
 
+    def dflash_draft(self, draft):
+        """The backend's native forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`; cpu: over
+        this model's embedding, lm_head and threads, with ``new_cache()`` and ``forward(cache, features, block,
+        commit)``), or None where the backend has none."""
+        make = getattr(self._backend, "dflash_draft", None)
+        return make(draft) if make is not None else None
+
     @property
     def reference_model(self):
         """The numpy `ReferenceModel` of the reference backend, None on the others."""

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bindings/config.h"
+#include "bindings/cpu_engine.h"
 #include "bindings/expert_cache.h"
 #include "bindings/forward_call.h"
 #include "bindings/registry.h"
@@ -37,6 +38,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 using namespace qwenmetal;
 using qwenmetal::bindings::new_array;
+using qwenmetal::bindings::PyEngine;
+using qwenmetal::bindings::parse_desc;
+using qwenmetal::bindings::parse_format;
 
 namespace {
 
@@ -44,39 +48,6 @@ template <class T, int N>
 using In = nb::ndarray<const T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
 template <class T, int N>
 using InOut = nb::ndarray<T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
-
-DType parse_dtype(const std::string& s) {
-    if (s == "float32") return DType::F32;
-    if (s == "float16") return DType::F16;
-    if (s == "bfloat16") return DType::BF16;
-    throw std::invalid_argument("unsupported dtype " + s);
-}
-
-const void* ptr_of(const nb::handle& h) {
-    return reinterpret_cast<const void*>(static_cast<uintptr_t>(nb::cast<uint64_t>(h)));
-}
-
-// a tensor's format and shape: {bits, dtype, sdtype, group_size, shape}
-TensorDesc parse_format(const nb::dict& d) {
-    TensorDesc t;
-    t.bits = nb::cast<int>(d["bits"]);
-    t.dtype = parse_dtype(nb::cast<std::string>(d["dtype"]));
-    t.sdtype = parse_dtype(nb::cast<std::string>(d["sdtype"]));
-    t.group_size = nb::cast<int>(d["group_size"]);
-    for (nb::handle v : nb::cast<nb::list>(d["shape"])) t.shape.push_back(nb::cast<int64_t>(v));
-    return t;
-}
-
-TensorDesc parse_desc(const nb::dict& d) {
-    TensorDesc t = parse_format(d);
-    t.data = ptr_of(d["data"]);
-    t.scales = ptr_of(d["scales"]);
-    t.biases = ptr_of(d["biases"]);
-    t.stride = nb::cast<size_t>(d["stride"]);
-    t.sstride = nb::cast<size_t>(d["sstride"]);
-    if (t.shape.size() < 2) throw std::invalid_argument("a linear tensor needs at least 2 dimensions");
-    return t;
-}
 
 // A linear tensor of the weights table as the CPU engine's pointer descriptor (the engine reads the
 // mappings in place; a stack's strides are the table's, or the bytes of one matrix when contiguous).
@@ -139,11 +110,6 @@ nb::dict expert_stats(Engine& e) {
     }
     return bindings::engine_expert_stats(e.expert_cache(), st, tokens, int(e.config().n_experts));
 }
-
-struct PyEngine {
-    std::unique_ptr<Engine> engine;
-    nb::object keepalive;     // the numpy arrays (mmap views) the descriptors point into
-};
 
 // `features` as given to forward()/verify(): a sequence of decoder-layer indices (Python ints, not bools);
 // the engine checks the values (range, distinct, 1..8 of them)

@@ -146,4 +146,32 @@ void attention(ThreadPool& pool, Workspace& ws, float* shared, const AttnDims& d
     });
 }
 
+void attention_block(ThreadPool& pool, Workspace& ws, const AttnDims& d, const float* q, int64_t L, int64_t qpos0,
+                     int64_t T, int64_t window, const KVCacheView& cache, float* out, int64_t ldo) {
+    const Kernels& kk = kernels();
+    const int64_t G = d.nh / d.nkv, hd = d.hd, row = d.nkv * d.hd;
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    pool.run(L * d.nkv, [&](int64_t task, int th) {
+        const int64_t i = task / d.nkv, j = task % d.nkv;
+        float* s = ws.t(th);
+        float* acc = s + G * kAttnKeyBlock;
+        float* m = acc + G * hd;
+        float* l = m + G;
+        const float* qh[256];
+        for (int64_t g = 0; g < G; ++g) qh[g] = q + i * d.q_row + (j * G + g) * d.q_stride;
+        int64_t t0 = 0, t1 = T;
+        if (window > 0) {
+            const int64_t qpos = qpos0 + i;
+            t0 = qpos - window + 1 > 0 ? qpos - window + 1 : 0;
+            t1 = qpos + 1 < T ? qpos + 1 : T;
+        }
+        attend_range(kk, qh, G, hd, scale, cache, row, j * hd, t0, t1, m, l, acc, s);
+        for (int64_t g = 0; g < G; ++g) {
+            float* o = out + i * ldo + (j * G + g) * hd;
+            const float inv = 1.f / l[g];
+            for (int64_t e = 0; e < hd; ++e) o[e] = acc[g * hd + e] * inv;
+        }
+    });
+}
+
 }  // namespace qwenmetal::cpu

@@ -45,4 +45,11 @@ size_t attention_shared_floats(const AttnDims& d, int64_t L, int64_t T);
 void attention(ThreadPool& pool, Workspace& ws, float* shared, const AttnDims& d, const float* q, int64_t L,
                int64_t pos0, const KVCacheView& cache, float* out, int64_t ldo);
 
+// A block of L query rows at positions qpos0..qpos0+L-1 over the cached keys [0, T) with no causal mask (a
+// DFlash draft's block: its queries see every context key and the whole block), or with window > 0 over the
+// keys t with qpos - window < t <= qpos (a sliding-window layer). Tasks (query row, kv head); per-thread
+// scratch attention_thread_floats(d); out[i][h*hd..].
+void attention_block(ThreadPool& pool, Workspace& ws, const AttnDims& d, const float* q, int64_t L, int64_t qpos0,
+                     int64_t T, int64_t window, const KVCacheView& cache, float* out, int64_t ldo);
+
 }  // namespace qwenmetal::cpu

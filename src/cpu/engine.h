@@ -207,6 +207,16 @@ public:
     // states are restored and the kept steps re-applied); ends the chain. Cannot fail once its
     // arguments are checked.
     void rewind(State& s, int64_t keep);
+    // For a model that runs beside this one on its threads (a DFlash draft, cpu/dflash.h): the embedding and
+    // the lm_head as this engine's forward reads them (in place, in their own format), and f(pool) run with
+    // this engine's lock held, so the two never share the pool or run at once.
+    const WMat& embedding() const { return embed_; }
+    const WMat& lm_head_matrix() const { return lm_head_; }
+    template <class F>
+    void exclusive(F&& f) {
+        std::lock_guard<std::mutex> lock(mu_);
+        f(*pool_);
+    }
     // bytes of weights the engine owns (quantized at load); the rest is the caller's mmap
     size_t owned_weight_bytes() const { return owned_bytes_; }
     size_t weight_bytes() const;

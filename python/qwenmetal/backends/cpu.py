@@ -232,6 +232,13 @@ class CpuBackend(EngineBackend):
         return CpuBackend(head, threads=self.threads, kv_dtype=self.kv_dtype, prefill_chunk=self.prefill_chunk,
                           activations=self.activations, memory_budget=None)
 
+    def dflash_draft(self, draft) -> "CpuDFlash":
+        """The forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`) on this engine: over this
+        model's embedding and lm_head (in place, in their own format) and on its threads, the draft's own
+        weights read in place (bf16 or MLX-quantized). ValueError for a DFlash2 draft (the numpy reference runs
+        those) or one that does not fit this model."""
+        return CpuDFlash(self, draft)
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The engine's [P, nkv * hd] rows (bfloat16 exported as uint16) -> [nkv, P, hd]."""
         c = self.weights.config
@@ -257,6 +264,66 @@ class CpuBackend(EngineBackend):
     def __repr__(self) -> str:
         return (f"CpuBackend(threads={self.threads}, kv_dtype={self.kv_dtype!r}, prefill_chunk={self.prefill_chunk}, "
                 f"quantize={self.quantize}, activations={self.activations!r}, isa={core().cpu_isa()!r})")
+
+
+# a DFlash draft's tensors passed as float32 vectors (the rest are its linear layers)
+_DFLASH_SMALL = ("layernorm", "q_norm", "k_norm", ".bias")
+
+
+class CpuDFlash:
+    """A DFlash draft's forward on the cpu engine (`CpuBackend.dflash_draft`; src/cpu/dflash.h): the float32
+    computation of `qwenmetal.dflash.DFlashReference.forward` + ``logits`` for the block rows 1.., on the target
+    engine's threads (one call at a time with the target's own). Its context cache (`new_cache`, a
+    ``_core.CpuDFlashCache`` with ``position``) belongs to the caller."""
+
+    def __init__(self, backend: CpuBackend, draft):
+        c = draft.config
+        if c.variant != "dflash":
+            raise ValueError(f"{draft.path}: a {c.variant} draft is not run on the cpu engine (only DFlash; the numpy "
+                             f"reference, qwenmetal.dflash.DFlashReference, runs it)")
+        t = backend.weights.config
+        if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):
+            raise ValueError(f"{draft.path}: hidden_size {c.hidden_size} / vocab_size {c.vocab_size} do not match "
+                             f"the target's {t.hidden_size} / {t.vocab_size}")
+        self.config = c
+        keep: list = []
+        linear, small = {}, {}
+        for name, a in draft.tensors.items():
+            if name.endswith(_DFLASH_SMALL) or name in ("hidden_norm", "norm"):
+                small[name] = np.ascontiguousarray(np.asarray(a, np.float32).reshape(-1))
+            else:
+                linear[name] = describe(a, keep)
+        windows = [int(c.sliding_window) if kind == "sliding_attention" else 0 for kind in c.layer_types]
+        cfg = dict(variant=c.variant, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                   intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                   num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+                   num_feature_layers=len(c.target_layer_ids), rms_norm_eps=float(c.rms_norm_eps),
+                   rope_theta=float(c.rope_theta), windows=windows, attention_bias=bool(c.attention_bias),
+                   input_embedding_scale=float(c.input_embedding_scale),
+                   output_multiplier=float(c.output_multiplier),
+                   final_logit_softcapping=float(c.final_logit_softcapping or 0.0))
+        self.impl = core().CpuDFlashDraft(backend.engine, cfg, linear, small, (keep, draft.source))
+
+    def new_cache(self):
+        """An empty context cache (``position`` 0)."""
+        return self.impl.new_cache()
+
+    def forward(self, cache, features, block, commit: bool = True) -> np.ndarray:
+        """One draft call: the context features [n, len(target_layer_ids) * hidden] (n may be 0) of the tokens
+        the target accepted since the last committed call, and the block's token ids [L] (L >= 1). Returns the
+        logits of block rows 1..L-1 [L - 1, vocab] float32. With `commit` the context rows join `cache`; without
+        it, and on any error, `cache` is left as it was."""
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        if f.ndim != 2:
+            raise ValueError(f"context features must be [n, {self.config.feature_size}], got {list(f.shape)}")
+        ids = np.ascontiguousarray(block, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
+        return self.impl.forward(cache, f, ids, bool(commit))
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.impl.weight_nbytes
 
 
 def available() -> bool:

@@ -177,7 +177,7 @@ kernel void gdn_conv_rows(constant GdnConvParams& p [[buffer(0)]], constant GdnR
         return;
     }
     const uint S = p.K - 1u, C = p.C, stride = p.stride;
-    const GdnRing g = ring;
+    constant GdnRing& g = ring;
     device const float* w = conv_w + c * p.K;
     device const float* st = slab + (g.in * g.stride + c);   // state row i of this channel: st[i C]
     device float* so = slab + (g.first * g.stride + c);      // the slot row m writes
@@ -241,10 +241,10 @@ inline void gdn_state_store(device float* Oh, thread const float* s, uint dv, ui
 // The body of gdn_step and gdn_step_rows (one value head h): the same float operations in the same order, so a
 // row of gdn_step_rows is bit for bit a one-token gdn_step on the state before it. Sh: the head's state read;
 // Oh: where the head's state goes -- RING false: once, after the last token (gdn_step); RING true: after EVERY
-// token m, into slot (ring.first + m) mod ring.slots (Oh is the head in slot ring.first; the slots are
-// ring.stride floats apart, advanced by additions with a wrap: no 64-bit multiply in the token loop).
+// token m, into slot (ring_first + m) mod ring_slots (Oh is the head in slot ring_first; the slots are
+// ring_stride floats apart, advanced by additions with a wrap: no 64-bit multiply in the token loop).
 template <typename T, uint DPL, bool RING>
-inline void gdn_step_heads(constant GdnParams& p, GdnRing ring, device const T* act, device const T* z,
+inline void gdn_step_heads(constant GdnParams& p, uint ring_slots, uint ring_first, uint ring_stride, device const T* act, device const T* z,
                            device const T* b, device const T* a, device const float* A_log,
                            device const float* dt_bias, device const T* norm_w, device const float* Sh,
                            device float* Oh, device T* y, threadgroup float* o_tg, threadgroup float* partial,
@@ -269,8 +269,8 @@ inline void gdn_step_heads(constant GdnParams& p, GdnRing ring, device const T* 
     device const T* am = a + h;
     device const T* zh = z + ulong(h) * dv;
     device T* yh = y + ulong(h) * dv;          // y row m (y_stride apart)
-    uint slot = ring.first;                    // RING: the slot token m writes
-    const ulong wrap = ulong(ring.slots) * ring.stride;
+    uint slot = ring_first;                    // RING: the slot token m writes
+    const ulong wrap = ulong(ring_slots) * ring_stride;
     for (uint m = 0; m < p.rows; ++m) {
         float qv[DPL], kv[DPL];
         gdn_qk_normalize<T, DPL>(row + kh * dk, row + key_dim + kh * dk, dk, p.q_scale, p.l2_eps, lane, qv, kv);
@@ -301,8 +301,8 @@ inline void gdn_step_heads(constant GdnParams& p, GdnRing ring, device const T* 
         }
         if (RING) {   // the state after token m, into its slot (this head's rows only)
             gdn_state_store<DPL>(Oh, s, dv, dk, sg, nsg, lane);
-            Oh += ring.stride;
-            if (++slot == ring.slots) {
+            Oh += ring_stride;
+            if (++slot == ring_slots) {
                 slot = 0;
                 Oh -= wrap;
             }
@@ -346,8 +346,7 @@ void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(
     threadgroup float o_tg[GDN_STEP_MAX_DV];
     threadgroup float partial[SIMD_WIDTH];
     const ulong head = ulong(h) * p.dv * p.dk;
-    const GdnRing none = {0u, 0u, 0u, 0u};
-    gdn_step_heads<T, DPL, false>(p, none, act, z, b, a, A_log, dt_bias, norm_w, state + head, state_out + head, y,
+    gdn_step_heads<T, DPL, false>(p, 0u, 0u, 0u, act, z, b, a, A_log, dt_bias, norm_w, state + head, state_out + head, y,
                                   o_tg, partial, h, tid, nthreads, lane, sg, nsg);
 }
 
@@ -369,9 +368,9 @@ void gdn_step_rows(constant GdnParams& p [[buffer(0)]], constant GdnRing& ring [
                    uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
     threadgroup float o_tg[GDN_STEP_MAX_DV];
     threadgroup float partial[SIMD_WIDTH];
-    const GdnRing g = ring;
+    constant GdnRing& g = ring;
     const uint head = h * p.dv * p.dk;   // slots x stride < 2^32: host-checked
-    gdn_step_heads<T, DPL, true>(p, g, act, z, b, a, A_log, dt_bias, norm_w, slab + (g.in * g.stride + head),
+    gdn_step_heads<T, DPL, true>(p, g.slots, g.first, g.stride, act, z, b, a, A_log, dt_bias, norm_w, slab + (g.in * g.stride + head),
                                  slab + (g.first * g.stride + head), y, o_tg, partial, h, tid, nthreads, lane, sg,
                                  nsg);
 }

@@ -12,6 +12,18 @@ struct GdnConvParams {
 };
 static_assert(sizeof(GdnConvParams) == 20, "GdnConvParams: 5 x 4 bytes, as the host packs it");
 
+// The ring of states a chain of verification rows writes (GpuState's slabs: one buffer per GDN layer and kind,
+// `slots` states `stride` floats apart): the rows read slot `in`, row r writes slot (first + r) mod slots, so
+// one binding holds every row's state (Metal has 31 buffer slots; a verification has up to 16 rows). The
+// host checks in is none of the rows' slots and slots x stride < 2^32 (32-bit offsets in the kernels).
+struct GdnRing {
+    uint32_t slots;    // states in the ring
+    uint32_t in;       // the slot the first row reads
+    uint32_t first;    // the slot row 0 writes
+    uint32_t stride;   // floats between consecutive slots (one state: conv (K-1) C, recurrent nv dv dk)
+};
+static_assert(sizeof(GdnRing) == 16, "GdnRing: 4 x 4 bytes, as the host packs it");
+
 // One struct for every recurrence kernel (gdn_step, gdn_prep, gdn_chunk, gdn_norm): each reads the fields it needs.
 struct GdnParams {
     uint32_t nk, nv;       // key heads, value heads (nv a multiple of nk)

@@ -9,6 +9,9 @@
 //                         S = decay S; kv = S k; S += (beta (v - kv)) k^T; o = S q   (S[h] is [dv, dk]);
 //                         y = o * rsqrt(mean(o^2) + eps) * norm_w * silu(z)
 //                         (the decode step: M = 1; the prefill's scan route: M = the chunk)
+//   gdn_conv_rows_{f32,bf16}, gdn_step_rows_{f32,bf16}_dk{32..256}: a verification's rows chained through one
+//                         state, each kernel one dispatch for all rows, writing the state after EVERY row into
+//                         that row's slot of a ring (GdnRing); row r bit for bit a one-token gdn_conv / gdn_step
 //   the prefill's chunked route, three kernels over the same math (docs/model.md §6, WY/UT form):
 //   gdn_prep_{f32,bf16}:  normalised q, k (float [M, nk, dk]) and beta, g_log (float [M, nv]) into scratch
 //   gdn_chunk_{f32,bf16}: the recurrence over blocks of C tokens on simdgroup_matrix: o (float [M, nv dv])
@@ -157,6 +160,50 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
     }
 }
 
+// The conv of the rows of a verification chained through one state (GpuEngine::verify): gdn_conv's window over
+// all the rows in one dispatch, and the window after EVERY row into that row's slot of the ring (`slab`,
+// GdnRing): row m's output is gdn_conv's sum over window rows m..m+K-1 (the state in slot ring.in, then the qkv
+// rows) in the same order, i.e. a one-row gdn_conv on the state row m - 1 left, and slot (first + m) gets window
+// rows m+1..m+K-1 (exact copies), which is that one-row conv's new state.
+//
+// Thread mapping: one thread per channel, all rows (a verification has at most 16), GDN_CONV_THREADS per
+// threadgroup; offsets are 32-bit ((rows + K) stride and slots x stride < 2^32: host-checked).
+template <typename T>
+kernel void gdn_conv_rows(constant GdnConvParams& p [[buffer(0)]], constant GdnRing& ring [[buffer(1)]],
+                          device const T* qkv [[buffer(2)]], device const float* conv_w [[buffer(3)]],
+                          device float* slab [[buffer(4)]], device T* act [[buffer(5)]],
+                          uint c [[thread_position_in_grid]]) {
+    if (c >= p.C) {
+        return;
+    }
+    const uint S = p.K - 1u, C = p.C, stride = p.stride;
+    constant GdnRing& g = ring;
+    device const float* w = conv_w + c * p.K;
+    device const float* st = slab + (g.in * g.stride + c);   // state row i of this channel: st[i C]
+    device float* so = slab + (g.first * g.stride + c);      // the slot row m writes
+    device T* out = act + c;
+    uint slot = g.first;
+    for (uint m = 0; m < p.rows; ++m) {
+        float acc = 0.0f;
+        for (uint j = 0; j < p.K; ++j) {
+            const uint i = m + j;   // window row i: state row i, else qkv row i - S
+            const float v = i < S ? st[i * C] : float(qkv[(i - S) * stride + c]);
+            acc += v * w[j];
+        }
+        *out = gdn_conv_silu<T>(acc);   // as gdn_conv (and QMV_CONV's epilogue)
+        out += C;
+        for (uint r = 0; r < S; ++r) {   // the window after row m: rows m + 1 .. m + S
+            const uint i = m + 1u + r;
+            so[r * C] = i < S ? st[i * C] : float(qkv[(i - S) * stride + c]);
+        }
+        so += g.stride;
+        if (++slot == g.slots) {
+            slot = 0;
+            so -= g.slots * g.stride;
+        }
+    }
+}
+
 // M tokens of the gated delta rule for one value head, in order, fused with the q/k l2norm, the gates and the
 // gated RMSNorm: the decode step (M = 1) and the prefill's register scan.
 //
@@ -177,26 +224,37 @@ kernel void gdn_conv(constant GdnConvParams& p [[buffer(0)]], device const T* qk
 // the head is reduced by threadgroup_sum (its barrier also publishes the staged o), all threads compute y in
 // steps of the threadgroup size, and a barrier ends the token (o_tg and the partial sums are reused). The
 // token's rows are reached by advancing pointers (no 64-bit multiply in the token loop).
-template <typename T, uint DPL>
-[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * GDN_STEP_MAX_SIMDGROUPS)]]
-void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
-              device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
-              device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
-              device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
-              device const float* state [[buffer(8)]], device float* state_out [[buffer(9)]],
-              device T* y [[buffer(10)]],
-              uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
-              uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-              uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+// this thread's slice of a head's state (rows sg + i nsg, elements lane + 32 j) to Oh (the head's [dv, dk])
+template <uint DPL>
+inline void gdn_state_store(device float* Oh, thread const float* s, uint dv, uint dk, uint sg, uint nsg, uint lane) {
+    for (uint i = 0; i < GDN_STEP_MAX_ROWS_PER_SG; ++i) {
+        const uint r = sg + i * nsg;
+        for (uint j = 0; j < DPL; ++j) {
+            const uint e = lane + j * SIMD_WIDTH;
+            if (r < dv && e < dk) {
+                Oh[r * dk + e] = s[i * DPL + j];
+            }
+        }
+    }
+}
+
+// The body of gdn_step and gdn_step_rows (one value head h): the same float operations in the same order, so a
+// row of gdn_step_rows is bit for bit a one-token gdn_step on the state before it. Sh: the head's state read;
+// Oh: where the head's state goes -- RING false: once, after the last token (gdn_step); RING true: after EVERY
+// token m, into slot (ring_first + m) mod ring_slots (Oh is the head in slot ring_first; the slots are
+// ring_stride floats apart, advanced by additions with a wrap: no 64-bit multiply in the token loop).
+template <typename T, uint DPL, bool RING>
+inline void gdn_step_heads(constant GdnParams& p, uint ring_slots, uint ring_first, uint ring_stride, device const T* act, device const T* z,
+                           device const T* b, device const T* a, device const float* A_log,
+                           device const float* dt_bias, device const T* norm_w, device const float* Sh,
+                           device float* Oh, device T* y, threadgroup float* o_tg, threadgroup float* partial,
+                           uint h, uint tid, uint nthreads, uint lane, uint sg, uint nsg) {
     constexpr uint R = GDN_STEP_MAX_ROWS_PER_SG;
-    threadgroup float o_tg[GDN_STEP_MAX_DV];
-    threadgroup float partial[SIMD_WIDTH];
     const uint dk = p.dk, dv = p.dv, key_dim = p.nk * p.dk;
     const uint kh = h / p.group;
 
     // this thread's slice of the state: rows sg + i nsg, elements lane + 32 j (zeros outside); dv dk < 2^32
     // (host-checked), so a row's offset is 32-bit
-    device const float* Sh = state + ulong(h) * dv * dk;
     float s[R * DPL];
     for (uint i = 0; i < R; ++i) {
         const uint r = sg + i * nsg;
@@ -211,6 +269,8 @@ void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(
     device const T* am = a + h;
     device const T* zh = z + ulong(h) * dv;
     device T* yh = y + ulong(h) * dv;          // y row m (y_stride apart)
+    uint slot = ring_first;                    // RING: the slot token m writes
+    const ulong wrap = ulong(ring_slots) * ring_stride;
     for (uint m = 0; m < p.rows; ++m) {
         float qv[DPL], kv[DPL];
         gdn_qk_normalize<T, DPL>(row + kh * dk, row + key_dim + kh * dk, dk, p.q_scale, p.l2_eps, lane, qv, kv);
@@ -239,8 +299,23 @@ void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(
                 oss += o * o;
             }
         }
-        // gated RMSNorm over the head's dv outputs (one SIMD-group's lanes all hold the same oss: count lane 0)
-        const float total = threadgroup_sum(lane == 0 ? oss : 0.0f, partial, lane, sg, nsg);
+        if (RING) {   // the state after token m, into its slot (this head's rows only)
+            gdn_state_store<DPL>(Oh, s, dv, dk, sg, nsg, lane);
+            Oh += ring_stride;
+            if (++slot == ring_slots) {
+                slot = 0;
+                Oh -= wrap;
+            }
+        }
+        // gated RMSNorm over the head's dv outputs (one SIMD-group's lanes all hold the same oss: count lane 0);
+        // common.h's threadgroup_sum written out (the simulator's translation passes no threadgroup pointer
+        // parameter on to a helper of common.h): the same sums in the same order
+        const float part = simd_sum(lane == 0 ? oss : 0.0f);
+        if (lane == 0) {
+            partial[sg] = part;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        const float total = simd_sum(lane < nsg ? partial[lane] : 0.0f);
         const float inv = rsqrt(total / float(dv) + p.eps);
         for (uint i = tid; i < dv; i += nthreads) {
             yh[i] = gdn_gated_out<T>(o_tg[i], inv, float(norm_w[i]), float(zh[i]));
@@ -252,16 +327,52 @@ void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(
         zh += p.gate_stride;
         yh += p.y_stride;
     }
-    device float* Oh = state_out + ulong(h) * dv * dk;   // may be Sh (in place): this head's rows only
-    for (uint i = 0; i < R; ++i) {
-        const uint r = sg + i * nsg;
-        for (uint j = 0; j < DPL; ++j) {
-            const uint e = lane + j * SIMD_WIDTH;
-            if (r < dv && e < dk) {
-                Oh[r * dk + e] = s[i * DPL + j];
-            }
-        }
+    if (!RING) {
+        gdn_state_store<DPL>(Oh, s, dv, dk, sg, nsg, lane);   // may be Sh (in place): this head's rows only
     }
+}
+
+template <typename T, uint DPL>
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * GDN_STEP_MAX_SIMDGROUPS)]]
+void gdn_step(constant GdnParams& p [[buffer(0)]], device const T* act [[buffer(1)]],
+              device const T* z [[buffer(2)]], device const T* b [[buffer(3)]],
+              device const T* a [[buffer(4)]], device const float* A_log [[buffer(5)]],
+              device const float* dt_bias [[buffer(6)]], device const T* norm_w [[buffer(7)]],
+              device const float* state [[buffer(8)]], device float* state_out [[buffer(9)]],
+              device T* y [[buffer(10)]],
+              uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+              uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+              uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+    threadgroup float o_tg[GDN_STEP_MAX_DV];
+    threadgroup float partial[SIMD_WIDTH];
+    const ulong head = ulong(h) * p.dv * p.dk;
+    gdn_step_heads<T, DPL, false>(p, 0u, 0u, 0u, act, z, b, a, A_log, dt_bias, norm_w, state + head, state_out + head, y,
+                                  o_tg, partial, h, tid, nthreads, lane, sg, nsg);
+}
+
+// The rows of a verification chained through one state (GpuEngine::verify): gdn_step over the rows in order,
+// the state in registers, writing the state after EVERY row into that row's slot of the ring (`slab`: GdnRing).
+// Row r is bit for bit a one-token gdn_step on the state row r - 1 left (the same body, gdn_step_heads), so
+// rewinding to any row installs exactly a decode step's state, in one dispatch (one dependency level) for
+// all the rows instead of one per row.
+template <typename T, uint DPL>
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH * GDN_STEP_MAX_SIMDGROUPS)]]
+void gdn_step_rows(constant GdnParams& p [[buffer(0)]], constant GdnRing& ring [[buffer(1)]],
+                   device const T* act [[buffer(2)]], device const T* z [[buffer(3)]],
+                   device const T* b [[buffer(4)]], device const T* a [[buffer(5)]],
+                   device const float* A_log [[buffer(6)]], device const float* dt_bias [[buffer(7)]],
+                   device const T* norm_w [[buffer(8)]], device float* slab [[buffer(9)]],
+                   device T* y [[buffer(10)]],
+                   uint h [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                   uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                   uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+    threadgroup float o_tg[GDN_STEP_MAX_DV];
+    threadgroup float partial[SIMD_WIDTH];
+    constant GdnRing& g = ring;
+    const uint head = h * p.dv * p.dk;   // slots x stride < 2^32: host-checked
+    gdn_step_heads<T, DPL, true>(p, g.slots, g.first, g.stride, act, z, b, a, A_log, dt_bias, norm_w, slab + (g.in * g.stride + head),
+                                 slab + (g.first * g.stride + head), y, o_tg, partial, h, tid, nthreads, lane, sg,
+                                 nsg);
 }
 
 // The chunked route's inputs: per (key head, token) the normalised q and k, per (value head, token) beta and the
@@ -569,6 +680,8 @@ kernel void gdn_norm(constant GdnParams& p [[buffer(0)]], device const float* o 
 
 INSTANTIATE_KERNEL("gdn_conv_f32", gdn_conv, float)
 INSTANTIATE_KERNEL("gdn_conv_bf16", gdn_conv, bfloat)
+INSTANTIATE_KERNEL("gdn_conv_rows_f32", gdn_conv_rows, float)
+INSTANTIATE_KERNEL("gdn_conv_rows_bf16", gdn_conv_rows, bfloat)
 INSTANTIATE_KERNEL("gdn_step_f32_dk32", gdn_step, float, 1u)
 INSTANTIATE_KERNEL("gdn_step_f32_dk64", gdn_step, float, 2u)
 INSTANTIATE_KERNEL("gdn_step_f32_dk128", gdn_step, float, 4u)
@@ -577,6 +690,14 @@ INSTANTIATE_KERNEL("gdn_step_bf16_dk32", gdn_step, bfloat, 1u)
 INSTANTIATE_KERNEL("gdn_step_bf16_dk64", gdn_step, bfloat, 2u)
 INSTANTIATE_KERNEL("gdn_step_bf16_dk128", gdn_step, bfloat, 4u)
 INSTANTIATE_KERNEL("gdn_step_bf16_dk256", gdn_step, bfloat, 8u)
+INSTANTIATE_KERNEL("gdn_step_rows_f32_dk32", gdn_step_rows, float, 1u)
+INSTANTIATE_KERNEL("gdn_step_rows_f32_dk64", gdn_step_rows, float, 2u)
+INSTANTIATE_KERNEL("gdn_step_rows_f32_dk128", gdn_step_rows, float, 4u)
+INSTANTIATE_KERNEL("gdn_step_rows_f32_dk256", gdn_step_rows, float, 8u)
+INSTANTIATE_KERNEL("gdn_step_rows_bf16_dk32", gdn_step_rows, bfloat, 1u)
+INSTANTIATE_KERNEL("gdn_step_rows_bf16_dk64", gdn_step_rows, bfloat, 2u)
+INSTANTIATE_KERNEL("gdn_step_rows_bf16_dk128", gdn_step_rows, bfloat, 4u)
+INSTANTIATE_KERNEL("gdn_step_rows_bf16_dk256", gdn_step_rows, bfloat, 8u)
 INSTANTIATE_KERNEL("gdn_prep_f32", gdn_prep, float)
 INSTANTIATE_KERNEL("gdn_prep_bf16", gdn_prep, bfloat)
 INSTANTIATE_KERNEL("gdn_chunk_f32", gdn_chunk, float)

@@ -99,7 +99,7 @@ void register_gpu_graph(nb::module_& g) {
                         std::memcpy(rows.data() + h * P * hr, b->as<uint8_t>() + h * cap * hr, P * hr);
                     kv.append(copy_out<uint8_t>(rows.data(), {rows.size()}));
                 }
-            for (size_t i = 0; i < s.conv.size() / 2; ++i) {
+            for (size_t i = 0; i < s.n_gdn(); ++i) {
                 need_host(s.conv_in(i), "the conv state");
                 conv.append(copy_out<float>(s.conv_in(i).data(), {size_t(s.conv_in(i).length / 4)}));
                 ssm.append(copy_out<float>(s.ssm_in(i).data(), {size_t(s.ssm_in(i).length / 4)}));
@@ -110,7 +110,7 @@ void register_gpu_graph(nb::module_& g) {
         .def("_import", [](GpuState& s, int64_t position, nb::list kv, nb::list conv, nb::list ssm) {
             using U8 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
             using F32 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-            if (kv.size() != 2 * s.kv.size() || conv.size() != s.conv.size() / 2 || ssm.size() != s.ssm.size() / 2)
+            if (kv.size() != 2 * s.kv.size() || conv.size() != s.n_gdn() || ssm.size() != s.n_gdn())
                 throw std::invalid_argument("metal backend: state arrays do not match the model's layers");
             s.reserve(std::max<int64_t>(position, 1));
             s.end_chain();
@@ -125,7 +125,7 @@ void register_gpu_graph(nb::module_& g) {
                     for (uint32_t h = 0; h < s.kv_heads(); ++h)
                         std::memcpy(dst.as<uint8_t>() + h * cap * hr, a.data() + h * P * hr, P * hr);
                 }
-            for (size_t i = 0; i < s.conv.size() / 2; ++i) {
+            for (size_t i = 0; i < s.n_gdn(); ++i) {
                 F32 c = nb::cast<F32>(conv[i]);
                 F32 r = nb::cast<F32>(ssm[i]);
                 if (c.size() * 4 != s.conv_in(i).length || r.size() * 4 != s.ssm_in(i).length)

@@ -49,6 +49,26 @@ void register_gpu_ops_gdn(nb::module_& ops) {
     }, "encoder"_a, "dtype"_a, "shape"_a, "act"_a, "z"_a, "b"_a, "a"_a, "A_log"_a, "dt_bias"_a, "norm_w"_a,
        "eps"_a, "state"_a, "y"_a, "state_out"_a = nb::none(),
        "state_out: where the updated state goes (default: state, in place)");
+    ops.def("gdn_conv_rows", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& qkv,
+                                const gpu::Buffer& conv_w, const gpu::Buffer& conv_slab, uint32_t slots, uint32_t in,
+                                uint32_t first, const gpu::Buffer& act, uint32_t rows, uint32_t qkv_stride) {
+        gpu::ops::gdn_conv_rows(e, gpu::parse_act(t), s, qkv, conv_w, conv_slab, {slots, in, first}, act, rows,
+                                qkv_stride);
+    }, "encoder"_a, "dtype"_a, "shape"_a, "qkv"_a, "conv_w"_a, "conv_slab"_a, "slots"_a, "in_slot"_a, "first"_a,
+       "act"_a, "rows"_a, "qkv_stride"_a = 0,
+       "a verification's conv over `rows` chained tokens: reads slot in_slot of conv_slab [slots, K-1, conv_dim], "
+       "writes the window after row r into slot (first + r) % slots");
+    ops.def("gdn_step_rows", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& act,
+                                const gpu::Buffer& proj, uint32_t proj_stride, const gpu::Buffer& A_log,
+                                const gpu::Buffer& dt_bias, const gpu::Buffer& norm_w, float eps,
+                                const gpu::Buffer& ssm_slab, uint32_t slots, uint32_t in, uint32_t first,
+                                const gpu::Buffer& y, uint32_t rows, uint32_t y_stride) {
+        gpu::ops::gdn_step_rows(e, gpu::parse_act(t), s, act, proj, proj_stride, A_log, dt_bias, norm_w, eps,
+                                ssm_slab, {slots, in, first}, y, rows, y_stride);
+    }, "encoder"_a, "dtype"_a, "shape"_a, "act"_a, "proj"_a, "proj_stride"_a, "A_log"_a, "dt_bias"_a, "norm_w"_a,
+       "eps"_a, "ssm_slab"_a, "slots"_a, "in_slot"_a, "first"_a, "y"_a, "rows"_a, "y_stride"_a = 0,
+       "a verification's recurrence over `rows` chained tokens: reads slot in_slot of ssm_slab [slots, nv, dv, dk], "
+       "writes the state after row r into slot (first + r) % slots");
     ops.def("gdn_prefill", [](gpu::Encoder& e, const std::string& t, const GdnShape& s, const gpu::Buffer& act,
                               const gpu::Buffer& proj, uint32_t proj_stride, const gpu::Buffer& A_log,
                               const gpu::Buffer& dt_bias, const gpu::Buffer& norm_w, float eps, const gpu::Buffer& state,

@@ -193,8 +193,8 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         ops::QmvFusion f = normed(L.input_norm, c.eps);
         if (L.gdn_in.parts.front().rows >= cd) {
             // the conv of this token as the epilogue of the part holding q|k|v (one dependency level fewer)
-            const ops::QmvConv conv{&L.conv_w, &st.conv_in(gi), &st.conv_next(gi), &s.conv_act, gs.conv_kernel,
-                                    uint32_t(cd)};
+            const Buffer cin = st.conv_in(gi), cnext = st.conv_next(gi);
+            const ops::QmvConv conv{&L.conv_w, &cin, &cnext, &s.conv_act, gs.conv_kernel, uint32_t(cd)};
             f.conv = &conv;
             stacked_qmv(e, t, L.gdn_in, s.x, s.proj, false, f);                   // proj = [qkv | z | b | a], conv_act
         } else {
@@ -715,9 +715,10 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
                     throw;
                 }
             }
-            st.cur ^= 1u;                                  // step i + 1 reads step i's output half
+            const uint32_t slot = st.cur;
+            st.cur = st.next_slot();                       // step i + 1 reads step i's output slot
             if (pipelined && i + 1 < n) next = encode(i + 1);   // committed before step i is waited on
-            st.cur ^= 1u;
+            st.cur = slot;
             try {
                 cur->wait();
             } catch (...) {
@@ -753,7 +754,7 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 //       proj = W_in rmsnorm(x)                      qmv over the R rows: each weight read once for all
 //                                                   of them, per row the decode kernel's arithmetic
 //       mix[r] = attention(proj[r]) over keys 0..p0+r      attn_prepare writes the R K/V rows at once
-//              | gdn(proj[r]) on the state after row r-1   into the state set of row r
+//              | gdn(proj[r]) on the state after row r-1   into ring slot r of the state
 //       x   += W_out mix                            qmv over the rows, the residual add fused
 //       router = W_r rmsnorm(x), xn                 qmv over the rows
 //       x[r] += moe(xn[r])                          top-k of every row, then the union-read MoE: each expert
@@ -761,8 +762,9 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 //            | mlp(rmsnorm(x[r]))                   (dense layers)
 //   logits = lm_head rmsnorm(x) (float, [R, V])     qmv over the rows; xn keeps the normed rows (hidden)
 //
-// The GDN states after each row go to sets of their own (GpuState::take_sets), which GpuState::rewind
-// reinstalls; the KV rows past a rewound position are overwritten by later calls.
+// The GDN states after each row go to slots of the state's ring of their own (GpuState::take_rows), written by
+// gdn_conv_rows / gdn_step_rows (one dispatch each for all the rows: 2 dependency levels per GDN layer);
+// GpuState::rewind makes one of them current; the KV rows past a rewound position are overwritten by later calls.
 //
 // The same graph runs the batched decode step (decode_batch): a RowPlan per row names the state, position,
 // KV cache and GDN buffers it uses, so rows may be one state's consecutive tokens (verify_plan) or one
@@ -824,22 +826,15 @@ void GpuEngine::ensure_verify(uint32_t rows) {
     v = std::move(n);
 }
 
-std::vector<GpuEngine::RowPlan> GpuEngine::verify_plan(GpuState& st, uint32_t rows,
-                                                       const std::vector<GpuState::StateSet>& sets) {
-    // row r at p0 + r on the one state: it reads the GDN state after row r - 1 (the current halves for row 0)
-    // and writes set r
+std::vector<GpuEngine::RowPlan> GpuEngine::verify_plan(GpuState& st, uint32_t rows, uint32_t first) {
+    // row r at p0 + r on the one state: it reads the GDN state after row r - 1 (the current slot for row 0)
+    // and writes slot first + r of the state's ring (GpuState::take_rows)
     std::vector<RowPlan> plan(rows);
-    const size_t n_gdn = st.conv.size() / 2;
     for (uint32_t r = 0; r < rows; ++r) {
         RowPlan& p = plan[r];
         p.st = &st;
         p.position = st.position + r;
-        for (size_t gi = 0; gi < n_gdn; ++gi) {
-            p.conv_in.push_back(r ? sets[r - 1].conv[gi] : st.conv_in(gi));
-            p.ssm_in.push_back(r ? sets[r - 1].ssm[gi] : st.ssm_in(gi));
-            p.conv_out.push_back(sets[r].conv[gi]);
-            p.ssm_out.push_back(sets[r].ssm[gi]);
-        }
+        p.slot = (first + r) % st.slots();
     }
     return plan;
 }
@@ -852,7 +847,7 @@ std::vector<GpuEngine::RowPlan> GpuEngine::batch_plan(const std::vector<GpuState
         RowPlan& p = plan[r];
         p.st = &st;
         p.position = st.position;
-        for (size_t gi = 0; gi < st.conv.size() / 2; ++gi) {
+        for (size_t gi = 0; gi < st.n_gdn(); ++gi) {
             p.conv_in.push_back(st.conv_in(gi));
             p.ssm_in.push_back(st.ssm_in(gi));
             p.conv_out.push_back(st.conv_next(gi));
@@ -915,14 +910,16 @@ void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, 
                           p.view((cd + vd + nv) * es, nv * es), L.A_log, L.dt_bias, L.gdn_norm, c.eps,
                           plan[r].ssm_in[gi], plan[r].ssm_out[gi], row(v.mix, mix_w * es, r, vd * es));
         };
-        // rows chained through one state (a verification): conv r, step r, conv r + 1, ... (rows + 1 levels);
-        // rows on states of their own (a batched step): every conv, then every step (2 levels)
-        const bool chained = rows > 1 && plan[1].st == plan[0].st;
-        if (chained) {
-            for (uint32_t r = 0; r < rows; ++r) {
-                conv(r);
-                step(r);
-            }
+        // rows chained through one state (a verification): the conv of every row, then the recurrence of every
+        // row, one dispatch each, writing the state after each row into its slot of the state's ring (2 levels;
+        // each row bit for bit gdn_conv / gdn_step of one token); rows on states of their own (a batched step):
+        // every conv, then every step (2 levels)
+        if (plan[0].slot >= 0) {
+            GpuState& st = *plan[0].st;
+            const ops::GdnRingSlots ring{st.slots(), st.cur, uint32_t(plan[0].slot)};
+            ops::gdn_conv_rows(e, t, gs, v.proj, L.conv_w, st.conv_slab[gi], ring, v.conv_act, rows, in_rows);
+            ops::gdn_step_rows(e, t, gs, v.conv_act, v.proj, in_rows, L.A_log, L.dt_bias, L.gdn_norm, c.eps,
+                               st.ssm_slab[gi], ring, v.mix, rows, uint32_t(mix_w));
         } else {
             for (uint32_t r = 0; r < rows; ++r) conv(r);
             for (uint32_t r = 0; r < rows; ++r) step(r);
@@ -991,18 +988,15 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
     st.reserve(st.position + n);                       // everything that can fail before the state changes
     ensure_verify(R);
     const std::optional<Taps> taps = feats ? taps_for(feats->layers, R) : std::nullopt;
-    std::vector<GpuState::StateSet> sets = st.take_sets(R);
-    try {
+    const uint32_t first = st.take_rows(R);             // the ring grown first (the state unchanged)
+    {
         uint32_t* dst = vf_->ids.as<uint32_t>();
         for (uint32_t r = 0; r < R; ++r) dst[r] = uint32_t(ids[r]);
         Encoder e(d, m_->options().command_buffer_seconds);
-        encode_rows(e, verify_plan(st, R, sets), hidden != nullptr, taps ? &*taps : nullptr);
+        encode_rows(e, verify_plan(st, R, first), hidden != nullptr, taps ? &*taps : nullptr);
         e.commit();
-        e.wait();
-    } catch (...) {
-        st.give_sets(std::move(sets));                 // nothing was installed: the state is as it was
-        throw;
-    }
+        e.wait();                                      // a failure: the rows' slots are not the chain's, the
+    }                                                  // state is as it was
     std::memcpy(logits, vf_->logits.data(), size_t(R) * c.vocab * 4);
     if (hidden) {
         const size_t m = size_t(R) * c.hidden;
@@ -1011,7 +1005,7 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
             for (size_t i = 0; i < m; ++i) hidden[i] = bf16_to_f32(vf_->xn.as<uint16_t>()[i]);
     }
     if (taps) gather(*taps, feats->layers, R, feats->out);
-    st.chain_rows(std::move(sets));
+    st.chain_rows(R);
 }
 
 void GpuEngine::encode_rows(Encoder& e, const std::vector<RowPlan>& plan, bool hidden, const Taps* taps) {
@@ -1143,13 +1137,12 @@ StepCost GpuEngine::verify_cost_impl(GpuState& st, uint32_t rows, const std::vec
     st.reserve(st.position + rows);
     ensure_verify(rows);
     const std::optional<Taps> taps = taps_for(layers, rows);
-    std::vector<GpuState::StateSet> sets = st.take_sets(rows);
+    const uint32_t first = st.take_rows(rows);
     d.reset_counters();
     Encoder e(d, m_->options().command_buffer_seconds);
-    encode_rows(e, verify_plan(st, rows, sets), false, taps ? &*taps : nullptr);
+    encode_rows(e, verify_plan(st, rows, first), false, taps ? &*taps : nullptr);
     e.commit();
-    e.wait();
-    st.give_sets(std::move(sets));                     // costed only: the state does not advance
+    e.wait();                                          // costed only: the state does not advance
     return cost_of(e, d.counters());
 }
 

@@ -329,9 +329,11 @@ GpuState::GpuState(const GpuModel& m)
     n_kv_ = uint32_t(L.kv_heads);
     kv_head_row_bytes_ = uint64_t(L.kv_row_bytes(kv_f32_) / L.kv_heads);
     for (int64_t i = 0; i < L.n_attention; ++i) kv.push_back(ops::KVCache{Buffer(), Buffer(), 0, kv_f32_});
-    for (int64_t i = 0; i < 2 * L.n_gdn; ++i) {            // two halves per layer (ping-pong)
-        conv.push_back(dev_.alloc(uint64_t(L.conv_floats) * 4, "conv state"));
-        ssm.push_back(dev_.alloc(uint64_t(L.ssm_floats) * 4, "recurrent state"));
+    conv_bytes_ = uint64_t(L.conv_floats) * 4;
+    ssm_bytes_ = uint64_t(L.ssm_floats) * 4;
+    for (int64_t i = 0; i < L.n_gdn; ++i) {                // a ring of two slots per layer (ping-pong)
+        conv_slab.push_back(dev_.alloc(slots_ * conv_bytes_, "conv state"));
+        ssm_slab.push_back(dev_.alloc(slots_ * ssm_bytes_, "recurrent state"));
     }
     reserve(1);
 }
@@ -351,16 +353,17 @@ GpuState::GpuState(const GpuState& o)
                 std::memcpy(dst.as<uint8_t>() + h * capacity_ * kv_head_row_bytes_,
                             src.as<uint8_t>() + h * o.capacity_ * kv_head_row_bytes_, hb);
         }
-    // the current half of each ping-pong pair becomes this copy's current (index 0)
-    for (size_t i = 0; i < o.conv.size() / 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-            conv.push_back(dev_.alloc(o.conv_in(i).length, "conv state"));
-            ssm.push_back(dev_.alloc(o.ssm_in(i).length, "recurrent state"));
-            if (j == 0 && o.conv_in(i).data()) {
-                std::memcpy(conv.back().data(), o.conv_in(i).data(), o.conv_in(i).length);
-                std::memcpy(ssm.back().data(), o.ssm_in(i).data(), o.ssm_in(i).length);
-            }
+    // the current slot of each ring becomes this copy's current (slot 0 of a ring of 2)
+    conv_bytes_ = o.conv_bytes_;
+    ssm_bytes_ = o.ssm_bytes_;
+    for (size_t i = 0; i < o.n_gdn(); ++i) {
+        conv_slab.push_back(dev_.alloc(slots_ * conv_bytes_, "conv state"));
+        ssm_slab.push_back(dev_.alloc(slots_ * ssm_bytes_, "recurrent state"));
+        if (o.conv_in(i).data() && conv_slab.back().data()) {
+            std::memcpy(conv_slab.back().data(), o.conv_in(i).data(), conv_bytes_);
+            std::memcpy(ssm_slab.back().data(), o.ssm_in(i).data(), ssm_bytes_);
         }
+    }
 }
 
 void GpuState::reserve(int64_t tokens) {
@@ -390,15 +393,15 @@ void GpuState::reset() {
     end_chain();
     position = 0;
     cur = 0;
-    for (const Buffer& b : conv)
+    for (const Buffer& b : conv_slab)
         if (b.data()) std::memset(b.data(), 0, b.length);
-    for (const Buffer& b : ssm)
+    for (const Buffer& b : ssm_slab)
         if (b.data()) std::memset(b.data(), 0, b.length);
 }
 
 uint64_t GpuState::nbytes() const {
     uint64_t n = uint64_t(position) * kv_row_bytes() * 2 * kv.size();
-    for (size_t i = 0; i < conv.size() / 2; ++i) n += conv_in(i).length + ssm_in(i).length;
+    n += n_gdn() * (conv_bytes_ + ssm_bytes_);
     return n;
 }
 
@@ -406,9 +409,9 @@ GpuState::Saved GpuState::save() const {
     Saved s;
     s.position = position;
     s.cur = cur;
-    for (size_t i = 0; i < conv.size() / 2; ++i) {
-        const Buffer& c = conv_in(i);
-        const Buffer& r = ssm_in(i);
+    for (size_t i = 0; i < n_gdn(); ++i) {
+        const Buffer c = conv_in(i);
+        const Buffer r = ssm_in(i);
         s.conv.emplace_back(c.as<uint8_t>(), c.as<uint8_t>() + (c.data() ? c.length : 0));
         s.ssm.emplace_back(r.as<uint8_t>(), r.as<uint8_t>() + (r.data() ? r.length : 0));
     }
@@ -418,73 +421,63 @@ GpuState::Saved GpuState::save() const {
 void GpuState::restore(const Saved& s) {
     position = s.position;
     cur = s.cur;
-    for (size_t i = 0; i < conv.size() / 2; ++i) {
+    for (size_t i = 0; i < n_gdn(); ++i) {
         if (conv_in(i).data()) std::memcpy(conv_in(i).data(), s.conv[i].data(), s.conv[i].size());
         if (ssm_in(i).data()) std::memcpy(ssm_in(i).data(), s.ssm[i].data(), s.ssm[i].size());
     }
 }
 
 // ---- the verification chain ----
-std::vector<GpuState::StateSet> GpuState::take_sets(size_t n) {
-    while (pool_.size() < n) {                     // allocated before anything is taken
-        StateSet s;
-        for (size_t i = 0; i < conv.size() / 2; ++i) {
-            s.conv.push_back(dev_.alloc(conv[2 * i].length, "conv state (verify row)"));
-            s.ssm.push_back(dev_.alloc(ssm[2 * i].length, "recurrent state (verify row)"));
-        }
-        pool_.push_back(std::move(s));
+void GpuState::grow(uint32_t slots) {
+    // every slab allocated first (strong guarantee), then the live states -- the chain's (base .. base + len) or
+    // the current one -- copied to slots 0.. of the new ring (host copies: the device is idle between calls)
+    std::vector<Buffer> nc, ns;
+    for (size_t i = 0; i < n_gdn(); ++i) {
+        nc.push_back(dev_.alloc(slots * conv_bytes_, "conv state"));
+        ns.push_back(dev_.alloc(slots * ssm_bytes_, "recurrent state"));
     }
-    std::vector<StateSet> out(std::make_move_iterator(pool_.end() - n), std::make_move_iterator(pool_.end()));
-    pool_.resize(pool_.size() - n);
-    return out;
-}
-
-void GpuState::give_sets(std::vector<StateSet> sets) {
-    for (StateSet& s : sets) pool_.push_back(std::move(s));
-}
-
-void GpuState::install(const StateSet& s) {
-    for (size_t i = 0; i < s.conv.size(); ++i) {
-        conv[2 * i + cur] = s.conv[i];
-        ssm[2 * i + cur] = s.ssm[i];
-    }
-}
-
-void GpuState::chain_rows(std::vector<StateSet> rows) {
-    if (rows.empty()) return;
-    if (chain_.empty()) {                          // the state before the chain: the current halves
-        StateSet before;
-        for (size_t i = 0; i < conv.size() / 2; ++i) {
-            before.conv.push_back(conv_in(i));
-            before.ssm.push_back(ssm_in(i));
+    const uint32_t base = chain_len_ ? chain_base_ : cur, live = uint32_t(chain_len_) + 1;
+    for (size_t i = 0; i < n_gdn(); ++i)
+        for (uint32_t k = 0; k < live; ++k) {
+            const uint32_t from = (base + k) % slots_;
+            if (nc[i].data() && conv_slab[i].data()) {
+                std::memcpy(nc[i].as<uint8_t>() + k * conv_bytes_, conv_at(i, from).data(), conv_bytes_);
+                std::memcpy(ns[i].as<uint8_t>() + k * ssm_bytes_, ssm_at(i, from).data(), ssm_bytes_);
+            }
         }
-        chain_.push_back(std::move(before));
+    conv_slab = std::move(nc);
+    ssm_slab = std::move(ns);
+    slots_ = slots;
+    chain_base_ = 0;
+    cur = live - 1;
+}
+
+uint32_t GpuState::take_rows(uint32_t n) {
+    const uint32_t need = uint32_t(chain_len_) + n + 1;   // the state before the chain, its rows, these rows
+    if (need > slots_) grow(need);
+    return next_slot();
+}
+
+void GpuState::chain_rows(uint32_t n) {
+    if (n == 0) return;
+    if (chain_len_ == 0) {                         // the state before the chain: the current slot
+        chain_base_ = cur;
         chain_pos0_ = position;
     }
-    position += int64_t(rows.size());
-    for (StateSet& s : rows) chain_.push_back(std::move(s));
-    install(chain_.back());
+    chain_len_ += n;
+    position += n;
+    cur = (cur + n) % slots_;
 }
 
 void GpuState::rewind(int64_t keep) {
-    if (chain_.empty()) return;
-    install(chain_[size_t(keep)]);
+    if (chain_len_ == 0) return;
+    cur = uint32_t((chain_base_ + uint64_t(keep)) % slots_);
     position = chain_pos0_ + keep;
-    for (size_t r = 0; r < chain_.size(); ++r)
-        if (r != size_t(keep)) pool_.push_back(std::move(chain_[r]));
-    chain_.clear();
-}
-
-void GpuState::end_chain() {
-    if (!chain_.empty()) rewind(int64_t(chain_.size()) - 1);
+    chain_len_ = 0;
 }
 
 uint64_t GpuState::pool_bytes() const {
-    uint64_t n = 0;
-    for (const std::vector<StateSet>* v : {&chain_, &pool_})
-        for (const StateSet& s : *v)
-            for (size_t i = 0; i < s.conv.size(); ++i) n += s.conv[i].length + s.ssm[i].length;
-    return n;
+    return uint64_t(slots_ - std::min<uint32_t>(slots_, 2)) * n_gdn() * (conv_bytes_ + ssm_bytes_);
 }
 
 }  // namespace qwenmetal::gpu

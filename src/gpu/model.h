@@ -173,17 +173,24 @@ class GpuState {
     uint32_t kv_heads() const { return n_kv_; }
 
     std::vector<ops::KVCache> kv;                 // per attention layer
-    // per GDN layer, two of each (ping-pong): a step reads the current one and writes the other, so
-    // a step whose result is discarded (the extra pipelined step after a stop token, a failed
-    // command buffer) leaves the state as it was; commit_step() flips
-    std::vector<Buffer> conv, ssm;                // [2 * n_gdn]
+    // Per GDN layer one slab of each kind (conv [K-1, conv_dim] f32, recurrent [nv, dv, dk] f32 states), a ring
+    // of slots() states: the current state is slot `cur`. A decode step or a prefill chunk reads it and writes
+    // the next slot (cur + 1 mod slots: ping-pong with 2), so a step whose result is discarded (the extra
+    // pipelined step after a stop token, a failed command buffer) leaves the state as it was; commit_step()
+    // advances. A verification grows the ring to its chain's rows + 1 (take_rows).
+    std::vector<Buffer> conv_slab, ssm_slab;      // [n_gdn]
     uint32_t cur = 0;
-    const Buffer& conv_in(size_t i) const { return conv[2 * i + cur]; }
-    const Buffer& conv_next(size_t i) const { return conv[2 * i + 1 - cur]; }
-    const Buffer& ssm_in(size_t i) const { return ssm[2 * i + cur]; }
-    const Buffer& ssm_next(size_t i) const { return ssm[2 * i + 1 - cur]; }
+    size_t n_gdn() const { return conv_slab.size(); }
+    uint32_t slots() const { return slots_; }
+    uint32_t next_slot() const { return (cur + 1) % slots_; }
+    Buffer conv_at(size_t i, uint32_t slot) const { return conv_slab[i].view(slot * conv_bytes_, conv_bytes_); }
+    Buffer ssm_at(size_t i, uint32_t slot) const { return ssm_slab[i].view(slot * ssm_bytes_, ssm_bytes_); }
+    Buffer conv_in(size_t i) const { return conv_at(i, cur); }
+    Buffer conv_next(size_t i) const { return conv_at(i, next_slot()); }
+    Buffer ssm_in(size_t i) const { return ssm_at(i, cur); }
+    Buffer ssm_next(size_t i) const { return ssm_at(i, next_slot()); }
     // a decode step (1 token) or a prefill chunk (`rows` tokens) is now the state
-    void commit_step(uint32_t rows = 1) { position += rows; cur ^= 1u; }
+    void commit_step(uint32_t rows = 1) { position += rows; cur = next_slot(); }
 
     // backup / restore of the recurrent parts (the KV rows a failed call wrote are past `position`)
     struct Saved {
@@ -195,32 +202,31 @@ class GpuState {
     void restore(const Saved& s);
 
     // ---- the chain of verification calls (GpuEngine::verify; docs/speculative.md) ----
-    // A GDN state cannot be truncated, so every verified row writes the state after it into a set of
-    // buffers of its own: chain[0] is the state before the chain (the current halves then), chain[r]
-    // the state after its r-th row, and the last is installed as the current halves. rewind(keep)
-    // installs chain[keep]. Sets come from a pool kept for the next chain: the memory is the rows of
-    // the longest chain times the GDN state bytes. A copy of the state has no chain.
-    struct StateSet {
-        std::vector<Buffer> conv, ssm;            // [n_gdn] each
-    };
-    int64_t rewindable() const { return chain_.empty() ? 0 : int64_t(chain_.size()) - 1; }
-    // n sets for the next rows (from the pool; allocated first when it is short: strong guarantee)
-    std::vector<StateSet> take_sets(size_t n);
-    // the rows of a verification call ran into `rows` (take_sets): they join the chain (opened at this
+    // A GDN state cannot be truncated, so every verified row writes the state after it into a slot of the
+    // ring of its own: the chain is the slot before its first row (chain_base_) and the `rewindable()` slots
+    // after it, one per row; the last is the current state. rewind(keep) makes slot chain_base_ + keep current.
+    // A chain holds at most kMaxVerifyRows rows, so a ring of kMaxVerifyRows + 1 slots never overwrites the
+    // state before it. Memory: the longest chain's rows + 1 states (at least 2). A copy of the state has no
+    // chain (and a ring of 2).
+    int64_t rewindable() const { return chain_len_; }
+    // The slots the next `n` rows write: (first + r) mod slots(), after the current one (the chain's last).
+    // Grows the ring to the open chain's rows + n + 1 slots first when it is shorter (allocated before anything
+    // changes, then the chain's states copied into the new slabs: strong guarantee). The state is unchanged.
+    uint32_t take_rows(uint32_t n);
+    // the n rows of a verification call ran into the slots take_rows gave: they join the chain (opened at this
     // position when none is open), the last becomes the current state, the position advances
-    void chain_rows(std::vector<StateSet> rows);
+    void chain_rows(uint32_t n);
     // the state after the chain's first `keep` (0..rewindable()) rows; ends the chain. Cannot fail.
     void rewind(int64_t keep);
-    // sets take_sets gave that were not used (a failed call)
-    void give_sets(std::vector<StateSet> sets);
-    // any other call: the chain's sets but the current one go back to the pool
-    void end_chain();
-    uint64_t pool_bytes() const;                  // device bytes of the pool and the chain's sets
+    // any other call: the chain ends where it is (its last row's state stays current)
+    void end_chain() { chain_len_ = 0; }
+    uint64_t pool_bytes() const;                  // device bytes of the ring's slots past the ping-pong pair
 
   private:
-    void install(const StateSet& s);
-    std::vector<StateSet> chain_, pool_;
-    int64_t chain_pos0_ = 0;
+    void grow(uint32_t slots);
+    uint32_t slots_ = 2, chain_base_ = 0;
+    int64_t chain_len_ = 0, chain_pos0_ = 0;
+    uint64_t conv_bytes_ = 0, ssm_bytes_ = 0;     // one state of a GDN layer
     const GpuModel& m_;
     Device& dev_;
     bool kv_f32_;
@@ -355,13 +361,15 @@ class GpuEngine {
     struct Chunk;
     struct Verify;
     // one row of the verification / batched graph: the state it runs on (its KV cache), its position, and
-    // per GDN layer the conv / recurrent buffers it reads and writes
+    // per GDN layer the conv / recurrent buffers it reads and writes (a batched row), or (a verification row,
+    // chained through its state) the ring slot it writes: the rows' GDN run as gdn_conv_rows / gdn_step_rows
     struct RowPlan {
         GpuState* st = nullptr;
         int64_t position = 0;
         std::vector<Buffer> conv_in, conv_out, ssm_in, ssm_out;
+        int64_t slot = -1;
     };
-    static std::vector<RowPlan> verify_plan(GpuState& s, uint32_t rows, const std::vector<GpuState::StateSet>& sets);
+    static std::vector<RowPlan> verify_plan(GpuState& s, uint32_t rows, uint32_t first);
     static std::vector<RowPlan> batch_plan(const std::vector<GpuState*>& states);
     void decode_batch_impl(const std::vector<GpuState*>& states, const int64_t* ids, int64_t B, float* logits);
     StepCost batch_cost_impl(const std::vector<GpuState*>& states);

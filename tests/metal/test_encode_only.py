@@ -18,6 +18,10 @@ from qwenmetal.bench.cost import CHIP_BANDWIDTH_GBS, encode_only_cost, encode_on
 # dispatches with the chunked GDN form; 562 / 642 with the scan of short chunks)
 PREFILL_LEVELS_MAX = 16 * 40
 PREFILL_DISPATCHES_MAX = 18 * 40
+# a verification of 1..4 rows on the real config at 4096 (the top-k fused into the MoE's gate/up): 254 levels of a
+# decode step less its argmax, plus a level per GDN layer (gdn_conv as a dispatch of its own: the decode step's
+# conv epilogue reads one state) -- as the batched step
+VERIFY_LEVELS_FUSED_TOPK = 292
 KEYS = ("dispatches", "levels", "command_buffers", "host_waits", "bytes_per_token", "floor_bytes", "bytes_vs_floor",
         "modelled_tok_s")
 
@@ -132,3 +136,26 @@ def test_bench_cli_batch_json(tmp_path, capsys):
     m5 = [rows[n]["chips"]["M5 Max"]["aggregate_tok_s"] for n in (1, 2, 4)]
     assert m5[0] < m5[1] < m5[2]
     assert b["verify2"]["chips"]["M5 Max"]["vs_step"] > 1
+
+
+def test_verification_levels_do_not_grow_with_the_rows(real):
+    """The verification graph (GpuEngine::verify) on the real config: a GDN layer is 2 dependency levels whatever
+    the rows (gdn_conv_rows + gdn_step_rows; the per-row path had rows + 1: 782 levels at 16 rows), so the levels
+    depend on the rows only through the MoE's top-k (fused up to MOE_ROWS_TOPK_FUSED_MAX = 4 rows, one
+    moe_topk_rows level per MoE layer from 5 on)."""
+    from qwenmetal.backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options
+    from qwenmetal.bench.cost import virtual_weight_table
+    from qwenmetal.native import core
+    from qwenmetal.weights_table import config_dict
+
+    mappings, tensors, _ = virtual_weight_table(real)
+    eng = core().gpu.GpuEngine(core().gpu.SimDevice(execute=False), config_dict(real), mappings, tensors, "bf16",
+                               False, {}, [], prefill_options(DEFAULT_PREFILL_CHUNK, "auto", "auto"))
+    levels = {}
+    for rows in (1, 2, 4, 5, 8, 16):
+        st = eng.new_state()
+        st._set_position(4096)
+        levels[rows] = eng.verify_cost(st, rows)["levels"]
+    moe_layers = sum(1 for i in range(real.num_hidden_layers) if real.is_moe_layer(i))
+    assert levels[1] == levels[2] == levels[4] == VERIFY_LEVELS_FUSED_TOPK, levels
+    assert levels[5] == levels[8] == levels[16] == levels[4] + moe_layers, levels

@@ -188,6 +188,92 @@ void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buf
     encode_scan(e, t, s, act, z, b, a, A_log, dt_bias, norm_w, eps, state, state_out, y, 1, 0, op);
 }
 
+namespace {
+// the ring's arguments: slots x state floats < 2^32 (the kernels' 32-bit offsets), 1 <= rows < slots, `in` a slot
+// and none of the rows' (first .. first + rows - 1, mod slots)
+GdnRing check_ring(const GdnRingSlots& r, uint64_t state_floats, uint32_t rows, const Buffer& slab, const char* op) {
+    check(rows >= 1, op, "rows must be at least 1");
+    check(r.slots >= 2 && rows < r.slots, op,
+          "rows (" + std::to_string(rows) + ") must be below the ring's slots (" + std::to_string(r.slots) + ")");
+    check(r.in < r.slots && r.first < r.slots, op,
+          "ring slots in = " + std::to_string(r.in) + ", first = " + std::to_string(r.first) + " outside 0.." +
+              std::to_string(r.slots - 1));
+    check((r.in + r.slots - r.first) % r.slots >= rows, op,
+          "the rows' slots (" + std::to_string(r.first) + " + 0.." + std::to_string(rows - 1) + " mod " +
+              std::to_string(r.slots) + ") include the slot they read (" + std::to_string(r.in) + ")");
+    check(uint64_t(r.slots) * state_floats <= UINT32_MAX, op,
+          "slots x state floats exceeds 2^32 - 1 (the kernels' 32-bit offsets)");
+    need(slab, uint64_t(r.slots) * state_floats * 4, op, "slab");
+    return GdnRing{r.slots, r.in, r.first, uint32_t(state_floats)};
+}
+}  // namespace
+
+void gdn_conv_rows(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
+                   const Buffer& conv_slab, const GdnRingSlots& ring, const Buffer& act, uint32_t rows,
+                   uint32_t qkv_stride) {
+    const char* op = "gdn_conv_rows";
+    check_shape(s, op);
+    const uint32_t C = s.conv_dim(), K = s.conv_kernel;
+    const uint32_t stride = qkv_stride ? qkv_stride : C;
+    check(stride >= C, op, "qkv_stride (" + std::to_string(stride) + ") is below conv_dim (" + std::to_string(C) + ")");
+    check(uint64_t(C) * K <= UINT32_MAX, op, "conv_dim x conv_kernel exceeds 2^32 - 1 (the kernel's 32-bit tap offsets)");
+    const uint64_t S = K - 1, nst = uint64_t(C) * S;
+    const GdnRing g = check_ring(ring, nst, rows, conv_slab, op);
+    check((uint64_t(rows) + K) * stride <= UINT32_MAX && uint64_t(rows) * C <= UINT32_MAX, op,
+          "rows x qkv_stride exceeds 2^32 - 1 (the kernel's 32-bit row offsets)");
+    const uint64_t es = act_size(t), nx = (uint64_t(rows - 1) * stride + C) * es, na = uint64_t(rows) * C * es,
+                   nw = uint64_t(C) * K * 4;
+    need(qkv, nx, op, "qkv");
+    need(conv_w, nw, op, "conv_w");
+    need(act, na, op, "act");
+    const GdnConvParams p{C, K, rows, stride, 0};
+    const std::string kernel = std::string("gdn_conv_rows_") + act_suffix(t);
+    const uint32_t threads = fit_threads(e, kernel, GDN_CONV_THREADS);   // one channel per thread
+    // the slab: the state read (slot in), the rows' states written (rows slots)
+    e.dispatch(kernel, Dims{ceil_div(C, threads), 1, 1}, Dims{threads, 1, 1},
+               {Arg::params(p), Arg::params(g), Arg::in(qkv.view(0, nx), na), Arg::in(conv_w.view(0, nw)),
+                Arg::inout(conv_slab.view(0, uint64_t(g.slots) * nst * 4), nst * 4, rows * nst * 4),
+                Arg::out(act.view(0, na))},
+               {}, uint64_t(rows) * C * (2ull * K + 4));   // taps, then SiLU
+}
+
+void gdn_step_rows(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& proj, uint32_t proj_stride,
+                   const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps,
+                   const Buffer& ssm_slab, const GdnRingSlots& ring, const Buffer& y, uint32_t rows,
+                   uint32_t y_stride) {
+    const char* op = "gdn_step_rows";
+    check_shape(s, op);
+    check_scan_shape(s, op);
+    const uint64_t es = act_size(t), C = s.conv_dim(), V = s.value_dim(), nv = s.nv,
+                   nst = uint64_t(s.nv) * s.dv * s.dk;
+    const GdnRing g = check_ring(ring, nst, rows, ssm_slab, op);
+    const uint32_t ys = y_stride ? y_stride : uint32_t(V);
+    check(ys >= V, op, "y_stride (" + std::to_string(ys) + ") is below value_dim (" + std::to_string(V) + ")");
+    check(proj_stride >= C + V + 2 * nv, op,
+          "proj_stride (" + std::to_string(proj_stride) + ") is below conv_dim + value_dim + 2 nv (" +
+              std::to_string(C + V + 2 * nv) + ")");
+    need(proj, ((uint64_t(rows) - 1) * proj_stride + C + V + 2 * nv) * es, op, "proj");
+    const uint64_t gs = proj_stride, nact = uint64_t(rows) * C * es, nz = ((rows - 1) * gs + V) * es,
+                   nh = ((rows - 1) * gs + nv) * es, ny = ((rows - 1) * uint64_t(ys) + V) * es,
+                   nw = uint64_t(s.dv) * es;
+    need(act, nact, op, "act");
+    need(A_log, nv * 4, op, "A_log");
+    need(dt_bias, nv * 4, op, "dt_bias");
+    need(norm_w, nw, op, "norm_w");
+    need(y, ny, op, "y");
+    const Buffer z = proj.view(C * es), b = proj.view((C + V) * es), a = proj.view((C + V + nv) * es);
+    GdnParams p = make_params(s, eps, rows, proj_stride, 0);
+    p.y_stride = ys;
+    const std::string kernel = std::string("gdn_step_rows_") + act_suffix(t) + "_dk" + std::to_string(32 * step_per_lane(s));
+    e.dispatch(kernel, Dims{s.nv, 1, 1}, Dims{32 * step_simdgroups(s), 1, 1},
+               {Arg::params(p), Arg::params(g), Arg::in(act.view(0, nact)), Arg::in(z.view(0, nz), rows * V * es),
+                Arg::in(b.view(0, nh), rows * nv * es), Arg::in(a.view(0, nh), rows * nv * es),
+                Arg::in(A_log.view(0, nv * 4)), Arg::in(dt_bias.view(0, nv * 4)), Arg::in(norm_w.view(0, nw)),
+                Arg::inout(ssm_slab.view(0, uint64_t(g.slots) * nst * 4), nst * 4, rows * nst * 4),
+                Arg::out(y.view(0, ny), rows * V * es)},
+               {}, step_flops(s, rows));
+}
+
 bool gdn_chunked_fits(const GdnShape& s) {
     // the kernel's row offsets within a block are 32-bit: GDN_CHUNK_MAX rows of act (conv_dim) and o (value_dim)
     return s.dk % 8 == 0 && s.dv % 8 == 0 && s.dk <= GDN_CHUNK_MAX_DK &&

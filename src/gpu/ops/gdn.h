@@ -31,6 +31,27 @@ void gdn_step(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buf
               const Buffer& a, const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps,
               const Buffer& state, const Buffer& state_out, const Buffer& y);
 
+// A verification's rows chained through one state (GpuEngine::verify), in 2 dispatches whatever the rows:
+// every row's state goes to a slot of a ring (one buffer `slab` of `slots` states, each state_bytes apart: conv
+// (K-1) conv_dim f32, recurrent nv dv dk f32): the rows read slot `in`, row r writes slot (first + r) mod slots.
+// Row r is bit for bit gdn_conv / gdn_step of one token on the state row r - 1 left. Needs 1 <= rows < slots and
+// `in` none of the rows' slots (the state before the rows survives them: the exact rewind).
+struct GdnRingSlots {
+    uint32_t slots = 0, in = 0, first = 0;
+};
+// The conv of `rows` tokens: qkv T [rows, qkv_stride] (0: conv_dim); conv_w f32 [conv_dim, K]; conv_slab f32
+// [slots, K-1, conv_dim]; act T [rows, conv_dim].
+void gdn_conv_rows(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
+                   const Buffer& conv_slab, const GdnRingSlots& ring, const Buffer& act, uint32_t rows,
+                   uint32_t qkv_stride = 0);
+// The recurrence of `rows` tokens after gdn_conv_rows: act T [rows, conv_dim]; proj T [rows, proj_stride] the
+// stacked in-projection rows [qkv | z | b | a] (as gdn_prefill); ssm_slab f32 [slots, nv, dv, dk]; y T rows of
+// value_dim, y_stride elements apart (0: value_dim).
+void gdn_step_rows(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const Buffer& proj, uint32_t proj_stride,
+                   const Buffer& A_log, const Buffer& dt_bias, const Buffer& norm_w, float eps,
+                   const Buffer& ssm_slab, const GdnRingSlots& ring, const Buffer& y, uint32_t rows,
+                   uint32_t y_stride = 0);
+
 // M tokens of the recurrence after gdn_conv: act T [M, conv_dim] (q | k | v); proj T [M, proj_stride] the stacked
 // in-projection rows [qkv | z | b | a] (z at column conv_dim, b at conv_dim + value_dim, a after b); A_log,
 // dt_bias f32 [nv]; norm_w T [dv]; state f32 [nv, dv, dk] read, the state after the M tokens written to

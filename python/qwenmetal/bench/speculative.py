@@ -143,22 +143,31 @@ def dflash_draft_seconds(lm_head_bytes: int, bandwidth_gbs: float, draft: dict =
             "seconds": nbytes / (bandwidth_gbs * 1e9) + levels * LEVEL_LATENCY_S}
 
 
-def modelled_lengths(verify_modelled: dict, lm_head_bytes: int, lengths=LENGTHS, block: int = 16,
-                     bytes_per_weight: float = 2.0) -> dict:
-    """Modelled tok/s against plain decoding at each mean accepted length L, per chip: a round of n rows yields
-    L tokens in verify(n) + one draft call; n = L (the draft length the adaptive choice settles on when every
-    round keeps L - 1 drafts) and n = `block` (whole blocks). `verify_modelled`: encode_only_verify_cost's
-    result holding rows L and `block`."""
+#: bytes per draft weight of each published form: bf16, and an MLX 4-bit copy (group 64, a bf16 scale and bias
+#: per group)
+DRAFT_WIDTHS = {"bf16": 2.0, "q4": 0.5 + 4 / 64}
+
+
+def modelled_lengths(verify_modelled: dict, lm_head_bytes: int, lengths=LENGTHS, block: int = 16) -> dict:
+    """Modelled tok/s against plain decoding at each mean accepted length L, per chip and draft width
+    (DRAFT_WIDTHS): a round of n rows yields L tokens in verify(n) + one draft call; n = L (the draft length the
+    adaptive choice settles on when every round keeps L - 1 drafts) and n = `block` (whole blocks).
+    `verify_modelled`: encode_only_verify_cost's result holding rows L and `block`."""
     out: dict = {}
     for chip, step in verify_modelled["step_seconds"].items():
-        draft = dflash_draft_seconds(lm_head_bytes, CHIP_BANDWIDTH_GBS[chip], bytes_per_weight=bytes_per_weight)
+        drafts = {w: dflash_draft_seconds(lm_head_bytes, CHIP_BANDWIDTH_GBS[chip], bytes_per_weight=b)["seconds"]
+                  for w, b in DRAFT_WIDTHS.items()}
         row = {}
         for n in lengths:
             fit = verify_modelled["rows"][n][chip]["seconds"] if n > 1 else step
             whole = verify_modelled["rows"][block][chip]["seconds"]
-            row[n] = {"adaptive_vs_plain": n * step / (fit + draft["seconds"]),
-                      "block_vs_plain": n * step / (whole + draft["seconds"])}
-        out[chip] = {"step_seconds": step, "draft_seconds": draft["seconds"], "lengths": row}
+            row[n] = {}
+            for w, d in drafts.items():
+                sfx = "" if w == "bf16" else "_" + w
+                row[n]["adaptive_vs_plain" + sfx] = n * step / (fit + d)
+                row[n]["block_vs_plain" + sfx] = n * step / (whole + d)
+        out[chip] = {"step_seconds": step, "draft_seconds": drafts["bf16"], "draft_seconds_q4": drafts["q4"],
+                     "lengths": row}
     return out
 
 
@@ -202,16 +211,17 @@ def format_speculative(res: dict) -> str:
                                                for c in chips))
         ml = mm.get("lengths")
         if ml:
-            draft_ms = ", ".join(f"{c} {1e3 * ml[c]['draft_seconds']:.2f} ms" for c in chips)
-            lines.append("DFlash decoding, MODELLED vs plain decoding at mean accepted length L (rows verified = L "
-                         f"/ whole blocks of 16), the published bf16 draft's forward costed per round ({draft_ms})")
-            lines.append(f"{'L':>5} " + " ".join(f"{c:>16}" for c in chips))
-            for n in next(iter(ml.values()))["lengths"]:
-                cells = []
-                for c in chips:
-                    v = ml[c]["lengths"][n]
-                    cells.append(f"{v['adaptive_vs_plain']:>7.2f}x / {v['block_vs_plain']:.2f}x")
-                lines.append(f"{n:>5} " + " ".join(cells))
+            for w, sfx in (("bf16", ""), ("MLX 4-bit", "_q4")):
+                draft_ms = ", ".join(f"{c} {1e3 * ml[c]['draft_seconds' + sfx]:.2f} ms" for c in chips)
+                lines.append(f"DFlash decoding, MODELLED vs plain decoding at mean accepted length L (rows verified = "
+                             f"L / whole blocks of 16), a {w} draft's forward costed per round ({draft_ms})")
+                lines.append(f"{'L':>5} " + " ".join(f"{c:>16}" for c in chips))
+                for n in next(iter(ml.values()))["lengths"]:
+                    cells = []
+                    for c in chips:
+                        v = ml[c]["lengths"][n]
+                        cells.append(f"{v['adaptive_vs_plain' + sfx]:>7.2f}x / {v['block_vs_plain' + sfx]:.2f}x")
+                    lines.append(f"{n:>5} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -157,3 +157,31 @@ def test_block_rejection_sampling_is_exact():
     assert chi2 < CHI2_DF8_P001, chi2
     with pytest.raises(ValueError, match="draft_probs must be a probability vector over the 3 logits"):
         s.verify_draft(logit(p1), 0, draft_probs=q1[:2])
+
+
+# ---- architectures, fixture formats, prefill chunks and the prefix cache ------------------------------------
+@pytest.mark.parametrize("preset, fmt", [("tiny-qwen3-next", "mlx-q4"), ("tiny", "hf-bf16")])
+def test_dflash_on_the_other_architecture_and_format(draft_dir, preset, fmt):
+    """Qwen3-Next and an unquantized checkpoint: greedy DFlash decoding on cpu is plain greedy decoding."""
+    m = qm.Model.load(cached_checkpoint(preset, fmt, 0), backend="cpu", threads=2)
+    kw = dict(max_tokens=16, temperature=0, ignore_eos=True, cache=False)
+    plain = [o.token for o in m.generate(PROMPT, **kw)]
+    outs = list(m.generate(PROMPT, speculative=f"dflash:{draft_dir}", speculative_k=5, **kw))
+    assert [o.token for o in outs] == plain and outs[-1].stats["speculative"]["drafted_tokens"] > 0
+
+
+def test_dflash_across_prefill_chunks_and_the_prefix_cache(target_dir, draft_dir):
+    """A prompt prefilled in 3-token chunks gives the draft every row's features in order (the scripted wrapper
+    sees its cache at the context less one), and a second generation whose prompt comes back from the prefix
+    cache (its features do not: the draft starts from the new rows) is still plain greedy decoding."""
+    m = qm.Model.load(target_dir, backend="cpu", threads=2, prefill_chunk=3)
+    prompt = m.tokenizer.encode(PROMPT + " jumps over the lazy dog")
+    kw = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = [o.token for o in m.generate(prompt, cache=False, **kw)]
+    d = ScriptedDFlash(load_dflash_draft(draft_dir, m.config), prompt + plain)
+    outs = list(m.generate(prompt, speculative=d, speculative_k=5, cache=True, **kw))
+    assert [o.token for o in outs] == plain
+    assert all(pos == n - 1 for pos, n in d.positions), d.positions
+    again = list(m.generate(prompt, speculative=f"dflash:{draft_dir}", speculative_k=5, cache=True, **kw))
+    assert again[-1].stats["cached_tokens"] > 0
+    assert [o.token for o in again] == plain

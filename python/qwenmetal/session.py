@@ -387,6 +387,12 @@ class ModelBase:
         return getattr(self._backend, "prefill_chunk", None)
 
     @property
+    def max_verify_rows(self) -> int | None:
+        """The most rows one `verify` call (and one open chain of them) takes on this backend (cpu: 32 and at most
+        its prefill chunk; metal with resident experts: 16), None where it verifies row by row (no limit)."""
+        return getattr(self._backend, "max_verify_rows", None) if self.native_verify else None
+
+    @property
     def max_batch_rows(self) -> int | None:
         """The most sessions one `decode_batch` call runs at once in a shared forward (cpu: 32; metal with
         resident experts: its verification rows), None where the backend runs rows one by one."""

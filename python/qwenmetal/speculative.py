@@ -329,6 +329,8 @@ class Speculation:
         m, s = self.model, self.s
         t0 = time.perf_counter()
         k = min(self.k.choose(), s.max_context - s.position - 1, budget)
+        if m.max_verify_rows is not None:      # the sampled token and the drafts in one verification call
+            k = min(k, m.max_verify_rows - 1)
         drafts, probs = self.drafter.propose(context, k, self.temperature) if k > 0 else ([], None)
         drafts = [int(d) for d in drafts[:k]]
         if any(not 0 <= d < m.config.vocab_size for d in drafts):

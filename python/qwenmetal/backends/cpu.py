@@ -194,6 +194,11 @@ class CpuBackend(EngineBackend):
         return self.engine.verify(state, ids, consumed, return_hidden=1 if return_hidden else 0)
 
     @property
+    def max_verify_rows(self) -> int:
+        """The most rows of one `verify` call, and of one open chain of them (the engine's speculative limit)."""
+        return min(32, self.prefill_chunk)
+
+    @property
     def max_batch_rows(self) -> int:
         """The most rows of one `decode_batch` (the MoE decode path's limit, and at most `prefill_chunk`)."""
         return min(32, self.prefill_chunk)

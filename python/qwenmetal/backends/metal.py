@@ -191,6 +191,12 @@ class _GpuBackend(EngineBackend):
                                   features=None if features is None else _layer_list(features))
 
     @property
+    def max_verify_rows(self) -> int | None:
+        """The most rows of one `verify` call, and of one open chain of them (16), None in streaming mode (row by
+        row, no limit)."""
+        return None if self.plan.stream else 16
+
+    @property
     def max_batch_rows(self) -> int | None:
         """The most rows of one `decode_batch` with resident experts (16); None in streaming mode, where the
         rows run one by one (`qwenmetal.session.decode_batch`)."""

@@ -6,6 +6,7 @@ gives (``spec_distribution``: softmax of the penalised, tempered logits, truncat
 min-p in that order and renormalised) with a chi-square test at significance 1e-4, and require that no
 id outside the kept set is ever drawn. tools/mutation.py runs mutmut over sampling.py with this file."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -393,6 +394,51 @@ def test_rejection_sampling_keeps_the_distribution():
         assert chi2 < CHI2_DF8_P001, (draft, chi2)
 
 
+def test_rejection_sampling_of_drafted_distributions_keeps_the_distribution():
+    """Drafts drawn from a drafted distribution q (`draft_probs`: mass inside and outside the sampler's top 9,
+    unlike p): the token's law is still p (chi-square on the 9 candidates), a draft is kept with probability
+    min(1, p/q) per draft (so sum(min(p, q)) overall: a binomial bound at 4.4 sigma), and reported accepted
+    exactly when it is the token."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 1.5, 40).astype(np.float32)
+    ref = Sampler(temperature=0.8, top_k=9, seed=0)
+    cand, p = ref._distribution(logits.astype(np.float64) / 0.8)
+    pfull = np.zeros(40)
+    pfull[cand] = p
+    q = rng.dirichlet(np.full(40, 0.5))
+    q[cand[:3]] += 0.5                     # q likes some of p's candidates more than p does, misses others
+    q /= q.sum()
+    s = Sampler(temperature=0.8, top_k=9, seed=1)
+    N = 6000
+    counts = dict.fromkeys(cand.tolist(), 0)
+    kept = 0
+    for _ in range(N):
+        d = int(rng.choice(40, p=q))
+        r, ok = s.verify_draft(logits, d, draft_probs=q)
+        counts[r.token] += 1
+        assert ok == (r.token == d)
+        kept += ok
+    obs = np.array([counts[c] for c in cand.tolist()], float)
+    chi2 = float(((obs - N * p) ** 2 / (N * p)).sum())
+    assert chi2 < CHI2_DF8_P001, chi2
+    want = float(np.minimum(pfull, q).sum())
+    assert abs(kept - N * want) < 4.4 * math.sqrt(N * want * (1 - want)), (kept / N, want)
+
+
+@pytest.mark.parametrize("probs, draft, match", [
+    (np.full((2, 4), 0.125), 0, "probability vector over the 4 logits, got shape (2, 4)"),
+    (np.full(3, 1 / 3), 0, "probability vector over the 4 logits, got shape (3,)"),
+    (np.array([0.5, 0.5, 0.5, 0.0]), 0, "sum to 1 (sum 1.5"),
+    (np.array([1.5, -0.5, 0.0, 0.0]), 0, "non-negative"),
+    (np.array([0.5, 0.5, 0.0, 0.0]), 2, "draft 2 has no probability under draft_probs"),
+    (np.array([0.5, 0.5, 0.0, 0.0]), 7, "draft 7 has no probability under draft_probs"),
+])
+def test_drafted_distribution_errors(probs, draft, match):
+    s = Sampler(temperature=1.0, seed=0)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        s.verify_draft(np.zeros(4, np.float32), draft, draft_probs=probs)
+    # a valid one over more entries than the logits (a padded vocabulary) is accepted
+    s.verify_draft(np.zeros(4, np.float32), 1, draft_probs=np.array([0.0, 0.5, 0.5, 0.0, 0.0]))
 
 
 def test_verify_draft_greedy_and_filters():

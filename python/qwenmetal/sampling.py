@@ -89,6 +89,19 @@ class SampleResult:
     top_logprobs: list | None = None                      # [(id, logprob)] most likely first
 
 
+def _drafted(draft_probs, n: int, draft: int) -> np.ndarray:
+    """`verify_draft`'s drafted distribution, checked: a probability vector over (at least) the `n` logits that
+    could have produced `draft`; ValueError otherwise."""
+    q = np.asarray(draft_probs, dtype=np.float64)
+    if q.ndim != 1 or q.size < n:
+        raise ValueError(f"draft_probs must be a probability vector over the {n} logits, got shape {q.shape}")
+    if not (q.min() >= 0.0 and abs(q.sum() - 1.0) <= 1e-6):
+        raise ValueError(f"draft_probs must be non-negative and sum to 1 (sum {q.sum():.6g}, min {q.min():.3g})")
+    if not 0 <= draft < q.size or not q[draft] > 0.0:
+        raise ValueError(f"draft {draft} has no probability under draft_probs: it was not drawn from them")
+    return q
+
+
 class Sampler:
     """Turns logits into a token id. See the module docstring for the exact pipeline."""
 
@@ -167,20 +180,15 @@ class Sampler:
                     p = p / p.sum()
                 tok = self._pick(cand, p)
         else:
+            q = _drafted(draft_probs, x.size, int(draft))
             cand, p = self._distribution(x / self.temperature)
-            q = np.asarray(draft_probs, dtype=np.float64)
-            if q.ndim != 1 or q.size < x.size:
-                raise ValueError(f"draft_probs must be a probability vector over the {x.size} logits, "
-                                 f"got shape {q.shape}")
-            qd = float(q[int(draft)])
             hit = np.flatnonzero(cand == int(draft))
             pd = float(p[hit[0]]) if hit.size else 0.0
-            if qd > 0.0 and self.rng.random() * qd < pd:
+            if self.rng.random() * q[int(draft)] < pd:
                 tok = int(draft)
-            else:
+            else:    # p(draft) < q(draft) here, so p - q has positive mass elsewhere: the residual is a law
                 resid = np.maximum(p - q[cand], 0.0)
-                total = resid.sum()
-                tok = self._pick(cand, resid / total if total > 0.0 else p)
+                tok = self._pick(cand, resid / resid.sum())
         return self._result(raw, tok, logprobs, top_logprobs), tok == int(draft)
 
     def _penalised(self, logits, vocab_used, context, generated) -> tuple[np.ndarray, np.ndarray]:

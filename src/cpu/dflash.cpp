@@ -36,16 +36,7 @@ WMat linear_of(const std::map<std::string, TensorDesc>& t, const std::string& na
         if (d.sdtype != DType::BF16 && d.sdtype != DType::F32)
             throw std::invalid_argument("dflash draft: " + name + ": scales must be bf16 or float32");
     }
-    WMat m;
-    m.bits = d.bits;
-    m.dtype = d.dtype;
-    m.sdtype = d.sdtype;
-    m.group_size = d.group_size;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = d.data;
-    m.scales = d.scales;
-    m.biases = d.biases;
+    const WMat m = wmat_of(d, rows, cols);
     if (!m.data || (m.bits && (!m.scales || !m.biases)))
         throw std::invalid_argument("dflash draft: " + name + " has no data");
     return m;

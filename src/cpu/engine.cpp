@@ -125,20 +125,6 @@ static const TensorDesc& find(const std::map<std::string, TensorDesc>& t, const 
     return it->second;
 }
 
-static WMat wmat_of(const TensorDesc& d, int64_t rows, int64_t cols) {
-    WMat m;
-    m.bits = d.bits;
-    m.dtype = d.dtype;
-    m.sdtype = d.sdtype;
-    m.group_size = d.group_size;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = d.data;
-    m.scales = d.scales;
-    m.biases = d.biases;
-    return m;
-}
-
 static void check_quant(const TensorDesc& d, const std::string& name) {
     if (d.bits == 0) return;
     const int64_t cols = d.shape.back();

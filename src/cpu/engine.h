@@ -33,6 +33,21 @@ struct TensorDesc {
     size_t stride = 0, sstride = 0;     // bytes between matrices along a leading (expert) axis
 };
 
+// The [rows, cols] matrix a descriptor holds (its first matrix along a leading axis), read in place.
+inline WMat wmat_of(const TensorDesc& d, int64_t rows, int64_t cols) {
+    WMat m;
+    m.bits = d.bits;
+    m.dtype = d.dtype;
+    m.sdtype = d.sdtype;
+    m.group_size = d.group_size;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = d.data;
+    m.scales = d.scales;
+    m.biases = d.biases;
+    return m;
+}
+
 // the most rows of one speculative call (Engine::forward) or one batched step (Engine::forward_batch)
 constexpr int64_t kMaxSpeculativeRows = 32;
 

@@ -129,21 +129,8 @@ void attention(ThreadPool& pool, Workspace& ws, float* shared, const AttnDims& d
             }
         return;
     }
-    pool.run(L * d.nkv, [&](int64_t task, int th) {
-        const int64_t i = task / d.nkv, j = task % d.nkv;
-        float* s = ws.t(th);
-        float* acc = s + G * kAttnKeyBlock;
-        float* m = acc + G * hd;
-        float* l = m + G;
-        const float* qh[256];
-        for (int64_t g = 0; g < G; ++g) qh[g] = q + i * d.q_row + (j * G + g) * d.q_stride;
-        attend_range(kk, qh, G, hd, scale, cache, row, j * hd, 0, pos0 + i + 1, m, l, acc, s);
-        for (int64_t g = 0; g < G; ++g) {
-            float* o = out + i * ldo + (j * G + g) * hd;
-            const float inv = 1.f / l[g];
-            for (int64_t e = 0; e < hd; ++e) o[e] = acc[g * hd + e] * inv;
-        }
-    });
+    // causal rows: row i sees keys 0 .. pos0 + i, a window as long as the whole context
+    attention_block(pool, ws, d, q, L, pos0, pos0 + L, pos0 + L, cache, out, ldo);
 }
 
 void attention_block(ThreadPool& pool, Workspace& ws, const AttnDims& d, const float* q, int64_t L, int64_t qpos0,

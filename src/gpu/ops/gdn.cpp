@@ -148,23 +148,39 @@ void encode_scan(Encoder& e, Act t, const GdnShape& s, const Buffer& act, const 
 }
 }  // namespace
 
-void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
-              const Buffer& conv_state, const Buffer& conv_out, const Buffer& act, uint32_t rows,
-              uint32_t qkv_stride) {
-    const char* op = "gdn_conv";
+namespace {
+// The conv's shape and the buffers every conv reads and writes per row (qkv rows `stride` apart, the taps, the
+// activations): {stride, qkv bytes, act bytes, tap bytes}.
+struct ConvArgs {
+    uint32_t stride;
+    uint64_t nx, na, nw;
+};
+ConvArgs check_conv(Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w, const Buffer& act,
+                    uint32_t rows, uint32_t qkv_stride, const char* op) {
     check_shape(s, op);
     const uint32_t C = s.conv_dim(), K = s.conv_kernel;
     const uint32_t stride = qkv_stride ? qkv_stride : C;
     check(rows >= 1, op, "rows must be at least 1");
     check(uint64_t(C) * K <= UINT32_MAX, op, "conv_dim x conv_kernel exceeds 2^32 - 1 (the kernel's 32-bit tap offsets)");
     check(stride >= C, op, "qkv_stride (" + std::to_string(stride) + ") is below conv_dim (" + std::to_string(C) + ")");
-    const uint64_t es = act_size(t), nx = (uint64_t(rows - 1) * stride + C) * es, na = uint64_t(rows) * C * es,
-                   nw = uint64_t(C) * K * 4, ns = uint64_t(C) * (K - 1) * 4;
-    need(qkv, nx, op, "qkv");
-    need(conv_w, nw, op, "conv_w");
+    const uint64_t es = act_size(t);
+    const ConvArgs a{stride, (uint64_t(rows - 1) * stride + C) * es, uint64_t(rows) * C * es, uint64_t(C) * K * 4};
+    need(qkv, a.nx, op, "qkv");
+    need(conv_w, a.nw, op, "conv_w");
+    need(act, a.na, op, "act");
+    return a;
+}
+}  // namespace
+
+void gdn_conv(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, const Buffer& conv_w,
+              const Buffer& conv_state, const Buffer& conv_out, const Buffer& act, uint32_t rows,
+              uint32_t qkv_stride) {
+    const char* op = "gdn_conv";
+    const auto [stride, nx, na, nw] = check_conv(t, s, qkv, conv_w, act, rows, qkv_stride, op);
+    const uint32_t C = s.conv_dim(), K = s.conv_kernel;
+    const uint64_t ns = uint64_t(C) * (K - 1) * 4;
     need(conv_state, ns, op, "conv_state");
     need(conv_out, ns, op, "conv_out");
-    need(act, na, op, "act");
     const bool same = same_or_disjoint(conv_out, conv_state, ns, op, "conv_out", "conv_state");
     // rows per thread: at least K - 1, so that only row block 0 reads the state (and writes it after)
     const uint32_t block = std::max(GDN_CONV_ROWS, K - 1);
@@ -212,20 +228,12 @@ void gdn_conv_rows(Encoder& e, Act t, const GdnShape& s, const Buffer& qkv, cons
                    const Buffer& conv_slab, const GdnRingSlots& ring, const Buffer& act, uint32_t rows,
                    uint32_t qkv_stride) {
     const char* op = "gdn_conv_rows";
-    check_shape(s, op);
+    const auto [stride, nx, na, nw] = check_conv(t, s, qkv, conv_w, act, rows, qkv_stride, op);
     const uint32_t C = s.conv_dim(), K = s.conv_kernel;
-    const uint32_t stride = qkv_stride ? qkv_stride : C;
-    check(stride >= C, op, "qkv_stride (" + std::to_string(stride) + ") is below conv_dim (" + std::to_string(C) + ")");
-    check(uint64_t(C) * K <= UINT32_MAX, op, "conv_dim x conv_kernel exceeds 2^32 - 1 (the kernel's 32-bit tap offsets)");
     const uint64_t S = K - 1, nst = uint64_t(C) * S;
     const GdnRing g = check_ring(ring, nst, rows, conv_slab, op);
     check((uint64_t(rows) + K) * stride <= UINT32_MAX && uint64_t(rows) * C <= UINT32_MAX, op,
           "rows x qkv_stride exceeds 2^32 - 1 (the kernel's 32-bit row offsets)");
-    const uint64_t es = act_size(t), nx = (uint64_t(rows - 1) * stride + C) * es, na = uint64_t(rows) * C * es,
-                   nw = uint64_t(C) * K * 4;
-    need(qkv, nx, op, "qkv");
-    need(conv_w, nw, op, "conv_w");
-    need(act, na, op, "act");
     const GdnConvParams p{C, K, rows, stride, 0};
     const std::string kernel = std::string("gdn_conv_rows_") + act_suffix(t);
     const uint32_t threads = fit_threads(e, kernel, GDN_CONV_THREADS);   // one channel per thread

@@ -4,9 +4,11 @@ float32) and ``dflash-mlx`` (MLX CPU, float32) -- on random drafts in the publis
 at Qwen3.6-35B-A3B-DFlash's width (tests/dflash_oracles.py). The oracle tests fail, not skip, with CI=true."""
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import qwenmetal as qm
 from dflash_oracles import (
     REAL,
     TINY,
@@ -21,7 +23,7 @@ from dflash_oracles import (
     write_draft,
     write_mlx_quantized,
 )
-from oracles import require
+from oracles import hf_model, require, save_hf
 from qwenmetal.backends.reference import ReferenceModel
 from qwenmetal.config import ModelConfig
 from qwenmetal.dflash import (
@@ -352,3 +354,69 @@ def test_sliding_window_layers_match_both(tmp_path):
     full = DFlashReference(DFlashConfig.from_dict(dict(cfg, layer_types=["full_attention"] * 2)),
                            ref.params, embed, head)
     assert max(float(np.abs(a - b).max()) for a, b in zip(ours, _our_rounds(full, rounds))) > 1e-2
+
+
+class _Recomputed:
+    """A transformers target for dflash's ``dflash_generate``, made exact: the loop rewinds the target by cropping
+    its cache, which does not restore a hybrid model's linear-attention state (on Qwen3.5-MoE the tokens leave
+    the target's own greedy output after the first rejected draft). Here each call recomputes the whole sequence
+    up to its position ids without a cache: the cache the loop makes for it stays empty and its crops are
+    skipped (`crop`). The blocks it is asked to run are recorded: the prompt's prefill, then one block per
+    round."""
+
+    def __init__(self, hf):
+        self.hf, self.history, self.blocks, self.cache = hf, [], [], None
+        self.config, self.device, self.lm_head = hf.config, hf.device, hf.lm_head
+
+    def crop(self, crop_to):
+        """dflash's ``_crop_to``, except for this target's cache."""
+        return lambda cache, length: None if cache is self.cache else crop_to(cache, length)
+
+    def get_input_embeddings(self):
+        return self.hf.get_input_embeddings()
+
+    def __call__(self, input_ids, position_ids, past_key_values, logits_to_keep=0, output_hidden_states=False, **_):
+        self.cache = past_key_values
+        p0, n = int(position_ids[0, 0]), input_ids.shape[1]
+        self.history = self.history[:p0] + [int(t) for t in input_ids[0]]
+        self.blocks.append([int(t) for t in input_ids[0]])
+        ids = input_ids.new_tensor([self.history])
+        out = self.hf(input_ids=ids, use_cache=False, output_hidden_states=output_hidden_states)
+        keep = logits_to_keep or n
+        return SimpleNamespace(logits=out.logits[:, -keep:],
+                               hidden_states=[h[:, -n:] for h in out.hidden_states] if output_hidden_states else None)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_drafting_loop_matches_dflash_generate_on_a_hybrid_target(tmp_path, monkeypatch, kind):
+    """The whole loop end to end against dflash's own ``dflash_generate`` (torch CPU, float32) on a hybrid
+    target (transformers' Qwen3.5-MoE / Qwen3-Next, random weights, made exact by `_Recomputed`) and a random
+    draft in the published layout: the same tokens, the same block drafted in every round (so the same
+    features, positions and draft-cache crops) and the same acceptance lengths, with our
+    `dflash_generate_greedy` on the reference of the same checkpoint."""
+    dfm = _oracle("torch")
+    torch = require("torch")
+    hf = hf_model(kind)
+    model = qm.Model.load(str(save_hf(hf, tmp_path / "target")), backend="reference")
+    tc = model.config
+    cfg = draft_config(TINY, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, block_size=4,
+                       num_target_layers=tc.num_hidden_layers,
+                       dflash_config={"mask_token_id": tc.vocab_size - 1,
+                                      "target_layer_ids": [1, tc.num_hidden_layers - 2]})
+    path = write_draft(tmp_path / "draft", cfg, random_tensors(cfg, seed=5))
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, tc.vocab_size - 1, 9)]
+    new = 13
+
+    exact = _Recomputed(hf)
+    monkeypatch.setattr(dfm, "_crop_to", exact.crop(dfm._crop_to))
+    draft = dfm.DFlashDraftModel.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    want = [int(t) for t in dfm.dflash_generate(draft, exact, torch.tensor([prompt]), new, None)[0]]
+    verified = exact.blocks[1:]
+
+    ref = model.reference_model
+    ours = dflash_generate_greedy(ref, DFlashReference.from_draft(load_dflash_draft(path), ref), prompt, new)
+    assert ours["tokens"] == want
+    assert [[b[0]] + list(d) for b, d in zip(verified, ours["drafts"])] == verified
+    assert len(ours["drafts"]) == len(verified)
+    starts = [len(prompt) + sum(ours["acceptance_lengths"][:r]) for r in range(len(verified))]
+    assert [want[s] for s in starts] == [b[0] for b in verified]

@@ -1,7 +1,8 @@
 """The DFlash draft's forward on the cpu engine (`CpuBackend.dflash_draft`, src/cpu/dflash.*) against the numpy
 reference `DFlashReference` (the ground truth) over several rounds with a growing cache, for the bf16 draft and an
-MLX 4-bit copy; ``commit=False`` leaves the cache; argument errors leave it untouched; and the drafter in the
-generation loop uses the native path with output identical to plain greedy decoding."""
+MLX 4-bit copy, DFlash and DFlash2 (its convolutions, and its candidate selector's drafts against
+``DFlashReference.propose``); ``commit=False`` leaves the cache; argument errors leave it untouched; and the
+drafter in the generation loop uses the native path with output identical to plain greedy decoding."""
 import re
 
 import numpy as np
@@ -16,7 +17,7 @@ from dflash_oracles import (
     write_mlx_quantized,
 )
 from qwenmetal.backends.cpu import CpuDFlash
-from qwenmetal.dflash import DFlashDrafter, DFlashReference, load_dflash_draft
+from qwenmetal.dflash import DFlashDrafter, DFlashReference, NativeDFlash, drafting_block, load_dflash_draft
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import to_float32
 
@@ -62,12 +63,11 @@ def _round(rng, draft, n, L):
     return f, block
 
 
-def _close(got, ref_out):
-    want = ref_out
+def _close(got, want, tol=1e-4):
     assert got.shape == want.shape and got.dtype == np.float32
     if want.size:
         err = float(np.abs(got - want).max()) / float(want.max() - want.min())
-        assert err < 1e-4, err
+        assert err < tol, err
 
 
 def _check(native, nc, ref, rc, f, block, commit=True):
@@ -122,6 +122,57 @@ def test_sliding_window_layer_and_scalings(model, tmp_path):
         _check(native, nc, ref, rc, *_round(rng, draft, n, L))
 
 
+# ---- DFlash2: the convolutions and the candidate selector ---------------------------------------------------------
+def _config2(**over):
+    base = dict(vocab_size=512, num_target_layers=4, block_size=8,
+                dflash_config=dict(TINY2["dflash_config"], mask_token_id=MASK, target_layer_ids=list(LAYERS)))
+    base.update(over)
+    return draft_config(TINY2, **base)
+
+
+@pytest.fixture(scope="module")
+def draft2_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash2_cpu")
+    cfg = _config2()
+    bf16 = write_draft(root / "bf16", cfg, random_tensors(cfg, seed=5))
+    return {"bf16": bf16, "mlx-q4": write_mlx_quantized(bf16, root / "q4", bits=4, group_size=64)}
+
+
+# The DFlash cases' 1e-4 holds for the bf16 draft and, in the reference arithmetic (activations "float"), for the
+# 4-bit copy. With integer activations (int16, "auto" on AVX2/AVX-512) every 4-bit GEMM of the draft rounds its
+# input to 16 bits per group, and DFlash2's convolutions multiply those rows by dynamic factors that carry the
+# same rounding: ~2e-4 of the logit range on this fixture (DFlash: ~7e-5), checked at 4e-4 -- and there the
+# drafts, a walk over near-equal scores, are not compared.
+@pytest.mark.parametrize("fmt, activations, tol", [("bf16", "auto", 1e-4), ("mlx-q4", "float", 1e-4),
+                                                   ("mlx-q4", "auto", 4e-4)])
+def test_dflash2_logits_and_selected_drafts_match_the_reference(model, draft2_dirs, fmt, activations, tol):
+    m = model if activations == "auto" else \
+        qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0), backend="cpu", threads=2, activations=activations)
+    draft = load_dflash_draft(draft2_dirs[fmt], m.config)
+    assert draft.config.variant == "dflash2" and draft.quantized == (fmt == "mlx-q4")
+    native, ref = m.dflash_draft(draft), _reference(m, draft)
+    nc, rc = native.new_cache(), ref.new_cache()
+    rng = np.random.default_rng(3)
+    for i, (n, L) in enumerate(((6, 8), (3, 8), (0, 5), (1, 2), (4, 8), (2, 8))):
+        f = rng.standard_normal((n, draft.config.feature_size)).astype(np.float32)
+        first = int(rng.integers(0, MASK))
+        block = drafting_block(draft.config, first, L)
+        if i == 1:                         # without commit: the cache stays, the same logits come again
+            _close(native.forward(nc, f, block, commit=False), ref.logits(ref.forward(rc, f, block, commit=False)[1:]),
+                   tol)
+            assert nc.position == rc.position == 6
+        want_drafts, want = ref.propose(rc, f, first, L)
+        drafts, got = NativeDFlash(draft.config, native).propose(nc, f, first, L)
+        _close(got, want, tol)
+        assert drafts.dtype == np.int64 and drafts.shape == (L - 1,)
+        if tol == 1e-4:
+            assert drafts.tolist() == want_drafts.tolist(), i
+        assert nc.position == rc.position
+    # forward's logits are propose's
+    f, block = _round(rng, draft, 2, 8)
+    np.testing.assert_array_equal(native.forward(nc, f, block, commit=False), native.propose(nc, f, block, False)[1])
+
+
 def test_commit_false_leaves_the_cache(model, draft_dirs):
     draft = load_dflash_draft(draft_dirs["bf16"], model.config)
     native, ref = model.dflash_draft(draft), _reference(model, draft)
@@ -163,10 +214,10 @@ def test_argument_errors_leave_the_cache_untouched(model, draft_dirs, tmp_path):
     with pytest.raises(ValueError, match="this cache was made for another draft"):
         other.forward(nc, good, block)
     assert nc.position == 4
-    cfg2 = draft_config(TINY2, vocab_size=512, num_target_layers=4,
-                        dflash_config=dict(TINY2["dflash_config"], mask_token_id=MASK, target_layer_ids=list(LAYERS)))
+    cfg2 = _config2(dflash_config=dict(TINY2["dflash_config"], mask_token_id=MASK, target_layer_ids=list(LAYERS),
+                                       selector_top_k=513))
     d2 = load_dflash_draft(write_draft(tmp_path / "d2", cfg2, random_tensors(cfg2)), model.config)
-    with pytest.raises(ValueError, match=re.escape("a dflash2 draft is not run on the cpu engine")):
+    with pytest.raises(ValueError, match=re.escape("selector_top_k 513 exceeds vocab_size 512")):
         model.dflash_draft(d2)
     # nothing above touched the cache: the next rounds still follow the reference
     for n, L in ((2, 8), (1, 3)):

@@ -41,7 +41,8 @@ config.json) in an MLX copy; the norms stay float.
 convolutions over the block (``attention_conv``/``mlp_conv``: ``base_kernel [2, K, H]``,
 ``kernel_projection [2*K*(H/G), H]``) and a ``candidate_selector`` (``predecessor_codebook``/
 ``successor_codebook [V, R]``, ``hidden_projection [R, H]``) that walks the block picking each draft among
-the top-k of its logits with a low-rank bigram score. Both are loaded and run by the reference here.
+the top-k of its logits with a low-rank bigram score. Both are loaded and run by the reference here, and by
+the cpu engine (`CpuBackend.dflash_draft`).
 """
 from __future__ import annotations
 
@@ -524,8 +525,10 @@ def drafting_block(config: DFlashConfig, first_token: int, block_len: int | None
 
 class NativeDFlash:
     """A backend's native DFlash forward (`ModelBase.dflash_draft`, e.g. `CpuBackend.dflash_draft`: ``new_cache()``
-    and ``forward(cache, features, block, commit) -> logits of rows 1..``) behind the reference's drafting
-    interface (`new_cache`, `propose`), so a `DFlashRound` runs either. DFlash only (no DFlash2 selector)."""
+    and ``forward(cache, features, block, commit) -> logits of rows 1..``; for a DFlash2 draft also
+    ``propose(cache, features, block, commit) -> (drafts, logits)``, the drafts its candidate selector's, which
+    needs the draft's hidden rows the backend keeps) behind the reference's drafting interface (`new_cache`,
+    `propose`), so a `DFlashRound` runs either."""
 
     def __init__(self, config: DFlashConfig, impl):
         self.config = config
@@ -536,7 +539,10 @@ class NativeDFlash:
 
     def propose(self, cache, features: np.ndarray, first_token: int, block_len: int | None = None):
         """`DFlashReference.propose` on the backend: (greedy drafts [block_len - 1], their logits)."""
-        logits = self.impl.forward(cache, features, drafting_block(self.config, first_token, block_len))
+        block = drafting_block(self.config, first_token, block_len)
+        if self.config.variant == "dflash2":
+            return self.impl.propose(cache, features, block)
+        logits = self.impl.forward(cache, features, block)
         return np.argmax(logits, axis=-1), logits
 
 

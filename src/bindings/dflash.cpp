@@ -1,7 +1,7 @@
 // qwenmetal._core bindings of a DFlash draft on the cpu engine (src/cpu/dflash.h): CpuDFlashDraft, built over
 // a CpuEngine (the target: its embedding, lm_head and threads), and its context cache CpuDFlashCache. The
 // Python side (python/qwenmetal/backends/cpu.py, CpuBackend.dflash_draft) passes the draft's dimensions and
-// tensor descriptors (pointers into arrays it keeps alive); forward releases the GIL.
+// tensor descriptors (pointers into arrays it keeps alive); forward and propose release the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -37,9 +37,8 @@ DFlashDims parse_dims(const nb::dict& c) {
     auto i64 = [&](const char* k) { return nb::cast<int64_t>(c[k]); };
     auto f32 = [&](const char* k) { return nb::cast<float>(c[k]); };
     const std::string variant = nb::cast<std::string>(c["variant"]);
-    if (variant != "dflash")
-        throw std::invalid_argument("dflash draft: variant '" + variant + "' is not run natively (only 'dflash'; "
-                                    "the numpy reference runs DFlash2)");
+    if (variant != "dflash" && variant != "dflash2")
+        throw std::invalid_argument("dflash draft: unknown variant '" + variant + "' (known: dflash, dflash2)");
     DFlashDims d;
     d.hidden = i64("hidden_size");
     d.layers = i64("num_hidden_layers");
@@ -56,10 +55,25 @@ DFlashDims parse_dims(const nb::dict& c) {
     d.input_embedding_scale = f32("input_embedding_scale");
     d.output_multiplier = f32("output_multiplier");
     d.softcap = f32("final_logit_softcapping");
+    if (variant == "dflash2") {
+        d.conv_kernel = i64("conv_kernel_size");
+        d.conv_group = i64("conv_group_size");
+        d.selector_rank = i64("selector_rank");
+        d.selector_top_k = i64("selector_top_k");
+        if (d.conv_kernel < 1) throw std::invalid_argument("dflash draft: conv_kernel_size must be >= 1");
+    }
     return d;
 }
 
-nb::object dflash_forward(PyDFlash& p, DFlashCache& cache, In<float, 2> features, In<int64_t, 1> block, bool commit) {
+nb::ndarray<nb::numpy, int64_t> new_ids(size_t n) {
+    int64_t* p = new int64_t[n ? n : 1];
+    nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<int64_t*>(q); });
+    return nb::ndarray<nb::numpy, int64_t>(p, {n}, owner);
+}
+
+// forward (the logits) and propose (the drafts and the logits): one call of DFlashDraft::forward
+nb::object dflash_call(PyDFlash& p, DFlashCache& cache, In<float, 2> features, In<int64_t, 1> block, bool commit,
+                       bool drafts) {
     const DFlashDims& d = p.draft->dims();
     const int64_t n = int64_t(features.shape(0)), L = int64_t(block.shape(0));
     if (int64_t(features.shape(1)) != d.features())
@@ -67,11 +81,21 @@ nb::object dflash_forward(PyDFlash& p, DFlashCache& cache, In<float, 2> features
                                     "], got [" + std::to_string(n) + ", " + std::to_string(features.shape(1)) + "]");
     if (L < 1) throw std::invalid_argument("dflash draft: the block is empty (it needs at least the sampled token)");
     auto out = bindings::new_array({size_t(L - 1), size_t(d.vocab)});
+    auto ids = new_ids(drafts ? size_t(L - 1) : 0);
     {
         nb::gil_scoped_release release;
-        p.draft->forward(cache, n ? features.data() : nullptr, n, block.data(), L, commit, out.data());
+        p.draft->forward(cache, n ? features.data() : nullptr, n, block.data(), L, commit, out.data(),
+                         drafts ? ids.data() : nullptr);
     }
-    return nb::cast(out);
+    return drafts ? nb::make_tuple(ids, out) : nb::cast(out);
+}
+
+nb::object dflash_forward(PyDFlash& p, DFlashCache& cache, In<float, 2> features, In<int64_t, 1> block, bool commit) {
+    return dflash_call(p, cache, features, block, commit, false);
+}
+
+nb::object dflash_propose(PyDFlash& p, DFlashCache& cache, In<float, 2> features, In<int64_t, 1> block, bool commit) {
+    return dflash_call(p, cache, features, block, commit, true);
 }
 
 }  // namespace
@@ -117,6 +141,10 @@ void register_dflash(nb::module_& m) {
              "(L >= 1: the sampled token, then mask tokens). Returns the logits of block rows 1..L-1 "
              "[L - 1, vocab] float32 (through the target's lm_head). commit: append the context rows' keys and "
              "values to `cache`; otherwise, and on any error, the cache is left as it was.")
+        .def("propose", &dflash_propose, "cache"_a, "features"_a, "block"_a, "commit"_a = true,
+             "forward, and the greedy drafts of block rows 1..L-1: (drafts [L - 1] int64, logits [L - 1, vocab]). "
+             "The drafts are each row's argmax (ties to the lower id), or for a DFlash2 draft its candidate "
+             "selector's walk from block[0].")
         .def_prop_ro("weight_nbytes", [](PyDFlash& p) { return p.draft->weight_bytes(); },
                      "bytes of the draft's own weights (read in place)");
 }

@@ -45,6 +45,43 @@ WMat linear_of(const std::map<std::string, TensorDesc>& t, const std::string& na
 AttnDims draft_attn_dims(const DFlashDims& d) {
     return AttnDims{d.n_heads, d.n_kv_heads, d.head_dim, d.head_dim, d.head_dim, d.n_heads * d.head_dim, d.eps};
 }
+
+// DFlashReference._grouped_causal_conv over L rows of width H, the rows from the last down so that `out` may
+// be `y` (row t reads rows t-j <= t, none written yet): out[t] (+)= sum_{j < K, j <= t} (base[j] + dyn_t[j]) y[t-j],
+// dyn_t = dyn + t * ldd, tap j's H/G group factors at dyn_t + j * H/G (channel e in group e / G).
+void grouped_causal_conv(const float* y, int64_t L, int64_t H, const float* dyn, int64_t ldd, const float* base,
+                         int64_t K, int64_t G, float* out, bool accumulate) {
+    const int64_t groups = H / G;
+    for (int64_t t = L - 1; t >= 0; --t) {
+        const float* dt = dyn + t * ldd;
+        float* o = out + t * H;
+        for (int64_t e0 = 0; e0 < H; e0 += G) {
+            const int64_t g = e0 / G;
+            for (int64_t e = e0; e < e0 + G; ++e) {
+                float acc = 0.f;
+                for (int64_t j = 0; j < K && j <= t; ++j)
+                    acc += (base[j * H + e] + dt[j * groups + g]) * y[(t - j) * H + e];
+                o[e] = accumulate ? o[e] + acc : acc;
+            }
+        }
+    }
+}
+
+// The k largest of v[0..n) into idx/val, largest first, ties to the lower index (np.argmax's for k = 1)
+void top_k(const float* v, int64_t n, int64_t k, int64_t* idx, float* val) {
+    int64_t have = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = v[i];
+        if (have == k && !(x > val[k - 1])) continue;
+        int64_t j = have < k ? have++ : k - 1;
+        for (; j > 0 && x > val[j - 1]; --j) {
+            val[j] = val[j - 1];
+            idx[j] = idx[j - 1];
+        }
+        val[j] = x;
+        idx[j] = i;
+    }
+}
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -116,6 +153,19 @@ DFlashDraft::DFlashDraft(const DFlashDims& dims, const std::map<std::string, Ten
                                     std::to_string(d.vocab) + " do not match the target's " +
                                     std::to_string(tc.hidden) + " / " + std::to_string(tc.vocab));
     if (!(d.rope_theta > 0)) throw std::invalid_argument("dflash draft: rope_theta must be positive");
+    if (d.dflash2()) {
+        positive(d.conv_group, "conv_group_size");
+        positive(d.selector_rank, "selector_rank");
+        positive(d.selector_top_k, "selector_top_k");
+        if (d.hidden % d.conv_group)
+            throw std::invalid_argument("dflash draft: conv_group_size " + std::to_string(d.conv_group) +
+                                        " does not divide hidden_size " + std::to_string(d.hidden));
+        if (d.selector_top_k > d.vocab)
+            throw std::invalid_argument("dflash draft: selector_top_k " + std::to_string(d.selector_top_k) +
+                                        " exceeds vocab_size " + std::to_string(d.vocab));
+    } else if (d.conv_kernel < 0 || d.conv_group || d.selector_rank || d.selector_top_k) {
+        throw std::invalid_argument("dflash draft: DFlash2 fields without conv_kernel_size >= 1");
+    }
     auto vec = [&](const std::string& name, int64_t n) -> std::vector<float> {
         auto it = small.find(name);
         if (it == small.end()) throw std::invalid_argument("dflash draft: missing tensor " + name);
@@ -148,7 +198,18 @@ DFlashDraft::DFlashDraft(const DFlashDims& dims, const std::map<std::string, Ten
         L.gate = linear_of(t, m + "gate_proj", I, H);
         L.up = linear_of(t, m + "up_proj", I, H);
         L.down = linear_of(t, m + "down_proj", H, I);
+        if (d.dflash2()) {
+            for (auto [conv, name] : {std::pair{&L.attn_conv, "attention_conv"}, std::pair{&L.mlp_conv, "mlp_conv"}}) {
+                conv->projection = linear_of(t, p + name + ".kernel_projection", d.conv_factors(), H);
+                conv->base = vec(p + name + ".base_kernel", 2 * d.conv_kernel * H);
+            }
+        }
         layers_.push_back(std::move(L));
+    }
+    if (d.dflash2()) {
+        predecessor_ = linear_of(t, "candidate_selector.predecessor_codebook", d.vocab, d.selector_rank);
+        successor_ = linear_of(t, "candidate_selector.successor_codebook", d.vocab, d.selector_rank);
+        selector_proj_ = linear_of(t, "candidate_selector.hidden_projection", d.selector_rank, H);
     }
     inv_freq_.resize(size_t(d.head_dim / 2));
     rope_inv_freq(d.rope_theta, d.head_dim, inv_freq_.data());
@@ -159,8 +220,8 @@ size_t DFlashDraft::weight_bytes() const {
     size_t n = fc_.nbytes();
     for (const Layer& L : layers_)
         n += L.q.nbytes() + L.k.nbytes() + L.v.nbytes() + L.o.nbytes() + L.gate.nbytes() + L.up.nbytes() +
-             L.down.nbytes();
-    return n;
+             L.down.nbytes() + L.attn_conv.projection.nbytes() + L.mlp_conv.projection.nbytes();
+    return n + predecessor_.nbytes() + successor_.nbytes() + selector_proj_.nbytes();
 }
 
 // Every scratch buffer a call of n context rows and a block of L can need: after this
@@ -180,6 +241,65 @@ void DFlashDraft::reserve(int64_t n, int64_t L) {
     v_.get(size_t(M * kvd));
     o_.get(size_t(L * qd));
     mlp_.get(mlp_shared_floats(d.inter, L) + 16);
+    if (d.dflash2()) {
+        dyn_.get(size_t(L * d.conv_factors()));
+        sub_.get(size_t(L * H));
+        proj_.get(size_t(L * d.selector_rank));
+        rows_.get(size_t(2 * d.selector_rank));
+    }
+    const size_t k = size_t(d.dflash2() ? d.selector_top_k : 1);
+    cand_.resize(std::max<size_t>(cand_.size(), size_t(L) * k));
+    cand_logit_.resize(std::max<size_t>(cand_logit_.size(), size_t(L) * k));
+}
+
+void DFlashDraft::conv_first(ThreadPool& pool, const Conv& c, float* h, int64_t L) {
+    static const std::vector<float> none;
+    const int64_t H = d_.hidden, F = d_.conv_factors();
+    project(pool, h, L, H, c.projection, none, dyn_.data(), F, false);
+    grouped_causal_conv(h, L, H, dyn_.data(), F, c.base.data(), d_.conv_kernel, d_.conv_group, h, false);
+}
+
+void DFlashDraft::conv_second(const Conv& c, const float* y, int64_t L, float* x) {
+    const int64_t H = d_.hidden, F = d_.conv_factors(), K = d_.conv_kernel;
+    grouped_causal_conv(y, L, H, dyn_.data() + F / 2, F, c.base.data() + K * H, K, d_.conv_group, x, true);
+}
+
+void DFlashDraft::select(ThreadPool& pool, const float* hn, const float* logits, int64_t rows, int64_t first,
+                         int64_t* drafts) {
+    const DFlashDims& d = d_;
+    const int64_t V = d.vocab, k = d.dflash2() ? d.selector_top_k : 1;
+    int64_t* cand = cand_.data();
+    float* val = cand_logit_.data();
+    pool.run(rows, [&](int64_t t, int) { top_k(logits + t * V, V, k, cand + t * k, val + t * k); });
+    if (!d.dflash2()) {                             // greedy: each row's argmax
+        for (int64_t t = 0; t < rows; ++t) drafts[t] = cand[t];
+        return;
+    }
+    static const std::vector<float> none;
+    const int64_t R = d.selector_rank;
+    float* proj = proj_.data();                     // hidden_projection(hn) [rows][R]
+    project(pool, hn, rows, d.hidden, selector_proj_, none, proj, R, false);
+    const Kernels& kk = kernels();
+    float* w = rows_.data();                        // predecessor_codebook[prev] * proj[t]
+    float* succ = w + R;                            // successor_codebook[candidate]
+    int64_t prev = first;
+    for (int64_t t = 0; t < rows; ++t) {
+        kk.dequant(predecessor_, prev, 1, w, R);
+        for (int64_t r = 0; r < R; ++r) w[r] *= proj[t * R + r];
+        int64_t best = cand[t * k];
+        float best_score = 0.f;
+        for (int64_t c = 0; c < k; ++c) {           // the first of equal scores (candidates largest logit first)
+            kk.dequant(successor_, cand[t * k + c], 1, succ, R);
+            float dot = 0.f;
+            for (int64_t r = 0; r < R; ++r) dot += succ[r] * w[r];
+            const float score = val[t * k + c] + dot;
+            if (c == 0 || score > best_score) {
+                best = cand[t * k + c];
+                best_score = score;
+            }
+        }
+        drafts[t] = prev = best;
+    }
 }
 
 void DFlashDraft::project(ThreadPool& pool, const float* X, int64_t M, int64_t ldx, const WMat& W,
@@ -197,7 +317,7 @@ void DFlashDraft::project(ThreadPool& pool, const float* X, int64_t M, int64_t l
 }
 
 void DFlashDraft::forward(DFlashCache& cache, const float* features, int64_t n, const int64_t* block, int64_t L,
-                          bool commit, float* logits) {
+                          bool commit, float* logits, int64_t* drafts) {
     const DFlashDims& d = d_;
     if (cache.layers() != d.layers || cache.kv_dim() != d.kv_dim())
         throw std::invalid_argument("dflash draft: this cache was made for another draft");
@@ -240,9 +360,12 @@ void DFlashDraft::forward(DFlashCache& cache, const float* features, int64_t n, 
                 for (int64_t e = 0; e < H; ++e) x[i * H + e] *= d.input_embedding_scale;
         }
         float* h = kvin + n * H;                       // the block's normed rows follow the context's
+        const bool conv = d.dflash2();                 // DFlash2: a sublayer's output goes to sub, then x += conv(sub)
+        float* sub = conv ? sub_.data() : x;
         for (int64_t li = 0; li < d.layers; ++li) {
             const Layer& ly = layers_[size_t(li)];
             rms_norm_rows(pool, x, H, L, ly.input_norm.data(), d.eps, h, H, H);
+            if (conv) conv_first(pool, ly.attn_conv, h, L);
             project(pool, h, L, H, ly.q, ly.q_bias, q, qd, false);
             project(pool, kvin, M, H, ly.k, ly.k_bias, k, kvd, false);
             project(pool, kvin, M, H, ly.v, ly.v_bias, v, kvd, false);
@@ -254,9 +377,15 @@ void DFlashDraft::forward(DFlashCache& cache, const float* features, int64_t n, 
             attn_qk_rope_kv_write(q_dims, q, k, kvd, v, kvd, L, T0 + n, ly.q_norm.data(), ly.k_norm.data(),
                                   inv_freq_.data(), cv);
             attention_block(pool, ws_, ad, q, L, T0 + n, T, d.window[size_t(li)], cv, o, qd);
-            project(pool, o, L, qd, ly.o, ly.o_bias, x, H, true);                 // x += o_proj(o)
+            project(pool, o, L, qd, ly.o, ly.o_bias, sub, H, !conv);   // x += o_proj(o) (DFlash2: sub = o_proj(o))
+            if (conv) conv_second(ly.attn_conv, sub, L, x);
             rms_norm_rows(pool, x, H, L, ly.post_norm.data(), d.eps, xn, H, H);
-            mlp_forward(pool, ws_, mlp_.data(), ly.gate, ly.up, ly.down, xn, L, H, x);
+            if (conv) {
+                conv_first(pool, ly.mlp_conv, xn, L);
+                std::fill(sub, sub + L * H, 0.f);      // mlp_forward adds its output
+            }
+            mlp_forward(pool, ws_, mlp_.data(), ly.gate, ly.up, ly.down, xn, L, H, sub);
+            if (conv) conv_second(ly.mlp_conv, sub, L, x);
         }
         if (L > 1) {                                   // rows 1..L-1 through the target's lm_head
             rms_norm_rows(pool, x + H, H, L - 1, final_norm_.data(), d.eps, xn, H, H);
@@ -267,6 +396,7 @@ void DFlashDraft::forward(DFlashCache& cache, const float* features, int64_t n, 
                 for (size_t i = 0; i < nl; ++i) logits[i] *= d.output_multiplier;
             if (d.softcap > 0.f)
                 for (size_t i = 0; i < nl; ++i) logits[i] = std::tanh(logits[i] / d.softcap) * d.softcap;
+            if (drafts) select(pool, xn, logits, L - 1, block[0], drafts);
         }
         if (commit) cache.position = T0 + n;
     });

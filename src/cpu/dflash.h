@@ -5,14 +5,31 @@
 //   ctx = hidden_norm(fc(features))                 the n new context rows [n, H] (no per-layer norm)
 //   x   = embed(block) * input_embedding_scale      the block [L, H]: the TARGET's embedding rows
 //   for each layer:
-//       h = input_layernorm(x)
+//       h = input_layernorm(x)                      DFlash2: h = conv_a0(h)
 //       q = q_norm(q_proj(h)) per head, RoPE at p+n..p+n+L-1            (block rows only)
 //       k = k_norm(k_proj([ctx; h])), v = v_proj([ctx; h]), RoPE at p..p+n+L-1
-//       x += o_proj(softmax(q K^T / sqrt(hd)) V)    K, V = [cached context | new context | block]: no causal
+//       a = o_proj(softmax(q K^T / sqrt(hd)) V)     K, V = [cached context | new context | block]: no causal
 //                                                   mask (a sliding layer: causal within its window), GQA
-//       x += down(silu(gate(h')) * up(h')), h' = post_attention_layernorm(x)
+//       x += a                                      DFlash2: x += conv_a1(a)
+//       h' = post_attention_layernorm(x)            DFlash2: h' = conv_m0(h')
+//       m = down(silu(gate(h')) * up(h'))
+//       x += m                                      DFlash2: x += conv_m1(m)
 //   logits = lm_head(norm(x[1..L-1])) * output_multiplier (soft-capped when the config says so): the TARGET's
 //   lm_head, in place in its own format
+//   drafts = each row's argmax; DFlash2: the candidate selector's greedy walk (below)
+//
+// DFlash2's convolutions (DFlashReference._conv / _grouped_causal_conv) run over the block's rows only (the
+// context rows are not convolved). A layer has two, attention_conv around the attention and mlp_conv around
+// the MLP, each in two halves: its input row h_t gives the dynamic factors d = kernel_projection(h) [L][2][K][H/G]
+// (the draft's matrix path: bf16 or MLX-quantized in place); the first half convolves h itself with
+// base_kernel[0] + d[:, 0], the second convolves the sublayer's output with base_kernel[1] + d[:, 1]:
+//
+//   conv_s(y)[t, e] = sum_{j < K, j <= t} (base_kernel[s, j, e] + d[t, s, j, e / G]) * y[t - j, e]
+//
+// The selector (DFlashReference.select): per row t the top selector_top_k logits are the candidates; with
+// prev the token drafted before (the block's first token for t = 0), the draft is the candidate c maximising
+// logit[c] + <predecessor_codebook[prev] * hidden_projection(hn_t), successor_codebook[c]>, hn_t the final
+// norm's row t + 1. Codebook rows are read in place (as the embedding's are).
 //
 // The draft's weights are read in place (bf16 or MLX-quantized; only the norm vectors are copied). It runs on
 // the target engine's thread pool under the target engine's lock (one forward at a time over both), so it
@@ -40,7 +57,13 @@ struct DFlashDims {
     std::vector<int64_t> window;         // per layer: 0 full attention, else the sliding window
     bool attention_bias = false;
     float input_embedding_scale = 1.f, output_multiplier = 1.f, softcap = 0.f;   // softcap 0: none
+    // DFlash2 (all 0 for DFlash): conv_kernel_size K, conv_group_size G (channels per dynamic factor),
+    // selector_rank R, selector_top_k
+    int64_t conv_kernel = 0, conv_group = 0, selector_rank = 0, selector_top_k = 0;
+    bool dflash2() const { return conv_kernel > 0; }
     int64_t features() const { return n_target_layers * hidden; }
+    // width of a conv's dynamic factors per row: both halves, K taps, H/G groups
+    int64_t conv_factors() const { return dflash2() ? 2 * conv_kernel * (hidden / conv_group) : 0; }
     int64_t kv_dim() const { return n_kv_heads * head_dim; }
 };
 
@@ -76,7 +99,10 @@ public:
     // tensors: the draft's linear layers by DFlashDraft name ("fc", "layers.{i}.self_attn.q_proj", ...,
     // "layers.{i}.mlp.down_proj"); small: the norms ("hidden_norm", "norm", "layers.{i}.input_layernorm",
     // "layers.{i}.post_attention_layernorm", "layers.{i}.self_attn.q_norm"/"k_norm") and, with
-    // attention_bias, "layers.{i}.self_attn.{q,k,v,o}_proj.bias". `target`: the engine whose embedding,
+    // attention_bias, "layers.{i}.self_attn.{q,k,v,o}_proj.bias". DFlash2 adds the linear layers
+    // "layers.{i}.{attention,mlp}_conv.kernel_projection", "candidate_selector.{predecessor,successor}_codebook"
+    // and "candidate_selector.hidden_projection", and the small "layers.{i}.{attention,mlp}_conv.base_kernel"
+    // ([2][K][H] flattened). `target`: the engine whose embedding,
     // lm_head, thread pool and activation mode the draft uses (it must outlive the draft).
     DFlashDraft(const DFlashDims& dims, const std::map<std::string, TensorDesc>& tensors,
                 const std::map<std::string, std::vector<float>>& small, Engine& target);
@@ -89,19 +115,33 @@ public:
 
     // One draft call: the context features [n][features()] (n may be 0) of the tokens the target accepted
     // since the last committed call, and the block's token ids [L] (L >= 1). Writes the logits of block rows
-    // 1..L-1 to `logits` ([L-1][vocab], caller-allocated). With `commit` the context rows' keys and values are
+    // 1..L-1 to `logits` ([L-1][vocab], caller-allocated) and, when `drafts` is not null, the greedy drafts of
+    // those rows to it ([L-1]: each row's argmax, ties to the lower id; DFlash2: the candidate selector's walk
+    // from block[0]). With `commit` the context rows' keys and values are
     // appended to the cache (position += n); without, the cache is left as it was. Everything that can fail
     // (arguments, cache growth, scratch) happens before the cache is touched.
     void forward(DFlashCache& cache, const float* features, int64_t n, const int64_t* block, int64_t L, bool commit,
-                 float* logits);
+                 float* logits, int64_t* drafts = nullptr);
 
 private:
+    struct Conv {                                            // DFlash2: one grouped dynamic causal convolution
+        WMat projection;                                     // kernel_projection [2*K*(H/G)][H]
+        std::vector<float> base;                             // base_kernel [2][K][H]
+    };
     struct Layer {
         WMat q, k, v, o, gate, up, down;
         std::vector<float> input_norm, post_norm, q_norm, k_norm;
         std::vector<float> q_bias, k_bias, v_bias, o_bias;   // empty without attention_bias
+        Conv attn_conv, mlp_conv;                            // DFlash2 only
     };
     void reserve(int64_t n, int64_t L);
+    // DFlash2: the dynamic factors of the block rows h [L][H] into dyn_, then h = conv_0(h) in place
+    void conv_first(ThreadPool& pool, const Conv& c, float* h, int64_t L);
+    // DFlash2: x += conv_1(y) over the L block rows, with the factors conv_first left in dyn_
+    void conv_second(const Conv& c, const float* y, int64_t L, float* x);
+    // drafts of the L-1 rows hn [L-1][H] (final norm) with their logits [L-1][vocab]
+    void select(ThreadPool& pool, const float* hn, const float* logits, int64_t rows, int64_t first,
+                int64_t* drafts);
     // Y = X W^T (+ bias) over M rows in pieces of at most the target's prefill_chunk rows (bounded scratch)
     void project(ThreadPool& pool, const float* X, int64_t M, int64_t ldx, const WMat& W,
                  const std::vector<float>& bias, float* Y, int64_t ldy, bool accumulate);
@@ -111,10 +151,15 @@ private:
     WMat fc_;
     std::vector<float> hidden_norm_, final_norm_;
     std::vector<Layer> layers_;
+    WMat predecessor_, successor_, selector_proj_;          // DFlash2's candidate selector
     std::vector<float> inv_freq_;
     cpu::Workspace ws_;
     int64_t chunk_;
     FBuf ctx_, kvin_, x_, xn_, q_, k_, v_, o_, mlp_;
+    FBuf dyn_, sub_;                                         // DFlash2: conv factors [L][2KG'], a sublayer's output
+    FBuf proj_, rows_;                                       // selector: hidden projections, codebook rows
+    std::vector<int64_t> cand_;                              // selector: [L-1][k] candidates, best first
+    std::vector<float> cand_logit_;
 };
 
 }  // namespace qwenmetal

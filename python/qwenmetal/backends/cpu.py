@@ -240,8 +240,8 @@ class CpuBackend(EngineBackend):
     def dflash_draft(self, draft) -> "CpuDFlash":
         """The forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`) on this engine: over this
         model's embedding and lm_head (in place, in their own format) and on its threads, the draft's own
-        weights read in place (bf16 or MLX-quantized). ValueError for a DFlash2 draft (the numpy reference runs
-        those) or one that does not fit this model."""
+        weights read in place (bf16 or MLX-quantized); DFlash and DFlash2 (its convolutions and candidate
+        selector too). ValueError for a draft that does not fit this model."""
         return CpuDFlash(self, draft)
 
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
@@ -271,21 +271,20 @@ class CpuBackend(EngineBackend):
                 f"quantize={self.quantize}, activations={self.activations!r}, isa={core().cpu_isa()!r})")
 
 
-# a DFlash draft's tensors passed as float32 vectors (the rest are its linear layers)
-_DFLASH_SMALL = ("layernorm", "q_norm", "k_norm", ".bias")
+# a DFlash draft's tensors passed as float32 vectors (the rest are its linear layers, DFlash2's kernel
+# projections and candidate selector among them)
+_DFLASH_SMALL = ("layernorm", "q_norm", "k_norm", ".bias", ".base_kernel")
 
 
 class CpuDFlash:
     """A DFlash draft's forward on the cpu engine (`CpuBackend.dflash_draft`; src/cpu/dflash.h): the float32
-    computation of `qwenmetal.dflash.DFlashReference.forward` + ``logits`` for the block rows 1.., on the target
-    engine's threads (one call at a time with the target's own). Its context cache (`new_cache`, a
+    computation of `qwenmetal.dflash.DFlashReference.forward` + ``logits`` for the block rows 1.. (`forward`),
+    and with the drafts of ``DFlashReference.propose`` (`propose`: argmax, or DFlash2's candidate selector), on
+    the target engine's threads (one call at a time with the target's own). Its context cache (`new_cache`, a
     ``_core.CpuDFlashCache`` with ``position``) belongs to the caller."""
 
     def __init__(self, backend: CpuBackend, draft):
         c = draft.config
-        if c.variant != "dflash":
-            raise ValueError(f"{draft.path}: a {c.variant} draft is not run on the cpu engine (only DFlash; the numpy "
-                             f"reference, qwenmetal.dflash.DFlashReference, runs it)")
         t = backend.weights.config
         if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):
             raise ValueError(f"{draft.path}: hidden_size {c.hidden_size} / vocab_size {c.vocab_size} do not match "
@@ -306,7 +305,9 @@ class CpuDFlash:
                    rope_theta=float(c.rope_theta), windows=windows, attention_bias=bool(c.attention_bias),
                    input_embedding_scale=float(c.input_embedding_scale),
                    output_multiplier=float(c.output_multiplier),
-                   final_logit_softcapping=float(c.final_logit_softcapping or 0.0))
+                   final_logit_softcapping=float(c.final_logit_softcapping or 0.0),
+                   conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                   selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
         self.impl = core().CpuDFlashDraft(backend.engine, cfg, linear, small, (keep, draft.source))
 
     def new_cache(self):
@@ -318,13 +319,22 @@ class CpuDFlash:
         the target accepted since the last committed call, and the block's token ids [L] (L >= 1). Returns the
         logits of block rows 1..L-1 [L - 1, vocab] float32. With `commit` the context rows join `cache`; without
         it, and on any error, `cache` is left as it was."""
+        return self.impl.forward(cache, *self._arguments(features, block), bool(commit))
+
+    def propose(self, cache, features, block, commit: bool = True) -> tuple:
+        """`forward` and the block's greedy drafts, as ``DFlashReference.propose`` gives them: (drafts [L - 1]
+        int64, logits [L - 1, vocab]); the drafts are each row's argmax (ties to the lower id), for a DFlash2
+        draft its candidate selector's walk from ``block[0]``."""
+        return self.impl.propose(cache, *self._arguments(features, block), bool(commit))
+
+    def _arguments(self, features, block) -> tuple:
         f = np.ascontiguousarray(features, dtype=np.float32)
         if f.ndim != 2:
             raise ValueError(f"context features must be [n, {self.config.feature_size}], got {list(f.shape)}")
         ids = np.ascontiguousarray(block, dtype=np.int64)
         if ids.ndim != 1:
             raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
-        return self.impl.forward(cache, f, ids, bool(commit))
+        return f, ids
 
     @property
     def weight_nbytes(self) -> int:

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 import qwenmetal as qm
-from dflash_oracles import TINY, draft_config, random_tensors, write_draft
+from dflash_oracles import TINY, TINY2, draft_config, random_tensors, write_draft
 from qwenmetal.backends.reference import ReferenceModel
-from qwenmetal.dflash import DFlashDrafter, load_dflash_draft
+from qwenmetal.dflash import DFlashDrafter, DFlashReference, load_dflash_draft
 from qwenmetal.errors import CheckpointError
 from qwenmetal.sampling import Sampler
 from qwenmetal.session import verify
@@ -77,6 +77,28 @@ def test_dflash_greedy_is_plain_greedy(target_dir, draft_dir, backend):
     assert [o.token for o in outs] == plain
     st = outs[-1].stats["speculative"]
     assert st["drafter"] == "dflash" and st["drafted_tokens"] > 0 and st["mean_accepted_length"] >= 1.0
+
+
+def test_dflash2_greedy_on_cpu_drafts_natively_and_is_plain_greedy(target_dir, tmp_path, monkeypatch):
+    """A DFlash2 draft (convolutions and candidate selector) drafts on the cpu engine, not in the reference."""
+    cfg = draft_config(TINY2, vocab_size=512, num_target_layers=4,
+                       dflash_config=dict(TINY2["dflash_config"], mask_token_id=511, target_layer_ids=list(LAYERS)))
+    path = write_draft(tmp_path / "d2", cfg, random_tensors(cfg, seed=5))
+
+    def no_reference(*a, **k):
+        raise AssertionError("the numpy reference drafted on the cpu backend")
+
+    monkeypatch.setattr(DFlashReference, "forward", no_reference)
+    m = _load(target_dir, "cpu")
+    kw = dict(max_tokens=24, temperature=0, ignore_eos=True, cache=False)
+    plain = [o.token for o in m.generate(PROMPT, **kw)]
+    d = DFlashDrafter.for_model(m, path)
+    assert d.checkpoint.config.variant == "dflash2"
+    outs = list(m.generate(PROMPT, speculative=d, speculative_k=7, **kw))
+    assert [o.token for o in outs] == plain
+    assert d.native is not None and d.reference is None
+    st = outs[-1].stats["speculative"]
+    assert st["drafter"] == "dflash" and st["drafted_tokens"] > 0
 
 
 class ScriptedDFlash(DFlashDrafter):

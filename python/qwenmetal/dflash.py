@@ -639,10 +639,10 @@ class DFlashDrafter(Drafter):
     sampling temperature a DFlash draft draws its tokens from ``softmax(logits / temperature)`` and hands those
     distributions to the verification (the rejection rule for a drafted distribution: exact either way).
 
-    The draft runs natively where the model's backend has a DFlash forward (`ModelBase.dflash_draft`: the cpu
-    engine, over the target's own embedding and lm_head in place; ``native`` is then True), else (and for
-    DFlash2) in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
-    dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
+    The draft runs natively where the model's backend has a DFlash forward for its variant
+    (`ModelBase.dflash_draft`: the cpu engine, DFlash and DFlash2, over the target's own embedding and lm_head
+    in place; ``native`` is then set), else in this module's numpy reference (`DFlashReference`) over the
+    target's embedding and lm_head dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
     features (`ModelBase.returns_features`). A session's tokens from before this generation (an earlier turn, a
     restored prefix) give the draft no features: it drafts from what this generation fed.
     """
@@ -673,7 +673,7 @@ class DFlashDrafter(Drafter):
     def start(self, model) -> None:
         c = self.checkpoint.config
         check_target(c, model.config, self.checkpoint.path)
-        if c.variant == "dflash" and self._native_model is not model:
+        if self._native_model is not model:
             impl = model.dflash_draft(self.checkpoint)
             self.native = NativeDFlash(c, impl) if impl is not None else None
             self._native_model = model

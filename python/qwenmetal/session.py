@@ -419,7 +419,8 @@ class ModelBase:
     def dflash_draft(self, draft):
         """The backend's native forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`; cpu: over
         this model's embedding, lm_head and threads, with ``new_cache()`` and ``forward(cache, features, block,
-        commit)``), or None where the backend has none."""
+        commit)``, and for a DFlash2 draft ``propose(cache, features, block, commit) -> (drafts, logits)``), or
+        None where the backend has none for the draft's variant."""
         make = getattr(self._backend, "dflash_draft", None)
         return make(draft) if make is not None else None
 

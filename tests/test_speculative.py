@@ -298,6 +298,28 @@ def test_adaptive_k_turns_speculation_off_when_it_does_not_pay():
         AdaptiveK(fixed=16)
 
 
+@pytest.mark.parametrize("length", [2, 5])
+def test_adaptive_k_finds_the_best_length_when_costs_are_not_a_line(length):
+    """Verification costs that grow faster than linearly past a few rows (a verification's rows read the union of
+    their experts; the shape measured on a 2-core cpu) and a drafter whose L-th draft is always wrong: within a
+    few rounds the choice settles on the k that maximises tokens per second, which a straight line through
+    the first costs measured would rule out. A second generation sharing the cost table skips the first
+    plain-step measurement."""
+    cost = {0: 1.0, 1: 1.34, 2: 1.8, 3: 2.25, 4: 2.9, 5: 3.6, 6: 4.3, 7: 5.2, 8: 6.2}
+    cost.update({k: 6.2 + 0.71 * (k - 8) for k in range(9, 16)})
+    best = max(range(16), key=lambda k: (min(k, length - 1) + 1) / cost[k])
+    shared: dict = {}
+    a = AdaptiveK(cost=shared)
+    picks = []
+    for _ in range(30):
+        k = a.choose()
+        picks.append(k)
+        a.observe(k, cost[k], k, min(k, length - 1))
+    assert picks[-10:] == [best] * 10, picks
+    assert picks.index(best) <= 10, picks
+    assert 0 in shared and AdaptiveK(cost=shared).choose() != 0
+
+
 def test_speculative_argument_errors():
     m = _load()
     with pytest.raises(ValueError, match="speculative must be 'lookup', 'mtp'"):

@@ -20,6 +20,7 @@ decode step, and turns speculation off (k = 0) when it does not pay.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -185,21 +186,31 @@ class AdaptiveK:
     than its first), a round of k drafts yields E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens in the
     time T(k) of drafting and verifying k + 1 rows; plain decoding yields 1 token in T(0). The choice
     maximises E(k) / T(k) over k = 0 .. k_max, so k = 0 (plain decoding) wins whenever speculation does not
-    pay; T is measured (an exponential average per k, and a straight line through the measured points for
-    the others), and while plain decoding is chosen a round of k = 1 is tried every `probe_every` steps so
-    a change in acceptance is noticed. A position not reached yet takes the rate of the one before it (the
-    overall rate for the first). `fixed`: always k."""
+    pay; while plain decoding is chosen a round of k = 1 is tried every `probe_every` steps so a change in
+    acceptance is noticed. `fixed`: always k.
+
+    * a_i: decayed counts of the rounds that reached position i and kept it, with a prior of one round at
+      the overall rate (0.7 before anything is measured); a position not reached yet takes the rate of the
+      one before it. A few rounds settle it.
+    * T(k): an exponential average of the measured rounds of k drafts. An unmeasured k between two measured
+      ones takes the cost of the shorter (a lower bound: verifying more rows never costs less), so a length
+      that might pay is tried once rather than ruled out by a straight line through costs that are not
+      straight (a verification's rows read the union of their experts); past the longest measured k the
+      last two measured points are extended. `cost` may be a table shared with earlier generations of the
+      same model and drafter (`Speculation` keeps one per pair), so a new generation starts from their
+      measurements."""
 
     def __init__(self, k_max: int = MAX_DRAFT, fixed: int | None = None, probe_every: int = 16,
-                 decay: float = 0.25):
+                 decay: float = 0.25, cost: dict | None = None):
         check_k(fixed)
         self.k_max = int(fixed if fixed is not None else k_max)
         self.fixed = fixed
         self.probe_every = probe_every
         self.decay = decay
-        self.cost: dict[int, float] = {}     # k -> seconds per round (k = 0: a plain decode step)
+        self.cost: dict[int, float] = {} if cost is None else cost   # k -> seconds per round (0: a decode step)
         self.acc = 0.7                       # prior: accepted / drafted
-        self.pos_acc: dict[int, float] = {}  # draft position i (1-based) -> kept / reached, averaged
+        self.kept: dict[int, float] = {}     # draft position i (1-based) -> decayed count of rounds that kept it
+        self.reached: dict[int, float] = {}  # ... that reached it
         self.drafted = self.accepted = 0
         self.spec_rounds = 0                 # rounds with drafts
         self.since_probe = self.rounds = 0
@@ -216,14 +227,17 @@ class AdaptiveK:
             self.spec_rounds += 1
             self.acc = self._avg(self.acc, accepted / drafted)
             # positions 1..accepted were kept; position accepted + 1 (if drafted) was reached and rejected
+            keep = 1 - self.decay / 2
             for i in range(1, min(accepted + 1, drafted) + 1):
-                self.pos_acc[i] = self._avg(self.pos_acc.get(i, self.acc), 1.0 if i <= accepted else 0.0)
+                self.reached[i] = keep * self.reached.get(i, 0.0) + 1.0
+                self.kept[i] = keep * self.kept.get(i, 0.0) + (1.0 if i <= accepted else 0.0)
 
     def rates(self) -> list:
         """a_1 .. a_k_max: the measured acceptance at each draft position (unreached: the one before's)."""
         out, prev = [], self.acc
         for i in range(1, self.k_max + 1):
-            prev = self.pos_acc.get(i, prev)
+            if i in self.reached:
+                prev = (self.kept[i] + prev) / (self.reached[i] + 1.0)
             out.append(min(max(prev, 0.0), 0.999))
         return out
 
@@ -241,13 +255,14 @@ class AdaptiveK:
         pts = sorted(self.cost.items())
         if not pts:
             return 1.0 + 0.3 * k
-        if len(pts) == 1:
-            k0, t0 = pts[0]
-            per = t0 * 0.3 / (1 + 0.3 * k0)
-            return t0 + per * (k - k0)
-        xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
-        slope, icpt = np.polyfit(xs, ys, 1)
-        return max(float(icpt + max(slope, 0.0) * k), 1e-9)
+        below = [p for p in pts if p[0] < k]
+        if below and len(below) < len(pts):
+            return below[-1][1]               # between two measured lengths: the shorter one's cost
+        if len(below) >= 2:
+            (k0, t0), (k1, t1) = below[-2:]
+            return t1 + max((t1 - t0) / (k1 - k0), 0.0) * (k - k1)
+        k0, t0 = pts[0] if not below else below[-1]
+        return max(t0 * (1 + 0.3 * k) / (1 + 0.3 * k0), 1e-9)
 
     def choose(self) -> int:
         self.last = self._choose()
@@ -262,7 +277,7 @@ class AdaptiveK:
         best, gain = 0, 1.0 / self._t(0)
         for k in range(1, self.k_max + 1):
             g = self.expected_tokens(k) / self._t(k)
-            if g > gain:
+            if g > gain * 1.001:              # a tie (nothing to gain) stays shorter
                 best, gain = k, g
         if best == 0:
             self.since_probe += 1
@@ -279,6 +294,11 @@ class AdaptiveK:
                 "draft_length": self.last}
 
 
+#: model -> {drafter name: AdaptiveK's cost table}: the measured cost of a round of k drafts, kept from one
+#: generation to the next (a server or a chat generates many times with one model and drafter)
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class Speculation:
     """One generation's speculative decoding (`qwenmetal.generation` runs it): the drafter, the draft length
     and the session's open verify chain. ``step(t, context)`` feeds the sampled token t with the drafts
@@ -289,7 +309,7 @@ class Speculation:
 
     def __init__(self, model: ModelBase, s: Session, drafter: Drafter, k: int | None, temperature: float = 0.0):
         self.model, self.s, self.drafter = model, s, drafter
-        self.k = AdaptiveK(fixed=k)
+        self.k = AdaptiveK(fixed=k, cost=_COSTS.setdefault(model, {}).setdefault(drafter.name, {}))
         self.temperature = float(temperature)
         self.rounds = 0
         self.open = False

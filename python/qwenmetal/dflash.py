@@ -523,8 +523,9 @@ def drafting_block(config: DFlashConfig, first_token: int, block_len: int | None
 
 
 class NativeDFlash:
-    """A backend's native DFlash forward (`ModelBase.dflash_draft`, e.g. `CpuBackend.dflash_draft`: ``new_cache()``
-    and ``forward(cache, features, block, commit) -> logits of rows 1..``) behind the reference's drafting
+    """A backend's native DFlash forward (`ModelBase.dflash_draft`: `CpuBackend.dflash_draft`,
+    `_GpuBackend.dflash_draft`; ``new_cache()`` and ``forward(cache, features, block, commit) -> logits of rows
+    1..``) behind the reference's drafting
     interface (`new_cache`, `propose`), so a `DFlashRound` runs either. DFlash only (no DFlash2 selector)."""
 
     def __init__(self, config: DFlashConfig, impl):
@@ -634,8 +635,8 @@ class DFlashDrafter(Drafter):
     distributions to the verification (the rejection rule for a drafted distribution: exact either way).
 
     The draft runs natively where the model's backend has a DFlash forward (`ModelBase.dflash_draft`: the cpu
-    engine, over the target's own embedding and lm_head in place; ``native`` is then True), else (and for
-    DFlash2) in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
+    engine, and the Metal graph of ``metal`` / ``metal-sim``, over the target's own embedding and lm_head in
+    place; ``native`` is then set), else (and for DFlash2) in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
     dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
     features (`ModelBase.returns_features`). A session's tokens from before this generation (an earlier turn, a
     restored prefix) give the draft no features: it drafts from what this generation fed.

@@ -418,8 +418,9 @@ class ModelBase:
 
     def dflash_draft(self, draft):
         """The backend's native forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`; cpu: over
-        this model's embedding, lm_head and threads, with ``new_cache()`` and ``forward(cache, features, block,
-        commit)``), or None where the backend has none."""
+        this model's embedding, lm_head and threads; metal / metal-sim: on the Metal graph over its embedding and
+        lm_head; with ``new_cache()`` and ``forward(cache, features, block, commit)``), or None where the backend
+        has none (or does not run this draft)."""
         make = getattr(self._backend, "dflash_draft", None)
         return make(draft) if make is not None else None
 

@@ -34,7 +34,7 @@ struct PyGpuDFlash {
 };
 
 // the draft's config as _GpuBackend.dflash_draft hands it over (python/qwenmetal/dflash.py, DFlashConfig)
-DFlashShape parse_shape(const nb::dict& c) {
+DFlashShape parse_dflash_shape(const nb::dict& c) {
     auto u32 = [&](const char* k) { return nb::cast<uint32_t>(c[k]); };
     auto f32 = [&](const char* k) { return nb::cast<float>(c[k]); };
     const std::string variant = nb::cast<std::string>(c["variant"]);
@@ -64,7 +64,7 @@ DFlashShape parse_shape(const nb::dict& c) {
     return s;
 }
 
-nb::object dflash_forward(PyGpuDFlash& p, GpuDFlashCache& cache, In<float, 2> features, In<int64_t, 1> block,
+nb::object gpu_dflash_forward(PyGpuDFlash& p, GpuDFlashCache& cache, In<float, 2> features, In<int64_t, 1> block,
                           bool commit) {
     const DFlashShape& s = p.draft->shape();
     const int64_t n = int64_t(features.shape(0)), L = int64_t(block.shape(0));
@@ -109,7 +109,7 @@ void register_gpu_dflash(nb::module_& g) {
              [](PyGpuDFlash* self, nb::object engine, nb::dict config, nb::list mappings, nb::dict tensors,
                 nb::object keepalive) {
                  PyGpuEngine& pe = nb::cast<PyGpuEngine&>(engine);
-                 const DFlashShape shape = parse_shape(config);
+                 const DFlashShape shape = parse_dflash_shape(config);
                  const WeightTable w = parse_table(mappings, tensors);
                  std::unique_ptr<GpuDFlash> d;
                  {
@@ -120,7 +120,7 @@ void register_gpu_dflash(nb::module_& g) {
              },
              "engine"_a, "config"_a, "mappings"_a, "tensors"_a, "keepalive"_a)
         .def("new_cache", [](PyGpuDFlash& p) { return p.draft->new_cache(); }, "an empty context cache")
-        .def("forward", &dflash_forward, "cache"_a, "features"_a, "block"_a, "commit"_a = true,
+        .def("forward", &gpu_dflash_forward, "cache"_a, "features"_a, "block"_a, "commit"_a = true,
              "One draft call: the context features [n, len(target_layer_ids) * hidden] float32 (n >= 0) of the "
              "tokens the target accepted since the last committed call, and the block's token ids [L] int64 "
              "(L >= 1: the sampled token, then mask tokens). Returns the logits of block rows 1..L-1 "

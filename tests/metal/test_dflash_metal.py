@@ -221,3 +221,15 @@ def test_published_attention_geometry_executed(models, tmp_path):
     rng = np.random.default_rng(11)
     for n, L in ((37, 16), (16, 16), (5, 16)):
         _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+
+
+def test_streaming_target(draft_dirs):
+    """A target whose experts are streamed (its embedding and lm_head each wrapped on their own): the same draft."""
+    model = _load(expert_slots=2)
+    assert model._backend.plan.stream
+    draft = load_dflash_draft(draft_dirs["mlx-q4"], model.config)
+    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    nc, rc = native.new_cache(), ref.new_cache()
+    rng = np.random.default_rng(12)
+    for n, L in ((6, 8), (2, 4)):
+        _check(native, nc, ref, rc, *_round(rng, draft, n, L))

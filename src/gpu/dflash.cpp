@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "gpu/ops/norm.h"
+#include "metal/gemm.h"
 
 namespace qwenmetal::gpu {
 
@@ -18,6 +19,14 @@ constexpr uint32_t kMaxContextRows = 1024;
 
 ops::AttnShape attn_shape(const DFlashShape& s) {
     return ops::AttnShape{s.n_heads, s.n_kv_heads, s.head_dim, s.head_dim, false, float(s.rope_theta), s.eps};
+}
+
+ops::QmvFusion norm_fused(const Buffer& w, float eps, const Buffer* xn = nullptr) {
+    ops::QmvFusion f;
+    f.norm_w = &w;
+    f.eps = eps;
+    f.xn = xn;
+    return f;
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -229,12 +238,19 @@ void GpuDFlash::encode_context(Encoder& e, GpuDFlashCache& cache, int64_t p, uin
     }
     if (L) ops::embed(e, t, tm.embed, k.ids.view(0, uint64_t(L) * 4), L, k.x);          // x = embed(block)
     const Buffer h = k.kvin.view(uint64_t(nctx) * H * es);                              // the block's normed rows
+    // a block of at most GEMM_SKINNY_MAX rows (a drafting round's): its q projection and the lm_head are qmv over
+    // its rows (what gemm runs at that M) with the RMSNorm before them fused in, as the decode graph's GEMVs: one
+    // dependency level fewer per layer and at the head
+    const bool fused = L <= GEMM_SKINNY_MAX;
     ops::GemmFusion res;
     res.residual = &k.x;
     for (uint32_t li = 0; li < s.layers; ++li) {
         const Layer& ly = layers_[li];
         const ops::KVCache& kv = cache.kv[li];
-        if (L) {
+        if (L && fused) {                                                               // q = q_proj(h), and h
+            ops::qmv(e, t, ly.q, k.x, k.proj.view(uint64_t(nctx) * stride * es), L, false, H, stride,
+                     norm_fused(ly.input_norm, s.eps, &h));
+        } else if (L) {
             ops::rmsnorm(e, t, k.x, ly.input_norm, h, L, H, s.eps);                   // h = input_layernorm(x)
             ops::gemm(e, t, ly.q, h, k.proj.view(uint64_t(nctx) * stride * es), L, false, H, stride,
                       ops::GemmFusion(), gr);                                           // q = q_proj(h)
@@ -258,7 +274,10 @@ void GpuDFlash::encode_context(Encoder& e, GpuDFlashCache& cache, int64_t p, uin
         ops::gemm(e, t, ly.gate_up, k.xn, k.act, L, false, 0, 0, sw, gr);              // act = swiglu(xn)
         ops::gemm(e, t, ly.down, k.act, k.x, L, false, 0, 0, res, gr);                 // x += down(act)
     }
-    if (L > 1) {                                                                        // rows 1.. -> the lm_head
+    if (L > 1 && fused) {                                                               // rows 1.. -> the lm_head
+        ops::qmv(e, t, tm.lm_head, k.x.view(uint64_t(H) * es), k.logits, L - 1, true, H, s.vocab,
+                 norm_fused(final_norm_, s.eps));
+    } else if (L > 1) {
         ops::rmsnorm(e, t, k.x.view(uint64_t(H) * es), final_norm_, k.xn, L - 1, H, s.eps);
         ops::gemm(e, t, tm.lm_head, k.xn, k.logits, L - 1, true, 0, 0, ops::GemmFusion(), gr);
     }

@@ -1,6 +1,6 @@
 """The DFlash draft's forward on the Metal graph (`_GpuBackend.dflash_draft`, src/gpu/dflash.*) against the numpy
 reference `DFlashReference` (the ground truth) over several rounds with a growing cache: float32 activations
-tight, bfloat16 loose, for the bf16 draft and an MLX 4-bit copy; a sliding-window layer, output multiplier and
+tight, bfloat16 loose, for the bf16 draft and MLX 4-bit and 8-bit copies; a sliding-window layer, output multiplier and
 soft cap; context rows past one pass; ``commit=False`` and argument errors leave the cache; one command buffer
 (and one host wait) per draft call; the cost of a call at the published draft's real width (encode-only).
 Simulator-verified, hardware-unverified."""
@@ -51,7 +51,8 @@ def draft_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash_metal")
     cfg = _config()
     bf16 = write_draft(root / "bf16", cfg, random_tensors(cfg, seed=5))
-    return {"bf16": bf16, "mlx-q4": write_mlx_quantized(bf16, root / "q4", bits=4, group_size=64)}
+    return {"bf16": bf16, "mlx-q4": write_mlx_quantized(bf16, root / "q4", bits=4, group_size=64),
+            "mlx-q8": write_mlx_quantized(bf16, root / "q8", bits=8, group_size=32)}
 
 
 def _reference(model, draft) -> DFlashReference:
@@ -80,12 +81,12 @@ def _check(native, nc, ref, rc, f, block, tol=TOL["float32"], commit=True):
     return got
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fmt", ["bf16", "mlx-q4"])
+@pytest.mark.parametrize("dtype,fmt", [("float32", "bf16"), ("float32", "mlx-q4"), ("float32", "mlx-q8"),
+                                       ("bfloat16", "bf16"), ("bfloat16", "mlx-q4")])
 def test_native_logits_match_the_reference_round_after_round(models, draft_dirs, dtype, fmt):
     model = models[dtype]
     draft = load_dflash_draft(draft_dirs[fmt], model.config)
-    assert draft.quantized == (fmt == "mlx-q4")
+    assert draft.quantized == fmt.startswith("mlx")
     native, ref = model.dflash_draft(draft), _reference(model, draft)
     assert isinstance(native, GpuDFlash)
     nc, rc = native.new_cache(), ref.new_cache()

@@ -39,9 +39,9 @@ std::string shape_str(const std::vector<int64_t>& s) {
 // ------------------------------------------------------------------------------------------------
 // GpuDFlashCache
 // ------------------------------------------------------------------------------------------------
-GpuDFlashCache::GpuDFlashCache(Device& dev, uint32_t layers, uint32_t n_kv_heads, uint32_t head_dim, bool kv_f32,
-                               uint32_t block)
-    : kv(layers), dev_(dev), n_kv_(n_kv_heads), hd_(head_dim), block_(std::max<uint32_t>(block, 1)), kv_f32_(kv_f32) {
+GpuDFlashCache::GpuDFlashCache(std::shared_ptr<Device> dev, uint32_t layers, uint32_t n_kv_heads, uint32_t head_dim,
+                               bool kv_f32, uint32_t block)
+    : kv(layers), dev_(std::move(dev)), n_kv_(n_kv_heads), hd_(head_dim), block_(std::max<uint32_t>(block, 1)), kv_f32_(kv_f32) {
     reserve(1);
 }
 
@@ -69,8 +69,8 @@ void GpuDFlashCache::reserve(int64_t rows) {
     const uint64_t row = uint64_t(hd_) * (kv_f32_ ? 4 : 2);
     std::vector<ops::KVCache> grown;                   // allocate everything first: strong guarantee
     for (size_t i = 0; i < kv.size(); ++i)
-        grown.push_back(ops::KVCache{dev_.alloc(n_kv_ * cap * row, "dflash.kv.k"),
-                                     dev_.alloc(n_kv_ * cap * row, "dflash.kv.v"), uint32_t(cap), kv_f32_});
+        grown.push_back(ops::KVCache{dev_->alloc(n_kv_ * cap * row, "dflash.kv.k"),
+                                     dev_->alloc(n_kv_ * cap * row, "dflash.kv.v"), uint32_t(cap), kv_f32_});
     const uint64_t hb = uint64_t(position) * row;
     for (size_t i = 0; i < kv.size() && hb; ++i)
         for (int j = 0; j < 2; ++j) {
@@ -176,7 +176,7 @@ GpuDFlash::~GpuDFlash() = default;
 
 std::unique_ptr<GpuDFlashCache> GpuDFlash::new_cache() const {
     const GpuModel& tm = target_.model();
-    return std::make_unique<GpuDFlashCache>(tm.device(), s_.layers, s_.n_kv_heads, s_.head_dim, tm.options().kv_f32,
+    return std::make_unique<GpuDFlashCache>(tm.device_ptr(), s_.layers, s_.n_kv_heads, s_.head_dim, tm.options().kv_f32,
                                             tm.options().kv_block);
 }
 

@@ -57,7 +57,9 @@ struct DFlashShape {
 // keys and values). Capacity grows by need in multiples of the target's kv_block.
 class GpuDFlashCache {
   public:
-    GpuDFlashCache(Device& dev, uint32_t layers, uint32_t n_kv_heads, uint32_t head_dim, bool kv_f32, uint32_t block);
+    // dev: the target's device, held (the cache's buffers are its allocations)
+    GpuDFlashCache(std::shared_ptr<Device> dev, uint32_t layers, uint32_t n_kv_heads, uint32_t head_dim, bool kv_f32,
+                   uint32_t block);
     GpuDFlashCache(const GpuDFlashCache& o);   // deep copy of the valid rows (device idle)
     GpuDFlashCache& operator=(const GpuDFlashCache&) = delete;
     int64_t position = 0;
@@ -65,7 +67,7 @@ class GpuDFlashCache {
     uint32_t layers() const { return uint32_t(kv.size()); }
     uint32_t kv_dim() const { return n_kv_ * hd_; }
     bool kv_f32() const { return kv_f32_; }
-    const Device* device() const { return &dev_; }
+    const Device* device() const { return dev_.get(); }
     uint64_t nbytes() const { return 2 * kv.size() * uint64_t(position) * n_kv_ * hd_ * (kv_f32_ ? 4 : 2); }
     // room for `rows` rows, the valid ones kept (allocates before anything changes: strong guarantee)
     void reserve(int64_t rows);
@@ -73,7 +75,7 @@ class GpuDFlashCache {
     std::vector<ops::KVCache> kv;              // per layer
 
   private:
-    Device& dev_;
+    std::shared_ptr<Device> dev_;
     uint32_t n_kv_, hd_, block_, capacity_ = 0;
     bool kv_f32_;
 };

@@ -50,7 +50,7 @@ const std::vector<ExpertPart>& layer_parts(const ExpertStreaming& st, int layer,
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
-// GpuModel
+// WeightBinder
 // ------------------------------------------------------------------------------------------------
 WeightBinder::WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor) : dev_(dev), w_(w), act_(act) {
     if (per_tensor) return;
@@ -244,6 +244,9 @@ Buffer WeightBinder::small(const std::string& name, bool f32, int64_t expect) {
     return b;
 }
 
+// ------------------------------------------------------------------------------------------------
+// GpuModel
+// ------------------------------------------------------------------------------------------------
 GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
                    const std::optional<ExpertStreaming>& stream)
     : dev_(std::move(dev)), cfg_(c), opt_(opt) {

@@ -80,7 +80,7 @@ static_assert(sizeof(AttnCombineParams) == 20, "AttnCombineParams: 5 x 4 bytes, 
 // running maximum before any key: finite (fast math assumes no infinities), exp2 of it is 0
 #define ATTN_NEG_INIT (-1.0e30f)
 
-// attn_prefill_d{64,128,256}_*: causal flash attention of a chunk, one threadgroup per (query block,
+// attn_prefill_d{64,128,256}_*: flash attention of a chunk (causal, or every key: AttnPrefillParams.causal), one threadgroup per (query block,
 // head chunk, kv head). The instantiation's D (64, 128 or 256) is the largest head_dim it serves: the
 // host picks the smallest D >= head_dim, so every register array and loop has a compile-time bound.
 struct AttnPrefillParams {
@@ -97,8 +97,12 @@ struct AttnPrefillParams {
     uint32_t proj_stride;  // proj elements per token row
     uint32_t output_gate;  // 1: o *= sigmoid(gate)
     float scale;           // log2(e) / sqrt(head_dim): scores in the exp2 domain
+    // the mask: causal 1 (a prompt chunk): row r sees keys 0 .. p0 + r; causal 0 (a DFlash draft's block): every
+    // row sees every key 0 .. p0 + rows - 1. window > 0 (with causal: a sliding layer): only keys > pos - window
+    uint32_t causal;
+    uint32_t window;
 };
-static_assert(sizeof(AttnPrefillParams) == 52, "AttnPrefillParams: 13 x 4 bytes, as the host packs it");
+static_assert(sizeof(AttnPrefillParams) == 60, "AttnPrefillParams: 15 x 4 bytes, as the host packs it");
 
 // side of the simdgroup matrices (8x8): the query rows of one SIMD-group and the keys of one
 // sub-step of a tile

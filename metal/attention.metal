@@ -530,6 +530,14 @@ kernel void attn_decode_combine(constant AttnCombineParams& p [[buffer(0)]], dev
 // (j = h / group): the keys of earlier chunks (0 .. p0-1, already in the cache) and the causal
 // part of this chunk (written by attn_prepare with rows).
 //
+// Two other masks (AttnPrefillParams): causal 0, every row over every key 0 .. p0 + rows - 1 (a DFlash draft's
+// block attends to its context and to the whole block); a window w > 0 (with causal: a sliding layer), only
+// keys t > p0 + r - w. Non-causal, every threadgroup reads every key; a window, the threadgroup starts at the
+// tile holding its first row's first visible key. A row whose first sub-steps are wholly masked (below its
+// window) keeps m at ATTN_NEG_INIT and accumulates exp2(0) = 1 terms there, but its own key (t = p0 + r) is
+// always visible, and the first visible score multiplies that finite garbage by exp2(ATTN_NEG_INIT - m) = 0:
+// the result is exactly that of skipping the masked keys.
+//
 // Why this shape: GQA sharing and tensor-core-style arithmetic. A threadgroup serves block_rows
 // query rows for heads_per_tg query heads of kv head j (the whole group when it has at most 16
 // heads), so every K/V tile is read from device memory once per (query block, head chunk, kv head)
@@ -594,14 +602,21 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
     const uint q0 = tg.x * p.block_rows;                  // first query row of the threadgroup
     const uint r0 = q0 + (sg / HP) * ATTN_MMA;            // first query row of the SIMD-group
     const uint n_keys = p.p0 + p.rows;
-    const uint kend = min(p.p0 + q0 + p.block_rows, n_keys);        // keys the threadgroup reads
+    // keys the threadgroup reads: [kbeg, kend) (causal: up to its last row; a window: from the tile holding its
+    // first row's first visible key)
+    const uint kend = p.causal ? min(p.p0 + q0 + p.block_rows, n_keys) : n_keys;
+    const uint lo0 = p.window && p.p0 + q0 + 1u > p.window ? p.p0 + q0 + 1u - p.window : 0u;
+    const uint kbeg = lo0 / KB * KB;
     const bool active = r0 < p.rows && gi < p.group;                 // SIMD-group-uniform
-    const uint last = active ? min(p.p0 + r0 + ATTN_MMA, n_keys) : 0u;  // keys this SIMD-group sees
+    // keys this SIMD-group sees
+    const uint last = active ? (p.causal ? min(p.p0 + r0 + ATTN_MMA, n_keys) : n_keys) : 0u;
     const uint fr = 4 * ((lane >> 4) & 1) + 2 * ((lane >> 2) & 1) + ((lane >> 1) & 1);   // fragment row
     const uint fc = 4 * ((lane >> 3) & 1) + 2 * (lane & 1);                             // and columns
     const uint row = r0 + fr;                             // the lane's query row
     const bool row_ok = row < p.rows && active;
-    const uint qpos = p.p0 + row;                         // its position: keys 0 .. qpos visible
+    const uint qpos = p.p0 + row;                         // its position
+    const uint hi = p.causal ? qpos : n_keys - 1u;        // its visible keys: lo .. hi
+    const uint lo = p.window && qpos + 1u > p.window ? qpos + 1u - p.window : 0u;
     const ulong q_row = ulong(row) * p.n_heads * hd + ulong(h) * hd;
 
     // rows >= M (the last block's padding) read row M - 1: finite, never stored
@@ -614,9 +629,9 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
     float m = ATTN_NEG_INIT, l = 0.0f;                    // running max and sum of the lane's row
     const ulong head_base = ulong(j) * p.capacity * hd;
     const uint hd4 = hd / 4;                              // 4-vectors per row (hd is a multiple of 8)
-    for (uint t0 = 0; t0 < kend; t0 += KB) {
+    for (uint t0 = kbeg; t0 < kend; t0 += KB) {
         const uint nt = min(KB, kend - t0);
-        if (t0 > 0) {
+        if (t0 > kbeg) {
             threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the last tile
         }
         // t0 * hd < capacity * head_dim < 2^32 (the host checks): 32-bit within the head
@@ -661,8 +676,9 @@ void attn_prefill(constant AttnPrefillParams& p [[buffer(0)]], device const T* q
             for (uint k = 0; k < NS; ++k) {
                 // sub-steps past the SIMD-group's last key stay 0 and are masked for every row
                 const uint key = t0 + k * ATTN_MMA + fc;
-                const float sa = key <= qpos ? sm[k].thread_elements()[0] * p.scale : ATTN_NEG_INIT;
-                const float sb = key + 1 <= qpos ? sm[k].thread_elements()[1] * p.scale : ATTN_NEG_INIT;
+                const float sa = key <= hi && key >= lo ? sm[k].thread_elements()[0] * p.scale : ATTN_NEG_INIT;
+                const float sb = key + 1 <= hi && key + 1 >= lo ? sm[k].thread_elements()[1] * p.scale
+                                                                 : ATTN_NEG_INIT;
                 sm[k].thread_elements()[0] = sa;
                 sm[k].thread_elements()[1] = sb;
                 mx = max(mx, max(sa, sb));

@@ -77,6 +77,12 @@ def test_dflash_greedy_is_plain_greedy(target_dir, draft_dir, backend):
     assert [o.token for o in outs] == plain
     st = outs[-1].stats["speculative"]
     assert st["drafter"] == "dflash" and st["drafted_tokens"] > 0 and st["mean_accepted_length"] >= 1.0
+    # the cpu engine and the Metal graph draft natively; the reference backend drafts with the numpy reference
+    d = DFlashDrafter.for_model(m, draft_dir)
+    outs = list(m.generate(PROMPT, speculative=d, speculative_k=3 if sim else 7, **kw))
+    assert [o.token for o in outs] == plain
+    assert (d.native is not None) == (backend != "reference")
+    assert (d.reference is None) == (backend != "reference")
 
 
 def test_dflash2_greedy_on_cpu_drafts_natively_and_is_plain_greedy(target_dir, tmp_path, monkeypatch):

@@ -377,6 +377,11 @@ def test_bench_speculative_quick(tmp_path, capsys):
         for chip in mm["lengths"].values():   # more tokens a round never model slower
             ls = chip["lengths"]
             assert ls["6"]["adaptive_vs_plain"] > ls["2"]["adaptive_vs_plain"] > 0
+            # the draft call costed by the draft graph (one command buffer), beside the analytic figure
+            assert chip["draft_graph_seconds"]["bf16"]["2"] > 0 and chip["draft_seconds"] > 0
+        assert all(c["command_buffers"] == 1 for r in mm["draft_modelled"]["rows"].values()
+                   for w in r.values() for c in w.values())
+        assert "the draft graph's modelled cost" in text
 
 
 def test_row_by_row_fallback_chain_ends_like_the_engines():

@@ -524,11 +524,11 @@ def drafting_block(config: DFlashConfig, first_token: int, block_len: int | None
 
 
 class NativeDFlash:
-    """A backend's native DFlash forward (`ModelBase.dflash_draft`, e.g. `CpuBackend.dflash_draft`: ``new_cache()``
-    and ``forward(cache, features, block, commit) -> logits of rows 1..``; for a DFlash2 draft also
-    ``propose(cache, features, block, commit) -> (drafts, logits)``, the drafts its candidate selector's, which
-    needs the draft's hidden rows the backend keeps) behind the reference's drafting interface (`new_cache`,
-    `propose`), so a `DFlashRound` runs either."""
+    """A backend's native DFlash forward (`ModelBase.dflash_draft`: `CpuBackend.dflash_draft`,
+    `_GpuBackend.dflash_draft`; ``new_cache()`` and ``forward(cache, features, block, commit) -> logits of rows
+    1..``; for a DFlash2 draft also ``propose(cache, features, block, commit) -> (drafts, logits)``, the drafts
+    its candidate selector's, which needs the draft's hidden rows the backend keeps) behind the reference's
+    drafting interface (`new_cache`, `propose`), so a `DFlashRound` runs either."""
 
     def __init__(self, config: DFlashConfig, impl):
         self.config = config
@@ -640,9 +640,10 @@ class DFlashDrafter(Drafter):
     distributions to the verification (the rejection rule for a drafted distribution: exact either way).
 
     The draft runs natively where the model's backend has a DFlash forward for its variant
-    (`ModelBase.dflash_draft`: the cpu engine, DFlash and DFlash2, over the target's own embedding and lm_head
-    in place; ``native`` is then set), else in this module's numpy reference (`DFlashReference`) over the
-    target's embedding and lm_head dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
+    (`ModelBase.dflash_draft`: the cpu engine for DFlash and DFlash2, the Metal graph of ``metal`` /
+    ``metal-sim`` for DFlash, over the target's own embedding and lm_head in place; ``native`` is then set),
+    else in this module's numpy reference (`DFlashReference`) over the target's embedding and lm_head
+    dequantized to float32 once per loaded model; the target runs on its backend, which must return layer
     features (`ModelBase.returns_features`). A session's tokens from before this generation (an earlier turn, a
     restored prefix) give the draft no features: it drafts from what this generation fed.
     """

@@ -418,9 +418,10 @@ class ModelBase:
 
     def dflash_draft(self, draft):
         """The backend's native forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`; cpu: over
-        this model's embedding, lm_head and threads, with ``new_cache()`` and ``forward(cache, features, block,
-        commit)``, and for a DFlash2 draft ``propose(cache, features, block, commit) -> (drafts, logits)``), or
-        None where the backend has none for the draft's variant."""
+        this model's embedding, lm_head and threads; metal / metal-sim: on the Metal graph over its embedding and
+        lm_head; with ``new_cache()`` and ``forward(cache, features, block, commit)``, and for a DFlash2 draft
+        ``propose(cache, features, block, commit) -> (drafts, logits)``), or None where the backend has none for
+        the draft's variant (or does not run this draft)."""
         make = getattr(self._backend, "dflash_draft", None)
         return make(draft) if make is not None else None
 

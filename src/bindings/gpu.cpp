@@ -263,6 +263,7 @@ void register_gpu(nb::module_& m) {
     register_gpu_ops_sample(ops);
     register_gpu_ops_gemm(ops);
     register_gpu_graph(g);
+    register_gpu_dflash(g);
 }
 
 }  // namespace qwenmetal::bindings

@@ -3,13 +3,30 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <memory>
 #include <string>
 
 #include "gpu/device.h"
 #include "gpu/encoder.h"
 #include "gpu/ops/common.h"
 
+namespace qwenmetal::gpu {
+class GpuModel;
+class GpuEngine;
+struct StepCost;
+}  // namespace qwenmetal::gpu
+
 namespace qwenmetal::bindings {
+
+// the Python gpu.GpuEngine (gpu_graph.cpp); a DFlash draft over it (gpu_dflash.cpp) holds the object
+struct PyGpuEngine {
+    std::shared_ptr<gpu::GpuModel> model;
+    std::unique_ptr<gpu::GpuEngine> engine;
+    nanobind::object keepalive;     // the numpy arrays (mmap views) the mappings point into
+};
+
+// a StepCost as a dict (gpu_graph.cpp); level_bytes / level_flops: u64 arrays, one entry per dependency level
+nanobind::dict cost_dict(const gpu::StepCost& c);
 
 // a device buffer over a numpy array's memory, keeping the array alive
 gpu::Buffer wrap_array(gpu::Device& dev, nanobind::ndarray<nanobind::c_contig, nanobind::device::cpu> a,
@@ -28,5 +45,7 @@ void register_metal_device(nanobind::module_& g);   // src/bindings/gpu_metal.cp
 #endif
 // the decode graph and the metal-sim backend's engine (gpu_graph.cpp)
 void register_gpu_graph(nanobind::module_& g);
+// a DFlash draft on the graph (gpu_dflash.cpp): GpuDFlashDraft, GpuDFlashCache
+void register_gpu_dflash(nanobind::module_& g);
 
 }  // namespace qwenmetal::bindings

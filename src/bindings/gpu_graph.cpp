@@ -26,12 +26,6 @@ using namespace qwenmetal::gpu;
 
 namespace {
 
-struct PyGpuEngine {
-    std::shared_ptr<GpuModel> model;
-    std::unique_ptr<GpuEngine> engine;
-    nb::object keepalive;     // the numpy arrays (mmap views) the mappings point into
-};
-
 template <class T>
 nb::ndarray<nb::numpy, T> copy_out(const void* src, std::vector<size_t> shape) {
     size_t n = 1;
@@ -41,6 +35,8 @@ nb::ndarray<nb::numpy, T> copy_out(const void* src, std::vector<size_t> shape) {
     nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<T*>(q); });
     return nb::ndarray<nb::numpy, T>(p, shape.size(), shape.data(), owner);
 }
+
+}  // namespace
 
 // a StepCost as a dict; level_bytes / level_flops: u64 arrays, one entry per dependency level
 nb::dict cost_dict(const StepCost& c) {
@@ -63,6 +59,8 @@ nb::dict cost_dict(const StepCost& c) {
     d["command_buffer_levels"] = copy_out<uint64_t>(c.command_buffer_levels.data(), {c.command_buffer_levels.size()});
     return d;
 }
+
+namespace {
 
 void need_host(const Buffer& b, const char* what) {
     if (!b.data()) throw std::invalid_argument(std::string("metal backend: ") + what + " has no host contents (encode-only)");

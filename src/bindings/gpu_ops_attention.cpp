@@ -66,15 +66,17 @@ void register_gpu_ops_attention(nb::module_& ops) {
             [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,
                const gpu::Buffer& k_cache, const gpu::Buffer& v_cache, uint32_t p0, uint32_t M, const gpu::Buffer& o,
                uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t capacity, bool output_gate,
-               const std::string& kv_dtype, uint32_t proj_stride) {
+               const std::string& kv_dtype, uint32_t proj_stride, bool causal, uint32_t window) {
                 gpu::ops::attention_prefill(e, gpu::parse_act(t),
                                             make_shape(n_heads, n_kv_heads, head_dim, 0, output_gate, 0.0f, 0.0f), q,
-                                            proj, proj_stride, make_cache(k_cache, v_cache, capacity, kv_dtype), p0, M, o);
+                                            proj, proj_stride, make_cache(k_cache, v_cache, capacity, kv_dtype), p0, M, o,
+                                            gpu::ops::AttnMask{causal, window});
             },
             "encoder"_a, "dtype"_a, "q"_a, "proj"_a, "k_cache"_a, "v_cache"_a, "p0"_a, "M"_a, "o"_a, nb::kw_only(),
             "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "capacity"_a, "output_gate"_a = true, "kv_dtype"_a = "bfloat16",
-            "proj_stride"_a = 0,
-            "causal flash attention of M query rows at positions p0.. over cache keys 0..p0+M-1, gated.");
+            "proj_stride"_a = 0, "causal"_a = true, "window"_a = 0,
+            "flash attention of M query rows at positions p0.. over cache keys 0..p0+M-1, gated: causal (row r sees "
+            "keys <= p0 + r) or not (every row every key); window > 0 (causal only): keys > p0 + r - window.");
 
     ops.def("attention_prefill_geometry",
             [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t M, const std::string& kv_dtype) {

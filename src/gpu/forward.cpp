@@ -1079,7 +1079,6 @@ void GpuEngine::rewind(GpuState& st, int64_t keep) {
     st.rewind(keep);
 }
 
-namespace {
 StepCost cost_of(const Encoder& e, const Counters& k) {
     StepCost r;
     r.dispatches = e.stats().dispatches;
@@ -1094,7 +1093,6 @@ StepCost cost_of(const Encoder& e, const Counters& k) {
     if (r.command_buffer_levels.empty()) r.command_buffer_levels.push_back(0);
     return r;
 }
-}  // namespace
 
 StepCost GpuEngine::encode_cost_impl(GpuState& st, const std::vector<int64_t>& layers) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1161,19 +1159,6 @@ StepCost GpuEngine::batch_cost_impl(const std::vector<GpuState*>& states) {
 }
 
 // ---------------------------------------------------------------------------------------------- recovery
-namespace {
-// f(); after a DeviceError (every command buffer of the call has completed by then: the calls wait for
-// what they committed before they throw) the device gets a new queue, then the error goes up
-template <class F>
-auto recovering(Device& d, F&& f) -> decltype(f()) {
-    try {
-        return f();
-    } catch (const DeviceError&) {
-        d.recover();
-        throw;
-    }
-}
-}  // namespace
 
 void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
                         const FeatureRequest* feats) {

@@ -50,26 +50,41 @@ const std::vector<ExpertPart>& layer_parts(const ExpertStreaming& st, int layer,
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
-// GpuModel
+// WeightBinder
 // ------------------------------------------------------------------------------------------------
-Buffer GpuModel::owned(uint64_t bytes, const std::string& label) {
-    Buffer b = dev_->alloc(bytes, label);
-    copied_bytes_ += bytes;
+WeightBinder::WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor) : dev_(dev), w_(w), act_(act) {
+    if (per_tensor) return;
+    // weights are only read; the largest tensor of each file is the largest view bound from it
+    std::vector<uint64_t> largest(w.mappings.size(), 0);
+    for (const auto& [name, t] : w.tensors)
+        for (const Span* s : {&t.data, &t.scales, &t.biases})
+            if (s->present()) largest[size_t(s->mapping)] = std::max(largest[size_t(s->mapping)], s->nbytes);
+    for (size_t i = 0; i < w.mappings.size(); ++i) {
+        const Mapping& mp = w.mappings[i];
+        if (!mp.base) maps_.push_back(dev_.alloc(mp.size, mp.name));
+        else maps_.push_back(dev_.wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]}));
+    }
+}
+
+Buffer WeightBinder::owned(uint64_t bytes, const std::string& label) {
+    Buffer b = dev_.alloc(bytes, label);
+    copied_bytes += bytes;
     return b;
 }
 
-Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& what) {
+Buffer WeightBinder::span(const Span& s, const std::string& what) {
+    const WeightTable& w = w_;
     if (!s.present()) throw std::invalid_argument("metal backend: tensor '" + what + "' has no data");
     const Mapping& mp = w.mappings.at(size_t(s.mapping));
     if (s.offset + s.nbytes > mp.size)
         throw std::invalid_argument("metal backend: tensor '" + what + "' lies outside its mapping " + mp.name);
-    weight_bytes_ += s.nbytes;
+    weight_bytes += s.nbytes;
     if (s.offset % kAlign == 0) {
         if (!maps_.empty()) return maps_[size_t(s.mapping)].view(s.offset, s.nbytes);
         // streaming: each tensor wraps only its own pages, so no buffer covers a routed expert's pages
         // (a whole-file buffer would make the device map, and on a GPU make resident, the expert stacks)
-        return dev_->wrap(static_cast<const uint8_t*>(mp.base) + s.offset, s.nbytes, what, nullptr, nullptr,
-                          WrapHints{true, s.nbytes});
+        return dev_.wrap(static_cast<const uint8_t*>(mp.base) + s.offset, s.nbytes, what, nullptr, nullptr,
+                         WrapHints{true, s.nbytes});
     }
     // a tensor whose offset in its file is not 16-byte aligned: one aligned copy
     Buffer b = owned(s.nbytes, what);
@@ -79,12 +94,13 @@ Buffer GpuModel::span(const WeightTable& w, const Span& s, const std::string& wh
 
 // A stack whose matrices are not adjacent in their file (HF's fused experts viewed as gate / up): the
 // kernels index experts by matrix size, so the matrices are gathered into one buffer, once.
-Buffer GpuModel::gathered(const WeightTable& w, const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
-                          const std::string& what) {
+Buffer WeightBinder::gathered(const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
+                              const std::string& what) {
+    const WeightTable& w = w_;
     if (!s.present()) throw std::invalid_argument("metal backend: tensor '" + what + "' has no data");
     if ((count - 1) * stride + matrix_bytes > s.nbytes)
         throw std::invalid_argument("metal backend: tensor '" + what + "': stride past its span");
-    weight_bytes_ += count * matrix_bytes;
+    weight_bytes += count * matrix_bytes;
     Buffer b = owned(count * matrix_bytes, what);
     if (const uint8_t* src = w.host(s))
         for (uint64_t e = 0; e < count; ++e) std::memcpy(b.as<uint8_t>() + e * matrix_bytes, src + e * stride, matrix_bytes);
@@ -105,12 +121,13 @@ Matrix matrix_shape(const WeightDesc& d, const std::string& name) {
 }
 }  // namespace
 
-Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
+Matrix WeightBinder::matrix(const std::string& name) {
+    const WeightTable& w = w_;
     const WeightDesc& d = w.get(name);
     Matrix m = matrix_shape(d, name);
     const uint64_t wmat = uint64_t(m.rows) * m.row_bytes(), smat = uint64_t(m.rows) * m.srow_bytes();
     const bool strided = m.count > 1 && d.stride && d.stride != wmat;
-    m.w = strided ? gathered(w, d.data, d.stride, m.count, wmat, name + ".weight") : span(w, d.data, name + ".weight");
+    m.w = strided ? gathered(d.data, d.stride, m.count, wmat, name + ".weight") : span(d.data, name + ".weight");
     if (quantized(m.fmt)) {
         if (d.sdtype == DType::F16) {
             if (m.count > 1 && d.sstride && d.sstride != smat)
@@ -131,11 +148,11 @@ Matrix GpuModel::matrix(const WeightTable& w, const std::string& name) {
         } else {
             m.scales_f32 = d.sdtype == DType::F32;
             if (m.count > 1 && d.sstride && d.sstride != smat) {
-                m.scales = gathered(w, d.scales, d.sstride, m.count, smat, name + ".scales");
-                m.biases = gathered(w, d.biases, d.sstride, m.count, smat, name + ".biases");
+                m.scales = gathered(d.scales, d.sstride, m.count, smat, name + ".scales");
+                m.biases = gathered(d.biases, d.sstride, m.count, smat, name + ".biases");
             } else {
-                m.scales = span(w, d.scales, name + ".scales");
-                m.biases = span(w, d.biases, name + ".biases");
+                m.scales = span(d.scales, name + ".scales");
+                m.biases = span(d.biases, name + ".biases");
             }
         }
     }
@@ -174,9 +191,9 @@ Matrix GpuModel::slot_stack(const WeightTable& w, const std::string& name, const
     return m;
 }
 
-Stacked GpuModel::stacked(const WeightTable& w, const std::vector<std::string>& names) {
+Stacked WeightBinder::stacked(const std::vector<std::string>& names) {
     std::vector<Matrix> parts;
-    for (const std::string& n : names) parts.push_back(matrix(w, n));
+    for (const std::string& n : names) parts.push_back(matrix(n));
     Stacked st;
     for (const Matrix& p : parts) st.rows += p.rows;
     bool same = true;
@@ -211,14 +228,15 @@ Stacked GpuModel::stacked(const WeightTable& w, const std::vector<std::string>& 
     return st;
 }
 
-Buffer GpuModel::small(const WeightTable& w, const std::string& name, bool f32, int64_t expect) {
+Buffer WeightBinder::small(const std::string& name, bool f32, int64_t expect) {
+    const WeightTable& w = w_;
     const WeightDesc& d = w.get(name);
     int64_t n = 1;
     for (int64_t s : d.shape) n *= s;
     if (d.bits != 0 || n != expect)
         throw std::invalid_argument("metal backend: '" + name + "' must be a dense tensor of " + std::to_string(expect) +
                                     " values");
-    const Act t = f32 ? Act::F32 : opt_.act;
+    const Act t = f32 ? Act::F32 : act_;
     Buffer b = owned(uint64_t(n) * act_size(t), name);
     const uint8_t* src = w.host(d.data);
     if (src && b.data())
@@ -226,6 +244,9 @@ Buffer GpuModel::small(const WeightTable& w, const std::string& name, bool f32, 
     return b;
 }
 
+// ------------------------------------------------------------------------------------------------
+// GpuModel
+// ------------------------------------------------------------------------------------------------
 GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
                    const std::optional<ExpertStreaming>& stream)
     : dev_(std::move(dev)), cfg_(c), opt_(opt) {
@@ -239,57 +260,46 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
     if (stream && (S < 1 || S > c.n_experts))
         throw std::invalid_argument("metal backend: expert_slots must be in [1, " + std::to_string(c.n_experts) +
                                     "], got " + std::to_string(S));
-    if (!stream) {
-        // weights are only read; the largest tensor of each file is the largest view bound from it
-        std::vector<uint64_t> largest(w.mappings.size(), 0);
-        for (const auto& [name, t] : w.tensors)
-            for (const Span* s : {&t.data, &t.scales, &t.biases})
-                if (s->present()) largest[size_t(s->mapping)] = std::max(largest[size_t(s->mapping)], s->nbytes);
-        for (size_t i = 0; i < w.mappings.size(); ++i) {
-            const Mapping& mp = w.mappings[i];
-            if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
-            else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]}));
-        }
-    }
+    WeightBinder bind(*dev_, w, opt_.act, stream.has_value());
     std::map<int, std::vector<void*>> bases;      // streaming: each MoE layer's slot stacks, in part order
     const int64_t H = c.hidden;
     int64_t n_attention = 0, n_gdn = 0;
-    embed = matrix(w, "embed_tokens");
-    lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : matrix(w, "lm_head");
-    final_norm = small(w, "norm", false, H);
+    embed = bind.matrix("embed_tokens");
+    lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : bind.matrix("lm_head");
+    final_norm = bind.small("norm", false, H);
     for (int64_t i = 0; i < c.n_layers; ++i) {
         const std::string p = "layers." + std::to_string(i) + ".";
         GpuLayer L;
         L.attention = c.layer_is_attention[size_t(i)] != 0;
         L.moe = c.layer_is_moe[size_t(i)] != 0;
         L.state_index = uint32_t(L.attention ? n_attention++ : n_gdn++);
-        L.input_norm = small(w, p + "input_layernorm", false, H);
-        L.post_norm = small(w, p + "post_attention_layernorm", false, H);
+        L.input_norm = bind.small(p + "input_layernorm", false, H);
+        L.post_norm = bind.small(p + "post_attention_layernorm", false, H);
         if (L.attention) {
             const std::string a = p + "self_attn.";
-            L.attn_in = stacked(w, {a + "q_proj", a + "k_proj", a + "v_proj"});
-            L.o_proj = matrix(w, a + "o_proj");
-            L.q_norm = small(w, a + "q_norm", false, c.head_dim);
-            L.k_norm = small(w, a + "k_norm", false, c.head_dim);
+            L.attn_in = bind.stacked({a + "q_proj", a + "k_proj", a + "v_proj"});
+            L.o_proj = bind.matrix(a + "o_proj");
+            L.q_norm = bind.small(a + "q_norm", false, c.head_dim);
+            L.k_norm = bind.small(a + "k_norm", false, c.head_dim);
         } else {
             const std::string g = p + "linear_attn.";
-            L.gdn_in = stacked(w, {g + "in_proj_qkv", g + "in_proj_z", g + "in_proj_b", g + "in_proj_a"});
-            L.out_proj = matrix(w, g + "out_proj");
-            L.conv_w = small(w, g + "conv1d", true, c.conv_dim() * c.conv_kernel);
-            L.A_log = small(w, g + "A_log", true, c.nv);
-            L.dt_bias = small(w, g + "dt_bias", true, c.nv);
-            L.gdn_norm = small(w, g + "norm", false, c.dv);
+            L.gdn_in = bind.stacked({g + "in_proj_qkv", g + "in_proj_z", g + "in_proj_b", g + "in_proj_a"});
+            L.out_proj = bind.matrix(g + "out_proj");
+            L.conv_w = bind.small(g + "conv1d", true, c.conv_dim() * c.conv_kernel);
+            L.A_log = bind.small(g + "A_log", true, c.nv);
+            L.dt_bias = bind.small(g + "dt_bias", true, c.nv);
+            L.gdn_norm = bind.small(g + "norm", false, c.dv);
         }
         const std::string m = p + "mlp.";
         if (L.moe) {
             L.has_shared = w.has(m + "shared_expert.gate_proj");
             std::vector<std::string> r = {m + "gate"};
             if (L.has_shared) r.push_back(m + "shared_expert_gate");
-            L.router = stacked(w, r);
+            L.router = bind.stacked(r);
             const char* mats[3] = {"gate_proj", "up_proj", "down_proj"};
             Matrix* dst[3] = {&L.gate, &L.up, &L.down};
             if (!stream) {
-                for (int j = 0; j < 3; ++j) *dst[j] = matrix(w, m + "switch_mlp." + mats[j]);
+                for (int j = 0; j < 3; ++j) *dst[j] = bind.matrix(m + "switch_mlp." + mats[j]);
             } else {
                 // the layer's parts: 3 per quantized stack (weight, scales, biases), 1 per dense one
                 size_t want = 0;
@@ -302,21 +312,23 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
                 }
             }
             if (L.has_shared) {
-                Stacked gu = stacked(w, {m + "shared_expert.gate_proj", m + "shared_expert.up_proj"});
+                Stacked gu = bind.stacked({m + "shared_expert.gate_proj", m + "shared_expert.up_proj"});
                 if (gu.parts.size() != 1)
                     throw std::invalid_argument("metal backend: " + m + "shared_expert gate/up projections differ in format");
                 L.shared_gate_up = gu.parts[0];
-                L.shared_down = matrix(w, m + "shared_expert.down_proj");
+                L.shared_down = bind.matrix(m + "shared_expert.down_proj");
             }
         } else {
-            Stacked gu = stacked(w, {m + "gate_proj", m + "up_proj"});
+            Stacked gu = bind.stacked({m + "gate_proj", m + "up_proj"});
             if (gu.parts.size() != 1)
                 throw std::invalid_argument("metal backend: " + m + "gate/up projections differ in format");
             L.mlp_gate_up = gu.parts[0];
-            L.mlp_down = matrix(w, m + "down_proj");
+            L.mlp_down = bind.matrix(m + "down_proj");
         }
         layers.push_back(std::move(L));
     }
+    weight_bytes_ += bind.weight_bytes;
+    copied_bytes_ += bind.copied_bytes;
     if (stream) experts_ = std::make_unique<ExpertCache>(stream->files, stream->layers, stream->cache, bases);
 }
 

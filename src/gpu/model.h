@@ -94,6 +94,32 @@ struct GpuLayer {
     Matrix mlp_gate_up, mlp_down;                // [2 I, H], [H, I]
 };
 
+// Binds the tensors of a weights table as device matrices and vectors: each mapping one device buffer wrapping
+// its memory (a tensor is a view of it by offset), or with `per_tensor` (streaming: no buffer may cover the routed
+// experts' pages) each tensor a wrap of its own pages; a tensor whose offset is not 16-byte aligned, a stacked
+// projection and float16 scales are copied once. The target model's weights (GpuModel) and a DFlash draft's
+// (GpuDFlash) are bound by it. weight_bytes / copied_bytes: the bytes bound so far, and of them copied.
+class WeightBinder {
+  public:
+    WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor = false);
+    const WeightTable& table() const { return w_; }
+    Buffer span(const Span& s, const std::string& what);
+    Matrix matrix(const std::string& name);
+    // the rows of several tensors concatenated: one matrix when they share format, group size and scale type
+    Stacked stacked(const std::vector<std::string>& names);
+    // a dense vector of `expect` values as the activation type (f32: float), converted once
+    Buffer small(const std::string& name, bool f32, int64_t expect);
+    Buffer owned(uint64_t bytes, const std::string& label);
+    Buffer gathered(const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes, const std::string& what);
+    uint64_t weight_bytes = 0, copied_bytes = 0;
+
+  private:
+    Device& dev_;
+    const WeightTable& w_;
+    Act act_;
+    std::vector<Buffer> maps_;       // one per mapping (empty with per_tensor: see span())
+};
+
 class GpuModel {
   public:
     // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache)
@@ -114,20 +140,12 @@ class GpuModel {
     std::vector<GpuLayer> layers;
 
   private:
-    Buffer span(const WeightTable& w, const Span& s, const std::string& what);
     Matrix slot_stack(const WeightTable& w, const std::string& name, const ExpertPart* parts, uint32_t slots,
                       std::vector<void*>& bases);
-    Buffer gathered(const WeightTable& w, const Span& s, uint64_t stride, uint64_t count, uint64_t matrix_bytes,
-                    const std::string& what);
-    Matrix matrix(const WeightTable& w, const std::string& name);
-    Stacked stacked(const WeightTable& w, const std::vector<std::string>& names);
-    Buffer small(const WeightTable& w, const std::string& name, bool f32, int64_t expect);
-    Buffer owned(uint64_t bytes, const std::string& label);
 
     std::shared_ptr<Device> dev_;
     Config cfg_;
     GpuOptions opt_;
-    std::vector<Buffer> maps_;       // one per mapping (resident mode; empty when streaming: see span())
     std::unique_ptr<ExpertCache> experts_;
     uint64_t weight_bytes_ = 0, copied_bytes_ = 0, slot_bytes_ = 0;
 };
@@ -243,6 +261,22 @@ struct StepCost {
     std::vector<uint64_t> command_buffer_levels;   // the first level of each command buffer (into per_level)
 };
 
+// The StepCost of what `e` encoded, with the device's counters (command buffers, host waits) since its last
+// reset_counters()
+StepCost cost_of(const Encoder& e, const Counters& k);
+
+// f(); after a DeviceError (every command buffer of the call has completed by then: the calls wait for
+// what they committed before they throw) the device gets a new queue (Device::recover), then the error goes up
+template <class F>
+auto recovering(Device& d, F&& f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const DeviceError&) {
+        d.recover();
+        throw;
+    }
+}
+
 struct SamplingConfig {
     bool greedy = true;
     ops::SampleParams params;
@@ -255,6 +289,13 @@ class GpuEngine {
     ~GpuEngine();
     const GpuModel& model() const { return *m_; }
     std::unique_ptr<GpuState> new_state() const { return std::make_unique<GpuState>(*m_); }
+    // f() under the engine's lock: what else runs on this engine's device and weights (a DFlash draft over its
+    // embedding and lm_head, gpu/dflash.h) runs one call at a time with the engine's own calls
+    template <class F>
+    auto exclusive(F&& f) -> decltype(f()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        return f();
+    }
 
     // Prefill `ids` (host token ids) in chunks of prefill_chunk rows, each cut into command buffers committed
     // back to back (GpuOptions::command_buffer_seconds) with no host read-back inside it; logits of the last token (want 1), of every token (want 2: chunks

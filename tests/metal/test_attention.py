@@ -5,7 +5,8 @@ every route (single pass, split-K + combine, bounded two-pass; with and without 
 float64 softmax attention on exactly the q, K, V and gate the kernels see; prepare + decode over many
 steps against reference.full_attention; the real model's attention shape once. Prefill: attn_prepare over
 M rows against M decode prepares (bit for bit); attention_prefill against float64 causal attention (GQA
-1/2/3/8, p0 > 0, M not a multiple of the query block, head_dim 8..256) and, after prepare, a prompt as one
+1/2/3/8, p0 > 0, M not a multiple of the query block, head_dim 8..256), without the causal mask and with a
+sliding window (a DFlash draft's block), and, after prepare, a prompt as one
 chunk and as several against reference.full_attention (the chunked run bit-equal to the single one).
 Simulator-verified, hardware-unverified.
 """
@@ -454,15 +455,18 @@ def test_prepare_rows_equals_decode_prepares(schedule, t, kv):
 
 
 # ---------------------------------------------------------------------------------------------- prefill
-def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, bf16=False):
-    """float64 causal gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]; bf16:
-    the output rounded as the kernel's."""
+def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, bf16=False, causal=True, window=0):
+    """float64 gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]; causal (or every
+    key), keys within `window` of the row's position (0: all); bf16: the output rounded as the kernel's."""
     G = nh // nkv
     n = p0 + M
     q64 = np.asarray(q, np.float64).reshape(M, nkv, G, hd)
     s = np.einsum("mjgd,jtd->jgmt", q64, np.asarray(K[:, :n], np.float64)) / np.sqrt(hd)
-    causal = np.arange(n)[None, :] <= (p0 + np.arange(M))[:, None]
-    s = np.where(causal, s, -np.inf)
+    kpos, qpos = np.arange(n)[None, :], (p0 + np.arange(M))[:, None]
+    visible = kpos <= qpos if causal else np.ones((M, n), bool)
+    if window:
+        visible = visible & (qpos - kpos < window)
+    s = np.where(visible, s, -np.inf)
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
     o = np.einsum("jgmt,jtd->mjgd", pr, np.asarray(V[:, :n], np.float64)).reshape(M, nh, hd)
@@ -470,9 +474,9 @@ def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, bf16=False):
     return gated_out(o, g, bf16).reshape(M, nh * hd)
 
 
-def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0):
+def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0, causal=True, window=0):
     """attention_prefill on random q, proj (rows `pad` elements longer than the stacked row), K/V (rows past
-    the context NaN: never read), o NaN-filled; checked against prefill_ref."""
+    the context NaN: never read), o NaN-filled; checked against prefill_ref (with the mask `causal`, `window`)."""
     T, KV = ACT[t], ACT[kv]
     cap = cap or p0 + M + 2
     n = p0 + M
@@ -487,9 +491,9 @@ def run_prefill(schedule, t, kv, nh, nkv, hd, p0, M, gate, rng, cap=None, pad=0)
     with run(schedule, seed=M + p0) as (dev, enc, buf):
         ops.attention_prefill(enc, DT[t], buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), n_heads=nh,
                               n_kv_heads=nkv, head_dim=hd, capacity=cap, output_gate=gate, kv_dtype=DT[kv],
-                              proj_stride=stride)
+                              proj_stride=stride, causal=causal, window=window)
         assert enc.dispatches == 1
-    ref = prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, t == "bf16")
+    ref = prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, t == "bf16", causal, window)
     assert not np.isnan(np.asarray(o, np.float64)).any()
     check_out(o, ref, TOL[t], f"{(nh, nkv, hd, p0, M)}")
     return o
@@ -563,6 +567,45 @@ def test_prefill_head_dims(hd):
 def test_prefill_hypothesis(nkv, G, hd, p0, M, gate, t, kv, schedule, seed):
     run_prefill(schedule, t, kv, G * nkv, nkv, hd, p0, M, gate, np.random.default_rng(seed),
                 cap=p0 + M + seed % 3, pad=seed % 4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_prefill_masks(schedule):
+    """The DFlash draft's masks: every row over every key (its block after its context: p0 > 0, rows crossing
+    query blocks and tiles, GQA, both dtypes, no gate) and a sliding window (causal, keys within `window` of the
+    row: windows shorter than a tile, than the block, longer than the context; threadgroups starting past key 0)."""
+    rng = np.random.default_rng(21)
+    for t, kv in (("f32", "f32"), ("bf16", "bf16")):
+        for p0, M in ((0, 1), (0, 16), (7, 9), (40, 16), (3, 70)):
+            run_prefill(schedule, t, kv, 8, 2, 32, p0, M, False, rng, causal=False)
+    for p0, M, w in ((0, 12, 5), (30, 16, 3), (30, 16, 20), (5, 40, 17), (2, 9, 100), (61, 3, 1)):
+        run_prefill(schedule, "f32", "f32", 4, 2, 16, p0, M, w % 2 == 0, rng, window=w)
+
+
+def test_prefill_mask_declared_bytes_and_flops():
+    """Without the causal mask every block reads every key and every row scores every key; a window starts each
+    block at the tile of its first row's first visible key and scores min(window, pos + 1) keys per row."""
+    nh, nkv, hd, p0, M = 4, 2, 16, 40, 20
+    cap = p0 + M
+    f = lambda *s: np.zeros(s, np.float32)
+    q, proj, o, K, V = f(M, nh * hd), f(M, nh * hd), f(M, nh * hd), f(nkv, cap, hd), f(nkv, cap, hd)
+    g = dict(zip(GEOMETRY, ops.attention_prefill_geometry(nh, nkv, hd, M, kv_dtype="float32")))
+    kw = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, capacity=cap, kv_dtype="float32", output_gate=False)
+    with run() as (dev, enc, buf):
+        ops.attention_prefill(enc, "float32", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), causal=False, **kw)
+        assert enc.flops == 4 * nh * hd * M * cap
+        assert enc.bytes_read == M * nh * hd * 4 + 2 * nkv * g["chunks"] * g["blocks"] * cap * hd * 4   # q, K, V
+    w = 9
+    with run() as (dev, enc, buf):
+        ops.attention_prefill(enc, "float32", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), window=w, **kw)
+        assert enc.flops == 4 * nh * hd * M * w
+        tk = g["tile_keys"]
+        keys = sum(min(p0 + (b + 1) * g["block_rows"], cap) - max(0, p0 + b * g["block_rows"] + 1 - w) // tk * tk
+                   for b in range(g["blocks"]))
+        assert enc.bytes_read == M * nh * hd * 4 + 2 * nkv * g["chunks"] * keys * hd * 4
+        with pytest.raises(ValueError, match="attention_prefill: a window needs the causal mask"):
+            ops.attention_prefill(enc, "float32", buf(q), buf(proj), buf(K), buf(V), p0, M, buf(o), causal=False,
+                                  window=4, **kw)
 
 
 def test_prefill_one_row_is_decode():

@@ -59,7 +59,7 @@ from ..expert_streaming import plan as stream_plan
 from ..native import core
 from ..weights import QuantizedTensor, Weights
 from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
-from .engine import EngineBackend
+from .engine import EngineBackend, dflash_dims
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
@@ -297,18 +297,7 @@ class CpuDFlash:
                 small[name] = np.ascontiguousarray(np.asarray(a, np.float32).reshape(-1))
             else:
                 linear[name] = describe(a, keep)
-        windows = [int(c.sliding_window) if kind == "sliding_attention" else 0 for kind in c.layer_types]
-        cfg = dict(variant=c.variant, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-                   intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-                   num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-                   num_feature_layers=len(c.target_layer_ids), rms_norm_eps=float(c.rms_norm_eps),
-                   rope_theta=float(c.rope_theta), windows=windows, attention_bias=bool(c.attention_bias),
-                   input_embedding_scale=float(c.input_embedding_scale),
-                   output_multiplier=float(c.output_multiplier),
-                   final_logit_softcapping=float(c.final_logit_softcapping or 0.0),
-                   conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
-                   selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
-        self.impl = core().CpuDFlashDraft(backend.engine, cfg, linear, small, (keep, draft.source))
+        self.impl = core().CpuDFlashDraft(backend.engine, dflash_dims(c), linear, small, (keep, draft.source))
 
     def new_cache(self):
         """An empty context cache (``position`` 0)."""

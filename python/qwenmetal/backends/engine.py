@@ -10,6 +10,22 @@ import numpy as np
 from ..session_io import gdn_state_arrays, gdn_state_vectors
 
 
+def dflash_dims(c) -> dict:
+    """A DFlash draft's config (`qwenmetal.dflash.DFlashConfig`) as the native drafts take it (the cpu engine's
+    CpuDFlashDraft, the Metal graph's GpuDFlashDraft): its dimensions, per-layer attention windows (0: full),
+    scalings and DFlash2's convolution and selector sizes."""
+    windows = [int(c.sliding_window) if kind == "sliding_attention" else 0 for kind in c.layer_types]
+    return dict(variant=c.variant, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+                num_feature_layers=len(c.target_layer_ids), rms_norm_eps=float(c.rms_norm_eps),
+                rope_theta=float(c.rope_theta), windows=windows, attention_bias=bool(c.attention_bias),
+                input_embedding_scale=float(c.input_embedding_scale), output_multiplier=float(c.output_multiplier),
+                final_logit_softcapping=float(c.final_logit_softcapping or 0.0),
+                conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
+
+
 class EngineBackend:
     # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
     def expert_counters(self) -> dict:

@@ -53,7 +53,7 @@ from ..weights import Weights
 from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
-from .engine import EngineBackend
+from .engine import EngineBackend, dflash_dims
 
 DTYPES = ("bfloat16", "float32")
 # SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
@@ -211,6 +211,17 @@ class _GpuBackend(EngineBackend):
         return self.engine.decode_batch(list(states), np.ascontiguousarray(ids, dtype=np.int64),
                                         None if consumed is None else list(consumed))
 
+    def dflash_draft(self, draft) -> "GpuDFlash | None":
+        """The forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`) on this backend's graph and
+        device: over this model's embedding and lm_head, the draft's weights bound in place (bf16 or MLX-quantized),
+        one command buffer per draft call (docs/metal.md, "The DFlash draft graph"). None for a draft the graph does
+        not run (DFlash2, ``attention_bias``, an ``input_embedding_scale`` other than 1: the numpy reference runs
+        those); ValueError for one that does not fit this model."""
+        c = draft.config
+        if c.variant != "dflash" or not GpuDFlash.runs(c):
+            return None
+        return GpuDFlash(self, draft)
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config
@@ -230,6 +241,62 @@ class _GpuBackend(EngineBackend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dtype={self.dtype!r}, kv_dtype={self.kv_dtype!r}, device={self.device.info['name']!r})"
+
+
+class GpuDFlash:
+    """A DFlash draft's forward on the Metal graph (`_GpuBackend.dflash_draft`; src/gpu/dflash.h): the computation
+    of `qwenmetal.dflash.DFlashReference.forward` + ``logits`` for the block rows 1.., in the backend's activation
+    type (float32: to the reference's tolerance; bfloat16: rounded where the graph rounds), over the target's
+    embedding and lm_head, one call at a time with the target's own (the engine's lock). Its context cache
+    (`new_cache`, a ``_core.gpu.GpuDFlashCache`` with ``position``) belongs to the caller. Simulator-verified,
+    hardware-unverified."""
+
+    @staticmethod
+    def runs(config) -> bool:
+        """Whether the graph runs a DFlash draft of `config` (no attention bias, no input embedding scale)."""
+        return config.variant == "dflash" and not config.attention_bias and config.input_embedding_scale == 1.0
+
+    def __init__(self, backend: _GpuBackend, draft):
+        c = draft.config
+        if c.variant != "dflash":
+            raise ValueError(f"{draft.path}: a {c.variant} draft is not run on the Metal graph (only DFlash; the numpy "
+                             f"reference, qwenmetal.dflash.DFlashReference, runs it)")
+        if not self.runs(c):
+            raise ValueError(f"{draft.path}: a draft with attention_bias or an input_embedding_scale other than 1 is "
+                             f"not run on the Metal graph (the numpy reference runs it)")
+        t = backend.weights.config
+        if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):
+            raise ValueError(f"{draft.path}: hidden_size {c.hidden_size} / vocab_size {c.vocab_size} do not match "
+                             f"the target's {t.hidden_size} / {t.vocab_size}")
+        self.config = c
+        mappings, tensors, keep = weight_table(None, draft.tensors)
+        self.impl = core().gpu.GpuDFlashDraft(backend.engine, dflash_dims(c), mappings, tensors, (keep, draft.source))
+
+    def new_cache(self):
+        """An empty context cache (``position`` 0)."""
+        return self.impl.new_cache()
+
+    def forward(self, cache, features, block, commit: bool = True) -> np.ndarray:
+        """One draft call: the context features [n, len(target_layer_ids) * hidden] (n may be 0) of the tokens
+        the target accepted since the last committed call, and the block's token ids [L] (L >= 1). Returns the
+        logits of block rows 1..L-1 [L - 1, vocab] float32. With `commit` the context rows join `cache`; without
+        it, and on any error, `cache` is left as it was."""
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        if f.ndim != 2:
+            raise ValueError(f"context features must be [n, {self.config.feature_size}], got {list(f.shape)}")
+        ids = np.ascontiguousarray(block, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
+        return self.impl.forward(cache, f, ids, bool(commit))
+
+    def cost(self, cache, n: int, block: int) -> dict:
+        """What one draft call of `n` new context rows and a block of `block` tokens at the cache's position costs
+        as encoded (dispatches, levels, command buffers, bytes and flops per level; the cache does not advance)."""
+        return self.impl.cost(cache, int(n), int(block))
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.impl.weight_nbytes
 
 
 class MetalSimBackend(_GpuBackend):

@@ -50,6 +50,7 @@ from .. import memlimit
 from ..backends.metal import DEFAULT_PREFILL_CHUNK, sim_available
 from ..bench.cost import (
     encode_only_cost,
+    encode_only_dflash_cost,
     encode_only_prefill_cost,
     encode_only_verify_cost,
 )
@@ -585,7 +586,9 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
         mm = encode_only_verify_cost(cfg, rows=sorted(set(ROWS) | set(LENGTHS) - {1}),
                                      context=256 if args.quick else 4096)
         lm_head = decode_bytes(cfg, virtual_weight_table(cfg)[2], 0)["weight_parts"]["lm_head"]
-        mm["lengths"] = modelled_lengths(mm, lm_head)
+        dm = encode_only_dflash_cost(cfg, context=256 if args.quick else 4096, rows=LENGTHS)
+        mm["lengths"] = modelled_lengths(mm, lm_head, draft_modelled=dm)
+        mm["draft_modelled"] = dm
         mm["rows"] = {n: r for n, r in mm["rows"].items() if n in ROWS}
         mm["layers"] = cfg.num_hidden_layers
         res["metal_modelled"] = mm

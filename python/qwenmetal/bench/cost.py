@@ -235,3 +235,100 @@ def encode_only_verify_cost(config, rows=(2, 3, 5, 9), *, context: int = 4096, d
                 out["rows"].setdefault(n, {})[chip] = {"seconds": t, "vs_step": t / t1, "chunk_vs_step": tc / t1,
                                                        "levels": int(c["levels"]), "step_levels": int(step["levels"])}
     return out
+
+
+# ------------------------------------------------------------------------------------------ DFlash draft costing
+#: the DFlash draft published for Qwen3.6-35B-A3B (z-lab/Qwen3.6-35B-A3B-DFlash's config.json): 8 Qwen3
+#: decoder layers of hidden 2048, MLP 6144, 32 query / 4 KV heads of 128, bf16, blocks of 16
+PUBLISHED_DRAFT = dict(num_hidden_layers=8, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, target_layers=5, block_size=16)
+#: bytes per draft weight of each published form: bf16, and an MLX 4-bit copy (group 64, a bf16 scale and bias
+#: per group)
+DRAFT_WIDTHS = {"bf16": 2.0, "q4": 0.5 + 4 / 64}
+
+
+def virtual_dflash_table(config, draft: dict = PUBLISHED_DRAFT, bits: int | None = None, group_size: int = 64):
+    """(dims, mappings, tensors) of a DFlash draft of `draft`'s dimensions for the target `config` (its hidden and
+    vocabulary sizes), over a virtual mapping: the dims as the native drafts take them (backends.engine.dflash_dims)
+    and its weights table, bf16 (``bits`` None) or MLX affine at ``bits`` with bf16 scales; the norms bf16. For
+    costing the draft graph without its weights."""
+    H, I, L = config.hidden_size, draft["intermediate_size"], draft["num_hidden_layers"]
+    nh, nkv, hd = draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]
+    tensors: dict = {}
+    cursor = [0]
+
+    def span(nbytes: int):
+        off = cursor[0]
+        cursor[0] += (nbytes + 63) // 64 * 64
+        return (0, off, int(nbytes))
+
+    def lin(name, rows, cols):
+        if bits is None:
+            tensors[name] = dict(bits=0, group_size=0, dtype="bfloat16", sdtype="bfloat16", shape=[rows, cols],
+                                 data=span(rows * cols * 2), scales=None, biases=None)
+            return
+        sb = rows * (cols // group_size) * 2
+        tensors[name] = dict(bits=bits, group_size=group_size, dtype="float32", sdtype="bfloat16", shape=[rows, cols],
+                             data=span(rows * cols * bits // 8), scales=span(sb), biases=span(sb))
+
+    def vec(name, n):
+        tensors[name] = dict(bits=0, group_size=0, dtype="bfloat16", sdtype="bfloat16", shape=[n], data=span(2 * n),
+                             scales=None, biases=None)
+
+    lin("fc", H, draft["target_layers"] * H)
+    vec("hidden_norm", H)
+    vec("norm", H)
+    for i in range(L):
+        p = f"layers.{i}."
+        vec(p + "input_layernorm", H)
+        vec(p + "post_attention_layernorm", H)
+        for name, rows, cols in (("q_proj", nh * hd, H), ("k_proj", nkv * hd, H), ("v_proj", nkv * hd, H),
+                                 ("o_proj", H, nh * hd)):
+            lin(p + "self_attn." + name, rows, cols)
+        vec(p + "self_attn.q_norm", hd)
+        vec(p + "self_attn.k_norm", hd)
+        for name, rows, cols in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            lin(p + "mlp." + name, rows, cols)
+    dims = dict(variant="dflash", hidden_size=H, num_hidden_layers=L, intermediate_size=I, num_attention_heads=nh,
+                num_key_value_heads=nkv, head_dim=hd, vocab_size=config.vocab_size,
+                num_feature_layers=draft["target_layers"], rms_norm_eps=1e-6, rope_theta=1e7, windows=[0] * L,
+                attention_bias=False, input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0)
+    return dims, [("virtual draft", 0, cursor[0])], tensors
+
+
+def encode_only_dflash_cost(config, *, draft: dict = PUBLISHED_DRAFT, context: int = 4096, rows=(1, 2, 4, 16),
+                            widths=("bf16", "q4"), dtype: str = "bfloat16", kv_dtype: str = "bfloat16") -> dict:
+    """What one DFlash draft call costs in the Metal graph (src/gpu/dflash.h: the fc over the round's new context
+    rows, every layer, the final norm and the target's lm_head for the block's rows) on top of the target
+    ``config`` (a ModelConfig: its MLX 4-bit embedding and lm_head), with a draft of `draft`'s dimensions (bf16, or
+    the MLX 4-bit copy: ``widths``) holding ``context`` cached context rows, for each count of new context rows in
+    ``rows`` (a round feeds the tokens the last verification kept) and a whole block (``draft["block_size"]``).
+    Encoded on an encode-only simulator device, once per GEMM route of CHIP_ROUTE, timed with
+    `modelled_level_time`: ``rows[n][width][chip]`` = {seconds, levels, dispatches, command_buffers, bytes}. A
+    model, not a measurement."""
+    ext = core()
+    mappings, tensors, _ = virtual_weight_table(config)
+    block = int(draft["block_size"])
+    out = {"context": int(context), "block": block, "draft": dict(draft), "level_latency_us": LEVEL_LATENCY_S * 1e6,
+           "rows": {}}
+    for route in sorted(set(CHIP_ROUTE.values())):
+        dev = ext.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")
+        eng = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+                                 kv_dtype == "float32", {}, [], prefill_options(DEFAULT_PREFILL_CHUNK, route, "auto"))
+        for width in widths:
+            dims, dmaps, dtensors = virtual_dflash_table(config, draft, None if width == "bf16" else 4)
+            d = ext.gpu.GpuDFlashDraft(eng, dims, dmaps, dtensors, [])
+            cache = d.new_cache()
+            cache._set_position(int(context))
+            for n in rows:
+                c = d.cost(cache, int(n), block)
+                for chip, r in CHIP_ROUTE.items():
+                    if r != route:
+                        continue
+                    t = modelled_level_time(c["level_bytes"], c["level_flops"], CHIP_BANDWIDTH_GBS[chip],
+                                            CHIP_PEAK_TFLOPS[chip])
+                    out["rows"].setdefault(int(n), {}).setdefault(width, {})[chip] = {
+                        "seconds": t, "levels": int(c["levels"]), "dispatches": int(c["dispatches"]),
+                        "command_buffers": int(c["command_buffers"]),
+                        "bytes": int(c["bytes_read"] + c["bytes_written"])}
+    return out

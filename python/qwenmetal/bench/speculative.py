@@ -10,8 +10,9 @@
    for free: a real draft's forward is not in these figures.
 3. Beside them, where the simulator is built, the Metal graph MODELLED (encode-only, the real config): the
    verification graph of n rows against a decode step, and the tok/s at each mean accepted length with a
-   DFlash draft's own forward costed from its published size (`dflash_draft_seconds`: the draft graph is not
-   built; its bytes and dependency levels are counted as the verification graph counts its own).
+   DFlash draft's own forward costed by the draft graph (src/gpu/dflash.h, `bench.cost.encode_only_dflash_cost`:
+   the published draft's dimensions over virtual weights, the round's context rows, a block of 16), beside the
+   analytic figure from its size (`dflash_draft_seconds`).
 
 Timings alternate between the compared cases and report medians (docs/speculative.md explains the method).
 """
@@ -24,15 +25,11 @@ from typing import Callable
 import numpy as np
 
 from ..speculative import MAX_DRAFT, ScriptedDrafter, rewind, verify
-from .cost import CHIP_BANDWIDTH_GBS, LEVEL_LATENCY_S
+from .cost import CHIP_BANDWIDTH_GBS, DRAFT_WIDTHS, LEVEL_LATENCY_S, PUBLISHED_DRAFT
 from .timing import _median, synthetic_prompt
 
 ROWS = (2, 4, 8, 16)
 LENGTHS = (2, 4, 5, 6)
-#: the DFlash draft published for Qwen3.6-35B-A3B (z-lab/Qwen3.6-35B-A3B-DFlash's config.json): 8 Qwen3
-#: decoder layers of hidden 2048, MLP 6144, 32 query / 4 KV heads of 128, bf16, blocks of 16
-PUBLISHED_DRAFT = dict(num_hidden_layers=8, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
-                       num_key_value_heads=4, head_dim=128, target_layers=5, block_size=16)
 #: dependency levels of one draft layer in a graph shaped like the decode graph's (norm+qkv, attention over
 #: context + block, o_proj + residual, norm+gate/up, down + residual, the context rows' k/v): an estimate
 DRAFT_LEVELS_PER_LAYER = 6
@@ -143,31 +140,38 @@ def dflash_draft_seconds(lm_head_bytes: int, bandwidth_gbs: float, draft: dict =
             "seconds": nbytes / (bandwidth_gbs * 1e9) + levels * LEVEL_LATENCY_S}
 
 
-#: bytes per draft weight of each published form: bf16, and an MLX 4-bit copy (group 64, a bf16 scale and bias
-#: per group)
-DRAFT_WIDTHS = {"bf16": 2.0, "q4": 0.5 + 4 / 64}
 
 
-def modelled_lengths(verify_modelled: dict, lm_head_bytes: int, lengths=LENGTHS, block: int = 16) -> dict:
+def modelled_lengths(verify_modelled: dict, lm_head_bytes: int, lengths=LENGTHS, block: int = 16,
+                     draft_modelled: dict | None = None) -> dict:
     """Modelled tok/s against plain decoding at each mean accepted length L, per chip and draft width
     (DRAFT_WIDTHS): a round of n rows yields L tokens in verify(n) + one draft call; n = L (the draft length the
     adaptive choice settles on when every round keeps L - 1 drafts) and n = `block` (whole blocks).
-    `verify_modelled`: encode_only_verify_cost's result holding rows L and `block`."""
+    `verify_modelled`: encode_only_verify_cost's result holding rows L and `block`. The draft call: the Metal
+    draft graph's modelled cost with the L context rows a round feeds (`draft_modelled`: encode_only_dflash_cost's
+    result holding rows L; ``draft_graph_seconds``) where given, else the analytic `dflash_draft_seconds`
+    (``draft_seconds``, reported either way)."""
     out: dict = {}
     for chip, step in verify_modelled["step_seconds"].items():
-        drafts = {w: dflash_draft_seconds(lm_head_bytes, CHIP_BANDWIDTH_GBS[chip], bytes_per_weight=b)["seconds"]
-                  for w, b in DRAFT_WIDTHS.items()}
+        analytic = {w: dflash_draft_seconds(lm_head_bytes, CHIP_BANDWIDTH_GBS[chip], bytes_per_weight=b)["seconds"]
+                    for w, b in DRAFT_WIDTHS.items()}
+        graph = None
+        if draft_modelled is not None:
+            graph = {w: {n: draft_modelled["rows"][n][w][chip]["seconds"] for n in lengths} for w in DRAFT_WIDTHS}
         row = {}
         for n in lengths:
             fit = verify_modelled["rows"][n][chip]["seconds"] if n > 1 else step
             whole = verify_modelled["rows"][block][chip]["seconds"]
             row[n] = {}
-            for w, d in drafts.items():
+            for w in DRAFT_WIDTHS:
+                d = graph[w][n] if graph is not None else analytic[w]
                 sfx = "" if w == "bf16" else "_" + w
                 row[n]["adaptive_vs_plain" + sfx] = n * step / (fit + d)
                 row[n]["block_vs_plain" + sfx] = n * step / (whole + d)
-        out[chip] = {"step_seconds": step, "draft_seconds": drafts["bf16"], "draft_seconds_q4": drafts["q4"],
+        out[chip] = {"step_seconds": step, "draft_seconds": analytic["bf16"], "draft_seconds_q4": analytic["q4"],
                      "lengths": row}
+        if graph is not None:
+            out[chip]["draft_graph_seconds"] = graph
     return out
 
 
@@ -212,9 +216,18 @@ def format_speculative(res: dict) -> str:
         ml = mm.get("lengths")
         if ml:
             for w, sfx in (("bf16", ""), ("MLX 4-bit", "_q4")):
-                draft_ms = ", ".join(f"{c} {1e3 * ml[c]['draft_seconds' + sfx]:.2f} ms" for c in chips)
+                key = "bf16" if not sfx else sfx[1:]
+                if "draft_graph_seconds" in ml[chips[0]]:
+                    draft_ms = ", ".join(
+                        f"{c} {1e3 * min(ml[c]['draft_graph_seconds'][key].values()):.2f}-"
+                        f"{1e3 * max(ml[c]['draft_graph_seconds'][key].values()):.2f} ms "
+                        f"(analytic {1e3 * ml[c]['draft_seconds' + sfx]:.2f})" for c in chips)
+                    how = "the draft graph's modelled cost"
+                else:
+                    draft_ms = ", ".join(f"{c} {1e3 * ml[c]['draft_seconds' + sfx]:.2f} ms" for c in chips)
+                    how = "costed from its size"
                 lines.append(f"DFlash decoding, MODELLED vs plain decoding at mean accepted length L (rows verified = "
-                             f"L / whole blocks of 16), a {w} draft's forward costed per round ({draft_ms})")
+                             f"L / whole blocks of 16), a {w} draft's forward per round, {how} ({draft_ms})")
                 lines.append(f"{'L':>5} " + " ".join(f"{c:>16}" for c in chips))
                 for n in next(iter(ml.values()))["lengths"]:
                     cells = []

@@ -338,9 +338,11 @@ AttnPrefillGeometry attention_prefill_geometry(const AttnShape& s, uint32_t M, u
 }
 
 void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
-                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o) {
+                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o,
+                       const AttnMask& mask) {
     const char* op = "attention_prefill";
     check_heads(s, op);
+    check(mask.causal || mask.window == 0, op, "a window needs the causal mask (a sliding-window layer is causal)");
     const uint32_t dmax = attention_prefill_instance(s.head_dim);
     const std::string kernel = "attn_prefill_d" + std::to_string(dmax ? dmax : 256) + "_" + act_suffix(t) + "_" +
                                kv_suffix(kv);
@@ -377,14 +379,26 @@ void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, c
     p.proj_stride = uint32_t(stride);
     p.output_gate = s.output_gate ? 1 : 0;
     p.scale = float(1.4426950408889634 / std::sqrt(double(s.head_dim)));
+    p.causal = mask.causal ? 1 : 0;
+    p.window = mask.window;
 
-    // block b reads keys 0 .. min(p0 + (b + 1) block_rows, p0 + M) - 1 of its kv head, once per head chunk
-    // (once for all its query heads when the group fits one threadgroup); the arithmetic is that of the visible (causal) scores: QK^T and PV,
-    // 2 hd flops per (query head, key) each
-    uint64_t keys_read = 0;
-    for (uint32_t b = 0; b < g.blocks; ++b) keys_read += std::min<uint64_t>(uint64_t(p0) + (b + 1) * g.block_rows, uint64_t(p0) + M);
+    // block b reads keys kbeg_b .. kend_b - 1 of its kv head, once per head chunk (once for all its query heads
+    // when the group fits one threadgroup): kend_b = min(p0 + (b + 1) block_rows, p0 + M) causal, p0 + M
+    // otherwise; kbeg_b the tile holding its first row's first key in the window (0 without one). The arithmetic
+    // is that of the visible scores: QK^T and PV, 2 hd flops per (query head, key) each
+    const uint64_t n_keys = uint64_t(p0) + M, W = mask.window;
+    uint64_t keys_read = 0, visible = 0;
+    for (uint32_t b = 0; b < g.blocks; ++b) {
+        const uint64_t first = uint64_t(p0) + uint64_t(b) * g.block_rows;
+        const uint64_t kend = mask.causal ? std::min<uint64_t>(first + g.block_rows, n_keys) : n_keys;
+        const uint64_t lo = W && first + 1 > W ? first + 1 - W : 0;
+        keys_read += kend - lo / g.tile_keys * g.tile_keys;
+    }
+    for (uint64_t r = 0; r < M; ++r) {
+        const uint64_t pos = uint64_t(p0) + r, hi = mask.causal ? pos + 1 : n_keys;
+        visible += hi - (W && pos + 1 > W ? pos + 1 - W : 0);
+    }
     const uint64_t kv_read = uint64_t(s.n_kv_heads) * g.chunks * keys_read * hd * kv_size(kv);
-    const uint64_t visible = uint64_t(M) * p0 + uint64_t(M) * (M + 1) / 2;
     const uint64_t flops = 4 * uint64_t(s.n_heads) * hd * visible;
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv);
     e.dispatch(kernel, Dims{g.blocks, g.chunks, s.n_kv_heads},

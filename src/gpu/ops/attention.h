@@ -71,8 +71,16 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
 // rows [M, proj_stride] (0: the stacked row's length) when the shape has the output gate;
 // o T [M, n_heads * head_dim]. head_dim a multiple of 8, at most 256 (instantiations for head_dim up to 64,
 // 128 and 256; the host takes the smallest that fits); n_heads / n_kv_heads <= 32.
+// `mask`: causal (above), or every row over every key 0 .. p0 + M - 1 (causal false: a DFlash draft's block, whose
+// rows attend to their context and to the whole block), optionally only keys > p0 + r - window (window > 0, with
+// causal: a sliding-window layer).
+struct AttnMask {
+    bool causal = true;
+    uint32_t window = 0;
+};
 void attention_prefill(Encoder& e, Act t, const AttnShape& s, const Buffer& q, const Buffer& proj,
-                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o);
+                       uint32_t proj_stride, const KVCache& kv, uint32_t p0, uint32_t M, const Buffer& o,
+                       const AttnMask& mask = AttnMask());
 
 // How attention_prefill tiles a chunk of M rows (metal/attention.h): query rows per threadgroup,
 // keys per tile, threads per threadgroup, threadgroups along the query rows, query heads per threadgroup,

@@ -258,12 +258,10 @@ class GpuDFlash:
 
     def __init__(self, backend: _GpuBackend, draft):
         c = draft.config
-        if c.variant != "dflash":
-            raise ValueError(f"{draft.path}: a {c.variant} draft is not run on the Metal graph (only DFlash; the numpy "
-                             f"reference, qwenmetal.dflash.DFlashReference, runs it)")
         if not self.runs(c):
-            raise ValueError(f"{draft.path}: a draft with attention_bias or an input_embedding_scale other than 1 is "
-                             f"not run on the Metal graph (the numpy reference runs it)")
+            raise ValueError(f"{draft.path}: the Metal graph runs DFlash drafts without attention_bias and with an "
+                             f"input_embedding_scale of 1, not this {c.variant} draft (the numpy reference, "
+                             f"qwenmetal.dflash.DFlashReference, runs it)")
         t = backend.weights.config
         if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):
             raise ValueError(f"{draft.path}: hidden_size {c.hidden_size} / vocab_size {c.vocab_size} do not match "

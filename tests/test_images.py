@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -381,3 +382,36 @@ def test_other_bad_inputs_name_what_was_given():
     assert e.value.param == "images[1]"
     with pytest.raises(ImageError, match="patch_size must be a positive integer"):
         qi.preprocess(np.zeros((8, 8, 3), np.uint8), patch_size=0)
+
+
+def test_mutated_files_decode_or_raise_an_image_error_and_nothing_else():
+    """Byte flips, truncations and insertions in each format (and a JPEG with EXIF tags): Pillow raises many
+    exception types on bad data (OSError, SyntaxError, struct.error, ...) and warns on corrupt EXIF; every
+    outcome is a uint8 RGB image or an ImageError, and no warning escapes."""
+    rng = np.random.default_rng(11)
+    a = _picture(24, 32, seed=12)
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F] = 6, "camera"
+    seeds = [_encode(a, f) for f in ("PNG", "JPEG", "WEBP", "GIF")] + [_encode(a, "JPEG", exif=exif.tobytes())]
+    outcomes = {"decoded": 0, "refused": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for data in seeds:
+            for _ in range(150):
+                d = bytearray(data)
+                kind = rng.integers(0, 3)
+                if kind == 0:
+                    for _ in range(rng.integers(1, 6)):
+                        d[rng.integers(0, len(d))] = rng.integers(0, 256)
+                elif kind == 1:
+                    d = d[: rng.integers(0, len(d))]
+                else:
+                    p = rng.integers(0, len(d))
+                    d[p:p] = rng.integers(0, 256, rng.integers(1, 32)).astype(np.uint8).tobytes()
+                try:
+                    got = qi.load_image(bytes(d))
+                    assert got.dtype == np.uint8 and got.ndim == 3 and got.shape[2] == 3
+                    outcomes["decoded"] += 1
+                except ImageError:
+                    outcomes["refused"] += 1
+    assert outcomes["decoded"] > 50 and outcomes["refused"] > 50, outcomes

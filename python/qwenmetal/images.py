@@ -151,14 +151,16 @@ def _sniff(data: bytes) -> str | None:
     return None
 
 
-def _open(data: bytes, what: str, max_pixels: int) -> Image.Image:
-    """The first frame of an encoded PNG/JPEG/WebP/GIF, size-checked from its header before decoding."""
+def _decode(data: bytes, what: str, max_pixels: int) -> np.ndarray:
+    """The first frame of an encoded PNG/JPEG/WebP/GIF as uint8 RGB, EXIF-oriented, size-checked from its header
+    before decoding. Whatever Pillow raises on bad data becomes an ImageError."""
     if not data:
         raise _error(f"{what}: empty (no image data)")
     try:
         with warnings.catch_warnings():
-            # Pillow's own bomb check (Image.MAX_IMAGE_PIXELS, left as it is) warns, then raises; ours is lower
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # Pillow's own bomb check (Image.MAX_IMAGE_PIXELS, left as it is) warns, then raises; ours is lower.
+            # Other warnings (a chunk or tag Pillow skips) are no error either
+            warnings.simplefilter("ignore")
             im = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:
         raise _error(f"{what}: over the pixel limit of Pillow's decompression-bomb check ({e})") from None
@@ -172,19 +174,26 @@ def _open(data: bytes, what: str, max_pixels: int) -> Image.Image:
                          unsupported=True) from None
         raise _error(f"{what} is not a PNG, JPEG, WebP or GIF image that can be read (unrecognised format, or a "
                      "corrupt or zero-size header)") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise _error(f"{what}: corrupt {('image header: ' + str(e)) if str(e) else 'image header'}") from None
+    except Exception as e:                  # Pillow's plugins raise OSError, SyntaxError, struct.error, ...
+        raise _error(f"{what}: corrupt image header ({_why(e)})") from None
     w, h = im.size
     if w <= 0 or h <= 0:
         raise _error(f"{what}: a {w}x{h} image has no pixels")
     if w * h > max_pixels:
         raise _error(f"{what}: {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (checked before decoding)")
     try:
-        im.seek(0)
-        im.load()
-    except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
-        raise _error(f"{what}: corrupt {im.format} data ({e})") from None
-    return im
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")    # a tag Pillow skips (corrupt EXIF, text chunks) is no error
+            im.seek(0)
+            im.load()
+            im = ImageOps.exif_transpose(im)
+            return to_rgb(im)
+    except Exception as e:
+        raise _error(f"{what}: corrupt {im.format} data ({_why(e)})") from None
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def to_rgb(im: Image.Image) -> np.ndarray:
@@ -249,12 +258,7 @@ def load_image(source: Any, *, max_bytes: int = MAX_ENCODED_BYTES, max_pixels: i
     else:
         raise _error(f"{_describe(source)} is not an image (a path, bytes, a data:image/...;base64 URL, a PIL "
                      "image or a uint8 [H, W, 3] array is taken)")
-    im = _open(data, what, max_pixels)
-    try:
-        im = ImageOps.exif_transpose(im)
-    except (OSError, SyntaxError, ValueError, KeyError, TypeError) as e:
-        raise _error(f"{what}: corrupt EXIF data ({e})") from None
-    return to_rgb(im)
+    return _decode(data, what, max_pixels)
 
 
 def image_hash(rgb: np.ndarray) -> str:

@@ -415,3 +415,14 @@ def test_mutated_files_decode_or_raise_an_image_error_and_nothing_else():
                 except ImageError:
                     outcomes["refused"] += 1
     assert outcomes["decoded"] > 50 and outcomes["refused"] > 50, outcomes
+
+
+def test_base64_without_its_prefix_gets_a_hint_and_a_bare_image_media_type_is_taken():
+    data = _encode(_picture(8, 8, seed=13), "PNG")
+    b64 = base64.b64encode(data).decode()
+    with pytest.raises(ImageError, match="base64 data needs the data:image/<type>;base64, prefix"):
+        qi.load_image(b64)
+    with pytest.raises(ImageError, match=r"base64 data needs .* prefix") as e:
+        qi.load_image(b64 * 100)                          # too long a name for the file system
+    assert len(str(e.value)) < 400                        # the message quotes the start, not the whole string
+    np.testing.assert_array_equal(qi.load_image("data:image;base64," + b64), qi.load_image(data))

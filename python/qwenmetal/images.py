@@ -57,6 +57,7 @@ _MAGIC = ((b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"%PDF", 
           (b"\x00\x00\x01\x00", "ICO"), (b"8BPS", "PSD"), (b"\xff\x0a", "JPEG XL"),
           (b"\x00\x00\x00\x0cJXL ", "JPEG XL"), (b"qoif", "QOI"))
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_BASE64ISH = re.compile(r"^[A-Za-z0-9+/=\s]+$")
 #: what the content hash covers, so another layout of the same bytes can never collide with it
 _HASH_TAG = b"qwenmetal.image.rgb8.v1"
 
@@ -81,23 +82,27 @@ def _describe(source: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------- decoding
 def _read_file(path: str, max_bytes: int) -> bytes:
+    name = _describe(path)
     if path.lower().endswith(_VIDEO_SUFFIXES):
-        raise _error(f"{path!r} is a video; qwenmetal takes images only (video input is not supported yet)",
+        raise _error(f"{name} is a video; qwenmetal takes images only (video input is not supported yet)",
                      unsupported=True)
     try:
         size = os.stat(path).st_size
         if not os.path.isfile(path):
-            raise _error(f"{path!r} is not a file")
+            raise _error(f"{name} is not a file")
         if size > max_bytes:
-            raise _error(f"{path!r} is {size} bytes, over the {max_bytes}-byte limit of an encoded image")
+            raise _error(f"{name} is {size} bytes, over the {max_bytes}-byte limit of an encoded image")
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise _error(f"no image file {path!r} (a path, bytes or a data:image/...;base64 URL is taken)") from None
     except OSError as e:
-        raise _error(f"cannot read the image file {path!r} ({e.strerror})") from None
+        hint = ("; base64 data needs the data:image/<type>;base64, prefix"
+                if len(path) > 64 and _BASE64ISH.match(path) else "")
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise _error(f"no image file {name} (a path, bytes or a data:image/...;base64 URL is taken)"
+                         f"{hint}") from None
+        raise _error(f"cannot read the image file {name} ({e.strerror}){hint}") from None
     if len(data) > max_bytes:
-        raise _error(f"{path!r} is over the {max_bytes}-byte limit of an encoded image")
+        raise _error(f"{name} is over the {max_bytes}-byte limit of an encoded image")
     return data
 
 
@@ -108,6 +113,8 @@ def _data_url(url: str, max_bytes: int) -> bytes:
         raise _error(f"data: URL {_describe(url)} has no ',' before its data")
     params = [p.strip().lower() for p in head[len("data:"):].split(";")]
     media = params[0]
+    if media == "image":                   # no subtype (qwen-vl-utils writes "data:image;base64,"): the bytes say
+        media = "image/png"
     if media.startswith("video/"):
         raise _error(f"a {media} data: URL is a video; qwenmetal takes images only (video input is not "
                      "supported yet)", unsupported=True)

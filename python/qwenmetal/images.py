@@ -33,7 +33,6 @@ import io
 import math
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -163,13 +162,12 @@ def _decode(data: bytes, what: str, max_pixels: int) -> np.ndarray:
     before decoding. Whatever Pillow raises on bad data becomes an ImageError."""
     if not data:
         raise _error(f"{what}: empty (no image data)")
+    # Pillow's own bomb check (Image.MAX_IMAGE_PIXELS, left as it is) warns over 89 Mpx and raises over twice
+    # that; ours, lower, follows. Its warnings (that one, a corrupt EXIF tag it skips) are left to the caller's
+    # filters: catch_warnings would change the process's filters, from any thread
     try:
-        with warnings.catch_warnings():
-            # Pillow's own bomb check (Image.MAX_IMAGE_PIXELS, left as it is) warns, then raises; ours is lower.
-            # Other warnings (a chunk or tag Pillow skips) are no error either
-            warnings.simplefilter("ignore")
-            im = Image.open(io.BytesIO(data), formats=FORMATS)
-    except Image.DecompressionBombError as e:
+        im = Image.open(io.BytesIO(data), formats=FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise _error(f"{what}: over the pixel limit of Pillow's decompression-bomb check ({e})") from None
     except UnidentifiedImageError:
         kind = _sniff(data)
@@ -189,13 +187,10 @@ def _decode(data: bytes, what: str, max_pixels: int) -> np.ndarray:
     if w * h > max_pixels:
         raise _error(f"{what}: {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (checked before decoding)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")    # a tag Pillow skips (corrupt EXIF, text chunks) is no error
-            im.seek(0)
-            im.load()
-            im = ImageOps.exif_transpose(im)
-            return to_rgb(im)
-    except Exception as e:
+        im.seek(0)
+        im.load()
+        return to_rgb(ImageOps.exif_transpose(im))
+    except Exception as e:                  # a warning the caller's filters turn into an error included
         raise _error(f"{what}: corrupt {im.format} data ({_why(e)})") from None
 
 

@@ -279,6 +279,8 @@ def test_missing_misshapen_and_extra_vision_tensors_are_refused(vl, tmp_path):
     _refused(_edited(hf, tmp_path / "c", lambda t: t.update({
         "model.visual.blocks.2.norm1.weight": t["model.visual.blocks.1.norm1.weight"]})),
         r"unexpected vision tensor 'model\.visual\.blocks\.2\.norm1\.weight'.*depth 2")
+    _refused(_edited(hf, tmp_path / "o", cfg_edit=lambda c: c["vision_config"].update(out_hidden_size=64)),
+             r"vision_config out_hidden_size \(64\) must equal the text model's hidden_size \(128\)")
     _refused(_edited(hf, tmp_path / "d", cfg_edit=lambda c: c.pop("vision_config")),
              r"vision tower tensor 'model\.visual\..*' \(and \d+ more\), but config\.json has no vision_config")
     _refused(_edited(hf, tmp_path / "e", lambda t: t.update({
@@ -306,7 +308,6 @@ def test_missing_misshapen_and_extra_vision_tensors_are_refused(vl, tmp_path):
     (lambda v: v.update(hidden_act="relu"), r"'hidden_act' is 'relu'; supported"),
     (lambda v: v.update(deepstack_visual_indexes=[1]), r"deepstack mergers \(Qwen3-VL\) are not supported"),
     (lambda v: v.update(rope_parameters={"rope_type": "default"}), r"rope_type 'default' is not supported"),
-    (lambda v: v.update(out_hidden_size=64), r"out_hidden_size \(64\) must equal the text model's hidden_size \(128\)"),
 ])
 def test_bad_vision_config(edit, match):
     cfg = json.loads(json.dumps(PRESETS["tiny-vl"]))

@@ -488,10 +488,6 @@ class ModelConfig:
         for i in range(self.num_hidden_layers):
             if not self.is_moe_layer(i):
                 check(self.intermediate_size > 0, f"layer {i} is a dense-MLP layer but intermediate_size is 0")
-        if self.vision is not None:
-            check(self.vision.out_hidden_size == self.hidden_size,
-                  f"vision_config out_hidden_size ({self.vision.out_hidden_size}) must equal the text model's "
-                  f"hidden_size ({self.hidden_size}): the tower's rows replace image-token embeddings")
 
 
 # bytes per stored element of the KV cache, by the engines' kv_dtype option

@@ -631,6 +631,10 @@ def load_vision(src: TensorSource, c: ModelConfig) -> tuple[dict, str | None]:
     layout = layouts.pop()
     r = _VisionReader(src, c, _vision_canonical_key)
     vc = c.vision
+    if vc.out_hidden_size != c.hidden_size:
+        raise CheckpointError(f"{src.directory}: config.json's vision_config out_hidden_size ({vc.out_hidden_size}) "
+                              f"must equal the text model's hidden_size ({c.hidden_size}): the tower's rows "
+                              f"stand in for image-token embeddings")
     h, inter = _vision_dim(vc, "hidden_size"), _vision_dim(vc, "intermediate_size")
     C, T, P = (_vision_dim(vc, n) for n in ("in_channels", "temporal_patch_size", "patch_size"))
     npos, out_h = _vision_dim(vc, "num_position_embeddings"), _vision_dim(vc, "out_hidden_size")

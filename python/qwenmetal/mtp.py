@@ -74,8 +74,8 @@ _NATIVE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _native_head(model: ModelBase, params: dict):
-    """The backend's native MTP head engine over `params` (built once per model and head), None where the
-    backend has none."""
+    """The backend's native MTP head over `params` (built once per model and head: `CpuMtpHead`, `GpuMtpHead`,
+    with ``new_state()`` and ``draft(state, hidden, ids, k, vocab)``), None where the backend has none."""
     heads = _NATIVE_HEADS.setdefault(model, {})
     hit = heads.get(id(params))
     if hit is None or hit[0] is not params:
@@ -83,7 +83,7 @@ def _native_head(model: ModelBase, params: dict):
         if head is None:
             return None
         hit = heads[id(params)] = (params, head)
-    return hit[1].engine
+    return hit[1]
 
 
 class MtpDrafter(Drafter):
@@ -104,12 +104,12 @@ class MtpDrafter(Drafter):
         self.hidden = hidden
         self._source = source            # the mapped files of a separate head folder (kept open)
         self._ref = self._head = None
-        self._native = None              # the cpu backend's head engine (`CpuBackend.mtp_head`), when native
+        self._native = None              # the backend's native head (`Model.mtp_head`), when native
         self._reset()
 
     @property
     def wants_hidden(self) -> bool:
-        """Natively on the cpu backend: the head takes the verification calls' hidden rows."""
+        """Natively (cpu, Metal with resident experts): the head takes the verification calls' hidden rows."""
         return self._native is not None
 
     @classmethod
@@ -145,9 +145,9 @@ class MtpDrafter(Drafter):
     def start(self, model: ModelBase) -> None:
         if model is not self.model:
             raise ValueError("this MtpDrafter was built for another model")
-        engine = _native_head(model, self.params) if self.hidden == "final_norm" else None
-        if engine is not None:
-            self._native = engine
+        head = _native_head(model, self.params) if self.hidden == "final_norm" else None
+        if head is not None:
+            self._native = head
             self._nstate = self._native.new_state()
             self._nh: dict = {}            # position -> the main model's hidden row there, not yet paired
             self._npos = 0                 # positions < this have their pair in the head's cache
@@ -160,28 +160,18 @@ class MtpDrafter(Drafter):
             self._nh[position + j] = hidden[j]
 
     def _draft_native(self, ctx: list, k: int) -> list[int]:
-        eng, st, V = self._native, self._nstate, self._vocab
-        if st.rewindable:                  # drafts of an interrupted draft() are not the context's
-            eng.rewind(st, 0)
         last = len(ctx) - 2                # the last fed position: its hidden pairs with ctx[-1]
         if last not in self._nh:
             return []
         ps = [p for p in sorted(self._nh) if self._npos <= p <= last]
         hid = np.ascontiguousarray(np.stack([self._nh[p] for p in ps]), dtype=np.float32)
         ids = np.asarray([ctx[p + 1] for p in ps], dtype=np.int64)
-        logits, h = eng.forward(st, ids, "last", None, hidden=hid, return_hidden=1)   # the context's pairs, kept
+        # the context's pairs go into layer 0's cache for good; the chain's entries are dropped by the head
+        drafts = self._native.draft(self._nstate, hid, ids, k, self._vocab)
         self._npos = last + 1
         for p in ps:
             del self._nh[p]
-        d = int(np.argmax(logits[:V]))
-        drafts = [d]
-        for _ in range(k - 1):             # chained on a verify chain: the drafts' pairs are rewound
-            lg, hh = eng.verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None], return_hidden=1)
-            d, h = int(np.argmax(lg[0][:V])), hh[0]
-            drafts.append(d)
-        if st.rewindable:
-            eng.rewind(st, 0)
-        return drafts
+        return [int(d) for d in drafts]
 
     def _sync(self, ctx: list) -> None:
         """Bring the main reference to ``ctx[:-1]`` and the MTP cache to the pairs p < len(ctx) - 2."""
@@ -209,6 +199,7 @@ class MtpDrafter(Drafter):
         self._build()
         self._sync(ctx)
         head, V = self._head, self._vocab
+        n = head.n_layers
         # the context's own pairs (h_p, ctx[p+1]) for p = q .. len(ctx) - 2 go into the MTP cache for good
         q = self._mtp.position
         pend, self._pending = self._pending, None
@@ -219,9 +210,9 @@ class MtpDrafter(Drafter):
         drafts = [d]
         if k > 1:                          # chain on a copy: the drafts' entries are not the context's
             st, h = self._mtp.copy(), out[-1][-1:]
-            for _ in range(k - 1):
+            for j in range(1, k):          # step j through layer j mod n
                 out = []
-                logits = head.forward(st, h, np.asarray([d]), logits="last", out_hidden=out)
+                logits = head.forward(st, h, np.asarray([d]), logits="last", out_hidden=out, layer=j % n)
                 d = int(np.argmax(logits[:V]))
                 drafts.append(d)
                 h = out[-1]

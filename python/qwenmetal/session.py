@@ -411,8 +411,9 @@ class ModelBase:
             reset()
 
     def mtp_head(self, params: dict):
-        """The backend's native MTP head over `params` (cpu: a one-layer engine, its C++ engine as ``.engine``;
-        it holds the arrays the engine reads, so keep it), or None where the backend has none."""
+        """The backend's native MTP head over `params` (cpu: `CpuMtpHead`, one one-layer engine per decoder layer;
+        metal / metal-sim with resident experts: `GpuMtpHead`, the head in the Metal graph; each holds the arrays
+        its engines read, so keep it), or None where the backend has none."""
         make = getattr(self._backend, "mtp_head", None)
         return make(params) if make is not None else None
 

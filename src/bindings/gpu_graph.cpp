@@ -250,6 +250,35 @@ void register_gpu_graph(nb::module_& g) {
         }, "state"_a, "keep"_a, "consumed"_a = nb::none(),
            "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them; the dropped "
            "tokens leave `consumed`. Ends the chain.")
+        .def_prop_ro("is_mtp_head", [](PyGpuEngine& e) { return e.model->mtp; },
+                     "built from an MTP head's tensors (fc, pre_fc_norm_embedding, pre_fc_norm_hidden)")
+        .def("mtp_draft", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const float, nb::ndim<2>, nb::c_contig> hidden,
+                             nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, int64_t k, uint32_t vocab,
+                             bool return_logits) {
+            const int64_t m = int64_t(ids.shape(0));
+            if (int64_t(hidden.shape(0)) != m || int64_t(hidden.shape(1)) != e.model->config().hidden)
+                throw std::invalid_argument("mtp_draft: hidden must be [len(ids), hidden_size]");
+            if (k < 1) throw std::invalid_argument("mtp_draft: k must be >= 1");
+            std::vector<int32_t> drafts(size_t(k), 0);
+            nb::object lg = nb::none();
+            float* lp = nullptr;
+            if (return_logits) {
+                auto a = new_array({size_t(k), size_t(e.model->config().vocab)});
+                lp = a.data();
+                lg = nb::cast(a);
+            }
+            size_t cbs = 0;
+            {
+                nb::gil_scoped_release r;
+                cbs = e.engine->mtp_draft(s, hidden.data(), ids.data(), m, k, vocab, drafts.data(), lp);
+            }
+            nb::list out;
+            for (int32_t d : drafts) out.append(d);
+            return nb::make_tuple(out, lg, cbs);
+        }, "state"_a, "hidden"_a, "ids"_a, "k"_a, "vocab"_a = 0, "return_logits"_a = false,
+           "An MTP head's drafting round in one command buffer: the pairs (hidden[r], ids[r]) through layer 0 (kept "
+           "in the state), then k greedy drafts among [0, vocab) (0: all), step j through layer j mod n (dropped). "
+           "Returns (drafts, every step's logits [k, vocab] or None, the command buffers run).")
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
                           bool pipelined, uint32_t vocab, nb::handle consumed) {

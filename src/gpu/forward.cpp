@@ -48,6 +48,7 @@
 
 #include "core/dtype.h"
 #include "gpu/model.h"
+#include "gpu/scratch.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/norm.h"
 #include "metal/moe.h"
@@ -111,26 +112,6 @@ ops::QmvFusion residual(const Buffer& r) {
 }
 }  // namespace
 
-// One buffer per logical tensor of a decode step (shapes for one token).
-struct GpuEngine::Scratch {
-    Buffer x;              // T [H]              residual stream
-    Buffer xn;             // T [H]              normalised input of the current block
-    Buffer proj;           // T [max in rows]    stacked input projection of the attention / GDN block
-    Buffer conv_act;       // T [conv_dim]       GDN q | k | v after the conv and SiLU
-    Buffer attn_part;      // f32                attention partial results (split-K / two-pass routes)
-    Buffer mix;            // T [max(value_dim, nh * hd)]  block output before the out projection
-    Buffer router;         // f32 [E + 1]        router logits (+ the shared-expert gate logit)
-    Buffer topk_ids;       // u32 [k]
-    Buffer topk_w;         // f32 [k]
-    Buffer slot_ids;       // u32 [k]            streaming: the expert cache slots of topk_ids (host-written)
-    Buffer moe_act;        // T [k + 1, max(I, Is)]  SwiGLU activations of the routed + shared experts
-    Buffer moe_shared;     // f32 [H]            the shared expert's down projection, when it runs apart
-                           //                    (a format the routed kernel cannot read: ops::moe_down)
-    Buffer mlp_act;        // T [I]              dense-MLP SwiGLU activations
-    Buffer logits;         // f32 [V]
-    Buffer tokens;         // u32 [kSlots]       token ring
-    Buffer sample;         // f32/u32            argmax / sampler scratch
-};
 
 GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     : m_(std::move(m)), sc_(std::make_unique<Scratch>()), ch_(std::make_unique<Chunk>()),
@@ -170,7 +151,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
 GpuEngine::~GpuEngine() = default;
 
 // x += attention(x) | gdn(x) of layer li (its input norm fused into the in-projection)
-void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
@@ -183,7 +164,7 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
         // mix = gated attention over keys 0..position, the q/k norm, RoPE and K/V write of this token fused in
         ops::attention_decode_prepared(e, t, as, m_->options().attn, s.proj, L.q_norm, L.k_norm, uint32_t(position),
-                                       st.kv[ai], s.attn_part, s.mix);
+                                       st.kv[ai], s.attn_part, s.mix, rope_shift);
         ops::qmv(e, t, L.o_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));           // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----
@@ -219,12 +200,12 @@ void GpuEngine::encode_mlp(Encoder& e, size_t li) {
     ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));         // x += mlp(xn)
 }
 
-void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
     Scratch& s = *sc_;
-    encode_mixer(e, st, li, position);
+    encode_mixer(e, st, li, position, rope_shift);
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);

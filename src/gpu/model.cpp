@@ -257,6 +257,18 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
     embed = matrix(w, "embed_tokens");
     lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : matrix(w, "lm_head");
     final_norm = small(w, "norm", false, H);
+    if (w.has("fc")) {             // an MTP head (docs/model.md §9): its input is fc over [embedding; hidden]
+        mtp = true;
+        fc = matrix(w, "fc");
+        if (fc.rows != uint32_t(H) || fc.cols != uint32_t(2 * H))
+            throw std::invalid_argument("metal backend: fc is [" + std::to_string(fc.rows) + ", " +
+                                        std::to_string(fc.cols) + "], an MTP head's is [hidden, 2 hidden]");
+        fc_norm_e = small(w, "pre_fc_norm_embedding", false, H);
+        fc_norm_h = small(w, "pre_fc_norm_hidden", false, H);
+        for (int64_t i = 0; i < c.n_layers; ++i)
+            if (!c.layer_is_attention[size_t(i)])
+                throw std::invalid_argument("metal backend: an MTP head's layers are full attention");
+    }
     for (int64_t i = 0; i < c.n_layers; ++i) {
         const std::string p = "layers." + std::to_string(i) + ".";
         GpuLayer L;

@@ -112,6 +112,11 @@ class GpuModel {
     Matrix embed, lm_head;
     Buffer final_norm;                                            // T [H]
     std::vector<GpuLayer> layers;
+    // An MTP head (a table holding "fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"; docs/metal.md, "The MTP
+    // head"): its input is fc([rmsnorm(embed(t), fc_norm_e); rmsnorm(h, fc_norm_h)]), its layers full attention
+    bool mtp = false;
+    Matrix fc;                                                    // [H, 2H]
+    Buffer fc_norm_e, fc_norm_h;                                  // T [H]
 
   private:
     Buffer span(const WeightTable& w, const Span& s, const std::string& what);
@@ -134,6 +139,10 @@ class GpuModel {
 
 // the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
 constexpr uint32_t kMaxVerifyRows = 16;
+// the most drafts of one MTP round (GpuEngine::mtp_draft), and the most pairs it takes (a round's verified rows and
+// those of an interrupted one)
+constexpr uint32_t kMaxMtpDrafts = 16;
+constexpr uint32_t kMaxMtpPairs = 4 * kMaxVerifyRows;
 // the most decoder layers one call returns the outputs of (FeatureRequest; a DFlash draft reads 5 of 40)
 constexpr size_t kMaxFeatureLayers = 8;
 // the most bytes of target features a prefill chunk holds on the device: a call with features cuts its chunks
@@ -317,6 +326,18 @@ class GpuEngine {
     // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
     void rewind(GpuState& s, int64_t keep);
 
+    // One drafting round of an MTP head (model().mtp; docs/metal.md, "The MTP head") as one command buffer
+    // (the encoder's time budget may cut it, as a verification's): the m >= 1 pairs (hidden[r] f32 [H], the
+    // main model's final-normed row, ids[r] the token after it) run through layer 0 at cache rows (= RoPE
+    // positions) s.position.., and are kept; then k (1..kMaxMtpDrafts) greedy drafts: draft 1 the argmax of
+    // the last pair's logits among [0, vocab) (0: all), draft j + 1 from (the head's normed output of step j,
+    // draft j) through layer j mod n at RoPE position s.position + m - 1 + j, each layer's draft entries after
+    // its kept ones (layer 0: after the pairs; others: from row 0) and dropped at the end. Drafts into
+    // `drafts` [k]; `logits` (optional): every step's f32 [k, vocab]. All-or-nothing; returns the command
+    // buffers run.
+    size_t mtp_draft(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
+                     int32_t* drafts, float* logits = nullptr);
+
     // One decode step of B (1..kMaxBatchRows) independent sequences as one command buffer: row r is token
     // ids[r] on states[r] at its own position (its KV cache, its GDN halves). The verification graph over
     // per-row states: every weight read once for all rows (the projections, router and lm_head as qmv over
@@ -379,8 +400,26 @@ class GpuEngine {
     void encode_rows_layer(Encoder& e, const std::vector<RowPlan>& rows, size_t li);
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc, const Taps* taps = nullptr);
-    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
-    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    // rope_shift: RoPE at position + rope_shift (an MTP head's layers; 0 everywhere else)
+    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
+    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
+    size_t mtp_draft_impl(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
+                          int32_t* drafts, float* logits);
+    // x = fc([rmsnorm(embed(tok), fc_norm_e); rmsnorm(hid, fc_norm_h)]) (an MTP head's input row)
+    void encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid);
+    // an MTP head's scratch (mtp.cpp): hidden rows in, the token ring of a round, its logits
+    struct MtpScratch {
+        uint32_t rows = 0, steps = 0;
+        bool logits = false;
+        Buffer hin;          // T [rows, H]    the pairs' hidden rows (host-written)
+        Buffer tok;          // u32 [rows + steps]  the pairs' ids (host-written), then the drafts
+        Buffer emb;          // T [H]
+        Buffer cat;          // T [2H]         [rmsnorm(embedding); rmsnorm(hidden)]
+        Buffer h;            // T [H]          the head's normed output: the next step's hidden
+        Buffer lg;           // f32 [steps, V] every step's logits (when asked for)
+    };
+    MtpScratch mtp_;
+
     void encode_mlp(Encoder& e, size_t li);
     void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc);
     // streaming mode: one token as per-layer command buffers around the expert cache (forward.cpp)

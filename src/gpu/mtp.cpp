@@ -1,0 +1,135 @@
+// The MTP head's drafting round on the Metal graph (docs/metal.md, "The MTP head"; the head's math:
+// ReferenceMtp in python/qwenmetal/backends/reference.py). The head is a GpuModel of its own (built from the
+// head's tensors over the main model's embedding and lm_head: n full-attention MoE layers, GpuModel::mtp), run
+// by a GpuEngine of its own (its scratch, its KV caches in a GpuState), with the decode graph's layer encoding
+// (encode_layer) and one input block in place of the embedding:
+//
+//   x      = fc([rmsnorm(embed(t), pre_fc_norm_embedding); rmsnorm(h, pre_fc_norm_hidden)])
+//   x      = decoder layer j mod n (x)         attention at a RoPE position apart from its cache row
+//   h      = rmsnorm(x, norm)                  the next step's hidden state (T, as the reference rounds it)
+//   logits = lm_head h (f32); tokens[next] = argmax(logits)     read by the next step's embedding
+//
+// A round is one command buffer: the m pairs the verification returned, one after the other through layer 0
+// (only the last one's logits are computed), then the k - 1 chained steps; the host writes the pairs' ids and
+// hidden rows before it and reads the k drafts (4 bytes each) after it. Nothing is read back in between: the
+// chain's token goes from the argmax kernel to the next embedding through the token buffer, as in the decode
+// loop.
+#include <cstring>
+#include <string>
+
+#include "core/dtype.h"
+#include "gpu/model.h"
+#include "gpu/ops/norm.h"
+#include "gpu/scratch.h"
+
+namespace qwenmetal::gpu {
+
+void GpuEngine::encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    const uint32_t H = uint32_t(c.hidden);
+    const uint64_t es = act_size(t);
+    MtpScratch& M = mtp_;
+    ops::embed(e, t, m_->embed, tok, 1, M.emb);                                              // embed(t)
+    ops::rmsnorm(e, t, M.emb, m_->fc_norm_e, M.cat.view(0, H * es), 1, H, c.eps);
+    ops::rmsnorm(e, t, hid, m_->fc_norm_h, M.cat.view(H * es, H * es), 1, H, c.eps);
+    ops::qmv(e, t, m_->fc, M.cat, sc_->x);                                                    // x = fc(cat)
+}
+
+size_t GpuEngine::mtp_draft(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k,
+                            uint32_t vocab, int32_t* drafts, float* logits) {
+    try {
+        return mtp_draft_impl(s, hidden, ids, m, k, vocab, drafts, logits);
+    } catch (const DeviceError&) {
+        m_->device().recover();
+        throw;
+    }
+}
+
+size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_t* ids, int64_t m, int64_t k,
+                                 uint32_t vocab, int32_t* drafts, float* logits) {
+    const Config& c = m_->config();
+    if (!m_->mtp) throw std::invalid_argument("metal backend: mtp_draft needs an MTP head's model (its fc)");
+    if (&st.model() != m_.get()) throw std::invalid_argument("metal backend: the state belongs to another model");
+    if (m < 1 || m > int64_t(kMaxMtpPairs))
+        throw std::invalid_argument("metal backend: an MTP round takes 1.." + std::to_string(kMaxMtpPairs) +
+                                    " (hidden, token) pairs, got " + std::to_string(m));
+    if (k < 1 || k > int64_t(kMaxMtpDrafts))
+        throw std::invalid_argument("metal backend: an MTP round drafts 1.." + std::to_string(kMaxMtpDrafts) +
+                                    " tokens, got " + std::to_string(k));
+    for (int64_t i = 0; i < m; ++i)
+        if (ids[i] < 0 || ids[i] >= c.vocab)
+            throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot draft");
+    if (m_->experts()) throw std::invalid_argument("metal backend: an MTP head runs on resident experts");
+    const Act t = m_->options().act;
+    const uint64_t es = act_size(t), H = uint64_t(c.hidden), V = uint64_t(c.vocab);
+    const uint32_t R = uint32_t(m), K = uint32_t(k), nl = uint32_t(m_->layers.size());
+    const uint32_t Vs = vocab && vocab < V ? vocab : uint32_t(V);
+
+    // everything that can fail before the state changes: KV room for the pairs and the drafts, scratch
+    st.reserve(st.position + m + k);
+    MtpScratch& M = mtp_;
+    if (!M.hin.valid() || M.rows < R) {
+        M.rows = std::max(R, 2 * kMaxVerifyRows);
+        M.hin = d.alloc(M.rows * H * es, "mtp.hin");
+        M.tok = Buffer{};
+    }
+    if (!M.tok.valid() || M.steps < K) {
+        M.steps = std::max(M.steps, kMaxMtpDrafts);
+        M.tok = d.alloc((M.rows + M.steps) * 4, "mtp.tok");
+        M.lg = Buffer{};
+    }
+    if (!M.emb.valid()) {
+        M.emb = d.alloc(H * es, "mtp.emb");
+        M.cat = d.alloc(2 * H * es, "mtp.cat");
+        M.h = d.alloc(H * es, "mtp.h");
+    }
+    if (logits && !M.lg.valid()) M.lg = d.alloc(M.steps * V * 4, "mtp.logits");
+    const Buffer& lgbuf = logits ? M.lg : sc_->logits;
+    auto logits_of = [&](uint32_t j) { return logits ? lgbuf.view(j * V * 4, V * 4) : lgbuf; };
+    auto tok_at = [&](uint32_t i) { return M.tok.view(uint64_t(i) * 4, 4); };
+
+    uint32_t* tk = M.tok.as<uint32_t>();
+    for (uint32_t r = 0; r < R; ++r) tk[r] = uint32_t(ids[r]);
+    if (t == Act::F32) std::memcpy(M.hin.data(), hidden, R * H * 4);
+    else {
+        uint16_t* hb = M.hin.as<uint16_t>();
+        for (uint64_t i = 0; i < R * H; ++i) hb[i] = f32_to_bf16(hidden[i]);   // the rows are bf16 values widened
+    }
+
+    const int64_t p0 = st.position;
+    Encoder e(d, m_->options().command_buffer_seconds);
+    auto head = [&](uint32_t j) {      // h = rmsnorm(x, norm); logits = lm_head h; draft j + 1 = argmax
+        ops::rmsnorm(e, t, sc_->x, m_->final_norm, M.h, 1, uint32_t(H), c.eps);
+        ops::qmv(e, t, m_->lm_head, M.h, logits_of(j), 1, true);
+        ops::argmax(e, logits_of(j), Vs, tok_at(R + j), sc_->sample);
+    };
+    for (uint32_t r = 0; r < R; ++r) {                                    // the pairs: layer 0, kept
+        encode_mtp_input(e, tok_at(r), M.hin.view(r * H * es, H * es));
+        encode_layer(e, st, 0, p0 + r);
+    }
+    head(0);
+    // the chain: step j (1..k-1) through layer j mod n at RoPE position p0 + m - 1 + j; each layer's entries after
+    // its kept rows (layer 0: the pairs; the others keep none)
+    std::vector<int64_t> row(nl, 0);
+    row[0] = p0 + m;
+    for (uint32_t j = 1; j < K; ++j) {
+        const uint32_t l = j % nl;
+        const int64_t rope = p0 + m - 1 + j, at = row[l]++;
+        encode_mtp_input(e, tok_at(R + j - 1), M.h);
+        encode_layer(e, st, l, at, uint32_t(rope - at));
+        head(j);
+    }
+    e.commit();
+    e.wait();                                 // a failure: the pairs' rows are past the position, the state as it was
+    for (uint32_t j = 0; j < K; ++j) drafts[j] = int32_t(tk[R + j]);
+    if (logits) std::memcpy(logits, M.lg.data(), size_t(K) * V * 4);
+    st.end_chain();
+    st.position = p0 + m;                     // the pairs are kept; the drafts' rows past it are dropped
+    return e.command_buffers();
+}
+
+}  // namespace qwenmetal::gpu

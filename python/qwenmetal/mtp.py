@@ -13,19 +13,26 @@ Where the weights come from: the checkpoint's own ``mtp.*`` tensors (`Weights.mt
 them, ``qwenmetal convert --keep-mtp`` keeps them) or a separate MTP head folder (``model_type``
 ``"qwen3_5_mtp"``, as mlx-vlm's splitter writes it): ``MtpDrafter.for_model(model, path=folder)``.
 
-How it computes, on the cpu backend: natively. The head runs as a one-layer C++ engine over the model's own
-embedding and lm_head (`CpuBackend.mtp_head`, the checkpoint's quantized weights in place), and its inputs
-are the final-normed hidden rows the verification calls return (`Drafter.observe`): nothing of the main
-model runs twice. The head's KV cache holds the (hidden, next token) pairs of the tokens generated in this
-generation (the prompt's hidden states are not computed, so its pairs are not in the cache).
+A head of n layers (``mtp.layers.0..n-1``): draft step j of a round runs decoder layer j mod n, each layer with
+its own KV cache; the context's pairs go through layer 0, a layer j >= 1 holds only the current chain's entries
+(`ReferenceMtp` has the full statement, docs/speculative.md "Drafters" the reasons).
 
-On any other backend: with the numpy reference (`qwenmetal.backends.reference.ReferenceMtp`) on float32
-(dequantized) weights. The head needs the main model's hidden states, which no backend
-returns, so the drafter runs its *own* reference session of the main model over the context, incrementally
-(each round feeds only the tokens added since the last), and keeps the MTP head's KV cache for the context's
-(hidden, next token) pairs. This is correct on every backend and fast on none: it is the ground truth a
-backend's native MTP drafting can be checked against. Drafting never changes the output -- verification is
-exact (`qwenmetal.speculative`) -- only how many drafts are accepted.
+How it computes, on the cpu backend and in the Metal graph (resident experts): natively. The head runs over the
+model's own embedding and lm_head with the checkpoint's quantized weights in place -- on cpu as one one-layer
+C++ engine per decoder layer (`CpuBackend.mtp_head`), on metal / metal-sim as a GpuEngine of its own whose
+round (the new pairs, then the k chained drafts, argmax on the GPU) is one command buffer
+(`_GpuBackend.mtp_head`, docs/metal.md "The MTP head"). Its inputs are the final-normed hidden rows the
+verification calls return (`Drafter.observe`): nothing of the main model runs twice. The head's KV cache holds
+the (hidden, next token) pairs of the tokens generated in this generation (and of the prompt on cpu, whose
+prefill returns its hidden rows).
+
+On any other backend (the reference; Metal in streaming mode): with the numpy reference
+(`qwenmetal.backends.reference.ReferenceMtp`) on float32 (dequantized) weights. The head needs the main model's
+hidden states, which those backends do not return, so the drafter runs its *own* reference session of the main
+model over the context, incrementally (each round feeds only the tokens added since the last), and keeps the
+MTP head's KV cache for the context's (hidden, next token) pairs. This is correct on every backend and fast on
+none: it is the ground truth a backend's native MTP drafting is checked against. Drafting never changes the
+output -- verification is exact (`qwenmetal.speculative`) -- only how many drafts are accepted.
 """
 from __future__ import annotations
 

@@ -1,0 +1,102 @@
+"""The MTP head native in the Metal graph (`GpuMtpHead`, `GpuEngine.mtp_draft`; docs/metal.md, "The MTP head") on
+metal-sim: every draft step's logits against `ReferenceMtp` (float32 tight, bfloat16 against the reference's
+bfloat16 mode, loose) for a one- and a two-layer head, a round as one command buffer, bad input refused with the
+state untouched, and ``speculative="mtp"`` natively on metal-sim giving the plain greedy output."""
+import numpy as np
+import pytest
+
+import qwenmetal as qm
+from qwenmetal.backends.metal import GpuMtpHead
+from qwenmetal.backends.reference import ReferenceModel, ReferenceMtp
+from qwenmetal.mtp import MtpDrafter
+from qwenmetal.testing import cached_checkpoint
+from qwenmetal.weights import to_float32
+from test_mtp import two_layer_head
+
+pytestmark = pytest.mark.skipif("metal-sim" not in qm.backends.BACKENDS, reason="needs the metal-sim backend")
+
+
+def _reference_round(rh, st, hid, ids, k):
+    """ReferenceMtp's round: the pairs through layer 0 (kept in `st`), then k - 1 chained steps through layer j mod
+    n on a copy. Returns (drafts, logits [k, V])."""
+    out = []
+    lg = [rh.forward(st, hid, ids, "last", out_hidden=out)]
+    chain, h, drafts = st.copy(), out[-1][-1:], [int(np.argmax(lg[0]))]
+    for j in range(1, k):
+        out = []
+        lg.append(rh.forward(chain, h, np.asarray([drafts[-1]]), "last", out_hidden=out, layer=j % rh.n_layers))
+        drafts.append(int(np.argmax(lg[-1])))
+        h = out[-1]
+    return drafts, np.stack(lg)
+
+
+@pytest.mark.parametrize("preset,layers,dtype", [("tiny", 1, "float32"), ("tiny", 2, "float32"),
+                                                 ("tiny-qwen3-next", 2, "float32"), ("tiny", 1, "bfloat16"),
+                                                 ("tiny", 2, "bfloat16")])
+def test_metal_head_equals_the_reference(preset, layers, dtype):
+    """Rounds of 4, 2 and 5 pairs with 5 drafts each: the drafts and every step's logits are ReferenceMtp's on the
+    same weights (float32: within 1e-5 of the logits' range; bfloat16, against the reference's bfloat16 mode:
+    within 1e-2, the chains equal up to a near tie), the pairs stay in the head's state, each round is one
+    command buffer."""
+    m = qm.Model.load(cached_checkpoint(preset, "mlx-q4", 0, mtp=True), backend="metal-sim", dtype=dtype)
+    params = dict(m.weights.mtp) if layers == 1 else two_layer_head(m, preset)
+    head = m._backend.mtp_head(params)
+    assert isinstance(head, GpuMtpHead) and head.engine.is_mtp_head and head.n_layers == layers
+    ref = ReferenceModel(m.config, m.weights.dense_float32(), dtype=dtype)
+    rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in params.items()})
+    ids = np.random.default_rng(3).integers(0, 400, 12)
+    fh = []
+    ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    hid, nxt = np.ascontiguousarray(fh[0][:-1], dtype=np.float32), ids[1:]
+    st, rs = head.new_state(), rh.new_state()
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for a, b in ((0, 4), (4, 6), (6, 11)):
+        drafts, lg = head.draft(st, hid[a:b], nxt[a:b], 5, 0, return_logits=True)
+        want, wl = _reference_round(rh, rs, hid[a:b], nxt[a:b], 5)
+        if dtype == "float32":
+            assert drafts == want
+        for j in range(5):                  # the chains agree up to a near tie (bf16 rounding decides it)
+            assert np.abs(lg[j] - wl[j]).max() < tol * np.ptp(wl[j])
+            if drafts[j] != want[j]:
+                assert wl[j][want[j]] - wl[j][drafts[j]] < tol * np.ptp(wl[j])
+                break
+        assert st.position == rs.position == b and head.last_command_buffers == 1
+
+
+def test_metal_head_bad_input_leaves_the_state():
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
+    head = m._backend.mtp_head(m.weights.mtp)
+    H = m.config.hidden_size
+    st = head.new_state()
+    head.draft(st, np.zeros((2, H), np.float32), np.asarray([1, 2]), 2, 0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        head.draft(st, np.zeros((2, H), np.float32), np.asarray([1, 10**6]), 2, 0)
+    with pytest.raises(ValueError, match=r"hidden must be \[len\(ids\), hidden_size\]"):
+        head.draft(st, np.zeros((2, H + 1), np.float32), np.asarray([1, 2]), 2, 0)
+    with pytest.raises(ValueError, match="needs an MTP head's model"):
+        m._backend.engine.mtp_draft(m._backend.new_state(), np.zeros((1, H), np.float32), np.asarray([1]), 1)
+    assert st.position == 2
+
+
+GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True, cache=False)
+
+
+@pytest.fixture(scope="module")
+def sim_plain():
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
+    return m, [o.token for o in m.generate("The quick brown fox", **GREEDY)]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_speculative_mtp_native_on_metal_sim(sim_plain, layers):
+    """speculative="mtp" on metal-sim runs the head in the graph (no reference session of the main model) with the
+    verification's hidden rows, and gives the plain greedy output."""
+    m, plain = sim_plain
+    kw = GREEDY
+    d = MtpDrafter.for_model(m) if layers == 1 else MtpDrafter(m, two_layer_head(m))
+    spec = list(m.generate("The quick brown fox", speculative=d, speculative_k=3, **kw))
+    assert [o.token for o in spec] == plain
+    assert spec[-1].stats["speculative"]["drafted_tokens"] > 0
+    assert d.wants_hidden and isinstance(d._native, GpuMtpHead) and d._native.n_layers == layers
+    assert d._ref is None and d._main is None                   # nothing of the main model runs in numpy
+    assert d._native.last_command_buffers == 1

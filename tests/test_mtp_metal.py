@@ -34,7 +34,7 @@ def _reference_round(rh, st, hid, ids, k):
                                                  ("tiny-qwen3-next", 2, "float32"), ("tiny", 1, "bfloat16"),
                                                  ("tiny", 2, "bfloat16")])
 def test_metal_head_equals_the_reference(preset, layers, dtype):
-    """Rounds of 4, 2 and 5 pairs with 5 drafts each: the drafts and every step's logits are ReferenceMtp's on the
+    """Rounds of 4, 2 and 19 pairs with 5 drafts each: the drafts and every step's logits are ReferenceMtp's on the
     same weights (float32: within 1e-5 of the logits' range; bfloat16, against the reference's bfloat16 mode:
     within 1e-2, the chains equal up to a near tie), the pairs stay in the head's state, each round is one
     command buffer."""
@@ -44,13 +44,13 @@ def test_metal_head_equals_the_reference(preset, layers, dtype):
     assert isinstance(head, GpuMtpHead) and head.engine.is_mtp_head and head.n_layers == layers
     ref = ReferenceModel(m.config, m.weights.dense_float32(), dtype=dtype)
     rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in params.items()})
-    ids = np.random.default_rng(3).integers(0, 400, 12)
+    ids = np.random.default_rng(3).integers(0, 400, 26)
     fh = []
     ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
     hid, nxt = np.ascontiguousarray(fh[0][:-1], dtype=np.float32), ids[1:]
     st, rs = head.new_state(), rh.new_state()
     tol = 1e-5 if dtype == "float32" else 1e-2
-    for a, b in ((0, 4), (4, 6), (6, 11)):
+    for a, b in ((0, 4), (4, 6), (6, 25)):                     # the last: 19 pairs, two rows passes
         drafts, lg = head.draft(st, hid[a:b], nxt[a:b], 5, 0, return_logits=True)
         want, wl = _reference_round(rh, rs, hid[a:b], nxt[a:b], 5)
         if dtype == "float32":
@@ -61,6 +61,21 @@ def test_metal_head_equals_the_reference(preset, layers, dtype):
                 assert wl[j][want[j]] - wl[j][drafts[j]] < tol * np.ptp(wl[j])
                 break
         assert st.position == rs.position == b and head.last_command_buffers == 1
+
+
+def test_metal_head_backlog_of_pairs():
+    """More pairs than one round takes (64: rounds that drafted nothing) are fed ahead; the drafts are the
+    reference's over all of them."""
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
+    head = m._backend.mtp_head(m.weights.mtp)
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in m.weights.mtp.items()})
+    ids = np.random.default_rng(5).integers(0, 400, 71)
+    fh = []
+    ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    st, rs = head.new_state(), rh.new_state()
+    assert head.draft(st, fh[0][:-1], ids[1:], 3, 0) == _reference_round(rh, rs, fh[0][:-1], ids[1:], 3)[0]
+    assert st.position == 70
 
 
 def test_metal_head_bad_input_leaves_the_state():

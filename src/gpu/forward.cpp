@@ -751,27 +751,6 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 // KV cache and GDN buffers it uses, so rows may be one state's consecutive tokens (verify_plan) or one
 // token on each of B states (batch_plan).
 
-// One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
-// most kMaxVerifyRows): the decode scratch's tensors with one row per token.
-struct GpuEngine::Verify {
-    uint32_t rows = 0;            // R
-    Buffer ids;                   // u32 [R]                    the token ids (written by the host)
-    Buffer x;                     // T [R, H]                   residual stream
-    Buffer xn;                    // T [R, H]                   normalised rows (the router's; the head's: hidden)
-    Buffer proj;                  // T [R, max in rows]         stacked in-projection rows
-    Buffer conv_act;              // T [R, conv_dim]            GDN q | k | v after the conv and SiLU
-    Buffer q;                     // T [R, nh * hd]             attention queries after norm + RoPE
-    std::vector<Buffer> attn_part;  // f32, one per row: the rows' attention dispatches run side by side
-    Buffer mix;                   // T [R, max(value_dim, nh * hd)]  block output before the out projection
-    Buffer router;                // f32 [R, router rows]       router logits (+ the shared-expert gate logit)
-    Buffer topk_ids;              // u32 [R, k]
-    Buffer topk_w;                // f32 [R, k]
-    Buffer moe_act;               // T [R, act_row]             SwiGLU activations of the routed + shared experts
-    uint64_t act_row = 0;         // (k + 1) * max(I, Is): moe_act's row, as the decode scratch's
-    Buffer moe_shared;            // f32 [R, H]                 the shared expert's down projection run apart
-    Buffer mlp_act;               // T [R, I]                   dense-MLP SwiGLU activations
-    Buffer logits;                // f32 [R, V]
-};
 
 void GpuEngine::ensure_verify(uint32_t rows) {
     Verify& v = *vf_;

@@ -405,16 +405,17 @@ class GpuEngine {
     void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
     size_t mtp_draft_impl(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
                           int32_t* drafts, float* logits);
-    // x = fc([rmsnorm(embed(tok), fc_norm_e); rmsnorm(hid, fc_norm_h)]) (an MTP head's input row)
-    void encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid);
+    // x rows = fc([rmsnorm(embed(tok[r]), fc_norm_e); rmsnorm(hid[r], fc_norm_h)]), r < rows <= kMaxVerifyRows
+    // (an MTP head's input rows: tok u32 [rows], hid T [rows, H], x T [rows, H])
+    void encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid, uint32_t rows, const Buffer& x);
     // an MTP head's scratch (mtp.cpp): hidden rows in, the token ring of a round, its logits
     struct MtpScratch {
         uint32_t rows = 0, steps = 0;
         bool logits = false;
         Buffer hin;          // T [rows, H]    the pairs' hidden rows (host-written)
         Buffer tok;          // u32 [rows + steps]  the pairs' ids (host-written), then the drafts
-        Buffer emb;          // T [H]
-        Buffer cat;          // T [2H]         [rmsnorm(embedding); rmsnorm(hidden)]
+        Buffer emb;          // T [kMaxVerifyRows, H]
+        Buffer cat;          // T [kMaxVerifyRows, 2H]   per row [rmsnorm(embedding); rmsnorm(hidden)]
         Buffer h;            // T [H]          the head's normed output: the next step's hidden
         Buffer lg;           // f32 [steps, V] every step's logits (when asked for)
     };

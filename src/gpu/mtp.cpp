@@ -24,16 +24,18 @@
 
 namespace qwenmetal::gpu {
 
-void GpuEngine::encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid) {
+void GpuEngine::encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid, uint32_t rows, const Buffer& x) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint32_t H = uint32_t(c.hidden);
-    const uint64_t es = act_size(t);
+    const uint64_t es = act_size(t), row = uint64_t(H) * es;
     MtpScratch& M = mtp_;
-    ops::embed(e, t, m_->embed, tok, 1, M.emb);                                              // embed(t)
-    ops::rmsnorm(e, t, M.emb, m_->fc_norm_e, M.cat.view(0, H * es), 1, H, c.eps);
-    ops::rmsnorm(e, t, hid, m_->fc_norm_h, M.cat.view(H * es, H * es), 1, H, c.eps);
-    ops::qmv(e, t, m_->fc, M.cat, sc_->x);                                                    // x = fc(cat)
+    ops::embed(e, t, m_->embed, tok.view(0, uint64_t(rows) * 4), rows, M.emb);              // embed(t) rows
+    for (uint32_t r = 0; r < rows; ++r) {                                                   // side by side
+        ops::rmsnorm(e, t, M.emb.view(r * row, row), m_->fc_norm_e, M.cat.view(2 * r * row, row), 1, H, c.eps);
+        ops::rmsnorm(e, t, hid.view(r * row, row), m_->fc_norm_h, M.cat.view((2 * r + 1) * row, row), 1, H, c.eps);
+    }
+    ops::qmv(e, t, m_->fc, M.cat, x, rows);                                                  // x = fc(cat) rows
 }
 
 size_t GpuEngine::mtp_draft(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k,
@@ -83,10 +85,11 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
         M.lg = Buffer{};
     }
     if (!M.emb.valid()) {
-        M.emb = d.alloc(H * es, "mtp.emb");
-        M.cat = d.alloc(2 * H * es, "mtp.cat");
+        M.emb = d.alloc(kMaxVerifyRows * H * es, "mtp.emb");
+        M.cat = d.alloc(kMaxVerifyRows * 2 * H * es, "mtp.cat");
         M.h = d.alloc(H * es, "mtp.h");
     }
+    ensure_verify(std::min(R, kMaxVerifyRows));
     if (logits && !M.lg.valid()) M.lg = d.alloc(M.steps * V * 4, "mtp.logits");
     const Buffer& lgbuf = logits ? M.lg : sc_->logits;
     auto logits_of = [&](uint32_t j) { return logits ? lgbuf.view(j * V * 4, V * 4) : lgbuf; };
@@ -102,16 +105,27 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
 
     const int64_t p0 = st.position;
     Encoder e(d, m_->options().command_buffer_seconds);
-    auto head = [&](uint32_t j) {      // h = rmsnorm(x, norm); logits = lm_head h; draft j + 1 = argmax
-        ops::rmsnorm(e, t, sc_->x, m_->final_norm, M.h, 1, uint32_t(H), c.eps);
+    auto head = [&](const Buffer& x, uint32_t j) {   // h = rmsnorm(x, norm); logits = lm_head h; draft j + 1 = argmax
+        ops::rmsnorm(e, t, x, m_->final_norm, M.h, 1, uint32_t(H), c.eps);
         ops::qmv(e, t, m_->lm_head, M.h, logits_of(j), 1, true);
         ops::argmax(e, logits_of(j), Vs, tok_at(R + j), sc_->sample);
     };
-    for (uint32_t r = 0; r < R; ++r) {                                    // the pairs: layer 0, kept
-        encode_mtp_input(e, tok_at(r), M.hin.view(r * H * es, H * es));
-        encode_layer(e, st, 0, p0 + r);
+    // the pairs through layer 0, kept: the verification graph's rows pass (each weight read once for up to
+    // kMaxVerifyRows rows, every row the decode step's arithmetic) at cache rows = RoPE positions p0..
+    Verify& v = *vf_;
+    uint32_t last = 0;
+    for (uint32_t b0 = 0; b0 < R; b0 += kMaxVerifyRows) {
+        const uint32_t n = std::min(kMaxVerifyRows, R - b0);
+        encode_mtp_input(e, M.tok.view(uint64_t(b0) * 4), M.hin.view(b0 * H * es), n, v.x);
+        std::vector<RowPlan> plan(n);
+        for (uint32_t r = 0; r < n; ++r) {
+            plan[r].st = &st;
+            plan[r].position = p0 + b0 + r;
+        }
+        encode_rows_layer(e, plan, 0);
+        last = n - 1;
     }
-    head(0);
+    head(v.x.view(last * H * es, H * es), 0);
     // the chain: step j (1..k-1) through layer j mod n at RoPE position p0 + m - 1 + j; each layer's entries after
     // its kept rows (layer 0: the pairs; the others keep none)
     std::vector<int64_t> row(nl, 0);
@@ -119,9 +133,9 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
     for (uint32_t j = 1; j < K; ++j) {
         const uint32_t l = j % nl;
         const int64_t rope = p0 + m - 1 + j, at = row[l]++;
-        encode_mtp_input(e, tok_at(R + j - 1), M.h);
+        encode_mtp_input(e, tok_at(R + j - 1), M.h, 1, sc_->x);
         encode_layer(e, st, l, at, uint32_t(rope - at));
-        head(j);
+        head(sc_->x, j);
     }
     e.commit();
     e.wait();                                 // a failure: the pairs' rows are past the position, the state as it was

@@ -1,5 +1,5 @@
-// The decode step's scratch (GpuEngine::Scratch), shared by the decode graph (forward.cpp) and the MTP head's
-// round (mtp.cpp), which runs the same layer encoding over it.
+// The scratch of a decode step (GpuEngine::Scratch) and of the verification graph (GpuEngine::Verify), shared by
+// the graphs (forward.cpp) and the MTP head's round (mtp.cpp), which runs the same layer encodings over them.
 #pragma once
 #include "gpu/model.h"
 
@@ -24,6 +24,28 @@ struct GpuEngine::Scratch {
     Buffer logits;         // f32 [V]
     Buffer tokens;         // u32 [kSlots]       token ring
     Buffer sample;         // f32/u32            argmax / sampler scratch
+};
+
+// One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
+// most kMaxVerifyRows): the decode scratch's tensors with one row per token.
+struct GpuEngine::Verify {
+    uint32_t rows = 0;            // R
+    Buffer ids;                   // u32 [R]                    the token ids (written by the host)
+    Buffer x;                     // T [R, H]                   residual stream
+    Buffer xn;                    // T [R, H]                   normalised rows (the router's; the head's: hidden)
+    Buffer proj;                  // T [R, max in rows]         stacked in-projection rows
+    Buffer conv_act;              // T [R, conv_dim]            GDN q | k | v after the conv and SiLU
+    Buffer q;                     // T [R, nh * hd]             attention queries after norm + RoPE
+    std::vector<Buffer> attn_part;  // f32, one per row: the rows' attention dispatches run side by side
+    Buffer mix;                   // T [R, max(value_dim, nh * hd)]  block output before the out projection
+    Buffer router;                // f32 [R, router rows]       router logits (+ the shared-expert gate logit)
+    Buffer topk_ids;              // u32 [R, k]
+    Buffer topk_w;                // f32 [R, k]
+    Buffer moe_act;               // T [R, act_row]             SwiGLU activations of the routed + shared experts
+    uint64_t act_row = 0;         // (k + 1) * max(I, Is): moe_act's row, as the decode scratch's
+    Buffer moe_shared;            // f32 [R, H]                 the shared expert's down projection run apart
+    Buffer mlp_act;               // T [R, I]                   dense-MLP SwiGLU activations
+    Buffer logits;                // f32 [R, V]
 };
 
 }  // namespace qwenmetal::gpu

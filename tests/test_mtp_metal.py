@@ -115,3 +115,20 @@ def test_speculative_mtp_native_on_metal_sim(sim_plain, layers):
     assert d.wants_hidden and isinstance(d._native, GpuMtpHead) and d._native.n_layers == layers
     assert d._ref is None and d._main is None                   # nothing of the main model runs in numpy
     assert d._native.last_command_buffers == 1
+
+
+def test_mtp_round_cost_encode_only():
+    """encode_only_mtp_cost (GpuEngine.mtp_cost over the virtual MTP table, encode-only): a round is one command
+    buffer; every draft adds the same dispatches and levels and at least the lm_head's bytes."""
+    from qwenmetal.bench.cost import encode_only_mtp_cost
+    from qwenmetal.config import ModelConfig
+    from qwenmetal.testing import PRESETS
+    c = ModelConfig.from_dict(PRESETS["tiny"])
+    r = encode_only_mtp_cost(c, drafts=(1, 2, 3), pairs=3, n_layers=2, context=40)["rounds"]
+    assert all(v["command_buffers"] == 1 for v in r.values())
+    for key in ("dispatches", "levels"):
+        assert r[3][key] - r[2][key] == r[2][key] - r[1][key] > 0, key
+    H, V = c.hidden_size, c.vocab_size
+    assert min(r[2]["bytes"] - r[1]["bytes"], r[3]["bytes"] - r[2]["bytes"]) > V * H // 2   # the lm_head, 4 bits
+    with pytest.raises(ValueError, match="drafts 1..16 tokens, got 17"):
+        encode_only_mtp_cost(c, drafts=(17,))

@@ -279,6 +279,16 @@ void register_gpu_graph(nb::module_& g) {
            "An MTP head's drafting round in one command buffer: the pairs (hidden[r], ids[r]) through layer 0 (kept "
            "in the state), then k greedy drafts among [0, vocab) (0: all), step j through layer j mod n (dropped). "
            "Returns (drafts, every step's logits [k, vocab] or None, the command buffers run).")
+        .def("mtp_cost", [](PyGpuEngine& e, GpuState& s, int64_t pairs, int64_t k) {
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->mtp_cost(s, pairs, k);
+            }
+            return cost_dict(c);
+        }, "state"_a, "pairs"_a, "k"_a,
+           "Encode, commit and wait an MTP round of `pairs` pairs and k drafts at the state's position (mtp_draft's "
+           "graph, no host data; the state does not advance): its cost. For encode-only costing.")
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
                           bool pipelined, uint32_t vocab, nb::handle consumed) {

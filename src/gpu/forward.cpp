@@ -1039,7 +1039,6 @@ void GpuEngine::rewind(GpuState& st, int64_t keep) {
     st.rewind(keep);
 }
 
-namespace {
 StepCost cost_of(const Encoder& e, const Counters& k) {
     StepCost r;
     r.dispatches = e.stats().dispatches;
@@ -1054,7 +1053,6 @@ StepCost cost_of(const Encoder& e, const Counters& k) {
     if (r.command_buffer_levels.empty()) r.command_buffer_levels.push_back(0);
     return r;
 }
-}  // namespace
 
 StepCost GpuEngine::encode_cost_impl(GpuState& st, const std::vector<int64_t>& layers) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -337,6 +337,9 @@ class GpuEngine {
     // buffers run.
     size_t mtp_draft(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
                      int32_t* drafts, float* logits = nullptr);
+    // Encode, commit and wait the round of m pairs and k drafts at s.position (mtp_draft's graph, no host data;
+    // the state does not advance): what it cost. For encode-only costing.
+    StepCost mtp_cost(GpuState& s, int64_t m, int64_t k);
 
     // One decode step of B (1..kMaxBatchRows) independent sequences as one command buffer: row r is token
     // ids[r] on states[r] at its own position (its KV cache, its GDN halves). The verification graph over
@@ -405,6 +408,11 @@ class GpuEngine {
     void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
     size_t mtp_draft_impl(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
                           int32_t* drafts, float* logits);
+    StepCost mtp_cost_impl(GpuState& s, int64_t m, int64_t k);
+    // mtp_draft's checks and allocations (KV room, scratch), before anything changes
+    void mtp_prepare(GpuState& s, int64_t m, int64_t k, bool logits);
+    // the round: R pairs from mtp_.hin / mtp_.tok, then K drafts into mtp_.tok[R..] (and mtp_.lg when logits)
+    void encode_mtp_round(Encoder& e, GpuState& s, uint32_t R, uint32_t K, uint32_t vocab, bool logits);
     // x rows = fc([rmsnorm(embed(tok[r]), fc_norm_e); rmsnorm(hid[r], fc_norm_h)]), r < rows <= kMaxVerifyRows
     // (an MTP head's input rows: tok u32 [rows], hid T [rows, H], x T [rows, H])
     void encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid, uint32_t rows, const Buffer& x);

@@ -48,8 +48,16 @@ size_t GpuEngine::mtp_draft(GpuState& s, const float* hidden, const int64_t* ids
     }
 }
 
-size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_t* ids, int64_t m, int64_t k,
-                                 uint32_t vocab, int32_t* drafts, float* logits) {
+StepCost GpuEngine::mtp_cost(GpuState& s, int64_t m, int64_t k) {
+    try {
+        return mtp_cost_impl(s, m, k);
+    } catch (const DeviceError&) {
+        m_->device().recover();
+        throw;
+    }
+}
+
+void GpuEngine::mtp_prepare(GpuState& st, int64_t m, int64_t k, bool logits) {
     const Config& c = m_->config();
     if (!m_->mtp) throw std::invalid_argument("metal backend: mtp_draft needs an MTP head's model (its fc)");
     if (&st.model() != m_.get()) throw std::invalid_argument("metal backend: the state belongs to another model");
@@ -59,18 +67,10 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
     if (k < 1 || k > int64_t(kMaxMtpDrafts))
         throw std::invalid_argument("metal backend: an MTP round drafts 1.." + std::to_string(kMaxMtpDrafts) +
                                     " tokens, got " + std::to_string(k));
-    for (int64_t i = 0; i < m; ++i)
-        if (ids[i] < 0 || ids[i] >= c.vocab)
-            throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
-    std::lock_guard<std::mutex> lock(mu_);
-    Device& d = m_->device();
-    if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot draft");
     if (m_->experts()) throw std::invalid_argument("metal backend: an MTP head runs on resident experts");
-    const Act t = m_->options().act;
-    const uint64_t es = act_size(t), H = uint64_t(c.hidden), V = uint64_t(c.vocab);
-    const uint32_t R = uint32_t(m), K = uint32_t(k), nl = uint32_t(m_->layers.size());
-    const uint32_t Vs = vocab && vocab < V ? vocab : uint32_t(V);
-
+    Device& d = m_->device();
+    const uint64_t es = act_size(m_->options().act), H = uint64_t(c.hidden), V = uint64_t(c.vocab);
+    const uint32_t R = uint32_t(m), K = uint32_t(k);
     // everything that can fail before the state changes: KV room for the pairs and the drafts, scratch
     st.reserve(st.position + m + k);
     MtpScratch& M = mtp_;
@@ -91,25 +91,23 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
     }
     ensure_verify(std::min(R, kMaxVerifyRows));
     if (logits && !M.lg.valid()) M.lg = d.alloc(M.steps * V * 4, "mtp.logits");
-    const Buffer& lgbuf = logits ? M.lg : sc_->logits;
-    auto logits_of = [&](uint32_t j) { return logits ? lgbuf.view(j * V * 4, V * 4) : lgbuf; };
+}
+
+void GpuEngine::encode_mtp_round(Encoder& e, GpuState& st, uint32_t R, uint32_t K, uint32_t vocab, bool logits) {
+    const Config& c = m_->config();
+    const Act t = m_->options().act;
+    const uint64_t es = act_size(t), H = uint64_t(c.hidden), V = uint64_t(c.vocab);
+    const uint32_t nl = uint32_t(m_->layers.size());
+    const uint32_t Vs = vocab && vocab < V ? vocab : uint32_t(V);
+    MtpScratch& M = mtp_;
+    auto logits_of = [&](uint32_t j) { return logits ? M.lg.view(j * V * 4, V * 4) : sc_->logits; };
     auto tok_at = [&](uint32_t i) { return M.tok.view(uint64_t(i) * 4, 4); };
-
-    uint32_t* tk = M.tok.as<uint32_t>();
-    for (uint32_t r = 0; r < R; ++r) tk[r] = uint32_t(ids[r]);
-    if (t == Act::F32) std::memcpy(M.hin.data(), hidden, R * H * 4);
-    else {
-        uint16_t* hb = M.hin.as<uint16_t>();
-        for (uint64_t i = 0; i < R * H; ++i) hb[i] = f32_to_bf16(hidden[i]);   // the rows are bf16 values widened
-    }
-
-    const int64_t p0 = st.position;
-    Encoder e(d, m_->options().command_buffer_seconds);
     auto head = [&](const Buffer& x, uint32_t j) {   // h = rmsnorm(x, norm); logits = lm_head h; draft j + 1 = argmax
         ops::rmsnorm(e, t, x, m_->final_norm, M.h, 1, uint32_t(H), c.eps);
         ops::qmv(e, t, m_->lm_head, M.h, logits_of(j), 1, true);
         ops::argmax(e, logits_of(j), Vs, tok_at(R + j), sc_->sample);
     };
+    const int64_t p0 = st.position;
     // the pairs through layer 0, kept: the verification graph's rows pass (each weight read once for up to
     // kMaxVerifyRows rows, every row the decode step's arithmetic) at cache rows = RoPE positions p0..
     Verify& v = *vf_;
@@ -126,24 +124,61 @@ size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_
         last = n - 1;
     }
     head(v.x.view(last * H * es, H * es), 0);
-    // the chain: step j (1..k-1) through layer j mod n at RoPE position p0 + m - 1 + j; each layer's entries after
+    // the chain: step j (1..k-1) through layer j mod n at RoPE position p0 + R - 1 + j; each layer's entries after
     // its kept rows (layer 0: the pairs; the others keep none)
     std::vector<int64_t> row(nl, 0);
-    row[0] = p0 + m;
+    row[0] = p0 + R;
     for (uint32_t j = 1; j < K; ++j) {
         const uint32_t l = j % nl;
-        const int64_t rope = p0 + m - 1 + j, at = row[l]++;
+        const int64_t rope = p0 + R - 1 + j, at = row[l]++;
         encode_mtp_input(e, tok_at(R + j - 1), M.h, 1, sc_->x);
         encode_layer(e, st, l, at, uint32_t(rope - at));
         head(sc_->x, j);
     }
+}
+
+size_t GpuEngine::mtp_draft_impl(GpuState& st, const float* hidden, const int64_t* ids, int64_t m, int64_t k,
+                                 uint32_t vocab, int32_t* drafts, float* logits) {
+    const Config& c = m_->config();
+    for (int64_t i = 0; i < m; ++i)
+        if (ids[i] < 0 || ids[i] >= c.vocab)
+            throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot draft");
+    mtp_prepare(st, m, k, logits != nullptr);
+    const Act t = m_->options().act;
+    const uint64_t H = uint64_t(c.hidden), V = uint64_t(c.vocab);
+    const uint32_t R = uint32_t(m), K = uint32_t(k);
+    MtpScratch& M = mtp_;
+    uint32_t* tk = M.tok.as<uint32_t>();
+    for (uint32_t r = 0; r < R; ++r) tk[r] = uint32_t(ids[r]);
+    if (t == Act::F32) std::memcpy(M.hin.data(), hidden, R * H * 4);
+    else {
+        uint16_t* hb = M.hin.as<uint16_t>();
+        for (uint64_t i = 0; i < R * H; ++i) hb[i] = f32_to_bf16(hidden[i]);   // the rows are bf16 values widened
+    }
+    Encoder e(d, m_->options().command_buffer_seconds);
+    encode_mtp_round(e, st, R, K, vocab, logits != nullptr);
     e.commit();
     e.wait();                                 // a failure: the pairs' rows are past the position, the state as it was
     for (uint32_t j = 0; j < K; ++j) drafts[j] = int32_t(tk[R + j]);
     if (logits) std::memcpy(logits, M.lg.data(), size_t(K) * V * 4);
     st.end_chain();
-    st.position = p0 + m;                     // the pairs are kept; the drafts' rows past it are dropped
+    st.position += m;                         // the pairs are kept; the drafts' rows past it are dropped
     return e.command_buffers();
+}
+
+StepCost GpuEngine::mtp_cost_impl(GpuState& st, int64_t m, int64_t k) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Device& d = m_->device();
+    mtp_prepare(st, m, k, false);
+    d.reset_counters();
+    Encoder e(d, m_->options().command_buffer_seconds);
+    encode_mtp_round(e, st, uint32_t(m), uint32_t(k), 0, false);
+    e.commit();
+    e.wait();                                 // costed only: the state does not advance
+    return cost_of(e, d.counters());
 }
 
 }  // namespace qwenmetal::gpu

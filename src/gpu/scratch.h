@@ -48,4 +48,7 @@ struct GpuEngine::Verify {
     Buffer logits;                // f32 [R, V]
 };
 
+// what an encoded call cost: the encoder's statistics and the device's counters since its reset_counters()
+StepCost cost_of(const Encoder& e, const Counters& k);
+
 }  // namespace qwenmetal::gpu

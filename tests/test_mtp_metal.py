@@ -79,8 +79,12 @@ def test_metal_head_backlog_of_pairs():
 
 
 def test_metal_head_bad_input_leaves_the_state():
+    """Bad ids, a hidden array of the wrong width, and the main model's engine asked to draft are refused with the
+    head's state untouched. (And the head binds its tensors in the main model's wrapped files: no new wrap.)"""
     m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
+    wrapped = m._backend.device.wrapped_bytes
     head = m._backend.mtp_head(m.weights.mtp)
+    assert m._backend.device.wrapped_bytes == wrapped
     H = m.config.hidden_size
     st = head.new_state()
     head.draft(st, np.zeros((2, H), np.float32), np.asarray([1, 2]), 2, 0)

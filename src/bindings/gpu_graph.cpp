@@ -141,7 +141,7 @@ void register_gpu_graph(nb::module_& g) {
         .def("__init__",
              [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
                 const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill,
-                nb::object streaming) {
+                nb::object streaming, const PyGpuEngine* share) {
                  Config c = parse_config(config);
                  WeightTable w = parse_table(mappings, tensors);
                  GpuOptions o;
@@ -181,13 +181,13 @@ void register_gpu_graph(nb::module_& g) {
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
-                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream);
+                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream, share ? share->model.get() : nullptr);
                      self->engine = std::make_unique<GpuEngine>(self->model);
                  }
                  self->keepalive = keep;
              },
              "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a,
-             "prefill"_a = nb::dict(), "streaming"_a = nb::none())
+             "prefill"_a = nb::dict(), "streaming"_a = nb::none(), "share"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits, nb::handle consumed) {

@@ -227,8 +227,9 @@ Buffer GpuModel::small(const WeightTable& w, const std::string& name, bool f32, 
 }
 
 GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
-                   const std::optional<ExpertStreaming>& stream)
+                   const std::optional<ExpertStreaming>& stream, const GpuModel* share)
     : dev_(std::move(dev)), cfg_(c), opt_(opt) {
+    if (share && share->dev_ != dev_) throw std::invalid_argument("metal backend: a shared model is on another device");
     cfg_.validate();
     const bool virt = w.is_virtual();
     if (virt && dev_->info().executes)
@@ -247,8 +248,18 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
                 if (s->present()) largest[size_t(s->mapping)] = std::max(largest[size_t(s->mapping)], s->nbytes);
         for (size_t i = 0; i < w.mappings.size(); ++i) {
             const Mapping& mp = w.mappings[i];
-            if (!mp.base) maps_.push_back(dev_->alloc(mp.size, mp.name));
-            else maps_.push_back(dev_->wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]}));
+            const MapKey key{mp.base, mp.size, largest[i]};
+            Buffer b;
+            if (share && mp.base)
+                for (size_t j = 0; j < share->maps_.size() && !b.valid(); ++j) {
+                    const MapKey& o = share->map_keys_[j];
+                    if (o.base == mp.base && o.size == mp.size && o.max_view >= largest[i]) b = share->maps_[j];
+                }
+            if (!b.valid())
+                b = mp.base ? dev_->wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]})
+                            : dev_->alloc(mp.size, mp.name);
+            maps_.push_back(b);
+            map_keys_.push_back(key);
         }
     }
     std::map<int, std::vector<void*>> bases;      // streaming: each MoE layer's slot stacks, in part order

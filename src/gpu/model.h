@@ -96,9 +96,12 @@ struct GpuLayer {
 
 class GpuModel {
   public:
-    // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache)
+    // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache). `share`: a model
+    // on the same device whose wrapped file mappings this one reuses where the mapping is the same (base, size)
+    // and was wrapped for views as large as this one's (an MTP head over its main model's files: each file is
+    // one device buffer, not two)
     GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
-             const std::optional<ExpertStreaming>& stream = std::nullopt);
+             const std::optional<ExpertStreaming>& stream = std::nullopt, const GpuModel* share = nullptr);
     Device& device() const { return *dev_; }
     const std::shared_ptr<Device>& device_ptr() const { return dev_; }
     const Config& config() const { return cfg_; }
@@ -133,6 +136,11 @@ class GpuModel {
     Config cfg_;
     GpuOptions opt_;
     std::vector<Buffer> maps_;       // one per mapping (resident mode; empty when streaming: see span())
+    struct MapKey {
+        const void* base;
+        uint64_t size, max_view;
+    };
+    std::vector<MapKey> map_keys_;   // what each of maps_ wraps (GpuModel `share`)
     std::unique_ptr<ExpertCache> experts_;
     uint64_t weight_bytes_ = 0, copied_bytes_ = 0, slot_bytes_ = 0;
 };

@@ -258,9 +258,11 @@ class GpuMtpHead:
         if not c.tie_word_embeddings:
             t["lm_head"] = backend.weights.tensors["lm_head"]
         mappings, tensors, keep = weight_table(backend.weights, t)
+        # the main model's wrapped files are reused (share): each checkpoint file stays one device buffer
         self.engine = core().gpu.GpuEngine(backend.device, config_dict(mtp_layer_config(c, self.n_layers)), mappings,
                                            tensors, "f32" if backend.dtype == "float32" else "bf16",
-                                           backend.kv_dtype == "float32", backend.attention, keep)
+                                           backend.kv_dtype == "float32", backend.attention, keep,
+                                           share=backend.engine)
         self.last_command_buffers = 0     # of the last round (1 unless the encoder's time budget cut it)
 
     def new_state(self):

@@ -11,23 +11,9 @@ from qwenmetal.backends.reference import ReferenceModel, ReferenceMtp
 from qwenmetal.mtp import MtpDrafter
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import to_float32
-from test_mtp import two_layer_head
+from test_mtp import reference_round, two_layer_head
 
 pytestmark = pytest.mark.skipif("metal-sim" not in qm.backends.BACKENDS, reason="needs the metal-sim backend")
-
-
-def _reference_round(rh, st, hid, ids, k):
-    """ReferenceMtp's round: the pairs through layer 0 (kept in `st`), then k - 1 chained steps through layer j mod
-    n on a copy. Returns (drafts, logits [k, V])."""
-    out = []
-    lg = [rh.forward(st, hid, ids, "last", out_hidden=out)]
-    chain, h, drafts = st.copy(), out[-1][-1:], [int(np.argmax(lg[0]))]
-    for j in range(1, k):
-        out = []
-        lg.append(rh.forward(chain, h, np.asarray([drafts[-1]]), "last", out_hidden=out, layer=j % rh.n_layers))
-        drafts.append(int(np.argmax(lg[-1])))
-        h = out[-1]
-    return drafts, np.stack(lg)
 
 
 @pytest.mark.parametrize("preset,layers,dtype", [("tiny", 1, "float32"), ("tiny", 2, "float32"),
@@ -52,7 +38,7 @@ def test_metal_head_equals_the_reference(preset, layers, dtype):
     tol = 1e-5 if dtype == "float32" else 1e-2
     for a, b in ((0, 4), (4, 6), (6, 25)):                     # the last: 19 pairs, two rows passes
         drafts, lg = head.draft(st, hid[a:b], nxt[a:b], 5, 0, return_logits=True)
-        want, wl = _reference_round(rh, rs, hid[a:b], nxt[a:b], 5)
+        want, wl = reference_round(rh, rs, hid[a:b], nxt[a:b], 5)
         if dtype == "float32":
             assert drafts == want
         for j in range(5):                  # the chains agree up to a near tie (bf16 rounding decides it)
@@ -74,7 +60,7 @@ def test_metal_head_backlog_of_pairs():
     fh = []
     ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
     st, rs = head.new_state(), rh.new_state()
-    assert head.draft(st, fh[0][:-1], ids[1:], 3, 0) == _reference_round(rh, rs, fh[0][:-1], ids[1:], 3)[0]
+    assert head.draft(st, fh[0][:-1], ids[1:], 3, 0) == reference_round(rh, rs, fh[0][:-1], ids[1:], 3)[0]
     assert st.position == 70
 
 

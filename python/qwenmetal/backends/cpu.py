@@ -363,11 +363,11 @@ class CpuMtpHead:
         """Layer 0's state: the context's pairs (the other layers' states live for one round)."""
         return self.engine.new_state()
 
-    def draft(self, state, hidden: np.ndarray, ids: np.ndarray, k: int, vocab: int) -> list[int]:
+    def draft(self, state, hidden: np.ndarray, ids: np.ndarray, k: int, vocab: int, return_logits: bool = False):
         """One round: the pairs (hidden[r], ids[r]) through layer 0 at `state`'s next rows (kept), then k greedy
         drafts among [0, vocab): draft 1 from the last pair, draft j + 1 from (step j's normed output, draft j)
         through layer j mod n at RoPE position one past step j's (a verify chain on layer 0's state, rewound;
-        fresh states for the other layers)."""
+        fresh states for the other layers). Returns the drafts, or (drafts, every step's logits [k, vocab])."""
         eng = self.engine
         if state.rewindable:              # drafts of an interrupted round are not the context's
             eng.rewind(state, 0)
@@ -375,7 +375,7 @@ class CpuMtpHead:
         logits, h = eng.forward(state, np.ascontiguousarray(ids, dtype=np.int64), "last", None,
                                 hidden=np.ascontiguousarray(hidden, dtype=np.float32), return_hidden=1)
         d = int(np.argmax(logits[:vocab]))
-        drafts, p = [d], state.position - 1     # p: the last pair's RoPE position
+        drafts, rows, p = [d], [logits], state.position - 1     # p: the last pair's RoPE position
         others: dict = {}
         try:
             for j in range(1, k):
@@ -386,8 +386,9 @@ class CpuMtpHead:
                                                   return_hidden=1)
                 d, h = int(np.argmax(lg[0][:vocab])), hh[0]
                 drafts.append(d)
+                rows.append(lg[0])
         finally:
             state.rope_shift = 0
             if state.rewindable:
                 eng.rewind(state, 0)
-        return drafts
+        return (drafts, np.stack(rows)) if return_logits else drafts

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig, mtp_layer_config
+from ..config import ModelConfig, mtp_head_layers, mtp_layer_config
 from ..interrupts import sigint_deferred
 from ..memory import total_memory
 
@@ -714,11 +714,7 @@ class ReferenceMtp:
         self.bf16 = dtype == "bfloat16"
         self.params = {k: np.ascontiguousarray(v, dtype=F32) for k, v in params.items()}
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
-        layers = sorted({k.split(".")[1] for k in self.params if k.startswith("layers.")},
-                        key=lambda j: (not j.isdigit(), int(j) if j.isdigit() else 0, j))
-        if not layers or layers != [str(j) for j in range(len(layers))]:
-            raise ValueError(f"the MTP head's decoder layers must be layers.0 .. layers.{{n-1}}, got {layers}")
-        self.layers = [_sub(self.params, f"layers.{j}.") for j in range(len(layers))]
+        self.layers = [_sub(self.params, f"layers.{j}.") for j in range(mtp_head_layers(self.params))]
         self.layer = self.layers[0]
 
     @property

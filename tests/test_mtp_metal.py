@@ -11,7 +11,7 @@ from qwenmetal.backends.reference import ReferenceModel, ReferenceMtp
 from qwenmetal.mtp import MtpDrafter
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import to_float32
-from test_mtp import reference_round, two_layer_head
+from test_mtp import _drafts_from_scratch, reference_round, two_layer_head
 
 pytestmark = pytest.mark.skipif("metal-sim" not in qm.backends.BACKENDS, reason="needs the metal-sim backend")
 
@@ -122,3 +122,35 @@ def test_mtp_round_cost_encode_only():
     assert min(r[2]["bytes"] - r[1]["bytes"], r[3]["bytes"] - r[2]["bytes"]) > V * H // 2   # the lm_head, 4 bits
     with pytest.raises(ValueError, match="drafts 1..16 tokens, got 17"):
         encode_only_mtp_cost(c, drafts=(17,))
+
+
+@pytest.mark.parametrize("opts", [dict(prefill_chunk=4), dict(prefill_chunk=64), dict(expert_slots=4)])
+def test_metal_forward_hidden(opts):
+    """forward_hidden (the prefill's final-normed rows, an MTP head's input over a prompt) against the reference's
+    final hidden states, in chunks of 4 (three chunks), in one, and in streaming mode (token by token); the
+    logits are forward's; a one-token call gives the decode step's row."""
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim", **opts)
+    assert m.returns_hidden
+    ids = np.random.default_rng(6).integers(0, 400, 10)
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    fh = []
+    ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    out, hid = m._backend.forward_hidden(m._backend.new_state(), ids, "last")
+    assert hid.shape == (10, m.config.hidden_size) and np.abs(hid - fh[0]).max() < 1e-5 * np.ptp(fh[0])
+    _, plain = m._backend.forward(m._backend.new_state(), ids, "last")
+    np.testing.assert_array_equal(out, plain)
+    _, one = m._backend.forward_hidden(m._backend.new_state(), ids[:1], "none")
+    assert np.abs(one[0] - fh[0][0]).max() < 1e-5 * np.ptp(fh[0])
+
+
+def test_metal_head_caches_the_prompt():
+    """A generation's prompt prefill on metal-sim hands every row's hidden state to the native drafter
+    (Speculation.prefill -> forward_hidden), so the first drafts are the formula's over the whole context."""
+    from qwenmetal.speculative import Speculation
+    m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
+    ctx = np.random.default_rng(4).integers(0, 400, 40).tolist()
+    d = MtpDrafter.for_model(m)
+    sp = Speculation(m, m.new_session(), d, None)
+    sp.prefill(ctx[:-1], "last")
+    assert d.draft(ctx, 3) == _drafts_from_scratch(m, ctx, 3)
+    sp.close()

@@ -23,8 +23,8 @@ C++ engine per decoder layer (`CpuBackend.mtp_head`), on metal / metal-sim as a 
 round (the new pairs, then the k chained drafts, argmax on the GPU) is one command buffer
 (`_GpuBackend.mtp_head`, docs/metal.md "The MTP head"). Its inputs are the final-normed hidden rows the
 verification calls return (`Drafter.observe`): nothing of the main model runs twice. The head's KV cache holds
-the (hidden, next token) pairs of the tokens generated in this generation (and of the prompt on cpu, whose
-prefill returns its hidden rows).
+the (hidden, next token) pairs of the context: the prompt's (the prefill returns its hidden rows; a part
+restored from the prefix cache has none) and the generated tokens'.
 
 On any other backend (the reference; Metal in streaming mode): with the numpy reference
 (`qwenmetal.backends.reference.ReferenceMtp`) on float32 (dequantized) weights. The head needs the main model's

@@ -279,7 +279,8 @@ class ModelBase:
 
     @property
     def returns_hidden(self) -> bool:
-        """Whether `prefill_hidden` and ``verify(..., return_hidden=True)`` work on this backend (cpu)."""
+        """Whether `prefill_hidden` and ``verify(..., return_hidden=True)`` work on this backend (cpu, metal,
+        metal-sim)."""
         return hasattr(self._backend, "forward_hidden")
 
     def prefill_hidden(self, session: Session, token_ids, return_logits: str = "last") -> tuple:

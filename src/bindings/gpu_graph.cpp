@@ -197,6 +197,19 @@ void register_gpu_graph(nb::module_& g) {
                                     e.engine->forward(s, ids.data(), n, want, dst, poll);
                                 });
         }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
+        .def("forward_hidden", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                                  const std::string& logits, nb::handle consumed) {
+            const int64_t n = int64_t(ids.shape(0));
+            auto hid = new_array({size_t(n > 0 ? n : 0), size_t(e.model->config().hidden)});
+            float* hp = hid.data();
+            nb::object out = forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+                                          [&](int want, float* dst, InterruptPoll poll) {
+                                              e.engine->forward(s, ids.data(), n, want, dst, poll, nullptr, hp);
+                                          });
+            return nb::make_tuple(out, nb::cast(hid));
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
+           "forward() that also returns every row's final-normed hidden state: (logits or None, hidden f32 [n, "
+           "hidden_size]) -- an MTP head's input over a prompt.")
         .def("forward_features", [](PyGpuEngine& e, GpuState& s,
                                     nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, const std::string& logits,
                                     nb::handle consumed, std::vector<int64_t> layers) {

@@ -222,7 +222,7 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
 }
 
 void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                            const SamplingConfig* sc, const Taps* taps) {
+                            const SamplingConfig* sc, const Taps* taps, bool hidden) {
     const Act t = m_->options().act;
     Scratch& s = *sc_;
     ops::embed(e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);                // x = embed(token)
@@ -230,7 +230,7 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
         encode_layer(e, st, li, position);
         tap(e, taps, li, s.x, 1);                                                       // features[li] = x
     }
-    encode_head(e, position, out_slot, sc);
+    encode_head(e, position, out_slot, sc, hidden);
 }
 
 // ---------------------------------------------------------------------------------------------- target features
@@ -284,11 +284,12 @@ void GpuEngine::gather(const Taps& taps, const std::vector<int64_t>& layers, uin
 }
 
 // logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given
-void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc) {
+void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     Scratch& s = *sc_;
-    ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0, normed(m_->final_norm, c.eps));   // logits (f32)
+    ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0,
+             normed(m_->final_norm, c.eps, hidden ? &s.xn : nullptr));                    // logits (f32) [, xn]
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
         const uint32_t V = sc->vocab && sc->vocab < c.vocab ? sc->vocab : uint32_t(c.vocab);
@@ -319,7 +320,7 @@ void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, con
 // S >= k the token's arithmetic is the resident step's exactly. With S < k the routed sum is added to x
 // batch by batch (one rounding of x per batch): equal within the backend's tolerance.
 void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                            const SamplingConfig* sc, const Taps* taps) {
+                            const SamplingConfig* sc, const Taps* taps, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     Device& d = m_->device();
@@ -367,7 +368,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
         }
         tap(*e, taps, li, s.x, 1);                                                     // features[li] = x
     }
-    if (logits || sc) encode_head(*e, position, out_slot, sc);
+    if (logits || sc || hidden) encode_head(*e, position, out_slot, sc, hidden);
     cb->commit();
     cb->wait();
     ++stream_tokens_;
@@ -513,7 +514,8 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
     }
 }
 
-void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps) {
+void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps,
+                             bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t), H = uint64_t(c.hidden);
@@ -530,12 +532,21 @@ void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows
         ops::rmsnorm(e, t, ch.x, m_->final_norm, ch.xn, rows, uint32_t(H), c.eps);
         ops::gemm(e, t, m_->lm_head, ch.xn, ch.logits, rows, true, 0, 0, ops::GemmFusion(), gemm_route_);
     }
+    if (hidden && want != 2) ops::rmsnorm(e, t, ch.x, m_->final_norm, ch.xn, rows, uint32_t(H), c.eps);   // hidden rows
+}
+
+void GpuEngine::widen_rows(const Buffer& src, uint32_t rows, float* out) const {
+    const size_t n = size_t(rows) * size_t(m_->config().hidden);
+    if (m_->options().act == Act::F32) std::memcpy(out, src.data(), n * 4);
+    else
+        for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src.as<uint16_t>()[i]);
 }
 
 void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                             const FeatureRequest* feats) {
+                             const FeatureRequest* feats, float* hidden) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
+    if (feats && hidden) throw std::invalid_argument("metal backend: forward returns hidden rows or layer features, not both");
     for (int64_t i = 0; i < n; ++i)
         if (ids[i] < 0 || ids[i] >= c.vocab)
             throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
@@ -546,7 +557,7 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
     if (m_->experts()) {                               // streaming: token by token through the expert cache
         st.reserve(st.position + n);
         st.end_chain();                                // any call but verify ends a verification chain
-        stream_forward(st, ids, n, want, logits, poll, feats);
+        stream_forward(st, ids, n, want, logits, poll, feats, hidden);
         return;
     }
     const size_t FL = feats ? feats->layers.size() : 0;
@@ -558,11 +569,12 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
         std::memcpy(sc_->tokens.data(), &id, 4);
         auto cb = d.command_buffer();
         Encoder e(d, *cb);
-        encode_step(e, st, st.position, 0, 1, nullptr, taps ? &*taps : nullptr);
+        encode_step(e, st, st.position, 0, 1, nullptr, taps ? &*taps : nullptr, hidden != nullptr);
         cb->commit();
         cb->wait();
         st.commit_step();
         if (want) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+        if (hidden) widen_rows(sc_->xn, 1, hidden);
         if (taps) gather(*taps, feats->layers, 1, feats->out);
         return;
     }
@@ -583,13 +595,15 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
             for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
             const bool last = i0 + M == n;
             Encoder e(d, m_->options().command_buffer_seconds);   // command buffers back to back, no waits
-            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr);
+            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr,
+                         hidden != nullptr);
             e.commit();
             e.wait();
             st.commit_step(M);                         // the chunk's written halves become current
             if (want == 2) std::memcpy(logits + i0 * c.vocab, ch_->logits.data(), size_t(M) * c.vocab * 4);
             else if (want == 1 && last) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
             if (taps) gather(*taps, feats->layers, M, feats->out + size_t(i0) * FL * c.hidden);
+            if (hidden) widen_rows(ch_->xn, M, hidden + size_t(i0) * c.hidden);
         }
     } catch (...) {
         if (multi) st.restore(saved);
@@ -612,7 +626,7 @@ void GpuEngine::reset_expert_stats() {
 // Streaming prefill: each token is one stream_step (the routing of a token is known only after its
 // top-k), the state advanced after each; all-or-nothing like the chunked prefill.
 void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits,
-                               InterruptPoll poll, const FeatureRequest* feats) {
+                               InterruptPoll poll, const FeatureRequest* feats, float* hidden) {
     const Config& c = m_->config();
     const std::optional<Taps> taps = feats ? taps_for(feats->layers, 1) : std::nullopt;
     const size_t FL = feats ? feats->layers.size() : 0;
@@ -623,8 +637,9 @@ void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int 
             const uint32_t id = uint32_t(ids[i]);
             std::memcpy(sc_->tokens.data(), &id, 4);
             const bool want_logits = want == 2 || (want == 1 && i + 1 == n);
-            stream_step(st, st.position, 0, 1, want_logits, nullptr, taps ? &*taps : nullptr);
+            stream_step(st, st.position, 0, 1, want_logits, nullptr, taps ? &*taps : nullptr, hidden != nullptr);
             st.commit_step();
+            if (hidden) widen_rows(sc_->xn, 1, hidden + size_t(i) * c.hidden);
             if (want == 2) std::memcpy(logits + i * c.vocab, sc_->logits.data(), size_t(c.vocab) * 4);
             else if (want_logits) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
             if (taps) gather(*taps, feats->layers, 1, feats->out + size_t(i) * FL * c.hidden);
@@ -958,12 +973,7 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
         e.wait();                                      // a failure: the rows' slots are not the chain's, the
     }                                                  // state is as it was
     std::memcpy(logits, vf_->logits.data(), size_t(R) * c.vocab * 4);
-    if (hidden) {
-        const size_t m = size_t(R) * c.hidden;
-        if (m_->options().act == Act::F32) std::memcpy(hidden, vf_->xn.data(), m * 4);
-        else
-            for (size_t i = 0; i < m; ++i) hidden[i] = bf16_to_f32(vf_->xn.as<uint16_t>()[i]);
-    }
+    if (hidden) widen_rows(vf_->xn, R, hidden);
     if (taps) gather(*taps, feats->layers, R, feats->out);
     st.chain_rows(R);
 }
@@ -1134,8 +1144,8 @@ auto recovering(Device& d, F&& f) -> decltype(f()) {
 }  // namespace
 
 void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                        const FeatureRequest* feats) {
-    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats); });
+                        const FeatureRequest* feats, float* hidden) {
+    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats, hidden); });
 }
 
 std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,

@@ -281,8 +281,11 @@ class GpuEngine {
     // `feats` (optional): the target features of every row (FeatureRequest), copied out of the residual stream
     // by copy_f32 dispatches that add no dependency level (docs/metal.md, "Target features"); a call with
     // features runs chunks of at most feature_rows() rows.
+    // `hidden` (optional, not with `feats`): every row's final-normed hidden state, f32 [n, hidden] (an MTP head's
+    // input: the prompt's pairs): the final RMSNorm of the chunk's rows (one more dispatch per chunk; a one-token
+    // call and a streaming step take the lm_head's fused norm output, as verify does).
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 const FeatureRequest* feats = nullptr);
+                 const FeatureRequest* feats = nullptr, float* hidden = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
     // rows of a prefill chunk that returns the features of `layers` layers (kFeatureBytes of them at most)
     uint32_t feature_rows(size_t layers) const;
@@ -368,7 +371,9 @@ class GpuEngine {
 
   private:
     void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                      const FeatureRequest* feats);
+                      const FeatureRequest* feats, float* hidden);
+    // rows [rows, H] of an activation buffer widened into out (the host side, after the wait)
+    void widen_rows(const Buffer& src, uint32_t rows, float* out) const;
     std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
                                      const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll);
     void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden,
@@ -409,8 +414,9 @@ class GpuEngine {
     void ensure_verify(uint32_t rows);
     void encode_rows(Encoder& e, const std::vector<RowPlan>& rows, bool hidden, const Taps* taps = nullptr);
     void encode_rows_layer(Encoder& e, const std::vector<RowPlan>& rows, size_t li);
+    // hidden: the lm_head's fused final norm also writes its normed input (Scratch::xn)
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                     const SamplingConfig* sc, const Taps* taps = nullptr);
+                     const SamplingConfig* sc, const Taps* taps = nullptr, bool hidden = false);
     // rope_shift: RoPE at position + rope_shift (an MTP head's layers; 0 everywhere else)
     void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
     void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
@@ -427,7 +433,6 @@ class GpuEngine {
     // an MTP head's scratch (mtp.cpp): hidden rows in, the token ring of a round, its logits
     struct MtpScratch {
         uint32_t rows = 0, steps = 0;
-        bool logits = false;
         Buffer hin;          // T [rows, H]    the pairs' hidden rows (host-written)
         Buffer tok;          // u32 [rows + steps]  the pairs' ids (host-written), then the drafts
         Buffer emb;          // T [kMaxVerifyRows, H]
@@ -438,14 +443,16 @@ class GpuEngine {
     MtpScratch mtp_;
 
     void encode_mlp(Encoder& e, size_t li);
-    void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc);
+    void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc, bool hidden = false);
     // streaming mode: one token as per-layer command buffers around the expert cache (forward.cpp)
     void stream_step(GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                     const SamplingConfig* sc, const Taps* taps = nullptr);
+                     const SamplingConfig* sc, const Taps* taps = nullptr, bool hidden = false);
     void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                        const FeatureRequest* feats);
+                        const FeatureRequest* feats, float* hidden);
     void ensure_chunk(uint32_t rows, bool all_logits);
-    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr);
+    // hidden: the rows' final RMSNorm into Chunk::xn
+    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr,
+                      bool hidden = false);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;

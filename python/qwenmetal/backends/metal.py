@@ -149,6 +149,11 @@ class _GpuBackend(EngineBackend):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return state, self.engine.forward(state, ids, logits, consumed)
 
+    def forward_hidden(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+        """`forward` that also returns every row's final-normed hidden state: (logits or None, [n, hidden] float32),
+        for an MTP head's cache over a prompt (the chunk's final RMSNorm, one more dispatch per chunk)."""
+        return self.engine.forward_hidden(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed)
+
     def forward_features(self, state, ids: np.ndarray, logits: str, consumed: list | None, layers) -> tuple:
         """`forward` that also returns the outputs of the decoder layers `layers` (0-based, distinct, 1..8, any
         order) for every row, concatenated ([n, len(layers) * hidden], float32; the residual stream after each

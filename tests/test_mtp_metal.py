@@ -50,17 +50,20 @@ def test_metal_head_equals_the_reference(preset, layers, dtype):
 
 
 def test_metal_head_backlog_of_pairs():
-    """More pairs than one round takes (64: rounds that drafted nothing) are fed ahead; the drafts are the
-    reference's over all of them."""
+    """Pairs without drafts (k = 0: a prompt's) and more pairs than one call takes (fed ahead; the limit lowered
+    to 32 here) leave the head where the reference is: the drafts over all 70 pairs are the reference's."""
     m = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0, mtp=True), backend="metal-sim")
     head = m._backend.mtp_head(m.weights.mtp)
+    head.MAX_PAIRS = 32
     ref = ReferenceModel(m.config, m.weights.dense_float32())
     rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in m.weights.mtp.items()})
     ids = np.random.default_rng(5).integers(0, 400, 71)
     fh = []
     ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    hid, nxt = fh[0][:-1], ids[1:]
     st, rs = head.new_state(), rh.new_state()
-    assert head.draft(st, fh[0][:-1], ids[1:], 3, 0) == reference_round(rh, rs, fh[0][:-1], ids[1:], 3)[0]
+    assert head.draft(st, hid[:5], nxt[:5], 0, 0) == [] and st.position == 5
+    assert head.draft(st, hid[5:], nxt[5:], 3, 0) == reference_round(rh, rs, hid, nxt, 3)[0]
     assert st.position == 70
 
 
@@ -120,7 +123,7 @@ def test_mtp_round_cost_encode_only():
         assert r[3][key] - r[2][key] == r[2][key] - r[1][key] > 0, key
     H, V = c.hidden_size, c.vocab_size
     assert min(r[2]["bytes"] - r[1]["bytes"], r[3]["bytes"] - r[2]["bytes"]) > V * H // 2   # the lm_head, 4 bits
-    with pytest.raises(ValueError, match="drafts 1..16 tokens, got 17"):
+    with pytest.raises(ValueError, match="drafts 0..16 tokens, got 17"):
         encode_only_mtp_cost(c, drafts=(17,))
 
 

@@ -271,11 +271,11 @@ void register_gpu_graph(nb::module_& g) {
             const int64_t m = int64_t(ids.shape(0));
             if (int64_t(hidden.shape(0)) != m || int64_t(hidden.shape(1)) != e.model->config().hidden)
                 throw std::invalid_argument("mtp_draft: hidden must be [len(ids), hidden_size]");
-            if (k < 1) throw std::invalid_argument("mtp_draft: k must be >= 1");
+            if (k < 0) throw std::invalid_argument("mtp_draft: k must be >= 0");
             std::vector<int32_t> drafts(size_t(k), 0);
             nb::object lg = nb::none();
             float* lp = nullptr;
-            if (return_logits) {
+            if (return_logits && k > 0) {
                 auto a = new_array({size_t(k), size_t(e.model->config().vocab)});
                 lp = a.data();
                 lg = nb::cast(a);
@@ -290,7 +290,8 @@ void register_gpu_graph(nb::module_& g) {
             return nb::make_tuple(out, lg, cbs);
         }, "state"_a, "hidden"_a, "ids"_a, "k"_a, "vocab"_a = 0, "return_logits"_a = false,
            "An MTP head's drafting round in one command buffer: the pairs (hidden[r], ids[r]) through layer 0 (kept "
-           "in the state), then k greedy drafts among [0, vocab) (0: all), step j through layer j mod n (dropped). "
+           "in the state), then k greedy drafts among [0, vocab) (0: all), step j through layer j mod n (dropped; "
+           "k = 0: the pairs only). "
            "Returns (drafts, every step's logits [k, vocab] or None, the command buffers run).")
         .def("mtp_cost", [](PyGpuEngine& e, GpuState& s, int64_t pairs, int64_t k) {
             StepCost c;

@@ -147,10 +147,10 @@ class GpuModel {
 
 // the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
 constexpr uint32_t kMaxVerifyRows = 16;
-// the most drafts of one MTP round (GpuEngine::mtp_draft), and the most pairs it takes (a round's verified rows and
-// those of an interrupted one)
+// the most drafts of one MTP round (GpuEngine::mtp_draft), and the most pairs it takes (a round's verified rows;
+// a prompt's are fed 256 at a time)
 constexpr uint32_t kMaxMtpDrafts = 16;
-constexpr uint32_t kMaxMtpPairs = 4 * kMaxVerifyRows;
+constexpr uint32_t kMaxMtpPairs = 256;
 // the most decoder layers one call returns the outputs of (FeatureRequest; a DFlash draft reads 5 of 40)
 constexpr size_t kMaxFeatureLayers = 8;
 // the most bytes of target features a prefill chunk holds on the device: a call with features cuts its chunks
@@ -340,7 +340,8 @@ class GpuEngine {
     // One drafting round of an MTP head (model().mtp; docs/metal.md, "The MTP head") as one command buffer
     // (the encoder's time budget may cut it, as a verification's): the m >= 1 pairs (hidden[r] f32 [H], the
     // main model's final-normed row, ids[r] the token after it) run through layer 0 at cache rows (= RoPE
-    // positions) s.position.., and are kept; then k (1..kMaxMtpDrafts) greedy drafts: draft 1 the argmax of
+    // positions) s.position.., and are kept; then k (0..kMaxMtpDrafts; 0: the pairs only, no logits) greedy
+    // drafts: draft 1 the argmax of
     // the last pair's logits among [0, vocab) (0: all), draft j + 1 from (the head's normed output of step j,
     // draft j) through layer j mod n at RoPE position s.position + m - 1 + j, each layer's draft entries after
     // its kept ones (layer 0: after the pairs; others: from row 0) and dropped at the end. Drafts into

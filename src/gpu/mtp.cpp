@@ -64,8 +64,8 @@ void GpuEngine::mtp_prepare(GpuState& st, int64_t m, int64_t k, bool logits) {
     if (m < 1 || m > int64_t(kMaxMtpPairs))
         throw std::invalid_argument("metal backend: an MTP round takes 1.." + std::to_string(kMaxMtpPairs) +
                                     " (hidden, token) pairs, got " + std::to_string(m));
-    if (k < 1 || k > int64_t(kMaxMtpDrafts))
-        throw std::invalid_argument("metal backend: an MTP round drafts 1.." + std::to_string(kMaxMtpDrafts) +
+    if (k < 0 || k > int64_t(kMaxMtpDrafts))
+        throw std::invalid_argument("metal backend: an MTP round drafts 0.." + std::to_string(kMaxMtpDrafts) +
                                     " tokens, got " + std::to_string(k));
     if (m_->experts()) throw std::invalid_argument("metal backend: an MTP head runs on resident experts");
     Device& d = m_->device();
@@ -75,7 +75,7 @@ void GpuEngine::mtp_prepare(GpuState& st, int64_t m, int64_t k, bool logits) {
     st.reserve(st.position + m + k);
     MtpScratch& M = mtp_;
     if (!M.hin.valid() || M.rows < R) {
-        M.rows = std::max(R, 2 * kMaxVerifyRows);
+        M.rows = std::max(R, 4 * kMaxVerifyRows);
         M.hin = d.alloc(M.rows * H * es, "mtp.hin");
         M.tok = Buffer{};
     }
@@ -123,7 +123,7 @@ void GpuEngine::encode_mtp_round(Encoder& e, GpuState& st, uint32_t R, uint32_t 
         encode_rows_layer(e, plan, 0);
         last = n - 1;
     }
-    head(v.x.view(last * H * es, H * es), 0);
+    if (K > 0) head(v.x.view(last * H * es, H * es), 0);   // k = 0: the pairs only (a prompt's)
     // the chain: step j (1..k-1) through layer j mod n at RoPE position p0 + R - 1 + j; each layer's entries after
     // its kept rows (layer 0: the pairs; the others keep none)
     std::vector<int64_t> row(nl, 0);

@@ -253,7 +253,7 @@ class GpuMtpHead:
     the state holds layer 0's cache of the context's pairs."""
 
     #: the most pairs / drafts of one `mtp_draft` call (kMaxMtpPairs, kMaxMtpDrafts in src/gpu/model.h)
-    MAX_PAIRS, MAX_DRAFTS = 64, 16
+    MAX_PAIRS, MAX_DRAFTS = 256, 16
 
     def __init__(self, backend: _GpuBackend, params: dict):
         c = backend.weights.config
@@ -280,8 +280,8 @@ class GpuMtpHead:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         k = min(int(k), self.MAX_DRAFTS)
         n = self.MAX_PAIRS
-        while ids.size > n:               # a backlog of pairs (rounds that drafted nothing): fed ahead
-            self.engine.mtp_draft(state, hidden[:n], ids[:n], 1, vocab)
+        while ids.size > n:               # a prompt's pairs: fed ahead, no drafts
+            self.engine.mtp_draft(state, hidden[:n], ids[:n], 0, vocab)
             hidden, ids = hidden[n:], ids[n:]
         drafts, logits, self.last_command_buffers = self.engine.mtp_draft(state, hidden, ids, int(k), int(vocab),
                                                                           return_logits)

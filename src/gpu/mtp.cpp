@@ -9,11 +9,12 @@
 //   h      = rmsnorm(x, norm)                  the next step's hidden state (T, as the reference rounds it)
 //   logits = lm_head h (f32); tokens[next] = argmax(logits)     read by the next step's embedding
 //
-// A round is one command buffer: the m pairs the verification returned, one after the other through layer 0
-// (only the last one's logits are computed), then the k - 1 chained steps; the host writes the pairs' ids and
-// hidden rows before it and reads the k drafts (4 bytes each) after it. Nothing is read back in between: the
-// chain's token goes from the argmax kernel to the next embedding through the token buffer, as in the decode
-// loop.
+// A round is one command buffer: the m pairs the verification returned through layer 0 as the verification
+// graph's rows pass (encode_rows_layer: each weight read once for up to kMaxVerifyRows rows; only the last pair's
+// logits are computed), then the k - 1 chained steps one token each (encode_layer); the host writes the pairs'
+// ids and hidden rows before it and reads the k drafts (4 bytes each) after it. Nothing is read back in between:
+// the chain's token goes from the argmax kernel to the next embedding through the token buffer, as in the
+// decode loop.
 #include <cstring>
 #include <string>
 

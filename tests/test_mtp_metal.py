@@ -125,6 +125,9 @@ def test_mtp_round_cost_encode_only():
     assert min(r[2]["bytes"] - r[1]["bytes"], r[3]["bytes"] - r[2]["bytes"]) > V * H // 2   # the lm_head, 4 bits
     with pytest.raises(ValueError, match="drafts 0..16 tokens, got 17"):
         encode_only_mtp_cost(c, drafts=(17,))
+    from qwenmetal.bench.speculative import format_mtp_modelled
+    lines = format_mtp_modelled(encode_only_mtp_cost(c, drafts=(1, 3), context=40))
+    assert "MODELLED" in lines[0] and len(lines) == 5 and lines[3].split()[0] == "1"
 
 
 @pytest.mark.parametrize("opts", [dict(prefill_chunk=4), dict(prefill_chunk=64), dict(expert_slots=4)])

@@ -23,14 +23,17 @@ struct AttnPrepareParams {
     uint32_t capacity;     // cache rows per kv head
     uint32_t proj_stride;  // proj elements per token row
     float eps;             // RMSNorm epsilon
+    // RoPE runs at the cache row + rope_shift (mod 2^32; 0: at the row): a cache whose entries are not at
+    // consecutive positions (an MTP head's layers, docs/speculative.md "n-layer heads")
+    uint32_t rope_shift;
     // theta^(-2i / rotary_dim), i < rotary_dim / 2, correctly rounded to float on the host (as the
     // reference's rope_tables): the angle float(position) * inv_freq[i] then matches it bit for bit
     // at every position; a kernel-side pow is off by ulps, which at position 1e5 moves the angle by
     // more than the float32 tolerance of a test.
     float inv_freq[ATTN_MAX_ROTARY_HALF];
 };
-static_assert(sizeof(AttnPrepareParams) == 40 + 4 * ATTN_MAX_ROTARY_HALF,
-              "AttnPrepareParams: 10 x 4 bytes + the inv_freq table, as the host packs it");
+static_assert(sizeof(AttnPrepareParams) == 44 + 4 * ATTN_MAX_ROTARY_HALF,
+              "AttnPrepareParams: 11 x 4 bytes + the inv_freq table, as the host packs it");
 
 // attn_decode_single_* / attn_decode_partial_*: one threadgroup per (partial, head chunk, kv head).
 struct AttnDecodeParams {

@@ -120,7 +120,7 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
     device KV* k_row = k_cache + row;
     device KV* v_row = v_cache + row;
     for (uint d = tid; d < hd; d += nthreads) {
-        const T yt = T(attn_normed_rope(p, x, w, d, inv, position));
+        const T yt = T(attn_normed_rope(p, x, w, d, inv, position + p.rope_shift));
         if (is_q) {
             q_row[d] = yt;
         } else {
@@ -222,7 +222,7 @@ inline void attn_prep_token(constant AttnDecodeParams& p, constant AttnPreparePa
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
             const uint d = lane + SIMD_WIDTH * i;
             if (d < hd) {
-                const KV kk = KV(float(T(attn_normed_rope(r, x, k_norm_w, d, inv, r.position))));
+                const KV kk = KV(float(T(attn_normed_rope(r, x, k_norm_w, d, inv, r.position + r.rope_shift))));
                 const KV vv = KV(float(v_in[d]));
                 last_row[d] = float(kk);
                 last_row[hd + d] = float(vv);
@@ -239,7 +239,7 @@ inline void attn_prep_token(constant AttnDecodeParams& p, constant AttnPreparePa
         const float inv = attn_head_inv_rms(x, hd, r.eps, lane);
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
             const uint d = lane + SIMD_WIDTH * i;
-            q->v[i] = d < hd ? float(T(attn_normed_rope(r, x, q_norm_w, d, inv, r.position))) * p.scale : 0.0f;
+            q->v[i] = d < hd ? float(T(attn_normed_rope(r, x, q_norm_w, d, inv, r.position + r.rope_shift))) * p.scale : 0.0f;
         }
     } else {
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {

@@ -33,23 +33,26 @@ def _silu(x):
     return x * _sigmoid(x)
 
 
-def naive_mtp(c: ModelConfig, P: dict, embed, lm_head, hidden, tokens):
+def naive_mtp(c: ModelConfig, P: dict, embed, lm_head, hidden, tokens, layer=0, positions=None):
     """Logits [L, V] and output hidden [L, H] of the MTP head over the pairs (hidden[p], tokens[p]) at RoPE
-    positions p = 0..L-1, recomputed from scratch: concat(norm_e(embed(t)), norm_h(h)) -> fc -> one
-    full-attention MoE decoder layer -> norm -> lm_head. `P`: the head's shifted float32 weights."""
+    positions p = 0..L-1 (or `positions`), row p attending rows 0..p, recomputed from scratch:
+    concat(norm_e(embed(t)), norm_h(h)) -> fc -> the full-attention MoE decoder layer `layer` -> norm -> lm_head.
+    `P`: the head's shifted float32 weights."""
     eps, L = c.rms_norm_eps, len(tokens)
+    pos = np.arange(L) if positions is None else np.asarray(positions)
     nh, nkv, hd, rd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim
     x = np.concatenate([_norm(embed[tokens], P["pre_fc_norm_embedding"], eps),
                         _norm(hidden, P["pre_fc_norm_hidden"], eps)], axis=1) @ P["fc"].T.astype(np.float64)
-    a = "layers.0.self_attn."
-    h = _norm(x, P["layers.0.input_layernorm"], eps)
+    lp = f"layers.{layer}."
+    a = lp + "self_attn."
+    h = _norm(x, P[lp + "input_layernorm"], eps)
     qg = (h @ P[a + "q_proj"].T).reshape(L, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(L, nh * hd)
     k = (h @ P[a + "k_proj"].T).reshape(L, nkv, hd)
     v = (h @ P[a + "v_proj"].T).reshape(L, nkv, hd)
     q, k = _norm(q, P[a + "q_norm"], eps), _norm(k, P[a + "k_norm"], eps)
     inv = c.rope_theta ** (-np.arange(0, rd, 2) / rd)
-    ang = np.arange(L)[:, None] * inv[None]                # position of pair p = p
+    ang = pos[:, None] * inv[None]                         # pair p's RoPE position
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
 
     def rope(t):
@@ -65,8 +68,8 @@ def naive_mtp(c: ModelConfig, P: dict, embed, lm_head, hidden, tokens):
         pr = np.exp(s - s.max(-1, keepdims=True))
         o[:, i] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
     x = x + (o.reshape(L, -1) * _sigmoid(gate)) @ P[a + "o_proj"].T
-    m = "layers.0.mlp."
-    h = _norm(x, P["layers.0.post_attention_layernorm"], eps)
+    m = lp + "mlp."
+    h = _norm(x, P[lp + "post_attention_layernorm"], eps)
     y = np.zeros_like(h)
     for t in range(L):
         z = h[t] @ P[m + "gate"].T
@@ -121,22 +124,54 @@ def mtp_ckpt():
     return cached_checkpoint("tiny", "mlx-q4", 0, mtp=True)
 
 
-def _drafts_from_scratch(m, ctx, k):
+def _drafts_from_scratch(m, ctx, k, params=None):
     """Draft k tokens after `ctx` with the plain formula: main final-normed hidden at 0..n-2, pairs
-    (h_p, ctx[p+1]), then chained on the head's own output."""
+    (h_p, ctx[p+1]) through layer 0, then chained on the head's own output, draft step j through layer j mod n
+    (n: the head's layers, `params` or the checkpoint's head): every step recomputes its layer over all of
+    that layer's entries from scratch -- layer 0 the pairs and its earlier draft entries, a layer j >= 1 its
+    draft entries of this chain -- each at its own RoPE position."""
     ref = ReferenceModel(m.config, m.weights.dense_float32())
-    P = {k_: to_float32(v).astype(np.float64) for k_, v in m.weights.mtp.items()}
+    P = {k_: to_float32(v).astype(np.float64) for k_, v in (params or m.weights.mtp).items()}
+    n = len({k_.split(".")[1] for k_ in P if k_.startswith("layers.")})
     fh = []
     ref.forward(ref.new_state(), np.asarray(ctx[:-1]), logits="none", final_hidden=fh)
-    hs, toks = list(fh[0]), list(ctx[1:])
+    rows = {j: ([], [], []) for j in range(n)}               # layer -> its entries' hidden, token, position
+    rows[0] = (list(fh[0]), list(ctx[1:]), list(range(len(ctx) - 1)))
     out = []
     V = min(m.tokenizer.vocab_size, m.config.vocab_size)      # ids a sampler can return
-    for _ in range(k):
-        logits, oh = naive_mtp(m.config, P, ref.embed_tokens, ref.lm_head, np.array(hs), np.array(toks))
+    for j in range(k):
+        hs, toks, pos = rows[j % n]
+        if j:                                                 # the chained pair, one position on
+            hs.append(h)
+            toks.append(out[-1])
+            pos.append(len(ctx) - 2 + j)
+        logits, oh = naive_mtp(m.config, P, ref.embed_tokens, ref.lm_head, np.array(hs), np.array(toks),
+                               layer=j % n, positions=pos)
         out.append(int(np.argmax(logits[-1][:V])))
-        hs.append(oh[-1])
-        toks.append(out[-1])
+        h = oh[-1]
     return out
+
+
+def reference_round(rh, st, hid, ids, k):
+    """ReferenceMtp's round: the pairs through layer 0 (kept in `st`), then k - 1 chained steps through layer j mod
+    n on a copy. Returns (drafts, logits [k, V])."""
+    out = []
+    lg = [rh.forward(st, hid, ids, "last", out_hidden=out)]
+    chain, h, drafts = st.copy(), out[-1][-1:], [int(np.argmax(lg[0]))]
+    for j in range(1, k):
+        out = []
+        lg.append(rh.forward(chain, h, np.asarray([drafts[-1]]), "last", out_hidden=out, layer=j % rh.n_layers))
+        drafts.append(int(np.argmax(lg[-1])))
+        h = out[-1]
+    return drafts, np.stack(lg)
+
+
+def two_layer_head(m, preset="tiny"):
+    """`m`'s MTP head with a second decoder layer: ``layers.1.*`` the head layer of the seed-1 fixture."""
+    other = qm.Model.load(cached_checkpoint(preset, "mlx-q4", 1, mtp=True), backend="reference").weights.mtp
+    p = dict(m.weights.mtp)
+    p.update({"layers.1." + k[len("layers.0."):]: v for k, v in other.items() if k.startswith("layers.0.")})
+    return p
 
 
 def test_drafter_incremental_equals_from_scratch(mtp_ckpt):
@@ -152,6 +187,27 @@ def test_drafter_incremental_equals_from_scratch(mtp_ckpt):
     assert d.draft(other, 2) == _drafts_from_scratch(m, other, 2)
     assert d.draft(ctx[:1], 3) == [] and d.draft(ctx, 0) == []
     d.close()
+
+
+def test_two_layer_head_reference(mtp_ckpt):
+    """A two-layer head on the numpy drafter: the drafts of growing contexts are the from-scratch recomputation
+    of the n-layer semantics (step j through layer j mod 2, per-layer caches), they differ from the one-layer
+    head's, and a head whose layers are not numbered 0..n-1 is refused."""
+    m = qm.Model.load(mtp_ckpt, backend="reference")
+    params = two_layer_head(m)
+    d = MtpDrafter(m, params)
+    d.start(m)
+    ctx = np.random.default_rng(1).integers(0, 400, 14).tolist()
+    differs = False
+    for n in (5, 6, 11, 14):
+        got = d.draft(ctx[:n], 5)
+        assert got == _drafts_from_scratch(m, ctx[:n], 5, params)
+        differs |= got != _drafts_from_scratch(m, ctx[:n], 5)
+    assert differs
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    bad = {("layers.2." + k[9:] if k.startswith("layers.1.") else k): v for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"layers.0 .. layers.\{n-1\}, got \['0', '2'\]"):
+        ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in bad.items()})
 
 
 def _digests(d):
@@ -231,6 +287,19 @@ def test_speculative_mtp_is_plain_greedy(preset, backend):
     assert st["drafter"] == "mtp" and st["drafted_tokens"] > 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_two_layer_head_is_plain_greedy(mtp_ckpt, backend):
+    """speculative decoding with a two-layer head gives the plain greedy output (natively on cpu)."""
+    m = qm.Model.load(mtp_ckpt, backend=backend, **({"threads": 2} if backend == "cpu" else {}))
+    kw = dict(max_tokens=24, temperature=0, ignore_eos=True, cache=False)
+    plain = [o.token for o in m.generate("The quick brown fox", **kw)]
+    d = MtpDrafter(m, two_layer_head(m))
+    spec = list(m.generate("The quick brown fox", speculative=d, speculative_k=4, **kw))
+    assert [o.token for o in spec] == plain
+    assert spec[-1].stats["speculative"]["drafted_tokens"] > 0
+    assert d.wants_hidden == (backend == "cpu")
+
+
 def test_native_head_matches_the_reference(mtp_ckpt):
     """The cpu backend's MTP head engine (CpuBackend.mtp_head: fc over [embedding; hidden] in C++, then the
     one-layer engine) against ReferenceMtp on the same weights, float activations and cache: logits and
@@ -278,6 +347,45 @@ def test_native_drafts_follow_the_formula(mtp_ckpt):
         d.observe(fed, hid)
         fed = n - 1
         assert d.draft(ctx[:n], 3) == _drafts_from_scratch(m, ctx[:n], 3)
+
+
+def test_native_two_layer_head_matches_the_reference(mtp_ckpt):
+    """The cpu head of two layers against ReferenceMtp, rounds of 4, 2 and 5 pairs with 5 drafts: every step's
+    logits within 1e-4 of their range (float activations and cache), the same drafts."""
+    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2, activations="float", kv_dtype="float32")
+    params = two_layer_head(m)
+    head = m._backend.mtp_head(params)
+    ref = ReferenceModel(m.config, m.weights.dense_float32())
+    rh = ReferenceMtp.from_model(ref, {k: to_float32(v) for k, v in params.items()})
+    ids = np.random.default_rng(3).integers(0, 400, 12)
+    fh = []
+    ref.forward(ref.new_state(), ids, logits="none", final_hidden=fh)
+    hid, nxt = np.ascontiguousarray(fh[0][:-1], dtype=np.float32), ids[1:]
+    st, rs = head.new_state(), rh.new_state()
+    for a, b in ((0, 4), (4, 6), (6, 11)):
+        drafts, lg = head.draft(st, hid[a:b], nxt[a:b], 5, m.config.vocab_size, return_logits=True)
+        want, wl = reference_round(rh, rs, hid[a:b], nxt[a:b], 5)
+        assert drafts == want and np.abs(lg - wl).max() < 1e-4 * np.ptp(wl)
+        assert st.position == rs.position == b and not st.rewindable
+
+
+def test_native_two_layer_drafts_follow_the_formula(mtp_ckpt):
+    """The cpu head of two layers (CpuMtpHead: an engine per layer, RoPE apart from the cache row) drafts what the
+    from-scratch recomputation of the n-layer semantics gives."""
+    m = qm.Model.load(mtp_ckpt, backend="cpu", threads=2, activations="float", kv_dtype="float32")
+    params = two_layer_head(m)
+    d = MtpDrafter(m, params)
+    d.start(m)
+    assert d.wants_hidden and d._native.n_layers == 2
+    ctx = np.random.default_rng(1).integers(0, 400, 14).tolist()
+    s = m.new_session()
+    fed = 0
+    for n in (5, 6, 11, 14):
+        _, hid = m._backend.verify(s._state, np.asarray(ctx[fed:n - 1]), s._tokens, return_hidden=True)
+        m._backend.rewind(s._state, n - 1 - fed, s._tokens)
+        d.observe(fed, hid)
+        fed = n - 1
+        assert d.draft(ctx[:n], 5) == _drafts_from_scratch(m, ctx[:n], 5, params)
 
 
 def test_cli_convert_keep_mtp(tmp_path):

@@ -540,9 +540,19 @@ def session_alloc_bytes(config, context: int, kv_element_bytes: int = 2, backend
     return {"kv_tokens": cap, "kv_cache": held["kv_cache"], "gdn_state": state, "total": held["kv_cache"] + state}
 
 
-def mtp_layer_config(config: ModelConfig) -> ModelConfig:
-    """`config` with one full-attention MoE layer (index 0): the MTP decoder layer's config, so that
-    `decoder_layer` runs it (mlx-vlm builds its MTP layer the same way, from the text config with
+def mtp_layer_config(config: ModelConfig, n_layers: int = 1) -> ModelConfig:
+    """`config` with `n_layers` full-attention MoE layers: the MTP decoder layers' config, so that
+    `decoder_layer` runs them (mlx-vlm builds its MTP layers the same way, from the text config with
     ``num_hidden_layers = mtp layers`` and ``full_attention_interval = 1``)."""
-    return replace(config, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=(),
-                   decoder_sparse_step=1)
+    return replace(config, num_hidden_layers=n_layers, layer_types=("full_attention",) * n_layers,
+                   mlp_only_layers=(), decoder_sparse_step=1)
+
+
+def mtp_head_layers(params) -> int:
+    """How many decoder layers (``layers.0.*`` .. ``layers.{n-1}.*``) the MTP head tensors `params` hold;
+    ValueError unless they are numbered 0..n-1 with n >= 1."""
+    found = {k.split(".")[1] for k in params if k.startswith("layers.")}
+    n = len(found)
+    if n == 0 or found != {str(j) for j in range(n)}:
+        raise ValueError(f"the MTP head's decoder layers must be layers.0 .. layers.{{n-1}}, got {sorted(found)}")
+    return n

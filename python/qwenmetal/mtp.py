@@ -13,19 +13,26 @@ Where the weights come from: the checkpoint's own ``mtp.*`` tensors (`Weights.mt
 them, ``qwenmetal convert --keep-mtp`` keeps them) or a separate MTP head folder (``model_type``
 ``"qwen3_5_mtp"``, as mlx-vlm's splitter writes it): ``MtpDrafter.for_model(model, path=folder)``.
 
-How it computes, on the cpu backend: natively. The head runs as a one-layer C++ engine over the model's own
-embedding and lm_head (`CpuBackend.mtp_head`, the checkpoint's quantized weights in place), and its inputs
-are the final-normed hidden rows the verification calls return (`Drafter.observe`): nothing of the main
-model runs twice. The head's KV cache holds the (hidden, next token) pairs of the tokens generated in this
-generation (the prompt's hidden states are not computed, so its pairs are not in the cache).
+A head of n layers (``mtp.layers.0..n-1``): draft step j of a round runs decoder layer j mod n, each layer with
+its own KV cache; the context's pairs go through layer 0, a layer j >= 1 holds only the current chain's entries
+(`ReferenceMtp` has the full statement, docs/speculative.md "Drafters" the reasons).
 
-On any other backend: with the numpy reference (`qwenmetal.backends.reference.ReferenceMtp`) on float32
-(dequantized) weights. The head needs the main model's hidden states, which no backend
-returns, so the drafter runs its *own* reference session of the main model over the context, incrementally
-(each round feeds only the tokens added since the last), and keeps the MTP head's KV cache for the context's
-(hidden, next token) pairs. This is correct on every backend and fast on none: it is the ground truth a
-backend's native MTP drafting can be checked against. Drafting never changes the output -- verification is
-exact (`qwenmetal.speculative`) -- only how many drafts are accepted.
+How it computes, on the cpu backend and in the Metal graph (resident experts): natively. The head runs over the
+model's own embedding and lm_head with the checkpoint's quantized weights in place -- on cpu as one one-layer
+C++ engine per decoder layer (`CpuBackend.mtp_head`), on metal / metal-sim as a GpuEngine of its own whose
+round (the new pairs, then the k chained drafts, argmax on the GPU) is one command buffer
+(`_GpuBackend.mtp_head`, docs/metal.md "The MTP head"). Its inputs are the final-normed hidden rows the
+verification calls return (`Drafter.observe`): nothing of the main model runs twice. The head's KV cache holds
+the (hidden, next token) pairs of the context: the prompt's (the prefill returns its hidden rows; a part
+restored from the prefix cache has none) and the generated tokens'.
+
+On any other backend (the reference; Metal in streaming mode): with the numpy reference
+(`qwenmetal.backends.reference.ReferenceMtp`) on float32 (dequantized) weights. The head needs the main model's
+hidden states, which those backends do not return, so the drafter runs its *own* reference session of the main
+model over the context, incrementally (each round feeds only the tokens added since the last), and keeps the
+MTP head's KV cache for the context's (hidden, next token) pairs. This is correct on every backend and fast on
+none: it is the ground truth a backend's native MTP drafting is checked against. Drafting never changes the
+output -- verification is exact (`qwenmetal.speculative`) -- only how many drafts are accepted.
 """
 from __future__ import annotations
 
@@ -74,8 +81,8 @@ _NATIVE_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _native_head(model: ModelBase, params: dict):
-    """The backend's native MTP head engine over `params` (built once per model and head), None where the
-    backend has none."""
+    """The backend's native MTP head over `params` (built once per model and head: `CpuMtpHead`, `GpuMtpHead`,
+    with ``new_state()`` and ``draft(state, hidden, ids, k, vocab)``), None where the backend has none."""
     heads = _NATIVE_HEADS.setdefault(model, {})
     hit = heads.get(id(params))
     if hit is None or hit[0] is not params:
@@ -83,7 +90,7 @@ def _native_head(model: ModelBase, params: dict):
         if head is None:
             return None
         hit = heads[id(params)] = (params, head)
-    return hit[1].engine
+    return hit[1]
 
 
 class MtpDrafter(Drafter):
@@ -104,12 +111,12 @@ class MtpDrafter(Drafter):
         self.hidden = hidden
         self._source = source            # the mapped files of a separate head folder (kept open)
         self._ref = self._head = None
-        self._native = None              # the cpu backend's head engine (`CpuBackend.mtp_head`), when native
+        self._native = None              # the backend's native head (`Model.mtp_head`), when native
         self._reset()
 
     @property
     def wants_hidden(self) -> bool:
-        """Natively on the cpu backend: the head takes the verification calls' hidden rows."""
+        """Natively (cpu, Metal with resident experts): the head takes the verification calls' hidden rows."""
         return self._native is not None
 
     @classmethod
@@ -145,9 +152,9 @@ class MtpDrafter(Drafter):
     def start(self, model: ModelBase) -> None:
         if model is not self.model:
             raise ValueError("this MtpDrafter was built for another model")
-        engine = _native_head(model, self.params) if self.hidden == "final_norm" else None
-        if engine is not None:
-            self._native = engine
+        head = _native_head(model, self.params) if self.hidden == "final_norm" else None
+        if head is not None:
+            self._native = head
             self._nstate = self._native.new_state()
             self._nh: dict = {}            # position -> the main model's hidden row there, not yet paired
             self._npos = 0                 # positions < this have their pair in the head's cache
@@ -160,28 +167,18 @@ class MtpDrafter(Drafter):
             self._nh[position + j] = hidden[j]
 
     def _draft_native(self, ctx: list, k: int) -> list[int]:
-        eng, st, V = self._native, self._nstate, self._vocab
-        if st.rewindable:                  # drafts of an interrupted draft() are not the context's
-            eng.rewind(st, 0)
         last = len(ctx) - 2                # the last fed position: its hidden pairs with ctx[-1]
         if last not in self._nh:
             return []
         ps = [p for p in sorted(self._nh) if self._npos <= p <= last]
         hid = np.ascontiguousarray(np.stack([self._nh[p] for p in ps]), dtype=np.float32)
         ids = np.asarray([ctx[p + 1] for p in ps], dtype=np.int64)
-        logits, h = eng.forward(st, ids, "last", None, hidden=hid, return_hidden=1)   # the context's pairs, kept
+        # the context's pairs go into layer 0's cache for good; the chain's entries are dropped by the head
+        drafts = self._native.draft(self._nstate, hid, ids, k, self._vocab)
         self._npos = last + 1
         for p in ps:
             del self._nh[p]
-        d = int(np.argmax(logits[:V]))
-        drafts = [d]
-        for _ in range(k - 1):             # chained on a verify chain: the drafts' pairs are rewound
-            lg, hh = eng.verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None], return_hidden=1)
-            d, h = int(np.argmax(lg[0][:V])), hh[0]
-            drafts.append(d)
-        if st.rewindable:
-            eng.rewind(st, 0)
-        return drafts
+        return [int(d) for d in drafts]
 
     def _sync(self, ctx: list) -> None:
         """Bring the main reference to ``ctx[:-1]`` and the MTP cache to the pairs p < len(ctx) - 2."""
@@ -209,6 +206,7 @@ class MtpDrafter(Drafter):
         self._build()
         self._sync(ctx)
         head, V = self._head, self._vocab
+        n = head.n_layers
         # the context's own pairs (h_p, ctx[p+1]) for p = q .. len(ctx) - 2 go into the MTP cache for good
         q = self._mtp.position
         pend, self._pending = self._pending, None
@@ -219,9 +217,9 @@ class MtpDrafter(Drafter):
         drafts = [d]
         if k > 1:                          # chain on a copy: the drafts' entries are not the context's
             st, h = self._mtp.copy(), out[-1][-1:]
-            for _ in range(k - 1):
+            for j in range(1, k):          # step j through layer j mod n
                 out = []
-                logits = head.forward(st, h, np.asarray([d]), logits="last", out_hidden=out)
+                logits = head.forward(st, h, np.asarray([d]), logits="last", out_hidden=out, layer=j % n)
                 d = int(np.argmax(logits[:V]))
                 drafts.append(d)
                 h = out[-1]

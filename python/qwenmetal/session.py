@@ -279,7 +279,8 @@ class ModelBase:
 
     @property
     def returns_hidden(self) -> bool:
-        """Whether `prefill_hidden` and ``verify(..., return_hidden=True)`` work on this backend (cpu)."""
+        """Whether `prefill_hidden` and ``verify(..., return_hidden=True)`` work on this backend (cpu, metal,
+        metal-sim)."""
         return hasattr(self._backend, "forward_hidden")
 
     def prefill_hidden(self, session: Session, token_ids, return_logits: str = "last") -> tuple:
@@ -411,8 +412,9 @@ class ModelBase:
             reset()
 
     def mtp_head(self, params: dict):
-        """The backend's native MTP head over `params` (cpu: a one-layer engine, its C++ engine as ``.engine``;
-        it holds the arrays the engine reads, so keep it), or None where the backend has none."""
+        """The backend's native MTP head over `params` (cpu: `CpuMtpHead`, one one-layer engine per decoder layer;
+        metal / metal-sim with resident experts: `GpuMtpHead`, the head in the Metal graph; each holds the arrays
+        its engines read, so keep it), or None where the backend has none."""
         make = getattr(self._backend, "mtp_head", None)
         return make(params) if make is not None else None
 

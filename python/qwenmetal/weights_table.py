@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .config import mtp_layer_config
 from .errors import CheckpointError, InputError
 from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from .weights import QuantizedTensor, Weights, is_routed_expert
@@ -192,6 +193,36 @@ def virtual_weight_table(config, bits: int = 4, group_size: int = 64, router_bit
             lin(m + "up_proj", c.intermediate_size, H)
             lin(m + "down_proj", H, c.intermediate_size)
     mappings[0] = ("virtual checkpoint", 0, cursor[0])
+    return mappings, tensors, sizes
+
+
+def virtual_mtp_weight_table(config, n_layers: int = 1, bits: int = 4, group_size: int = 64, router_bits: int = 8,
+                             expert_bits: int | None = None):
+    """The weights table of an MTP head of ``n_layers`` layers (``fc``, ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``norm``, ``layers.*`` full-attention MoE layers) with the model's embedding and
+    lm_head, in the MLX layout of `virtual_weight_table` (``fc`` at ``bits``), over a virtual mapping: for
+    costing the head (`GpuEngine.mtp_cost`) without its weights. Returns (mappings, tensors, sizes)."""
+    mappings, tensors, sizes = virtual_weight_table(mtp_layer_config(config, n_layers), bits=bits,
+                                                    group_size=group_size, router_bits=router_bits,
+                                                    expert_bits=expert_bits)
+    name, _, end = mappings[0]
+    H = config.hidden_size
+
+    def span(nbytes: int):
+        nonlocal end
+        off = end
+        end += (nbytes + 63) // 64 * 64
+        return (0, off, int(nbytes))
+
+    wb, sb = H * 2 * H * bits // 8, H * (2 * H // group_size) * 2
+    tensors["fc"] = dict(bits=bits, group_size=group_size, dtype="float32", sdtype="bfloat16", shape=[H, 2 * H],
+                         data=span(wb), scales=span(sb), biases=span(sb))
+    sizes["fc"] = wb + 2 * sb
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        tensors[n] = dict(bits=0, group_size=0, dtype="bfloat16", sdtype="bfloat16", shape=[H], data=span(2 * H),
+                          scales=None, biases=None)
+        sizes[n] = 2 * H
+    mappings[0] = (name, 0, end)
     return mappings, tensors, sizes
 
 

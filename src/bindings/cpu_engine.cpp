@@ -461,6 +461,8 @@ namespace qwenmetal::bindings {
 void register_cpu_engine(nb::module_& m) {
     nb::class_<State>(m, "CpuState", "One sequence's decode state, held in C++ (KV cache, conv and GDN states).")
         .def_prop_ro("position", [](const State& s) { return s.position; }, "tokens consumed so far")
+        .def_rw("rope_shift", &State::rope_shift,
+                "RoPE runs at the cache row + rope_shift (0: at the row); an MTP head's layer caches skip positions")
         .def_prop_ro("nbytes", [](const State& s) { return s.nbytes(); },
                      "bytes of state as stored (KV cache counted up to the position)")
         .def_prop_ro("allocated_nbytes", [](const State& s) { return s.allocated_bytes(); },

@@ -206,6 +206,8 @@ void register_gpu(nb::module_& m) {
         .def_prop_ro("faults", &SimDevice::faults)
         .def_prop_ro("allocated_bytes", &SimDevice::allocated_bytes,
                      "bytes of every alloc() so far (not wrap()): scratch, state and KV cache")
+        .def_prop_ro("wrapped_bytes", &SimDevice::wrapped_bytes,
+                     "bytes of every wrap() so far: the weights' file mappings as device buffers")
         .def_prop_ro("faulted", &SimDevice::faulted,
                      "a command buffer failed and recover() was not called since: later ones are ignored")
         .def("records", [](const SimDevice& d) {

@@ -139,7 +139,7 @@ void register_gpu_graph(nb::module_& g) {
         .def("__init__",
              [](PyGpuEngine* self, std::shared_ptr<Device> dev, nb::dict config, nb::list mappings, nb::dict tensors,
                 const std::string& act, bool kv_f32, nb::dict policy, nb::object keep, nb::dict prefill,
-                nb::object streaming) {
+                nb::object streaming, const PyGpuEngine* share) {
                  Config c = parse_config(config);
                  WeightTable w = parse_table(mappings, tensors);
                  GpuOptions o;
@@ -179,13 +179,13 @@ void register_gpu_graph(nb::module_& g) {
                  new (self) PyGpuEngine();
                  {
                      nb::gil_scoped_release r;
-                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream);
+                     self->model = std::make_shared<GpuModel>(dev, c, w, o, stream, share ? share->model.get() : nullptr);
                      self->engine = std::make_unique<GpuEngine>(self->model);
                  }
                  self->keepalive = keep;
              },
              "device"_a, "config"_a, "mappings"_a, "tensors"_a, "act"_a, "kv_f32"_a, "policy"_a, "keep"_a,
-             "prefill"_a = nb::dict(), "streaming"_a = nb::none())
+             "prefill"_a = nb::dict(), "streaming"_a = nb::none(), "share"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                            const std::string& logits, nb::handle consumed) {
@@ -195,6 +195,19 @@ void register_gpu_graph(nb::module_& g) {
                                     e.engine->forward(s, ids.data(), n, want, dst, poll);
                                 });
         }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
+        .def("forward_hidden", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                                  const std::string& logits, nb::handle consumed) {
+            const int64_t n = int64_t(ids.shape(0));
+            auto hid = new_array({size_t(n > 0 ? n : 0), size_t(e.model->config().hidden)});
+            float* hp = hid.data();
+            nb::object out = forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+                                          [&](int want, float* dst, InterruptPoll poll) {
+                                              e.engine->forward(s, ids.data(), n, want, dst, poll, nullptr, hp);
+                                          });
+            return nb::make_tuple(out, nb::cast(hid));
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
+           "forward() that also returns every row's final-normed hidden state: (logits or None, hidden f32 [n, "
+           "hidden_size]) -- an MTP head's input over a prompt.")
         .def("forward_features", [](PyGpuEngine& e, GpuState& s,
                                     nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, const std::string& logits,
                                     nb::handle consumed, std::vector<int64_t> layers) {
@@ -248,6 +261,46 @@ void register_gpu_graph(nb::module_& g) {
         }, "state"_a, "keep"_a, "consumed"_a = nb::none(),
            "After verify() calls of n ids in all: the state after the first `keep` (0..n) of them; the dropped "
            "tokens leave `consumed`. Ends the chain.")
+        .def_prop_ro("is_mtp_head", [](PyGpuEngine& e) { return e.model->mtp; },
+                     "built from an MTP head's tensors (fc, pre_fc_norm_embedding, pre_fc_norm_hidden)")
+        .def("mtp_draft", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const float, nb::ndim<2>, nb::c_contig> hidden,
+                             nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, int64_t k, uint32_t vocab,
+                             bool return_logits) {
+            const int64_t m = int64_t(ids.shape(0));
+            if (int64_t(hidden.shape(0)) != m || int64_t(hidden.shape(1)) != e.model->config().hidden)
+                throw std::invalid_argument("mtp_draft: hidden must be [len(ids), hidden_size]");
+            if (k < 0) throw std::invalid_argument("mtp_draft: k must be >= 0");
+            std::vector<int32_t> drafts(size_t(k), 0);
+            nb::object lg = nb::none();
+            float* lp = nullptr;
+            if (return_logits && k > 0) {
+                auto a = new_array({size_t(k), size_t(e.model->config().vocab)});
+                lp = a.data();
+                lg = nb::cast(a);
+            }
+            size_t cbs = 0;
+            {
+                nb::gil_scoped_release r;
+                cbs = e.engine->mtp_draft(s, hidden.data(), ids.data(), m, k, vocab, drafts.data(), lp);
+            }
+            nb::list out;
+            for (int32_t d : drafts) out.append(d);
+            return nb::make_tuple(out, lg, cbs);
+        }, "state"_a, "hidden"_a, "ids"_a, "k"_a, "vocab"_a = 0, "return_logits"_a = false,
+           "An MTP head's drafting round in one command buffer: the pairs (hidden[r], ids[r]) through layer 0 (kept "
+           "in the state), then k greedy drafts among [0, vocab) (0: all), step j through layer j mod n (dropped; "
+           "k = 0: the pairs only). "
+           "Returns (drafts, every step's logits [k, vocab] or None, the command buffers run).")
+        .def("mtp_cost", [](PyGpuEngine& e, GpuState& s, int64_t pairs, int64_t k) {
+            StepCost c;
+            {
+                nb::gil_scoped_release r;
+                c = e.engine->mtp_cost(s, pairs, k);
+            }
+            return cost_dict(c);
+        }, "state"_a, "pairs"_a, "k"_a,
+           "Encode, commit and wait an MTP round of `pairs` pairs and k drafts at the state's position (mtp_draft's "
+           "graph, no host data; the state does not advance): its cost. For encode-only costing.")
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
                           bool pipelined, uint32_t vocab, nb::handle consumed) {

@@ -34,9 +34,10 @@ constexpr int64_t kAttnSplit = 1024;       // keys per decode piece
 // inv_freq[d] = theta^(-2d/rotary_dim), d < rotary_dim/2 (float64 pow, rounded once)
 void rope_inv_freq(double theta, int64_t rotary_dim, float* inv_freq);
 
+// rows pos0.. of the cache; RoPE at pos0 + rope_shift.. (an MTP head's layer caches skip positions)
 void attn_qk_rope_kv_write(const AttnDims& d, float* q, float* k, int64_t k_row, const float* v, int64_t v_row,
                            int64_t L, int64_t pos0, const float* q_norm, const float* k_norm, const float* inv_freq,
-                           const KVCacheView& cache);
+                           const KVCacheView& cache, int64_t rope_shift = 0);
 
 size_t attention_thread_floats(const AttnDims& d);
 size_t attention_shared_floats(const AttnDims& d, int64_t L, int64_t T);

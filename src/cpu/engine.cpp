@@ -44,7 +44,8 @@ State::State(const Config& c, bool kv_f32) : kv_f32_(kv_f32) {
 }
 
 State::State(const State& o)
-    : position(o.position), n_attn_(o.n_attn_), n_gdn_(o.n_gdn_), kv_row_bytes_(o.kv_row_bytes_),
+    : position(o.position), rope_shift(o.rope_shift), n_attn_(o.n_attn_), n_gdn_(o.n_gdn_),
+      kv_row_bytes_(o.kv_row_bytes_),
       conv_floats_(o.conv_floats_), ssm_floats_(o.ssm_floats_), kv_f32_(o.kv_f32_), capacity_(o.position) {
     const size_t kvb = size_t(capacity_) * kv_row_bytes_;
     for (int64_t i = 0; i < 2 * n_attn_; ++i) {

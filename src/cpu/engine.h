@@ -117,6 +117,9 @@ public:
     State& operator=(const State&) = delete;
 
     int64_t position = 0;
+    // RoPE runs at the cache row + rope_shift (0: at the row; an MTP head's layer caches, whose entries skip
+    // positions: docs/speculative.md "n-layer heads")
+    int64_t rope_shift = 0;
     int64_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
     // bytes as stored for the tokens held (the KV cache counted up to `position`)

@@ -332,13 +332,13 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
                     const State& si = *batch[i];
                     const KVCacheView ci{si.k(ai), si.v(ai), si.kv_f32()};
                     attn_qk_rope_kv_write(d, qg + i * d.q_row, kb + i * kvd, kvd, vb + i * kvd, kvd, 1, si.position,
-                                          A.q_norm.data(), A.k_norm.data(), inv_freq_.data(), ci);
+                                          A.q_norm.data(), A.k_norm.data(), inv_freq_.data(), ci, si.rope_shift);
                     attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, si.position, ci, ob + i * od, od);
                 }
             } else {
                 const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
                 attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
-                                      inv_freq_.data(), cache);
+                                      inv_freq_.data(), cache, s.rope_shift);
                 if (speculative)                       // row i as the one-token call at position pos0 + i
                     for (int64_t i = 0; i < L; ++i)
                         attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, pos0 + i, cache, ob + i * od, od);

@@ -48,6 +48,7 @@
 
 #include "core/dtype.h"
 #include "gpu/model.h"
+#include "gpu/scratch.h"
 #include "gpu/ops/moe.h"
 #include "gpu/ops/norm.h"
 #include "metal/moe.h"
@@ -111,26 +112,6 @@ ops::QmvFusion residual(const Buffer& r) {
 }
 }  // namespace
 
-// One buffer per logical tensor of a decode step (shapes for one token).
-struct GpuEngine::Scratch {
-    Buffer x;              // T [H]              residual stream
-    Buffer xn;             // T [H]              normalised input of the current block
-    Buffer proj;           // T [max in rows]    stacked input projection of the attention / GDN block
-    Buffer conv_act;       // T [conv_dim]       GDN q | k | v after the conv and SiLU
-    Buffer attn_part;      // f32                attention partial results (split-K / two-pass routes)
-    Buffer mix;            // T [max(value_dim, nh * hd)]  block output before the out projection
-    Buffer router;         // f32 [E + 1]        router logits (+ the shared-expert gate logit)
-    Buffer topk_ids;       // u32 [k]
-    Buffer topk_w;         // f32 [k]
-    Buffer slot_ids;       // u32 [k]            streaming: the expert cache slots of topk_ids (host-written)
-    Buffer moe_act;        // T [k + 1, max(I, Is)]  SwiGLU activations of the routed + shared experts
-    Buffer moe_shared;     // f32 [H]            the shared expert's down projection, when it runs apart
-                           //                    (a format the routed kernel cannot read: ops::moe_down)
-    Buffer mlp_act;        // T [I]              dense-MLP SwiGLU activations
-    Buffer logits;         // f32 [V]
-    Buffer tokens;         // u32 [kSlots]       token ring
-    Buffer sample;         // f32/u32            argmax / sampler scratch
-};
 
 GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
     : m_(std::move(m)), sc_(std::make_unique<Scratch>()), ch_(std::make_unique<Chunk>()),
@@ -170,7 +151,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
 GpuEngine::~GpuEngine() = default;
 
 // x += attention(x) | gdn(x) of layer li (its input norm fused into the in-projection)
-void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
@@ -183,7 +164,7 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
         // mix = gated attention over keys 0..position, the q/k norm, RoPE and K/V write of this token fused in
         ops::attention_decode_prepared(e, t, as, m_->options().attn, s.proj, L.q_norm, L.k_norm, uint32_t(position),
-                                       st.kv[ai], s.attn_part, s.mix);
+                                       st.kv[ai], s.attn_part, s.mix, rope_shift);
         ops::qmv(e, t, L.o_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));           // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----
@@ -219,12 +200,12 @@ void GpuEngine::encode_mlp(Encoder& e, size_t li) {
     ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));         // x += mlp(xn)
 }
 
-void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
+void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
     Scratch& s = *sc_;
-    encode_mixer(e, st, li, position);
+    encode_mixer(e, st, li, position, rope_shift);
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
@@ -241,7 +222,7 @@ void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t positi
 }
 
 void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                            const SamplingConfig* sc, const Taps* taps) {
+                            const SamplingConfig* sc, const Taps* taps, bool hidden) {
     const Act t = m_->options().act;
     Scratch& s = *sc_;
     ops::embed(e, t, m_->embed, s.tokens.view(in_slot * 4, 4), 1, s.x);                // x = embed(token)
@@ -249,7 +230,7 @@ void GpuEngine::encode_step(Encoder& e, GpuState& st, int64_t position, uint32_t
         encode_layer(e, st, li, position);
         tap(e, taps, li, s.x, 1);                                                       // features[li] = x
     }
-    encode_head(e, position, out_slot, sc);
+    encode_head(e, position, out_slot, sc, hidden);
 }
 
 // ---------------------------------------------------------------------------------------------- target features
@@ -303,11 +284,12 @@ void GpuEngine::gather(const Taps& taps, const std::vector<int64_t>& layers, uin
 }
 
 // logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given
-void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc) {
+void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     Scratch& s = *sc_;
-    ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0, normed(m_->final_norm, c.eps));   // logits (f32)
+    ops::qmv(e, t, m_->lm_head, s.x, s.logits, 1, true, 0, 0,
+             normed(m_->final_norm, c.eps, hidden ? &s.xn : nullptr));                    // logits (f32) [, xn]
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
         const uint32_t V = sc->vocab && sc->vocab < c.vocab ? sc->vocab : uint32_t(c.vocab);
@@ -338,7 +320,7 @@ void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, con
 // S >= k the token's arithmetic is the resident step's exactly. With S < k the routed sum is added to x
 // batch by batch (one rounding of x per batch): equal within the backend's tolerance.
 void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                            const SamplingConfig* sc, const Taps* taps) {
+                            const SamplingConfig* sc, const Taps* taps, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     Device& d = m_->device();
@@ -386,7 +368,7 @@ void GpuEngine::stream_step(GpuState& st, int64_t position, uint32_t in_slot, ui
         }
         tap(*e, taps, li, s.x, 1);                                                     // features[li] = x
     }
-    if (logits || sc) encode_head(*e, position, out_slot, sc);
+    if (logits || sc || hidden) encode_head(*e, position, out_slot, sc, hidden);
     cb->commit();
     cb->wait();
     ++stream_tokens_;
@@ -532,7 +514,8 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
     }
 }
 
-void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps) {
+void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps,
+                             bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t), H = uint64_t(c.hidden);
@@ -549,12 +532,21 @@ void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows
         ops::rmsnorm(e, t, ch.x, m_->final_norm, ch.xn, rows, uint32_t(H), c.eps);
         ops::gemm(e, t, m_->lm_head, ch.xn, ch.logits, rows, true, 0, 0, ops::GemmFusion(), gemm_route_);
     }
+    if (hidden && want != 2) ops::rmsnorm(e, t, ch.x, m_->final_norm, ch.xn, rows, uint32_t(H), c.eps);   // hidden rows
+}
+
+void GpuEngine::widen_rows(const Buffer& src, uint32_t rows, float* out) const {
+    const size_t n = size_t(rows) * size_t(m_->config().hidden);
+    if (m_->options().act == Act::F32) std::memcpy(out, src.data(), n * 4);
+    else
+        for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src.as<uint16_t>()[i]);
 }
 
 void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                             const FeatureRequest* feats) {
+                             const FeatureRequest* feats, float* hidden) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
+    if (feats && hidden) throw std::invalid_argument("metal backend: forward returns hidden rows or layer features, not both");
     for (int64_t i = 0; i < n; ++i)
         if (ids[i] < 0 || ids[i] >= c.vocab)
             throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
@@ -565,7 +557,7 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
     if (m_->experts()) {                               // streaming: token by token through the expert cache
         st.reserve(st.position + n);
         st.end_chain();                                // any call but verify ends a verification chain
-        stream_forward(st, ids, n, want, logits, poll, feats);
+        stream_forward(st, ids, n, want, logits, poll, feats, hidden);
         return;
     }
     const size_t FL = feats ? feats->layers.size() : 0;
@@ -577,11 +569,12 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
         std::memcpy(sc_->tokens.data(), &id, 4);
         auto cb = d.command_buffer();
         Encoder e(d, *cb);
-        encode_step(e, st, st.position, 0, 1, nullptr, taps ? &*taps : nullptr);
+        encode_step(e, st, st.position, 0, 1, nullptr, taps ? &*taps : nullptr, hidden != nullptr);
         cb->commit();
         cb->wait();
         st.commit_step();
         if (want) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
+        if (hidden) widen_rows(sc_->xn, 1, hidden);
         if (taps) gather(*taps, feats->layers, 1, feats->out);
         return;
     }
@@ -602,13 +595,15 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
             for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
             const bool last = i0 + M == n;
             Encoder e(d, m_->options().command_buffer_seconds);   // command buffers back to back, no waits
-            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr);
+            encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr,
+                         hidden != nullptr);
             e.commit();
             e.wait();
             st.commit_step(M);                         // the chunk's written halves become current
             if (want == 2) std::memcpy(logits + i0 * c.vocab, ch_->logits.data(), size_t(M) * c.vocab * 4);
             else if (want == 1 && last) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
             if (taps) gather(*taps, feats->layers, M, feats->out + size_t(i0) * FL * c.hidden);
+            if (hidden) widen_rows(ch_->xn, M, hidden + size_t(i0) * c.hidden);
         }
     } catch (...) {
         if (multi) st.restore(saved);
@@ -631,7 +626,7 @@ void GpuEngine::reset_expert_stats() {
 // Streaming prefill: each token is one stream_step (the routing of a token is known only after its
 // top-k), the state advanced after each; all-or-nothing like the chunked prefill.
 void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits,
-                               InterruptPoll poll, const FeatureRequest* feats) {
+                               InterruptPoll poll, const FeatureRequest* feats, float* hidden) {
     const Config& c = m_->config();
     const std::optional<Taps> taps = feats ? taps_for(feats->layers, 1) : std::nullopt;
     const size_t FL = feats ? feats->layers.size() : 0;
@@ -642,8 +637,9 @@ void GpuEngine::stream_forward(GpuState& st, const int64_t* ids, int64_t n, int 
             const uint32_t id = uint32_t(ids[i]);
             std::memcpy(sc_->tokens.data(), &id, 4);
             const bool want_logits = want == 2 || (want == 1 && i + 1 == n);
-            stream_step(st, st.position, 0, 1, want_logits, nullptr, taps ? &*taps : nullptr);
+            stream_step(st, st.position, 0, 1, want_logits, nullptr, taps ? &*taps : nullptr, hidden != nullptr);
             st.commit_step();
+            if (hidden) widen_rows(sc_->xn, 1, hidden + size_t(i) * c.hidden);
             if (want == 2) std::memcpy(logits + i * c.vocab, sc_->logits.data(), size_t(c.vocab) * 4);
             else if (want_logits) std::memcpy(logits, sc_->logits.data(), size_t(c.vocab) * 4);
             if (taps) gather(*taps, feats->layers, 1, feats->out + size_t(i) * FL * c.hidden);
@@ -770,27 +766,6 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
 // KV cache and GDN buffers it uses, so rows may be one state's consecutive tokens (verify_plan) or one
 // token on each of B states (batch_plan).
 
-// One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at
-// most kMaxVerifyRows): the decode scratch's tensors with one row per token.
-struct GpuEngine::Verify {
-    uint32_t rows = 0;            // R
-    Buffer ids;                   // u32 [R]                    the token ids (written by the host)
-    Buffer x;                     // T [R, H]                   residual stream
-    Buffer xn;                    // T [R, H]                   normalised rows (the router's; the head's: hidden)
-    Buffer proj;                  // T [R, max in rows]         stacked in-projection rows
-    Buffer conv_act;              // T [R, conv_dim]            GDN q | k | v after the conv and SiLU
-    Buffer q;                     // T [R, nh * hd]             attention queries after norm + RoPE
-    std::vector<Buffer> attn_part;  // f32, one per row: the rows' attention dispatches run side by side
-    Buffer mix;                   // T [R, max(value_dim, nh * hd)]  block output before the out projection
-    Buffer router;                // f32 [R, router rows]       router logits (+ the shared-expert gate logit)
-    Buffer topk_ids;              // u32 [R, k]
-    Buffer topk_w;                // f32 [R, k]
-    Buffer moe_act;               // T [R, act_row]             SwiGLU activations of the routed + shared experts
-    uint64_t act_row = 0;         // (k + 1) * max(I, Is): moe_act's row, as the decode scratch's
-    Buffer moe_shared;            // f32 [R, H]                 the shared expert's down projection run apart
-    Buffer mlp_act;               // T [R, I]                   dense-MLP SwiGLU activations
-    Buffer logits;                // f32 [R, V]
-};
 
 void GpuEngine::ensure_verify(uint32_t rows) {
     Verify& v = *vf_;
@@ -998,12 +973,7 @@ void GpuEngine::verify_impl(GpuState& st, const int64_t* ids, int64_t n, float* 
         e.wait();                                      // a failure: the rows' slots are not the chain's, the
     }                                                  // state is as it was
     std::memcpy(logits, vf_->logits.data(), size_t(R) * c.vocab * 4);
-    if (hidden) {
-        const size_t m = size_t(R) * c.hidden;
-        if (m_->options().act == Act::F32) std::memcpy(hidden, vf_->xn.data(), m * 4);
-        else
-            for (size_t i = 0; i < m; ++i) hidden[i] = bf16_to_f32(vf_->xn.as<uint16_t>()[i]);
-    }
+    if (hidden) widen_rows(vf_->xn, R, hidden);
     if (taps) gather(*taps, feats->layers, R, feats->out);
     st.chain_rows(R);
 }
@@ -1161,8 +1131,8 @@ StepCost GpuEngine::batch_cost_impl(const std::vector<GpuState*>& states) {
 // ---------------------------------------------------------------------------------------------- recovery
 
 void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                        const FeatureRequest* feats) {
-    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats); });
+                        const FeatureRequest* feats, float* hidden) {
+    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats, hidden); });
 }
 
 std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,

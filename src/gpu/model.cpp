@@ -52,7 +52,9 @@ const std::vector<ExpertPart>& layer_parts(const ExpertStreaming& st, int layer,
 // ------------------------------------------------------------------------------------------------
 // WeightBinder
 // ------------------------------------------------------------------------------------------------
-WeightBinder::WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor) : dev_(dev), w_(w), act_(act) {
+WeightBinder::WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor,
+                           const std::vector<WrappedFile>* reuse)
+    : dev_(dev), w_(w), act_(act) {
     if (per_tensor) return;
     // weights are only read; the largest tensor of each file is the largest view bound from it
     std::vector<uint64_t> largest(w.mappings.size(), 0);
@@ -61,8 +63,18 @@ WeightBinder::WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_
             if (s->present()) largest[size_t(s->mapping)] = std::max(largest[size_t(s->mapping)], s->nbytes);
     for (size_t i = 0; i < w.mappings.size(); ++i) {
         const Mapping& mp = w.mappings[i];
-        if (!mp.base) maps_.push_back(dev_.alloc(mp.size, mp.name));
-        else maps_.push_back(dev_.wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]}));
+        Buffer b;
+        if (reuse && mp.base)
+            for (const WrappedFile& f : *reuse)
+                if (f.base == mp.base && f.size == mp.size && f.max_view >= largest[i]) {
+                    b = f.buffer;
+                    break;
+                }
+        if (!b.valid())
+            b = mp.base ? dev_.wrap(mp.base, mp.size, mp.name, nullptr, nullptr, WrapHints{true, largest[i]})
+                        : dev_.alloc(mp.size, mp.name);
+        maps_.push_back(b);
+        files_.push_back({mp.base, mp.size, largest[i], b});
     }
 }
 
@@ -248,8 +260,9 @@ Buffer WeightBinder::small(const std::string& name, bool f32, int64_t expect) {
 // GpuModel
 // ------------------------------------------------------------------------------------------------
 GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
-                   const std::optional<ExpertStreaming>& stream)
+                   const std::optional<ExpertStreaming>& stream, const GpuModel* share)
     : dev_(std::move(dev)), cfg_(c), opt_(opt) {
+    if (share && share->dev_ != dev_) throw std::invalid_argument("metal backend: a shared model is on another device");
     cfg_.validate();
     const bool virt = w.is_virtual();
     if (virt && dev_->info().executes)
@@ -260,13 +273,25 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
     if (stream && (S < 1 || S > c.n_experts))
         throw std::invalid_argument("metal backend: expert_slots must be in [1, " + std::to_string(c.n_experts) +
                                     "], got " + std::to_string(S));
-    WeightBinder bind(*dev_, w, opt_.act, stream.has_value());
+    WeightBinder bind(*dev_, w, opt_.act, stream.has_value(), share ? &share->files_ : nullptr);
     std::map<int, std::vector<void*>> bases;      // streaming: each MoE layer's slot stacks, in part order
     const int64_t H = c.hidden;
     int64_t n_attention = 0, n_gdn = 0;
     embed = bind.matrix("embed_tokens");
     lm_head = c.tie_embeddings || !w.has("lm_head") ? embed : bind.matrix("lm_head");
     final_norm = bind.small("norm", false, H);
+    if (w.has("fc")) {             // an MTP head (docs/model.md §9): its input is fc over [embedding; hidden]
+        mtp = true;
+        fc = bind.matrix("fc");
+        if (fc.rows != uint32_t(H) || fc.cols != uint32_t(2 * H))
+            throw std::invalid_argument("metal backend: fc is [" + std::to_string(fc.rows) + ", " +
+                                        std::to_string(fc.cols) + "], an MTP head's is [hidden, 2 hidden]");
+        fc_norm_e = bind.small("pre_fc_norm_embedding", false, H);
+        fc_norm_h = bind.small("pre_fc_norm_hidden", false, H);
+        for (int64_t i = 0; i < c.n_layers; ++i)
+            if (!c.layer_is_attention[size_t(i)])
+                throw std::invalid_argument("metal backend: an MTP head's layers are full attention");
+    }
     for (int64_t i = 0; i < c.n_layers; ++i) {
         const std::string p = "layers." + std::to_string(i) + ".";
         GpuLayer L;
@@ -329,6 +354,7 @@ GpuModel::GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTab
     }
     weight_bytes_ += bind.weight_bytes;
     copied_bytes_ += bind.copied_bytes;
+    files_ = bind.files();
     if (stream) experts_ = std::make_unique<ExpertCache>(stream->files, stream->layers, stream->cache, bases);
 }
 

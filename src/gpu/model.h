@@ -101,7 +101,19 @@ struct GpuLayer {
 // (GpuDFlash) are bound by it. weight_bytes / copied_bytes: the bytes bound so far, and of them copied.
 class WeightBinder {
   public:
-    WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor = false);
+    // one checkpoint file wrapped as a device buffer, for views of at most max_view bytes
+    struct WrappedFile {
+        const void* base;
+        uint64_t size, max_view;
+        Buffer buffer;
+    };
+    // `reuse`: files another binder on the same device wrapped; a mapping of the same (base, size) wrapped for
+    // views as large as this table's is taken from there instead of being wrapped again (an MTP head over its
+    // main model's files: each file is one device buffer, not two)
+    WeightBinder(Device& dev, const WeightTable& w, Act act, bool per_tensor = false,
+                 const std::vector<WrappedFile>* reuse = nullptr);
+    // the files this binder wrapped (empty with per_tensor)
+    const std::vector<WrappedFile>& files() const { return files_; }
     const WeightTable& table() const { return w_; }
     Buffer span(const Span& s, const std::string& what);
     Matrix matrix(const std::string& name);
@@ -118,13 +130,17 @@ class WeightBinder {
     const WeightTable& w_;
     Act act_;
     std::vector<Buffer> maps_;       // one per mapping (empty with per_tensor: see span())
+    std::vector<WrappedFile> files_; // what each of maps_ wraps
 };
 
 class GpuModel {
   public:
-    // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache)
+    // `stream`: streaming mode (the routed experts become slot stacks filled by an ExpertCache). `share`: a model
+    // on the same device whose wrapped file mappings this one reuses where the mapping is the same (base, size)
+    // and was wrapped for views as large as this one's (an MTP head over its main model's files: each file is
+    // one device buffer, not two)
     GpuModel(std::shared_ptr<Device> dev, const Config& c, const WeightTable& w, const GpuOptions& opt,
-             const std::optional<ExpertStreaming>& stream = std::nullopt);
+             const std::optional<ExpertStreaming>& stream = std::nullopt, const GpuModel* share = nullptr);
     Device& device() const { return *dev_; }
     const std::shared_ptr<Device>& device_ptr() const { return dev_; }
     const Config& config() const { return cfg_; }
@@ -138,6 +154,11 @@ class GpuModel {
     Matrix embed, lm_head;
     Buffer final_norm;                                            // T [H]
     std::vector<GpuLayer> layers;
+    // An MTP head (a table holding "fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden"; docs/metal.md, "The MTP
+    // head"): its input is fc([rmsnorm(embed(t), fc_norm_e); rmsnorm(h, fc_norm_h)]), its layers full attention
+    bool mtp = false;
+    Matrix fc;                                                    // [H, 2H]
+    Buffer fc_norm_e, fc_norm_h;                                  // T [H]
 
   private:
     Matrix slot_stack(const WeightTable& w, const std::string& name, const ExpertPart* parts, uint32_t slots,
@@ -146,12 +167,17 @@ class GpuModel {
     std::shared_ptr<Device> dev_;
     Config cfg_;
     GpuOptions opt_;
+    std::vector<WeightBinder::WrappedFile> files_;   // what the binder wrapped (resident mode; GpuModel `share`)
     std::unique_ptr<ExpertCache> experts_;
     uint64_t weight_bytes_ = 0, copied_bytes_ = 0, slot_bytes_ = 0;
 };
 
 // the most tokens of one verification call, and of a chain of them (GpuEngine::verify)
 constexpr uint32_t kMaxVerifyRows = 16;
+// the most drafts of one MTP round (GpuEngine::mtp_draft), and the most pairs it takes (a round's verified rows;
+// a prompt's are fed 256 at a time)
+constexpr uint32_t kMaxMtpDrafts = 16;
+constexpr uint32_t kMaxMtpPairs = 256;
 // the most decoder layers one call returns the outputs of (FeatureRequest; a DFlash draft reads 5 of 40)
 constexpr size_t kMaxFeatureLayers = 8;
 // the most bytes of target features a prefill chunk holds on the device: a call with features cuts its chunks
@@ -305,8 +331,11 @@ class GpuEngine {
     // `feats` (optional): the target features of every row (FeatureRequest), copied out of the residual stream
     // by copy_f32 dispatches that add no dependency level (docs/metal.md, "Target features"); a call with
     // features runs chunks of at most feature_rows() rows.
+    // `hidden` (optional, not with `feats`): every row's final-normed hidden state, f32 [n, hidden] (an MTP head's
+    // input: the prompt's pairs): the final RMSNorm of the chunk's rows (one more dispatch per chunk; a one-token
+    // call and a streaming step take the lm_head's fused norm output, as verify does).
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 const FeatureRequest* feats = nullptr);
+                 const FeatureRequest* feats = nullptr, float* hidden = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
     // rows of a prefill chunk that returns the features of `layers` layers (kFeatureBytes of them at most)
     uint32_t feature_rows(size_t layers) const;
@@ -358,6 +387,22 @@ class GpuEngine {
     // After verify calls of n tokens in all: the state after the first `keep` (0..n) of them; ends the chain.
     void rewind(GpuState& s, int64_t keep);
 
+    // One drafting round of an MTP head (model().mtp; docs/metal.md, "The MTP head") as one command buffer
+    // (the encoder's time budget may cut it, as a verification's): the m >= 1 pairs (hidden[r] f32 [H], the
+    // main model's final-normed row, ids[r] the token after it) run through layer 0 at cache rows (= RoPE
+    // positions) s.position.., and are kept; then k (0..kMaxMtpDrafts; 0: the pairs only, no logits) greedy
+    // drafts: draft 1 the argmax of
+    // the last pair's logits among [0, vocab) (0: all), draft j + 1 from (the head's normed output of step j,
+    // draft j) through layer j mod n at RoPE position s.position + m - 1 + j, each layer's draft entries after
+    // its kept ones (layer 0: after the pairs; others: from row 0) and dropped at the end. Drafts into
+    // `drafts` [k]; `logits` (optional): every step's f32 [k, vocab]. All-or-nothing; returns the command
+    // buffers run.
+    size_t mtp_draft(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
+                     int32_t* drafts, float* logits = nullptr);
+    // Encode, commit and wait the round of m pairs and k drafts at s.position (mtp_draft's graph, no host data;
+    // the state does not advance): what it cost. For encode-only costing.
+    StepCost mtp_cost(GpuState& s, int64_t m, int64_t k);
+
     // One decode step of B (1..kMaxBatchRows) independent sequences as one command buffer: row r is token
     // ids[r] on states[r] at its own position (its KV cache, its GDN halves). The verification graph over
     // per-row states: every weight read once for all rows (the projections, router and lm_head as qmv over
@@ -377,7 +422,9 @@ class GpuEngine {
 
   private:
     void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                      const FeatureRequest* feats);
+                      const FeatureRequest* feats, float* hidden);
+    // rows [rows, H] of an activation buffer widened into out (the host side, after the wait)
+    void widen_rows(const Buffer& src, uint32_t rows, float* out) const;
     std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
                                      const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll);
     void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden,
@@ -418,19 +465,45 @@ class GpuEngine {
     void ensure_verify(uint32_t rows);
     void encode_rows(Encoder& e, const std::vector<RowPlan>& rows, bool hidden, const Taps* taps = nullptr);
     void encode_rows_layer(Encoder& e, const std::vector<RowPlan>& rows, size_t li);
+    // hidden: the lm_head's fused final norm also writes its normed input (Scratch::xn)
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
-                     const SamplingConfig* sc, const Taps* taps = nullptr);
-    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
-    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position);
+                     const SamplingConfig* sc, const Taps* taps = nullptr, bool hidden = false);
+    // rope_shift: RoPE at position + rope_shift (an MTP head's layers; 0 everywhere else)
+    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
+    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
+    size_t mtp_draft_impl(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
+                          int32_t* drafts, float* logits);
+    StepCost mtp_cost_impl(GpuState& s, int64_t m, int64_t k);
+    // mtp_draft's checks and allocations (KV room, scratch), before anything changes
+    void mtp_prepare(GpuState& s, int64_t m, int64_t k, bool logits);
+    // the round: R pairs from mtp_.hin / mtp_.tok, then K drafts into mtp_.tok[R..] (and mtp_.lg when logits)
+    void encode_mtp_round(Encoder& e, GpuState& s, uint32_t R, uint32_t K, uint32_t vocab, bool logits);
+    // x rows = fc([rmsnorm(embed(tok[r]), fc_norm_e); rmsnorm(hid[r], fc_norm_h)]), r < rows <= kMaxVerifyRows
+    // (an MTP head's input rows: tok u32 [rows], hid T [rows, H], x T [rows, H])
+    void encode_mtp_input(Encoder& e, const Buffer& tok, const Buffer& hid, uint32_t rows, const Buffer& x);
+    // an MTP head's scratch (mtp.cpp): hidden rows in, the token ring of a round, its logits
+    struct MtpScratch {
+        uint32_t rows = 0, steps = 0;
+        Buffer hin;          // T [rows, H]    the pairs' hidden rows (host-written)
+        Buffer tok;          // u32 [rows + steps]  the pairs' ids (host-written), then the drafts
+        Buffer emb;          // T [kMaxVerifyRows, H]
+        Buffer cat;          // T [kMaxVerifyRows, 2H]   per row [rmsnorm(embedding); rmsnorm(hidden)]
+        Buffer h;            // T [H]          the head's normed output: the next step's hidden
+        Buffer lg;           // f32 [steps, V] every step's logits (when asked for)
+    };
+    MtpScratch mtp_;
+
     void encode_mlp(Encoder& e, size_t li);
-    void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc);
+    void encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc, bool hidden = false);
     // streaming mode: one token as per-layer command buffers around the expert cache (forward.cpp)
     void stream_step(GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot, bool logits,
-                     const SamplingConfig* sc, const Taps* taps = nullptr);
+                     const SamplingConfig* sc, const Taps* taps = nullptr, bool hidden = false);
     void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                        const FeatureRequest* feats);
+                        const FeatureRequest* feats, float* hidden);
     void ensure_chunk(uint32_t rows, bool all_logits);
-    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr);
+    // hidden: the rows' final RMSNorm into Chunk::xn
+    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr,
+                      bool hidden = false);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;

@@ -188,6 +188,10 @@ Buffer SimDevice::alloc(uint64_t bytes, const std::string& label) {
 Buffer SimDevice::wrap(const void* ptr, uint64_t bytes, const std::string& label, std::shared_ptr<void> keep,
                        bool* copied, const WrapHints&) {
     if (copied) *copied = false;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        wrapped_ += bytes;
+    }
     if (!opt_.execute) {                 // a virtual range of its own, not counted as allocated
         std::lock_guard<std::mutex> lk(mu_);
         const uint64_t a = next_virtual_, n = bytes ? bytes : 16;
@@ -235,6 +239,11 @@ void SimDevice::inject_fault(uint32_t after, Fault kind) {
 double SimDevice::max_command_buffer_seconds() const {
     std::lock_guard<std::mutex> lk(mu_);
     return max_cb_seconds_;
+}
+
+uint64_t SimDevice::wrapped_bytes() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return wrapped_;
 }
 
 uint64_t SimDevice::allocated_bytes() const {

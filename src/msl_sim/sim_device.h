@@ -88,6 +88,8 @@ class SimDevice : public Device {
     // bytes of every alloc() so far (not wrap(): the weights), freed or not: what a graph's scratch, state
     // and KV cache take (the working-set plan measures them on an encode-only device)
     uint64_t allocated_bytes() const;
+    // bytes of every wrap() so far (the weights' file mappings as device buffers)
+    uint64_t wrapped_bytes() const;
 
     const SimOptions& options() const { return opt_; }
     msl::Library& library() const { return *lib_; }
@@ -122,7 +124,7 @@ class SimDevice : public Device {
     int64_t cb_index_ = 0;            // command buffers run by the queue (DispatchRecord::command_buffer)
     // modelled limits (mu_)
     double max_cb_seconds_ = 0;
-    uint64_t allocated_ = 0;
+    uint64_t allocated_ = 0, wrapped_ = 0;
     uint64_t faults_ = 0;
     int64_t fault_countdown_ = -1;    // commits left before the injected fault (-1: none pending)
     Fault fault_kind_ = Fault::error;

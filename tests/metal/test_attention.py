@@ -819,3 +819,34 @@ def test_decode_prepared_real_shape_and_checks():
         with pytest.raises(ValueError, match=r"attention_decode_prepared: proj"):
             call(proj=buf(proj[:nh * 2 * hd]))
         assert enc.dispatches == 0
+
+
+@pytest.mark.parametrize("t,kv,shift", [("f32", "f32", 5), ("bf16", "bf16", 37)])
+def test_decode_prepared_rope_shift(t, kv, shift):
+    """rope_shift (an MTP head's layer caches, whose entries skip positions): the fused route writes K/V row `pos`
+    rotated at pos + shift and attends keys 0..pos with q rotated there -- bit for bit attn_prepare at position
+    pos + shift, its K/V row moved to row pos, then attention_decode over pos + 1 keys."""
+    nh, nkv, hd, rd, pos, gate = 4, 2, 32, 16, 9, True
+    cap = pos + shift + 1
+    pol = dict(POL)
+    rng = np.random.default_rng(shift)
+    proj, qw, kw, K0, V0 = prepare_case(rng, t, kv, nh, nkv, hd, cap, gate)
+    nbytes = ops.attention_scratch_bytes(nh, nkv, hd, pos + 1, **pol)
+    shape = shape_kw(nh, nkv, hd, cap, gate, kv)
+    rope = dict(rotary_dim=rd, rope_theta=1e6, eps=1e-6)
+    K1, V1, o1 = K0.copy(), V0.copy(), np.full(nh * hd, np.nan, ACT[t])
+    with run("forward") as (dev, enc, buf):
+        ops.attention_decode_prepared(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K1), buf(V1),
+                                      buf(np.zeros(max(nbytes // 4, 1), np.float32)), buf(o1), **rope, **shape,
+                                      **pol, rope_shift=shift)
+    K2, V2, qo = K0.copy(), V0.copy(), np.full(nh * hd, np.nan, ACT[t])
+    with run("forward") as (dev, enc, buf):
+        ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos + shift, buf(K2), buf(V2), buf(qo), **rope,
+                         **shape)
+    K2[:, pos], V2[:, pos] = K2[:, pos + shift], V2[:, pos + shift]
+    o2 = np.full(nh * hd, np.nan, ACT[t])
+    with run("forward") as (dev, enc, buf):
+        ops.attention_decode(enc, DT[t], buf(qo), buf(proj), buf(K2), buf(V2), pos + 1,
+                             buf(np.zeros(max(nbytes // 4, 1), np.float32)), buf(o2), **shape, **pol)
+    for a, b in ((o1, o2), (K1[:, :pos + 1], K2[:, :pos + 1]), (V1[:, :pos + 1], V2[:, :pos + 1])):
+        assert np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))

@@ -53,7 +53,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..config import mtp_layer_config
+from ..config import mtp_head_layers, mtp_layer_config
 from ..expert_streaming import expert_stats, stream_spec
 from ..expert_streaming import plan as stream_plan
 from ..native import core
@@ -223,19 +223,11 @@ class CpuBackend(EngineBackend):
         return self.engine.forward(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed,
                                    features=layers)
 
-    def mtp_head(self, params: dict) -> "CpuBackend":
-        """A cpu backend running the MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm,
-        layers.0.*) as a one-layer model over this model's embedding and lm_head, with this backend's
-        threads and activations; its engine takes the main model's hidden rows (`forward(..., hidden=)`)."""
-        c = self.weights.config
-        hc = mtp_layer_config(c)
-        t = dict(params)
-        t["embed_tokens"] = self.weights.tensors["embed_tokens"]
-        if not c.tie_word_embeddings:
-            t["lm_head"] = self.weights.tensors["lm_head"]
-        head = Weights(hc, t, self.weights.layout, self.weights.path, self.weights.source)
-        return CpuBackend(head, threads=self.threads, kv_dtype=self.kv_dtype, prefill_chunk=self.prefill_chunk,
-                          activations=self.activations, memory_budget=None)
+    def mtp_head(self, params: dict) -> "CpuMtpHead":
+        """The MTP head `params` (`Weights.mtp` names: fc, pre_fc_norm_*, norm, layers.0.* .. layers.{n-1}.*)
+        natively: one one-layer head engine per decoder layer over this model's embedding and lm_head, with
+        this backend's threads and activations (`CpuMtpHead`)."""
+        return CpuMtpHead(self, params)
 
     def dflash_draft(self, draft) -> "CpuDFlash":
         """The forward of the DFlash draft `draft` (a `qwenmetal.dflash.DFlashDraft`) on this engine: over this
@@ -337,3 +329,65 @@ def available() -> bool:
     except ImportError:
         return False
     return hasattr(_core, "CpuEngine")
+
+
+class CpuMtpHead:
+    """The MTP head on the cpu engine (qwenmetal.mtp; semantics: `ReferenceMtp`): decoder layer j as a one-layer
+    head engine of its own (its tensors as ``layers.0``; fc, the pre-fc norms, ``norm``, the embedding and the
+    lm_head shared, read in place), whose input is fc([RMSNorm(embedding); RMSNorm(hidden)]) of the main model's
+    hidden rows. ``engine`` is layer 0's (it holds the context's pairs); `draft` runs a round."""
+
+    def __init__(self, backend: CpuBackend, params: dict):
+        c = backend.weights.config
+        n = mtp_head_layers(params)
+        hc = mtp_layer_config(c)
+        shared = {k: v for k, v in params.items() if not k.startswith("layers.")}
+        shared["embed_tokens"] = backend.weights.tensors["embed_tokens"]
+        if not c.tie_word_embeddings:
+            shared["lm_head"] = backend.weights.tensors["lm_head"]
+        self.backends = []
+        for j in range(n):
+            pre = f"layers.{j}."
+            t = dict(shared)
+            t.update({"layers.0." + k[len(pre):]: v for k, v in params.items() if k.startswith(pre)})
+            head = Weights(hc, t, backend.weights.layout, backend.weights.path, backend.weights.source)
+            self.backends.append(CpuBackend(head, threads=backend.threads, kv_dtype=backend.kv_dtype,
+                                            prefill_chunk=backend.prefill_chunk, activations=backend.activations,
+                                            memory_budget=None))
+        self.engines = [b.engine for b in self.backends]
+        self.engine = self.engines[0]
+        self.n_layers = n
+
+    def new_state(self):
+        """Layer 0's state: the context's pairs (the other layers' states live for one round)."""
+        return self.engine.new_state()
+
+    def draft(self, state, hidden: np.ndarray, ids: np.ndarray, k: int, vocab: int, return_logits: bool = False):
+        """One round: the pairs (hidden[r], ids[r]) through layer 0 at `state`'s next rows (kept), then k greedy
+        drafts among [0, vocab): draft 1 from the last pair, draft j + 1 from (step j's normed output, draft j)
+        through layer j mod n at RoPE position one past step j's (a verify chain on layer 0's state, rewound;
+        fresh states for the other layers). Returns the drafts, or (drafts, every step's logits [k, vocab])."""
+        eng = self.engine
+        if state.rewindable:              # drafts of an interrupted round are not the context's
+            eng.rewind(state, 0)
+        state.rope_shift = 0
+        logits, h = eng.forward(state, np.ascontiguousarray(ids, dtype=np.int64), "last", None,
+                                hidden=np.ascontiguousarray(hidden, dtype=np.float32), return_hidden=1)
+        d = int(np.argmax(logits[:vocab]))
+        drafts, rows, p = [d], [logits], state.position - 1     # p: the last pair's RoPE position
+        others: dict = {}
+        try:
+            for j in range(1, k):
+                lay = j % self.n_layers
+                st = state if lay == 0 else others.setdefault(lay, self.engines[lay].new_state())
+                st.rope_shift = p + j - st.position          # the entry at row st.position, RoPE position p + j
+                lg, hh = self.engines[lay].verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None],
+                                                  return_hidden=1)
+                d, h = int(np.argmax(lg[0][:vocab])), hh[0]
+                drafts.append(d)
+                rows.append(lg[0])
+        finally:
+            state.rope_shift = 0
+            if state.rewindable:
+                eng.rewind(state, 0)
+        return (drafts, np.stack(rows)) if return_logits else drafts

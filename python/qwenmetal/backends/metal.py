@@ -47,6 +47,7 @@ import operator
 import ml_dtypes
 import numpy as np
 
+from ..config import mtp_head_layers, mtp_layer_config
 from ..expert_streaming import expert_stats, stream_spec
 from ..native import core
 from ..weights import Weights
@@ -148,6 +149,11 @@ class _GpuBackend(EngineBackend):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return state, self.engine.forward(state, ids, logits, consumed)
 
+    def forward_hidden(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+        """`forward` that also returns every row's final-normed hidden state: (logits or None, [n, hidden] float32),
+        for an MTP head's cache over a prompt (the chunk's final RMSNorm, one more dispatch per chunk)."""
+        return self.engine.forward_hidden(state, np.ascontiguousarray(ids, dtype=np.int64), logits, consumed)
+
     def forward_features(self, state, ids: np.ndarray, logits: str, consumed: list | None, layers) -> tuple:
         """`forward` that also returns the outputs of the decoder layers `layers` (0-based, distinct, 1..8, any
         order) for every row, concatenated ([n, len(layers) * hidden], float32; the residual stream after each
@@ -222,6 +228,13 @@ class _GpuBackend(EngineBackend):
             return None
         return GpuDFlash(self, draft)
 
+    def mtp_head(self, params: dict) -> "GpuMtpHead | None":
+        """The MTP head `params` (`Weights.mtp` names) natively in the Metal graph (`GpuMtpHead`), with resident
+        experts; None in streaming mode (the drafter then computes with the numpy reference)."""
+        if self.plan.stream:
+            return None
+        return GpuMtpHead(self, params)
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config
@@ -295,6 +308,49 @@ class GpuDFlash:
     @property
     def weight_nbytes(self) -> int:
         return self.impl.weight_nbytes
+
+
+class GpuMtpHead:
+    """The MTP head in the Metal graph (qwenmetal.mtp; semantics: `ReferenceMtp`; graph: docs/metal.md, "The MTP
+    head"): a GpuEngine of its own over the head's tensors (n full-attention MoE layers, fc and its two norms)
+    and the main model's embedding and lm_head, bound in place on the main model's device. `draft` runs one
+    round -- the verified pairs through layer 0, then k greedy drafts chained on the GPU -- as one command buffer;
+    the state holds layer 0's cache of the context's pairs."""
+
+    #: the most pairs / drafts of one `mtp_draft` call (kMaxMtpPairs, kMaxMtpDrafts in src/gpu/model.h)
+    MAX_PAIRS, MAX_DRAFTS = 256, 16
+
+    def __init__(self, backend: _GpuBackend, params: dict):
+        c = backend.weights.config
+        self.n_layers = mtp_head_layers(params)
+        t = dict(params)
+        t["embed_tokens"] = backend.weights.tensors["embed_tokens"]
+        if not c.tie_word_embeddings:
+            t["lm_head"] = backend.weights.tensors["lm_head"]
+        mappings, tensors, keep = weight_table(backend.weights, t)
+        # the main model's wrapped files are reused (share): each checkpoint file stays one device buffer
+        self.engine = core().gpu.GpuEngine(backend.device, config_dict(mtp_layer_config(c, self.n_layers)), mappings,
+                                           tensors, "f32" if backend.dtype == "float32" else "bf16",
+                                           backend.kv_dtype == "float32", backend.attention, keep,
+                                           share=backend.engine)
+        self.last_command_buffers = 0     # of the last round (1 unless the encoder's time budget cut it)
+
+    def new_state(self):
+        return self.engine.new_state()
+
+    def draft(self, state, hidden: np.ndarray, ids: np.ndarray, k: int, vocab: int, return_logits: bool = False):
+        """One round (`GpuEngine.mtp_draft`): the pairs (hidden[r], ids[r]) through layer 0 (kept in `state`), then
+        k (<= 16) greedy drafts among [0, vocab). Returns the drafts, or (drafts, every step's logits [k, vocab])."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        k = min(int(k), self.MAX_DRAFTS)
+        n = self.MAX_PAIRS
+        while ids.size > n:               # a prompt's pairs: fed ahead, no drafts
+            self.engine.mtp_draft(state, hidden[:n], ids[:n], 0, vocab)
+            hidden, ids = hidden[n:], ids[n:]
+        drafts, logits, self.last_command_buffers = self.engine.mtp_draft(state, hidden, ids, int(k), int(vocab),
+                                                                          return_logits)
+        return (drafts, logits) if return_logits else drafts
 
 
 class MetalSimBackend(_GpuBackend):

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from ..config import ModelConfig, mtp_layer_config
+from ..config import ModelConfig, mtp_head_layers, mtp_layer_config
 from ..interrupts import sigint_deferred
 from ..memory import total_memory
 
@@ -212,11 +212,14 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
 # full (gated) attention (docs/model.md §4.3)
 # ---------------------------------------------------------------------------------------------
 def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndarray, v_cache: np.ndarray,
-                   position: int, *, bf16: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   position: int, *, bf16: bool = False,
+                   rope_position: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gated GQA attention over ``x`` [L, H] at absolute positions ``position..position+L-1``.
 
     ``p`` holds this layer's ``self_attn.*`` tensors by short name (``q_proj``, ``k_proj``, ...).
     ``k_cache``/``v_cache`` [nkv, position, hd] hold the previous post-RoPE keys and the values.
+    ``rope_position``: rotate the rows at ``rope_position..`` instead (the cache still holds ``position``
+    entries, every one visible): an MTP head's layer caches, whose entries skip positions (`ReferenceMtp`).
     Returns ``(out [L, H], new_k_cache, new_v_cache)``; the inputs are not modified.
     """
     r = _rounder(bf16)
@@ -237,8 +240,9 @@ def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndar
     q = rms_norm(q, p["q_norm"], eps, bf16=bf16)       # q/k norm before RoPE
     k = rms_norm(k, p["k_norm"], eps, bf16=bf16)
     pos = position + np.arange(L)
-    q = r(rope(q, pos, config.rotary_dim, config.rope_theta))
-    k = r(rope(k, pos, config.rotary_dim, config.rope_theta))
+    rpos = pos if rope_position is None else rope_position + np.arange(L)
+    q = r(rope(q, rpos, config.rotary_dim, config.rope_theta))
+    k = r(rope(k, rpos, config.rotary_dim, config.rope_theta))
 
     K = np.concatenate([k_cache, k.transpose(1, 0, 2)], axis=1)   # [nkv, T, hd], T = position + L
     V = np.concatenate([v_cache, v.transpose(1, 0, 2)], axis=1)
@@ -539,8 +543,10 @@ class ReferenceState:
 
 
 def decoder_layer(x: np.ndarray, lp: dict, config: ModelConfig, i: int, state: ReferenceState, *,
-                  gdn_mode: str = "chunked", chunk_size: int = 64, bf16: bool = False) -> tuple[np.ndarray, tuple]:
+                  gdn_mode: str = "chunked", chunk_size: int = 64, bf16: bool = False,
+                  rope_position: int | None = None) -> tuple[np.ndarray, tuple]:
     """One decoder layer (docs/model.md §4.1). ``lp`` is the layer's parameter dict (names without ``layers.{i}.``).
+    ``rope_position``: see `full_attention` (attention layers only).
 
     Returns ``(out [L, H], new_layer_state)`` where the state is ``(K, V)`` for attention layers and
     ``(conv, ssm)`` for GDN layers; ``state`` is only read.
@@ -550,7 +556,7 @@ def decoder_layer(x: np.ndarray, lp: dict, config: ModelConfig, i: int, state: R
     h_in = rms_norm(x, lp["input_layernorm"], eps, bf16=bf16)
     if config.is_full_attention(i):
         mix, *new = full_attention(h_in, _sub(lp, "self_attn."), config, state.keys[i], state.values[i],
-                                   state.position, bf16=bf16)
+                                   state.position, bf16=bf16, rope_position=rope_position)
     else:
         mix, *new = gated_deltanet(h_in, _sub(lp, "linear_attn."), config, state.conv[i], state.ssm[i],
                                    gdn_mode=gdn_mode, chunk_size=chunk_size, bf16=bf16)
@@ -670,11 +676,12 @@ class ReferenceModel:
 class ReferenceMtp:
     """The MTP head's forward pass (docs/model.md §9; vLLM ``Qwen3NextMultiTokenPredictor.forward``, mlx-vlm
     ``Qwen3_5MTPDraftModel._forward_hidden``) over dense float32 parameters named as ``Weights.mtp``
-    (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` (all shifted), ``layers.0.*``),
-    sharing the main model's embedding and lm_head. For each (hidden h_p, token t_{p+1}) pair::
+    (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` (all shifted), ``layers.0.*`` ..
+    ``layers.{n-1}.*``), sharing the main model's embedding and lm_head. For each (hidden h_p, token t_{p+1})
+    pair, through decoder layer j::
 
         x = fc(concat(rms_norm(embed(t_{p+1}), pre_fc_norm_embedding), rms_norm(h_p, pre_fc_norm_hidden)))
-        x = decoder_layer_0(x)                      # full attention + MoE, its own KV cache, RoPE position p
+        x = decoder_layer_j(x)                      # full attention + MoE, its own KV cache, RoPE position p
         out_hidden = rms_norm(x, norm)              # what the next MTP step takes as its hidden state
         logits = out_hidden @ lm_head^T             # predicts t_{p+2}
 
@@ -688,6 +695,15 @@ class ReferenceMtp:
     ``Qwen3NextModel.forward`` returns ``norm(hidden_states, residual)`` and the proposer feeds that;
     mlx-vlm's ``return_hidden`` appends the inner model's normed output), see
     ``ReferenceModel.forward(final_hidden=...)``. The chained hidden state is the head's normed output.
+
+    A head of n layers (as vLLM's Qwen3.5 / Qwen3-Next MTP runs it, ``spec_step_idx % num_mtp_layers``): fc,
+    the two pre-fc norms and ``norm`` are shared; draft step j of a round (0-based) runs decoder layer
+    j mod n, and every layer has its own KV cache. The context's (hidden, next token) pairs go through layer
+    0 (step 0 runs over them); a layer j >= 1 caches only the entries of the current draft chain, which are
+    dropped with the chain at the end of the round, as layer 0's draft entries are. A layer's cache may
+    therefore skip positions (layer 0 holds 0..p, then p + n, ...; layer 1 holds p + 1, p + n + 1, ...):
+    each entry is rotated at its own RoPE position and every entry the layer holds is attended. With n = 1
+    this is the one-layer head.
     """
 
     def __init__(self, config: ModelConfig, params: dict, embed_tokens: np.ndarray, lm_head: np.ndarray,
@@ -698,10 +714,12 @@ class ReferenceMtp:
         self.bf16 = dtype == "bfloat16"
         self.params = {k: np.ascontiguousarray(v, dtype=F32) for k, v in params.items()}
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
-        layers = sorted({k.split(".")[1] for k in self.params if k.startswith("layers.")})
-        if layers != ["0"]:
-            raise ValueError(f"the MTP head must have exactly one decoder layer (layers.0.*), got {layers}")
-        self.layer = _sub(self.params, "layers.0.")
+        self.layers = [_sub(self.params, f"layers.{j}.") for j in range(mtp_head_layers(self.params))]
+        self.layer = self.layers[0]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
 
     @classmethod
     def from_model(cls, model: "ReferenceModel", params: dict) -> "ReferenceMtp":
@@ -709,36 +727,43 @@ class ReferenceMtp:
         return cls(model.config, params, model.embed_tokens, model.lm_head, model.dtype)
 
     def new_state(self) -> ReferenceState:
-        """An empty MTP cache: ``keys[0]``/``values[0]`` [nkv, 0, hd], position 0."""
+        """An empty MTP cache: ``keys[j]``/``values[j]`` [nkv, 0, hd] for each layer j, position 0 (the RoPE
+        position of the next pair, whichever layer runs it)."""
         c = self.config
         st = ReferenceState()
-        st.keys[0] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
-        st.values[0] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
+        for j in range(self.n_layers):
+            st.keys[j] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
+            st.values[j] = np.zeros((c.num_key_value_heads, 0, c.head_dim), dtype=F32)
         return st
 
     def forward(self, state: ReferenceState, hidden: np.ndarray, token_ids: np.ndarray, logits: str = "all",
-                out_hidden: list | None = None):
+                out_hidden: list | None = None, layer: int = 0):
         """Run the pairs (``hidden[j]``, ``token_ids[j]``) -- ``hidden`` [L, H] the main model's final-normed
-        hidden state at positions ``state.position + j``, ``token_ids`` the tokens that follow each -- at
-        RoPE positions ``state.position..``; update ``state`` (its KV cache) in place. Returns float32
-        logits [L, vocab] (``"all"``), [vocab] (``"last"``) or None; each returned row predicts the token
-        two after its hidden state's position. If ``out_hidden`` is a list, the head's normed output [L, H]
-        (the hidden state of the next chained step) is appended."""
+        hidden state at positions ``state.position + j``, ``token_ids`` the tokens that follow each -- through
+        decoder layer `layer` at RoPE positions ``state.position..``, appending them to that layer's cache;
+        update ``state`` in place (``state.position`` advances by L). Returns float32 logits [L, vocab]
+        (``"all"``), [vocab] (``"last"``) or None; each returned row predicts the token two after its hidden
+        state's position. If ``out_hidden`` is a list, the head's normed output [L, H] (the hidden state of
+        the next chained step) is appended."""
         ids = np.asarray(token_ids)
         h = _f32(hidden)
         assert ids.ndim == 1 and ids.size >= 1 and h.shape == (ids.size, self.config.hidden_size), (ids.shape, h.shape)
         assert logits in ("last", "all", "none"), logits
+        assert 0 <= layer < self.n_layers, layer
         c, bf16 = self.config, self.bf16
         eps, p = c.rms_norm_eps, self.params
         e = _rounder(bf16)(self.embed_tokens[ids])
         x = np.concatenate([rms_norm(e, p["pre_fc_norm_embedding"], eps, bf16=bf16),
                             rms_norm(h, p["pre_fc_norm_hidden"], eps, bf16=bf16)], axis=-1)   # embedding first
         x = _linear(x, p["fc"], bf16)
-        x, (K, V) = decoder_layer(x, self.layer, self.layer_config, 0, state, bf16=bf16)
+        K0, V0 = state.keys[layer], state.values[layer]
+        cache = ReferenceState(K0.shape[1], {0: K0}, {0: V0})      # the layer's own entries, wherever they sit
+        x, (K, V) = decoder_layer(x, self.layers[layer], self.layer_config, 0, cache, bf16=bf16,
+                                  rope_position=state.position)
         xn = rms_norm(x, p["norm"], eps, bf16=bf16)
         if out_hidden is not None:
             out_hidden.append(xn)
-        state.keys[0], state.values[0] = K, V
+        state.keys[layer], state.values[layer] = K, V
         state.position += ids.size
         if logits == "none":
             return None

@@ -51,6 +51,7 @@ from ..backends.metal import DEFAULT_PREFILL_CHUNK, sim_available
 from ..bench.cost import (
     encode_only_cost,
     encode_only_dflash_cost,
+    encode_only_mtp_cost,
     encode_only_prefill_cost,
     encode_only_verify_cost,
 )
@@ -592,6 +593,8 @@ def run_speculative_args(args: argparse.Namespace, log: Callable[[str], None]) -
         mm["rows"] = {n: r for n, r in mm["rows"].items() if n in ROWS}
         mm["layers"] = cfg.num_hidden_layers
         res["metal_modelled"] = mm
+        # the MTP head's drafting round in the graph (a one-layer head, a round's 4 verified pairs)
+        res["metal_mtp_modelled"] = encode_only_mtp_cost(cfg, context=256 if args.quick else 4096)
     res.update({"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine,
                 "model": {"config": cfg_name, "checkpoint": str(path), "layers": model.config.num_hidden_layers},
                 "backend": model.backend, "options": options, "threads": threads,

@@ -8,7 +8,8 @@ import numpy as np
 
 from ..backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options
 from ..native import core
-from ..weights_table import config_dict, virtual_weight_table
+from ..config import mtp_layer_config
+from ..weights_table import config_dict, virtual_mtp_weight_table, virtual_weight_table
 from .bytes_model import decode_bytes
 from .occupancy import CHIP_CORES, records_seconds, replays_of
 
@@ -331,4 +332,40 @@ def encode_only_dflash_cost(config, *, draft: dict = PUBLISHED_DRAFT, context: i
                         "seconds": t, "levels": int(c["levels"]), "dispatches": int(c["dispatches"]),
                         "command_buffers": int(c["command_buffers"]),
                         "bytes": int(c["bytes_read"] + c["bytes_written"])}
+
+
+def encode_only_mtp_cost(config, drafts=(1, 3, 7, 15), *, pairs: int = 4, n_layers: int = 1, context: int = 4096,
+                         dtype: str = "bfloat16", kv_dtype: str = "bfloat16", bits: int = 4) -> dict:
+    """What an MTP drafting round costs in the Metal graph (`GpuEngine.mtp_cost`: ``pairs`` verified pairs through
+    layer 0, then k greedy drafts chained on the GPU, one command buffer) for each k of ``drafts``, against one
+    decode step of the main model, with the head's cache at ``context`` pairs: dispatches, dependency levels,
+    bytes, command buffers and the modelled seconds per chip (`modelled_level_time`, CHIP_BANDWIDTH_GBS;
+    bandwidth-bound, so one route). Encoded on an encode-only simulator device over virtual weights (the MLX
+    layout at ``bits``; the head's layers as the main model's MoE layers). A model, not a measurement
+    (docs/metal.md, "The MTP head")."""
+    ext = core()
+    act = "f32" if dtype == "float32" else "bf16"
+    dev = ext.gpu.SimDevice(execute=False)
+    mappings, tensors, _ = virtual_weight_table(config, bits=bits)
+    main = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, act, kv_dtype == "float32", {}, [])
+    st = main.new_state()
+    st._set_position(int(context))
+    step = main.encode_cost(st)
+    mappings, tensors, _ = virtual_mtp_weight_table(config, n_layers, bits=bits)
+    head = ext.gpu.GpuEngine(dev, config_dict(mtp_layer_config(config, n_layers)), mappings, tensors, act,
+                             kv_dtype == "float32", {}, [])
+    out = {"context": int(context), "pairs": int(pairs), "n_layers": int(n_layers), "rounds": {},
+           "step_seconds": {chip: modelled_level_time(step["level_bytes"], step["level_flops"], bw,
+                                                      CHIP_PEAK_TFLOPS[chip])
+                            for chip, bw in CHIP_BANDWIDTH_GBS.items()},
+           "level_latency_us": LEVEL_LATENCY_S * 1e6}
+    for k in drafts:
+        hs = head.new_state()
+        hs._set_position(int(context))
+        c = head.mtp_cost(hs, int(pairs), int(k))
+        out["rounds"][int(k)] = {
+            "dispatches": int(c["dispatches"]), "levels": int(c["levels"]), "command_buffers": int(c["command_buffers"]),
+            "bytes": int(c["bytes_read"] + c["bytes_written"]),
+            "seconds": {chip: modelled_level_time(c["level_bytes"], c["level_flops"], bw, CHIP_PEAK_TFLOPS[chip])
+                        for chip, bw in CHIP_BANDWIDTH_GBS.items()}}
     return out

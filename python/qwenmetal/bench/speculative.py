@@ -235,7 +235,25 @@ def format_speculative(res: dict) -> str:
                         v = ml[c]["lengths"][n]
                         cells.append(f"{v['adaptive_vs_plain' + sfx]:>7.2f}x / {v['block_vs_plain' + sfx]:.2f}x")
                     lines.append(f"{n:>5} " + " ".join(cells))
+    if res.get("metal_mtp_modelled"):
+        lines += format_mtp_modelled(res["metal_mtp_modelled"])
     return "\n".join(lines)
+
+
+def format_mtp_modelled(mm: dict) -> list[str]:
+    """The lines of `encode_only_mtp_cost`'s result: per k drafts, the round's dispatches, levels, bytes and
+    modelled time per chip against one decode step."""
+    chips = list(mm["step_seconds"])
+    lines = [f"MTP head in the Metal graph, MODELLED (encode-only, {mm['n_layers']}-layer head, {mm['pairs']} pairs, "
+             f"context {mm['context']}; simulator-verified, hardware-unverified): a round of k drafts, one command "
+             "buffer, vs one decode step",
+             f"{'k':>3} {'disp':>5} {'levels':>6} {'GB':>6} " + " ".join(f"{c:>18}" for c in chips),
+             f"{'step':>23} " + " ".join(f"{1e3 * mm['step_seconds'][c]:>16.2f}ms" for c in chips)]
+    for k, r in mm["rounds"].items():
+        cells = " ".join(f"{1e3 * r['seconds'][c]:>7.2f}ms ({r['seconds'][c] / mm['step_seconds'][c]:.2f}x)"
+                         for c in chips)
+        lines.append(f"{k:>3} {r['dispatches']:>5} {r['levels']:>6} {r['bytes'] / 1e9:>6.2f} {cells}")
+    return lines
 
 
 def _len(x) -> str:

@@ -161,6 +161,7 @@ namespace {
 // The token's prepare fused into the first kernel of its decode (attention_decode_prepared).
 struct FusedPrepare {
     Buffer q_norm_w, k_norm_w;
+    uint32_t rope_shift = 0;
 };
 
 void decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
@@ -228,7 +229,8 @@ void decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, c
         const Buffer sb = route == "single" ? Buffer{} : r.scratch.view(0, sbytes);
         const std::string first = route == "single" ? "attn_decode_single_" : "attn_decode_partial_";
         if (fp) {
-            const AttnPrepareParams pp = prepare_params(s, kv, r.n_keys - 1, row_len);
+            AttnPrepareParams pp = prepare_params(s, kv, r.n_keys - 1, row_len);
+            pp.rope_shift = fp->rope_shift;
             const uint64_t new_row = uint64_t(s.n_kv_heads) * hd * kv_size(kv);
             // reads: q (+ gate) of every head and the k, v rows once, the two norm weights
             const uint64_t proj_read = (uint64_t(s.n_heads) * hd + gate_read / es + 2 * uint64_t(s.n_kv_heads) * hd) * es;
@@ -278,7 +280,7 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
 
 void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
                                const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
-                               const Buffer& scratch, const Buffer& o) {
+                               const Buffer& scratch, const Buffer& o, uint32_t rope_shift) {
     const char* op = "attention_decode_prepared";
     check_heads(s, op);
     check_rotary(s, op);
@@ -288,7 +290,7 @@ void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const Attn
     const uint64_t es = act_size(t);
     need(q_norm_w, s.head_dim * es, op, "q_norm_w");
     need(k_norm_w, s.head_dim * es, op, "k_norm_w");
-    const FusedPrepare fp{q_norm_w, k_norm_w};
+    const FusedPrepare fp{q_norm_w, k_norm_w, rope_shift};
     // the q buffer of an unfused row is not read: proj stands in
     decode_rows(e, t, s, pol, kv, {AttnDecodeRow{proj, proj, scratch, o, position + 1}}, &fp);
 }

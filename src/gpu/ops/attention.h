@@ -50,10 +50,11 @@ void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& p
                       const Buffer& o);
 // attn_prepare of the token at `position` fused into attention_decode over keys 0..position (its first kernel
 // normalises and rotates q and k itself and writes the K/V row): one dispatch and dependency level fewer, bit for
-// bit the two calls. The decode graph's route.
+// bit the two calls. The decode graph's route. `rope_shift`: q and k rotate at position + rope_shift (mod 2^32)
+// while the K/V row written is `position` (an MTP head's layer caches, whose entries skip positions).
 void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
                                const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
-                               const Buffer& scratch, const Buffer& o);
+                               const Buffer& scratch, const Buffer& o, uint32_t rope_shift = 0);
 // Several independent decode rows over one cache (the verification graph: row r sees n_keys + r keys): the
 // same kernels as attention_decode, every row's first kernel before any combine.
 struct AttnDecodeRow {

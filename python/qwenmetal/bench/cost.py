@@ -332,6 +332,7 @@ def encode_only_dflash_cost(config, *, draft: dict = PUBLISHED_DRAFT, context: i
                         "seconds": t, "levels": int(c["levels"]), "dispatches": int(c["dispatches"]),
                         "command_buffers": int(c["command_buffers"]),
                         "bytes": int(c["bytes_read"] + c["bytes_written"])}
+    return out
 
 
 def encode_only_mtp_cost(config, drafts=(1, 3, 7, 15), *, pairs: int = 4, n_layers: int = 1, context: int = 4096,

@@ -47,6 +47,7 @@ import operator
 import ml_dtypes
 import numpy as np
 
+from ..errors import InputError
 from ..expert_streaming import expert_stats, stream_spec
 from ..native import core
 from ..weights import Weights
@@ -54,6 +55,7 @@ from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
 from .engine import EngineBackend, dflash_dims
+from .reference_vision import check_inputs as check_vision_inputs
 
 DTYPES = ("bfloat16", "float32")
 # SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
@@ -222,6 +224,15 @@ class _GpuBackend(EngineBackend):
             return None
         return GpuDFlash(self, draft)
 
+    def vision_encoder(self) -> "GpuVisionEncoder":
+        """The checkpoint's vision tower on this backend's graph and device (docs/vision.md, "The vision tower in
+        the Metal graph"): ``encode(pixel_values, grid_thw) -> [n_merged, out_hidden_size]`` float32, in this
+        backend's activation type. Built once, on first use. InputError for a checkpoint without a tower."""
+        enc = getattr(self, "_vision", None)
+        if enc is None:
+            enc = self._vision = GpuVisionEncoder(self)
+        return enc
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config
@@ -291,6 +302,52 @@ class GpuDFlash:
         """What one draft call of `n` new context rows and a block of `block` tokens at the cache's position costs
         as encoded (dispatches, levels, command buffers, bytes and flops per level; the cache does not advance)."""
         return self.impl.cost(cache, int(n), int(block))
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.impl.weight_nbytes
+
+
+class GpuVisionEncoder:
+    """The vision tower on the Metal graph (`_GpuBackend.vision_encoder`; src/gpu/vision.h): the computation of
+    `qwenmetal.backends.reference_vision.VisionTower` in the backend's activation type (float32: to the reference's
+    tolerance; bfloat16: rounded where the graph rounds), weights bound in place, one encoder per call whose command
+    buffers the backend's ``command_buffer_seconds`` cuts. A call holds the engine's lock, so it never runs beside
+    the text model's own calls. Simulator-verified, hardware-unverified."""
+
+    def __init__(self, backend: _GpuBackend):
+        w = backend.weights
+        vc = w.config.vision
+        if vc is None or not w.vision:
+            raise InputError("the checkpoint has no vision tower (no model.visual.* / vision_tower.* tensors)",
+                             param="params")
+        self.config = vc
+        dims = {"depth": vc.depth, "hidden_size": vc.hidden_size, "num_heads": vc.num_heads,
+                "intermediate_size": vc.intermediate_size, "patch_dim": vc.patch_dim,
+                "spatial_merge_size": vc.spatial_merge_size, "out_hidden_size": vc.out_hidden_size,
+                "grid_side": vc.grid_side, "rope_theta": float(vc.rope_theta), "hidden_act": vc.hidden_act}
+        mappings, tensors, keep = weight_table(None, w.vision)
+        self.impl = core().gpu.GpuVisionTower(backend.engine, dims, mappings, tensors, keep)
+
+    def encode(self, pixel_values, grid_thw) -> np.ndarray:
+        """[n_merged, out_hidden_size] float32: the merged rows of every image, images in order (the rows that
+        stand in for each image's ``<|image_pad|>`` tokens). `pixel_values` [n_patches, patch_dim] and `grid_thw`
+        [n_images, 3] as the image processor gives them (`qwenmetal.images.preprocess`); checked as the reference
+        checks them (InputError naming the argument)."""
+        pixels, grid = check_vision_inputs(self.config, pixel_values, grid_thw)
+        return self.impl.encode(pixels, np.ascontiguousarray(grid, dtype=np.int64))
+
+    __call__ = encode
+
+    def cost(self, grid_thw) -> dict:
+        """What one call for `grid_thw` costs as encoded (dispatches, levels, command buffers, bytes and flops per
+        level; no pixels are read)."""
+        return self.impl.cost(np.ascontiguousarray(grid_thw, dtype=np.int64))
+
+    @property
+    def last_command_buffers(self) -> int:
+        """Command buffers the last call committed."""
+        return int(self.impl.last_command_buffers)
 
     @property
     def weight_nbytes(self) -> int:

@@ -308,6 +308,14 @@ class GpuDFlash:
         return self.impl.weight_nbytes
 
 
+def vision_dims(vc) -> dict:
+    """A `VisionConfig`'s dimensions as the native tower (``_core.gpu.GpuVisionTower``) takes them."""
+    return {"depth": vc.depth, "hidden_size": vc.hidden_size, "num_heads": vc.num_heads,
+            "intermediate_size": vc.intermediate_size, "patch_dim": vc.patch_dim,
+            "spatial_merge_size": vc.spatial_merge_size, "out_hidden_size": vc.out_hidden_size,
+            "grid_side": vc.grid_side, "rope_theta": float(vc.rope_theta), "hidden_act": vc.hidden_act}
+
+
 class GpuVisionEncoder:
     """The vision tower on the Metal graph (`_GpuBackend.vision_encoder`; src/gpu/vision.h): the computation of
     `qwenmetal.backends.reference_vision.VisionTower` in the backend's activation type (float32: to the reference's
@@ -322,12 +330,8 @@ class GpuVisionEncoder:
             raise InputError("the checkpoint has no vision tower (no model.visual.* / vision_tower.* tensors)",
                              param="params")
         self.config = vc
-        dims = {"depth": vc.depth, "hidden_size": vc.hidden_size, "num_heads": vc.num_heads,
-                "intermediate_size": vc.intermediate_size, "patch_dim": vc.patch_dim,
-                "spatial_merge_size": vc.spatial_merge_size, "out_hidden_size": vc.out_hidden_size,
-                "grid_side": vc.grid_side, "rope_theta": float(vc.rope_theta), "hidden_act": vc.hidden_act}
         mappings, tensors, keep = weight_table(None, w.vision)
-        self.impl = core().gpu.GpuVisionTower(backend.engine, dims, mappings, tensors, keep)
+        self.impl = core().gpu.GpuVisionTower(backend.engine, vision_dims(vc), mappings, tensors, keep)
 
     def encode(self, pixel_values, grid_thw) -> np.ndarray:
         """[n_merged, out_hidden_size] float32: the merged rows of every image, images in order (the rows that

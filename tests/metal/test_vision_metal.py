@@ -1,21 +1,23 @@
 """The vision tower on the Metal graph (`_GpuBackend.vision_encoder`, src/gpu/vision.*) against the numpy
 reference `VisionTower` (the ground truth) on the tiny-vl fixture: float32 activations tight, bfloat16 loose; one
 image, two images of different grids, a two-frame clip, a frame long enough for the attention to run in query
-blocks; the Hugging Face layout as the mlx-vlm one; one command buffer per call at the default budget, more
+blocks; the released widths on one block; the Hugging Face layout as the mlx-vlm one; one command buffer per call at the default budget, more
 under a small one with the same result; argument errors leave the tower usable; the modelled cost at the
 released width (encode-only). Simulator-verified, hardware-unverified."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from qwenmetal.backends.metal import MetalSimBackend
+from qwenmetal.backends.metal import MetalSimBackend, vision_dims
 from qwenmetal.backends.reference_vision import VisionTower
 from qwenmetal.bench.cli import resolve_config
-from qwenmetal.bench.cost import encode_only_vision_cost
-from qwenmetal.config import ModelConfig
+from qwenmetal.bench.cost import RELEASED_VISION, encode_only_vision_cost
+from qwenmetal.config import ModelConfig, VisionConfig
 from qwenmetal.errors import InputError
+from qwenmetal.native import core
 from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import load_weights
+from qwenmetal.weights_table import weight_table
 
 from .gpu_harness import SIM
 
@@ -66,6 +68,41 @@ def test_matches_reference(encoders, tower, case, dtype):
     assert out.dtype == np.float32 and out.shape == ref.shape == (int(grid.prod(axis=1).sum()) // 4, 128)
     assert _err(out, ref) <= TOL[dtype]
     assert enc.last_command_buffers == 1
+
+
+def _random_tower(vc, seed=0) -> dict:
+    """Float32 tensors of a tower of `vc`'s dimensions (canonical names), scaled so the activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    H, I, M = vc.hidden_size, vc.intermediate_size, vc.merged_dim
+    shapes = {"patch_embed.proj": (H, vc.patch_dim), "pos_embed": (vc.num_position_embeddings, H),
+              "merger.norm": (H,), "merger.linear_fc1": (M, M), "merger.linear_fc2": (vc.out_hidden_size, M)}
+    for i in range(vc.depth):
+        p = f"blocks.{i}."
+        shapes.update({p + "norm1": (H,), p + "norm2": (H,), p + "attn.qkv": (3 * H, H), p + "attn.proj": (H, H),
+                       p + "mlp.linear_fc1": (I, H), p + "mlp.linear_fc2": (H, I)})
+    out = {}
+    for k, shape in shapes.items():
+        if len(shape) == 1:
+            out[k] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[k] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+        if k != "pos_embed":
+            out[k + ".bias"] = (0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+    return out
+
+
+def test_released_width(weights):
+    """The released widths (1152 in 16 heads of 72, MLP 4304, a 48 x 48 position table, out 2048) on one block,
+    float32 weights, two images: within the float32 tolerance of the reference."""
+    vc = VisionConfig.from_dict(dict(RELEASED_VISION, depth=1))
+    params = _random_tower(vc)
+    grid = np.array([[1, 4, 6], [1, 2, 2]])
+    px = _pixels(vc, grid, seed=4)
+    be = MetalSimBackend(weights, dtype="float32")
+    mappings, tensors, keep = weight_table(None, params)
+    impl = core().gpu.GpuVisionTower(be.engine, vision_dims(vc), mappings, tensors, keep)
+    ref = VisionTower(params, vc)(px, grid)
+    assert _err(impl.encode(px, grid), ref) <= TOL["float32"]
 
 
 def test_hf_layout(tower):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from qwenmetal.backends.metal import MetalSimBackend, vision_dims
+from qwenmetal.backends.metal import MetalBackend, MetalSimBackend, vision_dims
 from qwenmetal.backends.reference_vision import VisionTower
 from qwenmetal.bench.cli import resolve_config
 from qwenmetal.bench.cost import RELEASED_VISION, encode_only_vision_cost
@@ -25,7 +25,8 @@ from .gpu_harness import SIM
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 GRIDS = {"one": [[1, 4, 6]], "two": [[1, 4, 6], [1, 2, 2]], "clip": [[2, 2, 4], [1, 2, 2]]}
 
-pytestmark = pytest.mark.skipif(not SIM, reason="metal-sim fixtures")
+# the simulator, or this Mac's GPU (QWENMETAL_TEST_DEVICE=metal)
+GpuBackend = MetalSimBackend if SIM else MetalBackend
 
 
 def _weights(fmt):
@@ -40,7 +41,7 @@ def weights():
 
 @pytest.fixture(scope="module")
 def encoders(weights):
-    return {dt: MetalSimBackend(weights, dtype=dt).vision_encoder() for dt in ("float32", "bfloat16")}
+    return {dt: GpuBackend(weights, dtype=dt).vision_encoder() for dt in ("float32", "bfloat16")}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_released_width(weights):
     params = _random_tower(vc)
     grid = np.array([[1, 4, 6], [1, 2, 2]])
     px = _pixels(vc, grid, seed=4)
-    be = MetalSimBackend(weights, dtype="float32")
+    be = GpuBackend(weights, dtype="float32")
     mappings, tensors, keep = weight_table(None, params)
     impl = core().gpu.GpuVisionTower(be.engine, vision_dims(vc), mappings, tensors, keep)
     ref = VisionTower(params, vc)(px, grid)
@@ -107,7 +108,7 @@ def test_released_width(weights):
 
 def test_hf_layout(tower):
     """The Hugging Face layout (model.visual.*, Conv3d patch embedding) binds to the same tower."""
-    enc = MetalSimBackend(_weights("hf-bf16"), dtype="float32").vision_encoder()
+    enc = GpuBackend(_weights("hf-bf16"), dtype="float32").vision_encoder()
     grid = np.array(GRIDS["one"])
     px = _pixels(tower.config, grid, seed=3)
     assert _err(enc(px, grid), tower(px, grid)) <= TOL["float32"]
@@ -118,7 +119,7 @@ def test_command_buffer_budget(weights, encoders, tower):
     frame's attention runs in two query blocks of 32, each over all 64 keys: the same rows bit for bit."""
     grid = np.array([[1, 8, 8], [1, 2, 2]])
     px = _pixels(tower.config, grid, seed=1)
-    small = MetalSimBackend(weights, dtype="float32", command_buffer_seconds=1e-9).vision_encoder()
+    small = GpuBackend(weights, dtype="float32", command_buffer_seconds=1e-9).vision_encoder()
     out = small.encode(px, grid)
     base = encoders["float32"]
     np.testing.assert_array_equal(out, base.encode(px, grid))
@@ -155,7 +156,7 @@ def test_errors_leave_the_tower_usable(encoders, tower):
 
 def test_no_tower():
     path = cached_checkpoint("tiny", "mlx-q4")
-    be = MetalSimBackend(load_weights(path, ModelConfig.from_file(path)), dtype="float32")
+    be = GpuBackend(load_weights(path, ModelConfig.from_file(path)), dtype="float32")
     with pytest.raises(InputError, match="the checkpoint has no vision tower"):
         be.vision_encoder()
 

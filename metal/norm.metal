@@ -3,6 +3,8 @@
 //   rmsnorm_{f32,bf16}:      y = T(w * T(x * rsqrt(mean(x^2) + eps)))
 //   add_rmsnorm_{f32,bf16}:  h = x + r   (stored: the residual stream)
 //                            y = T(w * T(h * rsqrt(mean(h^2) + eps)))
+//   layer_norm_{f32,bf16}:   y = T((x - mean) * rsqrt(var + eps) * w + b)   (biased variance of the row, two
+//                            passes over it; the vision tower's LayerNorm, docs/vision.md)
 //   copy_f32_{f32,bf16}:     y = float(x)  (exact: the rows of x as the graph holds them; a DFlash draft's
 //                            target features, taken after chosen decoder layers)
 // w is the multiplicative gain as the canonical weights store it (1 + w for Qwen's
@@ -95,6 +97,36 @@ kernel void add_rmsnorm(constant NormParams& p [[buffer(0)]], device const T* x 
     }
 }
 
+// LayerNorm: the mean, then the variance of x - mean (a second pass over the row, as the reference computes it;
+// its own threadgroup slots, so no barrier is needed between the two sums), then y. Statistics in float, y
+// rounded once to T.
+template <typename T>
+kernel void layer_norm(constant NormParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
+                       device const T* w [[buffer(2)]], device const T* b [[buffer(3)]], device T* y [[buffer(4)]],
+                       uint row [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+                       uint nthreads [[threads_per_threadgroup]], uint lane [[thread_index_in_simdgroup]],
+                       uint sg [[simdgroup_index_in_threadgroup]], uint nsg [[simdgroups_per_threadgroup]]) {
+    threadgroup float partial[SIMD_WIDTH];
+    threadgroup float partial2[SIMD_WIDTH];
+    const ulong base = ulong(row) * p.H;
+    device const T* xr = x + base;
+    device T* yr = y + base;
+    float s = 0.0f;
+    for (uint i = tid; i < p.H; i += nthreads) {
+        s += float(xr[i]);
+    }
+    const float mean = threadgroup_sum(s, partial, lane, sg, nsg) / float(p.H);
+    float ss = 0.0f;
+    for (uint i = tid; i < p.H; i += nthreads) {
+        const float d = float(xr[i]) - mean;
+        ss += d * d;
+    }
+    const float inv = rsqrt(threadgroup_sum(ss, partial2, lane, sg, nsg) / float(p.H) + p.eps);
+    for (uint i = tid; i < p.H; i += nthreads) {
+        yr[i] = T((float(xr[i]) - mean) * inv * float(w[i]) + float(b[i]));
+    }
+}
+
 // y[row] = float(x[row]): the same thread mapping as rmsnorm (one threadgroup per row, 4 elements per step),
 // no reduction and no threadgroup memory
 template <typename T>
@@ -115,5 +147,7 @@ INSTANTIATE_KERNEL("rmsnorm_f32", rmsnorm, float)
 INSTANTIATE_KERNEL("rmsnorm_bf16", rmsnorm, bfloat)
 INSTANTIATE_KERNEL("add_rmsnorm_f32", add_rmsnorm, float)
 INSTANTIATE_KERNEL("add_rmsnorm_bf16", add_rmsnorm, bfloat)
+INSTANTIATE_KERNEL("layer_norm_f32", layer_norm, float)
+INSTANTIATE_KERNEL("layer_norm_bf16", layer_norm, bfloat)
 INSTANTIATE_KERNEL("copy_f32_f32", copy_f32, float)
 INSTANTIATE_KERNEL("copy_f32_bf16", copy_f32, bfloat)

@@ -264,8 +264,10 @@ void register_gpu(nb::module_& m) {
     register_gpu_ops_moe(ops);
     register_gpu_ops_sample(ops);
     register_gpu_ops_gemm(ops);
+    register_gpu_ops_vision(ops);
     register_gpu_graph(g);
     register_gpu_dflash(g);
+    register_gpu_vision(g);
 }
 
 }  // namespace qwenmetal::bindings

@@ -40,6 +40,7 @@ void register_gpu_ops_attention(nanobind::module_& ops);
 void register_gpu_ops_moe(nanobind::module_& ops);
 void register_gpu_ops_sample(nanobind::module_& ops);
 void register_gpu_ops_gemm(nanobind::module_& ops);
+void register_gpu_ops_vision(nanobind::module_& ops);
 #ifdef __APPLE__
 void register_metal_device(nanobind::module_& g);   // src/bindings/gpu_metal.cpp
 #endif
@@ -47,5 +48,7 @@ void register_metal_device(nanobind::module_& g);   // src/bindings/gpu_metal.cp
 void register_gpu_graph(nanobind::module_& g);
 // a DFlash draft on the graph (gpu_dflash.cpp): GpuDFlashDraft, GpuDFlashCache
 void register_gpu_dflash(nanobind::module_& g);
+// the vision tower on the graph (gpu_vision.cpp): GpuVisionTower
+void register_gpu_vision(nanobind::module_& g);
 
 }  // namespace qwenmetal::bindings

@@ -4,13 +4,15 @@ device under the forward, reverse and random schedules. Simulator-verified, hard
 Float within 1e-5 relative of float64 references from the values as stored; bfloat16 against the reference
 backend's bfloat16 mode (reference.rms_norm: the same two rounding points as the kernel), within 1 bf16 ulp and
 a mean distance a dropped rounding point exceeds (gpu_harness.assert_bf16). Inputs of magnitude 1e-4..1e-3,
-where eps = 1e-6 is a large part of mean(x^2), check the eps. copy_f32 (the target features' copy) is exact.
+where eps = 1e-6 is a large part of mean(x^2), check the eps. copy_f32 (the target features' copy) is exact. layer_norm (the vision tower's) within 1e-5 of float64 and of
+reference_vision.layer_norm; bf16 within 1 ulp of the float64 value.
 """
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from qwenmetal.backends import reference as R
+from qwenmetal.backends.reference_vision import layer_norm
 
 from .gpu_harness import ACT, SCHEDULES, SIM, assert_bf16, ops, rel_err, run
 from .wmat import raw
@@ -159,4 +161,56 @@ def test_norm_argument_checks():
             ops.copy_f32(enc, "f32", buf(x), buf(x[:1]), 2, 64)
         with pytest.raises(ValueError, match="copy_f32: x holds 256 bytes, needs 512"):
             ops.copy_f32(enc, "f32", buf(x[:1]), buf(x), 2, 64)
+        assert enc.dispatches == 0
+
+
+def layer_norm_ref(x, w, b, eps):
+    x = np.asarray(x, np.float64)
+    d = x - x.mean(axis=-1, keepdims=True)
+    return d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64) + np.asarray(b, np.float64)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(H=st.integers(1, 1200), rows=st.integers(1, 3), dtype=st.sampled_from(["f32", "bf16"]),
+       offset=st.sampled_from([0.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_layer_norm(schedule, H, rows, dtype, offset, seed):
+    """The vision tower's LayerNorm (weight and bias, biased variance, eps 1e-6): float within 1e-5 of float64
+    and of the reference's reference_vision.layer_norm; bf16 within 1 ulp of the float64 value rounded once. Rows
+    with a large mean (offset 30) check that the variance is taken around the mean (E[x^2] - mean^2 would lose
+    it in float)."""
+    rng = np.random.default_rng(seed)
+    dt = ACT[dtype]
+    x = (offset + rng.standard_normal((rows, H)) * rng.uniform(0.1, 10)).astype(dt)
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(dt)
+    b = (0.3 * rng.standard_normal(H)).astype(dt)
+    y = np.zeros((rows, H), dt)
+    with run(schedule, seed=seed, keep_records=True) as (dev, enc, buf_):
+        buf = raw(buf_)
+        ops.layer_norm(enc, dtype, buf(x), buf(w), buf(b), buf(y), rows, H, 1e-6)
+    ref = layer_norm_ref(x, w, b, 1e-6)
+    if dtype == "f32":
+        assert rel_err(y, ref) <= 1e-5
+        f = lambda a: np.asarray(a, np.float32)                                                    # noqa: E731
+        assert rel_err(y, layer_norm(f(x), f(w), f(b))) <= 1e-5
+    else:
+        assert_bf16(y, ref.astype(np.float32).astype(dt))
+    if SIM:
+        rec = dev.records()[0]
+        assert rec["kernel"] == f"layer_norm_{dtype}" and rec["barriers"] == 2 * rows
+
+
+def test_layer_norm_errors():
+    """Bad arguments are refused before anything is encoded."""
+    x = np.zeros((2, 8), np.float32)
+    y = np.zeros((2, 8), np.float32)
+    w = np.ones(8, np.float32)
+    with run() as (dev, enc, buf):
+        with pytest.raises(ValueError, match="y must not overlap x"):
+            ops.layer_norm(enc, "f32", buf(x), buf(w), buf(w), buf(x), 2, 8, 1e-6)
+        with pytest.raises(ValueError, match="b holds 32 bytes, needs 64"):
+            ops.layer_norm(enc, "f32", buf(x), buf(np.ones(16, np.float32)), buf(w), buf(y), 1, 16, 1e-6)
+        with pytest.raises(ValueError, match="rows and H must be positive"):
+            ops.layer_norm(enc, "f32", buf(x), buf(w), buf(w), buf(y), 0, 8, 1e-6)
         assert enc.dispatches == 0

@@ -181,7 +181,8 @@ def test_kernel_families_under_a_lowered_limit():
     """The kernel tests of every family (small shapes and one realistic shape each) rerun on devices whose
     undeclared pipelines allow 256 threads."""
     env = dict(os.environ, QWENMETAL_TEST_PIPELINE_THREADS="256")
-    files = [f"tests/metal/test_{f}.py" for f in ("norm", "quant", "gdn", "attention", "moe", "sample", "gemm")]
+    files = [f"tests/metal/test_{f}.py"
+             for f in ("norm", "quant", "gdn", "attention", "moe", "sample", "gemm", "vision")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files,
                         "-k", "not model_shape and not distribution and not every_schedule and not argmax_sizes"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

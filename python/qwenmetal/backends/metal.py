@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from ..config import mtp_head_layers, mtp_layer_config
+from ..errors import InputError
 from ..expert_streaming import expert_stats, stream_spec
 from ..native import core
 from ..weights import Weights
@@ -55,6 +56,7 @@ from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
 from .engine import EngineBackend, dflash_dims
+from .reference_vision import check_inputs as check_vision_inputs
 
 DTYPES = ("bfloat16", "float32")
 # SimDevice's modelled Mac limits a metal-sim model can be given (device_options; docs/metal.md, "Runtime limits")
@@ -235,6 +237,18 @@ class _GpuBackend(EngineBackend):
             return None
         return GpuMtpHead(self, params)
 
+    def vision_encoder(self, weights: Weights | None = None) -> "GpuVisionEncoder":
+        """The checkpoint's vision tower on this backend's graph and device (docs/vision.md, "The vision tower in
+        the Metal graph"): ``encode(pixel_values, grid_thw) -> [n_merged, out_hidden_size]`` float32, in this
+        backend's activation type. Built once, on first use. InputError for a checkpoint without a tower.
+        `weights`: as `ModelBase.vision_encoder` passes them; they must be this backend's own."""
+        if weights is not None and weights is not self.weights:
+            raise ValueError("vision_encoder: the weights are not this backend's")
+        enc = getattr(self, "_vision", None)
+        if enc is None:
+            enc = self._vision = GpuVisionEncoder(self)
+        return enc
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The graph keeps the saved [nkv, P, hd] layout (exported as bytes)."""
         c = self.weights.config
@@ -351,6 +365,56 @@ class GpuMtpHead:
         drafts, logits, self.last_command_buffers = self.engine.mtp_draft(state, hidden, ids, int(k), int(vocab),
                                                                           return_logits)
         return (drafts, logits) if return_logits else drafts
+
+
+def vision_dims(vc) -> dict:
+    """A `VisionConfig`'s dimensions as the native tower (``_core.gpu.GpuVisionTower``) takes them."""
+    return {"depth": vc.depth, "hidden_size": vc.hidden_size, "num_heads": vc.num_heads,
+            "intermediate_size": vc.intermediate_size, "patch_dim": vc.patch_dim,
+            "spatial_merge_size": vc.spatial_merge_size, "out_hidden_size": vc.out_hidden_size,
+            "grid_side": vc.grid_side, "rope_theta": float(vc.rope_theta), "hidden_act": vc.hidden_act}
+
+
+class GpuVisionEncoder:
+    """The vision tower on the Metal graph (`_GpuBackend.vision_encoder`; src/gpu/vision.h): the computation of
+    `qwenmetal.backends.reference_vision.VisionTower` in the backend's activation type (float32: to the reference's
+    tolerance; bfloat16: rounded where the graph rounds), weights bound in place, one encoder per call whose command
+    buffers the backend's ``command_buffer_seconds`` cuts. A call holds the engine's lock, so it never runs beside
+    the text model's own calls. Simulator-verified, hardware-unverified."""
+
+    def __init__(self, backend: _GpuBackend):
+        w = backend.weights
+        vc = w.config.vision
+        if vc is None or not w.vision:
+            raise InputError("the checkpoint has no vision tower (no model.visual.* / vision_tower.* tensors)",
+                             param="params")
+        self.config = vc
+        mappings, tensors, keep = weight_table(None, w.vision)
+        self.impl = core().gpu.GpuVisionTower(backend.engine, vision_dims(vc), mappings, tensors, keep)
+
+    def encode(self, pixel_values, grid_thw) -> np.ndarray:
+        """[n_merged, out_hidden_size] float32: the merged rows of every image, images in order (the rows that
+        stand in for each image's ``<|image_pad|>`` tokens). `pixel_values` [n_patches, patch_dim] and `grid_thw`
+        [n_images, 3] as the image processor gives them (`qwenmetal.images.preprocess`); checked as the reference
+        checks them (InputError naming the argument)."""
+        pixels, grid = check_vision_inputs(self.config, pixel_values, grid_thw)
+        return self.impl.encode(pixels, np.ascontiguousarray(grid, dtype=np.int64))
+
+    __call__ = encode
+
+    def cost(self, grid_thw) -> dict:
+        """What one call for `grid_thw` costs as encoded (dispatches, levels, command buffers, bytes and flops per
+        level; no pixels are read)."""
+        return self.impl.cost(np.ascontiguousarray(grid_thw, dtype=np.int64))
+
+    @property
+    def last_command_buffers(self) -> int:
+        """Command buffers the last call committed."""
+        return int(self.impl.last_command_buffers)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.impl.weight_nbytes
 
 
 class MetalSimBackend(_GpuBackend):

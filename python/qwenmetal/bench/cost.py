@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options
+from ..backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options, vision_dims
+from ..config import VisionConfig
 from ..native import core
 from ..config import mtp_layer_config
 from ..weights_table import config_dict, virtual_mtp_weight_table, virtual_weight_table
@@ -369,4 +370,86 @@ def encode_only_mtp_cost(config, drafts=(1, 3, 7, 15), *, pairs: int = 4, n_laye
             "bytes": int(c["bytes_read"] + c["bytes_written"]),
             "seconds": {chip: modelled_level_time(c["level_bytes"], c["level_flops"], bw, CHIP_PEAK_TFLOPS[chip])
                         for chip, bw in CHIP_BANDWIDTH_GBS.items()}}
+    return out
+
+
+# Qwen3.6-35B-A3B's vision_config as released (docs/vision.md, "Config")
+RELEASED_VISION = {"depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "patch_size": 16,
+                   "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "out_hidden_size": 2048,
+                   "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
+
+
+def virtual_vision_table(vc: VisionConfig):
+    """(mappings, tensors) of a vision tower of `vc`'s dimensions over a virtual mapping, every tensor bf16 (as
+    Hugging Face and mlx-vlm store it: mlx-vlm never quantizes the tower). For costing the tower graph without its
+    weights."""
+    tensors: dict = {}
+    cursor = [0]
+
+    def t(name, *shape):
+        n = int(np.prod(shape))
+        off = cursor[0]
+        cursor[0] += (2 * n + 63) // 64 * 64
+        tensors[name] = dict(bits=0, group_size=0, dtype="bfloat16", sdtype="bfloat16", shape=list(shape),
+                             data=(0, off, 2 * n), scales=None, biases=None)
+
+    H, I, M = vc.hidden_size, vc.intermediate_size, vc.merged_dim
+    t("patch_embed.proj", H, vc.patch_dim)
+    t("patch_embed.proj.bias", H)
+    t("pos_embed", vc.num_position_embeddings, H)
+    for i in range(vc.depth):
+        p = f"blocks.{i}."
+        for n in ("norm1", "norm2"):
+            t(p + n, H)
+            t(p + n + ".bias", H)
+        for n, rows, cols in (("attn.qkv", 3 * H, H), ("attn.proj", H, H), ("mlp.linear_fc1", I, H),
+                              ("mlp.linear_fc2", H, I)):
+            t(p + n, rows, cols)
+            t(p + n + ".bias", rows)
+    t("merger.norm", H)
+    t("merger.norm.bias", H)
+    t("merger.linear_fc1", M, M)
+    t("merger.linear_fc1.bias", M)
+    t("merger.linear_fc2", vc.out_hidden_size, M)
+    t("merger.linear_fc2.bias", vc.out_hidden_size)
+    return [("virtual vision tower", 0, cursor[0])], tensors
+
+
+def encode_only_vision_cost(config, *, vision: dict = RELEASED_VISION, sizes=((448, 448), (1024, 1024)),
+                            chips=("M5 Max", "M1 Max"), dtype: str = "bfloat16") -> dict:
+    """What one image through the vision tower costs in the Metal graph (src/gpu/vision.h: the patch embedding,
+    every block, the merger) for a tower of `vision`'s dimensions (a vision_config dict; bf16 weights) beside the
+    text model `config` (a ModelConfig, whose engine supplies the device and options), for each image of
+    ``sizes`` (height, width in pixels, multiples of patch x merge). Encoded on an encode-only simulator device
+    per GEMM route of CHIP_ROUTE and timed with `modelled_level_time`: ``images["HxW"]`` = {patches, tokens,
+    chips: {chip: {seconds, levels, dispatches, command_buffers, bytes, flops}}}. A model, not a measurement."""
+    ext = core()
+    vc = VisionConfig.from_dict(vision)
+    unit = vc.patch_size * vc.spatial_merge_size
+    for h, w in sizes:
+        if h % unit or w % unit:
+            raise ValueError(f"image size {h}x{w}: both sides must be multiples of {unit}")
+    mappings, tensors, _ = virtual_weight_table(config)
+    vmaps, vtensors = virtual_vision_table(vc)
+    out = {"vision": dict(vision), "level_latency_us": LEVEL_LATENCY_S * 1e6, "images": {}}
+    routes = {CHIP_ROUTE[c] for c in chips}
+    for route in sorted(routes):
+        dev = ext.gpu.SimDevice(execute=False, tensor_ops=route == "tensor")
+        eng = ext.gpu.GpuEngine(dev, config_dict(config), mappings, tensors, "f32" if dtype == "float32" else "bf16",
+                                 False, {}, [], prefill_options(DEFAULT_PREFILL_CHUNK, route, "auto"))
+        tower = ext.gpu.GpuVisionTower(eng, vision_dims(vc), vmaps, vtensors, [])
+        for h, w in sizes:
+            grid = np.array([[1, h // vc.patch_size, w // vc.patch_size]], np.int64)
+            c = tower.cost(grid)
+            patches = int(grid[0, 1] * grid[0, 2])
+            entry = out["images"].setdefault(f"{h}x{w}", {"patches": patches,
+                                                           "tokens": patches // vc.merge_unit, "chips": {}})
+            for chip in chips:
+                if CHIP_ROUTE[chip] != route:
+                    continue
+                t = modelled_level_time(c["level_bytes"], c["level_flops"], CHIP_BANDWIDTH_GBS[chip],
+                                        CHIP_PEAK_TFLOPS[chip])
+                entry["chips"][chip] = {"seconds": t, "levels": int(c["levels"]), "dispatches": int(c["dispatches"]),
+                                        "command_buffers": int(c["command_buffers"]),
+                                        "bytes": int(c["bytes_read"] + c["bytes_written"]), "flops": int(c["flops"])}
     return out

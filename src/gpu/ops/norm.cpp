@@ -44,6 +44,23 @@ void add_rmsnorm(Encoder& e, Act t, const Buffer& x, const Buffer& r, const Buff
                 Arg::in(w.view(0, H * es)), Arg::out(h.view(0, n)), Arg::out(y.view(0, n))});
 }
 
+void layer_norm(Encoder& e, Act t, const Buffer& x, const Buffer& w, const Buffer& b, const Buffer& y, uint32_t rows,
+                uint32_t H, float eps) {
+    const char* op = "layer_norm";
+    check(rows > 0 && H > 0, op, "rows and H must be positive");
+    const uint64_t es = act_size(t), n = uint64_t(rows) * H * es;
+    need(x, n, op, "x");
+    need(w, H * es, op, "w");
+    need(b, H * es, op, "b");
+    need(y, n, op, "y");
+    check(y.address() + n <= x.address() || x.address() + n <= y.address(), op, "y must not overlap x");
+    const NormParams p{H, eps};
+    const std::string kernel = std::string("layer_norm_") + act_suffix(t);
+    e.dispatch(kernel, Dims{rows, 1, 1}, norm_threads(e, kernel, H),
+               {Arg::params(p), Arg::in(x.view(0, n)), Arg::in(w.view(0, H * es)), Arg::in(b.view(0, H * es)),
+                Arg::out(y.view(0, n))});
+}
+
 void copy_f32(Encoder& e, Act t, const Buffer& x, const Buffer& y, uint32_t rows, uint32_t H) {
     const char* op = "copy_f32";
     check(rows > 0 && H > 0, op, "rows and H must be positive");

@@ -1,0 +1,164 @@
+"""Interleaved M-RoPE (#34 part C, docs/vision.md "Positions and caches"): `qwenmetal.mrope.rope_index` against
+transformers' ``get_rope_index``; the numpy reference with 3-D positions and embedding rows against transformers'
+text model (random weights, random rows standing in for image features); the engines against the reference;
+sessions (fork, snapshot, save/load) carrying the delta; prefix-cache keys on the images' content."""
+import copy
+import functools
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import qwenmetal as qm
+from qwenmetal.config import ModelConfig
+from qwenmetal.mrope import ImageSpan, cache_key, image_digest, pair_positions, rope_index
+from qwenmetal.testing import PRESETS
+
+IMG = 200            # the image pad of the tests' shim config (inside the tiny vocabularies)
+
+
+def shim(merge=2, **extra):
+    """What rope_index reads of a config: config.json's image_token_id and vision_config."""
+    return SimpleNamespace(raw={"image_token_id": IMG, "vision_config": {"spatial_merge_size": merge}, **extra})
+
+
+def seq(*parts):
+    """ids from parts: ints (text tokens) and (t, h, w) grids (an image's pads, merge 2)."""
+    ids, grids, rng = [], [], np.random.default_rng(len(parts))
+    for p in parts:
+        if isinstance(p, tuple):
+            grids.append(p)
+            ids += [IMG] * (p[0] * (p[1] // 2) * (p[2] // 2))
+        else:
+            ids += [int(x) for x in rng.integers(1, 150, p)]
+    return np.array(ids, np.int64), np.array(grids, np.int64).reshape(-1, 3)
+
+
+def hf_rope_index(ids, grids, merge=2):
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
+    fake = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)))
+    fake.get_vision_position_ids = functools.partial(Qwen3_5MoeModel.get_vision_position_ids, fake)
+    t = torch.tensor(ids)[None]
+    pos, delta = Qwen3_5MoeModel.get_rope_index(fake, t, (t == IMG).int(),
+                                                image_grid_thw=torch.tensor(grids) if len(grids) else None)
+    return pos[:, 0].numpy(), int(delta[0, 0])
+
+
+SEQS = [(7,), (3, (1, 4, 6), 5), (2, (1, 8, 4), 3, (1, 4, 4), 4), ((1, 4, 6),), (4, (2, 4, 4), 2, (1, 6, 2))]
+
+
+@pytest.mark.parametrize("parts", SEQS)
+def test_rope_index_matches_transformers(parts):
+    """0, 1 and 2 images of different grids (and a two-frame grid), text between and after, an image first;
+    the shim config names no video_token_id."""
+    ids, grids = seq(*parts)
+    pos, delta = rope_index(ids, grids, shim())
+    want, want_delta = hf_rope_index(ids, grids)
+    np.testing.assert_array_equal(pos, want)
+    assert delta == want_delta
+    # a continuation from rope position s: the same positions shifted, the same delta
+    pos2, delta2 = rope_index(ids, grids, shim(), start=11)
+    np.testing.assert_array_equal(pos2, want + 11)
+    assert delta2 == want_delta
+
+
+def test_rope_index_errors():
+    ids, grids = seq(2, (1, 4, 6), 2)
+    with pytest.raises(ValueError, match="image_grid_thw has 2 grids"):
+        rope_index(ids, np.concatenate([grids, grids]), shim())
+    with pytest.raises(ValueError, match="more image runs"):
+        rope_index(ids, None, shim())
+    with pytest.raises(ValueError, match="needs 6 image tokens"):
+        rope_index(ids[:-3], grids, shim())
+    with pytest.raises(ValueError, match="not a multiple of spatial_merge_size"):
+        rope_index(ids, [[1, 3, 6]], shim())
+
+
+def test_pair_positions_interleave():
+    """Pair j reads h if j % 3 == 1 and j < 3 s_h, w if j % 3 == 2 and j < 3 s_w, else t (transformers'
+    recomposition_frequencies); Qwen3-Next: t everywhere; a Qwen3.5 config without the field: [11, 11, 10]."""
+    cfg = ModelConfig.from_dict(PRESETS["tiny"])            # rotary 8 dims: 4 pairs, sections [2, 1, 1]
+    p = np.array([[5, 6], [7, 8], [9, 10]])
+    np.testing.assert_array_equal(pair_positions(p, cfg), [[5, 7, 9, 5], [6, 8, 10, 6]])
+    nxt = ModelConfig.from_dict(PRESETS["tiny-qwen3-next"])
+    np.testing.assert_array_equal(pair_positions(p, nxt), [[5, 5, 5, 5], [6, 6, 6, 6]])
+    d = copy.deepcopy(PRESETS["tiny"])
+    d["text_config"]["rope_parameters"].pop("mrope_section")
+    d["text_config"]["head_dim"] = 128                      # 32 rotary dims: 16 pairs
+    comp = pair_positions(np.array([[0], [1], [2]]), ModelConfig.from_dict(d))[0]
+    np.testing.assert_array_equal(comp, [0, 1, 2] * 5 + [0])
+    with pytest.raises(ValueError, match=r"positions must be integers \[3, n\]"):
+        pair_positions(np.zeros((2, 3), np.int64), cfg)
+
+
+# ---- the reference against transformers' text model --------------------------------------------------------
+ATOL = 1e-3
+ROPE = {"mrope_section": [3, 3, 2], "mrope_interleaved": True, "partial_rotary_factor": 0.5}   # 8 pairs
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    """A random HF Qwen3_5MoeForCausalLM (16 rotary dims, sections [3, 3, 2]) and the reference model on its
+    saved checkpoint."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from oracles import hf_model, save_hf
+    hf = hf_model("qwen3_5_moe", {"rope_parameters": ROPE}, seed=3)
+    d = save_hf(hf, tmp_path_factory.mktemp("mrope") / "hf")
+    return hf, qm.Model.load(str(d), backend="reference")
+
+
+def image_case(model, parts, seed=0):
+    """ids, positions [3, n], image rows and random stand-in features [m, H] (N(0, 1) rows like the
+    embedding's)."""
+    ids, grids = seq(*parts)
+    pos, delta = rope_index(ids, grids, shim())
+    rows = np.flatnonzero(ids == IMG)
+    feats = np.random.default_rng(seed).standard_normal((rows.size, model.config.hidden_size)).astype(np.float32)
+    feats = feats.astype(qm_bf16()).astype(np.float32)
+    return ids, pos, delta, rows, feats
+
+
+def qm_bf16():
+    import ml_dtypes
+    return ml_dtypes.bfloat16
+
+
+def hf_forward(hf, ids, pos, rows, feats):
+    import torch
+    with torch.no_grad():
+        emb = hf.model.embed_tokens(torch.tensor(ids)[None]).clone()
+        emb[0, torch.tensor(rows)] = torch.tensor(feats)
+        out = hf(inputs_embeds=emb, position_ids=torch.tensor(pos)[:, None, :], use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def test_reference_matches_transformers_with_images(hf_pair):
+    """Two images of different grids with text between and after, fed as random feature rows at the pads and
+    get_rope_index's positions: the reference's logits equal transformers' (position_ids [3, 1, n],
+    inputs_embeds) at every row, prefilled at once and in two calls (the text after the last image from the
+    session's delta alone)."""
+    hf, model = hf_pair
+    ids, pos, delta, rows, feats = image_case(model, (3, (1, 4, 6), 2, (1, 8, 4), 5))
+    want = hf_forward(hf, ids, pos, rows, feats)
+    s = model.new_session()
+    got = model.prefill(s, ids, "all", positions=pos, embeds=feats, embed_rows=rows)
+    # float32 noise on this model is ~3e-4 (text alone too); the h/w positions matter ~100x more than that
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    t_only = model.prefill(model.new_session(), ids, "all", positions=np.repeat(pos[:1], 3, 0), embeds=feats,
+                           embed_rows=rows)
+    assert np.abs(t_only - want).max() > 30 * ATOL
+    assert s.rope_delta == delta == int(pos.max()) + 1 - ids.size and delta < 0
+    cut = int(rows[-1]) + 1                      # the text after the last image: positions from the delta
+    t = model.new_session()
+    a = model.prefill(t, ids[:cut], "all", positions=pos[:, :cut], embeds=feats, embed_rows=rows)
+    b = model.prefill(t, ids[cut:], "all")
+    np.testing.assert_allclose(np.concatenate([a, b]), want, atol=ATOL, rtol=0)
+    assert t.rope_delta == delta
+    # text-only calls are today's path: no positions, delta 0
+    u = model.new_session()
+    plain = model.prefill(u, ids[:3], "all")
+    assert u.rope_delta == 0
+    np.testing.assert_array_equal(plain, model.prefill(model.new_session(), ids[:3], "all", positions=pos[:, :3]))

@@ -162,3 +162,72 @@ def test_reference_matches_transformers_with_images(hf_pair):
     plain = model.prefill(u, ids[:3], "all")
     assert u.rope_delta == 0
     np.testing.assert_array_equal(plain, model.prefill(model.new_session(), ids[:3], "all", positions=pos[:, :3]))
+
+
+# ---- the engines against the reference ---------------------------------------------------------------------
+def rel_range_err(got, want):
+    return float(np.abs(np.asarray(got) - want).max() / (want.max() - want.min()))
+
+
+PARTS = (3, (1, 4, 6), 2, (1, 8, 4), 5)   # 28 rows: chunks of 8 split both images
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    from qwenmetal.testing import cached_checkpoint
+    return cached_checkpoint("tiny", "mlx-q4", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref_run(ckpt):
+    """The reference on the image case: prefill logits, then two text decode steps from the delta."""
+    model = qm.Model.load(ckpt, backend="reference")
+    ids, pos, delta, rows, feats = image_case(model, PARTS, seed=1)
+    s = model.new_session()
+    pre = model.prefill(s, ids, "all", positions=pos, embeds=feats, embed_rows=rows)
+    dec = [model.decode_step(s, t) for t in (7, 11)]
+    return (ids, pos, delta, rows, feats), pre, np.stack(dec)
+
+
+def engine_model(ckpt, backend):
+    if backend == "cpu":
+        return qm.Model.load(ckpt, backend="cpu", kv_dtype="float32", threads=2, prefill_chunk=8,
+                             activations="float")
+    return qm.Model.load(ckpt, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
+def test_engine_matches_reference_with_images(ckpt, ref_run, backend):
+    """Image features at the pads, M-RoPE positions (prefilled in chunks that split the images), then text
+    decode steps at index + delta: within 1e-3 of the logit range of the reference; the delta is the same."""
+    (ids, pos, delta, rows, feats), want_pre, want_dec = ref_run
+    model = engine_model(ckpt, backend)
+    s = model.new_session()
+    pre = model.prefill(s, ids, "all", positions=pos, embeds=feats, embed_rows=rows)
+    assert s.rope_delta == delta
+    dec = np.stack([model.decode_step(s, t) for t in (7, 11)])
+    assert rel_range_err(pre, want_pre) < 1e-3
+    assert rel_range_err(dec, want_dec) < 1e-3
+    # explicit positions equal to the indices are the text path bit for bit
+    a = model.prefill(model.new_session(), ids[:5], "all")
+    b = model.prefill(model.new_session(), ids[:5], "all", positions=np.tile(np.arange(5), (3, 1)))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cpu_batch_and_verify_keep_the_delta(ckpt, ref_run):
+    """decode_batch and verify rows of a session with a delta are bit for bit its one-token steps."""
+    (ids, pos, delta, rows, feats), _, _ = ref_run
+    from qwenmetal.session import decode_batch, rewind, verify
+    model = engine_model(ckpt, "cpu")
+    s = model.new_session()
+    model.prefill(s, ids, "none", positions=pos, embeds=feats, embed_rows=rows)
+    plain, other = s.fork(), model.new_session()
+    model.prefill(other, [4, 5, 6])
+    step = model.decode_step(plain, 7)
+    np.testing.assert_array_equal(decode_batch(model, [s.fork(), other], [7, 8])[0], step)
+    v = s.fork()
+    rows_v = verify(model, v, [7, 11, 13])
+    np.testing.assert_array_equal(rows_v[0], step)
+    np.testing.assert_array_equal(rows_v[1], model.decode_step(plain, 11))
+    rewind(model, v, 1)
+    assert v.rope_delta == delta and v.position == s.position + 1

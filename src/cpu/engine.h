@@ -117,6 +117,9 @@ public:
     State& operator=(const State&) = delete;
 
     int64_t position = 0;
+    // the next token's RoPE position minus its index (interleaved M-RoPE: nonzero after an image); a call's
+    // rows without explicit positions (RowInputs) rotate at index + rope_delta
+    int64_t rope_delta = 0;
     int64_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
     // bytes as stored for the tokens held (the KV cache counted up to `position`)
@@ -169,6 +172,17 @@ private:
     friend class Engine;
 };
 
+// What a prefill call may pass beside its ids (qwenmetal.mrope.RowInputs): explicit RoPE positions per frequency
+// pair for every row, rows whose embedding lookup is replaced by given float rows (image features), and the
+// state's rope_delta after the call (committed with it).
+struct RowInputs {
+    const int32_t* pair_pos = nullptr;   // [n][rotary_dim / 2], or null: row i at position + i + rope_delta
+    const int64_t* embed_rows = nullptr; // [n_embeds] increasing row indices of the call
+    const float* embeds = nullptr;       // [n_embeds][hidden]
+    int64_t n_embeds = 0;
+    int64_t rope_delta = 0;              // the state's delta after the call
+};
+
 class Engine {
 public:
     // stream: null = every weight in `tensors`; else the routed experts are streamed through an
@@ -208,7 +222,7 @@ public:
     // for bit those of a one-token call. A bad list throws before anything is touched.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
                  bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr,
-                 bool hidden_all = false, const LayerFeatures* features = nullptr);
+                 bool hidden_all = false, const LayerFeatures* features = nullptr, const RowInputs* rows = nullptr);
     // One decode step for each of B (1..32, at most prefill_chunk) distinct states: row i runs ids[i] on
     // *states[i] at its own position, sharing every weight read with the other rows (the MoE reads the rows'
     // union of experts once); logits [B, vocab]. Row i's logits and state are bit for bit those of a one-token
@@ -250,7 +264,7 @@ private:
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
                        bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
                        State* const* batch = nullptr, const LayerFeatures* features = nullptr,
-                       float* feat_out = nullptr);
+                       float* feat_out = nullptr, const RowInputs* rows = nullptr, int64_t row0 = 0);
     void check_features(const LayerFeatures& f) const;
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);

@@ -71,6 +71,7 @@ void need_host(const Buffer& b, const char* what) {
 void register_gpu_graph(nb::module_& g) {
     nb::class_<GpuState>(g, "GpuState")
         .def_prop_ro("position", [](const GpuState& s) { return s.position; })
+        .def_rw("rope_delta", &GpuState::rope_delta, "the next token's RoPE position minus its index (M-RoPE)")
         .def_prop_ro("nbytes", &GpuState::nbytes)
         .def_prop_ro("capacity", &GpuState::capacity)
         .def_prop_ro("rewindable", &GpuState::rewindable, "tokens of the open verify() chain (0: none)")
@@ -188,13 +189,45 @@ void register_gpu_graph(nb::module_& g) {
              "prefill"_a = nb::dict(), "streaming"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
-                           const std::string& logits, nb::handle consumed) {
+                           const std::string& logits, nb::handle consumed, nb::handle pair_pos, nb::handle embed_rows,
+                           nb::handle embeds, nb::handle rope_delta) {
             const int64_t n = int64_t(ids.shape(0));
-            return forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+            const Config& c = e.model->config();
+            // explicit RoPE positions / embedding rows (qwenmetal.mrope.RowInputs): shapes here, values in the engine
+            const bool has_rows = !(pair_pos.is_none() && embeds.is_none() && rope_delta.is_none());
+            RowInputs r;
+            std::optional<nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig>> pp;
+            std::optional<nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig>> er;
+            std::optional<nb::ndarray<const float, nb::ndim<2>, nb::c_contig>> ev;
+            if (has_rows) {
+                r.rope_delta = rope_delta.is_none() ? s.rope_delta : nb::cast<int64_t>(rope_delta);
+                if (!pair_pos.is_none()) {
+                    pp = nb::cast<nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig>>(pair_pos);
+                    if (int64_t(pp->shape(0)) != n || int64_t(pp->shape(1)) != c.rotary_dim / 2)
+                        throw std::invalid_argument("pair_pos must be int32 [" + std::to_string(n) + ", " +
+                                                    std::to_string(c.rotary_dim / 2) + "]");
+                    r.pair_pos = pp->data();
+                }
+                if (!embeds.is_none()) {
+                    ev = nb::cast<nb::ndarray<const float, nb::ndim<2>, nb::c_contig>>(embeds);
+                    er = nb::cast<nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig>>(embed_rows);
+                    if (int64_t(ev->shape(1)) != c.hidden || ev->shape(0) != er->shape(0))
+                        throw std::invalid_argument("embeds must be float32 [m, " + std::to_string(c.hidden) +
+                                                    "] for m embed_rows");
+                    r.n_embeds = int64_t(ev->shape(0));
+                    r.embed_rows = er->data();
+                    r.embeds = ev->data();
+                }
+            }
+            return forward_call(ids.data(), n, size_t(c.vocab), logits, consumed,
                                 [&](int want, float* dst, InterruptPoll poll) {
-                                    e.engine->forward(s, ids.data(), n, want, dst, poll);
+                                    e.engine->forward(s, ids.data(), n, want, dst, poll, nullptr, has_rows ? &r : nullptr);
                                 });
-        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(), "pair_pos"_a = nb::none(),
+           "embed_rows"_a = nb::none(), "embeds"_a = nb::none(), "rope_delta"_a = nb::none(),
+           "Prefill ids; pair_pos int32 [n, rotary_dim / 2] (explicit M-RoPE positions per frequency pair), embeds "
+           "float32 [m, hidden] at the rows embed_rows (int64 [m], increasing), rope_delta the state's delta after "
+           "the call (the cpu engine's arguments).")
         .def("forward_features", [](PyGpuEngine& e, GpuState& s,
                                     nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, const std::string& logits,
                                     nb::handle consumed, std::vector<int64_t> layers) {

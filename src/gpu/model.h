@@ -168,6 +168,17 @@ struct FeatureRequest {
     float* out = nullptr;
 };
 
+// What a prefill call may pass beside its ids (qwenmetal.mrope.RowInputs, as the cpu engine's): explicit RoPE
+// positions per frequency pair for every row, rows whose embedding is replaced by given float rows (image
+// features), the state's rope_delta after the call. Chunked prefill only (resident experts).
+struct RowInputs {
+    const int32_t* pair_pos = nullptr;   // [n][rotary_dim / 2], or null: row i at position + i + rope_delta
+    const int64_t* embed_rows = nullptr; // [n_embeds] increasing row indices of the call
+    const float* embeds = nullptr;       // [n_embeds][hidden]
+    int64_t n_embeds = 0;
+    int64_t rope_delta = 0;              // the state's delta after the call
+};
+
 // the most states of one batched decode step (GpuEngine::decode_batch): it runs on the verification
 // graph's scratch and union-read MoE kernels, which are sized for this many rows
 constexpr uint32_t kMaxBatchRows = kMaxVerifyRows;
@@ -179,6 +190,9 @@ class GpuState {
     GpuState& operator=(const GpuState&) = delete;
 
     int64_t position = 0;
+    // the next token's RoPE position minus its index (interleaved M-RoPE: nonzero after an image); rows without
+    // explicit positions (RowInputs) rotate at index + rope_delta
+    int64_t rope_delta = 0;
     const GpuModel& model() const { return m_; }
     uint32_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
@@ -305,8 +319,9 @@ class GpuEngine {
     // `feats` (optional): the target features of every row (FeatureRequest), copied out of the residual stream
     // by copy_f32 dispatches that add no dependency level (docs/metal.md, "Target features"); a call with
     // features runs chunks of at most feature_rows() rows.
+    // `rows` (optional): explicit RoPE positions / embedding rows (RowInputs); not with expert streaming.
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 const FeatureRequest* feats = nullptr);
+                 const FeatureRequest* feats = nullptr, const RowInputs* rows = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
     // rows of a prefill chunk that returns the features of `layers` layers (kFeatureBytes of them at most)
     uint32_t feature_rows(size_t layers) const;
@@ -377,7 +392,7 @@ class GpuEngine {
 
   private:
     void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                      const FeatureRequest* feats);
+                      const FeatureRequest* feats, const RowInputs* rows = nullptr);
     std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
                                      const std::vector<int32_t>& stop_ids, bool pipelined, InterruptPoll poll);
     void verify_impl(GpuState& s, const int64_t* ids, int64_t n, float* logits, float* hidden,
@@ -430,7 +445,9 @@ class GpuEngine {
     void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
                         const FeatureRequest* feats);
     void ensure_chunk(uint32_t rows, bool all_logits);
-    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr);
+    // skip_embed: the host wrote ch.x (a chunk with embedding rows, RowInputs)
+    void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr,
+                      bool skip_embed = false);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;

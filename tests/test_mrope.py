@@ -193,7 +193,7 @@ def engine_model(ckpt, backend):
     if backend == "cpu":
         return qm.Model.load(ckpt, backend="cpu", kv_dtype="float32", threads=2, prefill_chunk=8,
                              activations="float")
-    return qm.Model.load(ckpt, backend=backend)
+    return qm.Model.load(ckpt, backend=backend, prefill_chunk=8)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
@@ -214,11 +214,13 @@ def test_engine_matches_reference_with_images(ckpt, ref_run, backend):
     np.testing.assert_array_equal(a, b)
 
 
-def test_cpu_batch_and_verify_keep_the_delta(ckpt, ref_run):
-    """decode_batch and verify rows of a session with a delta are bit for bit its one-token steps."""
+@pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
+def test_batch_and_verify_keep_the_delta(ckpt, ref_run, backend):
+    """decode_batch and verify rows of a session with a delta are bit for bit its one-token steps (the Metal
+    graph's verification rows, its decode step and its pipelined decode loop)."""
     (ids, pos, delta, rows, feats), _, _ = ref_run
     from qwenmetal.session import decode_batch, rewind, verify
-    model = engine_model(ckpt, "cpu")
+    model = engine_model(ckpt, backend)
     s = model.new_session()
     model.prefill(s, ids, "none", positions=pos, embeds=feats, embed_rows=rows)
     plain, other = s.fork(), model.new_session()
@@ -231,3 +233,105 @@ def test_cpu_batch_and_verify_keep_the_delta(ckpt, ref_run):
     np.testing.assert_array_equal(rows_v[1], model.decode_step(plain, 11))
     rewind(model, v, 1)
     assert v.rope_delta == delta and v.position == s.position + 1
+    if model.gpu_decode:                  # greedy tokens of the loop = greedy decode steps
+        loop, steps = s.fork(), s.fork()
+        got = model.decode_loop(loop, 7, 3)
+        want, t = [], 7
+        for _ in range(3):
+            t = int(np.argmax(model.decode_step(steps, t)))
+            want.append(t)
+        assert list(got) == want and loop.rope_delta == delta
+
+
+def test_bad_row_inputs_leave_the_session_untouched(ckpt):
+    model = qm.Model.load(ckpt, backend="reference")
+    s = model.new_session()
+    model.prefill(s, [1, 2, 3])
+    before = (s.tokens, s.rope_delta, s.images)
+    H = model.config.hidden_size
+    for kw, match in ((dict(positions=np.zeros((3, 2), np.int64)), r"positions must be \[3, 4\]"),
+                      (dict(embeds=np.zeros((2, H), np.float32)), "name them with embed_rows"),
+                      (dict(embeds=np.zeros((2, H), np.float32), embed_rows=[2, 1]), "increasing indices"),
+                      (dict(embeds=np.zeros((1, H + 1), np.float32), embed_rows=[0]), r"embeds must be float \[m, 128\]"),
+                      (dict(embeds=np.full((1, H), np.nan, np.float32), embed_rows=[0]), "finite"),
+                      (dict(embed_rows=[0]), "embed_rows without embeds"),
+                      (dict(images=[(2, 9, "x")]), r"inside 0\.\.4")):
+        with pytest.raises(ValueError, match=match):
+            model.prefill(s, [4, 5, 6, 7], **kw)
+    assert (s.tokens, s.rope_delta, s.images) == before
+
+
+# ---- sessions and the prefix cache ---------------------------------------------------------------------------
+def image_session(model, case, digest="a" * 64):
+    ids, pos, delta, rows, feats = case
+    s = model.new_session()
+    spans = [(int(rows[0]), int(rows[0]) + 6, digest), (int(rows[6]), int(rows[-1]) + 1, digest[::-1])]
+    model.prefill(s, ids, "none", positions=pos, embeds=feats, embed_rows=rows, images=spans)
+    return s
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_session_fork_snapshot_save_load_keep_the_delta(ckpt, ref_run, tmp_path, backend):
+    """fork, snapshot/restore and save/load (a version-2 file) carry the delta and the image spans: the next
+    text token's logits are bit for bit the original session's. A text-only session is still written as
+    version 1 and loads with delta 0."""
+    case, _, _ = ref_run
+    model = qm.Model.load(ckpt, backend="reference") if backend == "reference" else engine_model(ckpt, "cpu")
+    s = image_session(model, case)
+    assert s.rope_delta == case[2] != 0 and len(s.images) == 2 and s.images[0].start == 3
+    f, snap = s.fork(), s.snapshot()
+    p = tmp_path / "s.safetensors"
+    s.save(p)
+    header = json.loads(open(p, "rb").read(8 + int.from_bytes(open(p, "rb").read(8), "little"))[8:])
+    h = json.loads(header["__metadata__"]["qwenmetal.session"])
+    assert h["version"] == 2 and h["rope_delta"] == case[2] and h["images"][0] == [3, 9, "a" * 64]
+    t = qm.Session.load(p, model)
+    r = model.new_session()
+    r.restore(snap)
+    want = model.decode_step(s, 9)
+    for other in (f, t, r):
+        assert other.rope_delta == case[2] and other.images == s.images[:2]
+        np.testing.assert_array_equal(model.decode_step(other, 9), want)
+    r.reset()
+    assert r.rope_delta == 0 and r.images == ()
+    u = model.new_session()
+    model.prefill(u, [1, 2, 3])
+    u.save(tmp_path / "u.safetensors")
+    from qwenmetal.session_io import read_header
+    h = read_header(tmp_path / "u.safetensors")
+    assert h["version"] == 1 and "rope_delta" not in h
+    assert qm.Session.load(tmp_path / "u.safetensors", model).rope_delta == 0
+
+
+def test_prefix_cache_keys_on_image_content(ckpt, ref_run, tmp_path):
+    """Two different images of the same size have identical pad tokens: the cache keys them on their digests, so
+    a prompt with image B never resumes from a snapshot taken with image A (in memory or on disk), while the
+    same image does; a prefix ending before the first image is shared by both."""
+    from qwenmetal.prefix_cache import PrefixCache
+    case, _, _ = ref_run
+    ids = case[0]
+    model = qm.Model.load(ckpt, backend="reference")
+    a = image_session(model, case, digest=image_digest(np.zeros((4, 6, 3), np.uint8)))
+    b_digest = image_digest(np.ones((4, 6, 3), np.uint8))
+    assert b_digest != a.images[0].digest
+    b_spans = [(s.start, s.end, d) for s, d in zip(a.images, (b_digest, b_digest[::-1]))]
+    assert cache_key(ids, a.images) != cache_key(ids, b_spans)
+    assert cache_key(ids[:3], a.images) == cache_key(ids[:3], b_spans) == tuple(int(x) for x in ids[:3])
+    pc = PrefixCache(max_bytes=1 << 30)
+    assert pc.put(a.tokens, a.snapshot(), kind="a")
+    head = model.new_session()
+    model.prefill(head, ids[:3])
+    assert pc.put(head.tokens, head.snapshot(), kind="head")
+    longer = list(ids) + [5]
+    assert pc.lookup(longer, images=a.images).kind == "a"
+    assert pc.lookup(longer, images=b_spans).kind == "head"
+    assert pc.lookup(longer).kind == "head"                   # text pads: not image A either
+    # the disk tier: the file carries the spans, a fresh cache keys it the same way
+    pc.attach_disk(model, tmp_path / "disk")
+    assert pc.persist(a.tokens, images=a.images)
+    pc.disk.flush()
+    fresh = PrefixCache(max_bytes=1 << 30)
+    fresh.attach_disk(model, tmp_path / "disk")
+    assert fresh.lookup(longer, images=b_spans) is None
+    e = fresh.lookup(longer, images=a.images)
+    assert e is not None and e.snapshot.images == a.images and e.snapshot.state.rope_delta == a.rope_delta

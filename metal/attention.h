@@ -6,7 +6,7 @@
 #include <cstdint>
 #endif
 
-// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 552 bytes of
+// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 560 bytes of
 // setBytes)
 #define ATTN_MAX_ROTARY_HALF 128u
 

@@ -6,12 +6,16 @@
 #include <cstdint>
 #endif
 
-// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 552 bytes of
+// rotary_dim <= 2 * ATTN_MAX_ROTARY_HALF (the inv_freq table in AttnPrepareParams: 560 bytes of
 // setBytes)
 #define ATTN_MAX_ROTARY_HALF 128u
 
 // attn_prepare_*: q/k RMSNorm + partial RoPE + KV-cache write of `rows` tokens at consecutive
-// positions (rows = 1: decode), one threadgroup per (head, row).
+// positions (rows = 1: decode), one threadgroup per (head, row). RoPE position of row r: position + r +
+// rope_offset (the state's rope_delta: M-RoPE after an image, an MTP head's layers; 0 for text), or with
+// pair_positions
+// frequency pair i of row r at pair_pos[r * rotary_dim / 2 + i] (attn_prepare's buffer 7: the rows' M-RoPE
+// positions per pair, qwenmetal.mrope.pair_positions); the cache row is always position + r.
 struct AttnPrepareParams {
     uint32_t n_heads;      // query heads
     uint32_t n_kv_heads;   // key/value heads
@@ -23,17 +27,18 @@ struct AttnPrepareParams {
     uint32_t capacity;     // cache rows per kv head
     uint32_t proj_stride;  // proj elements per token row
     float eps;             // RMSNorm epsilon
-    // RoPE runs at the cache row + rope_shift (mod 2^32; 0: at the row): a cache whose entries are not at
-    // consecutive positions (an MTP head's layers, docs/speculative.md "n-layer heads")
-    uint32_t rope_shift;
+    // RoPE position - cache row (GpuState::rope_delta): an M-RoPE delta after an image, an MTP head's layer
+    // caches whose entries skip positions (docs/speculative.md "n-layer heads"); 0: at the row
+    int32_t rope_offset;
+    uint32_t pair_positions;  // 1: attn_prepare reads each row's per-pair RoPE positions from buffer 7
     // theta^(-2i / rotary_dim), i < rotary_dim / 2, correctly rounded to float on the host (as the
     // reference's rope_tables): the angle float(position) * inv_freq[i] then matches it bit for bit
     // at every position; a kernel-side pow is off by ulps, which at position 1e5 moves the angle by
     // more than the float32 tolerance of a test.
     float inv_freq[ATTN_MAX_ROTARY_HALF];
 };
-static_assert(sizeof(AttnPrepareParams) == 44 + 4 * ATTN_MAX_ROTARY_HALF,
-              "AttnPrepareParams: 11 x 4 bytes + the inv_freq table, as the host packs it");
+static_assert(sizeof(AttnPrepareParams) == 48 + 4 * ATTN_MAX_ROTARY_HALF,
+              "AttnPrepareParams: 12 x 4 bytes + the inv_freq table, as the host packs it");
 
 // attn_decode_single_* / attn_decode_partial_*: one threadgroup per (partial, head chunk, kv head).
 struct AttnDecodeParams {

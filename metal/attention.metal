@@ -58,13 +58,14 @@ inline T attn_gated(float o, device const T* gate, uint d, uint output_gate) {
 }
 
 // Element d of a normalised, rotated head (attn_prepare's arithmetic, shared with the fused decode prepare):
-// rmsnorm(x) * w, then rotate-half RoPE at `position` for d < rotary_dim. A rotating element recomputes its
+// rmsnorm(x) * w, then rotate-half RoPE at `position` (the RoPE position of d's frequency pair, see
+// attn_rope_position) for d < rotary_dim. A rotating element recomputes its
 // partner d +- rotary_dim / 2 (one more load and multiply) rather than exchanging it. angle =
 // float(pos) * inv_freq[i] in float (the table comes with the params, see attention.h), cos/sin precise: the
 // angle reaches ~1e5 radians at long contexts, where fast sin/cos lose all accuracy.
 template <typename T>
 inline float attn_normed_rope(constant AttnPrepareParams& p, device const T* x, device const T* w, uint d, float inv,
-                              uint position) {
+                              int position) {
     float y = attn_normed(x, w, d, inv);
     if (d < p.rotary_dim) {
         const uint half_rot = p.rotary_dim / 2;
@@ -76,6 +77,23 @@ inline float attn_normed_rope(constant AttnPrepareParams& p, device const T* x, 
         y = lo ? y * c - yp * s : y * c + yp * s;
     }
     return y;
+}
+
+// The RoPE position of a row whose cache row is `row_position` (every pair, no explicit positions): row_position
+// + rope_offset (the state's rope_delta: M-RoPE's delta after an image, an MTP head layer's shift). float(int(position)
+// + 0) is float(position): the text path is unchanged bit for bit. The fused decode prepare's position too.
+inline int attn_row_rope_position(constant AttnPrepareParams& p, uint row_position) {
+    return int(row_position) + p.rope_offset;
+}
+
+// The RoPE position of element d's frequency pair: the row's explicit per-pair position (pair_row: the row's
+// pair_pos, read only with pair_positions), else attn_row_rope_position.
+inline int attn_rope_position(constant AttnPrepareParams& p, uint row_position, device const int* pair_row, uint d) {
+    if (p.pair_positions != 0u && d < p.rotary_dim) {
+        const uint half_rot = p.rotary_dim / 2;
+        return pair_row[d < half_rot ? d : d - half_rot];
+    }
+    return attn_row_rope_position(p, row_position);
 }
 
 // attn_prepare: q/k RMSNorm + partial RoPE + KV write, fused.
@@ -92,7 +110,8 @@ template <typename T, typename KV>
 kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device const T* proj [[buffer(1)]],
                          device const T* q_norm_w [[buffer(2)]], device const T* k_norm_w [[buffer(3)]],
                          device T* q_out [[buffer(4)]], device KV* k_cache [[buffer(5)]],
-                         device KV* v_cache [[buffer(6)]], uint2 tg [[threadgroup_position_in_grid]],
+                         device KV* v_cache [[buffer(6)]], device const int* pair_pos [[buffer(7)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]], uint2 tpg [[threads_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                          uint nsg [[simdgroups_per_threadgroup]]) {
@@ -119,8 +138,9 @@ kernel void attn_prepare(constant AttnPrepareParams& p [[buffer(0)]], device con
     device T* q_row = q_out + ulong(g) * hd;             // the 64-bit row bases once, outside the loop
     device KV* k_row = k_cache + row;
     device KV* v_row = v_cache + row;
+    device const int* pair_row = pair_pos + ulong(tg.y) * (p.rotary_dim / 2);   // read only with pair_positions
     for (uint d = tid; d < hd; d += nthreads) {
-        const T yt = T(attn_normed_rope(p, x, w, d, inv, position + p.rope_shift));
+        const T yt = T(attn_normed_rope(p, x, w, d, inv, attn_rope_position(p, position, pair_row, d)));
         if (is_q) {
             q_row[d] = yt;
         } else {
@@ -222,7 +242,7 @@ inline void attn_prep_token(constant AttnDecodeParams& p, constant AttnPreparePa
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
             const uint d = lane + SIMD_WIDTH * i;
             if (d < hd) {
-                const KV kk = KV(float(T(attn_normed_rope(r, x, k_norm_w, d, inv, r.position + r.rope_shift))));
+                const KV kk = KV(float(T(attn_normed_rope(r, x, k_norm_w, d, inv, attn_row_rope_position(r, r.position)))));
                 const KV vv = KV(float(v_in[d]));
                 last_row[d] = float(kk);
                 last_row[hd + d] = float(vv);
@@ -239,7 +259,8 @@ inline void attn_prep_token(constant AttnDecodeParams& p, constant AttnPreparePa
         const float inv = attn_head_inv_rms(x, hd, r.eps, lane);
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {
             const uint d = lane + SIMD_WIDTH * i;
-            q->v[i] = d < hd ? float(T(attn_normed_rope(r, x, q_norm_w, d, inv, r.position + r.rope_shift))) * p.scale : 0.0f;
+            q->v[i] = d < hd ? float(T(attn_normed_rope(r, x, q_norm_w, d, inv, attn_row_rope_position(r, r.position)))) * p.scale
+                             : 0.0f;
         }
     } else {
         for (uint i = 0; i < ATTN_LANE_ELEMS; ++i) {

@@ -12,7 +12,9 @@ snapshots of the whole session state at a few points of every prompt --
 * the end of the turn (prompt + generated tokens),
 
 and a new prompt resumes from the longest snapshot whose tokens are a prefix of it, compared token by
-token (never by text or by a client-supplied key), then prefills only the rest. Entries are bounded by
+token (never by text or by a client-supplied key), then prefills only the rest. A token that holds an image's
+features is compared by the image's content hash instead (`qwenmetal.mrope.cache_key`: the image pads of two
+different images of the same size are the same token ids; docs/vision.md, "Positions and caches"). Entries are bounded by
 bytes (state + logits) with least-recently-used eviction. Everything goes through the backend contract
 (``Session.snapshot``/``restore``, i.e. ``state.copy()`` and ``state.nbytes``): no backend needs to truncate.
 
@@ -36,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .mrope import cache_key
 from .session import SessionSnapshot
 from .session_io import read_tokens
 
@@ -102,11 +105,13 @@ class PrefixCache:
         with self._lock:
             return [(len(e.tokens), e.kind, e.nbytes) for e in self._entries.values()]
 
-    def lookup(self, tokens: Sequence[int], need_logits: bool = True) -> CacheEntry | None:
+    def lookup(self, tokens: Sequence[int], need_logits: bool = True, images=()) -> CacheEntry | None:
         """The longest entry whose tokens are a prefix of ``tokens``: shorter than ``tokens``, or equal
         to it when the entry holds the next-token logits (and ``need_logits``). Marks it recently used.
-        With a disk tier, a longer prefix found on disk is loaded (and kept in memory)."""
-        tokens = tuple(int(t) for t in tokens)
+        With a disk tier, a longer prefix found on disk is loaded (and kept in memory). ``images``: the
+        (start, end, digest) spans of ``tokens`` that hold images (`qwenmetal.mrope.ImageSpan`); an entry
+        matches only if its images are the same images at the same places."""
+        tokens = cache_key(tokens, images)
         n = len(tokens)
         best = None
         with self._lock:
@@ -123,14 +128,16 @@ class PrefixCache:
                 found = self.disk.load_longest(tokens, have, allow_equal=not need_logits)
                 if found is not None:
                     best = CacheEntry(found.tokens, found, None, "disk")
-                    if best.nbytes <= self.max_bytes and best.tokens not in self._entries:
-                        self._entries[best.tokens] = best
+                    fk = cache_key(found.tokens, found.images)
+                    if best.nbytes <= self.max_bytes and fk not in self._entries:
+                        self._entries[fk] = best
                         self._evict()
             if best is None:
                 self.misses += 1
                 return None
-            if best.tokens in self._entries:
-                self._entries.move_to_end(best.tokens)
+            bk = cache_key(best.tokens, getattr(best.snapshot, "images", ()))
+            if bk in self._entries:
+                self._entries.move_to_end(bk)
             self.hits += 1
             self.tokens_reused += len(best.tokens)
             return best
@@ -140,31 +147,32 @@ class PrefixCache:
             kind: str = "prompt") -> bool:
         """Store ``snapshot`` (its state must be the state after exactly ``tokens``). An existing entry
         for the same tokens is kept (and gains the logits if it had none). Returns False if the entry
-        alone exceeds the budget."""
+        alone exceeds the budget. The entry is keyed on the tokens and the snapshot's images."""
         tokens = tuple(int(t) for t in tokens)
         if not tokens:
             return False
+        key = cache_key(tokens, getattr(snapshot, "images", ()))
         with self._lock:
-            old = self._entries.get(tokens)
+            old = self._entries.get(key)
             if old is not None:
                 if old.logits is None and logits is not None:
                     old.logits = np.array(logits, dtype=np.float32, copy=True)
-                self._entries.move_to_end(tokens)
+                self._entries.move_to_end(key)
                 self._evict()
                 return True
             e = CacheEntry(tokens, snapshot, None if logits is None else np.array(logits, np.float32, copy=True), kind)
             if e.nbytes > self.max_bytes:
                 return False
-            self._entries[tokens] = e
+            self._entries[key] = e
             self._evict()
-            return tokens in self._entries
+            return key in self._entries
 
-    def persist(self, tokens, **metadata) -> bool:
-        """Write the entry for exactly ``tokens`` to the disk tier (in the background), with JSON-serialisable
-        ``metadata`` beside it. Returns False when there is no disk tier or no such entry."""
-        tokens = tuple(int(t) for t in tokens)
+    def persist(self, tokens, images=(), **metadata) -> bool:
+        """Write the entry for exactly ``tokens`` (with ``images``, as `lookup`) to the disk tier (in the
+        background), with JSON-serialisable ``metadata`` beside it. Returns False when there is no disk tier or
+        no such entry."""
         with self._lock:
-            e = self._entries.get(tokens)
+            e = self._entries.get(cache_key(tokens, images))
             if e is None or self.disk is None:
                 return False
             self.disk.save(e.tokens, e.snapshot, {"kind": e.kind, **metadata})
@@ -247,16 +255,17 @@ class DiskTier:
                     self._skipped.add(name)
                     continue
                 if tokens:
-                    self._index[name] = (tuple(tokens), header.get("metadata") or {})
+                    self._index[name] = (tuple(tokens), header.get("metadata") or {},
+                                         cache_key(tokens, header.get("images", ())))
 
     def entries(self) -> list:
         """``(tokens, metadata)`` of every file, as indexed."""
         with self._lock:
-            return list(self._index.values())
+            return [(t, md) for t, md, _ in self._index.values()]
 
     def _longest(self, tokens: tuple, longer_than: int, allow_equal: bool) -> str | None:
         best, best_len = None, longer_than
-        for name, (t, _) in self._index.items():
+        for name, (_, _, t) in self._index.items():
             k = len(t)
             if k <= best_len or k > len(tokens) or (k == len(tokens) and not allow_equal):
                 continue
@@ -265,8 +274,8 @@ class DiskTier:
         return best
 
     def load_longest(self, tokens, longer_than: int = 0, allow_equal: bool = False):
-        """The snapshot of the longest file whose tokens are a prefix of `tokens` and longer than
-        `longer_than` (equal to `tokens` only if `allow_equal`), or None."""
+        """The snapshot of the longest file whose tokens are a prefix of `tokens` (a `cache_key`) and longer
+        than `longer_than` (equal to `tokens` only if `allow_equal`), or None."""
         tokens = tuple(tokens)
         with self._lock:
             name = self._longest(tokens, longer_than, allow_equal)
@@ -317,11 +326,14 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, tokens: tuple, snap, md: dict) -> None:
-        name = hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:32] + ".safetensors"
+        h = hashlib.sha256(np.asarray(tokens, np.int64).tobytes())
+        for a, b, d in getattr(snap, "images", ()):   # a text-only entry keeps its name of before
+            h.update(f"|{a}:{b}:{d}".encode())
+        name = h.hexdigest()[:32] + ".safetensors"
         path = self.directory / name
         snap.save(path, md)
         with self._lock:
-            self._index[name] = (tokens, md)
+            self._index[name] = (tokens, md, cache_key(tokens, getattr(snap, "images", ())))
             self._skipped.discard(name)
             self.writes += 1
             self._evict()

@@ -30,6 +30,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import CheckpointError
 from .interrupts import sigint_deferred
+from .mrope import ImageSpan, RowInputs, check_spans, pair_positions
 from .options import GenerationOptions
 from .session_io import load_session, model_identity, save_session
 
@@ -47,6 +48,7 @@ class SessionSnapshot:
     model_ref: weakref.ref
     state: object
     tokens: tuple
+    images: tuple = ()            # the session's ImageSpans (`Session.images`)
 
     @property
     def position(self) -> int:
@@ -67,13 +69,15 @@ class SessionSnapshot:
         model = self.model_ref()
         if model is None:
             raise ValueError("the model this snapshot was taken from is gone")
-        save_session(Session(model, self.state, self.tokens), path, metadata)
+        s = Session(model, self.state, self.tokens)
+        s._images = list(self.images)
+        save_session(s, path, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: "ModelBase") -> "SessionSnapshot":
         """The state of a session file (`Session.save`) as a snapshot of `model`; ValueError as `Session.load`."""
         loaded = load_session(path, model)
-        return cls(weakref.ref(model), loaded.state, tuple(loaded.tokens))
+        return cls(weakref.ref(model), loaded.state, tuple(loaded.tokens), tuple(loaded.images))
 
     def __repr__(self) -> str:
         return f"SessionSnapshot(position={self.position}, state={self.nbytes / 2**20:.2f} MiB)"
@@ -86,6 +90,7 @@ class Session:
         self._model = model
         self._state = state
         self._tokens = list(tokens)
+        self._images: list = []           # ImageSpans: which token spans hold which image's features
         self._chain: list = []            # the row-by-row verification's state copies (see `verify`)
         self._chain_at = -1               # len(tokens) when the chain was last extended
         self.max_context = max_context or model.config.max_position_embeddings
@@ -107,17 +112,32 @@ class Session:
         return tuple(self._tokens)
 
     @property
+    def rope_delta(self) -> int:
+        """The next token's RoPE position minus its index: 0 for text, changed by an image (M-RoPE,
+        `qwenmetal.mrope`)."""
+        return int(getattr(self._state, "rope_delta", 0))
+
+    @property
+    def images(self) -> tuple:
+        """The image spans of the session (`qwenmetal.mrope.ImageSpan`: start, end, content digest), in order:
+        what the prefix cache keys the image tokens on."""
+        return tuple(self._images)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the state (KV cache as stored, conv and recurrent states)."""
         return self._state.nbytes
 
     def fork(self) -> "Session":
         """An independent copy that continues from the same point."""
-        return Session(self._model, self._state.copy(), self._tokens, self.max_context)
+        s = Session(self._model, self._state.copy(), self._tokens, self.max_context)
+        s._images = list(self._images)
+        return s
 
     def snapshot(self) -> SessionSnapshot:
         """An immutable copy of the state, for `restore` (cheap to keep: the prefix cache holds these)."""
-        return SessionSnapshot(weakref.ref(self._model), self._state.copy(), tuple(self._tokens))
+        return SessionSnapshot(weakref.ref(self._model), self._state.copy(), tuple(self._tokens),
+                               tuple(self._images))
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Go back to `snap` (taken from a session of the same model)."""
@@ -125,10 +145,11 @@ class Session:
             raise TypeError(f"restore() takes a SessionSnapshot, got {type(snap).__name__}")
         if not snap.belongs_to(self._model):
             raise ValueError("this snapshot was taken from a session of another model")
-        state, tokens = snap.state.copy(), list(snap.tokens)
+        state, tokens, images = snap.state.copy(), list(snap.tokens), list(snap.images)
         with sigint_deferred():
             self._state = state
             self._tokens = tokens
+            self._images = images
 
     def reset(self) -> None:
         """Back to position 0 (an empty state)."""
@@ -136,6 +157,7 @@ class Session:
         with sigint_deferred():
             self._state = state
             self._tokens = []
+            self._images = []
 
     def state_arrays(self) -> dict:
         """The state in the backend-independent layout of `Session.save` (docs/architecture.md)."""
@@ -157,6 +179,7 @@ class Session:
         transcript, so `model.chat` on its ``metadata["messages"]`` plus a new message prefills only that."""
         loaded = load_session(path, model, max_context)
         s = cls(model, loaded.state, loaded.tokens, max_context=loaded.max_context)
+        s._images = list(loaded.images)
         s.metadata = loaded.metadata
         model.session_loaded(s)
         return s
@@ -260,16 +283,78 @@ class ModelBase:
 
     # ---- the two primitive calls ---------------------------------------------------------
     def prefill(self, session: Session, token_ids: Sequence[int] | np.ndarray,
-                return_logits: str = "last") -> np.ndarray | None:
+                return_logits: str = "last", *, positions=None, embeds=None, embed_rows=None,
+                images=()) -> np.ndarray | None:
         """Append `token_ids` to the session. Returns float32 logits of the last token ([vocab]),
-        of every token ([L, vocab]) or None, per `return_logits` ("last" | "all" | "none")."""
+        of every token ([L, vocab]) or None, per `return_logits` ("last" | "all" | "none").
+
+        Images (docs/vision.md, "Positions and caches"): `positions` int [3, L] the tokens' absolute M-RoPE
+        positions (t, h, w; `qwenmetal.mrope.rope_index`), after which the session's `rope_delta` is
+        ``max(positions) + 1 - (position + L)``; without them token i is at ``position + i + rope_delta``.
+        `embeds` float [m, hidden] replace the embedding lookup of the rows `embed_rows` (m distinct indices
+        into `token_ids`; default: every row when m == L): the image features at the image pads. `images`:
+        (start, end, digest) spans of this call's rows holding an image (`qwenmetal.mrope.ImageSpan`), kept
+        by the session for the prefix cache's keys."""
         self.check_session(session)
         if return_logits not in RETURN_LOGITS:
             raise ValueError(f"return_logits must be one of {RETURN_LOGITS}, got {return_logits!r}")
         ids = self.check_ids(token_ids, session)
-        # the backend commits the state and the session's tokens together (an interrupt lands before or after)
-        _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
+        rows = self.check_rows(session, ids, positions, embeds, embed_rows)
+        spans = check_spans(images, ids.size)
+        spans = [ImageSpan(session.position + a, session.position + b, d) for a, b, d in spans]
+        if not spans and rows is None:
+            # the backend commits the state and the session's tokens together (an interrupt lands before or after)
+            _, out = self._backend.forward(session._state, ids, return_logits, session._tokens)
+            return out
+        if rows is not None and not getattr(self._backend, "row_inputs", False):
+            raise ValueError(f"the {self.backend} backend takes no explicit positions or embedding rows")
+        n0 = len(session._tokens)
+        try:
+            _, out = self._backend.forward(session._state, ids, return_logits, session._tokens,
+                                           **({} if rows is None else {"rows": rows}))
+        finally:                        # the spans follow the tokens (the backend commits them or not)
+            if len(session._tokens) > n0:
+                session._images.extend(spans)
         return out
+
+    def check_rows(self, session: Session, ids: np.ndarray, positions, embeds, embed_rows) -> RowInputs | None:
+        """`prefill`'s positions / embeds / embed_rows as the backends take them (`qwenmetal.mrope.RowInputs`),
+        or None when there are none; ValueError naming the problem otherwise."""
+        n, H = ids.size, self.config.hidden_size
+        if positions is None and embeds is None:
+            if embed_rows is not None:
+                raise ValueError("embed_rows without embeds")
+            return None
+        pair, delta = None, session.rope_delta
+        if positions is not None:
+            p = np.asarray(positions)
+            if p.shape != (3, n):
+                raise ValueError(f"positions must be [3, {n}] (t, h, w per token), got {list(p.shape)}")
+            pair = pair_positions(p, self.config)
+            delta = int(p.max()) + 1 - (session.position + n)
+        rows = np.zeros(0, np.int64)
+        e = np.zeros((0, H), np.float32)
+        if embeds is not None:
+            e = np.asarray(embeds)
+            if e.ndim != 2 or e.shape[1] != H or not np.issubdtype(e.dtype, np.floating):
+                raise ValueError(f"embeds must be float [m, {H}], got {e.dtype}{list(e.shape)}")
+            e = np.ascontiguousarray(e, dtype=np.float32)
+            if not np.isfinite(e).all():
+                raise ValueError("embeds must be finite")
+            if embed_rows is None:
+                if e.shape[0] != n:
+                    raise ValueError(f"embeds has {e.shape[0]} rows for {n} tokens: name them with embed_rows")
+                rows = np.arange(n, dtype=np.int64)
+            else:
+                rows = np.asarray(embed_rows)
+                if rows.shape != (e.shape[0],) or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+                    raise ValueError(f"embed_rows must be {e.shape[0]} integer row indices, got {rows!r:.80}")
+                rows = rows.astype(np.int64)
+                if rows.size and (rows.min() < 0 or rows.max() >= n or (np.diff(rows) <= 0).any()):
+                    raise ValueError(f"embed_rows must be increasing indices in 0..{n - 1}")
+        elif embed_rows is not None:
+            raise ValueError("embed_rows without embeds")
+        return RowInputs(pair, rows, e, delta)
 
     def decode_step(self, session: Session, token_id: int) -> np.ndarray:
         """Append one token; returns the float32 logits [vocab] for the next one."""

@@ -9,6 +9,11 @@ header under the key ``"qwenmetal.session"``::
      "position": P, "max_context": N, "layers": {"attention": [...], "linear_attention": [...]},
      "metadata": {...user data...}}
 
+Version 2 (written only for a session that holds an image or a nonzero RoPE delta; a text-only session is
+still written as version 1, which older readers load) adds ``"rope_delta": D`` (the M-RoPE delta of the next
+token, `qwenmetal.mrope`) and ``"images": [[start, end, sha256-hex], ...]`` (the session's image spans, the
+prefix cache's keys). A version-1 file loads with delta 0 and no images.
+
 and these tensors, in a backend-independent layout (what the backend contract's ``state_to_arrays``
 returns):
 
@@ -47,10 +52,12 @@ import numpy as np
 
 from .errors import CheckpointError
 from .fileio import atomic_file, parse_json
+from .mrope import check_spans
 from .paths import cache_dir
 from .safetensors_io import SafetensorsFile, SafetensorsWriter, file_stamp
 
-FORMAT, VERSION, HEADER_KEY = "qwenmetal-session", 1, "qwenmetal.session"
+FORMAT, VERSION, HEADER_KEY = "qwenmetal-session", 2, "qwenmetal.session"
+VERSIONS = (1, 2)                     # read; a text-only session is written as version 1
 IDENTITY_SCHEME = "sha256-full"       # how model.identity is computed; files of older schemes are refused
 RACY_SECONDS = 2.0
 
@@ -157,6 +164,7 @@ class LoadedSession(NamedTuple):
     tokens: list
     max_context: int
     metadata: dict
+    images: tuple = ()                # ImageSpans (version 2)
 
 
 def save_session(session, path, metadata: dict | None = None) -> None:
@@ -165,10 +173,13 @@ def save_session(session, path, metadata: dict | None = None) -> None:
     arrays = session.state_arrays()
     check_state_arrays(arrays, model.config, session.position, f"backend {model.backend!r}")
     c = model.config
-    header = {"format": FORMAT, "version": VERSION, "model": model.identity,
+    header = {"format": FORMAT, "version": 1, "model": model.identity,
               "position": session.position, "max_context": session.max_context,
               "layers": {"attention": list(c.full_attention_layers), "linear_attention": list(c.linear_attention_layers)},
               "saved_by_backend": model.backend, "metadata": metadata or {}}
+    delta, images = session.rope_delta, session.images
+    if delta or images:
+        header.update(version=2, rope_delta=int(delta), images=[[int(a), int(b), str(d)] for a, b, d in images])
     try:
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -192,9 +203,9 @@ def _open(path: str) -> tuple[SafetensorsFile, dict]:
     header = parse_json(sf.metadata[HEADER_KEY], f"{path}: session header")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path}: not a qwenmetal session file")
-    if header.get("version") != VERSION:
+    if header.get("version") not in VERSIONS:
         raise ValueError(f"{path}: session format version {header.get('version')!r} is not supported "
-                         f"(this is {VERSION})")
+                         f"(this reads {', '.join(map(str, VERSIONS))})")
     model = header.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("identity"), str):
         raise ValueError(f"{path}: session header field 'model' must name the model's identity")
@@ -204,7 +215,20 @@ def _open(path: str) -> tuple[SafetensorsFile, dict]:
             raise ValueError(f"{path}: session header field {key!r} must be an integer >= {lo}, got {v!r}")
     if not isinstance(header.get("metadata", {}), dict):
         raise ValueError(f"{path}: session header field 'metadata' must be an object")
+    rope_fields(header, path)
     return sf, header
+
+
+def rope_fields(header: dict, path: str) -> tuple[int, tuple]:
+    """A header's (rope_delta, image spans), checked; (0, ()) for a version-1 file."""
+    d = header.get("rope_delta", 0)
+    if isinstance(d, bool) or not isinstance(d, int) or abs(d) >= 2**24:
+        raise ValueError(f"{path}: session header field 'rope_delta' must be an integer, got {d!r}")
+    try:
+        images = check_spans(header.get("images", []), header["position"])
+    except ValueError as e:
+        raise ValueError(f"{path}: session header field 'images': {e}") from None
+    return d, images
 
 
 def read_header(path) -> dict:
@@ -255,4 +279,9 @@ def load_session(path, model, max_context: int | None = None) -> LoadedSession:
     state = model.state_from_arrays(arrays)
     if state.position != position:
         raise ValueError(f"{path}: backend restored position {state.position}, expected {position}")
-    return LoadedSession(state, [int(x) for x in tokens], mc, header.get("metadata", {}))
+    delta, images = rope_fields(header, path)
+    if delta:
+        if not hasattr(state, "rope_delta"):
+            raise ValueError(f"{path}: the {model.backend} backend keeps no M-RoPE delta")
+        state.rope_delta = delta
+    return LoadedSession(state, [int(x) for x in tokens], mc, header.get("metadata", {}), images)

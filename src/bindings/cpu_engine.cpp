@@ -39,6 +39,7 @@ using namespace nb::literals;
 using namespace qwenmetal;
 using qwenmetal::bindings::new_array;
 using qwenmetal::bindings::PyEngine;
+using qwenmetal::RowInputs;
 using qwenmetal::bindings::parse_desc;
 using qwenmetal::bindings::parse_format;
 
@@ -136,7 +137,8 @@ std::vector<int64_t> parse_feature_layers(nb::handle features) {
 // `features` (decoder-layer indices, not with return_hidden) returns (logits, every row's outputs of those
 // layers [n, len(features) * hidden_size])
 nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                      nb::handle hidden, int return_hidden, bool speculative, nb::handle features) {
+                      nb::handle hidden, int return_hidden, bool speculative, nb::handle features,
+                      const RowInputs* rows = nullptr) {
     // return_hidden: 0 no, 1 the rows the logits are of, 2 every row (any logits mode)
     const int64_t n = static_cast<int64_t>(ids.shape(0)), H = pe.engine->config().hidden;
     std::optional<LayerFeatures> feats;
@@ -174,15 +176,19 @@ nb::object engine_run(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::str
                                             [&](int want, float* dst, InterruptPoll poll) {
                                                 pe.engine->forward(s, ids.data(), n, want, dst, poll, speculative,
                                                                    hin ? hin->data() : nullptr, hp, return_hidden == 2,
-                                                                   feats ? &*feats : nullptr);
+                                                                   feats ? &*feats : nullptr, rows);
                                             });
     if (feats) return nb::make_tuple(out, fout);
     return return_hidden ? nb::object(nb::make_tuple(out, hout)) : out;
 }
 
 nb::object engine_forward(PyEngine& pe, State& s, In<int64_t, 1> ids, const std::string& logits, nb::handle consumed,
-                          nb::handle hidden, int return_hidden, nb::handle features) {
-    return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false, features);
+                          nb::handle hidden, int return_hidden, nb::handle features, nb::handle pair_pos,
+                          nb::handle embed_rows, nb::handle embeds, nb::handle rope_delta) {
+    const Config& c = pe.engine->config();
+    const bindings::RowArgs rows(pair_pos, embed_rows, embeds, rope_delta, int64_t(ids.shape(0)), c.rotary_dim / 2,
+                                 c.hidden, s.rope_delta);
+    return engine_run(pe, s, ids, logits, consumed, hidden, return_hidden, false, features, rows.get());
 }
 
 // the verification of drafted tokens: logits [n, vocab], every row bit for bit a one-token call's
@@ -461,8 +467,9 @@ namespace qwenmetal::bindings {
 void register_cpu_engine(nb::module_& m) {
     nb::class_<State>(m, "CpuState", "One sequence's decode state, held in C++ (KV cache, conv and GDN states).")
         .def_prop_ro("position", [](const State& s) { return s.position; }, "tokens consumed so far")
-        .def_rw("rope_shift", &State::rope_shift,
-                "RoPE runs at the cache row + rope_shift (0: at the row); an MTP head's layer caches skip positions")
+        .def_rw("rope_delta", &State::rope_delta,
+                "the next token's RoPE position minus its index, its cache row (M-RoPE after an image; an MTP "
+                "head's layer caches skip positions)")
         .def_prop_ro("nbytes", [](const State& s) { return s.nbytes(); },
                      "bytes of state as stored (KV cache counted up to the position)")
         .def_prop_ro("allocated_nbytes", [](const State& s) { return s.allocated_bytes(); },
@@ -511,7 +518,8 @@ void register_cpu_engine(nb::module_& m) {
              "keepalive"_a, "activations"_a = "float", "stream"_a = nb::none())
         .def("new_state", [](PyEngine& pe) { return pe.engine->new_state(); })
         .def("forward", &engine_forward, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(),
-             "hidden"_a = nb::none(), "return_hidden"_a = 0, "features"_a = nb::none(),
+             "hidden"_a = nb::none(), "return_hidden"_a = 0, "features"_a = nb::none(), "pair_pos"_a = nb::none(),
+             "embed_rows"_a = nb::none(), "embeds"_a = nb::none(), "rope_delta"_a = nb::none(),
              "Run ids (int64, 1-D) at the state's position, updating it in place; returns float32 logits "
              "[vocab] ('last'), [n, vocab] ('all') or None. The ids are appended to `consumed` (a session's "
              "token list) inside the call. The GIL is released; between chunks a call from the main thread "
@@ -520,7 +528,10 @@ void register_cpu_engine(nb::module_& m) {
              "return_hidden: 1 returns (logits, the final-normed hidden rows of the logits), 2 (logits or None, "
              "every row's). features: decoder-layer indices (1..8, distinct, any order; not with return_hidden): "
              "returns (logits or None, every row's outputs of those layers, concatenated in that order "
-             "[n, len(features) * hidden_size] float32: the residual stream after each, before the final norm).")
+             "[n, len(features) * hidden_size] float32: the residual stream after each, before the final norm). "
+             "pair_pos: int32 [n, rotary_dim / 2] the rows' RoPE position per frequency pair (interleaved M-RoPE; "
+             "default: index + the state's rope_delta); embeds float32 [m, hidden_size] replace the embedding "
+             "lookup of the rows embed_rows (int64 [m], increasing); rope_delta: the state's delta after the call.")
         .def("verify", &engine_verify, "state"_a, "ids"_a, "consumed"_a = nb::none(), "hidden"_a = nb::none(),
              "return_hidden"_a = 0, "features"_a = nb::none(),
              "Run ids like forward(..., 'all'), each row computed as a one-token call computes it (at most 32 "

@@ -1,16 +1,18 @@
 // What the two C++ backends' bindings share: float arrays handed to numpy, the forward() call (the
 // logits mode parsed, the output allocated, the compute run with the GIL released), the interrupt
 // poll the engines call between chunks / tokens / steps, and the session token list a call appends
-// its consumed tokens to before control returns to Python.
+// its consumed tokens to before control returns to Python, and a prefill's explicit positions / embedding rows.
 #pragma once
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "core/interrupt.h"
+#include "core/row_inputs.h"
 
 namespace qwenmetal::bindings {
 
@@ -53,6 +55,47 @@ class Consumed {
 
   private:
     nanobind::object list_;                          // null: None was passed
+};
+
+// A forward() call's explicit RoPE positions / embedding rows (qwenmetal.mrope.RowInputs) from its arguments
+// pair_pos (int32 [n, half]), embed_rows (int64 [m]), embeds (float32 [m, hidden]) and rope_delta (the state's
+// delta after the call; None: `state_delta`, the state's own): shapes checked here, values by the engine; the
+// arrays are held while the call runs. get(): null when none of pair_pos, embeds, rope_delta is given.
+class RowArgs {
+  public:
+    RowArgs(nanobind::handle pair_pos, nanobind::handle embed_rows, nanobind::handle embeds,
+            nanobind::handle rope_delta, int64_t n, int64_t half, int64_t hidden, int64_t state_delta) {
+        given_ = !(pair_pos.is_none() && embeds.is_none() && rope_delta.is_none());
+        if (!given_) return;
+        r_.rope_delta = rope_delta.is_none() ? state_delta : nanobind::cast<int64_t>(rope_delta);
+        if (!pair_pos.is_none()) {
+            pp_ = nanobind::cast<Arr<int32_t, 2>>(pair_pos);
+            if (int64_t(pp_->shape(0)) != n || int64_t(pp_->shape(1)) != half)
+                throw std::invalid_argument("pair_pos must be int32 [" + std::to_string(n) + ", " +
+                                            std::to_string(half) + "]");
+            r_.pair_pos = pp_->data();
+        }
+        if (!embeds.is_none()) {
+            ev_ = nanobind::cast<Arr<float, 2>>(embeds);
+            er_ = nanobind::cast<Arr<int64_t, 1>>(embed_rows);
+            if (int64_t(ev_->shape(1)) != hidden || ev_->shape(0) != er_->shape(0))
+                throw std::invalid_argument("embeds must be float32 [m, " + std::to_string(hidden) +
+                                            "] for m embed_rows");
+            r_.n_embeds = int64_t(ev_->shape(0));
+            r_.embed_rows = er_->data();
+            r_.embeds = ev_->data();
+        }
+    }
+    const RowInputs* get() const { return given_ ? &r_ : nullptr; }
+
+  private:
+    template <class T, size_t N>
+    using Arr = nanobind::ndarray<const T, nanobind::ndim<N>, nanobind::c_contig, nanobind::device::cpu>;
+    bool given_ = false;
+    RowInputs r_;
+    std::optional<Arr<int32_t, 2>> pp_;
+    std::optional<Arr<int64_t, 1>> er_;
+    std::optional<Arr<float, 2>> ev_;
 };
 
 // logits "none" / "last" / "all" -> 0 / 1 / 2; run(want, float* dst, poll) fills [1 or n, vocab] (dst

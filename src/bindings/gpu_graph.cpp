@@ -71,6 +71,7 @@ void need_host(const Buffer& b, const char* what) {
 void register_gpu_graph(nb::module_& g) {
     nb::class_<GpuState>(g, "GpuState")
         .def_prop_ro("position", [](const GpuState& s) { return s.position; })
+        .def_rw("rope_delta", &GpuState::rope_delta, "the next token's RoPE position minus its index (M-RoPE)")
         .def_prop_ro("nbytes", &GpuState::nbytes)
         .def_prop_ro("capacity", &GpuState::capacity)
         .def_prop_ro("rewindable", &GpuState::rewindable, "tokens of the open verify() chain (0: none)")
@@ -188,13 +189,21 @@ void register_gpu_graph(nb::module_& g) {
              "prefill"_a = nb::dict(), "streaming"_a = nb::none(), "share"_a = nb::none())
         .def("new_state", [](PyGpuEngine& e) { return e.engine->new_state(); })
         .def("forward", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
-                           const std::string& logits, nb::handle consumed) {
+                           const std::string& logits, nb::handle consumed, nb::handle pair_pos, nb::handle embed_rows,
+                           nb::handle embeds, nb::handle rope_delta) {
             const int64_t n = int64_t(ids.shape(0));
-            return forward_call(ids.data(), n, size_t(e.model->config().vocab), logits, consumed,
+            const Config& c = e.model->config();
+            const bindings::RowArgs rows(pair_pos, embed_rows, embeds, rope_delta, n, c.rotary_dim / 2, c.hidden,
+                                         s.rope_delta);
+            return forward_call(ids.data(), n, size_t(c.vocab), logits, consumed,
                                 [&](int want, float* dst, InterruptPoll poll) {
-                                    e.engine->forward(s, ids.data(), n, want, dst, poll);
+                                    e.engine->forward(s, ids.data(), n, want, dst, poll, nullptr, nullptr, rows.get());
                                 });
-        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none())
+        }, "state"_a, "ids"_a, "logits"_a, "consumed"_a = nb::none(), "pair_pos"_a = nb::none(),
+           "embed_rows"_a = nb::none(), "embeds"_a = nb::none(), "rope_delta"_a = nb::none(),
+           "Prefill ids; pair_pos int32 [n, rotary_dim / 2] (explicit M-RoPE positions per frequency pair), embeds "
+           "float32 [m, hidden] at the rows embed_rows (int64 [m], increasing), rope_delta the state's delta after "
+           "the call (the cpu engine's arguments).")
         .def("forward_hidden", [](PyGpuEngine& e, GpuState& s, nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
                                   const std::string& logits, nb::handle consumed) {
             const int64_t n = int64_t(ids.shape(0));

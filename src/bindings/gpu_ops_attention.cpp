@@ -49,18 +49,20 @@ void register_gpu_ops_attention(nb::module_& ops) {
                const gpu::Buffer& k_norm_w, uint32_t position, const gpu::Buffer& k_cache, const gpu::Buffer& v_cache,
                const gpu::Buffer& q_out, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                uint32_t rotary_dim, uint32_t capacity, bool output_gate, float rope_theta, float eps,
-               const std::string& kv_dtype, uint32_t rows, uint32_t proj_stride) {
+               const std::string& kv_dtype, uint32_t rows, uint32_t proj_stride, int32_t rope_offset,
+               const std::optional<gpu::Buffer>& pair_pos) {
                 gpu::ops::attn_prepare(e, gpu::parse_act(t),
                                        make_shape(n_heads, n_kv_heads, head_dim, rotary_dim, output_gate, rope_theta, eps),
                                        proj, q_norm_w, k_norm_w, position, make_cache(k_cache, v_cache, capacity, kv_dtype),
-                                       q_out, rows, proj_stride);
+                                       q_out, rows, proj_stride, rope_offset, pair_pos ? &*pair_pos : nullptr);
             },
             "encoder"_a, "dtype"_a, "proj"_a, "q_norm_w"_a, "k_norm_w"_a, "position"_a, "k_cache"_a, "v_cache"_a,
             "q_out"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rotary_dim"_a, "capacity"_a,
             "output_gate"_a = true, "rope_theta"_a = 1e7f, "eps"_a = 1e-6f, "kv_dtype"_a = "bfloat16", "rows"_a = 1,
-            "proj_stride"_a = 0,
+            "proj_stride"_a = 0, "rope_offset"_a = 0, "pair_pos"_a = nb::none(),
             "q/k RMSNorm + partial RoPE + K/V write of `rows` tokens at positions position.. (proj rows "
-            "`proj_stride` elements apart, 0: packed), one dispatch.");
+            "`proj_stride` elements apart, 0: packed), one dispatch. RoPE at position + r + rope_offset, or with "
+            "pair_pos (i32 [rows, rotary_dim / 2]) frequency pair i of row r at pair_pos[r, i] (M-RoPE).");
 
     ops.def("attention_prefill",
             [](gpu::Encoder& e, const std::string& t, const gpu::Buffer& q, const gpu::Buffer& proj,
@@ -114,21 +116,21 @@ void register_gpu_ops_attention(nb::module_& ops) {
                const std::optional<gpu::Buffer>& scratch, const gpu::Buffer& o, uint32_t n_heads, uint32_t n_kv_heads,
                uint32_t head_dim, uint32_t rotary_dim, uint32_t capacity, bool output_gate, float rope_theta, float eps,
                const std::string& kv_dtype, uint32_t single_pass_max, uint32_t split_max, uint32_t split_block,
-               uint32_t long_block, bool gqa_pack, uint32_t rope_shift) {
+               uint32_t long_block, bool gqa_pack, int32_t rope_offset) {
                 gpu::ops::attention_decode_prepared(
                     e, gpu::parse_act(t), make_shape(n_heads, n_kv_heads, head_dim, rotary_dim, output_gate, rope_theta, eps),
                     make_policy(single_pass_max, split_max, split_block, long_block, gqa_pack), proj, q_norm_w, k_norm_w,
                     position, make_cache(k_cache, v_cache, capacity, kv_dtype), scratch ? *scratch : gpu::Buffer{}, o,
-                    rope_shift);
+                    rope_offset);
             },
             "encoder"_a, "dtype"_a, "proj"_a, "q_norm_w"_a, "k_norm_w"_a, "position"_a, "k_cache"_a, "v_cache"_a,
             "scratch"_a.none(), "o"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rotary_dim"_a,
             "capacity"_a, "output_gate"_a = true, "rope_theta"_a = 1e7f, "eps"_a = 1e-6f, "kv_dtype"_a = "bfloat16",
             "single_pass_max"_a = d.single_pass_max, "split_max"_a = d.split_max, "split_block"_a = d.split_block,
-            "long_block"_a = d.long_block, "gqa_pack"_a = d.gqa_pack, "rope_shift"_a = 0,
+            "long_block"_a = d.long_block, "gqa_pack"_a = d.gqa_pack, "rope_offset"_a = 0,
             "attn_prepare of the token at `position` fused into attention_decode over keys 0..position: the K/V row "
-            "written and o computed by the decode kernels themselves, one dispatch fewer. rope_shift: q and k rotate "
-            "at position + rope_shift (the K/V row is still `position`).");
+            "written and o computed by the decode kernels themselves, one dispatch fewer. rope_offset: q and k rotate "
+            "at position + rope_offset (the K/V row is still `position`).");
 
     ops.def("attention_scratch_bytes",
             [](uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t max_keys, uint32_t single_pass_max,

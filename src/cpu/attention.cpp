@@ -22,13 +22,14 @@ static void rope_row(float* x, int64_t half, const float* cs, const float* sn) {
 
 void attn_qk_rope_kv_write(const AttnDims& d, float* q, float* k, int64_t k_row, const float* v, int64_t v_row,
                            int64_t L, int64_t pos0, const float* q_norm, const float* k_norm, const float* inv_freq,
-                           const KVCacheView& cache, int64_t rope_shift) {
+                           const KVCacheView& cache, int64_t rope_delta, const int32_t* pair_pos) {
     const int64_t half = d.rotary_dim / 2, kvrow = d.nkv * d.hd;
     float cs[1024], sn[1024];
     for (int64_t i = 0; i < L; ++i) {
-        const float pos = static_cast<float>(pos0 + i + rope_shift);
+        const float pos = static_cast<float>(pos0 + i + rope_delta);
         for (int64_t j = 0; j < half; ++j) {
-            const float ang = pos * inv_freq[j];                 // float32 angle, accurate cos/sin
+            const float p = pair_pos ? static_cast<float>(pair_pos[i * half + j]) : pos;
+            const float ang = p * inv_freq[j];                   // float32 angle, accurate cos/sin
             cs[j] = static_cast<float>(std::cos(static_cast<double>(ang)));
             sn[j] = static_cast<float>(std::sin(static_cast<double>(ang)));
         }

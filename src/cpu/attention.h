@@ -34,10 +34,13 @@ constexpr int64_t kAttnSplit = 1024;       // keys per decode piece
 // inv_freq[d] = theta^(-2d/rotary_dim), d < rotary_dim/2 (float64 pow, rounded once)
 void rope_inv_freq(double theta, int64_t rotary_dim, float* inv_freq);
 
-// rows pos0.. of the cache; RoPE at pos0 + rope_shift.. (an MTP head's layer caches skip positions)
+// RoPE positions: row i at pos0 + i + rope_delta (rope_delta 0: the index, the text path; M-RoPE after an image,
+// an MTP head's layer caches that skip positions), or with
+// pair_pos ([L][rotary_dim/2], interleaved M-RoPE: qwenmetal.mrope.pair_positions) frequency pair j of row i
+// at pair_pos[i][j]; the cache row written is always pos0 + i.
 void attn_qk_rope_kv_write(const AttnDims& d, float* q, float* k, int64_t k_row, const float* v, int64_t v_row,
                            int64_t L, int64_t pos0, const float* q_norm, const float* k_norm, const float* inv_freq,
-                           const KVCacheView& cache, int64_t rope_shift = 0);
+                           const KVCacheView& cache, int64_t rope_delta = 0, const int32_t* pair_pos = nullptr);
 
 size_t attention_thread_floats(const AttnDims& d);
 size_t attention_shared_floats(const AttnDims& d, int64_t L, int64_t T);

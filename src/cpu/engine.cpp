@@ -44,8 +44,7 @@ State::State(const Config& c, bool kv_f32) : kv_f32_(kv_f32) {
 }
 
 State::State(const State& o)
-    : position(o.position), rope_shift(o.rope_shift), n_attn_(o.n_attn_), n_gdn_(o.n_gdn_),
-      kv_row_bytes_(o.kv_row_bytes_),
+    : position(o.position), rope_delta(o.rope_delta), n_attn_(o.n_attn_), n_gdn_(o.n_gdn_), kv_row_bytes_(o.kv_row_bytes_),
       conv_floats_(o.conv_floats_), ssm_floats_(o.ssm_floats_), kv_f32_(o.kv_f32_), capacity_(o.position) {
     const size_t kvb = size_t(capacity_) * kv_row_bytes_;
     for (int64_t i = 0; i < 2 * n_attn_; ++i) {
@@ -85,6 +84,7 @@ void State::reserve(int64_t tokens) {
 
 void State::reset() {
     position = 0;
+    rope_delta = 0;
     for (auto& c : conv_) std::memset(c.get(), 0, conv_floats_ * 4);
     for (auto& s : ssm_) std::memset(s.get(), 0, ssm_floats_ * 4);
 }

@@ -13,6 +13,7 @@
 #include "core/config.h"
 #include "core/expert_cache.h"
 #include "core/interrupt.h"
+#include "core/row_inputs.h"
 #include "core/state_layout.h"
 #include "cpu/tensor.h"
 #include "core/threadpool.h"
@@ -117,9 +118,10 @@ public:
     State& operator=(const State&) = delete;
 
     int64_t position = 0;
-    // RoPE runs at the cache row + rope_shift (0: at the row; an MTP head's layer caches, whose entries skip
-    // positions: docs/speculative.md "n-layer heads")
-    int64_t rope_shift = 0;
+    // the next token's RoPE position minus its index: nonzero after an image (interleaved M-RoPE), and on an MTP
+    // head's layer caches, whose entries skip positions (docs/speculative.md "n-layer heads"); a call's rows
+    // without explicit positions (RowInputs) rotate at index + rope_delta, the cache row is the index
+    int64_t rope_delta = 0;
     int64_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
     // bytes as stored for the tokens held (the KV cache counted up to `position`)
@@ -211,7 +213,7 @@ public:
     // for bit those of a one-token call. A bad list throws before anything is touched.
     void forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
                  bool speculative = false, const float* hidden_in = nullptr, float* hidden_out = nullptr,
-                 bool hidden_all = false, const LayerFeatures* features = nullptr);
+                 bool hidden_all = false, const LayerFeatures* features = nullptr, const RowInputs* rows = nullptr);
     // One decode step for each of B (1..32, at most prefill_chunk) distinct states: row i runs ids[i] on
     // *states[i] at its own position, sharing every weight read with the other rows (the MoE reads the rows'
     // union of experts once); logits [B, vocab]. Row i's logits and state are bit for bit those of a one-token
@@ -253,7 +255,7 @@ private:
     void forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
                        bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
                        State* const* batch = nullptr, const LayerFeatures* features = nullptr,
-                       float* feat_out = nullptr);
+                       float* feat_out = nullptr, const RowInputs* rows = nullptr, int64_t row0 = 0);
     void check_features(const LayerFeatures& f) const;
     void reserve_rewind(State& s, int64_t n) const;
     void lm_head(const float* x, int64_t rows, float* out);

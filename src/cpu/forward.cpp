@@ -115,8 +115,12 @@ void Engine::check_features(const LayerFeatures& f) const {
 
 void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
                      bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
-                     const LayerFeatures* features) {
+                     const LayerFeatures* features, const RowInputs* rows) {
     check_state(s);
+    if (rows) {
+        if (mtp_) throw std::invalid_argument("cpu engine: an MTP head takes no explicit positions or embedding rows");
+        rows->check(n, "cpu engine");
+    }
     if (features) {                                  // before anything, the chain included, is touched
         check_features(*features);
         if (hidden_out) throw std::invalid_argument("cpu engine: hidden states or layer features, not both");
@@ -169,7 +173,7 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
                           hidden_in ? hidden_in + c0 * H : nullptr,
                           hidden_out && (want == 2 || hidden_all) ? hidden_out + c0 * H : hidden_out, hidden_all,
                           nullptr, features,
-                          features ? features->out + c0 * int64_t(features->layers.size()) * H : nullptr);
+                          features ? features->out + c0 * int64_t(features->layers.size()) * H : nullptr, rows, c0);
         }
     } catch (...) {
         if (save) {                                  // the KV cache is append-only: rolling back the position undoes it
@@ -185,6 +189,7 @@ void Engine::forward(State& s, const int64_t* ids, int64_t n, int want, float* l
         if (s.rewind_.n == 0) s.rewind_.pos0 = pos0;
         s.rewind_.n += n;
     }
+    if (rows) s.rope_delta = rows->rope_delta;       // committed with the call
     tokens_ += n;
 }
 
@@ -290,7 +295,8 @@ void Engine::lm_head(const float* xn, int64_t rows, float* out) {
 
 void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_all, bool logits_last, float* logits,
                            bool speculative, const float* hidden_in, float* hidden_out, bool hidden_all,
-                           State* const* batch, const LayerFeatures* features, float* feat_out) {
+                           State* const* batch, const LayerFeatures* features, float* feat_out,
+                           const RowInputs* rows, int64_t row0) {
     const Config& c = cfg_;
     const Kernels& kk = kernels();
     ThreadPool& pool = *pool_;
@@ -301,6 +307,12 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
 
     // embedding rows (dequantized / converted)
     for (int64_t i = 0; i < L; ++i) kk.dequant(embed_, ids[i], 1, x + i * H, H);
+    if (rows)                      // given rows (image features) instead of the lookup
+        for (int64_t j = 0; j < rows->n_embeds; ++j) {
+            const int64_t r = rows->embed_rows[j] - row0;
+            if (r >= 0 && r < L) std::copy_n(rows->embeds + j * H, H, x + r * H);
+        }
+    const int32_t* pair_pos = rows && rows->pair_pos ? rows->pair_pos + row0 * (c.rotary_dim / 2) : nullptr;
     if (hidden_in) {               // an MTP head: x = fc([RMSNorm_e(embedding); RMSNorm_h(hidden)])
         float* cat = buf_c_.data();                    // [L][2H]
         for (int64_t i = 0; i < L; ++i) {
@@ -332,13 +344,13 @@ void Engine::forward_chunk(State& s, const int64_t* ids, int64_t L, bool logits_
                     const State& si = *batch[i];
                     const KVCacheView ci{si.k(ai), si.v(ai), si.kv_f32()};
                     attn_qk_rope_kv_write(d, qg + i * d.q_row, kb + i * kvd, kvd, vb + i * kvd, kvd, 1, si.position,
-                                          A.q_norm.data(), A.k_norm.data(), inv_freq_.data(), ci, si.rope_shift);
+                                          A.q_norm.data(), A.k_norm.data(), inv_freq_.data(), ci, si.rope_delta);
                     attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, si.position, ci, ob + i * od, od);
                 }
             } else {
                 const KVCacheView cache{s.k(ai), s.v(ai), s.kv_f32()};
                 attn_qk_rope_kv_write(d, qg, kb, kvd, vb, kvd, L, pos0, A.q_norm.data(), A.k_norm.data(),
-                                      inv_freq_.data(), cache, s.rope_shift);
+                                      inv_freq_.data(), cache, s.rope_delta, pair_pos);
                 if (speculative)                       // row i as the one-token call at position pos0 + i
                     for (int64_t i = 0; i < L; ++i)
                         attention(pool, ws_, shared_.data(), d, qg + i * d.q_row, 1, pos0 + i, cache, ob + i * od, od);

@@ -151,7 +151,7 @@ GpuEngine::GpuEngine(std::shared_ptr<GpuModel> m)
 GpuEngine::~GpuEngine() = default;
 
 // x += attention(x) | gdn(x) of layer li (its input norm fused into the in-projection)
-void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
+void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t position) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
@@ -164,7 +164,7 @@ void GpuEngine::encode_mixer(Encoder& e, GpuState& st, size_t li, int64_t positi
         stacked_qmv(e, t, L.attn_in, s.x, s.proj, false, normed(L.input_norm, c.eps));   // proj = [q+gate | k | v]
         // mix = gated attention over keys 0..position, the q/k norm, RoPE and K/V write of this token fused in
         ops::attention_decode_prepared(e, t, as, m_->options().attn, s.proj, L.q_norm, L.k_norm, uint32_t(position),
-                                       st.kv[ai], s.attn_part, s.mix, rope_shift);
+                                       st.kv[ai], s.attn_part, s.mix, int32_t(st.rope_delta));
         ops::qmv(e, t, L.o_proj, s.mix, s.x, 1, false, 0, 0, residual(s.x));           // x += o_proj(mix)
     } else {
         // ---- Gated DeltaNet ----
@@ -200,12 +200,12 @@ void GpuEngine::encode_mlp(Encoder& e, size_t li) {
     ops::qmv(e, t, L.mlp_down, s.mlp_act, s.x, 1, false, 0, 0, residual(s.x));         // x += mlp(xn)
 }
 
-void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position, uint32_t rope_shift) {
+void GpuEngine::encode_layer(Encoder& e, GpuState& st, size_t li, int64_t position) {
     const Config& c = m_->config();
     const GpuLayer& L = m_->layers[li];
     const Act t = m_->options().act;
     Scratch& s = *sc_;
-    encode_mixer(e, st, li, position, rope_shift);
+    encode_mixer(e, st, li, position);
     if (L.moe) {
         const uint32_t E = uint32_t(c.n_experts), k = uint32_t(c.top_k);
         ops::QmvFusion rf = normed(L.post_norm, c.eps, &s.xn);
@@ -407,6 +407,8 @@ struct GpuEngine::Chunk {
                               // sorted slots, tile map, expert rows [C * k, ...], shared expert rows)
     Buffer mlp_act;           // T [C, I]                   dense-MLP SwiGLU rows
     Buffer logits;            // f32 [C, V] (want 2; else [1, V] is the decode scratch's)
+    Buffer pair_pos;          // i32 [C, rotary_dim / 2]     explicit RoPE positions (RowInputs; host-written)
+    bool pairs = false;       // this chunk's attn_prepare reads pair_pos
 };
 
 namespace {
@@ -451,6 +453,7 @@ void GpuEngine::ensure_chunk(uint32_t rows, bool all_logits) {
     if (moe) n.moe = ops::moe_prefill_scratch(d, m_->options().act, moe_block(c, *moe), uint32_t(C));
     n.mlp_act = alloc(C * dense * es, "prefill.mlp_act");
     n.logits = n.all_logits ? alloc(C * uint64_t(c.vocab) * 4, "prefill.logits") : Buffer();
+    n.pair_pos = alloc(C * uint64_t(c.rotary_dim / 2) * 4, "prefill.pair_pos");
     k = std::move(n);
 }
 
@@ -481,7 +484,8 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
         const ops::AttnShape as = attn_shape(c);
         const ops::KVCache& kv = st.kv[L.state_index];
         stacked(L.attn_in);                                                                // proj = [q+gate | k | v]
-        ops::attn_prepare(e, t, as, ch.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, ch.q, rows, L.attn_in.rows);
+        ops::attn_prepare(e, t, as, ch.proj, L.q_norm, L.k_norm, uint32_t(p0), kv, ch.q, rows, L.attn_in.rows,
+                          int32_t(st.rope_delta), ch.pairs ? &ch.pair_pos : nullptr);
         // mix = attention(q) over keys 0..p0+r: in query blocks short enough for one command buffer each
         const uint64_t qrow = uint64_t(c.n_heads) * c.head_dim * es;
         for (uint32_t r0 = 0, n = 0; r0 < rows; r0 += n) {
@@ -515,12 +519,13 @@ void GpuEngine::encode_layer_rows(Encoder& e, GpuState& st, size_t li, int64_t p
 }
 
 void GpuEngine::encode_chunk(Encoder& e, GpuState& st, int64_t p0, uint32_t rows, int want, const Taps* taps,
-                             bool hidden) {
+                             bool hidden, bool skip_embed) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
     const uint64_t es = act_size(t), H = uint64_t(c.hidden);
     Chunk& ch = *ch_;
-    ops::embed(e, t, m_->embed, ch.ids.view(0, uint64_t(rows) * 4), rows, ch.x);          // x = embed(ids)
+    if (!skip_embed)
+        ops::embed(e, t, m_->embed, ch.ids.view(0, uint64_t(rows) * 4), rows, ch.x);      // x = embed(ids)
     for (size_t li = 0; li < m_->layers.size(); ++li) {
         encode_layer_rows(e, st, li, p0, rows);
         tap(e, taps, li, ch.x, rows);                                                      // features[li] = x
@@ -543,7 +548,7 @@ void GpuEngine::widen_rows(const Buffer& src, uint32_t rows, float* out) const {
 }
 
 void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                             const FeatureRequest* feats, float* hidden) {
+                             const FeatureRequest* feats, float* hidden, const RowInputs* rows) {
     const Config& c = m_->config();
     if (n < 1) throw std::invalid_argument("metal backend: no tokens");
     if (feats && hidden) throw std::invalid_argument("metal backend: forward returns hidden rows or layer features, not both");
@@ -551,6 +556,14 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
         if (ids[i] < 0 || ids[i] >= c.vocab)
             throw std::invalid_argument("metal backend: token id " + std::to_string(ids[i]) + " outside the vocabulary");
     if (feats) check_feature_layers(feats->layers);
+    if (rows) {
+        if (m_->experts())
+            throw std::invalid_argument("metal backend: explicit positions and embedding rows need resident experts "
+                                        "(not expert streaming)");
+        rows->check(n, "metal backend");
+        if (!rows->pair_pos && st.position + st.rope_delta < 0)
+            throw std::invalid_argument("metal backend: the rope delta puts a position below 0");
+    }
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
     if (!d.info().executes) throw std::invalid_argument("metal backend: an encode-only device cannot run forward()");
@@ -561,7 +574,7 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
         return;
     }
     const size_t FL = feats ? feats->layers.size() : 0;
-    if (n == 1) {                                      // one token: a decode step (decode() and verify() rows
+    if (n == 1 && !rows) {                             // one token: a decode step (decode() and verify() rows
         st.reserve(st.position + 1);                   // compute the same), the state advanced once it ran
         const std::optional<Taps> taps = feats ? taps_for(feats->layers, 1) : std::nullopt;
         st.end_chain();                                // any call but verify ends a verification chain
@@ -587,6 +600,11 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
     // one chunk needs no copy: the GDN halves are flipped only once its command buffer succeeded
     const bool multi = n > C;
     const GpuState::Saved saved = multi ? st.save() : GpuState::Saved{};
+    const int64_t half = c.rotary_dim / 2, H = c.hidden;
+    struct PairsOff {                                  // the chunk scratch's flag never outlives the call
+        Chunk& ch;
+        ~PairsOff() { ch.pairs = false; }
+    } pairs_off{*ch_};
     try {
         for (int64_t i0 = 0; i0 < n; i0 += C) {
             if (poll && i0 > 0) poll();                // between chunks: nothing in flight
@@ -594,9 +612,29 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
             uint32_t* dst = ch_->ids.as<uint32_t>();
             for (uint32_t r = 0; r < M; ++r) dst[r] = uint32_t(ids[i0 + r]);
             const bool last = i0 + M == n;
+            ch_->pairs = rows && rows->pair_pos;
+            if (ch_->pairs) std::memcpy(ch_->pair_pos.data(), rows->pair_pos + i0 * half, size_t(M * half) * 4);
+            bool host_x = false;                       // embedding rows in this chunk: embed, then the host's rows
+            for (int64_t j = 0; rows && j < rows->n_embeds; ++j)
+                host_x = host_x || (rows->embed_rows[j] >= i0 && rows->embed_rows[j] < i0 + M);
+            if (host_x) {
+                Encoder e0(d, m_->options().command_buffer_seconds);
+                ops::embed(e0, m_->options().act, m_->embed, ch_->ids.view(0, uint64_t(M) * 4), M, ch_->x);
+                e0.commit();
+                e0.wait();
+                const bool f32 = m_->options().act == Act::F32;
+                for (int64_t j = 0; j < rows->n_embeds; ++j) {
+                    const int64_t r = rows->embed_rows[j] - i0;
+                    if (r < 0 || r >= M) continue;
+                    const float* src = rows->embeds + j * H;
+                    if (f32) std::memcpy(ch_->x.as<float>() + r * H, src, size_t(H) * 4);
+                    else
+                        for (int64_t k = 0; k < H; ++k) ch_->x.as<uint16_t>()[r * H + k] = f32_to_bf16(src[k]);
+                }
+            }
             Encoder e(d, m_->options().command_buffer_seconds);   // command buffers back to back, no waits
             encode_chunk(e, st, st.position, M, want == 2 ? 2 : (want == 1 && last ? 1 : 0), taps ? &*taps : nullptr,
-                         hidden != nullptr);
+                         hidden != nullptr, host_x);
             e.commit();
             e.wait();
             st.commit_step(M);                         // the chunk's written halves become current
@@ -609,6 +647,7 @@ void GpuEngine::forward_impl(GpuState& st, const int64_t* ids, int64_t n, int wa
         if (multi) st.restore(saved);
         throw;
     }
+    if (rows) st.rope_delta = rows->rope_delta;        // committed with the call
 }
 
 ExpertCacheStats GpuEngine::expert_stats(int64_t* tokens) {
@@ -857,11 +896,12 @@ void GpuEngine::encode_rows_layer(Encoder& e, const std::vector<RowPlan>& plan, 
             one_run = one_run && plan[r].st == plan[0].st && plan[r].position == plan[0].position + r;
         if (one_run) {
             ops::attn_prepare(e, t, as, v.proj, L.q_norm, L.k_norm, uint32_t(plan[0].position), plan[0].st->kv[ai], v.q,
-                              rows, in_rows);
+                              rows, in_rows, int32_t(plan[0].st->rope_delta));
         } else {
             for (uint32_t r = 0; r < rows; ++r)
                 ops::attn_prepare(e, t, as, row(v.proj, in_rows * es, r, in_rows * es), L.q_norm, L.k_norm,
-                                  uint32_t(plan[r].position), plan[r].st->kv[ai], row(v.q, nhd * es, r, nhd * es));
+                                  uint32_t(plan[r].position), plan[r].st->kv[ai], row(v.q, nhd * es, r, nhd * es), 1, 0,
+                                  int32_t(plan[r].st->rope_delta));
         }
         std::vector<ops::AttnDecodeRow> ar;                                             // mix[r] = gated attention
         for (uint32_t r = 0; r < rows; ++r)
@@ -1131,8 +1171,8 @@ StepCost GpuEngine::batch_cost_impl(const std::vector<GpuState*>& states) {
 // ---------------------------------------------------------------------------------------------- recovery
 
 void GpuEngine::forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                        const FeatureRequest* feats, float* hidden) {
-    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats, hidden); });
+                        const FeatureRequest* feats, float* hidden, const RowInputs* rows) {
+    recovering(m_->device(), [&] { forward_impl(s, ids, n, want, logits, poll, feats, hidden, rows); });
 }
 
 std::vector<int32_t> GpuEngine::decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,

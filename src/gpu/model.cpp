@@ -377,7 +377,7 @@ GpuState::GpuState(const GpuModel& m)
 }
 
 GpuState::GpuState(const GpuState& o)
-    : position(o.position), kv(o.kv), m_(o.m_), dev_(o.dev_), kv_f32_(o.kv_f32_), capacity_(0), n_kv_(o.n_kv_),
+    : position(o.position), rope_delta(o.rope_delta), kv(o.kv), m_(o.m_), dev_(o.dev_), kv_f32_(o.kv_f32_), capacity_(0), n_kv_(o.n_kv_),
       block_(o.block_), kv_head_row_bytes_(o.kv_head_row_bytes_) {
     for (ops::KVCache& k : kv) k = ops::KVCache{Buffer(), Buffer(), 0, kv_f32_};
     reserve(std::max<int64_t>(o.position, 1));
@@ -430,6 +430,7 @@ void GpuState::reserve(int64_t tokens) {
 void GpuState::reset() {
     end_chain();
     position = 0;
+    rope_delta = 0;
     cur = 0;
     for (const Buffer& b : conv_slab)
         if (b.data()) std::memset(b.data(), 0, b.length);

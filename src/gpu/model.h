@@ -20,6 +20,7 @@
 #include "core/config.h"
 #include "core/expert_cache.h"
 #include "core/interrupt.h"
+#include "core/row_inputs.h"
 #include "core/state_layout.h"
 #include "core/weights.h"
 #include "gpu/device.h"
@@ -205,6 +206,10 @@ class GpuState {
     GpuState& operator=(const GpuState&) = delete;
 
     int64_t position = 0;
+    // the next token's RoPE position minus its index, its cache row: nonzero after an image (interleaved M-RoPE),
+    // and on an MTP head's layer caches, whose entries skip positions (mtp.cpp sets it per chain step); rows
+    // without explicit positions (RowInputs) rotate at index + rope_delta
+    int64_t rope_delta = 0;
     const GpuModel& model() const { return m_; }
     uint32_t capacity() const { return capacity_; }
     bool kv_f32() const { return kv_f32_; }
@@ -334,8 +339,9 @@ class GpuEngine {
     // `hidden` (optional, not with `feats`): every row's final-normed hidden state, f32 [n, hidden] (an MTP head's
     // input: the prompt's pairs): the final RMSNorm of the chunk's rows (one more dispatch per chunk; a one-token
     // call and a streaming step take the lm_head's fused norm output, as verify does).
+    // `rows` (optional): explicit RoPE positions / embedding rows (RowInputs); not with expert streaming.
     void forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll = nullptr,
-                 const FeatureRequest* feats = nullptr, float* hidden = nullptr);
+                 const FeatureRequest* feats = nullptr, float* hidden = nullptr, const RowInputs* rows = nullptr);
     uint32_t prefill_chunk() const { return chunk_; }
     // rows of a prefill chunk that returns the features of `layers` layers (kFeatureBytes of them at most)
     uint32_t feature_rows(size_t layers) const;
@@ -422,7 +428,7 @@ class GpuEngine {
 
   private:
     void forward_impl(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
-                      const FeatureRequest* feats, float* hidden);
+                      const FeatureRequest* feats, float* hidden, const RowInputs* rows = nullptr);
     // rows [rows, H] of an activation buffer widened into out (the host side, after the wait)
     void widen_rows(const Buffer& src, uint32_t rows, float* out) const;
     std::vector<int32_t> decode_impl(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
@@ -468,9 +474,9 @@ class GpuEngine {
     // hidden: the lm_head's fused final norm also writes its normed input (Scratch::xn)
     void encode_step(Encoder& e, GpuState& s, int64_t position, uint32_t in_slot, uint32_t out_slot,
                      const SamplingConfig* sc, const Taps* taps = nullptr, bool hidden = false);
-    // rope_shift: RoPE at position + rope_shift (an MTP head's layers; 0 everywhere else)
-    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
-    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position, uint32_t rope_shift = 0);
+    // RoPE at position + s.rope_delta (an MTP head's layers set it per chain step)
+    void encode_layer(Encoder& e, GpuState& s, size_t li, int64_t position);
+    void encode_mixer(Encoder& e, GpuState& s, size_t li, int64_t position);
     size_t mtp_draft_impl(GpuState& s, const float* hidden, const int64_t* ids, int64_t m, int64_t k, uint32_t vocab,
                           int32_t* drafts, float* logits);
     StepCost mtp_cost_impl(GpuState& s, int64_t m, int64_t k);
@@ -501,9 +507,10 @@ class GpuEngine {
     void stream_forward(GpuState& s, const int64_t* ids, int64_t n, int want, float* logits, InterruptPoll poll,
                         const FeatureRequest* feats, float* hidden);
     void ensure_chunk(uint32_t rows, bool all_logits);
-    // hidden: the rows' final RMSNorm into Chunk::xn
+    // hidden: the rows' final RMSNorm into Chunk::xn; skip_embed: the host wrote ch.x (a chunk with embedding
+    // rows, RowInputs)
     void encode_chunk(Encoder& e, GpuState& s, int64_t p0, uint32_t rows, int want, const Taps* taps = nullptr,
-                      bool hidden = false);
+                      bool hidden = false, bool skip_embed = false);
     void encode_layer_rows(Encoder& e, GpuState& s, size_t li, int64_t p0, uint32_t rows);
 
     std::shared_ptr<GpuModel> m_;

@@ -109,6 +109,14 @@ void GpuEngine::encode_mtp_round(Encoder& e, GpuState& st, uint32_t R, uint32_t 
         ops::argmax(e, logits_of(j), Vs, tok_at(R + j), sc_->sample);
     };
     const int64_t p0 = st.position;
+    // the state's rope_delta carries each step's RoPE position - cache row (0 for the pairs), set while encoding
+    // (the kernels' params are copied at encode time) and restored however the round ends
+    struct DeltaBack {
+        GpuState& st;
+        int64_t was;
+        ~DeltaBack() { st.rope_delta = was; }
+    } delta_back{st, st.rope_delta};
+    st.rope_delta = 0;
     // the pairs through layer 0, kept: the verification graph's rows pass (each weight read once for up to
     // kMaxVerifyRows rows, every row the decode step's arithmetic) at cache rows = RoPE positions p0..
     Verify& v = *vf_;
@@ -133,7 +141,8 @@ void GpuEngine::encode_mtp_round(Encoder& e, GpuState& st, uint32_t R, uint32_t 
         const uint32_t l = j % nl;
         const int64_t rope = p0 + R - 1 + j, at = row[l]++;
         encode_mtp_input(e, tok_at(R + j - 1), M.h, 1, sc_->x);
-        encode_layer(e, st, l, at, uint32_t(rope - at));
+        st.rope_delta = rope - at;
+        encode_layer(e, st, l, at);
         head(sc_->x, j);
     }
 }

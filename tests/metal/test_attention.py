@@ -454,6 +454,51 @@ def test_prepare_rows_equals_decode_prepares(schedule, t, kv):
     assert np.array_equal(K1[:, others], K0[:, others]) and np.array_equal(V1[:, others], V0[:, others])
 
 
+@pytest.mark.parametrize("t,kv", [("f32", "f32"), ("bf16", "bf16")])
+def test_prepare_mrope_positions(t, kv):
+    """M-RoPE (docs/vision.md, "Positions and caches"): rows with explicit per-pair positions (pair_pos) match the
+    reference's rope at those positions, cache rows still by index; rope_offset d rotates row r at pos + r + d,
+    bit for bit pair_pos filled with pos + r + d; the fused decode prepare with rope_offset writes the same K row."""
+    nh, nkv, hd, rd, rows, pos, cap, d = 4, 2, 32, 16, 3, 2, 8, 5
+    rng = np.random.default_rng(5)
+    T, KV = ACT[t], ACT[kv]
+    row_len = nh * 2 * hd + 2 * nkv * hd
+    proj = (3.0 * rng.standard_normal((rows, row_len))).astype(T)
+    qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    kw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(T)
+    K0 = rng.standard_normal((nkv, cap, hd)).astype(KV)
+    shape = dict(n_heads=nh, n_kv_heads=nkv, head_dim=hd, rotary_dim=rd, capacity=cap, rope_theta=1e6, eps=1e-6,
+                 kv_dtype=DT[kv])
+
+    def prepare(**kw_):
+        K, V, q = K0.copy(), K0.copy(), np.full((rows, nh * hd), np.nan, T)
+        with run("forward") as (dev, enc, buf):
+            extra = {k: (buf(v) if k == "pair_pos" else v) for k, v in kw_.items()}
+            ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K), buf(V), buf(q), rows=rows,
+                             **shape, **extra)
+        return q, K
+
+    pairs = rng.integers(0, 40, (rows, rd // 2)).astype(np.int32)
+    q, K = prepare(pair_pos=pairs)
+    bf16 = t == "bf16"
+    r = R.to_bf16 if bf16 else (lambda a: np.asarray(a, np.float32))
+    f = proj.astype(np.float32)
+    qn = R.rms_norm(f[:, :nh * 2 * hd].reshape(rows, nh, 2 * hd)[..., :hd], qw.astype(np.float32), 1e-6, bf16=bf16)
+    kn = R.rms_norm(f[:, nh * 2 * hd:nh * 2 * hd + nkv * hd].reshape(rows, nkv, hd), kw.astype(np.float32), 1e-6,
+                    bf16=bf16)
+    check_out(q.reshape(rows, nh, hd), r(R.rope(qn, pairs, rd, 1e6)), TOL[t], "q")
+    check_out(K[:, pos:pos + rows].transpose(1, 0, 2), r(R.rope(kn, pairs, rd, 1e6)), max(TOL[t], TOL[kv]), "k")
+    q1, K1 = prepare(rope_offset=d)
+    q2, K2 = prepare(pair_pos=np.repeat((pos + d + np.arange(rows, dtype=np.int32))[:, None], rd // 2, axis=1))
+    assert np.array_equal(q1.view(np.uint8), q2.view(np.uint8)) and np.array_equal(K1.view(np.uint8), K2.view(np.uint8))
+    # the fused decode prepare of row 0 at the same offset writes the same K row
+    K3, V3, o = K0.copy(), K0.copy(), np.zeros(nh * hd, T)
+    with run("forward") as (dev, enc, buf):
+        ops.attention_decode_prepared(enc, DT[t], buf(proj[0]), buf(qw), buf(kw), pos, buf(K3), buf(V3), None, buf(o),
+                                      rope_offset=d, **shape)
+    assert np.array_equal(K3[:, pos].view(np.uint8), K1[:, pos].view(np.uint8))
+
+
 # ---------------------------------------------------------------------------------------------- prefill
 def prefill_ref(q, proj, stride, K, V, p0, M, nh, nkv, hd, gate, bf16=False, causal=True, window=0):
     """float64 gated attention on the values the kernel reads: q [M, nh*hd], K/V [nkv, cap, hd]; causal (or every
@@ -822,8 +867,9 @@ def test_decode_prepared_real_shape_and_checks():
 
 
 @pytest.mark.parametrize("t,kv,shift", [("f32", "f32", 5), ("bf16", "bf16", 37)])
-def test_decode_prepared_rope_shift(t, kv, shift):
-    """rope_shift (an MTP head's layer caches, whose entries skip positions): the fused route writes K/V row `pos`
+def test_decode_prepared_rope_offset(t, kv, shift):
+    """rope_offset (a state's rope_delta; here an MTP head's layer caches, whose entries skip positions): the fused
+    route writes K/V row `pos`
     rotated at pos + shift and attends keys 0..pos with q rotated there -- bit for bit attn_prepare at position
     pos + shift, its K/V row moved to row pos, then attention_decode over pos + 1 keys."""
     nh, nkv, hd, rd, pos, gate = 4, 2, 32, 16, 9, True
@@ -838,7 +884,7 @@ def test_decode_prepared_rope_shift(t, kv, shift):
     with run("forward") as (dev, enc, buf):
         ops.attention_decode_prepared(enc, DT[t], buf(proj), buf(qw), buf(kw), pos, buf(K1), buf(V1),
                                       buf(np.zeros(max(nbytes // 4, 1), np.float32)), buf(o1), **rope, **shape,
-                                      **pol, rope_shift=shift)
+                                      **pol, rope_offset=shift)
     K2, V2, qo = K0.copy(), V0.copy(), np.full(nh * hd, np.nan, ACT[t])
     with run("forward") as (dev, enc, buf):
         ops.attn_prepare(enc, DT[t], buf(proj), buf(qw), buf(kw), pos + shift, buf(K2), buf(V2), buf(qo), **rope,

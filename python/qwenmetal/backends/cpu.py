@@ -59,7 +59,7 @@ from ..expert_streaming import plan as stream_plan
 from ..native import core
 from ..weights import QuantizedTensor, Weights
 from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
-from .engine import EngineBackend, dflash_dims
+from .engine import EngineBackend, dflash_dims, row_arguments
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
@@ -109,14 +109,17 @@ class _Impl:
     def __init__(self, engine):
         self.engine = engine
 
-    def forward(self, state, ids, logits, consumed=None):
-        return self.engine.forward(state, ids, logits, consumed)
+    def forward(self, state, ids, logits, consumed=None, rows=None):
+        if rows is None:
+            return self.engine.forward(state, ids, logits, consumed)
+        return self.engine.forward(state, ids, logits, consumed, **row_arguments(rows))
 
 
 class CpuBackend(EngineBackend):
     """C++ threads + SIMD on the checkpoint's own (mmap'd, usually 4-bit) weights."""
 
     name = "cpu"
+    row_inputs = True            # prefill takes explicit M-RoPE positions and embedding rows (RowInputs)
 
     def __init__(self, weights: Weights, threads: int | None = None, kv_dtype: str = "bfloat16",
                  prefill_chunk: int = 512, quantize: int | None = None, activations: str = "auto",
@@ -169,11 +172,13 @@ class CpuBackend(EngineBackend):
     def new_state(self):
         return self.engine.new_state()
 
-    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None, rows=None):
         """Run `ids` on `state` in place (all-or-nothing) and return (state, logits); `ids` are appended to
-        `consumed` (a session's token list) inside the engine call, together with the state's advance."""
+        `consumed` (a session's token list) inside the engine call, together with the state's advance.
+        `rows`: explicit M-RoPE positions and embedding rows (`qwenmetal.mrope.RowInputs`)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = self.impl.forward(state, ids, logits, consumed)
+        out = self.impl.forward(state, ids, logits, consumed) if rows is None else \
+            self.impl.forward(state, ids, logits, consumed, rows)
         return state, out
 
     # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
@@ -370,7 +375,7 @@ class CpuMtpHead:
         eng = self.engine
         if state.rewindable:              # drafts of an interrupted round are not the context's
             eng.rewind(state, 0)
-        state.rope_shift = 0
+        state.rope_delta = 0
         logits, h = eng.forward(state, np.ascontiguousarray(ids, dtype=np.int64), "last", None,
                                 hidden=np.ascontiguousarray(hidden, dtype=np.float32), return_hidden=1)
         d = int(np.argmax(logits[:vocab]))
@@ -380,14 +385,14 @@ class CpuMtpHead:
             for j in range(1, k):
                 lay = j % self.n_layers
                 st = state if lay == 0 else others.setdefault(lay, self.engines[lay].new_state())
-                st.rope_shift = p + j - st.position          # the entry at row st.position, RoPE position p + j
+                st.rope_delta = p + j - st.position          # the entry at row st.position, RoPE position p + j
                 lg, hh = self.engines[lay].verify(st, np.asarray([d], dtype=np.int64), None, hidden=h[None],
                                                   return_hidden=1)
                 d, h = int(np.argmax(lg[0][:vocab])), hh[0]
                 drafts.append(d)
                 rows.append(lg[0])
         finally:
-            state.rope_shift = 0
+            state.rope_delta = 0
             if state.rewindable:
                 eng.rewind(state, 0)
         return (drafts, np.stack(rows)) if return_logits else drafts

@@ -10,6 +10,17 @@ import numpy as np
 from ..session_io import gdn_state_arrays, gdn_state_vectors
 
 
+def row_arguments(rows) -> dict:
+    """A `qwenmetal.mrope.RowInputs` as the C++ engines' forward takes it (keyword arguments)."""
+    out = {"rope_delta": int(rows.rope_delta)}
+    if rows.pair_pos is not None:
+        out["pair_pos"] = np.ascontiguousarray(rows.pair_pos, dtype=np.int32)
+    if len(rows.embed_rows):
+        out["embed_rows"] = np.ascontiguousarray(rows.embed_rows, dtype=np.int64)
+        out["embeds"] = np.ascontiguousarray(rows.embeds, dtype=np.float32)
+    return out
+
+
 def dflash_dims(c) -> dict:
     """A DFlash draft's config (`qwenmetal.dflash.DFlashConfig`) as the native drafts take it (the cpu engine's
     CpuDFlashDraft, the Metal graph's GpuDFlashDraft): its dimensions, per-layer attention windows (0: full),

@@ -55,7 +55,7 @@ from ..weights import Weights
 from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
-from .engine import EngineBackend, dflash_dims
+from .engine import EngineBackend, dflash_dims, row_arguments
 from .reference_vision import check_inputs as check_vision_inputs
 
 DTYPES = ("bfloat16", "float32")
@@ -145,11 +145,18 @@ class _GpuBackend(EngineBackend):
     def new_state(self):
         return self.engine.new_state()
 
-    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
+    #: prefill takes explicit M-RoPE positions and embedding rows (RowInputs; chunked prefill, resident experts:
+    #: with expert streaming the engine refuses them with ValueError)
+    row_inputs = True
+
+    def forward(self, state, ids: np.ndarray, logits: str, consumed: list | None = None, rows=None):
         """Run `ids` on `state` in place (all-or-nothing; a Ctrl-C between chunks restores it) and return
-        (state, logits); `ids` are appended to `consumed` (a session's token list) inside the call."""
+        (state, logits); `ids` are appended to `consumed` (a session's token list) inside the call. `rows`:
+        explicit M-RoPE positions and embedding rows (`qwenmetal.mrope.RowInputs`)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        return state, self.engine.forward(state, ids, logits, consumed)
+        if rows is None:
+            return state, self.engine.forward(state, ids, logits, consumed)
+        return state, self.engine.forward(state, ids, logits, consumed, **row_arguments(rows))
 
     def forward_hidden(self, state, ids: np.ndarray, logits: str, consumed: list | None = None):
         """`forward` that also returns every row's final-normed hidden state: (logits or None, [n, hidden] float32),

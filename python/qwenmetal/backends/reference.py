@@ -79,6 +79,7 @@ import numpy as np
 from ..config import ModelConfig, mtp_head_layers, mtp_layer_config
 from ..interrupts import sigint_deferred
 from ..memory import total_memory
+from ..mrope import RowInputs
 
 if TYPE_CHECKING:
     from ..weights import Weights
@@ -183,14 +184,16 @@ def l2norm(x: np.ndarray, eps: float = L2NORM_EPS) -> np.ndarray:
 
 
 def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [L, rotary_dim/2] for absolute ``positions``.
+    """cos/sin tables [L, rotary_dim/2] for absolute ``positions``: [L] (every frequency pair at the row's
+    position), or [L, rotary_dim/2] (a position per pair: interleaved M-RoPE, `qwenmetal.mrope.pair_positions`).
 
     ``inv_freq[d] = theta^(-2d/rotary_dim)`` (correctly rounded to float32), angle = ``fp32(pos) *
     inv_freq`` in float32, and cos/sin of that float32 angle evaluated accurately (float64, then rounded).
     """
     half = rotary_dim // 2
     inv_freq = (float(theta) ** (-2.0 * np.arange(half, dtype=np.float64) / rotary_dim)).astype(F32)
-    ang = np.asarray(positions).astype(F32)[:, None] * inv_freq[None, :]          # float32 product
+    pos = np.asarray(positions).astype(F32)
+    ang = (pos[:, None] if pos.ndim == 1 else pos) * inv_freq[None, :]                # float32 product
     ang64 = ang.astype(np.float64)
     return np.cos(ang64).astype(F32), np.sin(ang64).astype(F32)
 
@@ -212,14 +215,16 @@ def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) ->
 # full (gated) attention (docs/model.md §4.3)
 # ---------------------------------------------------------------------------------------------
 def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndarray, v_cache: np.ndarray,
-                   position: int, *, bf16: bool = False,
-                   rope_position: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   position: int, *, bf16: bool = False, rope_pos: np.ndarray | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gated GQA attention over ``x`` [L, H] at absolute positions ``position..position+L-1``.
+
+    ``rope_pos``: the rows' RoPE positions ([L] or [L, rotary_dim/2] per frequency pair, see `rope_tables`)
+    when they are not the indices (M-RoPE: image rows, text after an image; an MTP head's layer caches, whose
+    entries skip positions); the cache and the causal mask always go by index, every cached entry visible.
 
     ``p`` holds this layer's ``self_attn.*`` tensors by short name (``q_proj``, ``k_proj``, ...).
     ``k_cache``/``v_cache`` [nkv, position, hd] hold the previous post-RoPE keys and the values.
-    ``rope_position``: rotate the rows at ``rope_position..`` instead (the cache still holds ``position``
-    entries, every one visible): an MTP head's layer caches, whose entries skip positions (`ReferenceMtp`).
     Returns ``(out [L, H], new_k_cache, new_v_cache)``; the inputs are not modified.
     """
     r = _rounder(bf16)
@@ -240,7 +245,7 @@ def full_attention(x: np.ndarray, p: dict, config: ModelConfig, k_cache: np.ndar
     q = rms_norm(q, p["q_norm"], eps, bf16=bf16)       # q/k norm before RoPE
     k = rms_norm(k, p["k_norm"], eps, bf16=bf16)
     pos = position + np.arange(L)
-    rpos = pos if rope_position is None else rope_position + np.arange(L)
+    rpos = pos if rope_pos is None else rope_pos
     q = r(rope(q, rpos, config.rotary_dim, config.rope_theta))
     k = r(rope(k, rpos, config.rotary_dim, config.rope_theta))
 
@@ -487,15 +492,18 @@ def sparse_moe(x: np.ndarray, p: dict, config: ModelConfig, *, bf16: bool = Fals
 class ReferenceState:
     """Decode state of one sequence.
 
-    ``position``: tokens consumed so far (the RoPE offset of the next token).
+    ``position``: tokens consumed so far (the index of the next token).
+    ``rope_delta``: the next token's RoPE position minus its index, its cache row (M-RoPE: nonzero after an
+    image; an MTP head layer's cache, whose entries skip positions: `ReferenceMtp.forward`).
     ``keys[i]``/``values[i]``: full-attention layer i's caches, float32 [nkv, position, hd] (post-RoPE keys).
     ``conv[i]``: GDN layer i's last K-1 pre-conv QKV rows [K-1, conv_dim], oldest first, float32.
     ``ssm[i]``: GDN layer i's recurrent state [nv, dv, dk], float32.
     """
 
     def __init__(self, position: int = 0, keys: dict | None = None, values: dict | None = None,
-                 conv: dict | None = None, ssm: dict | None = None):
+                 conv: dict | None = None, ssm: dict | None = None, rope_delta: int = 0):
         self.position = int(position)
+        self.rope_delta = int(rope_delta)
         self.keys = dict(keys or {})
         self.values = dict(values or {})
         self.conv = dict(conv or {})
@@ -504,7 +512,8 @@ class ReferenceState:
     def copy(self) -> "ReferenceState":
         """A deep, independent copy."""
         cp = lambda d: {i: a.copy() for i, a in d.items()}  # noqa: E731
-        return ReferenceState(self.position, cp(self.keys), cp(self.values), cp(self.conv), cp(self.ssm))
+        return ReferenceState(self.position, cp(self.keys), cp(self.values), cp(self.conv), cp(self.ssm),
+                              self.rope_delta)
 
     def arrays(self):
         for d in (self.keys, self.values, self.conv, self.ssm):
@@ -544,9 +553,10 @@ class ReferenceState:
 
 def decoder_layer(x: np.ndarray, lp: dict, config: ModelConfig, i: int, state: ReferenceState, *,
                   gdn_mode: str = "chunked", chunk_size: int = 64, bf16: bool = False,
-                  rope_position: int | None = None) -> tuple[np.ndarray, tuple]:
+                  rope_pos: np.ndarray | None = None) -> tuple[np.ndarray, tuple]:
     """One decoder layer (docs/model.md §4.1). ``lp`` is the layer's parameter dict (names without ``layers.{i}.``).
-    ``rope_position``: see `full_attention` (attention layers only).
+    RoPE positions (attention layers only): ``rope_pos`` (see `full_attention`), else row j at
+    ``state.position + j + state.rope_delta``.
 
     Returns ``(out [L, H], new_layer_state)`` where the state is ``(K, V)`` for attention layers and
     ``(conv, ssm)`` for GDN layers; ``state`` is only read.
@@ -555,8 +565,10 @@ def decoder_layer(x: np.ndarray, lp: dict, config: ModelConfig, i: int, state: R
     eps = config.rms_norm_eps
     h_in = rms_norm(x, lp["input_layernorm"], eps, bf16=bf16)
     if config.is_full_attention(i):
+        if rope_pos is None and state.rope_delta:
+            rope_pos = state.position + state.rope_delta + np.arange(x.shape[0])
         mix, *new = full_attention(h_in, _sub(lp, "self_attn."), config, state.keys[i], state.values[i],
-                                   state.position, bf16=bf16, rope_position=rope_position)
+                                   state.position, bf16=bf16, rope_pos=rope_pos)
     else:
         mix, *new = gated_deltanet(h_in, _sub(lp, "linear_attn."), config, state.conv[i], state.ssm[i],
                                    gdn_mode=gdn_mode, chunk_size=chunk_size, bf16=bf16)
@@ -610,8 +622,15 @@ class ReferenceModel:
     def forward(self, state: ReferenceState, token_ids: np.ndarray, logits: str = "last",
                 gdn_mode: str = "chunked", chunk_size: int = 64, hidden: list | None = None,
                 final_hidden: list | None = None, feature_layers: Sequence[int] = (),
-                features: list | None = None):
+                features: list | None = None, rope_pos: np.ndarray | None = None,
+                embed_rows: np.ndarray | None = None, embeds: np.ndarray | None = None,
+                rope_delta: int | None = None):
         """Run ``token_ids`` (1-D ints) at positions ``state.position..``; update ``state`` in place.
+
+        RoPE positions: ``rope_pos`` [L, rotary_dim/2] per frequency pair (`qwenmetal.mrope.pair_positions`),
+        else row i at ``state.position + i + state.rope_delta``; ``rope_delta`` (if given) is the state's
+        delta after the call. ``embeds`` [m, H] replace the embedding lookup of the rows ``embed_rows`` [m]
+        (image features at the image pads; rounded to bf16 in bf16 mode, as every embedding row).
 
         Returns float32 logits [vocab] (``logits="last"``), [L, vocab] (``"all"``) or None (``"none"``).
         If ``hidden`` is a list, the embedding output and each decoder layer's output [L, H] are appended
@@ -633,12 +652,15 @@ class ReferenceModel:
         if bad:
             raise ValueError(f"feature_layers {list(feature_layers)}: the model has layers 0..{c.num_hidden_layers - 1}")
         x = self.embed(ids)
+        if embed_rows is not None and len(embed_rows):
+            x = x.copy()
+            x[np.asarray(embed_rows)] = _rounder(bf16)(embeds)
         if hidden is not None:
             hidden.append(x)
         new_states = {}
         for i, lp in enumerate(self.layers):
             x, new_states[i] = decoder_layer(x, lp, c, i, state, gdn_mode=gdn_mode, chunk_size=chunk_size,
-                                             bf16=bf16)
+                                             bf16=bf16, rope_pos=rope_pos)
             if hidden is not None:
                 hidden.append(x)
             if i in want:
@@ -667,6 +689,8 @@ class ReferenceModel:
             else:
                 state.conv[i], state.ssm[i] = st
         state.position += ids.size
+        if rope_delta is not None:
+            state.rope_delta = int(rope_delta)
         return out
 
 
@@ -757,9 +781,9 @@ class ReferenceMtp:
                             rms_norm(h, p["pre_fc_norm_hidden"], eps, bf16=bf16)], axis=-1)   # embedding first
         x = _linear(x, p["fc"], bf16)
         K0, V0 = state.keys[layer], state.values[layer]
-        cache = ReferenceState(K0.shape[1], {0: K0}, {0: V0})      # the layer's own entries, wherever they sit
-        x, (K, V) = decoder_layer(x, self.layers[layer], self.layer_config, 0, cache, bf16=bf16,
-                                  rope_position=state.position)
+        # the layer's own entries, wherever they sit: row K0.shape[1] rotates at state.position
+        cache = ReferenceState(K0.shape[1], {0: K0}, {0: V0}, rope_delta=state.position - K0.shape[1])
+        x, (K, V) = decoder_layer(x, self.layers[layer], self.layer_config, 0, cache, bf16=bf16)
         xn = rms_norm(x, p["norm"], eps, bf16=bf16)
         if out_hidden is not None:
             out_hidden.append(xn)
@@ -778,6 +802,7 @@ class ReferenceBackend:
     """numpy reference (`qwenmetal.backends.reference`): float32 on dequantized weights."""
 
     name = "reference"
+    row_inputs = True            # prefill takes explicit M-RoPE positions and embedding rows (RowInputs)
 
     def __init__(self, weights: Weights, dtype: str = "float32", gdn_mode: str = "chunked", chunk_size: int = 64):
         need = weights.dense_float32_nbytes()
@@ -804,12 +829,17 @@ class ReferenceBackend:
         """A zeroed state (position 0)."""
         return self.impl.new_state()
 
-    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None = None) -> tuple:
+    def forward(self, state: ReferenceState, ids: np.ndarray, logits: str, consumed: list | None = None,
+                rows: RowInputs | None = None) -> tuple:
         """Run `ids` after `state` and return (state, logits): computed on a copy, then committed to
         `state` together with `consumed` (a session's token list, extended by `ids`) in one step that a
-        Ctrl-C cannot split, so an error or interrupt leaves both unchanged."""
+        Ctrl-C cannot split, so an error or interrupt leaves both unchanged. `rows`: explicit RoPE positions
+        and embedding rows (`qwenmetal.mrope.RowInputs`, checked by the session layer)."""
         new = state.copy()
-        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size)
+        extra = {} if rows is None else dict(rope_pos=rows.pair_pos, embed_rows=rows.embed_rows,
+                                            embeds=rows.embeds, rope_delta=rows.rope_delta)
+        out = self.impl.forward(new, ids, logits=logits, gdn_mode=self.gdn_mode, chunk_size=self.chunk_size,
+                                **extra)
         add = [int(i) for i in ids]
         with sigint_deferred():
             vars(state).update(vars(new))

@@ -91,7 +91,14 @@ void check_rotary(const AttnShape& s, const char* op) {
               std::to_string(2 * ATTN_MAX_ROTARY_HALF));
 }
 
-AttnPrepareParams prepare_params(const AttnShape& s, const KVCache& kv, uint32_t position, uint64_t stride) {
+// RoPE runs at position + rope_offset (a state's rope_delta): never below 0
+void check_rope_offset(uint32_t position, int32_t rope_offset, const char* op) {
+    check(int64_t(position) + rope_offset >= 0, op, "rope_offset puts position " + std::to_string(position) +
+          " below 0");
+}
+
+AttnPrepareParams prepare_params(const AttnShape& s, const KVCache& kv, uint32_t position, uint64_t stride,
+                                 int32_t rope_offset = 0, bool pair_positions = false) {
     AttnPrepareParams p{};
     p.n_heads = s.n_heads;
     p.n_kv_heads = s.n_kv_heads;
@@ -103,6 +110,8 @@ AttnPrepareParams prepare_params(const AttnShape& s, const KVCache& kv, uint32_t
     p.capacity = kv.capacity;
     p.proj_stride = uint32_t(stride);
     p.eps = s.eps;
+    p.rope_offset = rope_offset;
+    p.pair_positions = pair_positions ? 1 : 0;
     for (uint32_t i = 0; i < s.rotary_dim / 2; ++i)   // the reference's rope_tables: float(theta^(-2i/rd))
         p.inv_freq[i] = float(std::pow(double(s.rope_theta), -2.0 * i / double(s.rotary_dim)));
     return p;
@@ -112,7 +121,7 @@ AttnPrepareParams prepare_params(const AttnShape& s, const KVCache& kv, uint32_t
 
 void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
                   const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out,
-                  uint32_t rows, uint32_t proj_stride) {
+                  uint32_t rows, uint32_t proj_stride, int32_t rope_offset, const Buffer* pair_pos) {
     const char* op = "attn_prepare";
     check_heads(s, op);
     check_rotary(s, op);
@@ -133,8 +142,11 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
     need(q_norm_w, hd * es, op, "q_norm_w");
     need(k_norm_w, hd * es, op, "k_norm_w");
     need(q_out, q_bytes, op, "q_out");
+    const uint64_t pair_bytes = uint64_t(rows) * (s.rotary_dim / 2) * 4;
+    if (pair_pos) need(*pair_pos, pair_bytes, op, "pair_pos");
+    if (!pair_pos) check_rope_offset(position, rope_offset, op);
 
-    const AttnPrepareParams p = prepare_params(s, kv, position, stride);
+    const AttnPrepareParams p = prepare_params(s, kv, position, stride, rope_offset, pair_pos != nullptr);
     const std::string kernel = std::string("attn_prepare_") + act_suffix(t) + "_" + kv_suffix(kv);
     const uint32_t threads = fit_threads(e, kernel, std::min<uint32_t>(ceil_div(hd, 32) * 32, ATTN_PREPARE_MAX_THREADS));
     const uint64_t cache_bytes = kvd * kv.capacity * kv_size(kv), row_bytes = kvd * kv_size(kv) * rows;
@@ -142,7 +154,9 @@ void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, con
                {Arg::params(p), Arg::in(proj.view(0, proj_bytes), rows * (uint64_t(s.n_heads) * hd + 2 * kvd) * es),
                 Arg::in(q_norm_w.view(0, hd * es)), Arg::in(k_norm_w.view(0, hd * es)),
                 Arg::out(q_out.view(0, q_bytes)), Arg::out(kv.k.view(0, cache_bytes), row_bytes),
-                Arg::out(kv.v.view(0, cache_bytes), row_bytes)});
+                Arg::out(kv.v.view(0, cache_bytes), row_bytes),
+                // without explicit positions the kernel never reads buffer 7: the norm weight stands in
+                pair_pos ? Arg::in(pair_pos->view(0, pair_bytes)) : Arg::in(q_norm_w.view(0, hd * es), 0)});
 }
 
 uint64_t attention_scratch_bytes(const AttnShape& s, uint32_t max_keys, const AttnPolicy& p) {
@@ -161,7 +175,7 @@ namespace {
 // The token's prepare fused into the first kernel of its decode (attention_decode_prepared).
 struct FusedPrepare {
     Buffer q_norm_w, k_norm_w;
-    uint32_t rope_shift = 0;
+    int32_t rope_offset = 0;
 };
 
 void decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const KVCache& kv0,
@@ -229,8 +243,7 @@ void decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, c
         const Buffer sb = route == "single" ? Buffer{} : r.scratch.view(0, sbytes);
         const std::string first = route == "single" ? "attn_decode_single_" : "attn_decode_partial_";
         if (fp) {
-            AttnPrepareParams pp = prepare_params(s, kv, r.n_keys - 1, row_len);
-            pp.rope_shift = fp->rope_shift;
+            const AttnPrepareParams pp = prepare_params(s, kv, r.n_keys - 1, row_len, fp->rope_offset);
             const uint64_t new_row = uint64_t(s.n_kv_heads) * hd * kv_size(kv);
             // reads: q (+ gate) of every head and the k, v rows once, the two norm weights
             const uint64_t proj_read = (uint64_t(s.n_heads) * hd + gate_read / es + 2 * uint64_t(s.n_kv_heads) * hd) * es;
@@ -280,7 +293,7 @@ void attention_decode_rows(Encoder& e, Act t, const AttnShape& s, const AttnPoli
 
 void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
                                const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
-                               const Buffer& scratch, const Buffer& o, uint32_t rope_shift) {
+                               const Buffer& scratch, const Buffer& o, int32_t rope_offset) {
     const char* op = "attention_decode_prepared";
     check_heads(s, op);
     check_rotary(s, op);
@@ -290,7 +303,8 @@ void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const Attn
     const uint64_t es = act_size(t);
     need(q_norm_w, s.head_dim * es, op, "q_norm_w");
     need(k_norm_w, s.head_dim * es, op, "k_norm_w");
-    const FusedPrepare fp{q_norm_w, k_norm_w, rope_shift};
+    check_rope_offset(position, rope_offset, op);
+    const FusedPrepare fp{q_norm_w, k_norm_w, rope_offset};
     // the q buffer of an unfused row is not read: proj stands in
     decode_rows(e, t, s, pol, kv, {AttnDecodeRow{proj, proj, scratch, o, position + 1}}, &fp);
 }

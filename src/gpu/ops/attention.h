@@ -23,10 +23,13 @@ struct KVCache {
 // q/k RMSNorm (q_norm_w, k_norm_w T [head_dim]) + partial RoPE + KV write of `rows` tokens at
 // positions position .. position + rows - 1 (rows = 1: decode): proj T [rows, proj_stride], each
 // row [q_rows + 2 * n_kv * hd] (proj_stride 0: that length); q_out T [rows, n_heads * head_dim];
-// K/V rows written at those positions (once). One dispatch.
+// K/V rows written at those positions (once). One dispatch. RoPE: row r rotates at position + r + rope_offset (a
+// state's rope_delta: interleaved M-RoPE's delta after an image, qwenmetal.mrope; an MTP head layer's shift), or,
+// with pair_pos (i32 [rows, rotary_dim / 2], host-written), frequency pair i of row r at pair_pos[r][i].
 void attn_prepare(Encoder& e, Act t, const AttnShape& s, const Buffer& proj, const Buffer& q_norm_w,
                   const Buffer& k_norm_w, uint32_t position, const KVCache& kv, const Buffer& q_out,
-                  uint32_t rows = 1, uint32_t proj_stride = 0);
+                  uint32_t rows = 1, uint32_t proj_stride = 0, int32_t rope_offset = 0,
+                  const Buffer* pair_pos = nullptr);
 
 // o[h] = softmax(q_h K^T / sqrt(hd)) V over keys 0..n_keys-1, times sigmoid(gate_h) when the shape
 // has the output gate (gate: the proj rows after each head's q); o T [n_heads * head_dim].
@@ -50,11 +53,12 @@ void attention_decode(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& p
                       const Buffer& o);
 // attn_prepare of the token at `position` fused into attention_decode over keys 0..position (its first kernel
 // normalises and rotates q and k itself and writes the K/V row): one dispatch and dependency level fewer, bit for
-// bit the two calls. The decode graph's route. `rope_shift`: q and k rotate at position + rope_shift (mod 2^32)
-// while the K/V row written is `position` (an MTP head's layer caches, whose entries skip positions).
+// bit the two calls. The decode graph's route.
+// rope_offset: q and k rotate at position + rope_offset while the K/V row written is `position` (attn_prepare's;
+// a state's rope_delta: M-RoPE after an image, an MTP head's layer caches, whose entries skip positions).
 void attention_decode_prepared(Encoder& e, Act t, const AttnShape& s, const AttnPolicy& pol, const Buffer& proj,
                                const Buffer& q_norm_w, const Buffer& k_norm_w, uint32_t position, const KVCache& kv,
-                               const Buffer& scratch, const Buffer& o, uint32_t rope_shift = 0);
+                               const Buffer& scratch, const Buffer& o, int32_t rope_offset = 0);
 // Several independent decode rows over one cache (the verification graph: row r sees n_keys + r keys): the
 // same kernels as attention_decode, every row's first kernel before any combine.
 struct AttnDecodeRow {

@@ -14,6 +14,7 @@ import pytest
 
 import qwenmetal as qm
 from qwenmetal.backends.cpu import CpuVisionEncoder, available
+from qwenmetal.native import core
 from qwenmetal.backends.reference_vision import VisionTower
 from qwenmetal.config import VisionConfig
 from qwenmetal.errors import InputError
@@ -22,6 +23,7 @@ from qwenmetal.testing import cached_checkpoint
 from qwenmetal.weights import QuantizedTensor
 
 pytestmark = pytest.mark.skipif(not available(), reason="the compiled extension is not built")
+_core = core() if available() else None
 
 TINY = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
             temporal_patch_size=2, out_hidden_size=48, num_position_embeddings=36)
@@ -92,6 +94,22 @@ def test_tiny_tower_matches_reference(tiny, grids):
     close(grids, got, want)
     # the thread count does not change a bit
     assert np.array_equal(CpuVisionEncoder(p, vc, threads=1).encode(px, grid), got)
+
+
+def test_every_isa(tiny):
+    """Every SIMD kernel set this CPU runs (portable, avx2, avx512 / neon): the GEMMs, the vectorised exp of the
+    attention's softmax and the GELU-tanh kernel, with a frame longer than a key block."""
+    vc, p, ref = tiny
+    grid = np.array([[1, 18, 20], [1, 2, 4]])
+    px = pixels(vc, grid, seed=4)
+    want = ref(px, grid)
+    saved = _core.cpu_isa()
+    try:
+        for isa in _core.cpu_isas():
+            _core.cpu_set_isa(isa)
+            close(isa, CpuVisionEncoder(p, vc, threads=2).encode(px, grid), want)
+    finally:
+        _core.cpu_set_isa(saved)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "mlx-q4"])

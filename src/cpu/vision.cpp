@@ -42,11 +42,8 @@ void check_vector(const std::vector<float>& v, const std::string& name, size_t n
     need(v.size() == n, "'" + name + "' has " + std::to_string(v.size()) + " values, expected " + std::to_string(n));
 }
 
-// exact GELU (torch nn.GELU()), and its tanh approximation (gelu_pytorch_tanh)
+// exact GELU (torch nn.GELU()); the tanh approximation is a SIMD kernel (Kernels::gelu_tanh)
 inline float gelu_erf(float x) { return 0.5f * x * (1.f + std::erf(x * 0.70710678118654752f)); }
-inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
-}
 
 // (row, column) of patch k of one h x w frame in the processor's spatial-merge-block order (blocks of
 // merge x merge patches row-major, the patches of a block row-major)
@@ -160,9 +157,15 @@ void VisionTower::layer_norm(ThreadPool& pool, const float* x, int64_t rows, con
     });
 }
 
-// full (bidirectional) attention within each segment [bounds[s], bounds[s+1]) — one frame of one image — over
-// the rotated q, k and v of qkv [n][3H]; tasks (segment query block, head), each an online softmax over key
-// blocks of kAttnKeyBlock with the query block's rows sharing each key block (kernels().attn_block)
+// full (bidirectional) attention within each segment [bounds[s], bounds[s+1]) -- one frame of one image -- over
+// the rotated q, k and v of qkv [n][3H]. Tasks (query block of one segment, head); a task runs an online
+// softmax over key blocks of kAttnKeyBlock keys with GEMMs: S = (scale·Q) K^T (gemm_tile: the key block
+// transposed once, broadcast-FMA tiles), per row the running max / sum and exp (exp_shift), acc += P V
+// (gemm_nn). Scratch per thread: vision_attention_floats.
+static size_t vision_attention_floats(int64_t hd) {
+    return size_t(kVisionQueryBlock * (2 * hd + kAttnKeyBlock + 2) + 64);
+}
+
 void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vector<int64_t>& bounds, int64_t n,
                             float* out) {
     const Kernels& kk = kernels();
@@ -177,13 +180,14 @@ void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vecto
         const int64_t h = task % nh;
         const int64_t t0 = bounds[size_t(s)], t1 = bounds[size_t(s) + 1];
         const int64_t G = std::min(kVisionQueryBlock, t1 - q0);
-        float* sc = ws_.t(th);
+        float* q = ws_.t(th);                            // [G][hd] scaled queries
+        float* sc = q + kVisionQueryBlock * hd;          // [G][kAttnKeyBlock] scores / probabilities
         float* acc = sc + kVisionQueryBlock * kAttnKeyBlock;
         float* m = acc + kVisionQueryBlock * hd;
         float* l = m + kVisionQueryBlock;
-        const float* qh[kVisionQueryBlock];
         for (int64_t g = 0; g < G; ++g) {
-            qh[g] = qkv + (q0 + g) * ld + h * hd;
+            const float* src = qkv + (q0 + g) * ld + h * hd;
+            for (int64_t e = 0; e < hd; ++e) q[g * hd + e] = src[e] * scale;
             m[g] = -std::numeric_limits<float>::infinity();
             l[g] = 0.f;
             std::fill(acc + g * hd, acc + (g + 1) * hd, 0.f);
@@ -191,7 +195,19 @@ void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vecto
         for (int64_t b0 = t0; b0 < t1; b0 += kAttnKeyBlock) {
             const int64_t nb = std::min(kAttnKeyBlock, t1 - b0);
             const float* k = qkv + b0 * ld + H + h * hd;
-            kk.attn_block(qh, G, k, k + H, true, ld, nb, hd, scale, m, l, acc, sc, kAttnKeyBlock);
+            kk.gemm_tile(q, hd, G, k, ld, nb, hd, sc, kAttnKeyBlock, false);
+            for (int64_t g = 0; g < G; ++g) {
+                float* row = sc + g * kAttnKeyBlock;
+                float bm = row[0];
+                for (int64_t t = 1; t < nb; ++t) bm = row[t] > bm ? row[t] : bm;
+                const float mn = m[g] > bm ? m[g] : bm;
+                const float corr = std::exp(m[g] - mn);
+                if (corr != 1.f)
+                    for (int64_t e = 0; e < hd; ++e) acc[g * hd + e] *= corr;
+                m[g] = mn;
+                l[g] = l[g] * corr + kk.exp_shift(row, nb, -mn);
+            }
+            kk.gemm_nn(sc, kAttnKeyBlock, G, k + H, ld, hd, nb, acc, hd, true);
         }
         for (int64_t g = 0; g < G; ++g) {
             float* o = out + (q0 + g) * H + h * hd;
@@ -212,7 +228,7 @@ void VisionTower::encode(ThreadPool& pool, const float* pixels, int64_t n, const
     ws_.resize(pool.size());
     ws_.planes = 0;
     ws_.gemv_rows = kGemvMaxRows;
-    const size_t attn_floats = size_t(kVisionQueryBlock * (kAttnKeyBlock + hd + 2) + 16);
+    const size_t attn_floats = vision_attention_floats(hd);
     ws_.reserve(std::max(linear_thread_floats(kmax), attn_floats), linear_xvec_floats(kmax, kVisionChunk),
                 size_t(kVisionChunk));
     float* x = x_.get(size_t(n * H));
@@ -327,11 +343,12 @@ void VisionTower::encode(ThreadPool& pool, const float* pixels, int64_t n, const
             const int64_t m = std::min(kVisionChunk, n - m0);
             gemm(pool, b.fc1, b.fc1_b, hbuf + m0 * H, m, H, mlp, I, false);
             const bool tanh_act = d.gelu_tanh;
+            const Kernels& kk = kernels();
             rows_run(pool, m, [&](int64_t r0, int64_t r1) {
                 for (int64_t r = r0; r < r1; ++r) {
                     float* y = mlp + r * I;
                     if (tanh_act)
-                        for (int64_t j = 0; j < I; ++j) y[j] = gelu_tanh(y[j]);
+                        kk.gelu_tanh(y, I);
                     else
                         for (int64_t j = 0; j < I; ++j) y[j] = gelu_erf(y[j]);
                 }

@@ -4,7 +4,7 @@
 //   patch embedding    x = pixels W^T + b                      (cpu::linear, GEMM over all patches)
 //   positions          x += bilinear taps of the learned table  (align_corners, 4 taps per patch)
 //   depth blocks       x += proj(attn(rope2d(qkv(LN1 x))))      (attention per frame of each image, flash-style
-//                      x += fc2(gelu_tanh(fc1(LN2 x)))           over key blocks: kernels().attn_block)
+//                      x += fc2(gelu_tanh(fc1(LN2 x)))           over key blocks, as GEMMs on the kernels)
 //   merger             fc2(gelu_erf(fc1(LN(x) as [n/4, 4H])))   -> [n_merged, out_hidden]
 //
 // Linear weights are read in place, as the checkpoint stores them (bf16 / f16 / f32, or MLX-quantized);
@@ -53,7 +53,7 @@ struct VisionWeights {
 };
 
 constexpr int64_t kVisionChunk = 256;         // patch rows per GEMM call
-constexpr int64_t kVisionQueryBlock = 16;     // query rows per attention task (they share each key block)
+constexpr int64_t kVisionQueryBlock = 32;     // query rows per attention task (they share each key block)
 constexpr int64_t kVisionMaxPatches = int64_t(1) << 20;   // as reference_vision.MAX_VISION_PATCHES
 
 class VisionTower {

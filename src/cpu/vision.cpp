@@ -158,10 +158,11 @@ void VisionTower::layer_norm(ThreadPool& pool, const float* x, int64_t rows, con
 }
 
 // full (bidirectional) attention within each segment [bounds[s], bounds[s+1]) -- one frame of one image -- over
-// the rotated q, k and v of qkv [n][3H]. Tasks (query block of one segment, head); a task runs an online
-// softmax over key blocks of kAttnKeyBlock keys with GEMMs: S = (scale·Q) K^T (gemm_tile: the key block
-// transposed once, broadcast-FMA tiles), per row the running max / sum and exp (exp_shift), acc += P V
-// (gemm_nn). Scratch per thread: vision_attention_floats.
+// the rotated q, k and v of qkv [n][3H]. First each head's keys are transposed to [hd][kAttnKeyBlock] tiles
+// per key block and its values gathered to vh [nh][n][hd] (contiguous operands, made once per block instead
+// of once per query block). Then tasks (query block of one segment, head) run an online softmax over key blocks of
+// kAttnKeyBlock keys with GEMM tiles: S = (scale·Q) K^T and acc += P V (gemm_nn, broadcast-FMA), per row the
+// running max / sum and the exponentials (exp_shift). Scratch per thread: vision_attention_floats.
 static size_t vision_attention_floats(int64_t hd) {
     return size_t(kVisionQueryBlock * (2 * hd + kAttnKeyBlock + 2) + 64);
 }
@@ -171,14 +172,35 @@ void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vecto
     const Kernels& kk = kernels();
     const int64_t H = d_.hidden, hd = d_.head_dim, nh = d_.heads, ld = 3 * H;
     const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    // key blocks: each segment's keys from its start in blocks of kAttnKeyBlock; block j of head h is a
+    // [hd][kAttnKeyBlock] tile of kt (a short row stride: a power-of-two stride of n floats thrashed L1)
+    std::vector<int64_t> kb0, seg_block{0};
+    for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+        for (int64_t b0 = bounds[s]; b0 < bounds[s + 1]; b0 += kAttnKeyBlock) kb0.push_back(b0);
+        seg_block.push_back(int64_t(kb0.size()));
+    }
+    kb0.push_back(n);
+    const int64_t nblk = int64_t(kb0.size()) - 1, tile = hd * kAttnKeyBlock;
+    float* kt = kt_.get(size_t(nh * nblk * tile));
+    float* vh = vh_.get(size_t(n * H));
+    pool.run(nh * nblk, [&](int64_t task, int) {
+        const int64_t h = task / nblk, j = task % nblk;
+        const int64_t b0 = kb0[size_t(j)], b1 = std::min(kb0[size_t(j) + 1], b0 + kAttnKeyBlock);
+        float* kth = kt + (h * nblk + j) * tile;
+        float* vhh = vh + h * n * hd;
+        for (int64_t t = b0; t < b1; ++t) {
+            const float* k = qkv + t * ld + H + h * hd;
+            for (int64_t e = 0; e < hd; ++e) kth[e * kAttnKeyBlock + (t - b0)] = k[e];
+            std::copy(k + H, k + H + hd, vhh + t * hd);
+        }
+    });
     std::vector<std::pair<int64_t, int64_t>> qblocks;   // (first query row, segment)
     for (size_t s = 0; s + 1 < bounds.size(); ++s)
         for (int64_t q0 = bounds[s]; q0 < bounds[s + 1]; q0 += kVisionQueryBlock) qblocks.emplace_back(q0, int64_t(s));
-    (void)n;
     pool.run(int64_t(qblocks.size()) * nh, [&](int64_t task, int th) {
         const auto [q0, s] = qblocks[size_t(task / nh)];
         const int64_t h = task % nh;
-        const int64_t t0 = bounds[size_t(s)], t1 = bounds[size_t(s) + 1];
+        const int64_t t1 = bounds[size_t(s) + 1];
         const int64_t G = std::min(kVisionQueryBlock, t1 - q0);
         float* q = ws_.t(th);                            // [G][hd] scaled queries
         float* sc = q + kVisionQueryBlock * hd;          // [G][kAttnKeyBlock] scores / probabilities
@@ -192,10 +214,10 @@ void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vecto
             l[g] = 0.f;
             std::fill(acc + g * hd, acc + (g + 1) * hd, 0.f);
         }
-        for (int64_t b0 = t0; b0 < t1; b0 += kAttnKeyBlock) {
-            const int64_t nb = std::min(kAttnKeyBlock, t1 - b0);
-            const float* k = qkv + b0 * ld + H + h * hd;
-            kk.gemm_tile(q, hd, G, k, ld, nb, hd, sc, kAttnKeyBlock, false);
+        const float* vhh = vh + h * n * hd;
+        for (int64_t j = seg_block[size_t(s)]; j < seg_block[size_t(s) + 1]; ++j) {
+            const int64_t b0 = kb0[size_t(j)], nb = std::min(kAttnKeyBlock, t1 - b0);
+            kk.gemm_nn(q, hd, G, kt + (h * nblk + j) * tile, kAttnKeyBlock, nb, hd, sc, kAttnKeyBlock, false);
             for (int64_t g = 0; g < G; ++g) {
                 float* row = sc + g * kAttnKeyBlock;
                 float bm = row[0];
@@ -207,7 +229,7 @@ void VisionTower::attention(ThreadPool& pool, const float* qkv, const std::vecto
                 m[g] = mn;
                 l[g] = l[g] * corr + kk.exp_shift(row, nb, -mn);
             }
-            kk.gemm_nn(sc, kAttnKeyBlock, G, k + H, ld, hd, nb, acc, hd, true);
+            kk.gemm_nn(sc, kAttnKeyBlock, G, vhh + b0 * hd, hd, hd, nb, acc, hd, true);
         }
         for (int64_t g = 0; g < G; ++g) {
             float* o = out + (q0 + g) * H + h * hd;

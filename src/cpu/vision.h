@@ -53,7 +53,7 @@ struct VisionWeights {
 };
 
 constexpr int64_t kVisionChunk = 256;         // patch rows per GEMM call
-constexpr int64_t kVisionQueryBlock = 32;     // query rows per attention task (they share each key block)
+constexpr int64_t kVisionQueryBlock = 64;     // query rows per attention task (they share each key block)
 constexpr int64_t kVisionMaxPatches = int64_t(1) << 20;   // as reference_vision.MAX_VISION_PATCHES
 
 class VisionTower {
@@ -83,7 +83,7 @@ private:
     VisionDims d_;
     VisionWeights w_;
     Workspace ws_;
-    FBuf x_, h_, qkv_, att_, mlp_, cos_, sin_;
+    FBuf x_, h_, qkv_, att_, mlp_, cos_, sin_, kt_, vh_;
 };
 
 }  // namespace qwenmetal::cpu

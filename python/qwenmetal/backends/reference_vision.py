@@ -37,7 +37,6 @@ import numpy as np
 from ..config import VisionConfig
 from ..errors import InputError
 from ..weights import to_float32
-from .reference import softmax
 
 F32 = np.float32
 LAYER_NORM_EPS = 1e-6
@@ -56,6 +55,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU's tanh approximation (``gelu_pytorch_tanh``), evaluated in float64 and rounded to float32."""
     x64 = x.astype(np.float64)
     return (0.5 * x64 * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)))).astype(F32)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Softmax in float32 (as `reference.softmax`; kept here so that reference.py can import this module)."""
+    x = x.astype(F32, copy=False)
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
 
 
 ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu": gelu_erf}
@@ -200,6 +206,11 @@ class VisionTower:
     def __call__(self, pixel_values, grid_thw) -> np.ndarray:
         """[n_merged, out_hidden_size] float32: the merged rows of every image, images in order."""
         return self.merge(self.blocks(pixel_values, grid_thw))
+
+    def encode(self, pixel_values, grid_thw) -> np.ndarray:
+        """The same as calling the tower: the interface every backend's vision encoder has
+        (`ModelBase.vision_encoder`)."""
+        return self(pixel_values, grid_thw)
 
     def embed(self, pixel_values, grid_thw) -> np.ndarray:
         """Patch embedding plus the interpolated position embedding: [n_patches, hidden]."""

@@ -32,7 +32,10 @@ def test_cli_convert_is_byte_identical_to_mlx_q4(root):
     out = root / "converted"
     exe = shutil.which("qwenmetal")
     cmd = [exe] if exe and os.environ.get("CI") == "true" else [sys.executable, "-m", "qwenmetal.cli"]
-    r = subprocess.run(cmd + ["convert", "--model", str(hf), "--out", str(out), "--quiet"], capture_output=True,
+    # --drop-vision: the text-only checkpoint mlx_lm.convert writes (without it the tower is kept, as mlx-vlm's
+    # conversion keeps it: tests/test_vision_reference.py)
+    r = subprocess.run(cmd + ["convert", "--model", str(hf), "--out", str(out), "--drop-vision", "--quiet"],
+                       capture_output=True,
                        text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr
     assert digests(out) == digests(ref)
@@ -48,8 +51,11 @@ def test_cli_convert_is_byte_identical_to_mlx_q4(root):
                                                ("tiny-text", "mlx-q4", 4), ("tiny-qwen3-next", "mlx-q4", 4),
                                                ("tiny-qwen3-next", "mlx-bf16", None), ("tiny", "mlx-q5", 5)])
 def test_convert_matches_every_mlx_fixture(root, preset, fmt, bits):
+    """The fixtures of a config with a vision_config ("tiny"), written with vision=True, keep the tower as
+    convert does by default (mlx-vlm's layout)."""
     hf = make_checkpoint(root / f"hf-{preset}-{fmt}", preset, "hf-bf16", seed=1)
-    ref = make_checkpoint(root / f"{preset}-{fmt}", preset, fmt, seed=1)
+    vision = preset == "tiny"
+    ref = make_checkpoint(root / f"{preset}-{fmt}", preset, fmt, seed=1, vision=vision)
     out = convert(hf, root / f"out-{preset}-{fmt}", q_bits=bits)
     assert digests(out) == digests(ref)
 
@@ -61,10 +67,12 @@ def test_cli_convert_expert_bits_is_the_mixed_fixture(root):
     from qwenmetal.cli import main
     hf = make_checkpoint(root / "hf-e", "tiny", "hf-bf16", seed=0)
     for eb in (2, 3):
-        assert main(["convert", str(hf), str(root / f"e{eb}"), "--bits", "4", "--expert-bits", str(eb), "--quiet"]) == 0
+        assert main(["convert", str(hf), str(root / f"e{eb}"), "--bits", "4", "--expert-bits", str(eb), "--drop-vision",
+                     "--quiet"]) == 0
         assert digests(root / f"e{eb}") == digests(make_checkpoint(root / f"ref-e{eb}", "tiny", f"mlx-q4-e{eb}"))
     # --expert-bits equal to --bits is the plain checkpoint (no per-expert overrides)
-    assert digests(convert(hf, root / "e4", expert_bits=4)) == digests(make_checkpoint(root / "ref4", "tiny", "mlx-q4"))
+    assert digests(convert(hf, root / "e4", expert_bits=4, drop_vision=True)) == \
+        digests(make_checkpoint(root / "ref4", "tiny", "mlx-q4"))
     with pytest.raises(qm.errors.InputError, match="expert_bits needs a quantized conversion"):
         convert(hf, root / "bad", q_bits=None, expert_bits=2)
     assert main(["convert", str(hf), str(root / "bad"), "--no-quantize", "--expert-bits", "2"]) == 2

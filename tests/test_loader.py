@@ -207,11 +207,16 @@ def test_quantized_missing_biases_and_wrong_bits(ckpts, tmp_path):
         qm.Model.load(d2, backend="reference")
 
 
-def test_unknown_leftover_tensor_but_mtp_and_vision_are_dropped(ckpts, tmp_path):
+def test_unknown_leftover_tensor_but_mtp_is_dropped(ckpts, tmp_path):
+    """A stray mtp.* tensor is an incomplete head, ignored (Weights.mtp_error says why); a stray vision tensor is
+    refused (the tower is read strictly, tests/test_vision_reference.py), as is any other unknown tensor."""
     d = copy(ckpts["tiny", "hf-bf16"], tmp_path)
-    rewrite(d, lambda t: t.update({"mtp.fc.weight": np.zeros((4, 4), np.float32),
-                                   "model.visual.patch_embed.weight": np.zeros((2,), ml_dtypes.bfloat16)}))
+    rewrite(d, lambda t: t.update({"mtp.fc.weight": np.zeros((4, 4), np.float32)}))
     qm.Model.load(d, backend="reference")
+    rewrite(d, lambda t: t.update({"model.visual.patch_embed.weight": np.zeros((2,), ml_dtypes.bfloat16)}))
+    with pytest.raises(CheckpointError, match=r"unexpected vision tensor 'model\.visual\.patch_embed\.weight'"):
+        qm.Model.load(d, backend="reference")
+    rewrite(d, lambda t: t.pop("model.visual.patch_embed.weight"))
     rewrite(d, lambda t: t.update({"model.layers.0.mlp.mystery.weight": np.zeros((4,), np.float32)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.mystery\.weight'"):
         qm.Model.load(d, backend="reference")

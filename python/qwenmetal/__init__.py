@@ -7,7 +7,7 @@
 """
 from .chat import ChatResponse
 from .config import ModelConfig, QuantizationConfig
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, ImageError, InputError
 from .generation import GenerationOutput
 from .model import Model
 from .options import GenerationOptions
@@ -17,5 +17,5 @@ from .session import Session, SessionSnapshot
 from .version import __version__
 
 __all__ = ["Model", "Session", "SessionSnapshot", "GenerationOutput", "ModelConfig", "QuantizationConfig",
-           "CheckpointError", "InputError", "Sampler", "GenerationOptions", "PrefixCache", "ChatResponse",
-           "__version__"]
+           "CheckpointError", "InputError", "ImageError", "Sampler", "GenerationOptions", "PrefixCache",
+           "ChatResponse", "__version__"]

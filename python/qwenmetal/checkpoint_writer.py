@@ -340,18 +340,22 @@ def hf_tensors(cfg: Mapping[str, Any], seed: int = 0, mtp: bool = False) -> dict
     return _convert.materialize(_hf_lazy(dict(cfg), seed, mtp))
 
 
-def _mlx_lazy(cfg: dict, layout: str, seed: int, mtp: bool = False):
+def _mlx_lazy(cfg: dict, layout: str, seed: int, mtp: bool = False, vision: bool = False):
     if layout not in _BITS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
     bits, expert_bits = _BITS[layout]
-    return _convert.mlx_build(_hf_lazy(cfg, seed, mtp), cfg, bits, 64, expert_bits, keep_mtp=mtp)
+    if vision and not cfg.get("vision_config"):
+        raise ValueError("vision=True needs a config with a vision_config (e.g. the 'tiny-vl' preset)")
+    return _convert.mlx_build(_hf_lazy(cfg, seed, mtp), cfg, bits, 64, expert_bits, keep_mtp=mtp, keep_vision=vision)
 
 
-def mlx_tensors(cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0, mtp: bool = False) -> dict[str, np.ndarray]:
+def mlx_tensors(cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0, mtp: bool = False,
+                vision: bool = False) -> dict[str, np.ndarray]:
     """The tensors of an MLX layout (``mlx-bf16``, ``mlx-q{2,3,4,5,6,8}``, ``mlx-q4-e{2,3}``:
     ``mlx_lm.convert`` of the ``hf-bf16`` tensors, g64) by file key. ``mtp``: with the MTP head kept
-    (``convert(..., keep_mtp=True)``)."""
-    return _convert.materialize(_mlx_lazy(dict(cfg), layout, seed, mtp)[0])
+    (``convert(..., keep_mtp=True)``). ``vision``: with the vision tower kept in mlx-vlm's layout
+    (``vision_tower.*``, unquantized; what ``convert`` writes by default)."""
+    return _convert.materialize(_mlx_lazy(dict(cfg), layout, seed, mtp, vision)[0])
 
 
 def canonical_params(c: ModelConfig, seed: int = 0, init: str = "fixture", mtp: bool = False) -> dict[str, np.ndarray]:
@@ -381,7 +385,7 @@ def canonical_params(c: ModelConfig, seed: int = 0, init: str = "fixture", mtp: 
 
 def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], layout: str = "mlx-q4", seed: int = 0,
                      files: Mapping[str, str] | None = None, max_shard_bytes: int = _convert.MAX_SHARD_BYTES,
-                     progress: bool = False, mtp: bool = False) -> Path:
+                     progress: bool = False, mtp: bool = False, vision: bool = False) -> Path:
     """Write the random checkpoint of config.json dict `cfg` in `layout` (one of :data:`LAYOUTS`) at
     `dest` (absent or an empty directory), plus `files` (name -> text: tokenizer, generation config,
     ...; as in ``mlx_lm.convert``, a ``generation_config.json`` among them sets an MLX config.json's
@@ -389,7 +393,9 @@ def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], layout: st
     ``model-0000i-of-0000n.safetensors`` and an index, in save_pretrained's / mlx-lm's naming); the
     directory appears atomically. Returns `dest`. Same arguments -> byte-identical files. ``mtp``: with
     random ``mtp.*`` weights (kept in the MLX layouts too) and ``mtp_num_hidden_layers: 1`` in config.json
-    (:func:`with_mtp`)."""
+    (:func:`with_mtp`). ``vision``: the MLX layouts keep the vision tower as mlx-vlm's conversion does
+    (``vision_tower.*``, bf16, patch embed channels-last, ``vision_config`` in config.json); without it they
+    drop it as mlx-lm does. The ``hf-bf16`` layout has the tower whenever the config has a vision_config."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown format {layout!r}; formats: {LAYOUTS}")
     cfg = with_mtp(cfg) if mtp else json.loads(json.dumps(dict(cfg)))
@@ -399,7 +405,7 @@ def write_checkpoint(dest: str | os.PathLike, cfg: Mapping[str, Any], layout: st
     if layout == "hf-bf16":
         w, quant = _hf_lazy(cfg, seed, mtp), None
     else:
-        w, quant = _mlx_lazy(cfg, layout, seed, mtp)
+        w, quant = _mlx_lazy(cfg, layout, seed, mtp, vision)
     with atomic_dir(dest) as tmp:
         if layout == "hf-bf16":
             _write_hf_weights(tmp, w, max_shard_bytes)

@@ -565,7 +565,8 @@ def cmd_convert(args) -> int:
         raise InputError("--expert-bits needs quantization (drop --no-quantize)", param="expert_bits")
     t = time.perf_counter()
     out = convert(src, dst, revision=args.revision, q_bits=None if args.no_quantize else args.q_bits,
-                  keep_mtp=args.keep_mtp, q_group_size=args.q_group_size, expert_bits=args.expert_bits,
+                  keep_mtp=args.keep_mtp, drop_vision=args.drop_vision, q_group_size=args.q_group_size,
+                  expert_bits=args.expert_bits,
                   max_shard_bytes=int(args.max_shard_gb * 2**30), progress=not args.quiet)
     size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
     print(f"wrote {out} ({size / 2**20:.1f} MiB of weights) in {time.perf_counter() - t:.1f} s")
@@ -690,6 +691,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-quantize", action="store_true", help="keep the weights unquantized (mlx_lm.convert without -q)")
     p.add_argument("--keep-mtp", action="store_true",
                    help="keep the MTP head (mtp.*), quantized like the body, for --speculative mtp")
+    p.add_argument("--drop-vision", action="store_true",
+                   help="drop the vision tower (kept by default, unquantized, as mlx-vlm's vision_tower.*): "
+                        "a text-only checkpoint, as mlx_lm.convert writes it")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -6,10 +6,14 @@ Supported `model_type`s:
 * ``qwen3_5_moe_text``  — the text model alone (what ``Qwen3_5MoeForCausalLM`` saves).
 * ``qwen3_next``        — Qwen3-Next (fused GDN input projections, optional dense-MLP layers).
 
+A ``qwen3_5_moe`` config.json's ``vision_config`` (the image tower, docs/vision.md) is parsed into
+`VisionConfig` (``ModelConfig.vision``; None when the file has none) with the image / video token ids.
+
 Every dimension comes from the file; nothing about the 35B model is a constant here.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from html import escape
@@ -107,6 +111,99 @@ def _spec(bits, group_size, what: str, mode: str) -> QuantSpec:
     return QuantSpec(bits, group_size, mode)
 
 
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")      # the block MLP's; the merger's GELU is always exact
+VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The ``vision_config`` block of a ``qwen3_5_moe`` config.json: the ViT that turns an image's patches into
+    LM-width rows (transformers' ``Qwen3_5MoeVisionConfig``). Every dimension is required (the released
+    configs list them all); ``in_channels`` defaults to 3 (RGB), ``hidden_act`` to ``gelu_pytorch_tanh`` and the
+    rotary base to 10000, as transformers does."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    hidden_act: str
+    in_channels: int
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of ``pixel_values``: C * T * P * P (channel-major, as the processor flattens)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (spatial_merge_size squared)."""
+        return self.spatial_merge_size * self.spatial_merge_size
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of the merger's input: hidden_size x merge_unit."""
+        return self.hidden_size * self.merge_unit
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the learned square position-embedding grid (sqrt of num_position_embeddings)."""
+        return math.isqrt(self.num_position_embeddings)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "VisionConfig":
+        if not isinstance(d, Mapping):
+            raise CheckpointError(f"config field 'vision_config' must be an object, got {d!r:.200}")
+
+        def get(key):
+            if key not in d:
+                raise CheckpointError(f"vision_config lacks required field {key!r}")
+            return d[key]
+
+        ints = {k: _positive_int(get(k), f"vision_config field {k!r}") for k in (
+            "depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size",
+            "temporal_patch_size", "out_hidden_size", "num_position_embeddings")}
+        ints["in_channels"] = _positive_int(d.get("in_channels", 3), "vision_config field 'in_channels'")
+        if ints["depth"] > MAX_LAYERS:
+            raise CheckpointError(f"vision_config field 'depth' is {ints['depth']}, more than {MAX_LAYERS}")
+        act = d.get("hidden_act", VISION_ACTIVATIONS[0])
+        if act not in VISION_ACTIVATIONS:
+            raise CheckpointError(f"vision_config field 'hidden_act' is {act!r}; supported: {VISION_ACTIVATIONS}")
+        rope = d.get("rope_parameters") or {}
+        if not isinstance(rope, Mapping):
+            raise CheckpointError(f"vision_config field 'rope_parameters' must be an object, got {rope!r:.200}")
+        if rope.get("rope_type", "axial") != "axial":
+            raise CheckpointError(f"vision_config rope_type {rope.get('rope_type')!r} is not supported (only "
+                                  f"'axial', the 2-D rotary embedding)")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise CheckpointError(f"vision_config rope_theta must be a positive number, got {theta!r}")
+        deepstack = d.get("deepstack_visual_indexes") or []
+        if deepstack:
+            raise CheckpointError(f"vision_config field 'deepstack_visual_indexes' is {deepstack!r}: deepstack "
+                                  f"mergers (Qwen3-VL) are not supported; Qwen3.5/3.6 have none")
+        vc = cls(hidden_act=act, rope_theta=float(theta), **ints)
+        if vc.hidden_size % vc.num_heads:
+            raise CheckpointError(f"vision_config hidden_size ({vc.hidden_size}) must be a multiple of "
+                                  f"num_heads ({vc.num_heads})")
+        if vc.head_dim % 4:
+            raise CheckpointError(f"vision_config head dim {vc.head_dim} (hidden_size / num_heads) must be a "
+                                  f"multiple of 4 (the 2-D rotary embedding gives each axis half of it, in pairs)")
+        if vc.grid_side * vc.grid_side != vc.num_position_embeddings:
+            raise CheckpointError(f"vision_config field 'num_position_embeddings' is {vc.num_position_embeddings}; "
+                                  f"it must be a square (the learned position grid is side x side)")
+        return vc
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Dimensions and options of one hybrid GDN/attention MoE model."""
@@ -144,6 +241,11 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple
     quantization: QuantizationConfig | None = None
+    vision: VisionConfig | None = None         # the image tower (qwen3_5_moe's vision_config), if any
+    image_token_id: int | None = None          # <|image_pad|>: one per merged image token in the prompt
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None   # <|vision_start|> / <|vision_end|> around an image's pads
+    vision_end_token_id: int | None = None
     raw: Mapping[str, Any] = field(default=None, repr=False, compare=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -315,6 +417,16 @@ class ModelConfig:
                 raise CheckpointError(f"unsupported quantization_config {dict(qblock)!r}")
         quant = QuantizationConfig.from_dict(qblock) if qblock is not None else None
 
+        vision, tokens = None, {}
+        if model_type == "qwen3_5_moe":
+            if d.get("vision_config"):
+                vision = VisionConfig.from_dict(d["vision_config"])
+            for key in VISION_TOKEN_FIELDS:
+                v = d.get(key)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise CheckpointError(f"config field {key!r} must be a non-negative integer, got {v!r}")
+                tokens[key] = v
+
         is_next = model_type == "qwen3_next"
         cfg = cls(
             model_type=model_type,
@@ -346,6 +458,8 @@ class ModelConfig:
             max_position_embeddings=integer("max_position_embeddings", 262144),
             eos_token_ids=tuple(eos),
             quantization=quant,
+            vision=vision,
+            **tokens,
             raw=d,
         )
         cfg._validate()

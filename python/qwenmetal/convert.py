@@ -3,7 +3,10 @@
 ``convert(src, dst, q_bits=4, q_group_size=64)`` reproduces, for the model types this package supports
 (``qwen3_5_moe``, ``qwen3_5_moe_text``, ``qwen3_next``), what ``mlx_lm.convert --quantize`` writes:
 
-* mlx-lm's ``sanitize``: vision tower and ``mtp.*`` dropped (``keep_mtp=True`` / ``--keep-mtp``: the MTP
+* the vision tower kept as mlx-vlm's conversion writes it (``vision_tower.*``: the patch-embed Conv3d weight
+  channels-last ``[out, T, P, P, C]``, cast to the config's dtype, never quantized; config.json keeps its
+  ``vision_config``); ``drop_vision=True`` / ``--drop-vision`` drops it as mlx-lm does (text-only output);
+* mlx-lm's ``sanitize``: ``mtp.*`` dropped (``keep_mtp=True`` / ``--keep-mtp``: the MTP
   head kept under its ``mtp.*`` names, treated like a body layer -- experts split/stacked, zero-centred
   norms shifted (also ``pre_fc_norm_*`` and ``mtp.norm``, as mlx-vlm's MTP drafter sanitize does), its
   linears quantized by the same predicate), keys renamed (``language_model.model.*`` for
@@ -158,14 +161,38 @@ def _mtp_moe_blocks(w: Mapping[str, Lazy]) -> list:
     return sorted(out)
 
 
-def mlx_sanitize(hf: Mapping[str, Lazy], cfg: dict, c: ModelConfig, keep_mtp: bool = False) -> dict[str, Lazy]:
+def _vision_key(k: str) -> str | None:
+    """mlx-vlm's name (``vision_tower.*``) of an HF vision tower key, None for any other key."""
+    for p in ("model.visual.", "model.language_model.visual."):
+        if k.startswith(p):
+            return "vision_tower." + k[len(p):]
+    return k if k.startswith("vision_tower.") else None
+
+
+def _channels_last(v: Lazy) -> Lazy:
+    """An HF Conv3d weight [out, C, T, P, P] as mlx-vlm stores it, [out, T, P, P, C]."""
+    s = v.shape
+    return Lazy((s[0],) + s[2:] + (s[1],), v.dtype,
+                lambda v=v: np.ascontiguousarray(np.moveaxis(v.load(), 1, -1)))
+
+
+def mlx_sanitize(hf: Mapping[str, Lazy], cfg: dict, c: ModelConfig, keep_mtp: bool = False,
+                 keep_vision: bool = False) -> dict[str, Lazy]:
     """mlx-lm's ``Model.sanitize`` (qwen3_5_moe / qwen3_next) on HF file tensors (lazily). `keep_mtp`: keep
-    the ``mtp.*`` head (top-level ``mtp.`` names) instead of dropping it, sanitized like a body layer."""
+    the ``mtp.*`` head (top-level ``mtp.`` names) instead of dropping it, sanitized like a body layer.
+    `keep_vision`: keep the vision tower as mlx-vlm's sanitize does (``vision_tower.*``, patch embed
+    channels-last) instead of dropping it."""
     fam = family(cfg)
     w: dict[str, Lazy] = {}
     if fam == "qwen3_5":
         for k, v in hf.items():
-            if k.startswith(("vision_tower", "model.visual")):
+            vk = _vision_key(k)
+            if vk is not None:
+                if keep_vision:
+                    in_ch = (cfg.get("vision_config") or {}).get("in_channels", 3)
+                    hf_conv = vk.endswith("patch_embed.proj.weight") and v.ndim == 5 and v.shape[1] == in_ch \
+                        and v.shape[-1] != in_ch
+                    w[vk] = _channels_last(v) if hf_conv else v
                 continue
             if keep_mtp and k.startswith("mtp."):
                 pass
@@ -266,12 +293,13 @@ def mlx_quantize(w: dict[str, Lazy], cfg: dict, c: ModelConfig, bits: int, group
 
 
 def mlx_build(hf: Mapping[str, Lazy], cfg: dict, bits: int | None, group_size: int = 64,
-              expert_bits: int | None = None, keep_mtp: bool = False):
+              expert_bits: int | None = None, keep_mtp: bool = False, keep_vision: bool = False):
     """HF file tensors -> (MLX tensors, quantization block or None), all lazy. ``expert_bits``: the
     routed experts' width (default ``bits``), recorded as per-path overrides. ``keep_mtp``: keep the MTP
-    head (see `mlx_sanitize`), quantized like the body."""
+    head (see `mlx_sanitize`), quantized like the body. ``keep_vision``: keep the vision tower (mlx-vlm's
+    layout, cast but never quantized)."""
     c = ModelConfig.from_dict(cfg)
-    w = mlx_cast(mlx_sanitize(hf, cfg, c, keep_mtp), cfg)
+    w = mlx_cast(mlx_sanitize(hf, cfg, c, keep_mtp, keep_vision), cfg)
     if bits is None:
         if expert_bits is not None:
             raise InputError("expert_bits needs a quantized conversion (q_bits)", param="expert_bits")
@@ -312,8 +340,9 @@ def wrap_text_config(text_cfg: Mapping[str, Any]) -> dict:
             "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False)}
 
 
-def mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None) -> str:
-    """The config.json ``mlx_lm.convert`` writes, from the HF config.json text (same steps, same order)."""
+def mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None, keep_vision: bool = False) -> str:
+    """The config.json ``mlx_lm.convert`` writes, from the HF config.json text (same steps, same order);
+    ``keep_vision``: with the ``vision_config`` (a checkpoint that keeps the tower, as mlx-vlm's does)."""
     cfg = json.loads(hf_config_text)
     if cfg["model_type"] == "qwen3_5_moe_text":                   # mlx-lm has no such model: wrap it
         cfg = wrap_text_config(cfg)
@@ -328,7 +357,8 @@ def mlx_config_text(hf_config_text: str, gen: dict, quant: dict | None) -> str:
         cfg["quantization"] = quant
         cfg["quantization_config"] = quant
     cfg.pop("_name_or_path", None)
-    cfg.pop("vision_config", None)
+    if not keep_vision:
+        cfg.pop("vision_config", None)
     return json.dumps(dict(sorted(cfg.items())), indent=4)
 
 
@@ -376,13 +406,14 @@ def write_mlx_checkpoint(dst, w: Mapping[str, Lazy], quant: dict | None, hf_conf
                           "total_parameters": int(total_parameters(w, quant))},
              "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=4), encoding="utf-8")
-    (dst / "config.json").write_text(mlx_config_text(hf_config_text, gen, quant), encoding="utf-8")
+    keep_vision = any(k.startswith("vision_tower.") for k in w)
+    (dst / "config.json").write_text(mlx_config_text(hf_config_text, gen, quant, keep_vision), encoding="utf-8")
     (dst / "README.md").write_text(MLX_README, encoding="utf-8")
 
 
 def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_group_size: int = 64,
             expert_bits: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False,
-            keep_mtp: bool = False) -> Path:
+            keep_mtp: bool = False, drop_vision: bool = False) -> Path:
     """Convert the HF checkpoint at ``src`` (directory or hub id) to MLX layout in ``dst``.
 
     ``q_bits`` None -> unquantized (``mlx_lm.convert`` without ``-q``). ``expert_bits``: the routed
@@ -391,6 +422,9 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     not exist (or be empty); the result appears atomically (built in a temporary sibling, then renamed).
     ``keep_mtp``: keep the multi-token-prediction head (``mtp.*``, which mlx-lm drops), quantized like the
     body, so ``speculative="mtp"`` can use it; raises ValueError if the source has no ``mtp.*`` tensors.
+    The vision tower (``model.visual.*``), when the source has one, is kept unquantized in mlx-vlm's layout
+    (``vision_tower.*``) with config.json's ``vision_config``; ``drop_vision``: drop it as ``mlx_lm.convert``
+    does (a text-only checkpoint, byte-identical to mlx-lm's).
     """
 
     src = Path(resolve_checkpoint(src, revision))
@@ -406,7 +440,7 @@ def convert(src, dst, *, revision: str | None = None, q_bits: int | None = 4, q_
     hf = {k: Lazy(ts.shape(k), DTYPES[ts.dtype_name(k)], lambda k=k: ts.get(k)) for k in ts.keys()}
     if keep_mtp and not any(k.startswith("mtp.") for k in hf):
         raise ValueError(f"{src}: keep_mtp: the checkpoint has no MTP head (no mtp.* tensors)")
-    w, quant = mlx_build(hf, cfg, q_bits, q_group_size, expert_bits, keep_mtp)
+    w, quant = mlx_build(hf, cfg, q_bits, q_group_size, expert_bits, keep_mtp, keep_vision=not drop_vision)
     gen_path = src / "generation_config.json"
     gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
     with atomic_dir(dst) as tmp:            # only writes inside: an OSError here is about dst

@@ -16,3 +16,10 @@ class InputError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class ImageError(InputError):
+    """An image input that qwenmetal cannot take: unreadable or corrupt data, a format other than PNG, JPEG,
+    WebP or GIF, an encoded size or pixel count over the limits of `qwenmetal.images`, a URL to fetch, a video.
+    The message names what was given; ``code`` is ``"unsupported_value"`` for a well-formed input qwenmetal does
+    not take (another format, a video, an http URL) and ``"invalid_value"`` otherwise."""

@@ -215,6 +215,7 @@ class ModelBase:
         except ValueError as e:
             raise CheckpointError(f"{gc_path}: {e}") from None
         self._identity = None
+        self._vision = None                     # vision_encoder()'s, built on first use
         self.prefix_cache = None                # Model sets these (qwenmetal.prefix_cache, .transcripts)
         self.transcripts = None
 
@@ -510,6 +511,22 @@ class ModelBase:
         make = getattr(self._backend, "dflash_draft", None)
         return make(draft) if make is not None else None
 
+    def vision_encoder(self):
+        """The backend's vision tower over this checkpoint's (`Weights.vision`), built on first use and kept:
+        an object with ``encode(pixel_values, grid_thw) -> [n_merged, out_hidden_size]`` float32 (the
+        rows that replace an image's ``<|image_pad|>`` tokens; inputs as `qwenmetal.images.preprocess` gives
+        them). reference: the numpy `VisionTower`; cpu: `CpuVisionEncoder` on the engine's threads. None for
+        a checkpoint without a tower, or a backend that has none."""
+        if not getattr(self.weights, "vision", None):
+            return None
+        enc = getattr(self, "_vision", None)
+        if enc is None:
+            make = getattr(self._backend, "vision_encoder", None)
+            if make is None:
+                return None
+            enc = self._vision = make(self.weights)
+        return enc
+
     @property
     def reference_model(self):
         """The numpy `ReferenceModel` of the reference backend, None on the others."""
@@ -522,6 +539,7 @@ class ModelBase:
         twin.__dict__.update(self.__dict__)
         twin._backend = backend
         twin._identity = self._identity
+        twin._vision = None
         twin.prefix_cache = twin.transcripts = None
         return twin
 

@@ -391,12 +391,19 @@ def _presets() -> dict:
         rope_parameters={"partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rope_type": "default"},
         # mlx-lm's qwen3_next ModelArgs requires these two at the top level (transformers 5 nests them)
         rope_theta=10000000.0, partial_rotary_factor=0.25)
-    return {"tiny": tiny, "tiny-text": dict(sorted(tiny_text.items())), "tiny-qwen3-next": nxt}
+    # the same model with a tower worth testing: 2 blocks, 4 heads of 16, a 6 x 6 learned position grid (so
+    # every image grid is an interpolation of it), the real patch / merge / temporal sizes
+    tiny_vl = dict(tiny, vision_config=dict(
+        tiny["vision_config"], depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
+        num_position_embeddings=36))
+    return {"tiny": tiny, "tiny-text": dict(sorted(tiny_text.items())), "tiny-qwen3-next": nxt, "tiny-vl": tiny_vl}
 
 
 #: Preset name -> config.json dict. ``tiny``: Qwen3.5/3.6-MoE as released (``qwen3_5_moe`` with a nested
 #: ``text_config`` and a tiny vision config); ``tiny-text``: the same text model as transformers'
-#: ``Qwen3_5MoeForCausalLM`` saves it (``qwen3_5_moe_text``); ``tiny-qwen3-next``: Qwen3-Next.
+#: ``Qwen3_5MoeForCausalLM`` saves it (``qwen3_5_moe_text``); ``tiny-qwen3-next``: Qwen3-Next; ``tiny-vl``:
+#: ``tiny`` with a larger vision tower (2 blocks, hidden 64 in 4 heads, MLP 128, a 6 x 6 position grid, patch
+#: 16, merge 2) for the image tests -- with ``vision=True`` its MLX formats keep the tower (mlx-vlm's layout).
 #: All: hidden 128, 4 layers (3 GDN + 1 attention), attention 4q/2kv x 32 (8 rotary dims, theta 1e7),
 #: GDN 2k/4v heads x 32, conv 4, 8 experts top-2 x 64 + shared 64, vocab 512 (tokenizer: 414 ids).
 #: Every linear's input dim is a multiple of 64, so 4-bit g64 quantization covers all of them.
@@ -423,9 +430,10 @@ def hf_tensors(config: str | Mapping[str, Any] = "tiny", seed: int = 0, *, mtp: 
 
 
 def mlx_tensors(config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
-                seed: int = 0, *, mtp: bool = False) -> dict[str, np.ndarray]:
-    """The tensors of an MLX-format checkpoint (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``), by file key."""
-    return _writer.mlx_tensors(_resolve_config(config), format, seed, mtp)
+                seed: int = 0, *, mtp: bool = False, vision: bool = False) -> dict[str, np.ndarray]:
+    """The tensors of an MLX-format checkpoint (``mlx-bf16`` / ``mlx-q4`` / ``mlx-q8``), by file key
+    (``vision``: with the tower in mlx-vlm's layout)."""
+    return _writer.mlx_tensors(_resolve_config(config), format, seed, mtp, vision)
 
 
 wrap_text_config = _convert.wrap_text_config
@@ -444,7 +452,7 @@ def _side_files(cfg: dict) -> dict[str, str]:
 
 def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4",
                     seed: int = 0, *, max_shard_bytes: int = _convert.MAX_SHARD_BYTES,
-                    progress: bool = False, mtp: bool = False) -> Path:
+                    progress: bool = False, mtp: bool = False, vision: bool = False) -> Path:
     """Write a complete checkpoint directory at ``dir`` and return its path.
 
     ``config``: a :data:`PRESETS` name or a config.json dict (same schema as a real config.json);
@@ -452,7 +460,9 @@ def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "t
     streamed into safetensors shards of at most ``max_shard_bytes`` (mlx-lm's 5 GiB by default); the
     checkpoint is built in a temporary sibling directory and renamed into place (nothing is left behind
     on an error). ``progress``: a tqdm bar of the bytes written. ``mtp``: with a random MTP head (see the
-    module docstring).
+    module docstring). ``vision``: the MLX formats keep the vision tower in mlx-vlm's layout (``vision_tower.*``,
+    unquantized, what ``qwenmetal convert`` writes by default; needs a config with a ``vision_config``, e.g.
+    ``"tiny-vl"``); ``hf-bf16`` has the tower (``model.visual.*``) whenever the config has a vision_config.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; formats: {FORMATS}")
@@ -465,10 +475,12 @@ def make_checkpoint(dir: str | os.PathLike, config: str | Mapping[str, Any] = "t
     if c.vocab_size < n_tok:
         raise ValueError(f"vocab_size {c.vocab_size} is smaller than the fixture tokenizer ({n_tok} ids)")
     return _writer.write_checkpoint(dir, cfg, format, int(seed), files=_side_files(cfg),
-                                    max_shard_bytes=max_shard_bytes, progress=progress, mtp=mtp)
+                                    max_shard_bytes=max_shard_bytes, progress=progress, mtp=mtp,
+                                    vision=vision)
 
 
-def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int, mtp: bool = False) -> str:
+def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int, mtp: bool = False,
+                   vision: bool = False) -> str:
     """A short hash of everything a generated checkpoint's bytes depend on (config, format, seed, the
     generator's version, numpy and tokenizers, and ``mtp`` when set): the cache key of
     :func:`cached_checkpoint`."""
@@ -477,25 +489,34 @@ def checkpoint_key(config: str | Mapping[str, Any], format: str, seed: int, mtp:
          "version": FIXTURE_VERSION, "numpy": np.__version__, "tokenizers": tokenizers.__version__}
     if mtp:                                    # absent otherwise: the keys of existing fixtures stay
         d["mtp"] = True
+    if vision:
+        d["vision"] = True
     key = json.dumps(d, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def cached_checkpoint(preset: str | Mapping[str, Any] = "tiny", format: str = "mlx-q4", seed: int = 0, *,
                       cache: str = "fixtures", name: str | None = None,
-                      build: Callable[[Path, dict, str, int], Path] | None = None, mtp: bool = False) -> Path:
+                      build: Callable[[Path, dict, str, int], Path] | None = None, mtp: bool = False,
+                      vision: bool = False) -> Path:
     """``make_checkpoint`` once per :func:`checkpoint_key` under ``paths.cache_dir(cache)`` and return
     its path (``<name>-<format>-seed<seed>-<key>``; ``name`` defaults to the preset name or model_type,
-    plus ``-mtp`` with ``mtp``). ``build(dest, cfg, format, seed)`` writes a missing one (default
-    :func:`make_checkpoint`, with ``mtp``); a checkpoint another process finished first is used as it is."""
+    plus ``-mtp`` with ``mtp``, ``-vision`` with ``vision``). ``build(dest, cfg, format, seed)`` writes a missing
+    one (default :func:`make_checkpoint`, with ``mtp`` and ``vision``); a checkpoint another process finished
+    first is used as it is."""
     cfg = _resolve_config(preset)
     if name is None:
         name = preset if isinstance(preset, str) else cfg.get("model_type", "custom")
+    flags = {}
     if mtp:
         cfg, name = _writer.with_mtp(cfg), name + "-mtp"
-        if build is None:
-            build = functools.partial(make_checkpoint, mtp=True)
-    dest = cache_dir(cache) / f"{name}-{format}-seed{int(seed)}-{checkpoint_key(cfg, format, seed, mtp)}"
+        flags["mtp"] = True
+    if vision:
+        name += "-vision"
+        flags["vision"] = True
+    if build is None and flags:
+        build = functools.partial(make_checkpoint, **flags)
+    dest = cache_dir(cache) / f"{name}-{format}-seed{int(seed)}-{checkpoint_key(cfg, format, seed, mtp, vision)}"
     if (dest / "config.json").is_file():
         return dest
     try:

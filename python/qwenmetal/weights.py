@@ -37,6 +37,21 @@ without the ``mtp.`` prefix::
 
 A partial or malformed head is dropped as before (ordinary inference ignores it); why is kept in
 ``Weights.mtp_error``. `load_mtp_head` reads a separate MTP head folder (mlx-vlm's ``qwen3_5_mtp``).
+
+The vision tower (docs/vision.md), when the files carry one -- Hugging Face's ``model.visual.*`` (what
+``save_pretrained`` of ``Qwen3_5MoeForConditionalGeneration`` writes) or mlx-vlm's ``vision_tower.*`` (its
+conversion: bf16, the patch-embed conv channels-last) -- is loaded strictly (every tensor with the shape
+config.json's ``vision_config`` gives it, nothing else) into ``Weights.vision``, a separate dict under these
+names (``.bias`` the linear / LayerNorm biases; linear weights dense or MLX-quantized, the rest plain)::
+
+    patch_embed.proj [hidden, C*T*P*P]  (the Conv3d as a GEMM: the weight flattened channel-major, the order
+                                         of a pixel_values row)   patch_embed.proj.bias [hidden]
+    pos_embed [num_position_embeddings, hidden]
+    blocks.{i}.norm1 / norm2 [hidden] (+ .bias)      blocks.{i}.attn.qkv [3*hidden, hidden] (+ .bias)
+    blocks.{i}.attn.proj [hidden, hidden] (+ .bias)  blocks.{i}.mlp.linear_fc1 [I, hidden] / linear_fc2 [hidden, I]
+    merger.norm [hidden] (+ .bias)   merger.linear_fc1 [hidden*m^2, hidden*m^2]   merger.linear_fc2 [out, hidden*m^2]
+
+A checkpoint without tower tensors (mlx-lm's text-only conversions) loads with ``Weights.vision`` empty.
 """
 from __future__ import annotations
 
@@ -136,6 +151,8 @@ class Weights:
     source: TensorSource | None = None      # the mapped files (None for weights built in memory)
     mtp: dict = field(default_factory=dict)  # the MTP head's tensors (canonical names, see above), if any
     mtp_error: str | None = None             # why the checkpoint's mtp.* tensors were not loaded
+    vision: dict = field(default_factory=dict)  # the vision tower's tensors (canonical names, see above), if any
+    vision_layout: str | None = None         # "hf" (model.visual.*) or "mlx-vlm" (vision_tower.*); None: no tower
 
     def check_unchanged(self) -> None:
         """Raise CheckpointError if a weight file changed on disk since loading (see
@@ -181,6 +198,21 @@ def _mtp_canonical_key(key: str):
         return None
     at = 0 if key.startswith("mtp.") else key.index(".mtp.") + 1
     return split_part(key[at + len("mtp."):])
+
+
+# file-key prefixes of the vision tower: Hugging Face (save_pretrained; the second is an old nesting mlx-vlm
+# also renames) and mlx-vlm's conversion
+VISION_PREFIXES = {"model.visual.": "hf", "model.language_model.visual.": "hf", "vision_tower.": "mlx-vlm"}
+
+
+def _vision_prefix(key: str) -> str | None:
+    return next((p for p in VISION_PREFIXES if key.startswith(p)), None)
+
+
+def _vision_canonical_key(key: str):
+    """(stem, part) of a vision tower file key, its prefix removed; None for any other key."""
+    p = _vision_prefix(key)
+    return None if p is None else split_part(key[len(p):])
 
 
 def _canonical_key(key: str):
@@ -391,9 +423,11 @@ def load_weights(path: str | os.PathLike, config: ModelConfig) -> Weights:
     mtp, mtp_error = {}, None
     if any(_is_mtp_key(k) for k in src.keys()):
         mtp, mtp_error = _try_load_mtp(src, c, hf)
+    vision, vision_layout = load_vision(src, c)
 
     r.refuse_leftovers(f"a {c.model_type} model with this config.json")
-    return Weights(config, out, layout, path, src, mtp=mtp, mtp_error=mtp_error)
+    return Weights(config, out, layout, path, src, mtp=mtp, mtp_error=mtp_error, vision=vision,
+                   vision_layout=vision_layout)
 
 
 def _load_layer(r: "TensorReader", c: ModelConfig, p: str, out: dict, norm, hf: bool, *, full_attention: bool,
@@ -562,6 +596,93 @@ def load_mtp_head(path: str | os.PathLike, config: ModelConfig) -> tuple[dict, T
     hf = any(k.startswith("mtp.") for k in src.keys())
     head_cfg = replace(config, quantization=quant, raw={"text_config": text})
     return _load_mtp(src, head_cfg, hf, _folder_key), src
+
+
+# ---- the vision tower ----------------------------------------------------------------------------------------
+class _VisionReader(TensorReader):
+    def _missing(self, stem: str):
+        raise CheckpointError(f"{self.src.directory}: missing vision tensor {stem!r} (config.json's vision_config "
+                              f"asks for it; looked for model.visual.{stem} / vision_tower.{stem} and "
+                              f"their .weight)")
+
+
+def _vision_dim(vc, name: str) -> ConfigDim:
+    d = ConfigDim(vc, name)
+    d.field = "vision_config." + name
+    return d
+
+
+def load_vision(src: TensorSource, c: ModelConfig) -> tuple[dict, str | None]:
+    """The vision tower of the files in `src` for config `c` (canonical names, see the module docstring) and its
+    layout ("hf" / "mlx-vlm"), or ({}, None) when the files hold no tower tensors. Strict: CheckpointError for
+    tower tensors without a vision_config, both layouts mixed, a missing or misshapen tensor, or a leftover one."""
+    keys = [k for k in src.keys() if _vision_prefix(k) is not None]
+    if not keys:
+        return {}, None
+    if c.vision is None:
+        raise CheckpointError(f"{src.file_of(keys[0])}: vision tower tensor {keys[0]!r} (and {len(keys) - 1} more), "
+                              f"but config.json has no vision_config (not part of a {c.model_type} model "
+                              f"with this config.json)")
+    layouts = {VISION_PREFIXES[_vision_prefix(k)] for k in keys}
+    if len(layouts) > 1:
+        k = next(k for k in keys if VISION_PREFIXES[_vision_prefix(k)] == "mlx-vlm")
+        raise CheckpointError(f"{src.file_of(k)}: vision tensors in both layouts (model.visual.* and "
+                              f"vision_tower.*, e.g. {k!r}): one tower per checkpoint")
+    layout = layouts.pop()
+    r = _VisionReader(src, c, _vision_canonical_key)
+    vc = c.vision
+    if vc.out_hidden_size != c.hidden_size:
+        raise CheckpointError(f"{src.directory}: config.json's vision_config out_hidden_size ({vc.out_hidden_size}) "
+                              f"must equal the text model's hidden_size ({c.hidden_size}): the tower's rows "
+                              f"stand in for image-token embeddings")
+    h, inter = _vision_dim(vc, "hidden_size"), _vision_dim(vc, "intermediate_size")
+    C, T, P = (_vision_dim(vc, n) for n in ("in_channels", "temporal_patch_size", "patch_size"))
+    npos, out_h = _vision_dim(vc, "num_position_embeddings"), _vision_dim(vc, "out_hidden_size")
+    merged = vc.merged_dim
+    out: dict = {}
+
+    def plain(stem, *shape):
+        out[stem] = r.plain(stem, shape)
+
+    def affine(stem, n_out, n_in):                 # a Linear: weight (dense or quantized) and bias
+        out[stem] = r.linear(stem, (n_out, n_in))
+        plain(stem + ".bias", n_out)
+
+    def norm(stem):                                # a LayerNorm: weight and bias
+        plain(stem, h)
+        plain(stem + ".bias", h)
+
+    # the patch embedding: HF Conv3d [h, C, T, P, P]; mlx-vlm channels-last [h, T, P, P, C] (its sanitize
+    # transposes a channels-first one on load, so that is accepted under vision_tower.* too)
+    stem = "patch_embed.proj"
+    parts = r.stems.get(stem) or {}
+    key = parts.get("weight", parts.get(""))
+    last = (h, T, P, P, C)
+    if layout == "mlx-vlm" and key is not None and tuple(src.shape(key)) == tuple(map(int, last)):
+        w = np.moveaxis(r.plain(stem, last), 4, 1)
+    else:
+        w = r.plain(stem, (h, C, T, P, P))
+    out[stem] = np.ascontiguousarray(w).reshape(int(h), vc.patch_dim)
+    plain(stem + ".bias", h)
+    plain("pos_embed", npos, h)
+    for i in range(vc.depth):
+        b = f"blocks.{i}."
+        norm(b + "norm1")
+        norm(b + "norm2")
+        affine(b + "attn.qkv", 3 * h, h)
+        affine(b + "attn.proj", h, h)
+        affine(b + "mlp.linear_fc1", inter, h)
+        affine(b + "mlp.linear_fc2", h, inter)
+    norm("merger.norm")
+    affine("merger.linear_fc1", merged, merged)
+    affine("merger.linear_fc2", out_h, merged)
+    left = r.leftovers()
+    if left:
+        k = left[0]
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise CheckpointError(f"{src.file_of(k)}: unexpected vision tensor {k!r}{more} -- not part of a tower "
+                              f"of depth {vc.depth} (config.json's vision_config)")
+    return out, layout
 
 
 def _take_rows(t, rows):

@@ -7,6 +7,7 @@ NB_MODULE(_core, m) {
     qwenmetal::bindings::register_msl_sim(m);
     qwenmetal::bindings::register_cpu_engine(m);
     qwenmetal::bindings::register_dflash(m);
+    qwenmetal::bindings::register_vision(m);
     qwenmetal::bindings::register_bench(m);
     qwenmetal::bindings::register_expert_cache(m);
     qwenmetal::bindings::register_gpu(m);

@@ -9,5 +9,6 @@ void register_msl_sim(nanobind::module_& m);   // msl_sim.cpp: the Metal-on-CPU 
 void register_gpu(nanobind::module_& m);   // gpu*.cpp: device interface, SimDevice, host ops, decode graph
 void register_bench(nanobind::module_& m);   // bench.cpp: memory read-bandwidth kernel for `qwenmetal bench`
 void register_expert_cache(nanobind::module_& m);
+void register_vision(nanobind::module_& m);   // vision.cpp: the vision tower on the cpu engine (CpuVisionTower)
 void register_dflash(nanobind::module_& m);   // dflash.cpp: a DFlash draft on the cpu engine (CpuDFlashDraft)   // expert_cache.cpp: ExpertCache (slots of streamed experts)
 }  // namespace qwenmetal::bindings

@@ -105,6 +105,10 @@ struct Kernels {
     // all M where the ISA has an exact tile (AVX-512 int8/int16), else gemv per input
     void (*gemv_multi)(const WMat& W, const XVec* const* X, int64_t M, float* Y, int64_t ldy, int64_t r0, int64_t r1,
                        bool accumulate);
+    // s[i] = exp(s[i] + shift) for i < n, returning their sum (a softmax row: shift = -max); exp as attn_block's
+    float (*exp_shift)(float* s, int64_t n, float shift);
+    // x[i] = gelu_tanh(x[i]) = x / (1 + exp(-2u)), u = sqrt(2/pi)·(x + 0.044715·x³) (the vision tower's MLP)
+    void (*gelu_tanh)(float* x, int64_t n);
 };
 
 size_t xvec_floats(int64_t K);

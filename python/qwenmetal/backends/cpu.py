@@ -53,13 +53,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..config import mtp_layer_config
+from ..config import VisionConfig, mtp_layer_config
+from ..errors import InputError
 from ..expert_streaming import expert_stats, stream_spec
 from ..expert_streaming import plan as stream_plan
 from ..native import core
-from ..weights import QuantizedTensor, Weights
+from ..weights import QuantizedTensor, Weights, to_float32
 from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
 from .engine import EngineBackend, dflash_dims, row_arguments
+from .reference_vision import check_inputs
 
 KV_DTYPES = ("bfloat16", "float32")
 ACTIVATIONS = ("auto", "int16", "int8", "float")
@@ -249,6 +251,12 @@ class CpuBackend(EngineBackend):
         selector too). ValueError for a draft that does not fit this model."""
         return CpuDFlash(self, draft)
 
+    def vision_encoder(self, weights: Weights | None = None) -> "CpuVisionEncoder":
+        """The vision tower of `weights` (default: this backend's) on this engine's threads
+        (`CpuVisionEncoder`; `ModelBase.vision_encoder`). InputError when the checkpoint has no tower."""
+        w = self.weights if weights is None else weights
+        return CpuVisionEncoder(w.vision, w.config.vision, engine=self.engine)
+
     def kv_saved(self, a: np.ndarray, position: int) -> np.ndarray:
         """The engine's [P, nkv * hd] rows (bfloat16 exported as uint16) -> [nkv, P, hd]."""
         c = self.weights.config
@@ -332,6 +340,67 @@ class CpuDFlash:
 
     @property
     def weight_nbytes(self) -> int:
+        return self.impl.weight_nbytes
+
+
+# the tower's tensors handed over as float32 copies (everything else is a linear layer, read in place)
+def _vision_small(name: str) -> bool:
+    return name.endswith((".bias", "norm1", "norm2", "merger.norm")) or name == "pos_embed"
+
+
+class CpuVisionEncoder:
+    """The vision tower on the cpu engine (src/cpu/vision.h; docs/vision.md, "The vision tower on the cpu
+    engine"): `encode(pixel_values, grid_thw) -> [n_merged, out_hidden_size]` float32, the computation of
+    `reference_vision.VisionTower` with float32 activations on the linear weights as the checkpoint stores them
+    (bf16, f16, f32 or MLX-quantized; read in place, biases / norms / the position table copied to float32).
+
+    ``params`` are `Weights.vision`'s canonical tensors, ``vision_config`` the checkpoint's `VisionConfig`. With
+    ``engine`` (a ``_core.CpuEngine``) it runs on that engine's threads, one call at a time with its forward;
+    without, on ``threads`` threads of its own (default: the physical cores). Inputs are checked as the
+    reference checks them (`reference_vision.check_inputs`: InputError naming the argument) before anything
+    runs; the tower holds no state between calls."""
+
+    def __init__(self, params, vision_config: VisionConfig, engine=None, threads: int | None = None):
+        if not isinstance(vision_config, VisionConfig):
+            raise TypeError(f"vision_config must be a VisionConfig, not {type(vision_config).__name__}")
+        if not params:
+            raise InputError("the checkpoint has no vision tower (no model.visual.* / vision_tower.* tensors)",
+                             param="params")
+        ext = core()
+        if engine is None:
+            threads = ext.cpu_physical_cores() if threads is None else threads
+            if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+                raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        vc = vision_config
+        keep: list = []
+        linear, small = {}, {}
+        for name, t in params.items():
+            if _vision_small(name):
+                small[name] = np.ascontiguousarray(to_float32(t).reshape(-1))
+            else:
+                linear[name] = describe(t, keep)
+        dims = dict(hidden_size=vc.hidden_size, num_heads=vc.num_heads, head_dim=vc.head_dim,
+                    intermediate_size=vc.intermediate_size, depth=vc.depth, in_channels=vc.in_channels,
+                    temporal_patch_size=vc.temporal_patch_size, patch_size=vc.patch_size,
+                    spatial_merge_size=vc.spatial_merge_size, grid_side=vc.grid_side,
+                    out_hidden_size=vc.out_hidden_size, hidden_act=vc.hidden_act, rope_theta=float(vc.rope_theta))
+        try:
+            self.impl = ext.CpuVisionTower(dims, linear, small, engine=engine,
+                                           threads=int(threads) if engine is None else 1, keepalive=keep)
+        except ValueError as e:
+            raise InputError(str(e), param="params") from None
+        self.config = vc
+
+    def encode(self, pixel_values, grid_thw) -> np.ndarray:
+        """[n_merged, out_hidden_size] float32: the merged rows of every image, images in order."""
+        pixels, g = check_inputs(self.config, pixel_values, grid_thw)
+        return self.impl.encode(pixels, np.ascontiguousarray(g, dtype=np.int64))
+
+    __call__ = encode
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the linear weights the tower reads in place."""
         return self.impl.weight_nbytes
 
 

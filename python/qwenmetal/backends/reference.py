@@ -80,6 +80,7 @@ from ..config import ModelConfig, mtp_layer_config
 from ..interrupts import sigint_deferred
 from ..memory import total_memory
 from ..mrope import RowInputs
+from .reference_vision import VisionTower
 
 if TYPE_CHECKING:
     from ..weights import Weights
@@ -839,6 +840,11 @@ class ReferenceBackend:
             if consumed is not None:
                 consumed.extend(add)
         return out, np.asarray(feats[0], dtype=F32)
+
+    def vision_encoder(self, weights: "Weights") -> VisionTower:
+        """The numpy vision tower over `weights.vision` (`ModelBase.vision_encoder`): ``encode(pixel_values,
+        grid_thw) -> [n_merged, out_hidden_size]`` float32. InputError when the checkpoint has no tower."""
+        return VisionTower(weights.vision, weights.config.vision)
 
     def state_to_arrays(self, state: ReferenceState) -> dict:
         """The backend-independent state layout of Session.save (see docs/architecture.md)."""

@@ -52,8 +52,8 @@ def validate_messages(messages: object) -> list[dict]:
             for j, p in enumerate(c):
                 if is_image_part(p):
                     if m["role"] != "user":
-                        raise InputError(f"{where}.content[{j}]: images go in user messages, not in a "
-                                         f"{m['role']} message", f"{where}.content", "unsupported_value")
+                        raise InputError(f"{where}.content[{j}]: images go in user messages, not in "
+                                         f"{m['role']} messages", f"{where}.content", "unsupported_value")
                     check_image_part(p, f"{where}.content[{j}]", f"{where}.content")
                     continue
                 if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):

@@ -119,7 +119,7 @@ def test_image_prompt_matches_transformers(ref, hf, case):
                   mm_token_type_ids=(ids == pad).long()).logits[0].numpy()    # 1: an image token
     s, got = prefill_pieces(ref, placed)
     err = np.abs(got - want).max() / (want.max() - want.min())
-    assert err < 1e-3, err
+    assert err < 1e-4, err                         # observed ~6e-6 of the logit range
     assert s.rope_delta < 0 and [tuple(x) for x in s.images] == [tuple(x) for x in placed.spans]
     r = ref.chat([user("Look at", *CASES[case], "and describe it.")], max_tokens=1, temperature=0,
                  enable_thinking=False, cache=False)
@@ -130,18 +130,18 @@ def test_image_prompt_matches_transformers(ref, hf, case):
 @pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
 def test_engines_match_reference_with_images(vl, ref, backend):
     """Two images, prefilled in pieces of 5 rows (each image is cut), on cpu (its own tower) and metal-sim (the
-    numpy tower over the same weights): within 1e-3 of the reference's logit range; the same delta and spans."""
+    numpy tower over the same weights): within 1e-4 of the reference's logit range; the same delta and spans."""
     placed = case_turn(ref, CASES["two images"]).images
     s0, want = prefill_pieces(ref, placed)
     kw = dict(kv_dtype="float32", threads=2, prefill_chunk=8, activations="float") if backend == "cpu" else \
         dict(prefill_chunk=8)
     model = qm.Model.load(vl, backend=backend, **kw)
     s, got = prefill_pieces(model, case_turn(model, CASES["two images"]).images, piece=5)
-    assert np.abs(got - want).max() / (want.max() - want.min()) < 1e-3
+    assert np.abs(got - want).max() / (want.max() - want.min()) < 1e-4      # observed ~3e-6
     assert s.rope_delta == s0.rope_delta and s.images == s0.images       # the cut images' spans are joined
     a = ref.decode_step(s0, 7)
     b = model.decode_step(s, 7)
-    assert np.abs(a - b).max() / (a.max() - a.min()) < 1e-3
+    assert np.abs(a - b).max() / (a.max() - a.min()) < 1e-4
 
 
 # ---- the prefix cache and transcripts ------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def test_any_value_is_rejected_by_name_or_normalised(tok, value):
     for m in out:
         assert m["role"] in ("system", "user", "assistant", "tool")
         c = m["content"]
-        assert isinstance(c, str) or all(p["type"] == "text" and isinstance(p["text"], str) for p in c)
+        assert isinstance(c, str) or all(p["type"] == "text" and isinstance(p["text"], str) or
+                                         m["role"] == "user" and p["type"] in ("image_url", "image") for p in c)
         for k in ("reasoning_content", "name", "tool_call_id"):
             assert m.get(k) is None or isinstance(m[k], str)
         for call in m.get("tool_calls") or []:
@@ -75,7 +76,8 @@ def test_messages_errors_name_the_field():
     cases = [(None, "messages"), ([], "messages"), ("hi", "messages"), ([{"role": "wizard"}], "messages[0]"),
              ([{"role": "user", "content": "a"}, 3], "messages[1]"),
              ([{"role": "user", "content": 5}], "messages[0].content"),
-             ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content"),
+             ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}], "messages[0].content"),
+             ([{"role": "user", "content": [{"type": "image"}]}], "messages[0].content"),
              ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 1}}]}],
               "messages[0].tool_calls"),
              ([{"role": "tool", "content": "x", "tool_call_id": 7}], "messages[0].tool_call_id")]
@@ -106,8 +108,8 @@ def test_each_message_field_is_checked_on_its_own():
     cases = [  # (field changed, its value, param, code, what the message says before the value, the value shown)
         ("content", [{"type": "text"}], "content", "unsupported_value", text_part, {"type": "text"}),
         ("content", [{"type": "text", "text": 3}], "content", "unsupported_value", text_part, {"type": "text", "text": 3}),
-        ("content", [{"type": "image", "text": "a"}], "content", "unsupported_value", text_part,
-         {"type": "image", "text": "a"}),
+        ("content", [{"type": "image", "image": "a.png"}], "content", "unsupported_value",
+         r"\[0\]: images go in user messages, not in assistant messages", None),
         ("content", [{"text": "a"}], "content", "unsupported_value", text_part, {"text": "a"}),
         ("content", ["a"], "content", "unsupported_value", text_part, "a"),
         ("content", 5, "content", "invalid_value", "must be a string or a list of text parts, got ", 5),
@@ -124,7 +126,8 @@ def test_each_message_field_is_checked_on_its_own():
     ]
     for key, value, param, code, says, shown in cases:
         m = dict(good, **{key: value})
-        with pytest.raises(InputError, match=rf"^messages\[1\]\.{param}.*{says}{re.escape(repr(shown))}$") as e:
+        shown = "" if shown is None else re.escape(repr(shown))
+        with pytest.raises(InputError, match=rf"^messages\[1\]\.{param}.*{says}{shown}$") as e:
             validate_messages([{"role": "user", "content": "hi"}, m])
         assert (e.value.param, e.value.code) == (f"messages[1].{param}", code)
     for value in ("hi", [{"role": "wizard"}]):          # the whole value, or the message, is shown

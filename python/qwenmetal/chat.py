@@ -20,6 +20,8 @@ from typing import Iterable, Iterator, Sequence
 from .errors import InputError
 from .generation import GenerationOutput
 from .options import GenerationOptions
+from .prompt_images import (PromptImages, check_image_part, expanded_index, is_image_part, part_source, place_images,
+                            preprocess_for)
 from .session import ModelBase
 from .transcripts import chat_prompt, remember_reply
 
@@ -30,7 +32,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def validate_messages(messages: object) -> list[dict]:
     """`messages` checked and normalised for the chat template: a non-empty list of objects, each with a
     ``role`` in `ROLES`; ``content`` a string, None (made "") or a list of ``{"type": "text", "text": str}``
-    parts; ``tool_calls`` (if present) a list of ``{"function": {"name": str, "arguments": str | object}}``;
+    parts and, in user messages, image parts (``{"type": "image_url", "image_url": {"url": ...}}`` or
+    ``{"type": "image", "image": ...}``; read by :func:`chat_turn`); ``tool_calls`` (if present) a list of ``{"function": {"name": str, "arguments": str | object}}``;
     ``reasoning_content``, ``name`` and ``tool_call_id`` strings. "developer" becomes "system". Raises
     `InputError` (a ValueError) naming the first offending ``messages[i]...``; the input is not modified."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -47,8 +50,15 @@ def validate_messages(messages: object) -> list[dict]:
             m["content"] = ""
         elif isinstance(c, list):
             for j, p in enumerate(c):
+                if is_image_part(p):
+                    if m["role"] != "user":
+                        raise InputError(f"{where}.content[{j}]: images go in user messages, not in "
+                                         f"{m['role']} messages", f"{where}.content", "unsupported_value")
+                    check_image_part(p, f"{where}.content[{j}]", f"{where}.content")
+                    continue
                 if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise InputError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) are "
+                    raise InputError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) and "
+                                     f"image parts ({{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}) are "
                                      f"supported, got {_brief(p)}", f"{where}.content", "unsupported_value")
         elif not isinstance(c, str):
             raise InputError(f"{where}.content must be a string or a list of text parts, got {_brief(c)}",
@@ -94,7 +104,8 @@ class ChatTurn:
     conversation, prefills only what is new; 0 if the template does not allow it); ``prompt_text``: the
     rendered text; ``thinking``: the prompt leaves the model inside a ``<think>`` block; ``tools``: the tools
     offered (tool calls are parsed only when there are some); ``keys``: the conversation's transcript keys
-    (`qwenmetal.transcripts`; empty when transcripts are off), for `remember`."""
+    (`qwenmetal.transcripts`; empty when transcripts are off), for `remember`; ``images``: the conversation's
+    images placed at their pads in ``prompt_ids`` (`qwenmetal.prompt_images.PromptImages`), or None."""
 
     messages: list = field(repr=False)
     prompt_ids: list = field(repr=False)
@@ -103,6 +114,7 @@ class ChatTurn:
     thinking: bool
     tools: list | None = field(default=None, repr=False)
     keys: list = field(default_factory=list, repr=False)
+    images: PromptImages | None = field(default=None, repr=False)
 
     @property
     def cache_points(self) -> tuple:
@@ -112,6 +124,8 @@ class ChatTurn:
     def generate(self, model: ModelBase, options: GenerationOptions | None = None,
                  **generate_kwargs) -> Iterator[GenerationOutput]:
         """`Model.generate` on the prompt, with the history's cache point."""
+        if self.images is not None:
+            generate_kwargs["images"] = self.images
         return model.generate(self.prompt_ids, cache_points=self.cache_points, options=options, **generate_kwargs)
 
     def stream_parser(self) -> "ChatStreamParser":
@@ -137,7 +151,8 @@ class ChatTurn:
         """Keep the transcript of this turn's reply: the generated `tokens`, appended to the conversation as
         `message` (as the caller sends it back next turn), so the next prompt continues them
         (`qwenmetal.transcripts.remember_reply`: only a reply that ended on an end id)."""
-        remember_reply(model, self.prompt_ids, self.keys, message, tokens)
+        remember_reply(model, self.prompt_ids, self.keys, message, tokens,
+                       images=self.images.spans if self.images is not None else ())
 
     def remembering(self, model: ModelBase, outputs: Iterable[GenerationOutput]) -> Iterator[GenerationOutput]:
         """`outputs` passed through; when they are complete, the reply (`response`) is remembered."""
@@ -151,19 +166,70 @@ class ChatTurn:
 
 
 def chat_turn(model: ModelBase, messages: Sequence[dict], *, tools: list | None = None,
-              enable_thinking: bool | None = None,
-              template_kwargs: dict | None = None) -> ChatTurn:
-    """Validate `messages` (:func:`validate_messages`) and `tools`, render them with the checkpoint's chat
-    template (``enable_thinking`` and `template_kwargs` go to the template; the prompt continues the
-    transcript of the longest answered prefix, `Model.chat_prompt`) and find the cache point of the
-    history. Raises ValueError for invalid messages or a checkpoint without tokenizer.json or chat
-    template (`check_chat_support`), and for a conversation the template refuses."""
+              enable_thinking: bool | None = None, template_kwargs: dict | None = None,
+              allow_local_images: bool = True) -> ChatTurn:
+    """Validate `messages` (:func:`validate_messages`) and `tools`, read their images (:func:`read_images`),
+    render them with the checkpoint's chat template (``enable_thinking`` and `template_kwargs` go to the
+    template; the prompt continues the transcript of the longest answered prefix, `Model.chat_prompt`),
+    expand each image's placeholder to its pads and find the cache point of the history. Raises ValueError
+    for invalid messages or a checkpoint without tokenizer.json or chat template (`check_chat_support`),
+    for a conversation the template refuses, for images sent to a checkpoint without a vision tower, and
+    `qwenmetal.errors.ImageError` for a bad image -- all before any work on the model."""
     msgs = validate_messages(messages)
     tools = validate_tools(tools)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
+    msgs, batch = read_images(model, msgs, allow_local=allow_local_images)
     p = chat_prompt(model, msgs, tools=tools, enable_thinking=enable_thinking, **(template_kwargs or {}))
-    return ChatTurn(msgs, p.ids, p.head, p.text, prompt_opens_thinking(p.text), tools, p.keys)
+    if batch is None:
+        return ChatTurn(msgs, p.ids, p.head, p.text, prompt_opens_thinking(p.text), tools, p.keys)
+    placed = place_images(model, p.ids, batch)
+    head = expanded_index(p.ids, model.config.image_token_id, p.head, placed)
+    return ChatTurn(msgs, placed.ids, head, p.text, prompt_opens_thinking(p.text), tools, p.keys, placed)
+
+
+def read_images(model: ModelBase, messages: list, *, allow_local: bool = True) -> tuple:
+    """The image parts of validated `messages`, decoded and preprocessed (`qwenmetal.images`), in order:
+    ``(messages with each image part replaced by {"type": "image", "digest": <its content hash>}, the
+    `ImageBatch` or None without images)``. The replaced parts are what the chat template renders (Qwen's
+    templates write ``<|vision_start|><|image_pad|><|vision_end|>`` for a part of type "image") and what names
+    the image in transcript keys. `allow_local`: take file paths and ``file://`` URLs (the server only with
+    ``--allow-local-images``). InputError for a checkpoint without a tower, ImageError for a bad image."""
+    sources, where = [], []
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if isinstance(c, list):
+            for j, part in enumerate(c):
+                if is_image_part(part):
+                    w = f"messages[{i}].content[{j}]"
+                    sources.append(part_source(part, w, allow_local))
+                    where.append(w)
+    if not sources:
+        return messages, None
+    try:
+        batch = preprocess_for(model, sources)
+    except InputError as e:                    # name the message part (ImageError keeps its class)
+        if e.param is not None and e.param.startswith("images[") and len(where) > 1:
+            k = int(e.param[len("images["):-1])
+            msg = str(e).split(": ", 1)[1] if str(e).startswith(f"image {k}: ") else str(e)
+            raise type(e)(f"{where[k]}: {msg}", where[k], e.code) from None
+        if len(where) == 1 and e.param in ("image", "images[0]"):
+            raise type(e)(f"{where[0]}: {e}", where[0], e.code) from None
+        raise
+    out, k = [], 0
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list) and any(is_image_part(p) for p in c):
+            parts = []
+            for p in c:
+                if is_image_part(p):
+                    parts.append({"type": "image", "digest": batch.hashes[k]})
+                    k += 1
+                else:
+                    parts.append(p)
+            m = dict(m, content=parts)
+        out.append(m)
+    return out, batch
 
 
 # ---------------------------------------------------------------------------------------------------

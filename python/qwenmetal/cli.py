@@ -369,13 +369,16 @@ def cmd_generate(args) -> int:
         raise InputError("the prompt is empty (give --prompt TEXT, or the text on stdin)", param="prompt")
     model = _load(args)
     spec = _speculative(args, model)
+    images = list(args.image or ())
     if args.chat:
+        content = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": prompt}] \
+            if images else prompt
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": prompt}]
+               [{"role": "user", "content": content}]
         gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None).generate(
             model, opts, **spec)
     else:
-        gen = model.generate(prompt, options=opts, **spec)
+        gen = model.generate(prompt, options=opts, images=images or None, **spec)
     stats = None
     for out in gen:
         sys.stdout.write(out.text)
@@ -391,6 +394,7 @@ _CHAT_HELP = """commands:
   /reset         forget the conversation
   /save FILE     save the conversation and its session state (safetensors)
   /load FILE     load a saved conversation (its state goes into the prefix cache)
+  /image PATH    attach an image file to your next message
   /history       print the conversation
   /stats         statistics of the last reply
   /help          this text
@@ -406,6 +410,7 @@ def cmd_chat(args) -> int:
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
+    pending = list(args.image or ())          # images for the next user message (--image, /image)
     last_stats = None
     think = False if args.no_thinking else None
     print(f"qwenmetal chat — {model.path} on {model.backend!r}. /help for commands.", file=sys.stderr)
@@ -430,9 +435,19 @@ def cmd_chat(args) -> int:
             elif cmd == "/reset":
                 history = list(base)
                 print("(conversation cleared)")
+            elif cmd == "/image":
+                if not arg:
+                    print("usage: /image PATH")
+                    continue
+                pending.append(arg)
+                print(f"({len(pending)} image(s) attached to your next message)")
             elif cmd == "/history":
                 for m in history:
-                    print(f"[{m['role']}] {m.get('content', '')}")
+                    c = m.get("content", "")
+                    if isinstance(c, list):
+                        c = "".join(f"[image {p.get('image', '')}] " if p.get("type") == "image" else p.get("text", "")
+                                    for p in c)
+                    print(f"[{m['role']}] {c}")
             elif cmd == "/stats":
                 print(_stats_line(last_stats, model.backend) if last_stats else "(no reply yet)")
             elif cmd == "/save":
@@ -467,13 +482,16 @@ def cmd_chat(args) -> int:
             else:
                 print(f"unknown command {cmd}; /help lists them")
             continue
-        history.append({"role": "user", "content": line})
+        content = [{"type": "image", "image": p} for p in pending] + [{"type": "text", "text": line}] \
+            if pending else line
+        history.append({"role": "user", "content": content})
         try:
             turn = chat_turn(model, history, enable_thinking=think)
-        except ValueError as e:  # invalid messages, or a conversation the template refuses
+        except ValueError as e:  # invalid messages or images, or a conversation the template refuses
             history.pop()
             print(f"error: {e}")
             continue
+        pending = []
         parser = turn.stream_parser()
         pieces, tokens, finished = [], [], False
         mode = None
@@ -533,7 +551,7 @@ def cmd_serve(args) -> int:
           max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens or None,
           max_queue=args.max_queue, request_timeout=args.request_timeout or None,
           graceful_timeout=args.graceful_timeout, log_level=args.log_level, parallel=parallel,
-          step_tokens=args.step_tokens, **spec)
+          step_tokens=args.step_tokens, allow_local_images=args.allow_local_images, **spec)
     return 0
 
 
@@ -626,6 +644,10 @@ def main(argv=None) -> int:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file (PNG, JPEG, WebP, GIF) for a checkpoint with a vision tower; repeat for more. "
+                   "With --chat it goes before the prompt in the user message; without, the prompt holds one "
+                   "<|vision_start|><|image_pad|><|vision_end|> per image")
     p.add_argument("--quiet", action="store_true", help="no statistics line on stderr")
     _add_speculative_args(p)
     _add_sampling_args(p)
@@ -636,6 +658,8 @@ def main(argv=None) -> int:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image file for the first message (repeatable; /image PATH attaches one later)")
     p.add_argument("--verbose", action="store_true", help="statistics after every reply")
     _add_speculative_args(p)
     _add_sampling_args(p, max_tokens=4096)
@@ -675,6 +699,9 @@ def main(argv=None) -> int:
                    help="prompt tokens prefilled per batched step between decode steps (default "
                    f"{server.DEFAULT_STEP_TOKENS}; rounded to the backend's prefill chunk)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--allow-local-images", action="store_true",
+                   help="chat requests may name image files on this machine (a file:// URL or a path); without it "
+                   "only data: URLs are taken. The server never fetches http(s) URLs")
     _add_speculative_args(p)
     p.set_defaults(func=cmd_serve)
 

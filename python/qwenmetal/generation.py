@@ -21,6 +21,7 @@ from .expert_streaming import expert_stats
 from .mtp import MtpDrafter
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
+from .prompt_images import PromptImages, place_images, preprocess_for
 from .sampling import Sampler, SampleResult
 from .session import ModelBase, Session
 from .speculative import Drafter, DraftModel, PromptLookup, Speculation, check_k
@@ -123,11 +124,16 @@ def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationO
              sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
              cache_points: Sequence[int] = (), progress: bool | None = None,
              cancel: threading.Event | None = None, speculative=None,
-             speculative_k: int | None = None) -> Iterator[GenerationOutput]:
+             speculative_k: int | None = None, images=None) -> Iterator[GenerationOutput]:
     """What `Model.generate` runs, with its options as one `GenerationOptions` (None: the defaults).
-    Everything is checked before the first output (and before any work)."""
-    run = _checked_run(model, prompt, options, sampler, session, cache, cache_points, progress, cancel)
+    Everything is checked before the first output (and before any work). `images`: the images of the
+    prompt's ``<|image_pad|>`` placeholders, in order (anything `qwenmetal.images.load_image` takes, or a
+    `PromptImages` placed on exactly these ids)."""
+    run = _checked_run(model, prompt, options, sampler, session, cache, cache_points, progress, cancel, images)
     drafter = None
+    if speculative is not None and run.images is not None:
+        raise InputError("speculative decoding does not take images yet (the drafters have no M-RoPE "
+                         "positions): generate without speculative=", "speculative", "unsupported_value")
     if speculative is not None:
         check_k(speculative_k)
         drafter = make_drafter(speculative, model)
@@ -138,14 +144,17 @@ def generate(model: ModelBase, prompt: str | Sequence[int], options: GenerationO
 
 def prepare(model: ModelBase, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
             sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
-            cache_points: Sequence[int] = (), cancel: threading.Event | None = None) -> "Generation":
+            cache_points: Sequence[int] = (), cancel: threading.Event | None = None,
+            images=None) -> "Generation":
     """One generation, checked as `generate` checks it, for a scheduler to step (`qwenmetal.batching`): its
-    prompt in pieces, then one token per step from logits the scheduler computed for it."""
-    return Generation(_checked_run(model, prompt, options, sampler, session, cache, cache_points, False, cancel))
+    prompt in pieces (image rows with their features and positions), then one token per step from logits
+    the scheduler computed for it."""
+    return Generation(_checked_run(model, prompt, options, sampler, session, cache, cache_points, False, cancel,
+                                   images))
 
 
 def _checked_run(model: ModelBase, prompt, options, sampler, session, cache, cache_points, progress,
-                 cancel) -> "_Run":
+                 cancel, images=None) -> "_Run":
     o = GenerationOptions.build(options)
     tok = model.tokenizer
     if isinstance(prompt, str):
@@ -161,12 +170,20 @@ def _checked_run(model: ModelBase, prompt, options, sampler, session, cache, cac
                          f"{', '.join(sorted(o.sampling))})")
     if sampler is None:
         sampler = o.sampler(model.generation_config)
+    placed = None
+    if isinstance(images, PromptImages):
+        if list(images.ids) != list(ids):
+            raise ValueError("images= is a PromptImages placed on other token ids than the prompt's")
+        placed = images
+    elif images is not None and not (isinstance(images, (list, tuple)) and not images):
+        placed = place_images(model, ids, preprocess_for(model, images))   # ImageError before any work
+        ids = placed.ids
     s = session if session is not None else model.new_session()
     model.check_session(s)
     model.check_ids(ids, s)                        # validates ids and the context limit, before any work
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
     return _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
-                model.prefix_cache if cache else None, cache_points, progress, cancel)
+                model.prefix_cache if cache else None, cache_points, progress, cancel, images=placed)
 
 
 @dataclass
@@ -185,6 +202,8 @@ class _Run:
     cache_points: Sequence[int]
     progress: bool | None
     cancel: threading.Event | None
+    images: PromptImages | None = None   # the prompt's images, placed (`qwenmetal.prompt_images`)
+    rope_start: int = 0              # the rope position of the prompt's first token (with images)
     spec: Speculation | None = None
     t0: float = 0.0                  # start
     t1: float = 0.0                  # the prompt prefilled
@@ -212,6 +231,7 @@ class _Run:
         computed = n_prompt - self.cached
         decode_steps = max(n_gen - 1, 0)
         out = {"prompt_tokens": n_prompt, "cached_tokens": self.cached, "prefill_tokens": computed,
+               **({"images": len(self.images)} if self.images is not None else {}),
                "generated_tokens": n_gen, "finish_reason": reason,
                "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
                "prefill_tokens_per_second": computed / max(t1 - t0, 1e-9) if computed else float("nan"),
@@ -263,8 +283,9 @@ def _prefill_start(run: _Run) -> np.ndarray | None:
     s, ids, pc = run.s, run.ids, run.pc
     run.base = s.position
     run.points = tuple(sorted({run.base + int(p) for p in run.cache_points if 0 < int(p) < len(ids)}))
+    run.rope_start = s.position + s.rope_delta
     if pc is not None and run.base == 0:
-        e = pc.lookup(ids)
+        e = pc.lookup(ids, images=run.images.spans if run.images is not None else ())
         if e is not None:
             s.restore(e.snapshot)
             run.cached = len(e.tokens)
@@ -291,8 +312,9 @@ def _prefill_piece(run: _Run, budget: int | None = None) -> tuple[int, np.ndarra
         nxt = min(nxt, max((pos + int(budget)) // g * g, (pos // g + 1) * g))
     last = nxt == end
     chunk_ids, want = ids[pos - base:nxt - base], "last" if last else "none"
+    rows = run.images.prefill_inputs(model, pos - base, nxt - base, run.rope_start) if run.images else {}
     # a drafter that takes hidden states (the MTP head) gets the prompt's too
-    out = spec.prefill(chunk_ids, want) if spec is not None else model.prefill(s, chunk_ids, want)
+    out = spec.prefill(chunk_ids, want) if spec is not None else model.prefill(s, chunk_ids, want, **rows)
     if last:
         _prefill_end(run, out)
         return nxt - pos, out

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 from . import batching, generation
 from .backends import backend_factory
-from .chat import ChatResponse, chat_turn
+from .chat import ChatResponse, chat_turn, read_images
 from .config import ModelConfig
 from .generation import GenerationOutput
 from .options import GenerationOptions
@@ -96,7 +96,7 @@ class Model(ModelBase):
                  sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
                  cache_points: Sequence[int] = (), progress: bool | None = None,
                  cancel: threading.Event | None = None, speculative=None,
-                 speculative_k: int | None = None) -> Iterator[GenerationOutput]:
+                 speculative_k: int | None = None, images=None) -> Iterator[GenerationOutput]:
         """Stream `GenerationOutput`s for `prompt` (text, encoded without a chat template, or token ids).
 
         The sampling and stopping options (max_tokens, default 256, temperature ... skip_special_tokens) are
@@ -115,6 +115,10 @@ class Model(ModelBase):
         same tokens; sampling: the same distribution), and `stats["speculative"]` reports drafted and
         accepted tokens. `speculative_k`: drafts per round (default: chosen from the measured acceptance
         and cost, 0 when speculation does not pay). See docs/speculative.md.
+        `images`: the images of the prompt, in order (paths, bytes, ``data:image/...;base64`` URLs, PIL images,
+        uint8 [H, W, 3] arrays), one per ``<|image_pad|>`` placeholder the prompt holds (write
+        ``<|vision_start|><|image_pad|><|vision_end|>`` where each goes); each is expanded to its image's tokens
+        and read by the checkpoint's vision tower (docs/vision.md). Not with `speculative`.
         Arguments are checked before the first output: invalid ones raise ValueError naming them.
         See docs/usage.md.
         """
@@ -126,7 +130,7 @@ class Model(ModelBase):
             skip_special_tokens=skip_special_tokens)
         return generation.generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
                         cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
-                        speculative_k=speculative_k)
+                        speculative_k=speculative_k, images=images)
 
     def generate_batch(self, prompts: Sequence, max_tokens: int | None = None, *,
                        options: GenerationOptions | Sequence[GenerationOptions] | None = None,
@@ -177,8 +181,10 @@ class Model(ModelBase):
                      enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None) -> Session:
         """A new session holding the conversation `messages` as the model read and wrote it (the transcript
         of its last reply, else its rendering), with the messages in ``metadata``: `Session.save` it, and
-        `Session.load` continues it. Uses the prefix cache, so after `chat` it prefills at most one token."""
-        return conversation_session(self, messages, tools=tools, enable_thinking=enable_thinking,
+        `Session.load` continues it. Uses the prefix cache, so after `chat` it prefills at most one token.
+        Image parts are read as `chat` reads them; the metadata names them by their content hash."""
+        msgs, batch = read_images(self, [dict(m) for m in messages])
+        return conversation_session(self, msgs, tools=tools, enable_thinking=enable_thinking, images=batch,
                                     **(chat_template_kwargs or {}))
 
     def chat(self, messages: Sequence[dict], *, tools: list | None = None, enable_thinking: bool | None = None,

@@ -509,14 +509,16 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT, speculative=None,
-               speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS):
+               speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS,
+               allow_local_images: bool = False):
     """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
     of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
     requests may wait; `request_timeout`: seconds a generation may run (None: no limit); `speculative` /
     `speculative_k`: every generation decodes speculatively (`Model.generate`'s arguments; the output is
     unchanged; single-stream, so `parallel` must be 1); `parallel`: how many generations run at once,
-    batched (`qwenmetal.batching`), with at most `step_tokens` prompt tokens prefilled per step. See
-    docs/server.md."""
+    batched (`qwenmetal.batching`), with at most `step_tokens` prompt tokens prefilled per step;
+    `allow_local_images`: chat messages may name image files on this machine (a ``file://`` URL or a path;
+    otherwise only ``data:`` URLs are taken, and nothing is ever fetched). See docs/server.md."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -585,12 +587,14 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             mt = key_default if key_default is not None else limit - n_prompt
         return max(1, min(mt, limit - n_prompt))
 
-    def make_job(gen_kwargs, ids, cache_points=()) -> _Job:
+    def make_job(gen_kwargs, ids, cache_points=(), images=None) -> _Job:
         kw = dict(gen_kwargs)
         opts = GenerationOptions.build(kw.pop("options", None), **kw)
         return _Job(lambda cancel: model.generate(ids, cache_points=cache_points, cancel=cancel, options=opts,
-                                                  speculative=speculative, speculative_k=speculative_k),
-                    len(ids), lambda cancel: prepare(model, ids, opts, cache_points=cache_points, cancel=cancel))
+                                                  speculative=speculative, speculative_k=speculative_k,
+                                                  images=images),
+                    len(ids), lambda cancel: prepare(model, ids, opts, cache_points=cache_points, cancel=cancel,
+                                                     images=images))
 
     async def events(request, job):
         """`job`'s events up to its end. The client is watched the whole time (queued or running): its
@@ -700,16 +704,19 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
             enable_thinking = _bool(body, "enable_thinking", None)
         try:
             turn = await run_in_threadpool(chat_turn, model, msgs, tools=tools, enable_thinking=enable_thinking,
-                                           template_kwargs=ctk)
+                                           template_kwargs=ctk, allow_local_images=allow_local_images)
         except InputError as e:
             raise _bad_input(e) from None
         except ValueError as e:  # a conversation the chat template refuses
             raise APIError(400, str(e), "messages", "invalid_value") from None
+        if turn.images is not None and speculative is not None:
+            raise APIError(400, "this server decodes speculatively, which does not take images yet", "messages",
+                           "unsupported_value")
         kw = gen_kwargs_of(body, len(turn.prompt_ids), default_max_tokens, "messages")
         kw.update(logprobs=want_lp, top_logprobs=top_n)
         render = _ChatRender(name, tok, turn, want_lp, model)
-        return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points), render, stream,
-                             include_usage)
+        return await respond(request, make_job(kw, turn.prompt_ids, turn.cache_points, turn.images), render,
+                             stream, include_usage)
 
     async def completions(request):
         body = await read_json(request)
@@ -794,10 +801,11 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, *, model_name: str |
           default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
           graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT, log_level: str = "info", speculative=None,
-          speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
+          speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS,
+          allow_local_images: bool = False) -> None:
     """Serve `model` with uvicorn until interrupted (options as for `create_app` and `uvicorn_server`)."""
     app = create_app(model, model_name=model_name, api_key=api_key, max_request_bytes=max_request_bytes,
                      default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout,
                      speculative=speculative, speculative_k=speculative_k, parallel=parallel,
-                     step_tokens=step_tokens)
+                     step_tokens=step_tokens, allow_local_images=allow_local_images)
     uvicorn_server(app, host, port, log_level=log_level, graceful_timeout=graceful_timeout).run()

@@ -315,7 +315,7 @@ class ModelBase:
                                            **({} if rows is None else {"rows": rows}))
         finally:                        # the spans follow the tokens (the backend commits them or not)
             if len(session._tokens) > n0:
-                session._images.extend(spans)
+                _add_spans(session._images, spans)
         return out
 
     def check_rows(self, session: Session, ids: np.ndarray, positions, embeds, embed_rows) -> RowInputs | None:
@@ -544,6 +544,17 @@ class ModelBase:
         twin._vision = None
         twin.prefix_cache = twin.transcripts = None
         return twin
+
+
+def _add_spans(have: list, spans) -> None:
+    """Append `spans` to a session's image spans; a span that continues the last one (the same image, from
+    where it ended: an image prefilled in two calls) extends it, so the prefix cache's keys of its rows
+    (`qwenmetal.mrope.cache_key`) do not depend on where the calls were cut."""
+    for sp in spans:
+        if have and have[-1].end == sp.start and have[-1].digest == sp.digest:
+            have[-1] = ImageSpan(have[-1].start, sp.end, sp.digest)
+        else:
+            have.append(sp)
 
 
 def _read_json(path: str) -> dict:

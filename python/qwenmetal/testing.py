@@ -67,7 +67,8 @@ __all__ = ["PRESETS", "FORMATS", "SPECIAL_TOKENS", "BPE_VOCAB_SIZE", "CHAT_TEMPL
            "build_tokenizer", "wrap_text_config"]
 
 FORMATS = _writer.LAYOUTS
-FIXTURE_VERSION = 1          # bump when generated content changes (invalidates cached_checkpoint)
+FIXTURE_VERSION = 2          # bump when generated content changes (invalidates cached_checkpoint)
+#                              2: the chat template renders image parts (<|vision_start|><|image_pad|><|vision_end|>)
 
 # --------------------------------------------------------------------------------------------------
 # tokenizer
@@ -131,7 +132,8 @@ The end of the corpus; the end of the story. The end.
 """
 
 # A compact Qwen3.5-style chat template (docs/model.md §8.3): optional system turn (with the XML tool-call
-# instructions when tools are given), trimmed user turns, assistant turns with a <think> block only after
+# instructions when tools are given), trimmed user turns (an image part as Qwen's templates write it:
+# <|vision_start|><|image_pad|><|vision_end|>), assistant turns with a <think> block only after
 # the last real user query (or with preserve_thinking), XML tool calls, grouped tool responses, and the
 # generation prompt "<|im_start|>assistant\n<think>\n" (or an empty think block if enable_thinking=false).
 CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
@@ -141,6 +143,8 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
         {%- for part in content -%}
             {%- if part is string -%}{{- part -}}
             {%- elif part is mapping and part.type == 'text' -%}{{- part.text -}}
+            {%- elif part is mapping and (part.type == 'image' or 'image' in part or 'image_url' in part) -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
             {%- endif -%}
         {%- endfor -%}
     {%- elif content is not none -%}

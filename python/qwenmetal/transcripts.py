@@ -19,7 +19,7 @@ writes, say) gives way to the transcript of an earlier reply (the four longest a
 
 The key is the conversation *normalised*: assistant ``reasoning_content`` is dropped (OpenAI clients
 usually drop it; the transcript holds the reasoning as generated), ``None`` and empty fields are dropped,
-content is stripped (text parts joined) and tool-call arguments given as JSON strings are parsed -- together with
+content is stripped (text parts joined; an image part counts by its content hash) and tool-call arguments given as JSON strings are parsed -- together with
 the tools and the template options. Transcripts are bounded (entries and tokens, least recently used out).
 
 Behaviour: with thinking on, the reasoning of earlier replies stays in the context, as Qwen3.6's
@@ -41,6 +41,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import InputError
+from .prompt_images import place_images
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_TOKENS = 1 << 23                 # 32 MiB of int32 ids
@@ -55,11 +56,19 @@ def check_chat_support(model) -> None:
     model.tokenizer.require_chat_template()
 
 
+def _part_text(p) -> str:
+    if not isinstance(p, dict):
+        return str(p)
+    if p.get("type") == "image":                  # an image (`chat.read_images`): named by its content hash
+        return f"\x00image:{p.get('digest', '')}\x00"
+    return p.get("text", "")
+
+
 def _text(content) -> str:
     if content is None:
         return ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        return "".join(_part_text(p) for p in content)
     return content if isinstance(content, str) else str(content)
 
 
@@ -274,11 +283,13 @@ def _continue(model, messages, k, transcript, tools, kwargs, keys) -> ChatPrompt
 
 
 def remember_reply(model, prompt_ids: Sequence[int], keys: Sequence[str], reply: dict,
-                   tokens: Sequence[int]) -> str | None:
+                   tokens: Sequence[int], images=()) -> str | None:
     """Keep the transcript of a reply: the prompt `prompt_ids` (of the conversation named by `keys`, a
     `ChatPrompt`'s) was answered with the generated `tokens`, appended to the conversation as `reply` (the
     assistant message). Kept only when the reply ended on one of the model's end ids (its last token) and
-    transcripts are on for the prompt (`keys` not empty). Returns the transcript's key, or None."""
+    transcripts are on for the prompt (`keys` not empty). `images`: the prompt's image spans
+    (`qwenmetal.mrope.ImageSpan`), which the disk tier's entry is keyed on. Returns the transcript's key, or
+    None."""
     store = getattr(model, "transcripts", None)
     if store is None or not keys or not tokens or int(tokens[-1]) not in model.eos_token_ids:
         return None
@@ -287,7 +298,7 @@ def remember_reply(model, prompt_ids: Sequence[int], keys: Sequence[str], reply:
     store.put(key, transcript)
     pc = model.prefix_cache
     if pc is not None and pc.disk is not None:    # the turn's snapshot (its end token not fed) with its transcript
-        pc.persist(transcript[:-1], transcript={"key": key, "end": transcript[-1]})
+        pc.persist(transcript[:-1], images=tuple(images), transcript={"key": key, "end": transcript[-1]})
     return key
 
 
@@ -310,11 +321,12 @@ def restore_from_disk(model) -> int:
 # saved conversations
 # ---------------------------------------------------------------------------------------------------
 def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
-                         **template_kwargs):
+                         images=None, **template_kwargs):
     """A `Session` holding the conversation `messages` (ending with a reply): its transcript when it has one,
     else its rendering without a generation prompt. Resumes from the prefix cache and prefills the rest.
     ``session.metadata`` holds the messages and how they were rendered, which `resume_conversation` reads
-    back (`Session.save` writes it)."""
+    back (`Session.save` writes it). `images`: the `ImageBatch` of the messages' image parts, which are
+    ``{"type": "image", "digest": ...}`` (`qwenmetal.chat.read_images`)."""
     check_chat_support(model)
     tk = model.tokenizer
     messages = list(messages)
@@ -329,13 +341,17 @@ def conversation_session(model, messages: Sequence[dict], *, tools=None, enable_
     transcript = ids is not None
     if ids is None:
         ids = tk.encode(_render(tk, messages, tools, kwargs, False))
+    placed = place_images(model, ids, images) if images is not None else None
+    if placed is not None:
+        ids = placed.ids
     s = model.new_session()
     pc = model.prefix_cache
-    e = pc.lookup(ids, need_logits=False) if pc is not None else None
+    e = pc.lookup(ids, need_logits=False, images=placed.spans if placed else ()) if pc is not None else None
     if e is not None:
         s.restore(e.snapshot)
     if s.position < len(ids):
-        model.prefill(s, ids[s.position:], return_logits="none")
+        rows = placed.prefill_inputs(model, s.position, len(ids), 0) if placed is not None else {}
+        model.prefill(s, ids[s.position:], return_logits="none", **rows)
     user_kwargs = {k: v for k, v in dict(template_kwargs, enable_thinking=enable_thinking).items() if v is not None}
     s.metadata = {"messages": messages,
                   "chat": {"tools": tools, "template_kwargs": user_kwargs, "transcript": transcript}}

@@ -18,12 +18,6 @@ namespace qwenmetal {
 using namespace cpu;
 
 namespace {
-std::string shape_str(const std::vector<int64_t>& s) {
-    std::string r = "[";
-    for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-    return r + "]";
-}
-
 WMat linear_of(const std::map<std::string, TensorDesc>& t, const std::string& name, int64_t rows, int64_t cols) {
     auto it = t.find(name);
     if (it == t.end()) throw std::invalid_argument("dflash draft: missing tensor " + name);

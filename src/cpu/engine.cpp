@@ -11,14 +11,6 @@
 
 namespace qwenmetal {
 
-namespace {
-std::string shape_str(const std::vector<int64_t>& s) {
-    std::string r = "[";
-    for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-    return r + "]";
-}
-}  // namespace
-
 // ------------------------------------------------------------------------------------------------
 // State
 // ------------------------------------------------------------------------------------------------

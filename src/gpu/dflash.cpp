@@ -29,11 +29,6 @@ ops::QmvFusion norm_fused(const Buffer& w, float eps, const Buffer* xn = nullptr
     return f;
 }
 
-std::string shape_str(const std::vector<int64_t>& s) {
-    std::string r = "[";
-    for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-    return r + "]";
-}
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------

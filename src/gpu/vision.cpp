@@ -24,11 +24,6 @@ ops::AttnShape attn_shape(const VisionShape& s) {
     return ops::AttnShape{s.heads, s.heads, s.head_dim(), s.head_dim(), false, float(s.rope_theta), s.eps};
 }
 
-std::string shape_str(const std::vector<int64_t>& v) {
-    std::string r = "[";
-    for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
-    return r + "]";
-}
 }  // namespace
 
 // One buffer per logical tensor of a call of n patches (the largest so far).

@@ -16,13 +16,6 @@
 
 namespace qwenmetal {
 
-// "[a, b, c]": a tensor shape in error messages
-inline std::string shape_str(const std::vector<int64_t>& s) {
-    std::string r = "[";
-    for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-    return r + "]";
-}
-
 struct Mapping {
     std::string name;            // file path, or "<name of the owned array>"
     const void* base = nullptr;  // nullptr: virtual (encode-only costing; no contents)

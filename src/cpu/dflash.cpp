@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "core/fpenv.h"
+#include "core/shape_str.h"
 #include "cpu/attention.h"
 #include "cpu/moe.h"
 #include "cpu/norm.h"

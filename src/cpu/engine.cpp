@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "cpu/engine.h"
+#include "core/shape_str.h"
 #include "cpu/attention.h"
 #include "cpu/gdn.h"
 #include "cpu/moe.h"

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "core/dtype.h"
+#include "core/shape_str.h"
 #include "gpu/ops/norm.h"
 #include "metal/gemm.h"
 

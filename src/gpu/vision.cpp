@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "core/shape_str.h"
 #include "gpu/ops/attention.h"
 #include "gpu/ops/gemm.h"
 #include "gpu/ops/norm.h"

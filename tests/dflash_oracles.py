@@ -172,6 +172,14 @@ def random_rounds(cfg: dict, lengths=(5, 3, 1, 4), seed: int = 2) -> list:
 # ------------------------------------------------------------------------------------------------
 # the oracles
 # ------------------------------------------------------------------------------------------------
+def random_round(rng, config, n: int, L: int) -> tuple:
+    """One drafting round's inputs for a draft of `config` (a DFlashConfig): random context features [n, F] and a
+    block of L token ids (a random first token below the mask id, then mask tokens)."""
+    f = rng.standard_normal((n, config.feature_size)).astype(np.float32)
+    mask = config.mask_token_id
+    return f, np.array([int(rng.integers(0, mask))] + [mask] * (L - 1), dtype=np.int64)
+
+
 def torch_rounds(draft_dir, embed: np.ndarray, head: np.ndarray, rounds: list, variant: str = "dflash") -> list:
     """``dflash``'s DFlashDraftModel (torch CPU, float32) over `rounds` as ``dflash_generate`` calls it: the
     block's embedding, the new context rows at positions ``start - n .. start + B - 1`` of one growing

@@ -12,6 +12,7 @@ from dflash_oracles import (
     TINY,
     TINY2,
     draft_config,
+    random_round,
     random_tensors,
     write_draft,
     write_mlx_quantized,
@@ -19,7 +20,6 @@ from dflash_oracles import (
 from qwenmetal.backends.cpu import CpuDFlash
 from qwenmetal.dflash import DFlashDrafter, DFlashReference, NativeDFlash, drafting_block, load_dflash_draft
 from qwenmetal.testing import cached_checkpoint
-from qwenmetal.weights import to_float32
 
 PROMPT = "The quick brown fox"
 LAYERS = (1, 2)
@@ -48,21 +48,6 @@ def draft_dirs(tmp_path_factory):
     return {"bf16": bf16, "mlx-q4": write_mlx_quantized(bf16, root / "q4", bits=4, group_size=64)}
 
 
-def _reference(model, draft) -> DFlashReference:
-    """The numpy reference of `draft` (its weights dequantized) over the target's embedding and lm_head."""
-    w = model.weights
-    embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=np.float32)
-    head = embed if model.config.tie_word_embeddings else \
-        np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=np.float32)
-    return DFlashReference(draft.config, draft.float32(), embed, head)
-
-
-def _round(rng, draft, n, L):
-    f = rng.standard_normal((n, draft.config.feature_size)).astype(np.float32)
-    block = np.array([int(rng.integers(0, MASK))] + [MASK] * (L - 1), dtype=np.int64)
-    return f, block
-
-
 def _close(got, want, tol=1e-4):
     assert got.shape == want.shape and got.dtype == np.float32
     if want.size:
@@ -82,15 +67,15 @@ def _check(native, nc, ref, rc, f, block, commit=True):
 def test_native_logits_match_the_reference_round_after_round(model, draft_dirs, fmt):
     draft = load_dflash_draft(draft_dirs[fmt], model.config)
     assert draft.quantized == (fmt == "mlx-q4")
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     assert isinstance(native, CpuDFlash)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(3)
     for n, L in ROUNDS:
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
     assert nc.position == sum(n for n, _ in ROUNDS)
     # a copy of the cache carries on as the original does
-    f, block = _round(rng, draft, 2, 8)
+    f, block = random_round(rng, draft.config, 2, 8)
     twin = nc.copy()
     a = native.forward(nc, f, block)
     np.testing.assert_array_equal(native.forward(twin, f, block), a)
@@ -100,11 +85,11 @@ def test_context_rows_in_pieces_of_prefill_chunk(draft_dirs):
     """Context projections over more rows than the target's prefill_chunk run in pieces: the same logits."""
     small = qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0), backend="cpu", threads=2, prefill_chunk=4)
     draft = load_dflash_draft(draft_dirs["bf16"], small.config)
-    native, ref = small.dflash_draft(draft), _reference(small, draft)
+    native, ref = small.dflash_draft(draft), DFlashReference.over_weights(draft, small.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(8)
     for n, L in ((11, 8), (5, 8), (4, 8)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
 
 
 def test_sliding_window_layer_and_scalings(model, tmp_path):
@@ -115,11 +100,11 @@ def test_sliding_window_layer_and_scalings(model, tmp_path):
                                  "input_embedding_scale": 0.5, "output_multiplier": 1.5,
                                  "final_logit_softcapping": 3.0})
     draft = load_dflash_draft(write_draft(tmp_path / "d", cfg, random_tensors(cfg, seed=7)), model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(4)
     for n, L in ROUNDS:
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
 
 
 # ---- DFlash2: the convolutions and the candidate selector ---------------------------------------------------------
@@ -150,7 +135,7 @@ def test_dflash2_logits_and_selected_drafts_match_the_reference(model, draft2_di
         qm.Model.load(cached_checkpoint("tiny", "mlx-q4", 0), backend="cpu", threads=2, activations=activations)
     draft = load_dflash_draft(draft2_dirs[fmt], m.config)
     assert draft.config.variant == "dflash2" and draft.quantized == (fmt == "mlx-q4")
-    native, ref = m.dflash_draft(draft), _reference(m, draft)
+    native, ref = m.dflash_draft(draft), DFlashReference.over_weights(draft, m.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(3)
     for i, (n, L) in enumerate(((6, 8), (3, 8), (0, 5), (1, 2), (4, 8), (2, 8))):
@@ -169,32 +154,32 @@ def test_dflash2_logits_and_selected_drafts_match_the_reference(model, draft2_di
             assert drafts.tolist() == want_drafts.tolist(), i
         assert nc.position == rc.position
     # forward's logits are propose's
-    f, block = _round(rng, draft, 2, 8)
+    f, block = random_round(rng, draft.config, 2, 8)
     np.testing.assert_array_equal(native.forward(nc, f, block, commit=False), native.propose(nc, f, block, False)[1])
 
 
 def test_commit_false_leaves_the_cache(model, draft_dirs):
     draft = load_dflash_draft(draft_dirs["bf16"], model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(5)
-    _check(native, nc, ref, rc, *_round(rng, draft, 5, 8))
-    f, block = _round(rng, draft, 3, 8)
+    _check(native, nc, ref, rc, *random_round(rng, draft.config, 5, 8))
+    f, block = random_round(rng, draft.config, 3, 8)
     first = _check(native, nc, ref, rc, f, block, commit=False)
     assert nc.position == 5
     np.testing.assert_array_equal(native.forward(nc, f, block, commit=False), first)
     # the cache is as it was: the next committed rounds still follow the reference
     for n, L in ((3, 8), (2, 4)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
     assert nc.position == 10
 
 
 def test_argument_errors_leave_the_cache_untouched(model, draft_dirs, tmp_path):
     draft = load_dflash_draft(draft_dirs["bf16"], model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(6)
-    _check(native, nc, ref, rc, *_round(rng, draft, 4, 8))
+    _check(native, nc, ref, rc, *random_round(rng, draft.config, 4, 8))
     F = draft.config.feature_size
     good = rng.standard_normal((2, F)).astype(np.float32)
     block = np.array([3] + [MASK] * 7)
@@ -221,7 +206,7 @@ def test_argument_errors_leave_the_cache_untouched(model, draft_dirs, tmp_path):
         model.dflash_draft(d2)
     # nothing above touched the cache: the next rounds still follow the reference
     for n, L in ((2, 8), (1, 3)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
 
 
 def test_generation_drafts_natively_and_equals_plain_greedy(model, draft_dirs, monkeypatch):

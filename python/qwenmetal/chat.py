@@ -20,8 +20,15 @@ from typing import Iterable, Iterator, Sequence
 from .errors import InputError
 from .generation import GenerationOutput
 from .options import GenerationOptions
-from .prompt_images import (PromptImages, check_image_part, expanded_index, is_image_part, part_source, place_images,
-                            preprocess_for)
+from .prompt_images import (
+    PromptImages,
+    check_image_part,
+    expanded_index,
+    is_image_part,
+    part_source,
+    place_images,
+    preprocess_for,
+)
 from .session import ModelBase
 from .transcripts import chat_prompt, remember_reply
 

@@ -380,6 +380,15 @@ class DFlashReference:
                                       f"[{c.vocab_size}, {c.hidden_size}]: it was made for another model")
 
     @classmethod
+    def over_weights(cls, draft: DFlashDraft, weights) -> "DFlashReference":
+        """The reference of `draft` over the embedding and lm_head of a target's `Weights` (any format, dequantized
+        to float32: 2 x 2 GB at the real vocabulary)."""
+        embed = np.ascontiguousarray(to_float32(weights.tensors["embed_tokens"]), dtype=F32)
+        head = embed if weights.config.tie_word_embeddings else \
+            np.ascontiguousarray(to_float32(weights.tensors["lm_head"]), dtype=F32)
+        return cls(draft.config, draft.float32(), embed, head)
+
+    @classmethod
     def from_draft(cls, draft: DFlashDraft, target: ReferenceModel) -> "DFlashReference":
         """The reference of `draft` over the target reference model's embedding and lm_head."""
         check_target(draft.config, target.config, draft.path)
@@ -683,10 +692,7 @@ class DFlashDrafter(Drafter):
         else:
             w = model.weights
             if self.reference is None or self._target is not w:
-                embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=F32)
-                head = embed if model.config.tie_word_embeddings else \
-                    np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=F32)
-                self.reference = DFlashReference(c, self.checkpoint.float32(), embed, head)
+                self.reference = DFlashReference.over_weights(self.checkpoint, w)
                 self._target = w
             self.round = DFlashRound(self.reference)
         self.rng = np.random.default_rng(self.seed)

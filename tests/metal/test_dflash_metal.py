@@ -11,14 +11,21 @@ import re
 import numpy as np
 import pytest
 import qwenmetal as qm
-from dflash_oracles import TINY, TINY2, draft_config, random_tensors, write_draft, write_mlx_quantized
+from dflash_oracles import (
+    TINY,
+    TINY2,
+    draft_config,
+    random_round,
+    random_tensors,
+    write_draft,
+    write_mlx_quantized,
+)
 from qwenmetal.backends.metal import GpuDFlash
-from qwenmetal.bench.cost import PUBLISHED_DRAFT, encode_only_dflash_cost
 from qwenmetal.bench.cli import resolve_config
+from qwenmetal.bench.cost import PUBLISHED_DRAFT, encode_only_dflash_cost
 from qwenmetal.config import ModelConfig
 from qwenmetal.dflash import DFlashReference, load_dflash_draft
 from qwenmetal.testing import cached_checkpoint
-from qwenmetal.weights import to_float32
 
 from .gpu_harness import BACKEND, SIM
 
@@ -55,21 +62,6 @@ def draft_dirs(tmp_path_factory):
             "mlx-q8": write_mlx_quantized(bf16, root / "q8", bits=8, group_size=32)}
 
 
-def _reference(model, draft) -> DFlashReference:
-    """The numpy reference of `draft` (its weights dequantized) over the target's embedding and lm_head."""
-    w = model.weights
-    embed = np.ascontiguousarray(to_float32(w.tensors["embed_tokens"]), dtype=np.float32)
-    head = embed if model.config.tie_word_embeddings else \
-        np.ascontiguousarray(to_float32(w.tensors["lm_head"]), dtype=np.float32)
-    return DFlashReference(draft.config, draft.float32(), embed, head)
-
-
-def _round(rng, draft, n, L):
-    f = rng.standard_normal((n, draft.config.feature_size)).astype(np.float32)
-    block = np.array([int(rng.integers(0, MASK))] + [MASK] * (L - 1), dtype=np.int64)
-    return f, block
-
-
 def _check(native, nc, ref, rc, f, block, tol=TOL["float32"], commit=True):
     want = ref.logits(ref.forward(rc, f, block, commit=commit)[1:])
     got = native.forward(nc, f, block, commit=commit)
@@ -87,15 +79,15 @@ def test_native_logits_match_the_reference_round_after_round(models, draft_dirs,
     model = models[dtype]
     draft = load_dflash_draft(draft_dirs[fmt], model.config)
     assert draft.quantized == fmt.startswith("mlx")
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     assert isinstance(native, GpuDFlash)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(3)
     for n, L in ROUNDS:
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L), tol=TOL[dtype])
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L), tol=TOL[dtype])
     assert nc.position == sum(n for n, _ in ROUNDS)
     # a copy of the cache carries on as the original does
-    f, block = _round(rng, draft, 2, 8)
+    f, block = random_round(rng, draft.config, 2, 8)
     twin = nc.copy()
     np.testing.assert_array_equal(native.forward(twin, f, block), native.forward(nc, f, block))
 
@@ -106,23 +98,23 @@ def test_one_command_buffer_per_draft_call(models, draft_dirs):
     first, each waited on, with the same logits."""
     model = models["float32"]
     draft = load_dflash_draft(draft_dirs["bf16"], model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     dev = model._backend.device
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(7)
     for n, L in ((5, 8), (2, 8), (0, 3)):
         dev.reset_counters()
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
         k = dev.counters()
         assert k["command_buffers"] == 1 and k["host_waits"] == 1, k
     small = _load(prefill_chunk=4)
-    native, ref = small.dflash_draft(draft), _reference(small, draft)
+    native, ref = small.dflash_draft(draft), DFlashReference.over_weights(draft, small.weights)
     assert native.impl.context_rows == 4
     nc, rc = native.new_cache(), ref.new_cache()
     d = small._backend.device
     for n, L in ((11, 8), (4, 8), (5, 2)):
         d.reset_counters()
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
         assert d.counters()["command_buffers"] == -(-n // 4), n
 
 
@@ -135,11 +127,11 @@ def test_sliding_window_layer_and_scalings(models, tmp_path):
                   dflash_config={"mask_token_id": MASK, "target_layer_ids": list(LAYERS),
                                  "output_multiplier": 1.5, "final_logit_softcapping": 3.0})
     draft = load_dflash_draft(write_draft(tmp_path / "d", cfg, random_tensors(cfg, seed=7)), model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(4)
     for n, L in ROUNDS:
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
     scaled = _config(dflash_config={"mask_token_id": MASK, "target_layer_ids": list(LAYERS),
                                     "input_embedding_scale": 0.5})
     d = load_dflash_draft(write_draft(tmp_path / "s", scaled, random_tensors(scaled, seed=7)), model.config)
@@ -151,11 +143,11 @@ def test_sliding_window_layer_and_scalings(models, tmp_path):
 def test_commit_false_and_errors_leave_the_cache(models, draft_dirs, tmp_path):
     model = models["float32"]
     draft = load_dflash_draft(draft_dirs["bf16"], model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(5)
-    _check(native, nc, ref, rc, *_round(rng, draft, 4, 8))
-    f, block = _round(rng, draft, 3, 8)
+    _check(native, nc, ref, rc, *random_round(rng, draft.config, 4, 8))
+    f, block = random_round(rng, draft.config, 3, 8)
     first = _check(native, nc, ref, rc, f, block, commit=False)
     assert nc.position == 4
     np.testing.assert_array_equal(native.forward(nc, f, block, commit=False), first)
@@ -187,7 +179,7 @@ def test_commit_false_and_errors_leave_the_cache(models, draft_dirs, tmp_path):
         GpuDFlash(model._backend, d2)
     # nothing above touched the cache: the next rounds still follow the reference
     for n, L in ((3, 8), (2, 4)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
 
 
 @pytest.mark.skipif(not SIM, reason="encode-only costing runs on the simulator device")
@@ -218,11 +210,11 @@ def test_published_attention_geometry_executed(models, tmp_path):
                   num_key_value_heads=PUBLISHED_DRAFT["num_key_value_heads"], head_dim=PUBLISHED_DRAFT["head_dim"],
                   num_hidden_layers=1, block_size=16)
     draft = load_dflash_draft(write_draft(tmp_path / "g", cfg, random_tensors(cfg, seed=9)), model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(11)
     for n, L in ((37, 16), (16, 16), (5, 16)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))
 
 
 def test_streaming_target(draft_dirs):
@@ -230,8 +222,8 @@ def test_streaming_target(draft_dirs):
     model = _load(expert_slots=2)
     assert model._backend.plan.stream
     draft = load_dflash_draft(draft_dirs["mlx-q4"], model.config)
-    native, ref = model.dflash_draft(draft), _reference(model, draft)
+    native, ref = model.dflash_draft(draft), DFlashReference.over_weights(draft, model.weights)
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(12)
     for n, L in ((6, 8), (2, 4)):
-        _check(native, nc, ref, rc, *_round(rng, draft, n, L))
+        _check(native, nc, ref, rc, *random_round(rng, draft.config, n, L))

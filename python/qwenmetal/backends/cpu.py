@@ -60,7 +60,7 @@ from ..expert_streaming import plan as stream_plan
 from ..native import core
 from ..weights import QuantizedTensor, Weights, to_float32
 from ..weights_table import NP_DTYPE_NAMES, config_dict, ptr, weight_table
-from .engine import EngineBackend, dflash_dims, row_arguments
+from .engine import EngineBackend, dflash_arguments, dflash_dims, row_arguments
 from .reference_vision import check_inputs
 
 KV_DTYPES = ("bfloat16", "float32")
@@ -313,22 +313,13 @@ class CpuDFlash:
         the target accepted since the last committed call, and the block's token ids [L] (L >= 1). Returns the
         logits of block rows 1..L-1 [L - 1, vocab] float32. With `commit` the context rows join `cache`; without
         it, and on any error, `cache` is left as it was."""
-        return self.impl.forward(cache, *self._arguments(features, block), bool(commit))
+        return self.impl.forward(cache, *dflash_arguments(self.config, features, block), bool(commit))
 
     def propose(self, cache, features, block, commit: bool = True) -> tuple:
         """`forward` and the block's greedy drafts, as ``DFlashReference.propose`` gives them: (drafts [L - 1]
         int64, logits [L - 1, vocab]); the drafts are each row's argmax (ties to the lower id), for a DFlash2
         draft its candidate selector's walk from ``block[0]``."""
-        return self.impl.propose(cache, *self._arguments(features, block), bool(commit))
-
-    def _arguments(self, features, block) -> tuple:
-        f = np.ascontiguousarray(features, dtype=np.float32)
-        if f.ndim != 2:
-            raise ValueError(f"context features must be [n, {self.config.feature_size}], got {list(f.shape)}")
-        ids = np.ascontiguousarray(block, dtype=np.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
-        return f, ids
+        return self.impl.propose(cache, *dflash_arguments(self.config, features, block), bool(commit))
 
     @property
     def weight_nbytes(self) -> int:

@@ -37,6 +37,18 @@ def dflash_dims(c) -> dict:
                 selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
 
 
+def dflash_arguments(config, features, block) -> tuple:
+    """A native draft call's arguments (`CpuDFlash`, `GpuDFlash`): the context features as float32 [n, F] and the
+    block's token ids as int64 [L]; ValueError for another rank (the engines check the sizes)."""
+    f = np.ascontiguousarray(features, dtype=np.float32)
+    if f.ndim != 2:
+        raise ValueError(f"context features must be [n, {config.feature_size}], got {list(f.shape)}")
+    ids = np.ascontiguousarray(block, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
+    return f, ids
+
+
 class EngineBackend:
     # ---- expert streaming statistics (expert_streaming.expert_stats summarises them) -------------------
     def expert_counters(self) -> dict:

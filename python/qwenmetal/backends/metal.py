@@ -55,7 +55,7 @@ from ..weights import Weights
 from ..weights_table import config_dict, weight_table
 from ..working_set import DEFAULT_CONTEXT
 from ..working_set import plan as memory_plan
-from .engine import EngineBackend, dflash_dims, row_arguments
+from .engine import EngineBackend, dflash_arguments, dflash_dims, row_arguments
 from .reference_vision import check_inputs as check_vision_inputs
 
 DTYPES = ("bfloat16", "float32")
@@ -313,13 +313,7 @@ class GpuDFlash:
         the target accepted since the last committed call, and the block's token ids [L] (L >= 1). Returns the
         logits of block rows 1..L-1 [L - 1, vocab] float32. With `commit` the context rows join `cache`; without
         it, and on any error, `cache` is left as it was."""
-        f = np.ascontiguousarray(features, dtype=np.float32)
-        if f.ndim != 2:
-            raise ValueError(f"context features must be [n, {self.config.feature_size}], got {list(f.shape)}")
-        ids = np.ascontiguousarray(block, dtype=np.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"the block must be a 1-D sequence of token ids, got shape {list(ids.shape)}")
-        return self.impl.forward(cache, f, ids, bool(commit))
+        return self.impl.forward(cache, *dflash_arguments(self.config, features, block), bool(commit))
 
     def cost(self, cache, n: int, block: int) -> dict:
         """What one draft call of `n` new context rows and a block of `block` tokens at the cache's position costs

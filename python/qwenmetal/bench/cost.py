@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.metal import DEFAULT_PREFILL_CHUNK, prefill_options, vision_dims
-from ..config import VisionConfig
+from ..config import VisionConfig, mtp_layer_config
 from ..native import core
-from ..config import mtp_layer_config
 from ..weights_table import config_dict, virtual_mtp_weight_table, virtual_weight_table
 from .bytes_model import decode_bytes
 from .occupancy import CHIP_CORES, records_seconds, replays_of

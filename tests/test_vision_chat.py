@@ -5,7 +5,8 @@ batched) and the CLI's ``--image``.
 
 Oracle: transformers' ``Qwen3_5MoeForConditionalGeneration.from_pretrained`` of the ``tiny-vl`` hf-bf16 fixture
 (float32) on our `preprocess` output (which tests/test_images.py checks against transformers' processor), for
-one and two images; the cpu engine and metal-sim against the reference. The fixture's preprocessor_config.json
+one and two images, and mlx-vlm's qwen3_5_moe Model (MLX CPU, float32) loaded from the mlx-bf16 fixture with the
+tower, fed the same input_ids / pixel_values / image_grid_thw; the cpu engine and metal-sim against the reference. The fixture's preprocessor_config.json
 here keeps images small (min_pixels 4096: a 40 x 60 image becomes 4 x 6 patches, 6 image tokens)."""
 from __future__ import annotations
 
@@ -50,10 +51,8 @@ def user(*parts) -> dict:
     return {"role": "user", "content": content}
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """The tiny-vl hf-bf16 fixture (a tower under model.visual.*) with a small-image preprocessor_config.json."""
-    src = cached_checkpoint("tiny-vl", "hf-bf16")
+def small_images(src, tmp_path_factory):
+    """A checkpoint folder of links to `src`'s files, plus a preprocessor_config.json that keeps images small."""
     dst = tmp_path_factory.mktemp("vl") / "ck"
     dst.mkdir()
     for f in src.iterdir():
@@ -62,6 +61,18 @@ def vl(tmp_path_factory):
         "size": {"shortest_edge": 4096, "longest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     return dst
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """The tiny-vl hf-bf16 fixture (a tower under model.visual.*) with a small-image preprocessor_config.json."""
+    return small_images(cached_checkpoint("tiny-vl", "hf-bf16"), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vl_mlx(tmp_path_factory):
+    """The tiny-vl mlx-bf16 fixture with the tower kept (mlx-vlm's layout: vision_tower.*), small images."""
+    return small_images(cached_checkpoint("tiny-vl", "mlx-bf16", vision=True), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +135,40 @@ def test_image_prompt_matches_transformers(ref, hf, case):
     r = ref.chat([user("Look at", *CASES[case], "and describe it.")], max_tokens=1, temperature=0,
                  enable_thinking=False, cache=False)
     assert r.tokens == [int(np.argmax(want[-1][:ref.sampleable_vocab]))]
+
+
+@pytest.fixture(scope="module")
+def mlx_vlm_model(vl_mlx):
+    """mlx-vlm's own loader (`mlx_vlm.utils.load_model`: its Model class, sanitize and strict load) of the
+    mlx-bf16 fixture, every bfloat16 parameter then cast to float32 (exact), run on MLX's CPU backend."""
+    mx = require("mlx.core")
+    require("mlx_vlm")
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.utils import load_model
+    m = load_model(vl_mlx)
+    m.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, m.parameters()))
+    assert {v.dtype for _, v in tree_flatten(m.parameters())} == {mx.float32}
+    return m
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_image_prompt_matches_mlx_vlm(vl_mlx, mlx_vlm_model, case):
+    """The same prompt through mlx-vlm's qwen3_5_moe Model (its tower, masked_scatter of the features at the
+    pads, its get_rope_index and language model), fed our input_ids and our `preprocess` output as its
+    pixel_values / image_grid_thw (mlx-vlm's processor is not involved: it takes them as transformers' processor
+    returns them, which is what `preprocess` matches): the reference's logits at every row, the same rope delta."""
+    mx = require("mlx.core")
+    ref = qm.Model.load(vl_mlx, backend="reference")
+    placed = case_turn(ref, CASES[case]).images
+    s, want = prefill_pieces(ref, placed)
+    ids = mx.array([placed.ids])
+    kw = dict(pixel_values=mx.array(placed.batch.pixel_values), image_grid_thw=mx.array(placed.batch.grid_thw))
+    got = np.array(mlx_vlm_model(ids, **kw).logits[0])
+    assert got.shape == want.shape
+    err = np.abs(got - want).max() / (want.max() - want.min())
+    assert err < 1e-4, err                          # observed ~6e-6 of the logit range
+    feats = mlx_vlm_model.get_input_embeddings(ids, kw["pixel_values"], image_grid_thw=kw["image_grid_thw"])
+    assert int(np.array(feats.rope_deltas).reshape(-1)[0]) == s.rope_delta
 
 
 # ---- the engines against the reference ---------------------------------------------------------------------

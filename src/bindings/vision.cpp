@@ -35,7 +35,7 @@ struct PyVision {
     nb::object keepalive;               // the arrays the descriptors point into
 };
 
-cpu::VisionDims parse_dims(const nb::dict& c) {
+cpu::VisionDims parse_vision_dims(const nb::dict& c) {
     auto i64 = [&](const char* k) { return nb::cast<int64_t>(c[k]); };
     cpu::VisionDims d;
     d.hidden = i64("hidden_size");
@@ -136,7 +136,7 @@ void register_vision(nb::module_& m) {
         .def("__init__",
              [](PyVision* self, nb::dict config, nb::dict linear, nb::dict small, nb::object engine, int threads,
                 nb::object keepalive) {
-                 const cpu::VisionDims d = parse_dims(config);
+                 const cpu::VisionDims d = parse_vision_dims(config);
                  auto tower = std::make_unique<cpu::VisionTower>(d, parse_weights(d, linear, small));
                  std::unique_ptr<ThreadPool> pool;
                  if (engine.is_none()) {

@@ -716,6 +716,19 @@ def run_sample(dev, real: bool) -> FamilyRun:
     return FamilyRun("argmax", f"[{V}]", "f32", n, lambda e, i: ops.argmax(e, logits[i], V, tok, scratch))
 
 
+def run_vision(dev, real: bool) -> FamilyRun:
+    """The vision tower's MLP activation: GELU-tanh with its bias over a 1024 x 1024 image's patches (4096 rows
+    of the tower's 4304-wide MLP), in place."""
+    _core = core()
+    R, N = (4096, 4304) if real else (8, 64)
+    inp = _Inputs(dev, 14)
+    b = inp.normal(N)
+    n = _copies(real, 4 * R * N)
+    ys = [inp.normal(R * N) for _ in range(n)]
+    return FamilyRun("vision_bias_act gelu_tanh", f"[{R}, {N}]", "bf16", n,
+                     lambda e, i: _core.gpu.ops.vision_bias_act(e, "bf16", ys[i], b, R, N, "gelu_tanh"))
+
+
 def run_attention(dev, real: bool) -> FamilyRun:
     """Decode attention of one layer at CONTEXT cached keys (bf16 KV), each run another layer's cache."""
     _core = core()
@@ -775,7 +788,7 @@ def run_gemm_tensor(dev, real: bool) -> FamilyRun:
 # one timed run per kernel family (family, function, needs Metal 4 tensor ops)
 FAMILY_RUNS = [("attention", run_attention, False), ("gdn", run_gdn, False), ("gemm", run_gemm, False),
                ("gemm_tensor", run_gemm_tensor, True), ("moe", run_moe, False), ("norm", run_norm, False),
-               ("quant", run_quant, False), ("sample", run_sample, False)]
+               ("quant", run_quant, False), ("sample", run_sample, False), ("vision", run_vision, False)]
 
 
 def time_family(dev, run: FamilyRun, runs: int, chip: Chip | None) -> dict:

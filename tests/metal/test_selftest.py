@@ -34,7 +34,7 @@ def test_selftest_passes_on_the_simulator(capsys, tmp_path):
     assert {"max_buffer_length", "working_set", "max_threads_per_threadgroup"} <= set(lim)
     assert len(lim["max_threads_per_pipeline"]) > 200 and lim["pipelines_below_declared"] == {}
     fams = {r["family"]: r for r in d["compile"]}
-    assert set(fams) == {"attention", "gdn", "gemm", "gemm_tensor", "moe", "norm", "quant", "sample"}
+    assert set(fams) == {"attention", "gdn", "gemm", "gemm_tensor", "moe", "norm", "quant", "sample", "vision"}
     assert fams["quant"]["status"] == "pass" and "did not run" in fams["quant"]["compiler"]
     assert fams["gemm_tensor"]["status"] == "skipped"
     assert any(c["name"] == "decode graph, float build" and c["status"] == "pass" for c in d["checks"])

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
+from oracles import require
 from qwenmetal.config import ModelConfig
-from qwenmetal.mrope import ImageSpan, cache_key, image_digest, pair_positions, rope_index
+from qwenmetal.mrope import cache_key, image_digest, pair_positions, rope_index
 from qwenmetal.testing import PRESETS
 
 IMG = 200            # the image pad of the tests' shim config (inside the tiny vocabularies)
@@ -36,7 +37,7 @@ def seq(*parts):
 
 
 def hf_rope_index(ids, grids, merge=2):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
     fake = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)))
     fake.get_vision_position_ids = functools.partial(Qwen3_5MoeModel.get_vision_position_ids, fake)
@@ -102,8 +103,8 @@ ROPE = {"mrope_section": [3, 3, 2], "mrope_interleaved": True, "partial_rotary_f
 def hf_pair(tmp_path_factory):
     """A random HF Qwen3_5MoeForCausalLM (16 rotary dims, sections [3, 3, 2]) and the reference model on its
     saved checkpoint."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    require("torch")
+    require("transformers")
     from oracles import hf_model, save_hf
     hf = hf_model("qwen3_5_moe", {"rope_parameters": ROPE}, seed=3)
     d = save_hf(hf, tmp_path_factory.mktemp("mrope") / "hf")

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 import qwenmetal as qm
 from oracles import require
 from qwenmetal.config import ModelConfig

@@ -180,6 +180,20 @@ def random_round(rng, config, n: int, L: int) -> tuple:
     return f, np.array([int(rng.integers(0, mask))] + [mask] * (L - 1), dtype=np.int64)
 
 
+def bad_draft_inputs(rng, config) -> list:
+    """(features, block, message) for each bad input a native draft call must refuse, leaving its cache as it
+    was (tests/test_dflash_cpu.py, tests/metal/test_dflash_metal.py)."""
+    F, mask, V = config.feature_size, config.mask_token_id, config.vocab_size
+    good = rng.standard_normal((2, F)).astype(np.float32)
+    block = np.array([3] + [mask] * 7)
+    return [(np.zeros((2, F + 1), np.float32), block, f"context features must be float32 [n, {F}], got [2, {F + 1}]"),
+            (np.zeros(F, np.float32), block, f"context features must be [n, {F}], got [{F}]"),
+            (good, np.zeros(0, np.int64), "the block is empty"),
+            (good, np.array([3, V]), f"token id {V} outside the vocabulary"),
+            (good, np.array([-1, mask]), "token id -1 outside the vocabulary"),
+            (good, np.zeros((2, 2), np.int64), "1-D sequence of token ids")]
+
+
 def torch_rounds(draft_dir, embed: np.ndarray, head: np.ndarray, rounds: list, variant: str = "dflash") -> list:
     """``dflash``'s DFlashDraftModel (torch CPU, float32) over `rounds` as ``dflash_generate`` calls it: the
     block's embedding, the new context rows at positions ``start - n .. start + B - 1`` of one growing

@@ -11,6 +11,7 @@ import qwenmetal as qm
 from dflash_oracles import (
     TINY,
     TINY2,
+    bad_draft_inputs,
     draft_config,
     random_round,
     random_tensors,
@@ -180,16 +181,7 @@ def test_argument_errors_leave_the_cache_untouched(model, draft_dirs, tmp_path):
     nc, rc = native.new_cache(), ref.new_cache()
     rng = np.random.default_rng(6)
     _check(native, nc, ref, rc, *random_round(rng, draft.config, 4, 8))
-    F = draft.config.feature_size
-    good = rng.standard_normal((2, F)).astype(np.float32)
-    block = np.array([3] + [MASK] * 7)
-    for features, ids, msg in (
-            (np.zeros((2, F + 1), np.float32), block, f"context features must be float32 [n, {F}], got [2, {F + 1}]"),
-            (np.zeros(F, np.float32), block, f"context features must be [n, {F}], got [{F}]"),
-            (good, np.zeros(0, np.int64), "the block is empty"),
-            (good, np.array([3, 512]), "token id 512 outside the vocabulary"),
-            (good, np.array([-1, MASK]), "token id -1 outside the vocabulary"),
-            (good, np.zeros((2, 2), np.int64), "1-D sequence of token ids")):
+    for features, ids, msg in bad_draft_inputs(rng, draft.config):
         with pytest.raises(ValueError, match=re.escape(msg)):
             native.forward(nc, features, ids)
         assert nc.position == 4
@@ -197,7 +189,7 @@ def test_argument_errors_leave_the_cache_untouched(model, draft_dirs, tmp_path):
                                                              random_tensors(_config(num_hidden_layers=3))),
                                                  model.config))
     with pytest.raises(ValueError, match="this cache was made for another draft"):
-        other.forward(nc, good, block)
+        other.forward(nc, *random_round(rng, draft.config, 2, 8))
     assert nc.position == 4
     cfg2 = _config2(dflash_config=dict(TINY2["dflash_config"], mask_token_id=MASK, target_layer_ids=list(LAYERS),
                                        selector_top_k=513))

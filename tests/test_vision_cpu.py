@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
+from vision_inputs import bad_inputs, pixels
 from qwenmetal.backends.cpu import CpuVisionEncoder, available
 from qwenmetal.native import core
 from qwenmetal.backends.reference_vision import VisionTower
@@ -64,10 +65,6 @@ def random_params(vc: VisionConfig, seed: int = 0, dtype=np.float32) -> dict:
     lin("merger.linear_fc2", vc.out_hidden_size, m)
     return p
 
-
-def pixels(vc: VisionConfig, grid, seed: int = 0) -> np.ndarray:
-    n = int(np.prod(np.asarray(grid), axis=1).sum())
-    return np.random.default_rng(seed).standard_normal((n, vc.patch_dim), dtype=np.float32)
 
 
 def close(what, got, want, rtol=1e-4):
@@ -163,17 +160,7 @@ def test_bad_inputs_are_refused_and_change_nothing(tiny):
     grid = np.array([[1, 4, 6]])
     px = pixels(vc, grid)
     before = enc.encode(px, grid)
-    cases = [
-        (px[:, :10], grid, r"pixel_values must be \[24, 96\].*got \[24, 10\]"),
-        (px[:20], grid, r"pixel_values must be \[24, 96\]"),
-        (px, np.array([[1, 3, 8]]), r"grid_thw\[0\] = \[1, 3, 8\]: height and width must be multiples of"),
-        (px, np.array([[0, 4, 6]]), r"grid_thw\[0\] = \[0, 4, 6\]: every entry must be positive"),
-        (px, np.array([1, 4, 6]), r"grid_thw must be an integer array \[n_images, 3\]"),
-        (px, grid.astype(np.float32), r"grid_thw must be an integer array"),
-        (px.astype(np.int32), grid, r"pixel_values must be floating point"),
-        (np.where(np.arange(px.shape[1]) == 5, np.nan, px), grid, r"pixel_values holds NaN"),
-    ]
-    for bad_px, bad_grid, match in cases:
+    for bad_px, bad_grid, match in bad_inputs(px, grid):
         with pytest.raises(InputError, match=match):
             enc.encode(bad_px, bad_grid)
     # the C++ side checks the same on its own (a caller that skips the Python checks)

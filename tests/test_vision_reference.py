@@ -22,12 +22,13 @@ from safetensors.numpy import load_file, save_file
 
 import qwenmetal as qm
 from oracles import require
+from vision_inputs import bad_inputs, pixels
 from qwenmetal.backends.reference_vision import (VisionTower, interpolation_taps, merged_token_counts,
                                                  rotary_positions)
 from qwenmetal.config import ModelConfig, VisionConfig
 from qwenmetal.convert import convert
 from qwenmetal.errors import CheckpointError, InputError
-from qwenmetal.testing import PRESETS, cached_checkpoint, make_checkpoint
+from qwenmetal.testing import PRESETS, cached_checkpoint
 from qwenmetal.weights import load_weights, to_float32
 
 TINY = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
@@ -76,10 +77,6 @@ def _canonical(state_dict) -> dict:
     return out
 
 
-def _pixels(vc: VisionConfig, grid, seed: int = 0) -> np.ndarray:
-    n = int(np.prod(np.asarray(grid), axis=1).sum())
-    return np.random.default_rng(seed).standard_normal((n, vc.patch_dim)).astype(np.float32)
-
 
 def _close(what, got, want, rtol=1e-5):
     """Max abs error within rtol x the output's max magnitude (float32 throughout: observed ~1e-6)."""
@@ -95,7 +92,7 @@ def test_tower_matches_transformers_tiny(grids):
     m = _torch_tower(TINY)
     vc = VisionConfig.from_dict(TINY)
     grid = np.array(GRIDS[grids])
-    px = _pixels(vc, grid)
+    px = pixels(vc, grid)
     with torch.no_grad():
         want = m(torch.from_numpy(px), torch.from_numpy(grid)).pooler_output.numpy()
     got = VisionTower(_canonical(m.state_dict()), vc)(px, grid)
@@ -110,7 +107,7 @@ def test_tower_matches_transformers_real_width():
     m = _torch_tower(REAL, seed=1)
     vc = VisionConfig.from_dict(REAL)
     grid = np.array([[1, 6, 8], [1, 4, 10]])
-    px = _pixels(vc, grid, seed=1)
+    px = pixels(vc, grid, seed=1)
     with torch.no_grad():
         want = m(torch.from_numpy(px), torch.from_numpy(grid)).pooler_output.numpy()
     got = VisionTower(_canonical(m.state_dict()), vc)(px, grid)
@@ -175,7 +172,7 @@ def test_hf_fixture_matches_transformers_from_pretrained(vl):
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(vl["hf-bf16"]), dtype=torch.float32).eval()
     c, w = _load(vl["hf-bf16"])
     grid = np.array([[1, 4, 6], [1, 2, 4]])
-    px = _pixels(c.vision, grid, seed=3)
+    px = pixels(c.vision, grid, seed=3)
     with torch.no_grad():
         want = model.model.visual(torch.from_numpy(px), torch.from_numpy(grid)).pooler_output.numpy()
     _close("from_pretrained", VisionTower(w.vision, c.vision)(px, grid), want)
@@ -226,7 +223,7 @@ def test_tower_matches_mlx_vlm(vl):
               if k.startswith("vision_tower.")}
     tower.load_weights(list(tower.sanitize(params).items()), strict=True)
     grid = np.array([[1, 4, 6], [1, 8, 2]])
-    px = _pixels(c.vision, grid, seed=4)
+    px = pixels(c.vision, grid, seed=4)
     out, _ = tower(mx.array(px), mx.array(grid))
     _close("mlx-vlm", VisionTower(w.vision, c.vision)(px, grid), np.array(out))
 
@@ -326,18 +323,8 @@ def test_bad_inputs_are_refused(vl):
     c, w = _load(vl["hf-bf16"])
     tower = VisionTower(w.vision, c.vision)
     grid = np.array([[1, 4, 6]])
-    px = _pixels(c.vision, grid)
-    cases = [
-        (px[:, :100], grid, r"pixel_values must be \[24, 1536\].*got \[24, 100\]"),
-        (px[:20], grid, r"pixel_values must be \[24, 1536\]"),
-        (px, np.array([[1, 3, 8]]), r"grid_thw\[0\] = \[1, 3, 8\]: height and width must be multiples of"),
-        (px, np.array([[0, 4, 6]]), r"grid_thw\[0\] = \[0, 4, 6\]: every entry must be positive"),
-        (px, np.array([1, 4, 6]), r"grid_thw must be an integer array \[n_images, 3\]"),
-        (px, grid.astype(np.float32), r"grid_thw must be an integer array"),
-        (px.astype(np.int32), grid, r"pixel_values must be floating point"),
-        (np.where(np.arange(px.shape[1]) == 5, np.nan, px), grid, r"pixel_values holds NaN"),
-    ]
-    for p, g, match in cases:
+    px = pixels(c.vision, grid)
+    for p, g, match in bad_inputs(px, grid):
         with pytest.raises(InputError, match=match):
             tower(p, g)
     with pytest.raises(InputError, match=r"the checkpoint has no vision tower"):

@@ -14,6 +14,7 @@ import qwenmetal as qm
 from dflash_oracles import (
     TINY,
     TINY2,
+    bad_draft_inputs,
     draft_config,
     random_round,
     random_tensors,
@@ -151,16 +152,7 @@ def test_commit_false_and_errors_leave_the_cache(models, draft_dirs, tmp_path):
     first = _check(native, nc, ref, rc, f, block, commit=False)
     assert nc.position == 4
     np.testing.assert_array_equal(native.forward(nc, f, block, commit=False), first)
-    F = draft.config.feature_size
-    good = rng.standard_normal((2, F)).astype(np.float32)
-    block = np.array([3] + [MASK] * 7)
-    for features, ids, msg in (
-            (np.zeros((2, F + 1), np.float32), block, f"context features must be float32 [n, {F}], got [2, {F + 1}]"),
-            (np.zeros(F, np.float32), block, f"context features must be [n, {F}], got [{F}]"),
-            (good, np.zeros(0, np.int64), "the block is empty"),
-            (good, np.array([3, 512]), "token id 512 outside the vocabulary"),
-            (good, np.array([-1, MASK]), "token id -1 outside the vocabulary"),
-            (good, np.zeros((2, 2), np.int64), "1-D sequence of token ids")):
+    for features, ids, msg in bad_draft_inputs(rng, draft.config):
         with pytest.raises(ValueError, match=re.escape(msg)):
             native.forward(nc, features, ids)
         assert nc.position == 4
@@ -168,9 +160,9 @@ def test_commit_false_and_errors_leave_the_cache(models, draft_dirs, tmp_path):
     other = model.dflash_draft(load_dflash_draft(write_draft(tmp_path / "wide", other_cfg, random_tensors(other_cfg)),
                                                  model.config))
     with pytest.raises(ValueError, match="this cache was made for another draft"):
-        other.forward(nc, good, block)
+        other.forward(nc, *random_round(rng, draft.config, 2, 8))
     with pytest.raises(ValueError, match="this cache was made for another draft"):   # another target's device
-        models["bfloat16"].dflash_draft(draft).forward(nc, good, block)
+        models["bfloat16"].dflash_draft(draft).forward(nc, *random_round(rng, draft.config, 2, 8))
     cfg2 = draft_config(TINY2, vocab_size=512, num_target_layers=4,
                         dflash_config=dict(TINY2["dflash_config"], mask_token_id=MASK, target_layer_ids=list(LAYERS)))
     d2 = load_dflash_draft(write_draft(tmp_path / "d2", cfg2, random_tensors(cfg2)), model.config)

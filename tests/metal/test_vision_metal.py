@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from vision_inputs import pixels
 from qwenmetal.backends.metal import MetalBackend, MetalSimBackend, vision_dims
 from qwenmetal.backends.reference_vision import VisionTower
 from qwenmetal.bench.cli import resolve_config
@@ -49,10 +50,6 @@ def tower(weights):
     return VisionTower(weights.vision, weights.config.vision)
 
 
-def _pixels(vc, grid, seed=0):
-    n = int(np.prod(np.asarray(grid), axis=1).sum())
-    return np.random.default_rng(seed).standard_normal((n, vc.patch_dim)).astype(np.float32)
-
 
 def _err(got, ref):
     return float(np.abs(got - ref).max() / np.abs(ref).max())
@@ -62,7 +59,7 @@ def _err(got, ref):
 @pytest.mark.parametrize("case", sorted(GRIDS))
 def test_matches_reference(encoders, tower, case, dtype):
     grid = np.array(GRIDS[case])
-    px = _pixels(tower.config, grid)
+    px = pixels(tower.config, grid)
     enc = encoders[dtype]
     out = enc.encode(px, grid)
     ref = tower(px, grid)
@@ -98,7 +95,7 @@ def test_released_width(weights):
     vc = VisionConfig.from_dict(dict(RELEASED_VISION, depth=1))
     params = _random_tower(vc)
     grid = np.array([[1, 4, 6], [1, 2, 2]])
-    px = _pixels(vc, grid, seed=4)
+    px = pixels(vc, grid, seed=4)
     be = GpuBackend(weights, dtype="float32")
     mappings, tensors, keep = weight_table(None, params)
     impl = core().gpu.GpuVisionTower(be.engine, vision_dims(vc), mappings, tensors, keep)
@@ -110,7 +107,7 @@ def test_hf_layout(tower):
     """The Hugging Face layout (model.visual.*, Conv3d patch embedding) binds to the same tower."""
     enc = GpuBackend(_weights("hf-bf16"), dtype="float32").vision_encoder()
     grid = np.array(GRIDS["one"])
-    px = _pixels(tower.config, grid, seed=3)
+    px = pixels(tower.config, grid, seed=3)
     assert _err(enc(px, grid), tower(px, grid)) <= TOL["float32"]
 
 
@@ -118,7 +115,7 @@ def test_command_buffer_budget(weights, encoders, tower):
     """Under a tiny watchdog budget the call is cut into many command buffers (one per dispatch) and a 64-patch
     frame's attention runs in two query blocks of 32, each over all 64 keys: the same rows bit for bit."""
     grid = np.array([[1, 8, 8], [1, 2, 2]])
-    px = _pixels(tower.config, grid, seed=1)
+    px = pixels(tower.config, grid, seed=1)
     small = GpuBackend(weights, dtype="float32", command_buffer_seconds=1e-9).vision_encoder()
     out = small.encode(px, grid)
     base = encoders["float32"]
@@ -135,11 +132,11 @@ def test_errors_leave_the_tower_usable(encoders, tower):
     enc = encoders["float32"]
     vc = tower.config
     grid = np.array(GRIDS["one"])
-    px = _pixels(vc, grid)
+    px = pixels(vc, grid)
     with pytest.raises(InputError, match=r"pixel_values must be \[24, 1536\]"):
         enc.encode(px[:-1], grid)
     with pytest.raises(InputError, match="multiples of spatial_merge_size 2"):
-        enc.encode(_pixels(vc, [[1, 3, 2]]), [[1, 3, 2]])
+        enc.encode(pixels(vc, [[1, 3, 2]]), [[1, 3, 2]])
     with pytest.raises(InputError, match="integer array"):
         enc.encode(px, grid.astype(np.float32))
     bad = px.copy()

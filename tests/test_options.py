@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qwenmetal as qm
-from qwenmetal import cli, server
+from qwenmetal import cli, serving
 from qwenmetal.errors import InputError
 from qwenmetal.options import GenerationOptions
 from qwenmetal.testing import cached_checkpoint
@@ -116,14 +116,14 @@ def test_cli_server_and_generate_build_the_same_options(model, monkeypatch):
     body = {"max_tokens": 12, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05,
             "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 123,
             "stop": ["\n\n", "END"], "ignore_eos": True}
-    got_server = server._options(body, 12)
+    got_server = serving.options_of(body, 12)
     seen = []
     monkeypatch.setattr("qwenmetal.generation.generate", lambda m, prompt, opts, **kw: seen.append(opts))
     model.generate("x", **body)
     assert got_cli == got_server == seen[0] == want
     # the defaults agree too (nothing set: everything from generation_config.json)
-    assert _cli_options(["--max-tokens", "256"]) == server._options({}, 256) == GenerationOptions()
-    assert server._options({"top_k": -1}, 5).top_k == 0                 # vLLM's "off"
+    assert _cli_options(["--max-tokens", "256"]) == serving.options_of({}, 256) == GenerationOptions()
+    assert serving.options_of({"top_k": -1}, 5).top_k == 0                 # vLLM's "off"
     p = argparse.ArgumentParser()                                       # a command without --ignore-eos
     cli._add_sampling_args(p)
     assert GenerationOptions.from_cli_args(p.parse_args(["--max-tokens", "7"])) == GenerationOptions(max_tokens=7)
@@ -136,18 +136,18 @@ JSON_BAD = [b for b in BAD if b[0] not in ("max_tokens", "logprobs", "top_logpro
 
 @pytest.mark.parametrize("name,value,message", JSON_BAD)
 def test_server_reports_the_option_as_param(name, value, message):
-    with pytest.raises(server.APIError, match=message) as e:
-        server._options({name: value}, 5)
+    with pytest.raises(serving.APIError, match=message) as e:
+        serving.options_of({name: value}, 5)
     assert e.value.status == 400 and e.value.param == name
 
 
 def test_server_keeps_openai_ranges():
     for name, value in (("temperature", 2.5), ("presence_penalty", -3), ("frequency_penalty", 2.1)):
-        with pytest.raises(server.APIError, match=f"'{name}' must be in") as e:
-            server._options({name: value}, 5)
+        with pytest.raises(serving.APIError, match=f"'{name}' must be in") as e:
+            serving.options_of({name: value}, 5)
         assert e.value.param == name
-    with pytest.raises(server.APIError, match="at most 16 strings") as e:
-        server._options({"stop": ["x"] * 17}, 5)
+    with pytest.raises(serving.APIError, match="at most 16 strings") as e:
+        serving.options_of({"stop": ["x"] * 17}, 5)
     assert e.value.param == "stop"
 
 

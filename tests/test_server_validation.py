@@ -1,6 +1,6 @@
 """Request validation of the server, in process and fast (the mutation-testing target of server.py).
 
-The helpers `_num`, `_bool`, `_options` and `_check_n` are called directly; the body checks of `read_json`
+The helpers `num`, `boolean`, `options_of` and `check_n` (qwenmetal.serving) are called directly; the body checks of `read_json`
 (a closure of `create_app`) go through the app with starlette's TestClient, or a raw ASGI call for a client
 that hangs up mid-body. Each case checks the status, ``param``, ``code`` and the whole message. No request
 here generates a token: every one is rejected (or reaches the next check) before the model runs.
@@ -13,7 +13,12 @@ import pytest
 
 from oracles import require
 
-from qwenmetal.server import APIError, MAX_STOP_STRINGS, _bool, _check_n, _num, _options, create_app
+from qwenmetal.server import create_app
+from qwenmetal.serving import MAX_STOP_STRINGS, APIError
+from qwenmetal.serving import boolean as _bool
+from qwenmetal.serving import check_n as _check_n
+from qwenmetal.serving import num as _num
+from qwenmetal.serving import options_of as _options
 
 NAME = "tiny"
 LIMIT = 1000

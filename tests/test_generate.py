@@ -1,5 +1,6 @@
 """model.generate / model.chat: streaming text, stop conditions, logprobs, stats, cancellation, and reply parsing
 (reasoning, Qwen3.5 XML tool calls), on the tiny fixture."""
+import json
 import threading
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import qwenmetal as qm
-from qwenmetal.chat import ChatStreamParser, parse_assistant, parse_tool_calls, prompt_opens_thinking
+from qwenmetal.chat import ChatStreamParser, parse_assistant, parse_tool_calls, prompt_opens_thinking, reply_events_merged
 from qwenmetal.generation import StopStringMatcher
 from qwenmetal.sampling import SampleResult
 from model_runs import uncached_reference_model
@@ -273,17 +274,22 @@ def test_parse_assistant_and_tool_calls():
 
 
 def _stream(p: ChatStreamParser, text: str, cuts) -> tuple[dict, list]:
-    """Feed `text` to the parser in the pieces `cuts` makes: (the fields it streamed, the tool calls)."""
-    fields = {"reasoning_content": "", "content": ""}
+    """Feed `text` to the parser in the pieces `cuts` makes: (the fields it streamed, the tool calls). Each
+    call's argument pieces concatenate to the JSON of its arguments."""
+    events = []
     prev = 0
     for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
-        for f, t in p.feed(text[prev:c]):
-            fields[f] += t
+        events += p.feed(text[prev:c])
         prev = c
-    more, calls = p.finish()
-    for f, t in more:
-        fields[f] += t
-    return fields, calls
+    events += p.finish()
+    r, c, calls = reply_events_merged(events)
+    args: dict = {}
+    for e in events:
+        if e[0] == "tool_args":
+            args[e[1]] = args.get(e[1], "") + e[2]
+    assert [json.loads(args[k]) for k in sorted(args)] == [c_["arguments"] for c_ in calls]
+    assert [e[2] for e in events if e[0] == "tool_call"] == [c_["name"] for c_ in calls]
+    return {"reasoning_content": r, "content": c}, calls
 
 
 @settings(max_examples=40, deadline=None)
@@ -383,8 +389,6 @@ def test_one_chat_turn_parses_tool_calls_only_when_tools_are_offered(model):
     assert "<tool_call>" in plain.parse(REPLY)[1]
     for turn in (with_tools, plain):           # the streamed split is the same as the whole-text one
         p = turn.stream_parser()
-        deltas = p.feed(REPLY)
-        more, calls = p.finish()
-        content = "".join(t for f, t in deltas + more if f == "content").strip()
-        assert (content, calls) == turn.parse(REPLY)[1:]
+        _, content, calls = reply_events_merged(p.feed(REPLY) + p.finish())
+        assert (content.strip(), calls) == turn.parse(REPLY)[1:]
     assert 0 < plain.cache_point < len(plain.prompt_ids) and plain.cache_points == (plain.cache_point,)

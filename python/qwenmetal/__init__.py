@@ -9,6 +9,7 @@ from .chat import ChatResponse
 from .config import ModelConfig, QuantizationConfig
 from .errors import CheckpointError, ImageError, InputError
 from .generation import GenerationOutput
+from .grammar import Grammar, GrammarError
 from .model import Model
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
@@ -18,4 +19,4 @@ from .version import __version__
 
 __all__ = ["Model", "Session", "SessionSnapshot", "GenerationOutput", "ModelConfig", "QuantizationConfig",
            "CheckpointError", "InputError", "ImageError", "Sampler", "GenerationOptions", "PrefixCache",
-           "ChatResponse", "__version__"]
+           "ChatResponse", "Grammar", "GrammarError", "__version__"]

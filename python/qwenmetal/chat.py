@@ -19,6 +19,7 @@ from typing import Iterable, Iterator, Sequence
 
 from .errors import InputError
 from .generation import GenerationOutput
+from .grammar import REPLY_TAGS, Grammar, reply_grammar
 from .options import GenerationOptions
 from .prompt_images import (
     PromptImages,
@@ -112,7 +113,9 @@ class ChatTurn:
     rendered text; ``thinking``: the prompt leaves the model inside a ``<think>`` block; ``tools``: the tools
     offered (tool calls are parsed only when there are some); ``keys``: the conversation's transcript keys
     (`qwenmetal.transcripts`; empty when transcripts are off), for `remember`; ``images``: the conversation's
-    images placed at their pads in ``prompt_ids`` (`qwenmetal.prompt_images.PromptImages`), or None."""
+    images placed at their pads in ``prompt_ids`` (`qwenmetal.prompt_images.PromptImages`), or None;
+    ``grammar``: the constraint the reply follows (`qwenmetal.grammar.reply_grammar`: tool calls that match
+    the tools' schemas, a JSON answer), or None."""
 
     messages: list = field(repr=False)
     prompt_ids: list = field(repr=False)
@@ -122,6 +125,7 @@ class ChatTurn:
     tools: list | None = field(default=None, repr=False)
     keys: list = field(default_factory=list, repr=False)
     images: PromptImages | None = field(default=None, repr=False)
+    grammar: Grammar | None = field(default=None, repr=False)
 
     @property
     def cache_points(self) -> tuple:
@@ -130,9 +134,12 @@ class ChatTurn:
 
     def generate(self, model: ModelBase, options: GenerationOptions | None = None,
                  **generate_kwargs) -> Iterator[GenerationOutput]:
-        """`Model.generate` on the prompt, with the history's cache point."""
+        """`Model.generate` on the prompt, with the history's cache point (and the turn's grammar)."""
         if self.images is not None:
             generate_kwargs["images"] = self.images
+        if self.grammar is not None and generate_kwargs.get("grammar") is None and (
+                options is None or options.grammar is None):
+            generate_kwargs["grammar"] = self.grammar
         return model.generate(self.prompt_ids, cache_points=self.cache_points, options=options, **generate_kwargs)
 
     def stream_parser(self) -> "ChatStreamParser":
@@ -174,25 +181,80 @@ class ChatTurn:
 
 def chat_turn(model: ModelBase, messages: Sequence[dict], *, tools: list | None = None,
               enable_thinking: bool | None = None, template_kwargs: dict | None = None,
-              allow_local_images: bool = True) -> ChatTurn:
+              allow_local_images: bool = True, tool_choice=None, response_format: dict | None = None,
+              parallel_tool_calls: bool = True) -> ChatTurn:
     """Validate `messages` (:func:`validate_messages`) and `tools`, read their images (:func:`read_images`),
     render them with the checkpoint's chat template (``enable_thinking`` and `template_kwargs` go to the
     template; the prompt continues the transcript of the longest answered prefix, `Model.chat_prompt`),
     expand each image's placeholder to its pads and find the cache point of the history. Raises ValueError
     for invalid messages or a checkpoint without tokenizer.json or chat template (`check_chat_support`),
     for a conversation the template refuses, for images sent to a checkpoint without a vision tower, and
-    `qwenmetal.errors.ImageError` for a bad image -- all before any work on the model."""
+    `qwenmetal.errors.ImageError` for a bad image -- all before any work on the model.
+
+    Structured replies (`qwenmetal.grammar`): with `tools`, every tool call the reply makes follows its
+    tool's parameter schema; `tool_choice` (OpenAI's: None or "auto", "none", "required", or
+    ``{"type": "function", "function": {"name": N}}``) decides whether the reply may, must or must not call
+    them (and which); `parallel_tool_calls` False allows one call; `response_format` (OpenAI's:
+    ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``)
+    makes the answer one JSON instance. An invalid schema or choice raises `qwenmetal.grammar.GrammarError`
+    (an InputError naming ``tools``, ``tool_choice`` or ``response_format``)."""
     msgs = validate_messages(messages)
     tools = validate_tools(tools)
+    choice = normalize_tool_choice(tool_choice)
+    answer_schema = response_schema(response_format)
+    if not isinstance(parallel_tool_calls, bool):
+        raise InputError(f"parallel_tool_calls must be a boolean, got {_brief(parallel_tool_calls)}",
+                         "parallel_tool_calls")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
     msgs, batch = read_images(model, msgs, allow_local=allow_local_images)
     p = chat_prompt(model, msgs, tools=tools, enable_thinking=enable_thinking, **(template_kwargs or {}))
+    thinking = prompt_opens_thinking(p.text)
+    tags = [t for t in REPLY_TAGS if model.tokenizer.token_to_id(t) is not None]
+    grammar = reply_grammar(thinking=thinking, tools=tools, tool_choice=choice,
+                            parallel_tool_calls=parallel_tool_calls, answer_schema=answer_schema, token_tags=tags)
     if batch is None:
-        return ChatTurn(msgs, p.ids, p.head, p.text, prompt_opens_thinking(p.text), tools, p.keys)
+        return ChatTurn(msgs, p.ids, p.head, p.text, thinking, tools, p.keys, grammar=grammar)
     placed = place_images(model, p.ids, batch)
     head = expanded_index(p.ids, model.config.image_token_id, p.head, placed)
-    return ChatTurn(msgs, placed.ids, head, p.text, prompt_opens_thinking(p.text), tools, p.keys, placed)
+    return ChatTurn(msgs, placed.ids, head, p.text, thinking, tools, p.keys, placed, grammar)
+
+
+def normalize_tool_choice(tool_choice) -> str:
+    """OpenAI's ``tool_choice`` as `qwenmetal.grammar.reply_grammar` takes it: "auto" (also for None),
+    "none", "required", or the name of the one function to call (``{"type": "function", "function":
+    {"name": N}}``; the Responses API's ``{"type": "function", "name": N}`` too)."""
+    if tool_choice is None:
+        return "auto"
+    if tool_choice in ("auto", "none", "required"):
+        return tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else tool_choice.get("name")
+        if isinstance(name, str) and name:
+            return name
+    raise InputError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+                     f"{{'name': ...}}}}, got {_brief(tool_choice)}", "tool_choice", "invalid_value")
+
+
+def response_schema(response_format) -> dict | None:
+    """The JSON Schema an OpenAI ``response_format`` asks the answer to follow (None: free text)."""
+    if response_format is None:
+        return None
+    rf = response_format
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise InputError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got "
+                         f"{_brief(rf)}", "response_format", "invalid_value")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"type": "object"}
+    js = rf.get("json_schema")
+    schema = js.get("schema") if isinstance(js, dict) else None
+    if not isinstance(schema, dict):
+        raise InputError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}} with the "
+                         "schema an object", "response_format", "invalid_value")
+    return schema
 
 
 def read_images(model: ModelBase, messages: list, *, allow_local: bool = True) -> tuple:
@@ -242,11 +304,6 @@ def read_images(model: ModelBase, messages: list, *, allow_local: bool = True) -
 # ---------------------------------------------------------------------------------------------------
 # replies
 # ---------------------------------------------------------------------------------------------------
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|$)", re.S)
-
-
 def _param_types(tools, name) -> dict:
     for t in tools or ():
         fn = t.get("function", t) if isinstance(t, dict) else None
@@ -258,24 +315,10 @@ def _param_types(tools, name) -> dict:
 
 def parse_tool_calls(text: str, tools: list | None = None) -> list:
     """Tool calls in Qwen3.5/3.6's XML format (``<tool_call><function=NAME><parameter=ARG>VALUE``...) as
-    ``[{"name": ..., "arguments": {...}}]``. Values are JSON-decoded unless the tool's schema says
-    ``string`` (or they are not valid JSON)."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        for name, body in _FUNCTION.findall(block):
-            types = _param_types(tools, name.strip())
-            args = {}
-            for key, value in _PARAM.findall(body):
-                key = key.strip()
-                if types.get(key) == "string":
-                    args[key] = value
-                    continue
-                try:
-                    args[key] = json.loads(value)
-                except (json.JSONDecodeError, ValueError):
-                    args[key] = value
-            calls.append({"name": name.strip(), "arguments": args})
-    return calls
+    ``[{"name": ..., "arguments": {...}}]`` (`ChatStreamParser`'s reading of `text` as a reply). Values are
+    JSON-decoded unless the tool's schema says ``string`` (or they are not valid JSON)."""
+    p = ChatStreamParser(False, tools)
+    return reply_events_merged(p.feed(text) + p.finish())[2]
 
 
 def parse_assistant(text: str, *, thinking: bool = False, tools: list | None = None,
@@ -288,12 +331,8 @@ def parse_assistant(text: str, *, thinking: bool = False, tools: list | None = N
     ``reasoning`` is None when there was no think block. ``tools``: their schemas type the arguments;
     ``parse_tools=False`` leaves ``<tool_call>`` text in the content."""
     p = ChatStreamParser(thinking, tools, parse_tools=parse_tools)
-    deltas = p.feed(text)
-    more, calls = p.finish()
-    parts = {"reasoning_content": "", "content": ""}
-    for f, t in deltas + more:
-        parts[f] += t
-    return (parts["reasoning_content"].strip() if p.opened_thinking else None), parts["content"].strip(), calls
+    reasoning, content, calls = reply_events_merged(p.feed(text) + p.finish())
+    return (reasoning.strip() if p.opened_thinking else None), content.strip(), calls
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
@@ -355,12 +394,23 @@ def markdown_escape(text: str) -> str:
 
 
 class ChatStreamParser:
-    """Splits streamed reply text into reasoning and content deltas, and collects tool calls.
+    """Splits a streamed reply into events, as it arrives.
 
-    ``feed(text)`` returns ``[(field, text), ...]`` with field ``"reasoning_content"`` or ``"content"``;
-    text that may be the start of ``</think>`` or ``<tool_call>`` is held until decided. From the first
-    ``<tool_call>`` on, text is kept back and parsed by ``finish()``, which returns
-    ``(remaining deltas, tool_calls)``.
+    ``feed(text)`` returns the events that `text` (the next piece of the reply) decides, ``finish()`` the
+    rest at the end of the reply:
+
+    - ``("reasoning", text)``: thinking; ``("content", text)``: the answer;
+    - ``("tool_call", index, name)``: a tool call starts (index 0, 1, ... in the reply);
+    - ``("tool_args", index, fragment)``: the next piece of its arguments as JSON text, one parameter at a
+      time (the pieces of a call concatenate to a JSON object);
+    - ``("tool_done", index, call)``: the call is complete, ``call = {"name": str, "arguments": dict}``.
+
+    Text that may be the start of ``</think>`` or ``<tool_call>`` is held until decided. From the first
+    ``<tool_call>`` on (with tool parsing on), the calls are parsed as they complete: a call starts when its
+    ``<function=NAME>`` line is whole, each parameter goes out when its ``</parameter>`` arrives. Text that
+    does not follow the format (a block without a function, a stray line inside a call) ends the call so far
+    and comes out as content; so does a call cut off by the end of the reply (its complete parameters are
+    kept). Any cut of a reply into pieces gives the same events, merged (`parse_assistant` feeds it whole).
     """
 
     def __init__(self, thinking: bool = False, tools: list | None = None, parse_tools: bool = True):
@@ -369,9 +419,13 @@ class ChatStreamParser:
         self.tools = tools
         self.parse_tools = parse_tools
         self._buf = ""
-        self._tool_text = None
+        self._tool_text = None                    # from the first <tool_call> on: not yet parsed
         self._content_started = False
         self._block_start = thinking              # at the start of a think block: a '<think>' here is its tag
+        self.calls: list = []                     # the complete calls so far
+        self._call = None                         # the call being parsed: {"name", "arguments"}
+        self._types: dict = {}
+        self._junk = False                        # text that is not the format was seen: the rest is content
 
     def _emit(self, field_, text, out):
         if not text:
@@ -381,15 +435,16 @@ class ChatStreamParser:
             if not text:
                 return
             self._content_started = True
-        elif field_ == "reasoning_content":
+        elif field_ == "reasoning":
             self._block_start = False
         out.append((field_, text))
 
     def feed(self, text: str) -> list:
-        """The ``(field, text)`` deltas that `text` (the next piece of the reply) decides."""
+        """The events that `text` (the next piece of the reply) decides."""
         out: list = []
         if self._tool_text is not None:
             self._tool_text += text
+            self._parse_calls(out, final=False)
             return out
         self._buf += text
         while True:
@@ -399,12 +454,12 @@ class ChatStreamParser:
                     self._block_start = False
                 i = self._buf.find("</think>")
                 if i >= 0:
-                    self._emit("reasoning_content", self._buf[:i], out)
+                    self._emit("reasoning", self._buf[:i], out)
                     self._buf = self._buf[i + len("</think>"):]
                     self.mode = "content"
                     continue
                 keep = _partial_suffix(self._buf, ("</think>", "<think>"))
-                self._emit("reasoning_content", self._buf[:len(self._buf) - keep], out)
+                self._emit("reasoning", self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
             tags = ("<tool_call>", "<think>") if self.parse_tools else ("<think>",)
@@ -420,24 +475,126 @@ class ChatStreamParser:
                 self._emit("content", self._buf[:i], out)   # (not stripped: the pieces may have sent it)
                 self._tool_text = self._buf[i:]
                 self._buf = ""
+                self._parse_calls(out, final=False)
                 return out
             keep = _partial_suffix(self._buf, tags)
             self._emit("content", self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return out
 
-    def finish(self) -> tuple:
-        """At the end of the reply: ``(the remaining deltas, tool_calls)``."""
+    def finish(self) -> list:
+        """The remaining events, at the end of the reply."""
         out: list = []
         if self._buf:
-            self._emit("reasoning_content" if self.mode == "reasoning" else "content", self._buf, out)
+            self._emit("reasoning" if self.mode == "reasoning" else "content", self._buf, out)
             self._buf = ""
-        calls = []
         if self._tool_text is not None:
-            calls = parse_tool_calls(self._tool_text, self.tools)
-            if not calls:                         # not a well-formed call: give the text back as content
-                self._emit("content", self._tool_text, out)
-        return out, calls
+            self._parse_calls(out, final=True)
+        return out
+
+    # ---- tool calls ------------------------------------------------------------------------------
+    def _parse_calls(self, out: list, final: bool) -> None:
+        """Parse `_tool_text` as far as it is decided (all of it when `final`)."""
+        while True:
+            t = self._tool_text
+            if self._junk:                        # after text that is not the format: all of it is text
+                self._text(t, out)
+                return
+            if self._call is None:                # between calls: whitespace, then <tool_call> / the end
+                s = t.lstrip()
+                head = _CALL_HEAD.match(s)
+                if head is None:
+                    if not s or (not final and _head_pending(s)):
+                        return                    # nothing yet, or maybe a call's head, not whole yet
+                    self._junk = True
+                    self._tool_text = s
+                    continue
+                name = head.group(1).strip()
+                self._call = {"name": name, "arguments": {}}
+                self._types = _param_types(self.tools, name)
+                out.append(("tool_call", len(self.calls), name))
+                self._tool_text = s[head.end():]
+                continue
+            s = t.lstrip("\n")
+            m = _PARAM_WHOLE.match(s)
+            if m is not None:
+                key = m.group(1).strip()
+                v = self._value(key, m.group(2))
+                args = self._call["arguments"]
+                frag = ("{" if not args else ", ") + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(
+                    v, ensure_ascii=False)
+                args[key] = v
+                out.append(("tool_args", len(self.calls), frag))
+                self._tool_text = s[m.end():]
+                continue
+            end = _CALL_END.match(s)
+            if end is not None:
+                rest = s[end.end():]
+                if not final and (not rest or _is_prefix(rest, "</tool_call>")):
+                    return                        # the close tag may still come
+                self._close(out)
+                self._tool_text = rest[len("</tool_call>"):] if rest.startswith("</tool_call>") else rest
+                continue
+            if not final and (not s or _is_prefix(s, "</function>") or _is_prefix(s, "<parameter=")
+                              or s.startswith("<parameter=")):
+                return                            # a parameter or the call's end, not whole yet
+            self._close(out)                      # not the format (or cut off): the call ends here
+            self._junk = True
+            self._tool_text = s
+
+    def _value(self, key: str, value: str):
+        if self._types.get(key) == "string":
+            return value
+        try:
+            return json.loads(value)
+        except (json.JSONDecodeError, ValueError):
+            return value
+
+    def _close(self, out: list) -> None:
+        call, self._call = self._call, None
+        k = len(self.calls)
+        out.append(("tool_args", k, "}" if call["arguments"] else "{}"))
+        out.append(("tool_done", k, call))
+        self.calls.append(call)
+
+    def _text(self, s: str, out: list) -> None:
+        """Text that is not a call: content, as the model wrote it."""
+        if s:
+            self._content_started = True
+            out.append(("content", s))
+        self._tool_text = ""
+
+
+_CALL_HEAD = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\n?")
+_PARAM_WHOLE = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\n?", re.S)
+_CALL_END = re.compile(r"</function>\s*")
+
+
+def _head_pending(s: str) -> bool:
+    """`s` may still become the head of a call (``<tool_call>`` then ``<function=NAME>``)."""
+    if _is_prefix(s, "<tool_call>"):
+        return True
+    if not s.startswith("<tool_call>"):
+        return False
+    rest = s[len("<tool_call>"):].lstrip()
+    return _is_prefix(rest, "<function=") or re.fullmatch(r"<function=[^>\n]*", rest) is not None
+
+
+def _is_prefix(s: str, tag: str) -> bool:
+    """`s` is a proper prefix of `tag` (it may still become it)."""
+    return len(s) < len(tag) and tag.startswith(s)
+
+
+def reply_events_merged(events) -> tuple:
+    """``(reasoning text, content text, tool calls)`` of a list of parser events."""
+    parts = {"reasoning": "", "content": ""}
+    calls = []
+    for e in events:
+        if e[0] in parts:
+            parts[e[0]] += e[1]
+        elif e[0] == "tool_done":
+            calls.append(e[2])
+    return parts["reasoning"], parts["content"], calls
 
 
 def _partial_suffix(s: str, tags) -> int:

@@ -499,8 +499,9 @@ def cmd_chat(args) -> int:
             for out in turn.generate(model, opts, **spec):
                 pieces.append(out.text)
                 tokens.append(out.token)
-                for field_, t in parser.feed(out.text) + (parser.finish()[0] if out.finish_reason else []):
-                    if field_ == "reasoning_content":
+                for field_, t in [e for e in parser.feed(out.text) + (parser.finish() if out.finish_reason else [])
+                                  if e[0] in ("reasoning", "content")]:
+                    if field_ == "reasoning":
                         if args.hide_thinking:
                             continue
                         if mode != "r":

@@ -18,6 +18,7 @@ import numpy as np
 from .dflash import DFlashDrafter
 from .errors import InputError
 from .expert_streaming import expert_stats
+from .grammar import GrammarMatcher
 from .mtp import MtpDrafter
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
@@ -182,8 +183,10 @@ def _checked_run(model: ModelBase, prompt, options, sampler, session, cache, cac
     model.check_session(s)
     model.check_ids(ids, s)                        # validates ids and the context limit, before any work
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
+    matcher = o.grammar.matcher(model) if o.grammar is not None else None
     return _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
-                model.prefix_cache if cache else None, cache_points, progress, cancel, images=placed)
+                model.prefix_cache if cache else None, cache_points, progress, cancel, images=placed,
+                grammar=matcher)
 
 
 @dataclass
@@ -203,6 +206,7 @@ class _Run:
     progress: bool | None
     cancel: threading.Event | None
     images: PromptImages | None = None   # the prompt's images, placed (`qwenmetal.prompt_images`)
+    grammar: GrammarMatcher | None = None  # the options' grammar, at the generated text so far
     rope_start: int = 0              # the rope position of the prompt's first token (with images)
     spec: Speculation | None = None
     t0: float = 0.0                  # start
@@ -345,16 +349,25 @@ class _Tokens:
         self.generated: list = []
         self.context = list(run.s.tokens)
 
+    def allowed(self) -> np.ndarray | None:
+        """The grammar's mask for the next token (None without a grammar)."""
+        g = self.run.grammar
+        return None if g is None else g.allowed(self.run.vocab or None)
+
     def sample(self, logits: np.ndarray) -> SampleResult:
-        """The next token from `logits` on the host (penalties see the context and the generated tokens)."""
+        """The next token from `logits` on the host (penalties see the context and the generated tokens;
+        the grammar's mask, if any, applies)."""
         run = self.run
         return run.sampler.sample(logits, run.vocab, context=self.context, generated=self.generated,
-                                  logprobs=run.o.logprobs, top_logprobs=run.o.top_logprobs)
+                                  logprobs=run.o.logprobs, top_logprobs=run.o.top_logprobs,
+                                  allowed=self.allowed())
 
     def take(self, t: int, position: int) -> tuple[str, str | None, str | int | None]:
         """Token `t` was sampled with the session at `position`: (its text, the finish reason or None, the
         stop string or id that ended the generation)."""
         run, decoder, matcher = self.run, self.decoder, self.matcher
+        if run.grammar is not None:
+            run.grammar.advance(t)
         self.generated.append(t)
         self.context.append(t)
         reason = hit = None
@@ -414,13 +427,18 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
                 for i, d in enumerate(drafts):     # the model's token at each drafted position
                     ri, ok = sampler.verify_draft(rows[i], d, run.vocab, context=ctx, generated=gen,
                                                   logprobs=want_logprobs, top_logprobs=top_n,
-                                                  draft_probs=None if probs is None else probs[i])
+                                                  draft_probs=None if probs is None else probs[i],
+                                                  allowed=toks.allowed())
                     pending.append((ri, ok, rows[i]))
                     ctx.append(ri.token)
                     gen.append(ri.token)
-                    if not ok:
+                    if not ok or ri.token in run.stop_ids:
                         break
+                    if run.grammar is not None:    # the next row's mask follows this token; `take` redoes it
+                        run.grammar.advance(ri.token)
                     accepted += 1
+                if run.grammar is not None:
+                    run.grammar.rollback(accepted)
                 if drafts and accepted == len(drafts):
                     logits = rows[-1]             # every draft kept: the next token is sampled from the last row
             else:
@@ -529,9 +547,12 @@ class _GpuDecode:
             run = self.run
             s, sp = run.s, run.sampler
             budget = min(self.CHUNK, run.o.max_tokens - n, s.max_context - s.position)
+            mask = {}
+            if run.grammar is not None:           # one token per call: the grammar moves after each
+                budget, mask = 1, {"mask": run.grammar.bitmask()}
             out = run.model.decode_loop(s, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
                                         top_p=sp.top_p, min_p=sp.min_p, seed=self.seed,
-                                        stop_ids=[int(t) for t in run.stop_ids], vocab=int(run.vocab or 0))
+                                        stop_ids=[int(t) for t in run.stop_ids], vocab=int(run.vocab or 0), **mask)
             self.pending = [int(t) for t in out]
         return self.pending.pop(0)
 

@@ -21,6 +21,7 @@ from .backends import backend_factory
 from .chat import ChatResponse, chat_turn, read_images
 from .config import ModelConfig
 from .generation import GenerationOutput
+from .grammar import Grammar
 from .options import GenerationOptions
 from .paths import resolve_checkpoint
 from .prefix_cache import PrefixCache
@@ -92,7 +93,8 @@ class Model(ModelBase):
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
                  logprobs: bool | None = None, top_logprobs: int | None = None,
-                 skip_special_tokens: bool | None = None, options: GenerationOptions | None = None,
+                 skip_special_tokens: bool | None = None, grammar: Grammar | None = None,
+                 options: GenerationOptions | None = None,
                  sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
                  cache_points: Sequence[int] = (), progress: bool | None = None,
                  cancel: threading.Event | None = None, speculative=None,
@@ -119,6 +121,8 @@ class Model(ModelBase):
         uint8 [H, W, 3] arrays), one per ``<|image_pad|>`` placeholder the prompt holds (write
         ``<|vision_start|><|image_pad|><|vision_end|>`` where each goes); each is expanded to its image's tokens
         and read by the checkpoint's vision tower (docs/vision.md). Not with `speculative`.
+        `grammar`: a `qm.Grammar` (``Grammar.json_schema(schema)``, ``Grammar.regex(...)``,
+        ``Grammar.lark(...)``) that every generated token keeps the text within (docs/structured-output.md).
         Arguments are checked before the first output: invalid ones raise ValueError naming them.
         See docs/usage.md.
         """
@@ -127,7 +131,7 @@ class Model(ModelBase):
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-            skip_special_tokens=skip_special_tokens)
+            skip_special_tokens=skip_special_tokens, grammar=grammar)
         return generation.generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
                         cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
                         speculative_k=speculative_k, images=images)
@@ -188,7 +192,8 @@ class Model(ModelBase):
                                     **(chat_template_kwargs or {}))
 
     def chat(self, messages: Sequence[dict], *, tools: list | None = None, enable_thinking: bool | None = None,
-             stream: bool = False, chat_template_kwargs: dict | None = None,
+             stream: bool = False, chat_template_kwargs: dict | None = None, tool_choice=None,
+             response_format: dict | None = None, parallel_tool_calls: bool = True,
              options: GenerationOptions | None = None, **generate_kwargs) -> ChatResponse | Iterator[GenerationOutput]:
         """Answer a conversation (OpenAI-style message dicts) with the checkpoint's chat template.
 
@@ -198,10 +203,14 @@ class Model(ModelBase):
         `stream=True` the `GenerationOutput` iterator. Uses the prefix cache, and keeps the reply's tokens
         (a transcript, `qwenmetal.transcripts`) so that the next turn's prompt continues them and prefills
         only the new messages. `options` and the other keyword arguments are `generate`'s (max_tokens,
-        temperature, stop, seed, sampler, ...).
+        temperature, stop, seed, sampler, ...). Tool calls follow the tools' schemas; `tool_choice`
+        ("auto", "none", "required", or a function), `parallel_tool_calls` and `response_format`
+        (``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``) are
+        OpenAI's (docs/structured-output.md).
         """
         turn = chat_turn(self, messages, tools=tools, enable_thinking=enable_thinking,
-                         template_kwargs=chat_template_kwargs)
+                         template_kwargs=chat_template_kwargs, tool_choice=tool_choice,
+                         response_format=response_format, parallel_tool_calls=parallel_tool_calls)
         gen = turn.generate(self, options, **generate_kwargs)
         if stream:
             return turn.remembering(self, gen)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import InputError
+from .grammar import Grammar
 from .sampling import SAMPLING_KEYS, Sampler, check_sampling, config_defaults
 
 
@@ -28,7 +29,9 @@ class GenerationOptions:
     `with_defaults`), else the `Sampler` default (greedy). ``stop``: strings that end the generation
     (matched across tokens, not emitted; non-empty); ``stop_token_ids``: extra stop ids; ``ignore_eos``:
     do not stop at the model's eos ids; ``logprobs`` / ``top_logprobs``: report the chosen token's
-    log-probability / that many alternatives; ``skip_special_tokens``: leave special tokens out of the text.
+    log-probability / that many alternatives; ``skip_special_tokens``: leave special tokens out of the text;
+    ``grammar``: a `qwenmetal.grammar.Grammar` every generated token must keep the text within (structured
+    output: JSON Schema, regular expressions, Lark grammars, chat replies with tool calls).
     """
 
     max_tokens: int = 256
@@ -46,6 +49,7 @@ class GenerationOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
@@ -73,6 +77,9 @@ class GenerationOptions:
             if not isinstance(getattr(self, k), bool):
                 raise InputError(f"{k} must be a boolean, got {getattr(self, k)!r}", k)
         put("top_logprobs", _count("top_logprobs", self.top_logprobs, 0))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InputError(f"grammar must be a qwenmetal.Grammar (Grammar.json_schema(...), Grammar.regex(...), "
+                             f"Grammar.lark(...)), got {type(self.grammar).__name__}", "grammar")
 
     @classmethod
     def build(cls, options: "GenerationOptions | None" = None, **overrides) -> "GenerationOptions":

@@ -11,6 +11,8 @@ The pipeline, in this order (documented in docs/usage.md):
    tokens.
 4. ``presence_penalty`` / ``frequency_penalty`` (OpenAI/vLLM convention, additive) on the tokens generated
    in this call: ``logit -= presence * [count > 0] + frequency * count``.
+   With a grammar (`qwenmetal.grammar`), the ids its token mask excludes are set to -inf here: they are
+   never chosen, and top-k, top-p and min-p see only the allowed ids.
 5. ``temperature == 0``: greedy (argmax of the penalised logits; the lowest id wins an exact tie).
 6. Otherwise divide by the temperature, then keep the ``top_k`` most likely ids (0 = off), then the
    smallest set whose probability reaches ``top_p`` (1 = off), then drop ids whose probability is below
@@ -145,18 +147,22 @@ class Sampler:
         return self.sample(logits, vocab_used, context=context, generated=generated).token
 
     def sample(self, logits: np.ndarray, vocab_used: int | None = None, *, context: Sequence[int] = (),
-               generated: Sequence[int] = (), logprobs: bool = False, top_logprobs: int = 0) -> SampleResult:
+               generated: Sequence[int] = (), logprobs: bool = False, top_logprobs: int = 0,
+               allowed: np.ndarray | None = None) -> SampleResult:
         """One token. ``context``: every token before this one (prompt and generated, for the repetition
         penalty); ``generated``: the tokens generated so far in this call (presence/frequency penalties).
         With ``logprobs``/``top_logprobs`` the result carries the chosen token's log-probability and the
-        ``top_logprobs`` most likely alternatives under the raw model distribution."""
-        raw, x = self._penalised(logits, vocab_used, context, generated)
+        ``top_logprobs`` most likely alternatives under the raw model distribution. ``allowed``: a bool mask
+        over the ids (a grammar's, `qwenmetal.grammar`): the others are never drawn (after the penalties,
+        before temperature and the filters; log-probabilities stay the raw model's)."""
+        raw, x = self._penalised(logits, vocab_used, context, generated, allowed)
         tok = int(np.argmax(x)) if self.temperature == 0.0 else self._draw(x / self.temperature)
         return self._result(raw, tok, logprobs, top_logprobs)
 
     def verify_draft(self, logits: np.ndarray, draft: int, vocab_used: int | None = None, *,
                      context: Sequence[int] = (), generated: Sequence[int] = (), logprobs: bool = False,
-                     top_logprobs: int = 0, draft_probs: np.ndarray | None = None) -> tuple[SampleResult, bool]:
+                     top_logprobs: int = 0, draft_probs: np.ndarray | None = None,
+                     allowed: np.ndarray | None = None) -> tuple[SampleResult, bool]:
         """The token at a drafted position and whether it is the draft (`qwenmetal.speculative`): the
         distribution is `sample`'s (same penalties, filters, temperature) and so is the token's law. Greedy:
         the argmax, accepted when it equals the draft. Sampling: the rejection rule of speculative sampling
@@ -164,8 +170,9 @@ class Sampler:
         is accepted with probability p(draft), otherwise a draw from p with the draft removed, renormalised.
         A draft drawn from `draft_probs` = q (a probability vector over the vocabulary) is accepted with
         probability min(1, p(draft) / q(draft)), otherwise a draw from max(p - q, 0), renormalised (from p
-        where that is all zero). Either way the token's law is exactly p."""
-        raw, x = self._penalised(logits, vocab_used, context, generated)
+        where that is all zero). Either way the token's law is exactly p. ``allowed``: `sample`'s mask, so a
+        draft the grammar does not allow is never kept."""
+        raw, x = self._penalised(logits, vocab_used, context, generated, allowed)
         if self.temperature == 0.0:
             tok = int(np.argmax(x))
         elif draft_probs is None:
@@ -191,8 +198,9 @@ class Sampler:
                 tok = self._pick(cand, resid / resid.sum())
         return self._result(raw, tok, logprobs, top_logprobs), tok == int(draft)
 
-    def _penalised(self, logits, vocab_used, context, generated) -> tuple[np.ndarray, np.ndarray]:
-        """(raw logits, penalised logits), float64, cut to `vocab_used` (steps 1-4 of the pipeline)."""
+    def _penalised(self, logits, vocab_used, context, generated, allowed=None) -> tuple[np.ndarray, np.ndarray]:
+        """(raw logits, penalised logits), float64, cut to `vocab_used` (steps 1-4 of the pipeline), the ids
+        outside `allowed` at -inf."""
         x = np.asarray(logits, dtype=np.float32)
         if x.ndim != 1:
             raise ValueError(f"logits must be 1-D, got shape {x.shape}")
@@ -212,6 +220,13 @@ class Sampler:
                 keep = (ids >= 0) & (ids < x.size)
                 ids, counts = ids[keep], counts[keep]
                 x[ids] -= self.presence_penalty + self.frequency_penalty * counts
+        if allowed is not None:
+            keep = np.asarray(allowed, dtype=bool)[:x.size]
+            if keep.size < x.size:
+                keep = np.concatenate([keep, np.zeros(x.size - keep.size, dtype=bool)])
+            if not keep.any():
+                raise ValueError("the token mask allows no token")
+            x = np.where(keep, x, -np.inf)
         return raw, x
 
     @staticmethod
@@ -243,7 +258,7 @@ class Sampler:
         cand, v = cand[order], v[order]
         p = np.exp(v - v[0])
         p /= p.sum()
-        n = p.size
+        n = int(np.count_nonzero(np.isfinite(v)))      # ids a token mask removed are never candidates
         if self.top_p < 1.0:
             n = min(n, int(np.searchsorted(np.cumsum(p), self.top_p)) + 1)
         if self.min_p > 0.0:

@@ -65,10 +65,14 @@ def _token_str(tok, i: int) -> str:
     return tok.token_bytes(i).decode("utf-8", "replace") if tok is not None else str(i)
 
 
-def _tool_calls(calls, indexed: bool) -> list:
-    return [{**({"index": k} if indexed else {}), "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _tool_calls(calls) -> list:
+    return [{"id": _call_id(), "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for k, c in enumerate(calls)]
+            for c in calls]
 
 
 class _OpenAIRender(Render):
@@ -111,10 +115,6 @@ class _ChatRender(_OpenAIRender):
         self.lm = lm                          # the qm.Model, which keeps the reply's transcript
         self.msg, self.tokens = {"role": "assistant", "content": ""}, []   # the reply as the client rebuilds it
 
-    def _add(self, deltas) -> None:
-        for f, t in deltas:
-            self.msg[f] = self.msg.get(f, "") + t
-
     def chunk(self, delta, finish=None, lp=None) -> dict:
         return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": lp,
                                                   "finish_reason": finish}])
@@ -132,24 +132,39 @@ class _ChatRender(_OpenAIRender):
 
     def step_chunks(self, out) -> list:
         lp = {"content": [self.entry(out)]} if self.logprobs and out.logprob is not None else None
-        deltas = self.parser.feed(out.text)
         self.tokens.append(out.token)
-        self._add(deltas)
-        chunks = [self.chunk({f: t}, lp=lp if i == 0 else None) for i, (f, t) in enumerate(deltas)]
-        if not deltas and lp is not None:
+        chunks = self.event_chunks(self.parser.feed(out.text))
+        if chunks and lp is not None:
+            chunks[0]["choices"][0]["logprobs"] = lp
+        elif lp is not None:
             chunks.append(self.chunk({}, lp=lp))
         return chunks
 
+    def event_chunks(self, events) -> list:
+        """The chunks of the stream parser's events (`qwenmetal.chat.ChatStreamParser`), the reply kept as
+        the client rebuilds it: text deltas, and each tool call as a first delta with its id and name, then
+        argument deltas."""
+        chunks = []
+        for e in events:
+            if e[0] in ("reasoning", "content"):
+                f = "reasoning_content" if e[0] == "reasoning" else "content"
+                self.msg[f] = self.msg.get(f, "") + e[1]
+                chunks.append(self.chunk({f: e[1]}))
+            elif e[0] == "tool_call":
+                cid = _call_id()
+                self.msg.setdefault("tool_calls", []).append(
+                    {"id": cid, "type": "function", "function": {"name": e[2], "arguments": ""}})
+                chunks.append(self.chunk({"tool_calls": [{"index": e[1], "id": cid, "type": "function",
+                                                          "function": {"name": e[2], "arguments": ""}}]}))
+            elif e[0] == "tool_args":
+                self.msg["tool_calls"][e[1]]["function"]["arguments"] += e[2]
+                chunks.append(self.chunk({"tool_calls": [{"index": e[1], "function": {"arguments": e[2]}}]}))
+        return chunks
+
     def last_chunks(self, reason) -> list:
-        deltas, calls = self.parser.finish()
-        self._add(deltas)
-        chunks = [self.chunk({f: t}) for f, t in deltas]
-        if calls:
-            tc = _tool_calls(calls, indexed=True)
-            self.msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tc]
-            chunks.append(self.chunk({"tool_calls": tc}))
+        chunks = self.event_chunks(self.parser.finish())
         self.turn.remember(self.lm, self.msg, self.tokens)
-        return chunks + [self.chunk({}, _finish(reason, bool(calls)))]
+        return chunks + [self.chunk({}, _finish(reason, bool(self.msg.get("tool_calls"))))]
 
     def body(self, outs, reason, stats) -> dict:
         reasoning, content, calls = self.turn.parse("".join(o.text for o in outs))
@@ -157,7 +172,7 @@ class _ChatRender(_OpenAIRender):
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
         if calls:
-            msg["tool_calls"] = _tool_calls(calls, indexed=False)
+            msg["tool_calls"] = _tool_calls(calls)
         self.turn.remember(self.lm, msg, [o.token for o in outs])
         lp = {"content": [self.entry(o) for o in outs]} if self.logprobs else None
         return self.envelope("chat.completion", [{"index": 0, "message": msg, "logprobs": lp,

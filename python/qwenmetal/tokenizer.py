@@ -130,6 +130,10 @@ class Tokenizer:
         """Number of ids the tokenizer defines (≤ the model's padded vocab)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (with the added tokens), for engines that read it (llguidance)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` (a vocabulary string, e.g. ``"<|im_end|>"``), or None."""
         return self._tok.token_to_id(token)

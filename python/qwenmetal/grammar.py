@@ -1,0 +1,312 @@
+"""Constrained generation: a `Grammar` is a token mask applied at every sampled token (structured output).
+
+    g = Grammar.json_schema({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    model.generate(prompt, grammar=g)        # every token keeps the text a prefix of a valid instance
+
+The engine is llguidance (PyPI ``llguidance``, MIT): it compiles JSON Schema, regular expressions and
+Lark-like context-free grammars (with JSON Schema inlined as ``%json {...}``) against the tokenizer's
+vocabulary, and computes the set of allowed next tokens in tens of microseconds, lazily, with no
+per-grammar precomputation over the vocabulary -- so a request's own schema costs nothing up front. It
+also rolls back consumed tokens, which speculative decoding needs (drafts are checked against the mask,
+then rejected tokens are undone). xgrammar needs torch-shaped tensors or a per-grammar compile step, and
+outlines-core builds an index over the whole vocabulary per schema (seconds for a 248k vocabulary); both
+lack Lark grammars with inline JSON Schema, which the tool-call format below needs.
+
+`Grammar` is immutable and shareable (it holds the grammar's text); `Grammar.matcher(model)` makes the
+per-generation state (`GrammarMatcher`): ``allowed()`` / ``bitmask()`` for the next token, ``advance(t)``
+after it is sampled, ``rollback(n)``. Where each backend applies the mask: docs/structured-output.md.
+
+`reply_grammar` builds the grammar of a whole chat reply in Qwen3.5/3.6's format: an optional think block,
+then free text, a JSON answer (``response_format``) and/or tool calls (``<tool_call><function=NAME>
+<parameter=KEY>VALUE</parameter>...``) whose parameters follow each tool's JSON Schema.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from typing import Sequence
+
+import llguidance
+import numpy as np
+
+from .errors import InputError
+
+#: JSON written as ``json.dumps`` writes it (", " and ": "), with no free whitespace: a model cannot
+#: loop on whitespace, and the text is what the model was trained to write
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(InputError):
+    """A grammar or schema that does not compile, or a token the grammar does not allow."""
+
+
+class Grammar:
+    """A constraint on generated text, as llguidance grammar text (`Grammar.json_schema`, `json_object`,
+    `regex`, `lark`, or `reply_grammar` for chat replies). ``description`` says what it is (for errors)."""
+
+    def __init__(self, source: str, description: str):
+        self.source = source
+        self.description = description
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.description})"
+
+    @classmethod
+    def json_schema(cls, schema: dict, param: str = "schema") -> "Grammar":
+        """Text that is one JSON instance of `schema` (a JSON Schema object), written compactly."""
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{param} must be a JSON Schema object, got {_brief(schema)}", param, "invalid_schema")
+        try:
+            source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"{param}: {_first_line(str(e))}", param, "invalid_schema") from None
+        return cls(source, "a JSON schema").checked(param)
+
+    @classmethod
+    def json_object(cls) -> "Grammar":
+        """Any JSON object."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str, param: str = "regex") -> "Grammar":
+        """Text matching the regular expression `pattern` (Rust regex syntax) in full."""
+        if not isinstance(pattern, str):
+            raise GrammarError(f"{param} must be a string, got {_brief(pattern)}", param)
+        return cls(llguidance.LLMatcher.grammar_from_regex(pattern), "a regular expression").checked(param)
+
+    @classmethod
+    def lark(cls, text: str, param: str = "grammar") -> "Grammar":
+        """A Lark-like grammar (llguidance's syntax: ``start: ...``, ``%json {...}`` inline schemas)."""
+        if not isinstance(text, str):
+            raise GrammarError(f"{param} must be a string, got {_brief(text)}", param)
+        return cls(llguidance.LLMatcher.grammar_from_lark(text), "a Lark grammar").checked(param)
+
+    def checked(self, param: str) -> "Grammar":
+        """This grammar, after llguidance compiled it (without a tokenizer); GrammarError naming `param`."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.source)
+        if is_error:
+            raise GrammarError(f"{param}: {_first_line(messages)}", param, "invalid_schema")
+        return self
+
+    def matcher(self, model) -> "GrammarMatcher":
+        """The per-generation state of this grammar for `model` (its tokenizer, logits width and eos ids)."""
+        tok = model.tokenizer
+        if tok is None:
+            raise InputError(f"{model.path}: no tokenizer.json, so output cannot be constrained by a grammar",
+                             "grammar")
+        return GrammarMatcher(self, _ll_tokenizer(tok, model.config.vocab_size, tuple(model.eos_token_ids)))
+
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(tok, n_vocab: int, eos: tuple):
+    """llguidance's view of `tok` (built once per tokenizer, vocabulary width and eos ids: about a second
+    for a 248k vocabulary)."""
+    with _TOKENIZERS_LOCK:
+        per = _TOKENIZERS.setdefault(tok, {})
+        key = (n_vocab, eos)
+        if key not in per:
+            per[key] = llguidance.LLTokenizer(tok.to_json(), n_vocab=n_vocab, eos_token=list(eos))
+        return per[key]
+
+
+class GrammarMatcher:
+    """One generation's position in a `Grammar`: the tokens it allows next, advanced token by token."""
+
+    def __init__(self, grammar: Grammar, ll_tokenizer):
+        self.grammar = grammar
+        self.n_vocab = ll_tokenizer.vocab_size
+        self._m = llguidance.LLMatcher(ll_tokenizer, grammar.source)
+        if self._m.is_error():
+            raise GrammarError(f"grammar: {_first_line(self._m.get_error())}", "grammar", "invalid_schema")
+        self.consumed = 0
+
+    def bitmask(self) -> np.ndarray:
+        """The allowed next tokens as uint32 words, bit i % 32 of word i // 32 (ceil(vocab / 32) words)."""
+        return np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
+
+    def allowed(self, n: int | None = None) -> np.ndarray:
+        """The allowed next tokens as a bool array over the first `n` ids (default: the whole vocabulary)."""
+        bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little")
+        return bits[:self.n_vocab if n is None else n].astype(bool)
+
+    def advance(self, token: int) -> None:
+        """`token` was generated: move past it (GrammarError if the grammar does not allow it)."""
+        if not self._m.consume_token(int(token)):
+            raise GrammarError(f"token {int(token)} is not allowed by {self.grammar.description} here: "
+                               f"{_first_line(self._m.get_error())}", "grammar")
+        self.consumed += 1
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` tokens."""
+        if n:
+            if n > self.consumed or not self._m.rollback(int(n)):
+                raise GrammarError(f"cannot roll the grammar back by {n} tokens", "grammar")
+            self.consumed -= n
+
+    @property
+    def done(self) -> bool:
+        """The grammar allows nothing more but the end of the text."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is complete (the end is allowed)."""
+        return self._m.is_accepting()
+
+
+def _first_line(messages) -> str:
+    if isinstance(messages, (list, tuple)):
+        messages = "; ".join(str(m) for m in messages if m)
+    return str(messages).strip() or "invalid grammar"
+
+
+def _brief(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------
+# chat replies in Qwen3.5/3.6's format
+# ---------------------------------------------------------------------------------------------------
+def _lit(s: str) -> str:
+    """`s` as a Lark string literal."""
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _json_rule(schema: dict, lenient: bool = False) -> str:
+    """`schema` inlined in a Lark grammar; `lenient`: keywords llguidance does not implement (formats, say)
+    are ignored rather than refused (tool schemas from agents carry many)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_STYLE, "lenient": lenient}}, ensure_ascii=False)
+
+
+def tool_spec(tool: dict) -> tuple[str, dict]:
+    """(name, parameters schema) of an OpenAI-style tool ``{"type": "function", "function": {...}}`` (or the
+    bare function object)."""
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise GrammarError(f"each tool must have a function with a non-empty string name, got {_brief(tool)}",
+                           "tools")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON Schema object, got {_brief(params)}",
+                           "tools")
+    return fn["name"], params
+
+
+def string_parameter(schema) -> bool:
+    """Whether a tool parameter is written raw (not as JSON) in a tool call: its schema's type is "string"
+    (Qwen's chat template writes string values as they are, everything else as JSON)."""
+    return isinstance(schema, dict) and schema.get("type") == "string"
+
+
+def _function_rules(i: int, name: str, params: dict) -> list[str]:
+    """Rules ``f{i}`` (what follows ``<function=``: the name, the parameters, ``</function>``)."""
+    if name != name.strip() or re.search(r"[>\n]", name):
+        raise GrammarError(f"tool name {name!r} cannot be written in a tool call (no '>', newlines or edge spaces)",
+                           "tools")
+    props = params.get("properties") or {}
+    if not isinstance(props, dict):
+        raise GrammarError(f"tool {name!r}: parameters.properties must be an object", "tools")
+    required = set(params.get("required") or ())
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    rules, seq = [], []
+    for j, (key, schema) in enumerate(props.items()):
+        if re.search(r"[>\n]", key):
+            raise GrammarError(f"tool {name!r}: parameter name {key!r} cannot be written in a tool call", "tools")
+        if not isinstance(schema, dict):
+            schema = {}
+        p, v = f"p{i}_{j}", f"v{i}_{j}"
+        enum = schema.get("enum") if isinstance(schema.get("enum"), list) else (
+            [schema["const"]] if "const" in schema else None)
+        if string_parameter(schema) and enum and all(isinstance(e, str) for e in enum):
+            rules.append(f"{v}: ({' | '.join(_lit(e) for e in enum)}) {_lit(chr(10) + '</parameter>' + chr(10))}")
+        elif string_parameter(schema):
+            rules.append(f"{v}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+        else:
+            rules.append(f"{v}: {_json_rule({**schema, **defs}, lenient=True)} "
+                         f"{_lit(chr(10) + '</parameter>' + chr(10))}")
+        rules.append(f"{p}: {_lit('<parameter=' + key + '>' + chr(10))} {v}")
+        seq.append(p if key in required else p + "?")
+    rules.append(f"f{i}: {_lit(name + '>' + chr(10))} {' '.join(seq)} {_lit('</function>')}")
+    return rules
+
+
+#: the tags of Qwen's reply format that its tokenizers hold as single (added) tokens
+REPLY_TAGS = ("<tool_call>", "</tool_call>", "</think>")
+
+
+def reply_grammar(*, thinking: bool, tools: Sequence[dict] | None = None, tool_choice="auto",
+                  parallel_tool_calls: bool = True, answer_schema: dict | None = None,
+                  token_tags: Sequence[str] = REPLY_TAGS) -> Grammar | None:
+    """The grammar of a chat reply, or None when nothing is constrained.
+
+    `thinking`: the prompt leaves the model inside ``<think>`` (the reply closes it first, freely).
+    `tools` (OpenAI form) with `tool_choice` "auto" (free text, or text then tool calls), "required" (tool
+    calls only), "none" (no calls) or a function name (one call of that function): every call's
+    parameters follow its tool's schema. `answer_schema`: the answer (when it is not tool calls) is one
+    JSON instance of this schema (``response_format``). `parallel_tool_calls` False: at most one call.
+    `token_tags`: the tags of `REPLY_TAGS` that the tokenizer holds as tokens (llguidance matches those as
+    tokens, never as text; the others are matched as text)."""
+
+    def tag(t):
+        return t if t in token_tags else _lit(t)
+    specs = [tool_spec(t) for t in tools or ()] if tool_choice != "none" else []
+    names = [n for n, _ in specs]
+    if isinstance(tool_choice, str) and tool_choice not in ("auto", "required", "none"):
+        if tool_choice not in names:
+            raise GrammarError(f"tool_choice names the function {tool_choice!r}, which is not among the tools "
+                               f"({', '.join(names) or 'none given'})", "tool_choice", "invalid_value")
+        specs = [s for s in specs if s[0] == tool_choice]
+    if tool_choice in ("required",) and not specs:
+        raise GrammarError("tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+    if not specs and answer_schema is None:
+        return None
+    rules = []
+    if answer_schema is not None:
+        Grammar.json_schema(answer_schema, "response_format")      # its own error first
+        rules.append(f"answer: /\\n{{0,2}}/ {_json_rule(answer_schema)}")
+    else:
+        rules.append("answer: TEXT")
+        rules.append("TEXT: /(?s:.*)/" + ("" if "<tool_call>" in token_tags else " & ~/(?s:.*)<tool_call>(?s:.*)/"))
+    body = "answer"
+    if specs:
+        seen = set()
+        for i, (name, params) in enumerate(specs):
+            if name in seen:
+                raise GrammarError(f"two tools are named {name!r}", "tools")
+            seen.add(name)
+            rules += _function_rules(i, name, params)
+        rules.append(f"call_body: {_lit(chr(10) + '<function=')} "
+                     f"({' | '.join(f'f{i}' for i in range(len(specs)))}) {_lit(chr(10))} {tag('</tool_call>')}")
+        rules.append(f"call: {tag('<tool_call>')} call_body")
+        more = f" ({_lit(chr(10))} call)*" if parallel_tool_calls else ""
+        if tool_choice != "auto":                  # calls only
+            rules.append(f"calls: call{more}")
+        elif "<tool_call>" in token_tags:          # free text, then calls (the text cannot hold the token)
+            rules.append(f"calls: TEXT call{more}")
+        else:                                      # free text up to the first "<tool_call>", then calls
+            rules.append("lead[lazy]: /(?s:.*)<tool_call>/")
+            rules.append(f"calls: lead call_body{more}")
+        body = "calls" if tool_choice != "auto" else "answer | calls"
+    if thinking:
+        if "</think>" in token_tags:
+            rules.append(f"think: THINK {tag('</think>')}")
+            rules.append("THINK: /(?s:.*)/")
+        else:
+            rules.append("think[lazy]: /(?s:.*)<\\/think>/")
+        rules.append("WS: /\\n{0,2}/")
+        start = f"start: think WS ({body})"
+    else:
+        start = f"start: {body}"
+    what = "the reply format" + (" with tool calls" if specs else "") + (
+        " with a JSON answer" if answer_schema is not None else "")
+    g = Grammar("\n".join([start] + rules), what)
+    return Grammar(llguidance.LLMatcher.grammar_from_lark(g.source), what).checked(
+        "tools" if specs else "response_format")

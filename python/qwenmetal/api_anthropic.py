@@ -344,8 +344,9 @@ def chat_request(body: dict) -> tuple:
 # reply -> Anthropic message
 # ---------------------------------------------------------------------------------------------------
 def signature(thinking: str) -> str:
-    """The opaque signature of a thinking block (a hash of its text; any signature is taken back)."""
-    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
+    """The opaque signature of a thinking block: a hash of its text without the surrounding whitespace (so a
+    streamed block and the collected one agree); any signature is taken back."""
+    return hashlib.sha256(thinking.strip().encode("utf-8")).hexdigest()[:32]
 
 
 def tool_use_id() -> str:
@@ -523,7 +524,13 @@ def routes(svc: Service) -> list:
         if svc.tok is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it cannot chat")
         messages, kw, show = chat_request(body)
-        return await svc.turn(messages, param="messages", **kw), show
+        try:
+            return await svc.turn(messages, param="messages", **kw), show
+        except APIError as e:                 # the chat layer names the schema by its OpenAI field
+            if e.param == "response_format" and e.message.startswith("response_format"):
+                raise APIError(e.status, "output_config.format" + e.message[len("response_format"):],
+                               "output_config.format", e.code) from None
+            raise
 
     async def messages(request):
         body = await svc.read_json(request)

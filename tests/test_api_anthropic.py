@@ -71,6 +71,13 @@ def test_messages_convert_to_the_internal_chat_form():
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert aa.convert_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == [
         {"role": "user", "content": "hi"}]
+    docs = [{"type": "document", "title": "notes.txt", "source": {"type": "text", "media_type": "text/plain",
+                                                                  "data": "line 1"}},
+            {"type": "tool_result", "tool_use_id": "t", "content": [
+                {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "a"},
+                                                                                 {"type": "text", "text": "b"}]}}]}]
+    assert aa.convert_messages([{"role": "user", "content": docs}]) == [
+        {"role": "tool", "tool_call_id": "t", "content": "a\nb"}, {"role": "user", "content": "notes.txt\n\nline 1"}]
 
 
 def test_tools_tool_choice_thinking_and_output_format_convert():
@@ -106,7 +113,11 @@ def test_tools_tool_choice_thinking_and_output_format_convert():
     ({"messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
     ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "prefilling"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "base64",
+                                                                                "media_type": "application/pdf",
+                                                                                "data": "JVBER"}}]}]},
+     "messages.0.content.0.source: only plain-text documents"),
+    ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
      "image sources"),
     ({"messages": [{"role": "assistant", "content": [{"type": "server_tool_use"}]}, {"role": "user", "content": "x"}]},

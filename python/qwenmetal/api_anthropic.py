@@ -102,6 +102,24 @@ def _image_part(b: dict, where: str) -> dict:
                "unsupported_value")
 
 
+def _document_text(b: dict, where: str) -> str:
+    """A document block with a plain-text source (``text``, or ``content`` holding text blocks) as its text,
+    after its ``title`` and ``context`` lines; PDFs and files get 400."""
+    src = b.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "text" and isinstance(src.get("data"), str):
+        text = src["data"]
+    elif kind == "content" and isinstance(src.get("content"), str):
+        text = src["content"]
+    elif kind == "content":
+        text = "\n".join(_text_blocks(src.get("content"), f"{where}.source.content"))
+    else:
+        raise _bad(f"{where}.source: only plain-text documents (a 'text' or 'content' source) are supported, got "
+                   f"{_brief(src)}", where, "unsupported_value")
+    head = [b[k] for k in ("title", "context") if isinstance(b.get(k), str) and b[k]]
+    return "\n\n".join(head + [text])
+
+
 def _tool_result(b: dict, where: str) -> tuple:
     """A tool_result block: ``(the tool message, its image parts)`` (images go to a user message after the
     tool messages: the chat form takes images in user messages only)."""
@@ -121,9 +139,11 @@ def _tool_result(b: dict, where: str) -> tuple:
                 texts.append(p["text"])
             elif t == "image":
                 images.append(_image_part(p, f"{where}.content.{j}"))
+            elif t == "document":
+                texts.append(_document_text(p, f"{where}.content.{j}"))
             else:
-                raise _bad(f"{where}.content.{j}: a tool result holds text and image blocks, got {_brief(p)}",
-                           where, "unsupported_value")
+                raise _bad(f"{where}.content.{j}: a tool result holds text, image and document blocks, got "
+                           f"{_brief(p)}", where, "unsupported_value")
     else:
         raise _bad(f"{where}.content: must be a string or a list of blocks, got {_brief(c)}", where)
     text = "\n".join(texts)
@@ -151,13 +171,15 @@ def _user(content, where: str) -> list:
             parts.append({"type": "text", "text": b["text"]})
         elif t == "image":
             parts.append(_image_part(b, w))
+        elif t == "document":
+            parts.append({"type": "text", "text": _document_text(b, w)})
         elif t == "tool_result":
             msg, images = _tool_result(b, w)
             tools.append(msg)
             parts += images
         else:
-            raise _bad(f"{w}: user messages take text, image and tool_result blocks, got {_brief(b)}", w,
-                       "unsupported_value")
+            raise _bad(f"{w}: user messages take text, image, document and tool_result blocks, got {_brief(b)}",
+                       w, "unsupported_value")
     if not parts:
         return tools
     if all(p["type"] == "text" for p in parts):
@@ -435,7 +457,7 @@ class _MessagesRender(Render):
     def _delta(self, delta: dict) -> str:
         return sse({"type": "content_block_delta", "index": self.open[1], "delta": delta}, "content_block_delta")
 
-    def _open(self, kind: str, block: dict) -> list:
+    def _open(self, kind, block: dict) -> list:
         out = self._close()
         self.open = (kind, self.n_blocks)
         self.n_blocks += 1

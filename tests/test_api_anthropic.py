@@ -345,6 +345,11 @@ def test_messages_streamed_and_not_match_the_library(client, local):
     assert m.usage.cache_read_input_tokens == n             # the same prompt again: from the prefix cache
 
 
+def test_models_list_reads_as_anthropic_models(client):
+    (m,) = client.models.list().data
+    assert (m.id, m.type, m.display_name) == (NAME, "model", NAME) and m.created_at.year >= 2024
+
+
 def test_raw_event_stream_has_a_ping_and_names_every_event(live_server):
     import httpx
 

@@ -263,10 +263,14 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return JSONResponse({"status": "ok", "model": name, **queue.status()})
 
     async def models(request):
+        """The one model, in a list both OpenAI's and Anthropic's clients read (Anthropic's fields: type,
+        display_name, created_at, has_more, first_id, last_id)."""
         svc.check_key(request)
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(svc.created))
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": svc.created, "owned_by": "qwenmetal",
-             "max_model_len": model.config.max_position_embeddings}]})
+             "max_model_len": model.config.max_position_embeddings, "type": "model", "display_name": name,
+             "created_at": created_at}], "has_more": False, "first_id": name, "last_id": name})
 
     async def chat_completions(request):
         body = await svc.read_json(request)

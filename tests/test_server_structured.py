@@ -87,3 +87,40 @@ def test_forced_tool_calls_stream_as_deltas(reference):
             c.chat.completions.create(model=NAME, messages=MSGS, tools=[TOOL], max_tokens=5,
                                       tool_choice={"type": "function", "function": {"name": "nope"}})
         assert e.value.body["param"] == "tool_choice"
+
+
+def test_an_agent_transcript_resumes_from_cache(reference):
+    """An agent's loop replayed: each turn sends the whole conversation back (the model's forced tool call as
+    the server returned it, then the tool's result); from the second turn on the prompt continues the
+    previous turn's tokens, so only the new messages are prefilled and cached_tokens says so."""
+    reference.prefix_cache.clear()
+    with live_server(reference, model_name=NAME) as base:
+        c = _client(base)
+        msgs = [{"role": "system", "content": "You are a weather agent. Call tools."},
+                {"role": "user", "content": "Plan a week in Rome."}]
+        fractions = []
+        for turn in range(4):
+            r = c.chat.completions.create(model=NAME, messages=msgs, tools=[TOOL], tool_choice="required",
+                                          max_tokens=80, temperature=0, stream=turn % 2 == 1,
+                                          stream_options={"include_usage": True} if turn % 2 else None,
+                                          extra_body={"enable_thinking": False})
+            if turn % 2:                      # rebuild the streamed reply as a client does
+                calls, usage = {}, None
+                for ch in r:
+                    usage = ch.usage or usage
+                    for d in (ch.choices[0].delta.tool_calls or ()) if ch.choices else ():
+                        e = calls.setdefault(d.index, {"id": d.id, "type": "function",
+                                                       "function": {"name": d.function.name, "arguments": ""}})
+                        e["function"]["arguments"] += d.function.arguments or ""
+                tool_calls = [calls[k] for k in sorted(calls)]
+            else:
+                usage = r.usage
+                tool_calls = [t.model_dump() for t in r.choices[0].message.tool_calls]
+            assert tool_calls
+            if turn:
+                fractions.append(usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens)
+            msgs.append({"role": "assistant", "content": "", "tool_calls": tool_calls})
+            for t in tool_calls:
+                msgs.append({"role": "tool", "tool_call_id": t["id"], "content": '{"temp": 21, "sky": "clear"}'})
+        print("cached fraction per turn:", [round(f, 3) for f in fractions])
+        assert min(fractions) > 0.75, fractions

@@ -5,7 +5,7 @@
   is skipped (``pytest.importorskip``).
 * ``oracle``: session-wide cache of the random HF models, their saved checkpoints, mlx-lm conversions
   and the peers' logits (see ``tests/oracles.py``), so every oracle test builds each thing once.
-* ``live_ckpt`` / ``live_server``: the tiny checkpoint and one ``qwenmetal serve`` process on loopback
+* ``spawned_ckpt`` / ``spawned_url``: the tiny checkpoint and one ``qwenmetal serve`` process on loopback
   serving it (``tests/live_server.py``), shared by the modules that drive it with the official clients.
 
 No marks are registered: every test runs by default.
@@ -48,19 +48,20 @@ def oracle(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def live_ckpt(tmp_path_factory):
-    """The tiny mlx-q4 checkpoint the live server serves."""
+def spawned_ckpt(tmp_path_factory):
+    """The tiny mlx-q4 checkpoint the spawned server serves."""
     from qwenmetal.testing import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("srv") / "ck", "tiny", "mlx-q4", seed=3)
 
 
 @pytest.fixture(scope="session")
-def live_server(live_ckpt, tmp_path_factory):
-    """The base URL of ``qwenmetal serve`` on `live_ckpt` (`live_server.live_args`), one process per session."""
+def spawned_url(spawned_ckpt, tmp_path_factory):
+    """The base URL of ``qwenmetal serve`` on `spawned_ckpt` (`live_server.spawned_args`), one process per
+    session."""
     for m in ("starlette", "uvicorn", "httpx"):
         _require(m)
-    from live_server import live_args, spawned_server
+    from live_server import spawned_args, spawned_server
 
-    with spawned_server(live_args(live_ckpt), tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
+    with spawned_server(spawned_args(spawned_ckpt), tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
         yield base

@@ -1,13 +1,18 @@
-"""`qwenmetal serve` as a real process on loopback, for the tests that drive it with the official clients
-(tests/test_server.py: openai; tests/test_api_anthropic.py: anthropic; tests/test_server_soak.py).
+"""qwenmetal servers on loopback, for the tests that drive them with real clients.
 
-`spawned_server` starts one; the session fixtures ``live_ckpt`` and ``live_server`` (tests/conftest.py)
-share one server, with the settings below, between every test module that uses it."""
+- `live_server(model, **create_app options)`: a server in this process (uvicorn on a thread, a free port);
+  yields its base URL and shuts it down afterwards.
+- `spawned_server(args, log)`: ``qwenmetal serve ARGS`` as a separate process. The session fixtures
+  ``spawned_ckpt`` and ``spawned_url`` (tests/conftest.py) share one such server, with the settings below
+  (`spawned_args`), between every module that uses it (tests/test_server.py with the openai client,
+  tests/test_api_anthropic.py with the anthropic client); tests/test_server_soak.py starts its own.
+"""
 import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 API_KEY = "sk-test-key"
@@ -19,6 +24,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(model, **opts):
+    from qwenmetal.server import create_app, uvicorn_server
+
+    port = free_port()
+    srv = uvicorn_server(create_app(model, **opts), "127.0.0.1", port, log_level="warning")
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(30)
+        assert not th.is_alive(), "the server did not shut down"
 
 
 @contextlib.contextmanager
@@ -56,8 +81,8 @@ def spawned_server(args, log):
     assert proc.returncode is not None
 
 
-def live_args(ckpt) -> list:
-    """The shared server's arguments: the tiny checkpoint on the reference backend, with a key and a small
-    body limit."""
+def spawned_args(ckpt) -> list:
+    """The shared spawned server's arguments: the tiny checkpoint on the reference backend, with a key and a
+    small body limit."""
     return ["--model", str(ckpt), "--api-key", API_KEY, "--served-model-name", NAME, "--max-request-bytes",
             str(MAX_BODY), "--log-level", "warning", "--backend", "reference"]

@@ -5,7 +5,7 @@ errors in Anthropic's shape, stop reasons and usage, and a scripted reply (think
 streamed and collected, read back as a client rebuilds it and converted again: exactly the message that was
 remembered for the next turn.
 
-Then the official `anthropic` client against the live loopback server (tests/live_server.py, shared with
+Then the official `anthropic` client against the spawned loopback server (tests/live_server.py, shared with
 tests/test_server.py): messages streamed and not (the same text, and the library's), the event sequence,
 system prompts, thinking on and off, a forced tool call and its result on the next turn (resumed from the
 cache: ``cache_read_input_tokens``), stop sequences, max_tokens, count_tokens and the error responses.
@@ -301,14 +301,14 @@ def test_hidden_thinking_stop_sequences_and_stream_errors():
 # the official client against the live server
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def client(live_server):
+def client(spawned_url):
     anthropic = require("anthropic")
-    return anthropic.Anthropic(base_url=live_server, api_key=API_KEY, timeout=60, max_retries=0)
+    return anthropic.Anthropic(base_url=spawned_url, api_key=API_KEY, timeout=60, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def local(live_ckpt):
-    m = qm.Model.load(live_ckpt, backend="reference")
+def local(spawned_ckpt):
+    m = qm.Model.load(spawned_ckpt, backend="reference")
     m.prefix_cache = None
     return m
 
@@ -350,11 +350,11 @@ def test_models_list_reads_as_anthropic_models(client):
     assert (m.id, m.type, m.display_name) == (NAME, "model", NAME) and m.created_at.year >= 2024
 
 
-def test_raw_event_stream_has_a_ping_and_names_every_event(live_server):
+def test_raw_event_stream_has_a_ping_and_names_every_event(spawned_url):
     import httpx
 
     body = {"model": NAME, "max_tokens": 3, "stream": True, "messages": USER}
-    with httpx.stream("POST", live_server + "/v1/messages", json=body, timeout=30,
+    with httpx.stream("POST", spawned_url + "/v1/messages", json=body, timeout=30,
                       headers={"Authorization": f"Bearer {API_KEY}", "anthropic-version": "2023-06-01"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
@@ -455,7 +455,7 @@ def test_structured_output_follows_the_schema(client):
     assert json.loads(_text(r2)) == got
 
 
-def test_errors_have_anthropic_types(client, live_server):
+def test_errors_have_anthropic_types(client, spawned_url):
     import anthropic
     import httpx
 
@@ -479,7 +479,7 @@ def test_errors_have_anthropic_types(client, live_server):
         anthropic.BadRequestError, "invalid_request_error", "output_config.format")
     bad(lambda: client.messages.create(model="claude-opus-4", max_tokens=5, messages=USER),
         anthropic.NotFoundError, "not_found_error", "claude-opus-4")
-    wrong = anthropic.Anthropic(base_url=live_server, api_key="wrong", max_retries=0, timeout=10)
+    wrong = anthropic.Anthropic(base_url=spawned_url, api_key="wrong", max_retries=0, timeout=10)
     bad(lambda: wrong.messages.create(model=NAME, max_tokens=5, messages=USER), anthropic.AuthenticationError,
         "authentication_error", "API key")
     e = bad(lambda: client.messages.create(model=NAME, max_tokens=5, messages=[
@@ -493,11 +493,11 @@ def test_errors_have_anthropic_types(client, live_server):
             ("GET", "/v1/messages", None, 405, "invalid_request_error"),
             ("POST", "/v1/messages/batches", {}, 404, "not_found_error"),
             ("POST", "/v1/messages/count_tokens", {"messages": "hi"}, 400, "invalid_request_error")]:
-        r = httpx.request(method, live_server + path, json=body, headers=h, timeout=10)
+        r = httpx.request(method, spawned_url + path, json=body, headers=h, timeout=10)
         assert r.status_code == status and r.json()["type"] == "error", (path, r.text)
         assert r.json()["error"]["type"] == kind, (path, r.text)
-    assert "max_tokens" in httpx.post(live_server + "/v1/messages", json={"messages": USER}, headers=h,
+    assert "max_tokens" in httpx.post(spawned_url + "/v1/messages", json={"messages": USER}, headers=h,
                                       timeout=10).json()["error"]["message"]
     # the OpenAI routes keep OpenAI's shape
-    r = httpx.get(live_server + "/v1/chat/completions", headers=h, timeout=10)
+    r = httpx.get(spawned_url + "/v1/chat/completions", headers=h, timeout=10)
     assert r.status_code == 405 and "type" in r.json()["error"] and "param" in r.json()["error"]

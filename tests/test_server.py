@@ -26,13 +26,13 @@ import qwenmetal as qm
 
 
 @pytest.fixture(scope="module")
-def ckpt(live_ckpt):
-    return live_ckpt
+def ckpt(spawned_ckpt):
+    return spawned_ckpt
 
 
 @pytest.fixture(scope="module")
-def server(live_server):
-    return live_server
+def server(spawned_url):
+    return spawned_url
 
 
 @pytest.fixture(scope="module")

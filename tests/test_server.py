@@ -10,95 +10,24 @@ left never runs, a full queue answers 503 + Retry-After, the time limit, the def
 graceful shutdown (the running request finishes, the queued one gets 503; past the graceful timeout the
 generation is cancelled). The soak test is tests/test_server_soak.py.
 """
-import contextlib
 import json
 import re
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+from live_server import API_KEY, MAX_BODY, NAME, free_port
 from oracles import require
 
 import qwenmetal as qm
-from qwenmetal.testing import make_checkpoint
-
-API_KEY = "sk-test-key"
-NAME = "tiny"
-MAX_BODY = 64 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("srv") / "ck", "tiny", "mlx-q4", seed=3)
-
-
-@contextlib.contextmanager
-def spawned_server(args, log):
-    """``qwenmetal serve ARGS`` on 127.0.0.1 and a free port, as a subprocess writing to `log`; yields
-    (process, base url) once /health answers, and stops the process on exit."""
-    import httpx
-
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwenmetal.cli", "serve", "--port", str(port), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-    assert proc.returncode is not None
-
-
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    require("starlette")
-    require("uvicorn")
-    require("httpx")
-    with spawned_server(["--model", str(ckpt), "--api-key", API_KEY, "--served-model-name", NAME,
-                         "--max-request-bytes", str(MAX_BODY), "--log-level", "warning", "--backend", "reference"],
-                        tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = require("openai")
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def local(ckpt):
+def local(server_checkpoint):
     """The same checkpoint in this process, for expected outputs."""
-    m = qm.Model.load(ckpt, backend="reference")
+    m = qm.Model.load(server_checkpoint, backend="reference")
     m.prefix_cache = None
     return m
 
@@ -401,7 +330,7 @@ def live(cpu_model, monkeypatch):
         monkeypatch.setattr(cpu_model, "decode_step", c.decode_step)
         monkeypatch.setattr(cpu_model._backend, "decode_batch", c.decode_batch)
         monkeypatch.setattr(cpu_model, "generate", c.generate)
-        port = _free_port()
+        port = free_port()
         srv = uvicorn_server(create_app(cpu_model, model_name=NAME, **opts), "127.0.0.1", port,
                              log_level="warning", graceful_timeout=graceful_timeout)
         th = threading.Thread(target=srv.run, daemon=True)

@@ -28,7 +28,7 @@ import time
 import pytest
 
 from oracles import require
-from test_server import spawned_server
+from live_server import spawned_server
 
 import qwenmetal as qm
 from qwenmetal.testing import cached_checkpoint

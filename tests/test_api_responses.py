@@ -4,7 +4,8 @@ The conversions (input items -> chat messages, tools, tool_choice, text.format, 
 response store are tested directly. Against `qwenmetal serve` in a subprocess (the ``server`` / ``client``
 fixtures, tests/conftest.py): a string input streamed and not and through the ``responses.stream`` helper
 (the same reply as the library's), instructions and function-call items (the prompt the library renders for
-the same conversation), ``previous_response_id`` (cached tokens on the second turn), GET / DELETE,
+the same conversation), a forced tool call and a JSON answer (the grammar holds the random model to the
+tool's and the answer's schema), ``previous_response_id`` (cached tokens on the second turn), GET / DELETE,
 ``store: false`` and the errors. Against an in-process app whose sampler follows a script: a reply with
 reasoning, text and a tool call as output items and as streamed events, continued by its call's output
 (through ``previous_response_id`` and as the full input a stateless client such as Codex sends), and a
@@ -213,6 +214,31 @@ def test_instructions_and_function_call_items_render_as_the_chat_conversation(cl
              {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Berlin"}'}}]},
          {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}], tools=[CHAT_WEATHER])
     assert r.usage.input_tokens == len(ids) and r.tools[0].name == "get_weather"
+
+
+def test_a_forced_tool_call_and_a_json_answer_follow_their_schemas(client):
+    """The grammar holds the random model to the format: a named tool_choice gives one function_call item
+    whose arguments follow the tool's schema (streamed: the argument deltas make them), and text.format
+    json_schema an output_text that is an instance of the schema."""
+    tool = {"type": "function", "name": "set_light", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}
+    args = {"model": NAME, "input": "Light on?", "tools": [tool], "tool_choice": {"type": "function", "name": "set_light"},
+            "reasoning": {"effort": "none"}, "max_output_tokens": 40, "temperature": 0}
+    r = client.responses.create(**args)
+    calls = [it for it in r.output if it.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "set_light"
+    assert isinstance(json.loads(calls[0].arguments)["on"], bool)
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    events = list(client.responses.create(stream=True, **args))
+    fargs = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(fargs) == json.loads(calls[0].arguments) and events[-1].type == "response.completed"
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.responses.create(model=NAME, input="Is it ok?", reasoning={"effort": "none"}, max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
+    assert r.text.format.type == "json_schema"
 
 
 def test_previous_response_id_continues_the_conversation_from_the_cache(client):

@@ -311,8 +311,9 @@ class _Reply:
         if self.streaming:
             self.events.append({"type": type_, **fields})
 
-    def _snapshot(self, item) -> dict:
-        return json.loads(json.dumps(item))   # as it is now (the item changes after the event)
+    def _snapshot(self, item) -> dict | None:
+        """`item` as it is now, for an event (it changes before the event is written)."""
+        return json.loads(json.dumps(item)) if self.streaming else None
 
     def _start(self, item: dict, part: dict | None = None) -> None:
         self.close()
@@ -387,7 +388,7 @@ class _Reply:
                     ok = json.loads(item["arguments"]) == e[2]["arguments"]
                 except json.JSONDecodeError:
                     ok = False
-                if not ok:                    # (the pieces always make the call's arguments; never trust it blindly)
+                if not ok:                    # (the pieces make the arguments; should they not, the call's win)
                     item["arguments"] = json.dumps(e[2]["arguments"], ensure_ascii=False)
                 if self.open is item:
                     self.close()
@@ -414,8 +415,8 @@ class _Reply:
 class _Request:
     """What a request decided, for its reply: the response's fields, the conversation, the turn."""
 
-    def __init__(self, rid, base, conversation, turn, store_it):
-        self.id, self.base, self.conversation, self.turn, self.store_it = rid, base, conversation, turn, store_it
+    def __init__(self, base: dict, conversation: list, turn, store_it: bool):
+        self.base, self.conversation, self.turn, self.store_it = base, conversation, turn, store_it
 
 
 class _ResponsesRender(Render):
@@ -560,7 +561,7 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
                 "text": body.get("text") or {"format": {"type": "text"}},
                 "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "truncation": "disabled", "metadata": metadata or {}, "user": body.get("user"), "usage": None}
-        req = _Request(base["id"], base, conversation, turn, store_it)
+        req = _Request(base, conversation, turn, store_it)
         render = _ResponsesRender(req, svc.model, store, stream)
         return await svc.respond(request, svc.job(opts, turn.prompt_ids, turn.cache_points, turn.images), render,
                                  stream)

@@ -1,12 +1,14 @@
-"""A real ``qwenmetal serve`` for tests: a subprocess on 127.0.0.1 and a free port (`spawned_server`), with
-the settings the server tests share (`API_KEY`, `NAME`, `MAX_BODY`, `SERVE_ARGS`). The fixtures ``server``
-(its base URL, one server per test module) and ``client`` (the official openai client on it) are in
-tests/conftest.py; tests/test_server.py, tests/test_api_responses.py and tests/test_server_soak.py use them."""
+"""Servers on loopback for tests, each on a free port: `live_server(model, **create_app options)` runs the
+app in this process (uvicorn on a thread) and yields its base URL; `spawned_server(args, log)` runs
+``qwenmetal serve ARGS`` as a subprocess. `API_KEY`, `NAME`, `MAX_BODY` and `SERVE_ARGS` are the settings of
+the ``server`` fixture (tests/conftest.py: one spawned server per test module, and ``client``, the official
+openai client on it), which tests/test_server.py and tests/test_api_responses.py use."""
 import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 API_KEY = "sk-test-key"
@@ -21,6 +23,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(model, **opts):
+    from qwenmetal.server import create_app, uvicorn_server
+
+    port = free_port()
+    srv = uvicorn_server(create_app(model, **opts), "127.0.0.1", port, log_level="warning")
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(30)
+        assert not th.is_alive(), "the server did not shut down"
 
 
 @contextlib.contextmanager

@@ -206,6 +206,10 @@ def string_parameter(schema) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string"
 
 
+def _length(v, default):
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+
 def _function_rules(i: int, name: str, params: dict) -> list[str]:
     """Rules ``f{i}`` (what follows ``<function=``: the name, the parameters, ``</function>``)."""
     if name != name.strip() or re.search(r"[>\n]", name):
@@ -227,8 +231,10 @@ def _function_rules(i: int, name: str, params: dict) -> list[str]:
             [schema["const"]] if "const" in schema else None)
         if string_parameter(schema) and enum and all(isinstance(e, str) for e in enum):
             rules.append(f"{v}: ({' | '.join(_lit(e) for e in enum)}) {_lit(chr(10) + '</parameter>' + chr(10))}")
-        elif string_parameter(schema):
-            rules.append(f"{v}[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+        elif string_parameter(schema):            # raw text up to the close tag, within min/maxLength
+            lo, hi = _length(schema.get("minLength"), 0), _length(schema.get("maxLength"), None)
+            span = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
+            rules.append(f"{v}[lazy]: /(?s:.{span})\\n<\\/parameter>\\n/")
         else:
             rules.append(f"{v}: {_json_rule({**schema, **defs}, lenient=True)} "
                          f"{_lit(chr(10) + '</parameter>' + chr(10))}")

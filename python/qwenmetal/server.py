@@ -281,12 +281,9 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         if top_n and not want_lp:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         tools = body.get("tools")
-        if body.get("tool_choice") == "none":
+        tool_choice = body.get("tool_choice")
+        if tool_choice == "none":
             tools = None
-        rf = body.get("response_format")
-        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format",
-                           "unsupported_value")
         ctk = body.get("chat_template_kwargs") or {}
         if not isinstance(ctk, dict):
             raise APIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_value")
@@ -294,9 +291,12 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         enable_thinking = ctk.pop("enable_thinking", None)
         if "enable_thinking" in body:
             enable_thinking = boolean(body, "enable_thinking", None)
-        turn = await svc.turn(msgs, tools=tools, enable_thinking=enable_thinking, template_kwargs=ctk)
+        turn = await svc.turn(msgs, tools=tools, enable_thinking=enable_thinking, template_kwargs=ctk,
+                              tool_choice=None if tool_choice == "none" else tool_choice,
+                              response_format=body.get("response_format"),
+                              parallel_tool_calls=boolean(body, "parallel_tool_calls", True))
         opts = options_of(body, max_tokens_of(body, len(turn.prompt_ids), svc.default_max_tokens, "messages"),
-                          logprobs=want_lp, top_logprobs=top_n)
+                          logprobs=want_lp, top_logprobs=top_n, grammar=turn.grammar)
         render = _ChatRender(name, tok, turn, want_lp, model, include_usage)
         return await svc.respond(request, svc.job(opts, turn.prompt_ids, turn.cache_points, turn.images), render,
                                  stream)

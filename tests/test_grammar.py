@@ -1,0 +1,208 @@
+"""Structured output (qwenmetal.grammar): the token mask in the sampler, JSON Schema output that validates on
+every backend with and without speculative decoding, drafts that break the grammar rejected, chat replies
+whose tool calls follow the tools' schemas, and clear errors for bad schemas -- on the tiny fixture."""
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+import qwenmetal as qm
+from qwenmetal.chat import ChatStreamParser, chat_turn, parse_tool_calls, reply_events_merged
+from qwenmetal.grammar import Grammar, GrammarError, reply_grammar
+from qwenmetal.sampling import Sampler
+from qwenmetal.speculative import Drafter
+from qwenmetal.testing import cached_checkpoint
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "n", "tags"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                     "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = cached_checkpoint("tiny", "mlx-q4", seed=0)
+    return {b: qm.Model.load(path, backend=b) for b in ("reference", "cpu", "metal-sim")}
+
+
+def _text(outs) -> str:
+    return "".join(o.text for o in outs)
+
+
+# ---- the sampler's mask ------------------------------------------------------------------------------------
+def test_the_sampler_never_draws_a_masked_token():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=64).astype(np.float32)
+    allowed = np.zeros(64, dtype=bool)
+    allowed[[3, 17, 40]] = True
+    best = max((3, 17, 40), key=lambda i: logits[i])
+    assert Sampler().sample(logits, allowed=allowed).token == best
+    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}, {"temperature": 1.5, "top_p": 0.5},
+               {"temperature": 1.0, "min_p": 0.2}):
+        s = Sampler(seed=1, **kw)
+        assert {s.sample(logits, allowed=allowed).token for _ in range(200)} <= {3, 17, 40}
+    r = Sampler().sample(logits, allowed=allowed, logprobs=True)     # log-probabilities stay the model's
+    lse = np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) + logits.max()
+    assert r.logprob == pytest.approx(float(logits[best]) - lse)
+    s = Sampler(temperature=1.0, seed=0)                              # a masked draft is always rejected
+    assert all(not s.verify_draft(logits, 5, allowed=allowed)[1] for _ in range(50))
+    with pytest.raises(ValueError, match="allows no token"):
+        Sampler().sample(logits, allowed=np.zeros(64, dtype=bool))
+
+
+# ---- JSON Schema output on every backend ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "cpu", "metal-sim"])
+def test_json_schema_output_validates_with_and_without_speculation(models, backend):
+    m = models[backend]
+    g = Grammar.json_schema(SCHEMA)
+    plain = list(m.generate("Describe a thing as JSON:", max_tokens=80, temperature=0, grammar=g, cache=False))
+    assert plain[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(_text(plain)), SCHEMA)
+    spec = list(m.generate("Describe a thing as JSON:", max_tokens=80, temperature=0, grammar=g, cache=False,
+                           speculative="lookup"))
+    assert [o.token for o in spec] == [o.token for o in plain]
+    sampled = list(m.generate("Describe a thing as JSON:", max_tokens=80, temperature=1.0, seed=5, grammar=g))
+    if sampled[-1].finish_reason == "stop":
+        jsonschema.validate(json.loads(_text(sampled)), SCHEMA)
+
+
+class _Fixed(Drafter):
+    """Drafts the continuation of `tokens` after the context's generated part (a deterministic oracle)."""
+
+    name = "fixed"
+
+    def __init__(self, prompt_len: int, tokens):
+        self.n, self.tokens = prompt_len, list(tokens)
+
+    def draft(self, context, k):
+        done = len(context) - self.n
+        return self.tokens[done:done + k]
+
+
+def test_drafts_that_break_the_grammar_are_rejected(models):
+    """A drafter proposing the unconstrained reply (which breaks the schema at once) and one proposing the
+    constrained reply itself both give the constrained tokens; the second has its drafts accepted."""
+    m = models["cpu"]
+    g = Grammar.json_schema(SCHEMA)
+    prompt = m.tokenizer.encode("Describe a thing as JSON:")
+    want = [o.token for o in m.generate(prompt, max_tokens=60, temperature=0, grammar=g, cache=False)]
+    free = [o.token for o in m.generate(prompt, max_tokens=60, temperature=0, cache=False, ignore_eos=True)]
+    assert free[:len(want)] != want
+    for tokens, accepted in ((free, False), (want, True)):
+        outs = list(m.generate(prompt, max_tokens=60, temperature=0, grammar=g, cache=False,
+                               speculative=_Fixed(len(prompt), tokens), speculative_k=4))
+        assert [o.token for o in outs] == want
+        assert (outs[-1].stats["speculative"]["accepted_tokens"] > 0) == accepted
+
+
+def test_bad_grammars_are_refused_before_any_work(models):
+    m = models["reference"]
+    s = m.new_session()
+    with pytest.raises(GrammarError, match="Invalid type") as e:
+        Grammar.json_schema({"type": "nonsense"})
+    assert e.value.param == "schema"
+    with pytest.raises(GrammarError, match="response_format"):
+        reply_grammar(thinking=False, answer_schema={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+    with pytest.raises(GrammarError, match="'missing'.*not among the tools") as e:
+        reply_grammar(thinking=False, tools=[WEATHER], tool_choice="missing")
+    assert e.value.param == "tool_choice"
+    with pytest.raises(GrammarError, match="needs tools"):
+        reply_grammar(thinking=False, tool_choice="required")
+    with pytest.raises(GrammarError, match="two tools are named"):
+        reply_grammar(thinking=False, tools=[WEATHER, WEATHER])
+    with pytest.raises(qm.InputError, match="grammar must be a qwenmetal.Grammar"):
+        m.generate("x", grammar={"type": "object"}, session=s)
+    with pytest.raises(GrammarError, match="unknown name"):
+        Grammar.lark("start: foo")
+    assert s.position == 0
+    assert reply_grammar(thinking=False, tools=[WEATHER], tool_choice="none") is None
+    assert Grammar.regex("[0-9]{3}").description == "a regular expression"
+
+
+def test_a_regex_and_a_lark_grammar(models):
+    m = models["reference"]
+    out = _text(m.generate("Code:", max_tokens=10, temperature=0, grammar=Grammar.regex("[A-Z]{3}-[0-9]{2}")))
+    assert len(out) == 6 and out[:3].isupper() and out[3] == "-" and out[4:].isdigit()
+    g = Grammar.lark('start: "yes" | "no"')
+    assert _text(m.generate("Answer:", max_tokens=5, temperature=0, grammar=g)) in ("yes", "no")
+
+
+# ---- chat replies: tool calls follow the tools' schemas -----------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "metal-sim"])
+def test_forced_tool_calls_parse_and_follow_their_schemas(models, backend):
+    m = models[backend]
+    msgs = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    params = WEATHER["function"]["parameters"]
+    r = m.chat(msgs, tools=[WEATHER, NOOP], tool_choice="required", enable_thinking=False, max_tokens=120,
+               temperature=0)
+    assert r.finish_reason == "stop" and r.tool_calls, r.text
+    for c in r.tool_calls:
+        assert c["name"] in ("get_weather", "noop")
+        if c["name"] == "get_weather":
+            jsonschema.validate(c["arguments"], params)
+    one = m.chat(msgs, tools=[WEATHER, NOOP], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                 parallel_tool_calls=False, enable_thinking=False, max_tokens=120, temperature=0)
+    assert [c["name"] for c in one.tool_calls] == ["get_weather"]
+    jsonschema.validate(one.tool_calls[0]["arguments"], params)
+    js = m.chat(msgs, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+                enable_thinking=False, max_tokens=80, temperature=0)
+    jsonschema.validate(json.loads(js.content), SCHEMA)
+
+
+def test_a_thinking_reply_closes_its_think_block_before_the_answer(models):
+    m = models["reference"]
+    turn = chat_turn(m, [{"role": "user", "content": "hi"}], enable_thinking=True,
+                     response_format={"type": "json_object"})
+    assert turn.thinking
+    matcher = turn.grammar.matcher(m)
+    tok = m.tokenizer
+    for t in tok.encode("let me think") + [tok.token_to_id("</think>")] + tok.encode('\n\n{"a": 1}'):
+        assert matcher.allowed()[t]
+        matcher.advance(t)
+    assert matcher.accepting
+    bad = turn.grammar.matcher(m)
+    for t in tok.encode("hm") + [tok.token_to_id("</think>")]:
+        bad.advance(t)
+    assert not bad.allowed()[tok.encode("x")[0]]          # after the think block: JSON only
+
+
+def test_malformed_tool_call_text_is_content():
+    tools = [WEATHER]
+    for text in ("<tool_call>\nnot a function\n</tool_call>", "<tool_call><function=get_weather>\n<oops>"):
+        p = ChatStreamParser(False, tools)
+        r, c, calls = reply_events_merged(p.feed(text) + p.finish())
+        assert "<" in c and (calls == [] or calls == [{"name": "get_weather", "arguments": {}}])
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2"
+    assert parse_tool_calls(cut, tools) == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    two = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n</function>\n</tool_call>\n"
+           "<tool_call>\n<function=noop>\n</function>\n</tool_call>")
+    p = ChatStreamParser(False, tools)
+    events = p.feed(two) + p.finish()
+    assert [e[:2] for e in events if e[0] == "tool_call"] == [("tool_call", 0), ("tool_call", 1)]
+    assert "".join(e[2] for e in events if e[0] == "tool_args" and e[1] == 0) == '{"city": "A"}'
+    assert "".join(e[2] for e in events if e[0] == "tool_args" and e[1] == 1) == "{}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
+def test_batched_rows_each_follow_their_own_grammar(models, backend):
+    """A batch decodes rows under different grammars (and one without): each row gives what it gives alone."""
+    m = models[backend]
+    prompts = ["Describe a thing as JSON:", "Code:", "Tell me a story."]
+    opts = [qm.GenerationOptions(max_tokens=40, temperature=0, grammar=Grammar.json_schema(SCHEMA)),
+            qm.GenerationOptions(max_tokens=40, temperature=0, grammar=Grammar.regex("[A-Z]{3}-[0-9]{2}")),
+            qm.GenerationOptions(max_tokens=12, temperature=0, ignore_eos=True)]
+    got = {i: [] for i in range(3)}
+    for i, o in m.generate_batch(prompts, options=opts, cache=False):
+        got[i].append(o.token)
+    for i in range(3):
+        alone = [o.token for o in m.generate(prompts[i], options=opts[i], cache=False)]
+        assert got[i] == alone
+    jsonschema.validate(json.loads(m.tokenizer.decode(got[0][:-1])), SCHEMA)

@@ -5,9 +5,8 @@
   is skipped (``pytest.importorskip``).
 * ``oracle``: session-wide cache of the random HF models, their saved checkpoints, mlx-lm conversions
   and the peers' logits (see ``tests/oracles.py``), so every oracle test builds each thing once.
-* ``server_checkpoint``, ``server``, ``client`` (per test module): a tiny random checkpoint, ``qwenmetal
-  serve`` running it in a subprocess on loopback (``tests/live_server.py``: its base URL) and the official
-  openai client on it.
+* ``spawned_ckpt`` / ``spawned_url``: the tiny checkpoint and one ``qwenmetal serve`` process on loopback
+  serving it (``tests/live_server.py``), shared by the modules that drive it with the official clients.
 
 No marks are registered: every test runs by default.
 """
@@ -48,30 +47,21 @@ def oracle(tmp_path_factory):
     return OracleCache(tmp_path_factory.mktemp("oracles"))
 
 
-@pytest.fixture(scope="module")
-def server_checkpoint(tmp_path_factory):
-    """The checkpoint the ``server`` fixture serves (tiny, random, mlx-q4)."""
+@pytest.fixture(scope="session")
+def spawned_ckpt(tmp_path_factory):
+    """The tiny mlx-q4 checkpoint the spawned server serves."""
     from qwenmetal.testing import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("srv") / "ck", "tiny", "mlx-q4", seed=3)
 
 
-@pytest.fixture(scope="module")
-def server(server_checkpoint, tmp_path_factory):
-    """The base URL of ``qwenmetal serve`` on `server_checkpoint` (``live_server.SERVE_ARGS``)."""
-    from live_server import SERVE_ARGS, spawned_server
-
+@pytest.fixture(scope="session")
+def spawned_url(spawned_ckpt, tmp_path_factory):
+    """The base URL of ``qwenmetal serve`` on `spawned_ckpt` (`live_server.spawned_args`), one process per
+    session."""
     for m in ("starlette", "uvicorn", "httpx"):
         _require(m)
-    with spawned_server(["--model", str(server_checkpoint), *SERVE_ARGS],
-                        tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
+    from live_server import spawned_args, spawned_server
+
+    with spawned_server(spawned_args(spawned_ckpt), tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    """The official openai client on `server`."""
-    from live_server import API_KEY
-
-    openai = _require("openai")
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)

@@ -1,8 +1,12 @@
-"""Servers on loopback for tests, each on a free port: `live_server(model, **create_app options)` runs the
-app in this process (uvicorn on a thread) and yields its base URL; `spawned_server(args, log)` runs
-``qwenmetal serve ARGS`` as a subprocess. `API_KEY`, `NAME`, `MAX_BODY` and `SERVE_ARGS` are the settings of
-the ``server`` fixture (tests/conftest.py: one spawned server per test module, and ``client``, the official
-openai client on it), which tests/test_server.py and tests/test_api_responses.py use."""
+"""qwenmetal servers on loopback, for the tests that drive them with real clients.
+
+- `live_server(model, **create_app options)`: a server in this process (uvicorn on a thread, a free port);
+  yields its base URL and shuts it down afterwards.
+- `spawned_server(args, log)`: ``qwenmetal serve ARGS`` as a separate process. The session fixtures
+  ``spawned_ckpt`` and ``spawned_url`` (tests/conftest.py) share one such server, with the settings below
+  (`spawned_args`), between every module that uses it (tests/test_server.py with the openai client,
+  tests/test_api_anthropic.py with the anthropic client); tests/test_server_soak.py starts its own.
+"""
 import contextlib
 import os
 import socket
@@ -14,9 +18,6 @@ import time
 API_KEY = "sk-test-key"
 NAME = "tiny"
 MAX_BODY = 64 * 1024
-#: ``qwenmetal serve`` arguments of the ``server`` fixture (after ``--model``)
-SERVE_ARGS = ["--api-key", API_KEY, "--served-model-name", NAME, "--max-request-bytes", str(MAX_BODY),
-              "--log-level", "warning", "--backend", "reference"]
 
 
 def free_port() -> int:
@@ -78,3 +79,10 @@ def spawned_server(args, log):
                 proc.kill()
                 proc.wait(timeout=10)
     assert proc.returncode is not None
+
+
+def spawned_args(ckpt) -> list:
+    """The shared spawned server's arguments: the tiny checkpoint on the reference backend, with a key and a
+    small body limit."""
+    return ["--model", str(ckpt), "--api-key", API_KEY, "--served-model-name", NAME, "--max-request-bytes",
+            str(MAX_BODY), "--log-level", "warning", "--backend", "reference"]

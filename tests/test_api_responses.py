@@ -1,8 +1,8 @@
 """The OpenAI Responses API (`qwenmetal.api_responses`), driven by the official openai client.
 
 The conversions (input items -> chat messages, tools, tool_choice, text.format, reasoning effort) and the
-response store are tested directly. Against `qwenmetal serve` in a subprocess (the ``server`` / ``client``
-fixtures, tests/conftest.py): a string input streamed and not and through the ``responses.stream`` helper
+response store are tested directly. Against `qwenmetal serve` in a subprocess (``spawned_url``, shared with the other
+API tests: tests/conftest.py): a string input streamed and not and through the ``responses.stream`` helper
 (the same reply as the library's), instructions and function-call items (the prompt the library renders for
 the same conversation), a forced tool call and a JSON answer (the grammar holds the random model to the
 tool's and the answer's schema), ``previous_response_id`` (cached tokens on the second turn), GET / DELETE,
@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from live_server import NAME
+from live_server import API_KEY, NAME
 from oracles import require
 
 import qwenmetal as qm
@@ -145,8 +145,19 @@ def test_the_response_store_is_bounded():
 # against `qwenmetal serve`
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def local(server_checkpoint):
-    m = qm.Model.load(server_checkpoint, backend="reference")
+def server(spawned_url):
+    return spawned_url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = require("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(spawned_ckpt):
+    m = qm.Model.load(spawned_ckpt, backend="reference")
     m.prefix_cache = None
     return m
 
@@ -192,10 +203,10 @@ def test_a_string_input_streamed_and_not_and_through_the_stream_helper(client, l
     assert seen == types and _texts(helper) == _texts(r) and helper.status == "completed"
 
     # a reply cut by max_output_tokens is incomplete
-    cut = client.responses.create(model=NAME, input="Name three colours.", max_output_tokens=3, temperature=0)
+    cut = client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3
-    last = list(client.responses.create(model=NAME, input="Name three colours.", max_output_tokens=3,
+    last = list(client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3,
                                         temperature=0, stream=True))[-1]
     assert last.type == "response.incomplete" and _texts(last.response) == _texts(cut)
 
@@ -278,8 +289,6 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(client):
 def test_bad_requests(server, client):
     import httpx
     import openai
-
-    from live_server import API_KEY
 
     for kw, param in [({"temperature": 5}, "temperature"), ({"max_output_tokens": 0}, "max_output_tokens"),
                       ({"input": []}, "input"), ({"input": [{"type": "web_search_call"}]}, "input[0].type"),

@@ -18,16 +18,33 @@ import time
 
 import pytest
 
-from live_server import API_KEY, MAX_BODY, NAME, free_port
+from live_server import API_KEY, MAX_BODY, NAME
+from live_server import free_port as _free_port
 from oracles import require
 
 import qwenmetal as qm
 
 
 @pytest.fixture(scope="module")
-def local(server_checkpoint):
+def ckpt(spawned_ckpt):
+    return spawned_ckpt
+
+
+@pytest.fixture(scope="module")
+def server(spawned_url):
+    return spawned_url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = require("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(ckpt):
     """The same checkpoint in this process, for expected outputs."""
-    m = qm.Model.load(server_checkpoint, backend="reference")
+    m = qm.Model.load(ckpt, backend="reference")
     m.prefix_cache = None
     return m
 
@@ -330,7 +347,7 @@ def live(cpu_model, monkeypatch):
         monkeypatch.setattr(cpu_model, "decode_step", c.decode_step)
         monkeypatch.setattr(cpu_model._backend, "decode_batch", c.decode_batch)
         monkeypatch.setattr(cpu_model, "generate", c.generate)
-        port = free_port()
+        port = _free_port()
         srv = uvicorn_server(create_app(cpu_model, model_name=NAME, **opts), "127.0.0.1", port,
                              log_level="warning", graceful_timeout=graceful_timeout)
         th = threading.Thread(target=srv.run, daemon=True)

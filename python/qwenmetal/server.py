@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 
-from . import api_responses
+from . import api_anthropic, api_responses
 from .batching import DEFAULT_STEP_TOKENS
 from .serving import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -263,10 +263,14 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return JSONResponse({"status": "ok", "model": name, **queue.status()})
 
     async def models(request):
+        """The one model, in a list both OpenAI's and Anthropic's clients read (Anthropic's fields: type,
+        display_name, created_at, has_more, first_id, last_id)."""
         svc.check_key(request)
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(svc.created))
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": svc.created, "owned_by": "qwenmetal",
-             "max_model_len": model.config.max_position_embeddings}]})
+             "max_model_len": model.config.max_position_embeddings, "type": "model", "display_name": name,
+             "created_at": created_at}], "has_more": False, "first_id": name, "last_id": name})
 
     async def chat_completions(request):
         body = await svc.read_json(request)
@@ -334,20 +338,27 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         return await svc.respond(request, svc.job(opts, ids), _CompletionRender(name, tok, prompt_text, n_lp,
                                                                                 include_usage), stream)
 
+    def error(request, e: APIError):
+        """`e` in the shape of the API the request went to."""
+        if api_anthropic.is_anthropic_path(request.url.path):
+            return api_anthropic.error_response(e)
+        return e.response()
+
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return error(request, exc)
 
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return error(request, APIError(exc.status_code, str(exc.detail), code=code))
 
     async def server_error(request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        return error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
     routes = [Route("/health", health, methods=["GET"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
+    routes += api_anthropic.routes(svc)
     routes += api_responses.routes(svc)
 
     @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ import qwenmetal as qm
 from qwenmetal.api_responses import (
     ResponseStore,
     input_messages,
+    leading_system_merged,
     response_format_of,
     thinking_of,
     tool_choice_of,
@@ -72,6 +73,17 @@ def test_input_items_become_chat_messages():
         {"role": "assistant", "content": "", "reasoning_content": "Again.", "tool_calls": [call("c3", "{}")]},
     ]
     assert origins == ["input[0]", "input[1]", "input[3]", "input[6]", "input[7]", "input[9]", "input[11]"]
+
+
+def test_leading_system_messages_become_one():
+    msgs = [{"role": "system", "content": "A"}, {"role": "developer", "content": ""},
+            {"role": "developer", "content": "B"}, {"role": "user", "content": "hi"},
+            {"role": "developer", "content": "C"}]
+    assert leading_system_merged(msgs, ["instructions", "input[0]", "input[1]", "input[2]", "input[3]"]) == (
+        [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"},
+         {"role": "developer", "content": "C"}], ["instructions", "input[2]", "input[3]"])
+    assert leading_system_merged(msgs[1:], ["x"] * 4) == ([{"role": "system", "content": "B"}] + msgs[3:], ["x"] * 3)
+    assert leading_system_merged(msgs[2:], ["x"] * 3) == (msgs[2:], ["x"] * 3)
 
 
 @pytest.mark.parametrize("items, param", [
@@ -215,6 +227,12 @@ def test_instructions_and_function_call_items_render_as_the_chat_conversation(cl
     r = client.responses.create(model=NAME, input=Q, instructions="You are terse.", max_output_tokens=1)
     ids, _, _ = local.chat_prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}])
     assert r.usage.input_tokens == len(ids) and r.instructions == "You are terse."
+    # instructions and leading developer messages are one system message (Qwen's templates take one)
+    r = client.responses.create(model=NAME, instructions="You are terse.", max_output_tokens=1,
+                                input=[{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": Q}])
+    ids, _, _ = local.chat_prompt([{"role": "system", "content": "You are terse.\n\nAnswer in French."},
+                                   {"role": "user", "content": Q}])
+    assert r.usage.input_tokens == len(ids)
     items = [{"role": "user", "content": "Weather in Berlin?"},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Berlin"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'}]

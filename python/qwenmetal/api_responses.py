@@ -155,6 +155,19 @@ def input_messages(items, param: str = "input") -> tuple:
     return msgs, origins
 
 
+def leading_system_merged(messages: list, origins: list) -> tuple:
+    """`messages` with the system and developer messages they start with (``instructions``, then those of the
+    input) joined into one system message, blank-line separated: Qwen's chat templates take one system
+    message, first, and Codex sends ``instructions`` and developer messages both. ``(messages, origins)``."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] in ("system", "developer"):
+        k += 1
+    if k < 2 or not all(isinstance(m["content"], str) for m in messages[:k]):
+        return messages, origins              # (image parts in a system message: refused further on)
+    text = "\n\n".join(m["content"] for m in messages[:k] if m["content"])
+    return [{"role": "system", "content": text}] + messages[k:], [origins[0]] + origins[k:]
+
+
 def tools_of(tools) -> list | None:
     """Responses function tools (``{"type": "function", "name", "description", "parameters", "strict"}``) in
     chat form; any other tool type is a 400."""
@@ -543,9 +556,12 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
         conversation = history + new           # what is kept: without the instructions (not carried over)
         head = [{"role": "system", "content": instructions}] if instructions else []
         origins = ["instructions"] * len(head) + ["previous_response_id"] * len(history) + origins
+        msgs, origins = leading_system_merged(head + conversation, origins)
+        tools, choice = tools_of(body.get("tools")), tool_choice_of(body.get("tool_choice"))
+        if choice == "none":                   # as the chat endpoint: no tools in the prompt
+            tools, choice = None, None
         try:
-            turn = await svc.turn(head + conversation, param="input", tools=tools_of(body.get("tools")),
-                                  tool_choice=tool_choice_of(body.get("tool_choice")),
+            turn = await svc.turn(msgs, param="input", tools=tools, tool_choice=choice,
                                   response_format=response_format_of(body.get("text")),
                                   parallel_tool_calls=parallel, enable_thinking=thinking_of(body.get("reasoning")))
         except APIError as e:

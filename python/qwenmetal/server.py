@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 
-from . import api_anthropic
+from . import api_anthropic, api_responses
 from .batching import DEFAULT_STEP_TOKENS
 from .serving import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -359,6 +359,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
     routes += api_anthropic.routes(svc)
+    routes += api_responses.routes(svc)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -6,7 +6,9 @@
 * ``oracle``: session-wide cache of the random HF models, their saved checkpoints, mlx-lm conversions
   and the peers' logits (see ``tests/oracles.py``), so every oracle test builds each thing once.
 * ``spawned_ckpt`` / ``spawned_url``: the tiny checkpoint and one ``qwenmetal serve`` process on loopback
-  serving it (``tests/live_server.py``), shared by the modules that drive it with the official clients.
+  serving it (``tests/live_server.py``), shared by the modules that drive it with the official clients;
+  ``openai_client``: the official openai client on it; ``spawned_local``: the same checkpoint loaded in
+  this process (reference backend, no prefix cache), for expected outputs.
 
 No marks are registered: every test runs by default.
 """
@@ -65,3 +67,22 @@ def spawned_url(spawned_ckpt, tmp_path_factory):
 
     with spawned_server(spawned_args(spawned_ckpt), tmp_path_factory.mktemp("srvlog") / "server.log") as (_, base):
         yield base
+
+
+@pytest.fixture(scope="session")
+def openai_client(spawned_url):
+    """The official openai client on the spawned server."""
+    openai = _require("openai")
+    from live_server import API_KEY
+
+    return openai.OpenAI(base_url=spawned_url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def spawned_local(spawned_ckpt):
+    """The spawned server's checkpoint in this process (reference, prefix cache off), for expected outputs."""
+    import qwenmetal as qm
+
+    m = qm.Model.load(spawned_ckpt, backend="reference")
+    m.prefix_cache = None
+    return m

@@ -28,6 +28,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(model, **opts):
+    from oracles import require
+
+    require("uvicorn")
+    require("starlette")
     from qwenmetal.server import create_app, uvicorn_server
 
     port = free_port()

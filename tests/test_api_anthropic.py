@@ -17,7 +17,6 @@ import pytest
 from live_server import API_KEY, MAX_BODY, NAME
 from oracles import require
 
-import qwenmetal as qm
 from qwenmetal import api_anthropic as aa
 from qwenmetal.chat import ChatStreamParser, parse_assistant
 from qwenmetal.generation import GenerationOutput
@@ -307,10 +306,8 @@ def client(spawned_url):
 
 
 @pytest.fixture(scope="module")
-def local(spawned_ckpt):
-    m = qm.Model.load(spawned_ckpt, backend="reference")
-    m.prefix_cache = None
-    return m
+def local(spawned_local):
+    return spawned_local
 
 
 USER = [{"role": "user", "content": "What is the capital of Italy?"}]

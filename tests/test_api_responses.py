@@ -162,16 +162,13 @@ def server(spawned_url):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    openai = require("openai")
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+def client(openai_client):
+    return openai_client
 
 
 @pytest.fixture(scope="module")
-def local(spawned_ckpt):
-    m = qm.Model.load(spawned_ckpt, backend="reference")
-    m.prefix_cache = None
-    return m
+def local(spawned_local):
+    return spawned_local
 
 
 Q = "What is the capital of France?"          # this checkpoint answers it with a short reply and its end token

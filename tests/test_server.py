@@ -36,17 +36,14 @@ def server(spawned_url):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    openai = require("openai")
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+def client(openai_client):
+    return openai_client
 
 
 @pytest.fixture(scope="module")
-def local(ckpt):
+def local(spawned_local):
     """The same checkpoint in this process, for expected outputs."""
-    m = qm.Model.load(ckpt, backend="reference")
-    m.prefix_cache = None
-    return m
+    return spawned_local
 
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]

@@ -11,19 +11,17 @@ here keeps images small (min_pixels 4096: a 40 x 60 image becomes 4 x 6 patches,
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
-import socket
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import qwenmetal as qm
+from live_server import live_server
 from oracles import require
 from qwenmetal.chat import chat_turn
 from qwenmetal.errors import ImageError, InputError
@@ -295,32 +293,6 @@ def test_images_need_a_tower(preset, fmt, says):
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(model, **opts):
-    require("uvicorn")
-    require("starlette")
-    from qwenmetal.server import create_app, uvicorn_server
-    port = _free_port()
-    srv = uvicorn_server(create_app(model, model_name=NAME, **opts), "127.0.0.1", port, log_level="warning")
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        th.join(30)
-
-
 def test_server_takes_base64_images(vl, ref, tmp_path):
     """The openai client sends a base64 image (streamed and not): the answer is the library's. Corrupt data, an
     http URL and a local file without --allow-local-images get 400 in OpenAI's error shape; with the flag a
@@ -331,7 +303,7 @@ def test_server_takes_base64_images(vl, ref, tmp_path):
     msgs = [user("What is in", img, "?")]
     want = ref.chat(msgs, max_tokens=4, temperature=0, enable_thinking=False, cache=False)
     args = dict(model=NAME, max_tokens=4, temperature=0, extra_body={"enable_thinking": False})
-    with live_server(model) as base:
+    with live_server(model, model_name=NAME) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         r = client.chat.completions.create(messages=msgs, **args)
         assert r.choices[0].message.content == want.content
@@ -354,7 +326,7 @@ def test_server_takes_base64_images(vl, ref, tmp_path):
                 client.chat.completions.create(messages=m, **args)
             assert e.value.status_code == 400 and e.value.body["code"] == code
             assert e.value.body["param"] == "messages[0].content[1]"
-    with live_server(model, allow_local_images=True, parallel=2) as base:
+    with live_server(model, model_name=NAME, allow_local_images=True, parallel=2) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         got = {}
 

@@ -3,7 +3,8 @@
 // Host includers include <cstdint> first (src/gpu/ops/sample.cpp); MSL has the fixed-width types.
 #pragma once
 
-// One struct for every kernel of the family (argmax reads vocab and n_partials only).
+// One struct for every selection kernel of the family (argmax reads vocab and n_partials only; sample_token_mask
+// has its own, SampleMaskParams below).
 struct SampleKernelParams {
     uint32_t vocab;            // logits [vocab]
     uint32_t n_partials;       // threadgroups of sample_partials: ceil(vocab / (its threads * PER_THREAD))
@@ -16,6 +17,17 @@ struct SampleKernelParams {
     uint32_t pos_lo, pos_hi;   // Philox-4x32-10 counter words 0 and 1 (words 2, 3 are 0)
 };
 static_assert(sizeof(SampleKernelParams) == 44, "SampleKernelParams: 11 x 4 bytes, as the host packs it");
+
+// sample_token_mask: logits[i] = -inf where bit i % 32 of mask word i / 32 is 0, for i < vocab (a token bitmask of
+// ceil(vocab / 32) or more uint32 words, bit j of a word standing for token 32 * word + j: llguidance's
+// fill_next_token_bitmask layout). One logit per thread, threadgroups of at most SAMPLE_MASK_THREADS threads
+// (whole SIMD-groups: a SIMD-group's 32 lanes read one mask word).
+struct SampleMaskParams {
+    uint32_t vocab;            // logits [vocab] masked (the words cover at least this many tokens)
+    uint32_t pad;
+};
+static_assert(sizeof(SampleMaskParams) == 8, "SampleMaskParams: 2 x 4 bytes, as the host packs it");
+#define SAMPLE_MASK_THREADS 256u
 
 // sample_partials: one (max key, lowest index) pair per threadgroup of t threads (t: about
 // vocab / SAMPLE_PARTIAL_PER_THREAD rounded up to 32, at most SAMPLE_PARTIAL_THREADS), each reading

@@ -1,5 +1,7 @@
 // Choosing the next token on the GPU from float logits [vocab].
 //
+//   sample_token_mask logits = -inf outside a token bitmask (structured output: a grammar's allowed
+//                     tokens), before any of the kernels below
 //   sample_partials   (max order key, lowest index) per threadgroup of SAMPLE_PARTIAL_PER_TG logits
 //   argmax_final      token = the best of those pairs (greedy decoding)
 //   sample_sorted     a draw when the candidates after top-k number at most SAMPLE_SORT_MAX: they are
@@ -264,6 +266,24 @@ inline uint2 radix_select(device const float* x, SampleCtx c, RankFilter f, floa
         }
     }
     return uint2(pk, whole_group ? 0xffffffffu : c.im - pi);
+}
+
+// ------------------------------------------------------------------------------------------------
+// sample_token_mask: x[i] = -inf where bit (i & 31) of mask[i >> 5] is 0, for i < vocab; x[i] untouched where it
+// is 1 (the host checks that some bit below vocab is set: argmax and the samplers then never pick a masked token,
+// whose weight exp(-inf) is 0). Grid (ceil(vocab / t), 1, 1) x (t, 1, 1), t a multiple of 32: thread i owns
+// logit i, so a SIMD-group's lanes share one mask word (one broadcast read) and write 32 consecutive logits.
+// 32-bit indices throughout (vocab <= 2^24, the family's limit).
+// Fused: nothing; an in-place pass over the logits between the lm_head and the first pass of argmax / sample.
+[[kernel, max_total_threads_per_threadgroup(SAMPLE_MASK_THREADS)]]
+void sample_token_mask(constant SampleMaskParams& p [[buffer(0)]], device float* x [[buffer(1)]],
+                       device const uint* mask [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+    if (i >= p.vocab) {
+        return;
+    }
+    if (((mask[i >> 5] >> (i & 31u)) & 1u) == 0u) {
+        x[i] = as_type<float>(0xff800000u);  // -inf
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

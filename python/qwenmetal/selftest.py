@@ -578,6 +578,32 @@ def check_argmax(dev) -> tuple:
     return None, f"argmax over {V}: {tok}", tok == 1000
 
 
+def check_token_mask(dev) -> tuple:
+    """The token mask (structured output) over the real vocabulary, then argmax in the same command buffer: the
+    masked logits equal numpy's bit for bit, the token is the best allowed one (the unmasked argmax is masked)."""
+    _core = core()
+    ops = _core.gpu.ops
+    rng = np.random.default_rng(4)
+    V = 248320
+    logits = rng.standard_normal(V).astype(np.float32)
+    logits[1000] = 9.0                                   # the unmasked argmax: masked out
+    allowed = np.zeros(32 * ops.token_mask_words(V), np.uint8)
+    allowed[rng.choice(V, 500, replace=False)] = 1
+    allowed[[1000, V - 1]] = 0, 1
+    words = np.packbits(allowed, bitorder="little").view("<u4")    # llguidance's layout
+    want = np.where(allowed[:V] == 1, logits, np.float32(-np.inf))
+    lb, mb = _upload(dev, logits), _upload(dev, words)
+    tb, sb = dev.alloc(4), dev.alloc(ops.sample_scratch_bytes(V))
+
+    def encode(e):
+        ops.apply_token_mask(e, lb, V, mb)
+        ops.argmax(e, lb, V, tb, sb)
+    _encode(dev, encode)
+    tok = int(_readback(tb, np.uint32, (1,))[0])
+    same = np.array_equal(_readback(lb, np.float32, (V,)), want)
+    return None, f"mask + argmax over {V}: {tok}", same and tok == int(np.argmax(want))
+
+
 def check_graph(backend: str, dtype: str) -> tuple:
     """The decode graph on the tiny checkpoint, teacher-forced over 16 steps: the float build against the CPU
     backend's exact arithmetic (float KV and activations), the bfloat build against the numpy reference's
@@ -607,7 +633,7 @@ def check_graph(backend: str, dtype: str) -> tuple:
 
 # one small-shape check per kernel family, through its host function
 FAMILY_CHECKS = [("norm: rmsnorm", check_norm), ("quant: qmv", check_qmv), ("moe: top-k", check_topk),
-                 ("sample: argmax", check_argmax)]
+                 ("sample: argmax", check_argmax), ("sample: token mask", check_token_mask)]
 
 
 # ------------------------------------------------------------------------------------------ timed runs

@@ -457,12 +457,15 @@ class ModelBase:
         """Whether the backend has a pipelined GPU decode loop (`decode_loop`: metal, metal-sim)."""
         return hasattr(self._backend, "decode")
 
-    def decode_loop(self, session: Session, first: int, n: int, **sampling) -> list:
+    def decode_loop(self, session: Session, first: int, n: int, *, mask=None, **sampling) -> list:
         """Up to `n` tokens from the backend's pipelined GPU decode loop, feeding `first` then each sampled
         token (GPU sampling: temperature, top_k, top_p, min_p, seed, stop_ids, vocab). The session's tokens
-        follow the state inside the call (an interrupt cannot separate them)."""
+        follow the state inside the call (an interrupt cannot separate them). `mask` (structured output, with
+        n = 1): a token bitmask, uint32 or int32 [ceil(vocab_size / 32)] in llguidance's layout (bit i % 32 of
+        word i / 32 allows token i), applied on the GPU before the token is chosen; a bad mask raises ValueError
+        and leaves the session untouched."""
         self.check_session(session)
-        return self._backend.decode(session._state, first, n, consumed=session._tokens, **sampling)
+        return self._backend.decode(session._state, first, n, consumed=session._tokens, mask=mask, **sampling)
 
     @property
     def prefill_granule(self) -> int | None:

@@ -312,7 +312,7 @@ void register_gpu_graph(nb::module_& g) {
            "graph, no host data; the state does not advance): its cost. For encode-only costing.")
         .def("decode", [](PyGpuEngine& e, GpuState& s, int32_t first, int64_t n, bool greedy, float temperature,
                           uint32_t top_k, float top_p, float min_p, uint64_t seed, std::vector<int32_t> stop_ids,
-                          bool pipelined, uint32_t vocab, nb::handle consumed) {
+                          bool pipelined, uint32_t vocab, nb::handle consumed, nb::handle mask) {
             SamplingConfig sc;
             sc.greedy = greedy;
             sc.vocab = vocab;
@@ -321,6 +321,23 @@ void register_gpu_graph(nb::module_& g) {
             sc.params.top_p = top_p;
             sc.params.min_p = min_p;
             sc.params.seed = seed;
+            // the token mask: uint32 or int32 words as they are (no conversion: another dtype is an error)
+            using U32 = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+            using I32 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+            U32 a;                                     // held to the end of the call
+            I32 b;
+            if (!mask.is_none()) {
+                if (nb::try_cast(mask, a, false)) {
+                    sc.mask = a.data();
+                    sc.mask_words = a.shape(0);
+                } else if (nb::try_cast(mask, b, false)) {
+                    sc.mask = reinterpret_cast<const uint32_t*>(b.data());
+                    sc.mask_words = b.shape(0);
+                } else {
+                    throw std::invalid_argument("metal backend: the token mask must be a 1-D C-contiguous uint32 or "
+                                                "int32 numpy array");
+                }
+            }
             Consumed sink(consumed);
             const InterruptPoll poll = interrupt_poll();
             std::vector<int32_t> out;
@@ -336,7 +353,10 @@ void register_gpu_graph(nb::module_& g) {
             return out;
         }, "state"_a, "first"_a, "n"_a, "greedy"_a = true, "temperature"_a = 1.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
            "min_p"_a = 0.0f, "seed"_a = 0, "stop_ids"_a = std::vector<int32_t>(), "pipelined"_a = true,
-           "vocab"_a = 0, "consumed"_a = nb::none())
+           "vocab"_a = 0, "consumed"_a = nb::none(), "mask"_a = nb::none(),
+           "Up to n tokens after `first` from the pipelined GPU decode loop. mask (n = 1 only): a token bitmask, "
+           "uint32 or int32 [ceil(vocab_size / 32)], bit i % 32 of word i / 32 allowing token i (llguidance's "
+           "layout), applied to the step's logits before argmax / sampling; it must allow some token of [0, vocab).")
         // features: the costing with the target features of these layers taken (empty: none)
         .def("encode_cost", [](PyGpuEngine& e, GpuState& s, std::vector<int64_t> features) {
             StepCost c;

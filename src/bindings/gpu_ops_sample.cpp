@@ -11,6 +11,11 @@ void register_gpu_ops_sample(nb::module_& ops) {
     ops.def("argmax", &gpu::ops::argmax, "encoder"_a, "logits"_a, "vocab"_a, "token"_a, "scratch"_a,
             "token[0] (uint32) = the lowest index of the largest of logits[:vocab] (float32); scratch: "
             "sample_scratch_bytes(vocab) bytes.");
+    ops.def("apply_token_mask", &gpu::ops::apply_token_mask, "encoder"_a, "logits"_a, "vocab"_a, "mask"_a,
+            "logits[i] (float32, in place) = -inf for every i < vocab whose bit i % 32 of mask word i / 32 (uint32, "
+            "token_mask_words(vocab) of them) is 0: a grammar's token bitmask before argmax() or sample().");
+    ops.def("token_mask_words", &gpu::ops::token_mask_words, "vocab"_a,
+            "uint32 words of a token bitmask over `vocab` tokens: ceil(vocab / 32).");
     ops.def("sample_scratch_bytes", &gpu::ops::sample_scratch_bytes, "vocab"_a,
             "Bytes of scratch argmax() and sample() need for `vocab` logits.");
     ops.def("sample", [](gpu::Encoder& e, const gpu::Buffer& logits, uint32_t vocab, const gpu::Buffer& token,

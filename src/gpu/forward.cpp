@@ -283,7 +283,8 @@ void GpuEngine::gather(const Taps& taps, const std::vector<int64_t>& layers, uin
     }
 }
 
-// logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given
+// logits = lm_head rmsnorm(x) (f32); tokens[out_slot] = argmax | sample when sc is given, after the token mask
+// (Scratch::mask, which decode_impl uploaded) when sc has one
 void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, const SamplingConfig* sc, bool hidden) {
     const Config& c = m_->config();
     const Act t = m_->options().act;
@@ -292,7 +293,8 @@ void GpuEngine::encode_head(Encoder& e, int64_t position, uint32_t out_slot, con
              normed(m_->final_norm, c.eps, hidden ? &s.xn : nullptr));                    // logits (f32) [, xn]
     if (sc) {
         const Buffer tok = s.tokens.view(out_slot * 4, 4);
-        const uint32_t V = sc->vocab && sc->vocab < c.vocab ? sc->vocab : uint32_t(c.vocab);
+        const uint32_t V = sc->chosen_vocab(c.vocab);
+        if (sc->mask) ops::apply_token_mask(e, s.logits, V, s.mask);
         if (sc->greedy) ops::argmax(e, s.logits, V, tok, s.sample);
         else {
             ops::SampleParams p = sc->params;
@@ -694,10 +696,27 @@ std::vector<int32_t> GpuEngine::decode_impl(GpuState& st, int32_t first, int64_t
     const Config& c = m_->config();
     if (first < 0 || first >= c.vocab)
         throw std::invalid_argument("metal backend: token id " + std::to_string(first) + " outside the vocabulary");
+    const uint32_t mask_words = ops::token_mask_words(uint64_t(c.vocab));
+    if (sc.mask) {
+        if (n != 1)
+            throw std::invalid_argument("metal backend: a token mask decodes one token per call (n must be 1, got " +
+                                        std::to_string(n) + ")");
+        if (sc.mask_words != mask_words)
+            throw std::invalid_argument("metal backend: the token mask must have ceil(vocab_size / 32) = " +
+                                        std::to_string(mask_words) + " words, got " + std::to_string(sc.mask_words));
+        const uint32_t V = sc.chosen_vocab(c.vocab);
+        if (!ops::token_mask_allows_any(sc.mask, sc.mask_words, V))
+            throw std::invalid_argument("metal backend: the token mask allows no token in [0, " + std::to_string(V) +
+                                        ")");
+    }
     std::vector<int32_t> out;
     if (n <= 0) return out;
     std::lock_guard<std::mutex> lock(mu_);
     Device& d = m_->device();
+    if (sc.mask) {                                     // uploaded per call; the buffer is made on first use
+        if (!sc_->mask.valid()) sc_->mask = d.alloc(uint64_t(mask_words) * 4, "token_mask");
+        if (sc_->mask.data()) std::memcpy(sc_->mask.data(), sc.mask, uint64_t(mask_words) * 4);
+    }
     st.end_chain();
     st.reserve(st.position + n);
     uint32_t tok0 = uint32_t(first);

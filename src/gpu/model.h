@@ -312,6 +312,14 @@ struct SamplingConfig {
     bool greedy = true;
     ops::SampleParams params;
     uint32_t vocab = 0;               // choose among logits [0, vocab) (the tokenizer's ids); 0: all
+    // structured output: a token bitmask over the model's logits (ops::apply_token_mask; host memory of
+    // mask_words = ceil(config vocab / 32) words, read by GpuEngine::decode, which takes it for one token only)
+    const uint32_t* mask = nullptr;
+    uint64_t mask_words = 0;
+    // the logits the token is chosen among: [0, chosen_vocab(config vocab))
+    uint32_t chosen_vocab(int64_t model_vocab) const {
+        return vocab && vocab < model_vocab ? vocab : uint32_t(model_vocab);
+    }
 };
 
 class GpuEngine {
@@ -362,6 +370,10 @@ class GpuEngine {
     // before the previous is waited on; stops after a token in `stop_ids` (the extra in-flight step
     // is discarded: its state changes are undone). Returns the tokens generated. All-or-nothing:
     // `poll` is called between steps; on an error or when it throws, the state is restored.
+    // With a token mask (sc.mask) n must be 1 (the host advances its grammar after every token), the mask
+    // must have ceil(vocab / 32) words and allow some token among those chosen from; it is uploaded to the
+    // device and applied to the step's logits before argmax / sample (std::invalid_argument otherwise, with
+    // nothing changed).
     std::vector<int32_t> decode(GpuState& s, int32_t first, int64_t n, const SamplingConfig& sc,
                                 const std::vector<int32_t>& stop_ids, bool pipelined = true,
                                 InterruptPoll poll = nullptr);

@@ -24,6 +24,7 @@ struct GpuEngine::Scratch {
     Buffer logits;         // f32 [V]
     Buffer tokens;         // u32 [kSlots]       token ring
     Buffer sample;         // f32/u32            argmax / sampler scratch
+    Buffer mask;           // u32 [ceil(V / 32)] token bitmask (host-written per masked decode; allocated on first use)
 };
 
 // One buffer per logical tensor of a verification call of R rows (R: the most rows verified so far, at

@@ -123,3 +123,13 @@ def assert_bf16(got, ref, *, floor=0.0, mean_ulps: float = BF16_MEAN_ULPS, over_
         f"{got.ravel()[j]!r}, expected {ref.ravel()[j]!r}, {d[j]:.1f} ulp)")
     assert mean * n <= mean_ulps * n + 2, (
         f"{what}: mean distance {mean:.3f} bf16 ulp over {n} elements > {mean_ulps} (a rounding point differs?)")
+
+
+def token_bitmask(allowed, n_words: int) -> np.ndarray:
+    """A token bitmask in llguidance's layout (fill_next_token_bitmask): bit i % 32 of uint32 word i / 32 allows
+    token i; `allowed` token ids, the mask `n_words` words (the sample family's apply_token_mask, the decode
+    loop's `mask`)."""
+    words = np.zeros(n_words, np.uint32)
+    for i in np.asarray(allowed, np.int64).ravel():
+        words[int(i) // 32] |= np.uint32(1 << int(i % 32))
+    return words

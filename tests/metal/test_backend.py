@@ -10,7 +10,8 @@ simulator, against the numpy reference and the CPU backend. Simulator-verified, 
 * every attention route reached inside the graph (policy thresholds lowered);
 * the pipelined decode loop: the same tokens as unpipelined and as the forward() loop, one command buffer
   per token, host waits only for tokens; a stop token discards the extra step without touching the state;
-  seeded GPU sampling reproduces;
+  seeded GPU sampling reproduces; a token mask (structured output) gives the best allowed token greedily and
+  only allowed tokens sampled, resident and streaming, and a bad mask raises with the session untouched;
 * the Session contract: fork, snapshot/restore, reset, nbytes, save/load across backends, bad input leaves
   the session unchanged; the demo checkpoint generates the CPU backend's tokens.
 """
@@ -24,7 +25,7 @@ from qwenmetal.testing import cached_checkpoint
 
 from model_runs import rel_range_err, run_greedy
 
-from .gpu_harness import BACKEND
+from .gpu_harness import BACKEND, token_bitmask
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 1]
 N_DECODE = 64
@@ -168,6 +169,69 @@ def test_gpu_sampling_is_seeded(sim_model):
             for seed in (3, 3, 4)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def mask_case(m):
+    """(session after PROMPT, first token, the step's host logits ranked, a mask allowing four tokens ranked 5,
+    9, 20 and 40 -- not the unmasked argmax -- and those tokens)."""
+    s = m.new_session()
+    first = int(np.argmax(m.prefill(s, PROMPT)))
+    host = m.decode_step(s.fork(), first)
+    order = np.argsort(-host, kind="stable")
+    allowed = order[[5, 9, 20, 40]]
+    # the masked argmax is clear of the float noise between the decode step and the decode loop
+    assert host[allowed[0]] - host[allowed[1]] > 1e-3 * np.ptp(host)
+    return s, first, order, token_bitmask(allowed, -(-m.config.vocab_size // 32)), allowed
+
+
+def test_token_mask_in_the_decode_loop(sim_model):
+    m = sim_model
+    s, first, order, words, allowed = mask_case(m)
+    assert m.decode_loop(s.fork(), first, 1) == [int(order[0])]
+    a = s.fork()
+    assert m.decode_loop(a, first, 1, mask=words) == [int(allowed[0])]         # greedy: the best allowed token
+    assert a.position == s.position + 1 and a.tokens == s.tokens + (first,)
+    assert m.decode_loop(s.fork(), first, 1, mask=words.view(np.int32)) == [int(allowed[0])]   # int32 words
+    # sampled (temperature 1, seeded): allowed tokens only, reproducibly
+    draws = [m.decode_loop(s.fork(), first, 1, mask=words, temperature=1.0, seed=seed)[0] for seed in range(6)]
+    assert set(draws) <= set(allowed.tolist()) and len(set(draws)) >= 2
+    assert m.decode_loop(s.fork(), first, 1, mask=words, temperature=1.0, seed=4) == [draws[4]]
+    # the mask is the step's only: the next call without one chooses among every token again
+    nxt = m.decode_step(a.fork(), int(allowed[0]))
+    assert m.decode_loop(a, int(allowed[0]), 1) == [int(np.argmax(nxt))]
+
+
+def test_token_mask_with_streamed_experts(sim_model):
+    """The streaming decode (one command buffer per layer) applies the mask in its head as well."""
+    streamed = qm.Model.load(sim_model.path, backend=BACKEND, dtype="float32", expert_slots=2)
+    s, first, _, words, allowed = mask_case(streamed)
+    assert streamed.decode_loop(s, first, 1, mask=words) == [int(allowed[0])]
+
+
+def test_bad_token_masks_leave_the_session_untouched(sim_model):
+    m = sim_model
+    V = m.config.vocab_size
+    W = -(-V // 32)
+    s = m.new_session()
+    first = int(np.argmax(m.prefill(s, PROMPT)))
+    ref, pos, toks = s.fork(), s.position, s.tokens
+    ok, top = token_bitmask([3], W), token_bitmask([V - 1], W)
+    for n, kw, match in (
+            (2, dict(mask=ok), r"a token mask decodes one token per call \(n must be 1, got 2\)"),
+            (1, dict(mask=ok[:-1]), rf"ceil\(vocab_size / 32\) = {W} words, got {W - 1}"),
+            (1, dict(mask=np.concatenate([ok, ok])), rf"= {W} words, got {2 * W}"),
+            (1, dict(mask=ok.astype(np.int64)), "must be a 1-D C-contiguous uint32 or int32 numpy array"),
+            (1, dict(mask=ok.astype(np.float32)), "must be a 1-D C-contiguous uint32 or int32 numpy array"),
+            (1, dict(mask=np.stack([ok, ok])), "must be a 1-D C-contiguous uint32 or int32 numpy array"),
+            (1, dict(mask=np.zeros(W, np.uint32)), rf"the token mask allows no token in \[0, {V}\)"),
+            # bits only above the tokens chosen from (vocab): nothing to choose
+            (1, dict(mask=top, vocab=V - 10), rf"allows no token in \[0, {V - 10}\)"),
+            (1, dict(mask=top, vocab=V - 10, temperature=1.0), rf"allows no token in \[0, {V - 10}\)")):
+        with pytest.raises(ValueError, match=match):
+            m.decode_loop(s, first, n, **kw)
+        assert s.position == pos and s.tokens == toks
+    assert m.decode_loop(s, first, 3) == m.decode_loop(ref, first, 3)
+    assert m.decode_loop(ref.fork(), 5, 1, mask=ok) == [3]
 
 
 def test_session_contract(sim_model, tmp_path):

@@ -1,6 +1,7 @@
 """sample family (metal/sample.metal): argmax and the seeded GPU sampler through their host functions
 (_core.gpu.ops.argmax / sample / sample_scratch_bytes) on gpu.SimDevice under the three schedules, against
-numpy and against the host sampler (python/qwenmetal/sampling.py) given the same uniform u.
+numpy and against the host sampler (python/qwenmetal/sampling.py) given the same uniform u; the token mask
+(apply_token_mask: llguidance's bitmask layout) against numpy, and argmax / sample after it.
 
 The GPU draws u from Philox-4x32-10 (key = seed, counter = (position, 0)); philox4x32_10() below is an
 independent numpy implementation checked against Random123's known-answer vectors, so every GPU draw can be
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_harness import SCHEDULES, gpu, make_device, ops  # noqa: E402
+from gpu_harness import SCHEDULES, gpu, make_device, ops, token_bitmask  # noqa: E402
 
 from qwenmetal.sampling import Sampler  # noqa: E402
 
@@ -485,3 +486,90 @@ def test_argument_checks():
         ops.sample(enc, bx, V, bt, bs, 1.0)
     assert enc.dispatches == 0
     assert ops.sample_scratch_bytes(REAL_VOCAB) >= 64 + 8 * (REAL_VOCAB // 4096)
+
+
+# ------------------------------------------------------------------------------------------- token mask
+def masked_reference(x: np.ndarray, words: np.ndarray, V: int) -> np.ndarray:
+    i = np.arange(x.size)
+    keep = (i >= V) | (((words[np.minimum(i // 32, words.size - 1)] >> (i % 32).astype(np.uint32)) & 1) == 1)
+    return np.where(keep, x, np.float32(-np.inf)).astype(np.float32)
+
+
+def run_mask(x: np.ndarray, words: np.ndarray, V: int, schedule: str = "forward", seed: int = 0, then=None):
+    """apply_token_mask over x[:V] in place (x may be longer: the rest must stay), then `then` (argmax or
+    sample) in the same command buffer; returns the token it wrote (or None)."""
+    tok = np.full(1, 0xDEADBEEF, np.uint32)
+    scr = np.zeros(ops.sample_scratch_bytes(V) // 4, np.uint32)
+    dev = device(schedule, seed)
+    cb = dev.command_buffer()
+    enc = gpu.Encoder(dev, cb)
+    bx = dev.wrap(x)
+    ops.apply_token_mask(enc, bx, V, dev.wrap(words))
+    if then is not None:
+        then(enc, bx, V, dev.wrap(tok), dev.wrap(scr))
+    cb.commit()
+    cb.wait()
+    return None if then is None else int(tok[0])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 100, 257, 1000, 4099])
+def test_token_mask_matches_numpy(V, schedule):
+    rng = np.random.default_rng([V, 17])
+    x = rng.standard_normal(V + 40).astype(np.float32)       # 40 logits past vocab: never touched
+    n_words = ops.token_mask_words(V)
+    assert n_words == -(-V // 32)
+    words = rng.integers(0, 2**32, size=n_words + 2, dtype=np.uint32)   # extra words (the model's width) are read
+    words[0] = 0                                                        # a whole word masked ...
+    if n_words > 2:
+        words[1] = 0xFFFFFFFF                                           # ... and one kept
+    want = masked_reference(x, words, V)
+    run_mask(x, words, V, schedule, seed=V)
+    np.testing.assert_array_equal(x, want)
+
+
+def test_token_mask_bit_order_is_llguidance():
+    """Bit j of word w is token 32 w + j, least significant bit first (numpy's little-endian packbits of the
+    allowed flags viewed as uint32 words, as llguidance's fill_next_token_bitmask writes them)."""
+    V = 70
+    allowed = np.zeros(96, np.uint8)
+    allowed[[0, 9, 31, 32, 63, 64, 69]] = 1
+    words = np.packbits(allowed, bitorder="little").view("<u4").astype(np.uint32)
+    np.testing.assert_array_equal(words, token_bitmask([0, 9, 31, 32, 63, 64, 69], 3))
+    x = np.arange(V, dtype=np.float32)
+    run_mask(x, words, V)
+    assert np.flatnonzero(np.isfinite(x)).tolist() == [0, 9, 31, 32, 63, 64, 69]
+
+
+@pytest.mark.parametrize("V", [45, 1100])
+def test_argmax_and_sample_after_the_mask(V):
+    """The masked argmax is the best allowed token (the unmasked argmax is masked out); sampled tokens stay in
+    the mask on both samplers (V = 45: sample_sorted, 1100: sample_radix), the mask's last word partial."""
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal(V).astype(np.float32)
+    best = int(np.argmax(x))
+    allowed = rng.choice(np.setdiff1d(np.arange(V), [best]), size=5, replace=False)
+    allowed[-1] = V - 1 if best != V - 1 else V - 2
+    words = token_bitmask(allowed, ops.token_mask_words(V))
+    want = int(allowed[np.argmax(x[allowed])])
+    assert run_mask(x.copy(), words, V, then=ops.argmax) == want
+    seen = set()
+    for pos in range(40):
+        draw = lambda e, bx, n, bt, bs, pos=pos: ops.sample(e, bx, n, bt, bs, temperature=1.0, seed=9, position=pos)
+        seen.add(run_mask(x.copy(), words, V, "random", pos % 3, then=draw))
+    assert seen <= set(allowed.tolist()) and len(seen) >= 2
+
+
+def test_token_mask_argument_checks():
+    V = 100
+    dev = device("forward")
+    enc = gpu.Encoder(dev, dev.command_buffer())
+    bx = dev.wrap(np.zeros(V, np.float32))
+    words = np.zeros(4, np.uint32)
+    with pytest.raises(ValueError, match=r"^apply_token_mask: mask holds 12 bytes, needs 16"):
+        ops.apply_token_mask(enc, bx, V, dev.wrap(words[:3]))
+    with pytest.raises(ValueError, match=r"^apply_token_mask: logits holds 400 bytes, needs 404"):
+        ops.apply_token_mask(enc, bx, V + 1, dev.wrap(words))
+    with pytest.raises(ValueError, match=r"^apply_token_mask: vocab must be positive"):
+        ops.apply_token_mask(enc, bx, 0, dev.wrap(words))
+    assert enc.dispatches == 0

@@ -174,16 +174,23 @@ class _GpuBackend(EngineBackend):
 
     def decode(self, state, first: int, n: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0, seed: int = 0, stop_ids=(), pipelined: bool = True, vocab: int = 0,
-               consumed: list | None = None) -> list:
+               consumed: list | None = None, mask: np.ndarray | None = None) -> list:
         """Generate up to `n` tokens after input token `first`, sampled on the GPU (argmax when
         temperature is 0) among logits [0, vocab) (0: all), one command buffer per token with two in
         flight; stops after a stop id. The state advances by the inputs consumed: `first` and every
         generated token but the last -- appended to `consumed` (a session's token list) inside the call.
-        All-or-nothing: an error, or a Ctrl-C (checked between steps), restores the state of the start."""
+        All-or-nothing: an error, or a Ctrl-C (checked between steps), restores the state of the start.
+
+        `mask` (structured output; then `n` must be 1): a token bitmask, a uint32 or int32 array of
+        ceil(vocab_size / 32) words in which bit i % 32 of word i / 32 allows token i (llguidance's
+        ``fill_next_token_bitmask`` layout), applied to the step's logits on the GPU before argmax or
+        sampling; it must allow some token of [0, vocab). A wrong mask raises ValueError, state untouched."""
+        if mask is not None:
+            mask = np.ascontiguousarray(mask)
         return self.engine.decode(state, int(first), int(n), greedy=temperature == 0, temperature=float(temperature),
                                   top_k=int(top_k), top_p=float(top_p), min_p=float(min_p), seed=int(seed),
                                   stop_ids=[int(t) for t in stop_ids], pipelined=pipelined, vocab=int(vocab),
-                                  consumed=consumed)
+                                  consumed=consumed, mask=mask)
 
     # ---- speculative decoding (qwenmetal.speculative) ---------------------------------------------
     @property

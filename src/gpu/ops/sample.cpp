@@ -64,6 +64,30 @@ uint64_t sample_scratch_bytes(uint32_t vocab) {
     return partials_offset() + uint64_t(n_partials(vocab)) * 8;
 }
 
+uint32_t token_mask_words(uint64_t vocab) { return ceil_div(vocab, 32); }
+
+bool token_mask_allows_any(const uint32_t* words, uint64_t n_words, uint32_t vocab) {
+    const uint64_t full = std::min<uint64_t>(vocab / 32, n_words);
+    for (uint64_t w = 0; w < full; ++w)
+        if (words[w]) return true;
+    const uint32_t rest = vocab % 32;   // the last word's bits below vocab
+    return rest && full < n_words && (words[full] & ((uint32_t(1) << rest) - 1)) != 0;
+}
+
+void apply_token_mask(Encoder& e, const Buffer& logits, uint32_t vocab, const Buffer& mask) {
+    const char* op = "apply_token_mask";
+    check(vocab > 0, op, "vocab must be positive");
+    check(vocab <= kMaxVocab, op, "vocab must be at most 2^24, got " + std::to_string(vocab));
+    const uint64_t lb = uint64_t(vocab) * 4, mb = uint64_t(token_mask_words(vocab)) * 4;
+    need(logits, lb, op, "logits");
+    need(mask, mb, op, "mask");
+    const SampleMaskParams k{vocab, 0};
+    const char* kernel = "sample_token_mask";
+    const uint32_t threads = fit_threads(e, kernel, std::min<uint32_t>(round32(vocab), SAMPLE_MASK_THREADS));
+    e.dispatch(kernel, Dims{ceil_div(vocab, threads), 1, 1}, Dims{threads, 1, 1},
+               {Arg::params(k), Arg::inout(logits.view(0, lb)), Arg::in(mask.view(0, mb))});
+}
+
 void argmax(Encoder& e, const Buffer& logits, uint32_t vocab, const Buffer& token, const Buffer& scratch) {
     const char* op = "argmax";
     check_common(op, logits, vocab, token, scratch);

@@ -5,6 +5,16 @@
 
 namespace qwenmetal::gpu::ops {
 
+// Structured output: logits[i] = -inf for every i < vocab whose bit i % 32 of mask word i / 32 is 0 (uint32
+// words, at least token_mask_words(vocab) of them: llguidance's token bitmask layout), in place, before argmax
+// or sample. A fully masked row leaves nothing to choose (argmax would return 0, sample a uniform draw over
+// the -inf logits): the caller checks token_mask_allows_any first.
+void apply_token_mask(Encoder& e, const Buffer& logits, uint32_t vocab, const Buffer& mask);
+// words of a token bitmask over `vocab` tokens: ceil(vocab / 32)
+uint32_t token_mask_words(uint64_t vocab);
+// whether `words` (host memory, n_words of them) allow some token in [0, vocab)
+bool token_mask_allows_any(const uint32_t* words, uint64_t n_words, uint32_t vocab);
+
 // token[0] = argmax(logits[:vocab]) (ties: lowest index).
 void argmax(Encoder& e, const Buffer& logits, uint32_t vocab, const Buffer& token, const Buffer& scratch);
 

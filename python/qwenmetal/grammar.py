@@ -127,7 +127,8 @@ class GrammarMatcher:
 
     def bitmask(self) -> np.ndarray:
         """The allowed next tokens as uint32 words, bit i % 32 of word i // 32 (ceil(vocab / 32) words)."""
-        return np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
+        words = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
+        return words[:(self.n_vocab + 31) // 32]              # (llguidance pads a word)
 
     def allowed(self, n: int | None = None) -> np.ndarray:
         """The allowed next tokens as a bool array over the first `n` ids (default: the whole vocabulary)."""

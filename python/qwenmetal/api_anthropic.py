@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 
+from .errors import brief
 from .serving import APIError, Render, Service, boolean, num, options_of, sse
 
 __all__ = ["chat_request", "convert_messages", "convert_output_format", "convert_system", "convert_thinking",
@@ -51,22 +52,17 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
 
 
-def _brief(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 # ---------------------------------------------------------------------------------------------------
 # request -> internal chat form
 # ---------------------------------------------------------------------------------------------------
 def _text_blocks(blocks, where: str) -> list:
     """The texts of a list of text blocks (``cache_control``, ``citations`` ignored)."""
     if not isinstance(blocks, list):
-        raise _bad(f"{where}: must be a string or a list of text blocks, got {_brief(blocks)}", where)
+        raise _bad(f"{where}: must be a string or a list of text blocks, got {brief(blocks)}", where)
     out = []
     for j, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _bad(f"{where}.{j}: must be a text block ({{'type': 'text', 'text': str}}), got {_brief(b)}",
+            raise _bad(f"{where}.{j}: must be a text block ({{'type': 'text', 'text': str}}), got {brief(b)}",
                        where)
         out.append(b["text"])
     return out
@@ -98,7 +94,7 @@ def _image_part(b: dict, where: str) -> dict:
         if not isinstance(src.get("url"), str):
             raise _bad(f"{where}.source: a url source needs a string 'url'", where)
         return {"type": "image_url", "image_url": {"url": src["url"]}}
-    raise _bad(f"{where}.source: only 'base64' and 'url' image sources are supported, got {_brief(src)}", where,
+    raise _bad(f"{where}.source: only 'base64' and 'url' image sources are supported, got {brief(src)}", where,
                "unsupported_value")
 
 
@@ -115,7 +111,7 @@ def _document_text(b: dict, where: str) -> str:
         text = "\n".join(_text_blocks(src.get("content"), f"{where}.source.content"))
     else:
         raise _bad(f"{where}.source: only plain-text documents (a 'text' or 'content' source) are supported, got "
-                   f"{_brief(src)}", where, "unsupported_value")
+                   f"{brief(src)}", where, "unsupported_value")
     head = [b[k] for k in ("title", "context") if isinstance(b.get(k), str) and b[k]]
     return "\n\n".join(head + [text])
 
@@ -125,7 +121,7 @@ def _tool_result(b: dict, where: str) -> tuple:
     tool messages: the chat form takes images in user messages only)."""
     tid = b.get("tool_use_id")
     if not isinstance(tid, str):
-        raise _bad(f"{where}.tool_use_id: must be a string, got {_brief(tid)}", where)
+        raise _bad(f"{where}.tool_use_id: must be a string, got {brief(tid)}", where)
     c = b.get("content")
     texts, images = [], []
     if c is None:
@@ -143,12 +139,12 @@ def _tool_result(b: dict, where: str) -> tuple:
                 texts.append(_document_text(p, f"{where}.content.{j}"))
             else:
                 raise _bad(f"{where}.content.{j}: a tool result holds text, image and document blocks, got "
-                           f"{_brief(p)}", where, "unsupported_value")
+                           f"{brief(p)}", where, "unsupported_value")
     else:
-        raise _bad(f"{where}.content: must be a string or a list of blocks, got {_brief(c)}", where)
+        raise _bad(f"{where}.content: must be a string or a list of blocks, got {brief(c)}", where)
     text = "\n".join(texts)
     if b.get("is_error") is not None and not isinstance(b.get("is_error"), bool):
-        raise _bad(f"{where}.is_error: must be a boolean, got {_brief(b.get('is_error'))}", where)
+        raise _bad(f"{where}.is_error: must be a boolean, got {brief(b.get('is_error'))}", where)
     if b.get("is_error"):
         text = "Error: " + text if text else "Error"
     return {"role": "tool", "tool_call_id": tid, "content": text}, images
@@ -160,14 +156,14 @@ def _user(content, where: str) -> list:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
-        raise _bad(f"{where}: must be a string or a list of content blocks, got {_brief(content)}", where)
+        raise _bad(f"{where}: must be a string or a list of content blocks, got {brief(content)}", where)
     tools, parts = [], []
     for j, b in enumerate(content):
         w = f"{where}.{j}"
         t = b.get("type") if isinstance(b, dict) else None
         if t == "text":
             if not isinstance(b.get("text"), str):
-                raise _bad(f"{w}.text: must be a string, got {_brief(b.get('text'))}", w)
+                raise _bad(f"{w}.text: must be a string, got {brief(b.get('text'))}", w)
             parts.append({"type": "text", "text": b["text"]})
         elif t == "image":
             parts.append(_image_part(b, w))
@@ -178,7 +174,7 @@ def _user(content, where: str) -> list:
             tools.append(msg)
             parts += images
         else:
-            raise _bad(f"{w}: user messages take text, image, document and tool_result blocks, got {_brief(b)}",
+            raise _bad(f"{w}: user messages take text, image, document and tool_result blocks, got {brief(b)}",
                        w, "unsupported_value")
     if not parts:
         return tools
@@ -193,18 +189,18 @@ def _assistant(content, where: str) -> dict:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
-        raise _bad(f"{where}: must be a string or a list of content blocks, got {_brief(content)}", where)
+        raise _bad(f"{where}: must be a string or a list of content blocks, got {brief(content)}", where)
     thinking, texts, calls = [], [], []
     for j, b in enumerate(content):
         w = f"{where}.{j}"
         t = b.get("type") if isinstance(b, dict) else None
         if t == "text":
             if not isinstance(b.get("text"), str):
-                raise _bad(f"{w}.text: must be a string, got {_brief(b.get('text'))}", w)
+                raise _bad(f"{w}.text: must be a string, got {brief(b.get('text'))}", w)
             texts.append(b["text"])
         elif t == "thinking":
             if not isinstance(b.get("thinking"), str):
-                raise _bad(f"{w}.thinking: must be a string, got {_brief(b.get('thinking'))}", w)
+                raise _bad(f"{w}.thinking: must be a string, got {brief(b.get('thinking'))}", w)
             thinking.append(b["thinking"])
         elif t == "redacted_thinking":
             pass
@@ -212,11 +208,11 @@ def _assistant(content, where: str) -> dict:
             tid, name, args = b.get("id"), b.get("name"), b.get("input", {})
             if not isinstance(tid, str) or not isinstance(name, str) or not isinstance(args, dict):
                 raise _bad(f"{w}: a tool_use block needs a string 'id' and 'name' and an object 'input', got "
-                           f"{_brief(b)}", w)
+                           f"{brief(b)}", w)
             calls.append({"id": tid, "type": "function", "function": {"name": name, "arguments": args}})
         else:
             raise _bad(f"{w}: assistant messages take text, thinking, redacted_thinking and tool_use blocks, got "
-                       f"{_brief(b)}", w, "unsupported_value")
+                       f"{brief(b)}", w, "unsupported_value")
     msg = {"role": "assistant", "content": "\n\n".join(texts)}
     if thinking:
         msg["reasoning_content"] = "\n\n".join(thinking)
@@ -229,7 +225,7 @@ def convert_messages(messages, system=None) -> list:
     """Anthropic ``messages`` (and ``system``) in the internal chat form (module docstring; docs/server.md
     has the table). A final assistant message (prefill) is refused, as Anthropic's newer models do."""
     if not isinstance(messages, list) or not messages:
-        raise _bad(f"messages: must be a non-empty list of messages, got {_brief(messages)}", "messages")
+        raise _bad(f"messages: must be a non-empty list of messages, got {brief(messages)}", "messages")
     out = []
     sys_text = convert_system(system)
     if sys_text is not None:
@@ -237,7 +233,7 @@ def convert_messages(messages, system=None) -> list:
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _bad(f"{where}: must be an object with role 'user' or 'assistant', got {_brief(m)}", where)
+            raise _bad(f"{where}: must be an object with role 'user' or 'assistant', got {brief(m)}", where)
         if "content" not in m:
             raise _bad(f"{where}.content: Field required", where)
         if m["role"] == "user":
@@ -257,20 +253,20 @@ def convert_tools(tools) -> list | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _bad(f"tools: must be a list of tools, got {_brief(tools)}", "tools")
+        raise _bad(f"tools: must be a list of tools, got {brief(tools)}", "tools")
     out = []
     for i, t in enumerate(tools):
         where = f"tools.{i}"
         if not isinstance(t, dict):
-            raise _bad(f"{where}: must be an object, got {_brief(t)}", where)
+            raise _bad(f"{where}: must be an object, got {brief(t)}", where)
         if t.get("type") not in (None, "custom"):
             raise _bad(f"{where}: the tool type {t['type']!r} is not supported: only client tools with an "
                        "input_schema are (the server runs no tools itself)", where, "unsupported_value")
         name, schema = t.get("name"), t.get("input_schema")
         if not isinstance(name, str) or not name:
-            raise _bad(f"{where}.name: must be a non-empty string, got {_brief(name)}", where)
+            raise _bad(f"{where}.name: must be a non-empty string, got {brief(name)}", where)
         if not isinstance(schema, dict):
-            raise _bad(f"{where}.input_schema: must be a JSON schema object, got {_brief(schema)}", where)
+            raise _bad(f"{where}.input_schema: must be a JSON schema object, got {brief(schema)}", where)
         fn = {"name": name, "parameters": schema}
         if t.get("description") is not None:
             if not isinstance(t["description"], str):
@@ -290,7 +286,7 @@ def convert_tool_choice(tc) -> tuple:
     if tc is None:
         return None, True
     if not isinstance(tc, dict):
-        raise _bad(f"tool_choice: must be an object with a 'type', got {_brief(tc)}", "tool_choice")
+        raise _bad(f"tool_choice: must be an object with a 'type', got {brief(tc)}", "tool_choice")
     kind = tc.get("type")
     dp = tc.get("disable_parallel_tool_use")
     if dp is not None and not isinstance(dp, bool):
@@ -306,7 +302,7 @@ def convert_tool_choice(tc) -> tuple:
             raise _bad("tool_choice.name: a tool_choice of type 'tool' needs the tool's name", "tool_choice")
         choice = {"type": "function", "function": {"name": tc["name"]}}
     else:
-        raise _bad(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {_brief(kind)}", "tool_choice")
+        raise _bad(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {brief(kind)}", "tool_choice")
     return choice, not dp
 
 
@@ -317,18 +313,18 @@ def convert_thinking(thinking) -> tuple:
     if thinking is None:
         return False, True
     if not isinstance(thinking, dict):
-        raise _bad(f"thinking: must be an object with a 'type', got {_brief(thinking)}", "thinking")
+        raise _bad(f"thinking: must be an object with a 'type', got {brief(thinking)}", "thinking")
     kind = thinking.get("type")
     if kind == "disabled":
         return False, True
     if kind not in _THINKING_ON:
-        raise _bad(f"thinking.type: must be 'enabled', 'adaptive' or 'disabled', got {_brief(kind)}", "thinking")
+        raise _bad(f"thinking.type: must be 'enabled', 'adaptive' or 'disabled', got {brief(kind)}", "thinking")
     bt = thinking.get("budget_tokens")
     if kind == "enabled" and bt is not None and (isinstance(bt, bool) or not isinstance(bt, int) or bt < 1):
-        raise _bad(f"thinking.budget_tokens: must be a positive integer, got {_brief(bt)}", "thinking")
+        raise _bad(f"thinking.budget_tokens: must be a positive integer, got {brief(bt)}", "thinking")
     display = thinking.get("display")
     if display not in (None, "summarized", "omitted"):
-        raise _bad(f"thinking.display: must be 'summarized' or 'omitted', got {_brief(display)}", "thinking")
+        raise _bad(f"thinking.display: must be 'summarized' or 'omitted', got {brief(display)}", "thinking")
     return True, display != "omitted"
 
 
@@ -337,17 +333,17 @@ def convert_output_format(body: dict) -> dict | None:
     ``{"type": "json_schema", "schema": {...}}``, as the chat layer's ``response_format``."""
     oc = body.get("output_config")
     if oc is not None and not isinstance(oc, dict):
-        raise _bad(f"output_config: must be an object, got {_brief(oc)}", "output_config")
+        raise _bad(f"output_config: must be an object, got {brief(oc)}", "output_config")
     fmt, where = (oc or {}).get("format"), "output_config.format"
     if fmt is None:
         fmt, where = body.get("output_format"), "output_format"
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise _bad(f"{where}: only {{'type': 'json_schema', 'schema': {{...}}}} is supported, got {_brief(fmt)}",
+        raise _bad(f"{where}: only {{'type': 'json_schema', 'schema': {{...}}}} is supported, got {brief(fmt)}",
                    where, "unsupported_value")
     if not isinstance(fmt.get("schema"), dict):
-        raise _bad(f"{where}.schema: must be a JSON schema object, got {_brief(fmt.get('schema'))}", where)
+        raise _bad(f"{where}.schema: must be a JSON schema object, got {brief(fmt.get('schema'))}", where)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
 
 
@@ -561,7 +557,7 @@ def routes(svc: Service) -> list:
         requested = num(body, "max_tokens", 0, None, integer=True)
         stop = body.get("stop_sequences")
         if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-            raise _bad(f"stop_sequences: must be a list of strings, got {_brief(stop)}", "stop_sequences")
+            raise _bad(f"stop_sequences: must be a list of strings, got {brief(stop)}", "stop_sequences")
         stream = boolean(body, "stream")
         turn, show = await turn_of(body)
         warm = requested == 0

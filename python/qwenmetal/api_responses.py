@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 
+from .errors import brief
 from .serving import APIError, Render, Service, boolean, num, options_of, sse
 
 #: responses kept for ``previous_response_id`` / GET (least recently used out)
@@ -40,11 +41,6 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIErr
     return APIError(400, message, param, code)
 
 
-def _brief(v) -> str:
-    r = json.dumps(v, ensure_ascii=False, default=str) if not isinstance(v, str) else repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 # ---------------------------------------------------------------------------------------------------
 # requests -> the internal chat form
 # ---------------------------------------------------------------------------------------------------
@@ -54,7 +50,7 @@ def _content_of(content, where: str):
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of content parts, got {_brief(content)}",
+        raise _bad(f"{where}.content must be a string or a list of content parts, got {brief(content, as_json=True)}",
                    f"{where}.content")
     parts, images = [], False
     for j, p in enumerate(content):
@@ -72,7 +68,7 @@ def _content_of(content, where: str):
             images = True
         else:
             raise _bad(f"{where}.content[{j}]: only input_text, output_text and input_image parts are supported, "
-                       f"got {_brief(p)}", f"{where}.content[{j}]", "unsupported_value")
+                       f"got {brief(p, as_json=True)}", f"{where}.content[{j}]", "unsupported_value")
     return parts if images else "".join(p["text"] for p in parts)
 
 
@@ -83,7 +79,7 @@ def _text_of(value, where: str) -> str:
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                                        and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
-    raise _bad(f"{where} must be a string or a list of input_text parts, got {_brief(value)}", where,
+    raise _bad(f"{where} must be a string or a list of input_text parts, got {brief(value, as_json=True)}", where,
                "unsupported_value")
 
 
@@ -100,7 +96,7 @@ def input_messages(items, param: str = "input") -> tuple:
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [param]
     if not isinstance(items, list) or not items:
-        raise _bad(f"'{param}' must be a string or a non-empty list of items, got {_brief(items)}", param)
+        raise _bad(f"'{param}' must be a string or a non-empty list of items, got {brief(items, as_json=True)}", param)
     msgs, origins, reasoning = [], [], []
 
     def add(m, where):
@@ -115,19 +111,19 @@ def input_messages(items, param: str = "input") -> tuple:
     for i, it in enumerate(items):
         where = f"{param}[{i}]"
         if not isinstance(it, dict):
-            raise _bad(f"{where} must be an object, got {_brief(it)}", where)
+            raise _bad(f"{where} must be an object, got {brief(it, as_json=True)}", where)
         t = it.get("type", "message" if "role" in it else None)
         if t == "message":
             role = it.get("role")
             if role not in _ROLES:
-                raise _bad(f"{where}.role must be one of {list(_ROLES)}, got {_brief(role)}", f"{where}.role")
+                raise _bad(f"{where}.role must be one of {list(_ROLES)}, got {brief(role, as_json=True)}", f"{where}.role")
             add({"role": role, "content": _content_of(it.get("content"), where)}, where)
         elif t == "function_call":
             name, args, cid = it.get("name"), it.get("arguments", ""), it.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(cid, str) or not cid \
                     or not isinstance(args, str):
                 raise _bad(f"{where}: a function_call needs a string 'call_id', 'name' and 'arguments' (a JSON "
-                           f"string), got {_brief(it)}", where)
+                           f"string), got {brief(it, as_json=True)}", where)
             call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant" and not reasoning:
@@ -145,7 +141,7 @@ def input_messages(items, param: str = "input") -> tuple:
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                       for p in parts):
                 raise _bad(f"{where}: a reasoning item's content must be a list of {{'type': 'reasoning_text', "
-                           f"'text': str}}, got {_brief(parts)}", where)
+                           f"'text': str}}, got {brief(parts, as_json=True)}", where)
             text = "".join(p["text"] for p in parts)
             if text:
                 reasoning.append(text)
@@ -174,7 +170,7 @@ def tools_of(tools) -> list | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _bad(f"'tools' must be a list, got {_brief(tools)}", "tools")
+        raise _bad(f"'tools' must be a list, got {brief(tools, as_json=True)}", "tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -196,7 +192,7 @@ def tool_choice_of(tc):
     if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
         return {"type": "function", "function": {"name": tc["name"]}}
     raise _bad(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'name': ...}}, got "
-               f"{_brief(tc)}", "tool_choice", "unsupported_value")
+               f"{brief(tc, as_json=True)}", "tool_choice", "unsupported_value")
 
 
 def response_format_of(text) -> dict | None:
@@ -204,12 +200,12 @@ def response_format_of(text) -> dict | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise _bad(f"'text' must be an object, got {_brief(text)}", "text")
+        raise _bad(f"'text' must be an object, got {brief(text, as_json=True)}", "text")
     f = text.get("format")
     if f is None:
         return None
     if not isinstance(f, dict) or f.get("type") not in ("text", "json_object", "json_schema"):
-        raise _bad(f"text.format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {_brief(f)}",
+        raise _bad(f"text.format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {brief(f, as_json=True)}",
                    "text.format")
     if f["type"] != "json_schema":
         return {"type": f["type"]}
@@ -223,12 +219,12 @@ def thinking_of(reasoning) -> bool | None:
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
-        raise _bad(f"'reasoning' must be an object, got {_brief(reasoning)}", "reasoning")
+        raise _bad(f"'reasoning' must be an object, got {brief(reasoning, as_json=True)}", "reasoning")
     effort = reasoning.get("effort")
     if effort is None:
         return None
     if effort not in EFFORTS:
-        raise _bad(f"reasoning.effort must be one of {list(EFFORTS)}, got {_brief(effort)}", "reasoning.effort")
+        raise _bad(f"reasoning.effort must be one of {list(EFFORTS)}, got {brief(effort, as_json=True)}", "reasoning.effort")
     return effort not in _THINKING_OFF
 
 
@@ -537,7 +533,7 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
         new, origins = input_messages(body.get("input"))
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
-            raise _bad(f"'instructions' must be a string, got {_brief(instructions)}", "instructions")
+            raise _bad(f"'instructions' must be a string, got {brief(instructions, as_json=True)}", "instructions")
         prev_id = body.get("previous_response_id")
         history = []
         if prev_id is not None:
@@ -548,7 +544,7 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
             history = prev[1]
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
-            raise _bad(f"'metadata' must be an object, got {_brief(metadata)}", "metadata")
+            raise _bad(f"'metadata' must be an object, got {brief(metadata, as_json=True)}", "metadata")
         stream = boolean(body, "stream")
         store_it = boolean(body, "store", True)
         parallel = boolean(body, "parallel_tool_calls", True)

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from .errors import InputError
+from .errors import InputError, brief
 from .generation import GenerationOutput
 from .grammar import REPLY_TAGS, Grammar, reply_grammar
 from .options import GenerationOptions
@@ -45,13 +45,13 @@ def validate_messages(messages: object) -> list[dict]:
     ``reasoning_content``, ``name`` and ``tool_call_id`` strings. "developer" becomes "system". Raises
     `InputError` (a ValueError) naming the first offending ``messages[i]...``; the input is not modified."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise InputError(f"messages must be a non-empty list of message objects, got {_brief(messages)}",
+        raise InputError(f"messages must be a non-empty list of message objects, got {brief(messages)}",
                          "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise InputError(f"{where} must be an object with a role in {list(ROLES)}, got {_brief(m)}", where)
+            raise InputError(f"{where} must be an object with a role in {list(ROLES)}, got {brief(m)}", where)
         m = dict(m)
         c = m.get("content")
         if c is None:
@@ -67,23 +67,23 @@ def validate_messages(messages: object) -> list[dict]:
                 if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                     raise InputError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': str}}) and "
                                      f"image parts ({{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}) are "
-                                     f"supported, got {_brief(p)}", f"{where}.content", "unsupported_value")
+                                     f"supported, got {brief(p)}", f"{where}.content", "unsupported_value")
         elif not isinstance(c, str):
-            raise InputError(f"{where}.content must be a string or a list of text parts, got {_brief(c)}",
+            raise InputError(f"{where}.content must be a string or a list of text parts, got {brief(c)}",
                              f"{where}.content")
         for k in ("reasoning_content", "name", "tool_call_id"):
             if m.get(k) is not None and not isinstance(m[k], str):
-                raise InputError(f"{where}.{k} must be a string, got {_brief(m[k])}", f"{where}.{k}")
+                raise InputError(f"{where}.{k} must be a string, got {brief(m[k])}", f"{where}.{k}")
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
-                raise InputError(f"{where}.tool_calls must be a list, got {_brief(calls)}", f"{where}.tool_calls")
+                raise InputError(f"{where}.tool_calls must be a list, got {brief(calls)}", f"{where}.tool_calls")
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
                         and isinstance(fn.get("arguments", {}), (str, dict))):
                     raise InputError(f"{where}.tool_calls[{j}] must be an object with a 'function' holding a "
-                                     f"string 'name' and 'arguments' (a JSON string or an object), got {_brief(call)}",
+                                     f"string 'name' and 'arguments' (a JSON string or an object), got {brief(call)}",
                                      f"{where}.tool_calls")
         if m["role"] == "developer":
             m["role"] = "system"
@@ -94,13 +94,8 @@ def validate_messages(messages: object) -> list[dict]:
 def validate_tools(tools: object) -> list | None:
     """`tools` as the chat template takes them: None, or a list of objects (OpenAI function specs)."""
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise InputError(f"tools must be a list of objects, got {_brief(tools)}", "tools")
+        raise InputError(f"tools must be a list of objects, got {brief(tools)}", "tools")
     return tools
-
-
-def _brief(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -203,10 +198,10 @@ def chat_turn(model: ModelBase, messages: Sequence[dict], *, tools: list | None 
     choice = normalize_tool_choice(tool_choice)
     answer_schema = response_schema(response_format)
     if not isinstance(parallel_tool_calls, bool):
-        raise InputError(f"parallel_tool_calls must be a boolean, got {_brief(parallel_tool_calls)}",
+        raise InputError(f"parallel_tool_calls must be a boolean, got {brief(parallel_tool_calls)}",
                          "parallel_tool_calls")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
-        raise InputError(f"chat_template_kwargs must be a dict, got {_brief(template_kwargs)}", "chat_template_kwargs")
+        raise InputError(f"chat_template_kwargs must be a dict, got {brief(template_kwargs)}", "chat_template_kwargs")
     msgs, batch = read_images(model, msgs, allow_local=allow_local_images)
     p = chat_prompt(model, msgs, tools=tools, enable_thinking=enable_thinking, **(template_kwargs or {}))
     thinking = prompt_opens_thinking(p.text)
@@ -234,7 +229,7 @@ def normalize_tool_choice(tool_choice) -> str:
         if isinstance(name, str) and name:
             return name
     raise InputError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
-                     f"{{'name': ...}}}}, got {_brief(tool_choice)}", "tool_choice", "invalid_value")
+                     f"{{'name': ...}}}}, got {brief(tool_choice)}", "tool_choice", "invalid_value")
 
 
 def response_schema(response_format) -> dict | None:
@@ -244,7 +239,7 @@ def response_schema(response_format) -> dict | None:
     rf = response_format
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
         raise InputError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got "
-                         f"{_brief(rf)}", "response_format", "invalid_value")
+                         f"{brief(rf)}", "response_format", "invalid_value")
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":

@@ -1,4 +1,5 @@
-"""Exceptions raised by qwenmetal."""
+"""Exceptions raised by qwenmetal, and `brief`, how an error message shows a bad value."""
+import json
 
 
 class CheckpointError(ValueError):
@@ -23,3 +24,13 @@ class ImageError(InputError):
     WebP or GIF, an encoded size or pixel count over the limits of `qwenmetal.images`, a URL to fetch, a video.
     The message names what was given; ``code`` is ``"unsupported_value"`` for a well-formed input qwenmetal does
     not take (another format, a video, an http URL) and ``"invalid_value"`` otherwise."""
+
+
+def brief(value, as_json: bool = False) -> str:
+    """`value` for an error message, cut to 80 characters: its repr, or with `as_json` its JSON (strings
+    still quoted by repr), as an API's error names what a client sent."""
+    if as_json and not isinstance(value, str):
+        r = json.dumps(value, ensure_ascii=False, default=str)
+    else:
+        r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."

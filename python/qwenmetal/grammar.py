@@ -31,7 +31,7 @@ from typing import Sequence
 import llguidance
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, brief
 
 #: JSON written as ``json.dumps`` writes it (", " and ": "), with no free whitespace: a model cannot
 #: loop on whitespace, and the text is what the model was trained to write
@@ -57,7 +57,7 @@ class Grammar:
     def json_schema(cls, schema: dict, param: str = "schema") -> "Grammar":
         """Text that is one JSON instance of `schema` (a JSON Schema object), written compactly."""
         if not isinstance(schema, dict):
-            raise GrammarError(f"{param} must be a JSON Schema object, got {_brief(schema)}", param, "invalid_schema")
+            raise GrammarError(f"{param} must be a JSON Schema object, got {brief(schema)}", param, "invalid_schema")
         try:
             source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
         except (ValueError, TypeError) as e:
@@ -73,14 +73,14 @@ class Grammar:
     def regex(cls, pattern: str, param: str = "regex") -> "Grammar":
         """Text matching the regular expression `pattern` (Rust regex syntax) in full."""
         if not isinstance(pattern, str):
-            raise GrammarError(f"{param} must be a string, got {_brief(pattern)}", param)
+            raise GrammarError(f"{param} must be a string, got {brief(pattern)}", param)
         return cls(llguidance.LLMatcher.grammar_from_regex(pattern), "a regular expression").checked(param)
 
     @classmethod
     def lark(cls, text: str, param: str = "grammar") -> "Grammar":
         """A Lark-like grammar (llguidance's syntax: ``start: ...``, ``%json {...}`` inline schemas)."""
         if not isinstance(text, str):
-            raise GrammarError(f"{param} must be a string, got {_brief(text)}", param)
+            raise GrammarError(f"{param} must be a string, got {brief(text)}", param)
         return cls(llguidance.LLMatcher.grammar_from_lark(text), "a Lark grammar").checked(param)
 
     def checked(self, param: str) -> "Grammar":
@@ -166,11 +166,6 @@ def _first_line(messages) -> str:
     return str(messages).strip() or "invalid grammar"
 
 
-def _brief(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 # ---------------------------------------------------------------------------------------------------
 # chat replies in Qwen3.5/3.6's format
 # ---------------------------------------------------------------------------------------------------
@@ -190,13 +185,13 @@ def tool_spec(tool: dict) -> tuple[str, dict]:
     bare function object)."""
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise GrammarError(f"each tool must have a function with a non-empty string name, got {_brief(tool)}",
+        raise GrammarError(f"each tool must have a function with a non-empty string name, got {brief(tool)}",
                            "tools")
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
-        raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON Schema object, got {_brief(params)}",
+        raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON Schema object, got {brief(params)}",
                            "tools")
     return fn["name"], params
 

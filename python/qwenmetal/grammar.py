@@ -99,13 +99,20 @@ class Grammar:
         return GrammarMatcher(self, _ll_tokenizer(tok, model.config.vocab_size, tuple(model.eos_token_ids)))
 
 
+def warm_up(model) -> None:
+    """Build llguidance's view of `model`'s tokenizer now (seconds for the real vocabulary), so the first
+    constrained generation does not wait for it (the server does this on a thread when it starts)."""
+    if model.tokenizer is not None:
+        _ll_tokenizer(model.tokenizer, model.config.vocab_size, tuple(model.eos_token_ids))
+
+
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
 
 
 def _ll_tokenizer(tok, n_vocab: int, eos: tuple):
-    """llguidance's view of `tok` (built once per tokenizer, vocabulary width and eos ids: about a second
-    for a 248k vocabulary)."""
+    """llguidance's view of `tok` (built once per tokenizer, vocabulary width and eos ids: a few seconds for
+    the 248k vocabulary; a second caller waits for the first)."""
     with _TOKENIZERS_LOCK:
         per = _TOKENIZERS.setdefault(tok, {})
         key = (n_vocab, eos)

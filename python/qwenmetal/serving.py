@@ -24,6 +24,7 @@ from .batching import Batcher
 from .chat import ChatTurn, chat_turn, validate_messages
 from .errors import InputError
 from .generation import prepare
+from .grammar import warm_up
 from .options import GenerationOptions
 from .sampling import SAMPLING_KEYS
 
@@ -398,6 +399,8 @@ class Service:
         batcher = Batcher(model, parallel, step_tokens) if parallel > 1 else None
         self.queue = GenerationQueue(max_queue, request_timeout, batcher)
         self.created = int(time.time())
+        # the grammar engine's view of the vocabulary, built now rather than in the first tool request
+        threading.Thread(target=warm_up, args=(model,), name="qwenmetal-grammar-warm-up", daemon=True).start()
 
     # ---- requests -------------------------------------------------------------------------------
     def check_key(self, request) -> None:

@@ -20,7 +20,8 @@ writes, say) gives way to the transcript of an earlier reply (the four longest a
 The key is the conversation *normalised*: assistant ``reasoning_content`` is dropped (OpenAI clients
 usually drop it; the transcript holds the reasoning as generated), ``None`` and empty fields are dropped,
 content is stripped (text parts joined; an image part counts by its content hash) and tool-call arguments given as JSON strings are parsed -- together with
-the tools and the template options. Transcripts are bounded (entries and tokens, least recently used out).
+the tools and the template options (``enable_thinking`` left out counts as the template's own default, so a
+client that sends it and one that does not name the same conversation). Transcripts are bounded (entries and tokens, least recently used out).
 
 Behaviour: with thinking on, the reasoning of earlier replies stays in the context, as Qwen3.6's
 ``preserve_thinking`` does (for the plain rendering ``preserve_thinking=True`` is passed to templates that
@@ -34,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -204,9 +206,31 @@ def _render(tk, messages, tools, kwargs, generation_prompt: bool) -> str:
     return tk.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, **kwargs)
 
 
+_THINKING_DEFAULTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def thinking_default(tk) -> bool | None:
+    """What ``enable_thinking`` the chat template of `tk` assumes when it is not given: True or False when
+    leaving it out renders a probe conversation as that value does, else None (cached per tokenizer)."""
+    if tk not in _THINKING_DEFAULTS:
+        probe = [{"role": "user", "content": "?"}]
+        try:
+            unset = tk.apply_chat_template(probe, add_generation_prompt=True)
+            found = [v for v in (True, False)
+                     if tk.apply_chat_template(probe, add_generation_prompt=True, enable_thinking=v) == unset]
+        except ValueError:
+            found = []
+        _THINKING_DEFAULTS[tk] = found[0] if len(found) == 1 else None
+    return _THINKING_DEFAULTS[tk]
+
+
 def _template_kwargs(tk, template_kwargs: dict, enable_thinking) -> dict:
-    """What the template is rendered with: `template_kwargs`, ``enable_thinking`` and, for a template that
-    knows it and unless the caller set it, ``preserve_thinking=True`` (history renders as generated)."""
+    """What the template is rendered with: `template_kwargs`, ``enable_thinking`` (when not given, the
+    template's own default, so that a conversation keys the same whether a client leaves it out or sends
+    that value) and, for a template that knows it and unless the caller set it, ``preserve_thinking=True``
+    (history renders as generated)."""
+    if enable_thinking is None:
+        enable_thinking = thinking_default(tk)
     kwargs = dict(template_kwargs, enable_thinking=enable_thinking)
     if kwargs.get(PRESERVE_THINKING) is None and PRESERVE_THINKING in (tk.chat_template or ""):
         kwargs[PRESERVE_THINKING] = True
@@ -371,5 +395,6 @@ def resume_conversation(model, session) -> None:
         model.prefix_cache.put(session.tokens, session.snapshot(), kind="loaded")
     store = getattr(model, "transcripts", None)
     if store is not None and chat.get("transcript") is True and messages[-1].get("role") == "assistant":
-        kw = chat.get("template_kwargs") if isinstance(chat.get("template_kwargs"), dict) else {}
+        kw = dict(chat.get("template_kwargs")) if isinstance(chat.get("template_kwargs"), dict) else {}
+        kw = _template_kwargs(model.tokenizer, kw, kw.pop("enable_thinking", None))   # as chat_prompt keys it
         store.put(conversation_keys(messages, chat.get("tools"), kw)[-1], session.tokens)

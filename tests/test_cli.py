@@ -1,6 +1,7 @@
 """The README's first command: `qwenmetal demo` works offline on a fresh install; `info`, `generate` and the
 interactive `chat` too (convert: tests/test_convert.py; serve: tests/test_server.py)."""
 import os
+import json
 import re
 import shutil
 import subprocess
@@ -88,6 +89,16 @@ def test_generate_command(tmp_path):
     assert r.returncode == 2 and "temperature" in r.stderr
     r = run(["generate", "--model", str(d), "--prompt", "x", "--system", "be brief"] + ref, tmp_path)
     assert r.returncode == 2 and "--system needs --chat" in r.stderr
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    for extra in ([], ["--chat", "--no-thinking"]):          # the output, or the chat answer, is the schema's JSON
+        r = run(["generate", "--model", str(d), "--prompt", "A number:", "--max-tokens", "20", "--temperature", "0",
+                 "--json-schema", str(tmp_path / "schema.json"), "--quiet"] + extra + ref, tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert 0 <= json.loads(r.stdout)["n"] <= 99
+    r = run(["generate", "--model", str(d), "--prompt", "x", "--json-schema", '{"type": "nope"}'] + ref, tmp_path)
+    assert r.returncode == 2 and "--json-schema: Invalid type" in r.stderr
 
 
 def test_generate_streams_experts_with_the_same_tokens(tmp_path):

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from .config import ModelConfig
 from .convert import convert
 from .errors import InputError
 from .generation import make_drafter
+from .grammar import Grammar
 from .install_hints import install_hint
 from .memory import parse_budget
 from .model import Model
@@ -358,10 +360,24 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _json_schema_arg(value: str | None) -> dict | None:
+    """--json-schema: a file holding the schema, or its JSON text; checked (compiled) before the model loads."""
+    if value is None:
+        return None
+    text = Path(value).read_text(encoding="utf-8") if not value.lstrip().startswith("{") else value
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--json-schema: not valid JSON: {e}", param="json_schema") from None
+    Grammar.json_schema(schema, "--json-schema")
+    return schema
+
+
 def cmd_generate(args) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (a system message is part of the chat template)")
     opts = GenerationOptions.from_cli_args(args)           # checked before the model loads
+    schema = _json_schema_arg(args.json_schema)
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
@@ -375,10 +391,12 @@ def cmd_generate(args) -> int:
             if images else prompt
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                [{"role": "user", "content": content}]
-        gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None).generate(
-            model, opts, **spec)
+        rf = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}} if schema else None
+        gen = chat_turn(model, msgs, enable_thinking=False if args.no_thinking else None,
+                        response_format=rf).generate(model, opts, **spec)
     else:
-        gen = model.generate(prompt, options=opts, images=images or None, **spec)
+        grammar = Grammar.json_schema(schema, "--json-schema") if schema is not None else None
+        gen = model.generate(prompt, options=opts, images=images or None, grammar=grammar, **spec)
     stats = None
     for out in gen:
         sys.stdout.write(out.text)
@@ -645,6 +663,9 @@ def main(argv=None) -> int:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is one JSON value of this JSON Schema (a file, or the schema's JSON text); with "
+                        "--chat, the answer after any thinking (docs/structured-output.md)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="an image file (PNG, JPEG, WebP, GIF) for a checkpoint with a vision tower; repeat for more. "
                    "With --chat it goes before the prompt in the user message; without, the prompt holds one "

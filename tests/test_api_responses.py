@@ -156,19 +156,6 @@ def test_the_response_store_is_bounded():
 # ---------------------------------------------------------------------------------------------------
 # against `qwenmetal serve`
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(spawned_url):
-    return spawned_url
-
-
-@pytest.fixture(scope="module")
-def client(openai_client):
-    return openai_client
-
-
-@pytest.fixture(scope="module")
-def local(spawned_local):
-    return spawned_local
 
 
 Q = "What is the capital of France?"          # this checkpoint answers it with a short reply and its end token
@@ -180,9 +167,9 @@ def _texts(r):
     return reasoning, r.output_text
 
 
-def test_a_string_input_streamed_and_not_and_through_the_stream_helper(client, local):
-    want = local.chat([{"role": "user", "content": Q}], max_tokens=16, temperature=0)
-    r = client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0)
+def test_a_string_input_streamed_and_not_and_through_the_stream_helper(openai_client, spawned_local):
+    want = spawned_local.chat([{"role": "user", "content": Q}], max_tokens=16, temperature=0)
+    r = openai_client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0)
     assert r.object == "response" and r.id.startswith("resp_") and r.model == NAME
     assert r.status == "completed" and r.incomplete_details is None and r.error is None
     assert tuple(t.strip() for t in _texts(r)) == (want.reasoning or "", want.content)
@@ -193,7 +180,7 @@ def test_a_string_input_streamed_and_not_and_through_the_stream_helper(client, l
     assert [it.type for it in r.output] == ["reasoning", "message"]
     assert all(it.status == "completed" for it in r.output)
 
-    events = list(client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0, stream=True))
+    events = list(openai_client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0, stream=True))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -206,35 +193,35 @@ def test_a_string_input_streamed_and_not_and_through_the_stream_helper(client, l
     # the identical prompt came from the prefix cache
     assert final.usage.input_tokens_details.cached_tokens == r.usage.input_tokens
 
-    with client.responses.stream(model=NAME, input=Q, max_output_tokens=16, temperature=0) as s:
+    with openai_client.responses.stream(model=NAME, input=Q, max_output_tokens=16, temperature=0) as s:
         seen = [e.type for e in s]
         helper = s.get_final_response()
     assert seen == types and _texts(helper) == _texts(r) and helper.status == "completed"
 
     # a reply cut by max_output_tokens is incomplete
-    cut = client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3, temperature=0)
+    cut = openai_client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3
-    last = list(client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3,
+    last = list(openai_client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3,
                                         temperature=0, stream=True))[-1]
     assert last.type == "response.incomplete" and _texts(last.response) == _texts(cut)
 
 
-def test_instructions_and_function_call_items_render_as_the_chat_conversation(client, local):
-    r = client.responses.create(model=NAME, input=Q, instructions="You are terse.", max_output_tokens=1)
-    ids, _, _ = local.chat_prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}])
+def test_instructions_and_function_call_items_render_as_the_chat_conversation(openai_client, spawned_local):
+    r = openai_client.responses.create(model=NAME, input=Q, instructions="You are terse.", max_output_tokens=1)
+    ids, _, _ = spawned_local.chat_prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": Q}])
     assert r.usage.input_tokens == len(ids) and r.instructions == "You are terse."
     # instructions and leading developer messages are one system message (Qwen's templates take one)
-    r = client.responses.create(model=NAME, instructions="You are terse.", max_output_tokens=1,
+    r = openai_client.responses.create(model=NAME, instructions="You are terse.", max_output_tokens=1,
                                 input=[{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": Q}])
-    ids, _, _ = local.chat_prompt([{"role": "system", "content": "You are terse.\n\nAnswer in French."},
+    ids, _, _ = spawned_local.chat_prompt([{"role": "system", "content": "You are terse.\n\nAnswer in French."},
                                    {"role": "user", "content": Q}])
     assert r.usage.input_tokens == len(ids)
     items = [{"role": "user", "content": "Weather in Berlin?"},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Berlin"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 21}'}]
-    r = client.responses.create(model=NAME, input=items, tools=[WEATHER], max_output_tokens=1)
-    ids, _, _ = local.chat_prompt(
+    r = openai_client.responses.create(model=NAME, input=items, tools=[WEATHER], max_output_tokens=1)
+    ids, _, _ = spawned_local.chat_prompt(
         [{"role": "user", "content": "Weather in Berlin?"},
          {"role": "assistant", "content": "", "tool_calls": [
              {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Berlin"}'}}]},
@@ -242,7 +229,7 @@ def test_instructions_and_function_call_items_render_as_the_chat_conversation(cl
     assert r.usage.input_tokens == len(ids) and r.tools[0].name == "get_weather"
 
 
-def test_a_forced_tool_call_and_a_json_answer_follow_their_schemas(client):
+def test_a_forced_tool_call_and_a_json_answer_follow_their_schemas(openai_client):
     """The grammar holds the random model to the format: a named tool_choice gives one function_call item
     whose arguments follow the tool's schema (streamed: the argument deltas make them), and text.format
     json_schema an output_text that is an instance of the schema."""
@@ -250,58 +237,58 @@ def test_a_forced_tool_call_and_a_json_answer_follow_their_schemas(client):
         "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}
     args = {"model": NAME, "input": "Light on?", "tools": [tool], "tool_choice": {"type": "function", "name": "set_light"},
             "reasoning": {"effort": "none"}, "max_output_tokens": 40, "temperature": 0}
-    r = client.responses.create(**args)
+    r = openai_client.responses.create(**args)
     calls = [it for it in r.output if it.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1 and calls[0].name == "set_light"
     assert isinstance(json.loads(calls[0].arguments)["on"], bool)
     assert r.usage.output_tokens_details.reasoning_tokens == 0
-    events = list(client.responses.create(stream=True, **args))
+    events = list(openai_client.responses.create(stream=True, **args))
     fargs = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert json.loads(fargs) == json.loads(calls[0].arguments) and events[-1].type == "response.completed"
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    r = client.responses.create(model=NAME, input="Is it ok?", reasoning={"effort": "none"}, max_output_tokens=40,
+    r = openai_client.responses.create(model=NAME, input="Is it ok?", reasoning={"effort": "none"}, max_output_tokens=40,
                                 text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert r.status == "completed" and isinstance(json.loads(r.output_text)["ok"], bool)
     assert r.text.format.type == "json_schema"
 
 
-def test_previous_response_id_continues_the_conversation_from_the_cache(client):
+def test_previous_response_id_continues_the_conversation_from_the_cache(openai_client):
     import openai
 
-    r1 = client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0)
-    r2 = client.responses.create(model=NAME, input="And of Spain?", previous_response_id=r1.id,
+    r1 = openai_client.responses.create(model=NAME, input=Q, max_output_tokens=16, temperature=0)
+    r2 = openai_client.responses.create(model=NAME, input="And of Spain?", previous_response_id=r1.id,
                                  max_output_tokens=4, temperature=0)
     assert r2.previous_response_id == r1.id
     # the first turn's prompt and reply (ended on its end token: a transcript) are all reused
     assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens + r1.usage.output_tokens - 1
     assert r2.usage.input_tokens > r2.usage.input_tokens_details.cached_tokens
 
-    got = client.responses.retrieve(r1.id)
+    got = openai_client.responses.retrieve(r1.id)
     assert got.id == r1.id and _texts(got) == _texts(r1) and got.usage.input_tokens == r1.usage.input_tokens
-    client.responses.delete(r1.id)
+    openai_client.responses.delete(r1.id)
     with pytest.raises(openai.NotFoundError, match="resp_") as e:
-        client.responses.retrieve(r1.id)
+        openai_client.responses.retrieve(r1.id)
     assert e.value.body["code"] == "not_found"
     with pytest.raises(openai.NotFoundError, match="resp_"):
-        client.responses.delete(r1.id)
+        openai_client.responses.delete(r1.id)
     with pytest.raises(openai.BadRequestError, match="Previous response with id") as e:
-        client.responses.create(model=NAME, input="Hi", previous_response_id=r1.id, max_output_tokens=1)
+        openai_client.responses.create(model=NAME, input="Hi", previous_response_id=r1.id, max_output_tokens=1)
     assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
     # r2 stands on its own: its conversation was kept whole
-    r3 = client.responses.create(model=NAME, input="And Italy?", previous_response_id=r2.id, max_output_tokens=1)
+    r3 = openai_client.responses.create(model=NAME, input="And Italy?", previous_response_id=r2.id, max_output_tokens=1)
     assert r3.usage.input_tokens > r2.usage.input_tokens
 
-    nostore = client.responses.create(model=NAME, input="Hi", store=False, max_output_tokens=1)
+    nostore = openai_client.responses.create(model=NAME, input="Hi", store=False, max_output_tokens=1)
     assert nostore.store is False
     with pytest.raises(openai.NotFoundError, match="resp_"):
-        client.responses.retrieve(nostore.id)
+        openai_client.responses.retrieve(nostore.id)
     with pytest.raises(openai.BadRequestError, match="not found"):
-        client.responses.create(model=NAME, input="Hi", previous_response_id=nostore.id, max_output_tokens=1)
+        openai_client.responses.create(model=NAME, input="Hi", previous_response_id=nostore.id, max_output_tokens=1)
 
 
-def test_bad_requests(server, client):
+def test_bad_requests(spawned_url, openai_client):
     import httpx
     import openai
 
@@ -315,20 +302,20 @@ def test_bad_requests(server, client):
                        "input[1].role")]:
         args = {"model": NAME, "input": "Hi", "max_output_tokens": 2, **kw}
         with pytest.raises(openai.BadRequestError, match="Error code: 400") as e:
-            client.responses.create(**args)
+            openai_client.responses.create(**args)
         assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
         assert e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError, match="does not exist") as e:
-        client.responses.create(model="gpt-5", input="Hi")
+        openai_client.responses.create(model="gpt-5", input="Hi")
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="context") as e:   # longer than the context
-        client.responses.create(model=NAME, input="x " * 5000, max_output_tokens=2)
+        openai_client.responses.create(model=NAME, input="x " * 5000, max_output_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
-    r = httpx.get(server + "/v1/responses/resp_x", timeout=10)
+    r = httpx.get(spawned_url + "/v1/responses/resp_x", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.put(server + "/v1/responses", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    r = httpx.put(spawned_url + "/v1/responses", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert r.status_code == 405
-    assert client.responses.create(model=NAME, input="ok", max_output_tokens=1).status   # still serving
+    assert openai_client.responses.create(model=NAME, input="ok", max_output_tokens=1).status   # still serving
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,13 +4,11 @@ whose tool calls follow the tools' schemas, and clear errors for bad schemas -- 
 import json
 
 import jsonschema
-import numpy as np
 import pytest
 
 import qwenmetal as qm
 from qwenmetal.chat import ChatStreamParser, chat_turn, parse_tool_calls, reply_events_merged
 from qwenmetal.grammar import Grammar, GrammarError, reply_grammar
-from qwenmetal.sampling import Sampler
 from qwenmetal.speculative import Drafter
 from qwenmetal.testing import cached_checkpoint
 
@@ -35,27 +33,6 @@ def models():
 
 def _text(outs) -> str:
     return "".join(o.text for o in outs)
-
-
-# ---- the sampler's mask ------------------------------------------------------------------------------------
-def test_the_sampler_never_draws_a_masked_token():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=64).astype(np.float32)
-    allowed = np.zeros(64, dtype=bool)
-    allowed[[3, 17, 40]] = True
-    best = max((3, 17, 40), key=lambda i: logits[i])
-    assert Sampler().sample(logits, allowed=allowed).token == best
-    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}, {"temperature": 1.5, "top_p": 0.5},
-               {"temperature": 1.0, "min_p": 0.2}):
-        s = Sampler(seed=1, **kw)
-        assert {s.sample(logits, allowed=allowed).token for _ in range(200)} <= {3, 17, 40}
-    r = Sampler().sample(logits, allowed=allowed, logprobs=True)     # log-probabilities stay the model's
-    lse = np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) + logits.max()
-    assert r.logprob == pytest.approx(float(logits[best]) - lse)
-    s = Sampler(temperature=1.0, seed=0)                              # a masked draft is always rejected
-    assert all(not s.verify_draft(logits, 5, allowed=allowed)[1] for _ in range(50))
-    with pytest.raises(ValueError, match="allows no token"):
-        Sampler().sample(logits, allowed=np.zeros(64, dtype=bool))
 
 
 # ---- JSON Schema output on every backend ----------------------------------------------------------------------

@@ -479,3 +479,28 @@ def test_verify_draft_draws_once_when_it_accepts():
     ref = np.random.default_rng(5)
     ref.random(), ref.random()
     assert not ok and two.rng.random() == ref.random()
+
+
+def test_the_sampler_never_draws_a_masked_token():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=64).astype(np.float32)
+    allowed = np.zeros(64, dtype=bool)
+    allowed[[3, 17, 40]] = True
+    best = max((3, 17, 40), key=lambda i: logits[i])
+    assert Sampler().sample(logits, allowed=allowed).token == best
+    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 2}, {"temperature": 1.5, "top_p": 0.5},
+               {"temperature": 1.0, "min_p": 0.2}):
+        s = Sampler(seed=1, **kw)
+        assert {s.sample(logits, allowed=allowed).token for _ in range(200)} <= {3, 17, 40}
+    r = Sampler().sample(logits, allowed=allowed, logprobs=True)     # log-probabilities stay the model's
+    lse = np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) + logits.max()
+    assert r.logprob == pytest.approx(float(logits[best]) - lse)
+    s = Sampler(temperature=1.0, seed=0)                              # a masked draft is always rejected
+    assert all(not s.verify_draft(logits, 5, allowed=allowed)[1] for _ in range(50))
+    with pytest.raises(ValueError, match="allows no token"):
+        Sampler().sample(logits, allowed=np.zeros(64, dtype=bool))
+    short = Sampler().sample(logits, allowed=allowed[:41])            # a mask shorter than the logits: the rest out
+    assert short.token == best
+    for kw in ({}, {"top_k": 50}, {"top_p": 0.999}, {"min_p": 1e-9}):  # masked ids are never candidates
+        cand, p = Sampler(temperature=1.0, **kw)._distribution(np.where(allowed, logits, -np.inf).astype(np.float64))
+        assert sorted(cand.tolist()) == [3, 17, 40] and np.all(p > 0) and abs(p.sum() - 1) < 1e-12

@@ -495,8 +495,13 @@ def test_the_sampler_never_draws_a_masked_token():
     r = Sampler().sample(logits, allowed=allowed, logprobs=True)     # log-probabilities stay the model's
     lse = np.log(np.exp(logits.astype(np.float64) - logits.max()).sum()) + logits.max()
     assert r.logprob == pytest.approx(float(logits[best]) - lse)
-    s = Sampler(temperature=1.0, seed=0)                              # a masked draft is always rejected
-    assert all(not s.verify_draft(logits, 5, allowed=allowed)[1] for _ in range(50))
+    top = int(np.argmax(logits))                                      # the unmasked favourite, masked out
+    assert top not in (3, 17, 40) and Sampler().verify_draft(logits, top)[1]
+    assert Sampler().verify_draft(logits, top, allowed=allowed) == (Sampler().sample(logits, allowed=allowed), False)
+    s = Sampler(temperature=0.3, seed=0)                              # sampled: a masked draft is never kept
+    u = Sampler(temperature=0.3, seed=0)
+    assert sum(u.verify_draft(logits, top)[1] for _ in range(50)) > 5           # p(top) = 0.29 unmasked
+    assert all(not s.verify_draft(logits, top, allowed=allowed)[1] for _ in range(50))
     with pytest.raises(ValueError, match="allows no token"):
         Sampler().sample(logits, allowed=np.zeros(64, dtype=bool))
     short = Sampler().sample(logits, allowed=allowed[:41])            # a mask shorter than the logits: the rest out

@@ -169,14 +169,15 @@ def test_apple_compile_gate_reports_the_compiler_log():
 def test_measured_4k_section_on_the_simulator_backend(monkeypatch):
     """The Mac's 4K path (checkpoint, load, timed prefill and decode, measured / modelled) run on metal-sim over
     the tiny checkpoint at a short context, as if the device were an M1 Max."""
-    from qwenmetal.bench import checkpoint
     from qwenmetal.testing import cached_checkpoint
     tiny = cached_checkpoint("tiny", "mlx-q4", seed=0)
-    monkeypatch.setattr(checkpoint, "ensure_checkpoint", lambda cfg, log=None: tiny)
+    built = []                                # (selftest's own name: patching the bench module's would not reach it)
+    monkeypatch.setattr(selftest, "ensure_checkpoint", lambda cfg, log=None: built.append(cfg) or tiny)
     r = selftest.Report(dict(M1_MAX), backend="metal-sim")
     k = selftest.four_k(r, layers=4, context=16, decode_steps=2, repeats=1)
     m = k["measured"]
     assert m["status"] == "pass", m
+    assert len(built) == 1 and m["layers"] == 4 and k["checkpoint"] == str(tiny)     # the tiny one, not a real-width build
     assert m["prefill"]["tokens"] == 16 and m["decode"]["context"] == 16 and m["decode"]["steps"] == 2
     for key in ("decode", "prefill"):
         c = k["comparison"][key]

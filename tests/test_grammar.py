@@ -147,6 +147,9 @@ def test_a_thinking_reply_closes_its_think_block_before_the_answer(models):
     for t in tok.encode("let me think") + [tok.token_to_id("</think>")] + tok.encode('\n\n{"a": 1}'):
         assert matcher.allowed()[t]
         matcher.advance(t)
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    assert not matcher.accepting and matcher.allowed()[im_end] and not matcher.allowed()[eot]   # the turn's end
+    matcher.advance(im_end)
     assert matcher.accepting
     bad = turn.grammar.matcher(m)
     for t in tok.encode("hm") + [tok.token_to_id("</think>")]:

@@ -247,8 +247,9 @@ def _function_rules(i: int, name: str, params: dict) -> list[str]:
     return rules
 
 
-#: the tags of Qwen's reply format that its tokenizers hold as single (added) tokens
-REPLY_TAGS = ("<tool_call>", "</tool_call>", "</think>")
+#: the tags of Qwen's reply format that its tokenizers hold as single (added) tokens; a reply ends with the
+#: end-of-turn token the chat template writes (not another end id, so the next turn continues its transcript)
+REPLY_TAGS = ("<tool_call>", "</tool_call>", "</think>", "<|im_end|>")
 
 
 def reply_grammar(*, thinking: bool, tools: Sequence[dict] | None = None, tool_choice="auto",
@@ -304,6 +305,7 @@ def reply_grammar(*, thinking: bool, tools: Sequence[dict] | None = None, tool_c
             rules.append("lead[lazy]: /(?s:.*)<tool_call>/")
             rules.append(f"calls: lead call_body{more}")
         body = "calls" if tool_choice != "auto" else "answer | calls"
+    end = " <|im_end|>" if "<|im_end|>" in token_tags else ""
     if thinking:
         if "</think>" in token_tags:
             rules.append(f"think: THINK {tag('</think>')}")
@@ -311,9 +313,9 @@ def reply_grammar(*, thinking: bool, tools: Sequence[dict] | None = None, tool_c
         else:
             rules.append("think[lazy]: /(?s:.*)<\\/think>/")
         rules.append("WS: /\\n{0,2}/")
-        start = f"start: think WS ({body})"
+        start = f"start: think WS ({body}){end}"
     else:
-        start = f"start: {body}"
+        start = f"start: ({body}){end}"
     what = "the reply format" + (" with tool calls" if specs else "") + (
         " with a JSON answer" if answer_schema is not None else "")
     g = Grammar("\n".join([start] + rules), what)

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 
 from .errors import InputError, brief
 from .generation import GenerationOutput
-from .grammar import REPLY_TAGS, Grammar, reply_grammar
+from .grammar import REPLY_TAGS, Grammar, reply_grammar, string_parameter
 from .options import GenerationOptions
 from .prompt_images import (
     PromptImages,
@@ -299,12 +299,13 @@ def read_images(model: ModelBase, messages: list, *, allow_local: bool = True) -
 # ---------------------------------------------------------------------------------------------------
 # replies
 # ---------------------------------------------------------------------------------------------------
-def _param_types(tools, name) -> dict:
+def _param_schemas(tools, name) -> dict:
+    """The parameter schemas of the tool called `name` (empty if there is none)."""
     for t in tools or ():
         fn = t.get("function", t) if isinstance(t, dict) else None
         if isinstance(fn, dict) and fn.get("name") == name:
             props = (fn.get("parameters") or {}).get("properties") or {}
-            return {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+            return props if isinstance(props, dict) else {}
     return {}
 
 
@@ -419,7 +420,7 @@ class ChatStreamParser:
         self._block_start = thinking              # at the start of a think block: a '<think>' here is its tag
         self.calls: list = []                     # the complete calls so far
         self._call = None                         # the call being parsed: {"name", "arguments"}
-        self._types: dict = {}
+        self._schemas: dict = {}                  # the called tool's parameter schemas
         self._junk = False                        # text that is not the format was seen: the rest is content
 
     def _emit(self, field_, text, out):
@@ -506,7 +507,7 @@ class ChatStreamParser:
                     continue
                 name = head.group(1).strip()
                 self._call = {"name": name, "arguments": {}}
-                self._types = _param_types(self.tools, name)
+                self._schemas = _param_schemas(self.tools, name)
                 out.append(("tool_call", len(self.calls), name))
                 self._tool_text = s[head.end():]
                 continue
@@ -538,7 +539,7 @@ class ChatStreamParser:
             self._tool_text = s
 
     def _value(self, key: str, value: str):
-        if self._types.get(key) == "string":
+        if string_parameter(self._schemas.get(key)):     # written raw, as the grammar and the template do
             return value
         try:
             return json.loads(value)

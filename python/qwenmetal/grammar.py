@@ -61,7 +61,7 @@ class Grammar:
         try:
             source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
         except (ValueError, TypeError) as e:
-            raise GrammarError(f"{param}: {_first_line(str(e))}", param, "invalid_schema") from None
+            raise GrammarError(f"{param}: {_error_text(str(e))}", param, "invalid_schema") from None
         return cls(source, "a JSON schema").checked(param)
 
     @classmethod
@@ -87,7 +87,7 @@ class Grammar:
         """This grammar, after llguidance compiled it (without a tokenizer); GrammarError naming `param`."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.source)
         if is_error:
-            raise GrammarError(f"{param}: {_first_line(messages)}", param, "invalid_schema")
+            raise GrammarError(f"{param}: {_error_text(messages)}", param, "invalid_schema")
         return self
 
     def matcher(self, model) -> "GrammarMatcher":
@@ -129,7 +129,7 @@ class GrammarMatcher:
         self.n_vocab = ll_tokenizer.vocab_size
         self._m = llguidance.LLMatcher(ll_tokenizer, grammar.source)
         if self._m.is_error():
-            raise GrammarError(f"grammar: {_first_line(self._m.get_error())}", "grammar", "invalid_schema")
+            raise GrammarError(f"grammar: {_error_text(self._m.get_error())}", "grammar", "invalid_schema")
         self.consumed = 0
 
     def bitmask(self) -> np.ndarray:
@@ -146,7 +146,7 @@ class GrammarMatcher:
         """`token` was generated: move past it (GrammarError if the grammar does not allow it)."""
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"token {int(token)} is not allowed by {self.grammar.description} here: "
-                               f"{_first_line(self._m.get_error())}", "grammar")
+                               f"{_error_text(self._m.get_error())}", "grammar")
         self.consumed += 1
 
     def rollback(self, n: int) -> None:
@@ -167,7 +167,7 @@ class GrammarMatcher:
         return self._m.is_accepting()
 
 
-def _first_line(messages) -> str:
+def _error_text(messages) -> str:
     if isinstance(messages, (list, tuple)):
         messages = "; ".join(str(m) for m in messages if m)
     return str(messages).strip() or "invalid grammar"

@@ -189,3 +189,16 @@ def test_batched_rows_each_follow_their_own_grammar(models):
         alone = [o.token for o in m.generate(prompts[i], options=opts[i], cache=False)]
         assert got[i] == alone
     jsonschema.validate(json.loads(m.tokenizer.decode(got[0][:-1])), SCHEMA)
+
+
+def test_matchers_of_one_grammar_are_independent(models):
+    """A grammar is compiled once per tokenizer and each generation gets a copy: advancing one matcher leaves
+    the next one at the start."""
+    m = models["reference"]
+    g = Grammar.regex("a[bc]{2}")
+    first, second = g.matcher(m), g.matcher(m)
+    start = second.allowed().copy()
+    for t in m.tokenizer.encode("ab"):
+        first.advance(t)
+    assert (second.allowed() == start).all() and (g.matcher(m).allowed() == start).all()
+    assert not (first.allowed() == start).all()

@@ -22,10 +22,12 @@ then free text, a JSON answer (``response_format``) and/or tool calls (``<tool_c
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Sequence
 
 import llguidance
@@ -85,7 +87,7 @@ class Grammar:
 
     def checked(self, param: str) -> "Grammar":
         """This grammar, after llguidance compiled it (without a tokenizer); GrammarError naming `param`."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.source)
+        is_error, messages = _validated(self.source)
         if is_error:
             raise GrammarError(f"{param}: {_error_text(messages)}", param, "invalid_schema")
         return self
@@ -96,7 +98,16 @@ class Grammar:
         if tok is None:
             raise InputError(f"{model.path}: no tokenizer.json, so output cannot be constrained by a grammar",
                              "grammar")
-        return GrammarMatcher(self, _ll_tokenizer(tok, model.config.vocab_size, tuple(model.eos_token_ids)))
+        return GrammarMatcher(self, *_compiled(tok, model.config.vocab_size, tuple(model.eos_token_ids),
+                                               self.source))
+
+
+@functools.lru_cache(maxsize=256)
+def _validated(source: str) -> tuple:
+    """llguidance's (is_error, messages) for a grammar's text, kept: an agent sends the same tools every turn
+    (20 tools' reply grammar: about 20 ms to compile)."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source)
+    return is_error, tuple(messages)
 
 
 def warm_up(model) -> None:
@@ -106,30 +117,49 @@ def warm_up(model) -> None:
         _ll_tokenizer(model.tokenizer, model.config.vocab_size, tuple(model.eos_token_ids))
 
 
+#: per tokenizer: {(logits width, eos ids): (llguidance tokenizer, {grammar text: a matcher never advanced})}
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZERS_LOCK = threading.Lock()
+MAX_COMPILED = 64                  # compiled grammars kept per tokenizer (least recently used out)
 
 
-def _ll_tokenizer(tok, n_vocab: int, eos: tuple):
-    """llguidance's view of `tok` (built once per tokenizer, vocabulary width and eos ids: a few seconds for
-    the 248k vocabulary; a second caller waits for the first)."""
+def _ll_tokenizer(tok, n_vocab: int, eos: tuple) -> tuple:
+    """(llguidance's view of `tok`, its compiled grammars), built once per tokenizer, vocabulary width and eos
+    ids: a few seconds for the 248k vocabulary; a second caller waits for the first."""
     with _TOKENIZERS_LOCK:
         per = _TOKENIZERS.setdefault(tok, {})
         key = (n_vocab, eos)
         if key not in per:
-            per[key] = llguidance.LLTokenizer(tok.to_json(), n_vocab=n_vocab, eos_token=list(eos))
+            per[key] = (llguidance.LLTokenizer(tok.to_json(), n_vocab=n_vocab, eos_token=list(eos)), OrderedDict())
         return per[key]
+
+
+def _compiled(tok, n_vocab: int, eos: tuple, source: str) -> tuple:
+    """(a fresh matcher of the grammar `source` for `tok`, the logits width): a copy of the kept compiled one
+    (compiling against the vocabulary takes about 40 ms for an agent's 20 tools; a copy, microseconds)."""
+    llt, kept = _ll_tokenizer(tok, n_vocab, eos)
+    with _TOKENIZERS_LOCK:
+        proto = kept.get(source)
+        if proto is not None:
+            kept.move_to_end(source)
+            return proto.deep_copy(), llt.vocab_size
+    proto = llguidance.LLMatcher(llt, source)
+    if proto.is_error():
+        raise GrammarError(f"grammar: {_error_text(proto.get_error())}", "grammar", "invalid_schema")
+    with _TOKENIZERS_LOCK:
+        kept[source] = proto
+        while len(kept) > MAX_COMPILED:
+            kept.popitem(last=False)
+        return proto.deep_copy(), llt.vocab_size
 
 
 class GrammarMatcher:
     """One generation's position in a `Grammar`: the tokens it allows next, advanced token by token."""
 
-    def __init__(self, grammar: Grammar, ll_tokenizer):
+    def __init__(self, grammar: Grammar, matcher, n_vocab: int):
         self.grammar = grammar
-        self.n_vocab = ll_tokenizer.vocab_size
-        self._m = llguidance.LLMatcher(ll_tokenizer, grammar.source)
-        if self._m.is_error():
-            raise GrammarError(f"grammar: {_error_text(self._m.get_error())}", "grammar", "invalid_schema")
+        self.n_vocab = n_vocab
+        self._m = matcher                  # an llguidance.LLMatcher of this generation alone
         self.consumed = 0
 
     def bitmask(self) -> np.ndarray:

@@ -422,7 +422,7 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
             elif spec is not None:
                 spec.end_round(accepted)
                 rows, drafts, probs = spec.step(t, toks.context, o.max_tokens - n - 1)
-                accepted, logits = 0, rows[0]
+                accepted, advanced, logits = 0, 0, rows[0]
                 ctx, gen = list(toks.context), list(toks.generated)
                 for i, d in enumerate(drafts):     # the model's token at each drafted position
                     ri, ok = sampler.verify_draft(rows[i], d, run.vocab, context=ctx, generated=gen,
@@ -432,13 +432,16 @@ def _decode(run: _Run, logits: np.ndarray) -> Iterator[GenerationOutput]:
                     pending.append((ri, ok, rows[i]))
                     ctx.append(ri.token)
                     gen.append(ri.token)
-                    if not ok or ri.token in run.stop_ids:
+                    if not ok:
+                        break
+                    accepted += 1
+                    if ri.token in run.stop_ids:   # the generation ends here: nothing after it is used
                         break
                     if run.grammar is not None:    # the next row's mask follows this token; `take` redoes it
                         run.grammar.advance(ri.token)
-                    accepted += 1
-                if run.grammar is not None:
-                    run.grammar.rollback(accepted)
+                        advanced += 1
+                if advanced:
+                    run.grammar.rollback(advanced)
                 if drafts and accepted == len(drafts):
                     logits = rows[-1]             # every draft kept: the next token is sampled from the last row
             else:

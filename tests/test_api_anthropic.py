@@ -20,6 +20,7 @@ from oracles import require
 from qwenmetal import api_anthropic as aa
 from qwenmetal.chat import ChatStreamParser, parse_assistant
 from qwenmetal.generation import GenerationOutput
+from qwenmetal.grammar import BUDGET_NOTE
 from qwenmetal.serving import APIError
 from qwenmetal.transcripts import normalize_message
 
@@ -91,9 +92,10 @@ def test_tools_tool_choice_thinking_and_output_format_convert():
                      ({"type": "tool", "name": "f", "disable_parallel_tool_use": True},
                       ({"type": "function", "function": {"name": "f"}}, False))]:
         assert aa.convert_tool_choice(tc) == want, tc
-    for th, want in [(None, (False, True)), ({"type": "disabled"}, (False, True)),
-                     ({"type": "enabled", "budget_tokens": 2048}, (True, True)), ({"type": "adaptive"}, (True, True)),
-                     ({"type": "adaptive", "display": "omitted"}, (True, False))]:
+    for th, want in [(None, (False, True, None)), ({"type": "disabled"}, (False, True, None)),
+                     ({"type": "enabled", "budget_tokens": 2048}, (True, True, 2048)),
+                     ({"type": "adaptive"}, (True, True, None)),
+                     ({"type": "adaptive", "display": "omitted"}, (True, False, None))]:
         assert aa.convert_thinking(th) == want, th
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     want = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}}
@@ -101,10 +103,10 @@ def test_tools_tool_choice_thinking_and_output_format_convert():
                                                        "effort": "high"}}) == want
     assert aa.convert_output_format({"output_format": {"type": "json_schema", "schema": schema}}) == want
     assert aa.convert_output_format({"output_config": {"effort": "low"}}) is None
-    msgs, kw, show = aa.chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
-                                      "tool_choice": {"type": "any"}, "thinking": {"type": "enabled"}})
+    msgs, kw, thinking = aa.chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                          "tool_choice": {"type": "any"}, "thinking": {"type": "enabled"}})
     assert kw == {"tools": aa.convert_tools(TOOLS), "tool_choice": "required", "parallel_tool_calls": True,
-                  "response_format": None, "enable_thinking": True} and show
+                  "response_format": None, "enable_thinking": True} and thinking == aa.Thinking(True)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -385,6 +387,16 @@ def test_thinking_on_and_off(client):
     off = client.messages.count_tokens(model=NAME, messages=USER, thinking={"type": "disabled"})
     assert client.messages.count_tokens(model=NAME, messages=USER).input_tokens == off.input_tokens
     assert on.usage.input_tokens + on.usage.cache_read_input_tokens != off.input_tokens
+
+
+def test_budget_tokens_close_the_thinking_and_the_answer_follows(client):
+    """The tiny model never closes its think block by itself: with ``budget_tokens`` the block ends after that
+    many tokens with Qwen's note, and the answer follows within ``max_tokens``."""
+    budget = 70                                   # the tiny tokenizer writes the note in 66 tokens
+    r = client.messages.create(model=NAME, max_tokens=budget + 6, messages=USER, extra_body=GREEDY,
+                               thinking={"type": "enabled", "budget_tokens": budget})
+    assert r.content[0].type == "thinking" and r.content[0].thinking.endswith(BUDGET_NOTE.strip())
+    assert r.usage.output_tokens > budget + 1 and r.content[1].type == "text"
 
 
 def test_a_forced_tool_call_and_its_result_resume_from_the_cache(client):

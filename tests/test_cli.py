@@ -99,6 +99,11 @@ def test_generate_command(tmp_path):
         assert 0 <= json.loads(r.stdout)["n"] <= 99
     r = run(["generate", "--model", str(d), "--prompt", "x", "--json-schema", '{"type": "nope"}'] + ref, tmp_path)
     assert r.returncode == 2 and "--json-schema: Invalid type" in r.stderr
+    r = run(["generate", "--model", str(d), "--chat", "--thinking-budget", "70", "--max-tokens", "72", "--temperature",
+             "0", "--ignore-eos", "--quiet"] + ref, tmp_path, stdin="Hi there")   # (the note is 66 tokens here)
+    assert r.returncode == 0 and "thinking directly now.\n</think>" in r.stdout, r.stderr
+    r = run(["generate", "--model", str(d), "--prompt", "x", "--thinking-budget", "-2"] + ref, tmp_path)
+    assert r.returncode == 2 and "thinking_budget must be an integer >= 0" in r.stderr
 
 
 def test_generate_streams_experts_with_the_same_tokens(tmp_path):

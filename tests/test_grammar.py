@@ -1,14 +1,17 @@
 """Structured output (qwenmetal.grammar): the token mask in the sampler, JSON Schema output that validates on
 every backend with and without speculative decoding, drafts that break the grammar rejected, chat replies
-whose tool calls follow the tools' schemas, and clear errors for bad schemas -- on the tiny fixture."""
+whose tool calls follow the tools' schemas, clear errors for bad schemas, and the thinking budget (its forced
+note and close, on every backend, with a grammar too) -- on the tiny fixture."""
 import json
+from types import SimpleNamespace
 
 import jsonschema
+import numpy as np
 import pytest
 
 import qwenmetal as qm
 from qwenmetal.chat import ChatStreamParser, chat_turn, parse_tool_calls, reply_events_merged
-from qwenmetal.grammar import Grammar, GrammarError, reply_grammar
+from qwenmetal.grammar import BUDGET_NOTE, Grammar, GrammarError, ThinkingBudget, reply_grammar, thinking_budget
 from qwenmetal.speculative import Drafter
 from qwenmetal.testing import cached_checkpoint
 
@@ -202,3 +205,96 @@ def test_matchers_of_one_grammar_are_independent(models):
         first.advance(t)
     assert (second.allowed() == start).all() and (g.matcher(m).allowed() == start).all()
     assert not (first.allowed() == start).all()
+
+
+# ---- the thinking budget ----------------------------------------------------------------------------------------
+def test_a_thinking_budget_forces_its_note_and_the_close_then_frees_the_reply():
+    """ThinkingBudget over made-up ids (note 5 6 7, ``</think>`` 9, 40 ids): free tokens, then each forced one,
+    a wrong token refused with the state untouched, rollback across the forcing, a natural close, budgets
+    shorter than the note."""
+    b = ThinkingBudget(None, [5, 6, 7], 9, 5, 40)
+    assert b.free_steps() == 2 and b.allowed() is None
+    for t in (1, 2):
+        b.advance(t)
+    assert b.free_steps() == 0 and list(np.flatnonzero(b.allowed())) == [5] and b.bitmask()[0] == 1 << 5
+    with pytest.raises(GrammarError, match="forces token 5"):
+        b.advance(6)
+    for t in (5, 6, 7, 9):
+        assert b.allowed()[t]
+        b.advance(t)
+    assert b.closed and b.thought == 5 and b.allowed() is None and b.free_steps() > 10**9
+    assert list(b.bitmask()) == [0xFFFFFFFF, 0xFF]             # every id of the 40
+    b.rollback(3)                                               # back before 6 7 9
+    assert not b.closed and list(np.flatnonzero(b.allowed(20))) == [6]
+    with pytest.raises(GrammarError, match="cannot roll"):
+        b.rollback(4)
+    natural = ThinkingBudget(None, [5, 6, 7], 9, 5, 40)
+    natural.advance(1)
+    natural.advance(9)
+    assert natural.closed and natural.allowed() is None
+    short = ThinkingBudget(None, [5, 6, 7], 9, 2, 40)          # no room for the note: the close alone
+    short.advance(1)
+    short.advance(2)
+    assert list(np.flatnonzero(short.allowed())) == [9]
+    assert list(np.flatnonzero(ThinkingBudget(None, [5], 9, 0, 40).allowed())) == [9]
+
+
+def test_the_budget_applies_only_inside_an_open_think_block(models):
+    m = models["reference"]
+    tok = m.tokenizer
+    think, close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    assert isinstance(thinking_budget(m, [1, think, 2], 8), ThinkingBudget)
+    assert thinking_budget(m, [1, think, 2, close, 3], 8) is None and thinking_budget(m, [1, 2], 8) is None
+    g = Grammar.regex("[a-z]+").matcher(m)
+    assert thinking_budget(m, [1, 2], 8, g) is g
+    with pytest.raises(qm.InputError, match="no tokenizer.json, so thinking cannot be bounded"):
+        thinking_budget(SimpleNamespace(tokenizer=None, path="x"), [1], 8)
+    with pytest.raises(qm.InputError, match="thinking_budget must be an integer >= 0"):
+        qm.GenerationOptions(thinking_budget=-1)
+    plain = [o.token for o in m.generate("Hello", max_tokens=6, temperature=0, cache=False)]
+    assert [o.token for o in m.generate("Hello", max_tokens=6, temperature=0, cache=False,
+                                        thinking_budget=0)] == plain
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "metal-sim"])
+def test_thinking_stops_at_its_budget_on_every_backend(models, backend):
+    """A thinking turn of the tiny model (which never closes its think block by itself) thinks exactly
+    `budget` tokens, the last of them the note, then ``</think>``; speculation gives the same tokens. On
+    metal-sim with a budget shorter than the note, the GPU decode loop runs unmasked, several tokens per
+    call, until the close is forced."""
+    m = models[backend]
+    tok = m.tokenizer
+    prompt = chat_turn(m, [{"role": "user", "content": "hi"}], enable_thinking=True).prompt_ids
+    close, note = tok.token_to_id("</think>"), tok.encode(BUDGET_NOTE)
+    budget = len(note) + 4 if backend != "metal-sim" else 8
+    calls = []
+    if backend == "metal-sim":
+        loop = m.decode_loop
+
+        def recorded(s, t, n, **kw):
+            calls.append((n, "mask" in kw))
+            return loop(s, t, n, **kw)
+        m.decode_loop = recorded
+    try:
+        toks = [o.token for o in m.generate(prompt, max_tokens=budget + 3, temperature=0, ignore_eos=True,
+                                            cache=False, thinking_budget=budget)]
+    finally:
+        m.__dict__.pop("decode_loop", None)
+    assert toks.index(close) == budget
+    if backend == "metal-sim":
+        assert calls[0] == (budget - 1, False) and (1, True) in calls   # free run-ahead, then the forced close
+    else:
+        assert toks[budget - len(note):budget] == note
+    if backend != "reference":
+        assert [o.token for o in m.generate(prompt, max_tokens=budget + 3, temperature=0, ignore_eos=True,
+                                            cache=False, thinking_budget=budget, speculative="lookup")] == toks
+
+
+def test_a_bounded_thinking_reply_still_follows_its_schema(models):
+    m = models["cpu"]
+    budget = len(m.tokenizer.encode(BUDGET_NOTE)) + 2
+    r = m.chat([{"role": "user", "content": "Describe a thing as JSON."}], enable_thinking=True,
+               response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+               thinking_budget=budget, max_tokens=budget + 80, temperature=0)
+    assert r.finish_reason == "stop" and r.reasoning.endswith(BUDGET_NOTE.strip())
+    jsonschema.validate(json.loads(r.content), SCHEMA)

@@ -9,6 +9,7 @@ import pytest
 import qwenmetal as qm
 from live_server import live_server
 from oracles import require
+from qwenmetal.grammar import BUDGET_NOTE
 from qwenmetal.testing import cached_checkpoint
 
 NAME = "tiny"
@@ -51,6 +52,18 @@ def test_json_schema_output_validates(model, speculative):
 def reference():
     require("uvicorn")
     return qm.Model.load(cached_checkpoint("tiny", "mlx-q4", seed=0), backend="reference")
+
+
+def test_thinking_token_budget_closes_the_reasoning(reference):
+    """vLLM's ``thinking_token_budget``: the reasoning ends with Qwen's note after that many tokens (the tiny
+    model never ends it by itself), and the answer follows."""
+    budget = 70                                   # the tiny tokenizer writes the note in 66 tokens
+    with live_server(reference, model_name=NAME) as base:
+        r = _client(base).chat.completions.create(
+            model=NAME, messages=MSGS, max_tokens=budget + 6, temperature=0,
+            extra_body={"enable_thinking": True, "thinking_token_budget": budget})
+    assert r.choices[0].message.model_extra["reasoning_content"].endswith(BUDGET_NOTE.strip())
+    assert r.usage.completion_tokens == budget + 6 or r.choices[0].finish_reason == "stop"
 
 
 def test_forced_tool_calls_stream_as_deltas(reference):

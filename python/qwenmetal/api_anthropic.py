@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from typing import NamedTuple
 
 from .errors import brief
 from .serving import APIError, Render, Service, boolean, num, options_of, sse
 
-__all__ = ["chat_request", "convert_messages", "convert_output_format", "convert_system", "convert_thinking",
-           "convert_tool_choice", "convert_tools", "error_body", "error_response", "routes"]
+__all__ = ["Thinking", "chat_request", "convert_messages", "convert_output_format", "convert_system",
+           "convert_thinking", "convert_tool_choice", "convert_tools", "error_body", "error_response", "routes"]
 
 #: Anthropic's error type for each HTTP status (others: api_error from 500 on, invalid_request_error below)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -306,17 +307,26 @@ def convert_tool_choice(tc) -> tuple:
     return choice, not dp
 
 
-def convert_thinking(thinking) -> tuple:
-    """``thinking`` as ``(enable_thinking, show the thinking text)``: enabled / adaptive -> on (the budget is
-    not enforced: ``max_tokens`` bounds thinking and answer together), disabled or absent -> off (as
-    Anthropic's API defaults); ``display: "omitted"`` returns thinking blocks without their text."""
+class Thinking(NamedTuple):
+    """A request's ``thinking``: Qwen's thinking on, its text shown, and the token budget (None: unbounded)."""
+
+    enabled: bool
+    show: bool = True
+    budget: int | None = None
+
+
+def convert_thinking(thinking) -> Thinking:
+    """``thinking`` as a `Thinking`: enabled / adaptive -> on, disabled or absent -> off (as Anthropic's API
+    defaults); ``budget_tokens`` bounds the thinking (``GenerationOptions.thinking_budget``: the think block
+    is closed when it runs out, and the answer follows, all within ``max_tokens``); ``display: "omitted"``
+    returns thinking blocks without their text."""
     if thinking is None:
-        return False, True
+        return Thinking(False)
     if not isinstance(thinking, dict):
         raise _bad(f"thinking: must be an object with a 'type', got {brief(thinking)}", "thinking")
     kind = thinking.get("type")
     if kind == "disabled":
-        return False, True
+        return Thinking(False)
     if kind not in _THINKING_ON:
         raise _bad(f"thinking.type: must be 'enabled', 'adaptive' or 'disabled', got {brief(kind)}", "thinking")
     bt = thinking.get("budget_tokens")
@@ -325,7 +335,7 @@ def convert_thinking(thinking) -> tuple:
     display = thinking.get("display")
     if display not in (None, "summarized", "omitted"):
         raise _bad(f"thinking.display: must be 'summarized' or 'omitted', got {brief(display)}", "thinking")
-    return True, display != "omitted"
+    return Thinking(True, display != "omitted", bt if kind == "enabled" else None)
 
 
 def convert_output_format(body: dict) -> dict | None:
@@ -348,14 +358,14 @@ def convert_output_format(body: dict) -> dict | None:
 
 
 def chat_request(body: dict) -> tuple:
-    """A Messages request as ``(internal messages, keyword arguments of Service.turn, show thinking)``."""
+    """A Messages request as ``(internal messages, keyword arguments of Service.turn, its Thinking)``."""
     messages = convert_messages(body.get("messages"), body.get("system"))
     tools = convert_tools(body.get("tools"))
     choice, parallel = convert_tool_choice(body.get("tool_choice"))
-    thinking, show = convert_thinking(body.get("thinking"))
+    thinking = convert_thinking(body.get("thinking"))
     kw = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
-          "response_format": convert_output_format(body), "enable_thinking": thinking}
-    return messages, kw, show
+          "response_format": convert_output_format(body), "enable_thinking": thinking.enabled}
+    return messages, kw, thinking
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -541,9 +551,9 @@ def routes(svc: Service) -> list:
     async def turn_of(body):
         if svc.tok is None:
             raise APIError(400, "this checkpoint has no tokenizer, so it cannot chat")
-        messages, kw, show = chat_request(body)
+        messages, kw, thinking = chat_request(body)
         try:
-            return await svc.turn(messages, param="messages", **kw), show
+            return await svc.turn(messages, param="messages", **kw), thinking
         except APIError as e:                 # the chat layer names the schema by its OpenAI field
             if e.param == "response_format" and e.message.startswith("response_format"):
                 raise APIError(e.status, "output_config.format" + e.message[len("response_format"):],
@@ -559,11 +569,12 @@ def routes(svc: Service) -> list:
         if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
             raise _bad(f"stop_sequences: must be a list of strings, got {brief(stop)}", "stop_sequences")
         stream = boolean(body, "stream")
-        turn, show = await turn_of(body)
+        turn, thinking = await turn_of(body)
         warm = requested == 0
         mt = svc.max_tokens(max(requested, 1), len(turn.prompt_ids), None, "messages")
-        opts = options_of(body, mt, {"stop_sequences": "stop"}, grammar=turn.grammar)
-        render = _MessagesRender(svc, turn, show, warm)
+        opts = options_of(body, mt, {"stop_sequences": "stop"}, grammar=turn.grammar,
+                          thinking_budget=thinking.budget)
+        render = _MessagesRender(svc, turn, thinking.show, warm)
         return await svc.respond(request, svc.job(opts, turn.prompt_ids, turn.cache_points, turn.images), render,
                                  stream)
 

@@ -662,6 +662,8 @@ def main(argv=None) -> int:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
+    p.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="at most N tokens of thinking, then the think block is closed and the answer follows")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="the output is one JSON value of this JSON Schema (a file, or the schema's JSON text); with "
@@ -679,6 +681,8 @@ def main(argv=None) -> int:
     _add_model_args(p, required=True)
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-thinking", action="store_true", help="enable_thinking=false in the chat template")
+    p.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="at most N tokens of thinking, then the think block is closed and the answer follows")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the reasoning")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="an image file for the first message (repeatable; /image PATH attaches one later)")

@@ -18,7 +18,7 @@ import numpy as np
 from .dflash import DFlashDrafter
 from .errors import InputError
 from .expert_streaming import expert_stats
-from .grammar import GrammarMatcher
+from .grammar import GrammarMatcher, ThinkingBudget, thinking_budget
 from .mtp import MtpDrafter
 from .options import GenerationOptions
 from .prefix_cache import PrefixCache
@@ -184,6 +184,8 @@ def _checked_run(model: ModelBase, prompt, options, sampler, session, cache, cac
     model.check_ids(ids, s)                        # validates ids and the context limit, before any work
     stop_ids = set() if o.ignore_eos else set(model.eos_token_ids)
     matcher = o.grammar.matcher(model) if o.grammar is not None else None
+    if o.thinking_budget is not None:
+        matcher = thinking_budget(model, list(s.tokens) + list(ids), o.thinking_budget, matcher)
     return _Run(model, s, ids, o, sampler, stop_ids | set(o.stop_token_ids), model.sampleable_vocab,
                 model.prefix_cache if cache else None, cache_points, progress, cancel, images=placed,
                 grammar=matcher)
@@ -206,7 +208,8 @@ class _Run:
     progress: bool | None
     cancel: threading.Event | None
     images: PromptImages | None = None   # the prompt's images, placed (`qwenmetal.prompt_images`)
-    grammar: GrammarMatcher | None = None  # the options' grammar, at the generated text so far
+    grammar: GrammarMatcher | ThinkingBudget | None = None  # the options' grammar and thinking budget, at the
+    #                                  generated text so far
     rope_start: int = 0              # the rope position of the prompt's first token (with images)
     spec: Speculation | None = None
     t0: float = 0.0                  # start
@@ -350,7 +353,7 @@ class _Tokens:
         self.context = list(run.s.tokens)
 
     def allowed(self) -> np.ndarray | None:
-        """The grammar's mask for the next token (None without a grammar)."""
+        """The grammar's mask for the next token (None: any token)."""
         g = self.run.grammar
         return None if g is None else g.allowed(self.run.vocab or None)
 
@@ -550,9 +553,11 @@ class _GpuDecode:
             run = self.run
             s, sp = run.s, run.sampler
             budget = min(self.CHUNK, run.o.max_tokens - n, s.max_context - s.position)
-            mask = {}
-            if run.grammar is not None:           # one token per call: the grammar moves after each
-                budget, mask = 1, {"mask": run.grammar.bitmask()}
+            mask, g = {}, run.grammar
+            if g is not None and g.free_steps() > 0:  # unconstrained until a thinking budget's forcing starts
+                budget = min(budget, g.free_steps())
+            elif g is not None:                   # one token per call: the grammar moves after each
+                budget, mask = 1, {"mask": g.bitmask()}
             out = run.model.decode_loop(s, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,
                                         top_p=sp.top_p, min_p=sp.min_p, seed=self.seed,
                                         stop_ids=[int(t) for t in run.stop_ids], vocab=int(run.vocab or 0), **mask)

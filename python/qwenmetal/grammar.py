@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -186,6 +187,10 @@ class GrammarMatcher:
                 raise GrammarError(f"cannot roll the grammar back by {n} tokens", "grammar")
             self.consumed -= n
 
+    def free_steps(self) -> int:
+        """How many next tokens may be sampled without this mask: none (every token needs it)."""
+        return 0
+
     @property
     def done(self) -> bool:
         """The grammar allows nothing more but the end of the text."""
@@ -195,6 +200,112 @@ class GrammarMatcher:
     def accepting(self) -> bool:
         """The text so far is complete (the end is allowed)."""
         return self._m.is_accepting()
+
+
+#: what a thinking model is given when its thinking budget runs out, before the think block is closed: the
+#: stop-thinking instruction the Qwen3 technical report inserts when it halts thinking at a budget
+BUDGET_NOTE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
+               "thinking directly now.\n")
+
+
+class ThinkingBudget:
+    """A generation that starts inside a think block, with at most `budget` tokens of thinking: once the
+    thinking has used ``budget - len(note)`` tokens without closing the block, `BUDGET_NOTE` and then
+    ``</think>`` are forced (a mask allowing one token), so the block closes after at most `budget` tokens
+    (``</think>`` not counted) and the answer follows. A budget shorter than the note forces ``</think>``
+    alone. Until the forcing starts the tokens are free (`free_steps`), so the GPU decode loop keeps running
+    ahead; `inner`, the generation's grammar if it has one, applies throughout.
+
+    The same interface as `GrammarMatcher` (``allowed`` / ``bitmask`` / ``advance`` / ``rollback`` /
+    ``free_steps``); ``allowed`` is None where nothing is constrained."""
+
+    def __init__(self, inner: GrammarMatcher | None, note: Sequence[int], close_id: int, budget: int,
+                 n_vocab: int):
+        self.inner, self.close_id, self.n_vocab, self.budget = inner, int(close_id), int(n_vocab), int(budget)
+        note = [int(t) for t in note] if len(note) <= budget else []
+        self.forced = note + [self.close_id]
+        self.start = self.budget - len(note)      # thinking tokens before the forcing starts
+        self.thought = 0                          # thinking tokens so far (``</think>`` not counted)
+        self.closed = False
+        self._trace: list = []                    # (thought, closed) before each advance, for rollback
+
+    def _forced(self) -> int | None:
+        """The token the budget forces next (None: none)."""
+        return None if self.closed or self.thought < self.start else self.forced[self.thought - self.start]
+
+    def free_steps(self) -> int:
+        """How many next tokens may be sampled with no mask at all (before the forcing starts)."""
+        if self.inner is not None:
+            return 0
+        return sys.maxsize if self.closed else self.start - self.thought
+
+    def allowed(self, n: int | None = None) -> np.ndarray | None:
+        """The allowed next tokens as a bool array over the first `n` ids; None when any token is."""
+        f = self._forced()
+        if f is not None:
+            out = np.zeros(self.n_vocab if n is None else n, dtype=bool)
+            out[f] = True
+            return out
+        return self.inner.allowed(n) if self.inner is not None else None
+
+    def bitmask(self) -> np.ndarray:
+        """The allowed next tokens as uint32 words (as `GrammarMatcher.bitmask`)."""
+        f = self._forced()
+        if f is None and self.inner is not None:
+            return self.inner.bitmask()
+        words = np.zeros((self.n_vocab + 31) // 32, dtype=np.uint32)
+        if f is not None:
+            words[f // 32] = np.uint32(1 << (f % 32))
+        else:
+            words[:] = 0xFFFFFFFF
+            if self.n_vocab % 32:
+                words[-1] = np.uint32((1 << (self.n_vocab % 32)) - 1)
+        return words
+
+    def advance(self, token: int) -> None:
+        """`token` was generated (GrammarError if the budget forced another one, or the grammar refuses it)."""
+        t = int(token)
+        f = self._forced()
+        if f is not None and t != f:
+            raise GrammarError(f"token {t} generated where the thinking budget ({self.budget} tokens) forces "
+                               f"token {f}", "thinking_budget")
+        if self.inner is not None:
+            self.inner.advance(t)
+        self._trace.append((self.thought, self.closed))
+        if not self.closed:
+            if t == self.close_id:
+                self.closed = True
+            else:
+                self.thought += 1
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` tokens."""
+        if n:
+            if n > len(self._trace):
+                raise GrammarError(f"cannot roll the thinking budget back by {n} tokens", "thinking_budget")
+            if self.inner is not None:
+                self.inner.rollback(n)
+            self.thought, self.closed = self._trace[-n]
+            del self._trace[-n:]
+
+
+def thinking_budget(model, context: Sequence[int], budget: int, inner: GrammarMatcher | None = None):
+    """`inner` with at most `budget` tokens of thinking (a `ThinkingBudget`) when `context` -- the session's
+    tokens and the prompt -- leaves the model inside ``<think>`` (its last ``<think>`` comes after its last
+    ``</think>``); `inner` as it is otherwise (a reply that does not think has nothing to bound)."""
+    tok = model.tokenizer
+    if tok is None:
+        raise InputError(f"{model.path}: no tokenizer.json, so thinking cannot be bounded", "thinking_budget")
+    open_id, close_id = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    if open_id is None or close_id is None:
+        raise InputError(f"{model.path}: its tokenizer has no <think> and </think> tokens, so thinking_budget "
+                         f"has nothing to bound", "thinking_budget")
+    for t in reversed(context):
+        if t == close_id:
+            return inner
+        if t == open_id:
+            return ThinkingBudget(inner, tok.encode(BUDGET_NOTE), close_id, budget, model.config.vocab_size)
+    return inner
 
 
 def _error_text(messages) -> str:

@@ -94,7 +94,7 @@ class Model(ModelBase):
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
                  logprobs: bool | None = None, top_logprobs: int | None = None,
                  skip_special_tokens: bool | None = None, grammar: Grammar | None = None,
-                 options: GenerationOptions | None = None,
+                 thinking_budget: int | None = None, options: GenerationOptions | None = None,
                  sampler: Sampler | None = None, session: Session | None = None, cache: bool = True,
                  cache_points: Sequence[int] = (), progress: bool | None = None,
                  cancel: threading.Event | None = None, speculative=None,
@@ -123,6 +123,8 @@ class Model(ModelBase):
         and read by the checkpoint's vision tower (docs/vision.md). Not with `speculative`.
         `grammar`: a `qm.Grammar` (``Grammar.json_schema(schema)``, ``Grammar.regex(...)``,
         ``Grammar.lark(...)``) that every generated token keeps the text within (docs/structured-output.md).
+        `thinking_budget`: at most this many tokens of thinking when the prompt opens a think block (a chat
+        turn with thinking on); then a short note and ``</think>`` are forced and the answer follows.
         Arguments are checked before the first output: invalid ones raise ValueError naming them.
         See docs/usage.md.
         """
@@ -131,7 +133,7 @@ class Model(ModelBase):
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-            skip_special_tokens=skip_special_tokens, grammar=grammar)
+            skip_special_tokens=skip_special_tokens, grammar=grammar, thinking_budget=thinking_budget)
         return generation.generate(self, prompt, opts, sampler=sampler, session=session, cache=cache,
                         cache_points=cache_points, progress=progress, cancel=cancel, speculative=speculative,
                         speculative_k=speculative_k, images=images)

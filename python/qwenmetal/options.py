@@ -31,7 +31,10 @@ class GenerationOptions:
     do not stop at the model's eos ids; ``logprobs`` / ``top_logprobs``: report the chosen token's
     log-probability / that many alternatives; ``skip_special_tokens``: leave special tokens out of the text;
     ``grammar``: a `qwenmetal.grammar.Grammar` every generated token must keep the text within (structured
-    output: JSON Schema, regular expressions, Lark grammars, chat replies with tool calls).
+    output: JSON Schema, regular expressions, Lark grammars, chat replies with tool calls);
+    ``thinking_budget``: at most this many tokens of thinking when the prompt leaves the model inside
+    ``<think>`` (a chat turn with thinking on), then a short note and ``</think>`` are forced and the answer
+    follows (`qwenmetal.grammar.ThinkingBudget`); a prompt that does not open a think block ignores it.
     """
 
     max_tokens: int = 256
@@ -50,6 +53,7 @@ class GenerationOptions:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     grammar: Grammar | None = None
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         def put(name, value):
@@ -77,6 +81,8 @@ class GenerationOptions:
             if not isinstance(getattr(self, k), bool):
                 raise InputError(f"{k} must be a boolean, got {getattr(self, k)!r}", k)
         put("top_logprobs", _count("top_logprobs", self.top_logprobs, 0))
+        if self.thinking_budget is not None:
+            put("thinking_budget", _count("thinking_budget", self.thinking_budget, 0))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InputError(f"grammar must be a qwenmetal.Grammar (Grammar.json_schema(...), Grammar.regex(...), "
                              f"Grammar.lark(...)), got {type(self.grammar).__name__}", "grammar")
@@ -99,7 +105,8 @@ class GenerationOptions:
         """The options of a parsed ``qwenmetal generate`` / ``chat`` command line (see `cli`)."""
         return cls.build(max_tokens=args.max_tokens, **{k: getattr(args, k) for k in SAMPLING_KEYS},
                          stop=[unescape_stop(x) for x in args.stop] if args.stop else None,
-                         ignore_eos=getattr(args, "ignore_eos", None))
+                         ignore_eos=getattr(args, "ignore_eos", None),
+                         thinking_budget=getattr(args, "thinking_budget", None))
 
     @property
     def sampling(self) -> dict:

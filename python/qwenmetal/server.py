@@ -46,6 +46,9 @@ __all__ = ["APIError", "GenerationQueue", "MAX_STOP_STRINGS", "create_app", "ser
            "DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_GRACEFUL_TIMEOUT", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_REQUEST_TIMEOUT", "DEFAULT_STEP_TOKENS"]
 
+#: vLLM's request field for a thinking budget, as `GenerationOptions.thinking_budget`
+THINKING_BUDGET = {"thinking_token_budget": "thinking_budget"}
+
 
 def _usage(stats) -> dict:
     u = {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["generated_tokens"],
@@ -300,7 +303,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                               response_format=body.get("response_format"),
                               parallel_tool_calls=boolean(body, "parallel_tool_calls", True))
         opts = options_of(body, max_tokens_of(body, len(turn.prompt_ids), svc.default_max_tokens, "messages"),
-                          logprobs=want_lp, top_logprobs=top_n, grammar=turn.grammar)
+                          THINKING_BUDGET, logprobs=want_lp, top_logprobs=top_n, grammar=turn.grammar)
         render = _ChatRender(name, tok, turn, want_lp, model, include_usage)
         return await svc.respond(request, svc.job(opts, turn.prompt_ids, turn.cache_points, turn.images), render,
                                  stream)
@@ -332,8 +335,8 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
         echo = boolean(body, "echo")
         n_lp = body.get("logprobs")
         n_lp = None if n_lp is None else num(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        opts = options_of(body, max_tokens_of(body, len(ids), 16, "prompt"), logprobs=n_lp is not None,
-                          top_logprobs=n_lp or 0)
+        opts = options_of(body, max_tokens_of(body, len(ids), 16, "prompt"), THINKING_BUDGET,
+                          logprobs=n_lp is not None, top_logprobs=n_lp or 0)
         prompt_text = (p if isinstance(p, str) else tok.decode(ids)) if echo and tok is not None else ""
         return await svc.respond(request, svc.job(opts, ids), _CompletionRender(name, tok, prompt_text, n_lp,
                                                                                 include_usage), stream)

@@ -635,6 +635,28 @@ def test_bad_server_options_raise(cpu_model):
         create_app(cpu_model, parallel=33)
     with pytest.raises(ValueError, match="single-stream"):
         create_app(cpu_model, parallel=2, speculative="lookup")
+    with pytest.raises(ValueError, match="keepalive_seconds must be a positive number"):
+        create_app(cpu_model, keepalive_seconds=0)
+
+
+def test_silent_streams_get_keepalive_events(live):
+    """A stream silent for the keep-alive interval (here decode steps of 0.3 s, a keep-alive after 0.1 s of
+    silence) gets SSE comments on the OpenAI routes and pings on Anthropic's; the text read is unchanged."""
+    import httpx
+    base, _, _ = live(delay=0.3, keepalive_seconds=0.1)
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines.count(": keepalive") >= 2 and lines[-1] == "data: [DONE]", lines
+    text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
+    alone = httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=30).json()
+    assert text == alone["choices"][0]["text"]
+    msg = {"model": NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+           "stream": True}
+    with httpx.stream("POST", base + "/v1/messages", json=msg, timeout=30) as r:
+        events = [ln[7:] for ln in r.iter_lines() if ln.startswith("event: ")]
+    assert events[:2] == ["message_start", "ping"] and events.count("ping") >= 3 and events[-1] == "message_stop"
 
 
 def test_shutdown_finishes_the_running_request_and_fails_the_queued_one(live):

@@ -457,8 +457,12 @@ class _MessagesRender(Render):
         n = len(self.turn.prompt_ids)
         first = self.envelope([], usage_={"input_tokens": n, "output_tokens": 0, "cache_creation_input_tokens": 0,
                                           "cache_read_input_tokens": 0})
-        return [sse({"type": "message_start", "message": first}, "message_start"),
-                sse({"type": "ping"}, "ping")]
+        return [sse({"type": "message_start", "message": first}, "message_start"), *self.keepalive()]
+
+    def keepalive(self) -> list:
+        """Anthropic's own keep-alive: a ``ping`` event (after ``message_start``, and whenever the stream has
+        been silent for the service's keep-alive interval)."""
+        return [sse({"type": "ping"}, "ping")]
 
     def _delta(self, delta: dict) -> str:
         return sse({"type": "content_block_delta", "index": self.open[1], "delta": delta}, "content_block_delta")

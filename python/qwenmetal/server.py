@@ -27,6 +27,7 @@ from .serving import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_REQUEST_TIMEOUT,
+    KEEPALIVE_SECONDS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     SHUTDOWN_JOIN_SECONDS,
@@ -233,7 +234,7 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
                default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS, max_queue: int = DEFAULT_MAX_QUEUE,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT, speculative=None,
                speculative_k: int | None = None, parallel: int = 1, step_tokens: int = DEFAULT_STEP_TOKENS,
-               allow_local_images: bool = False):
+               allow_local_images: bool = False, keepalive_seconds: float | None = KEEPALIVE_SECONDS):
     """The Starlette application serving `model` (a loaded `qm.Model`). `default_max_tokens`: the budget
     of a chat request that sets no ``max_tokens`` (None: up to the context limit); `max_queue`: how many
     requests may wait; `request_timeout`: seconds a generation may run (None: no limit); `speculative` /
@@ -241,7 +242,9 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
     unchanged; single-stream, so `parallel` must be 1); `parallel`: how many generations run at once,
     batched (`qwenmetal.batching`), with at most `step_tokens` prompt tokens prefilled per step;
     `allow_local_images`: chat messages may name image files on this machine (a ``file://`` URL or a path;
-    otherwise only ``data:`` URLs are taken, and nothing is ever fetched). See docs/server.md."""
+    otherwise only ``data:`` URLs are taken, and nothing is ever fetched); `keepalive_seconds`: a stream silent
+    this long (a long prefill) gets a keep-alive event (Anthropic's ``ping``, an SSE comment elsewhere; None:
+    never). See docs/server.md."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -252,7 +255,8 @@ def create_app(model, *, model_name: str | None = None, api_key: str | None = No
     svc = Service(model, name=name, api_key=api_key, max_request_bytes=max_request_bytes,
                   default_max_tokens=default_max_tokens, max_queue=max_queue, request_timeout=request_timeout,
                   speculative=speculative, speculative_k=speculative_k, parallel=parallel,
-                  step_tokens=step_tokens, allow_local_images=allow_local_images)
+                  step_tokens=step_tokens, allow_local_images=allow_local_images,
+                  keepalive_seconds=keepalive_seconds)
     queue, tok = svc.queue, svc.tok
 
     def max_tokens_of(body, n_prompt, default, prompt_param):

@@ -34,6 +34,7 @@ DEFAULT_CHAT_MAX_TOKENS = 2048          # a chat request without max_tokens; /v1
 DEFAULT_REQUEST_TIMEOUT = 600.0         # seconds a generation may run
 DEFAULT_GRACEFUL_TIMEOUT = 5.0          # seconds in-flight requests get to finish on shutdown
 SHUTDOWN_JOIN_SECONDS = 10.0            # how long shutdown waits for the worker after cancelling
+KEEPALIVE_SECONDS = 10.0                # a stream silent this long (a long prefill) gets a keep-alive event
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -373,6 +374,12 @@ class Render:
     def error(self, e: APIError) -> list:
         return [sse(e.payload())]
 
+    def keepalive(self) -> list:
+        """What a stream sends when it has been silent for the service's keep-alive interval (a long prefill
+        before the first token), so that proxies and clients with read timeouts keep the connection: an SSE
+        comment, which every client skips."""
+        return [": keepalive\n\n"]
+
     def body(self, outs: list, reason: str, stats: dict) -> dict:
         raise NotImplementedError
 
@@ -383,12 +390,16 @@ class Service:
 
     def __init__(self, model, *, name: str, api_key: str | None, max_request_bytes: int,
                  default_max_tokens: int | None, max_queue: int, request_timeout: float | None, speculative,
-                 speculative_k: int | None, parallel: int, step_tokens: int, allow_local_images: bool):
+                 speculative_k: int | None, parallel: int, step_tokens: int, allow_local_images: bool,
+                 keepalive_seconds: float | None = KEEPALIVE_SECONDS):
         if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or default_max_tokens < 1):
             raise ValueError(f"default_max_tokens must be >= 1 (or None for the context limit), got "
                              f"{default_max_tokens!r}")
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a positive integer, got {parallel!r}")
+        if keepalive_seconds is not None and not (isinstance(keepalive_seconds, (int, float))
+                                                  and not isinstance(keepalive_seconds, bool) and keepalive_seconds > 0):
+            raise ValueError(f"keepalive_seconds must be a positive number (or None: never), got {keepalive_seconds!r}")
         if speculative is not None and parallel > 1:
             raise ValueError("speculative decoding is single-stream: serve with parallel=1 (--parallel 1) to use it")
         self.model, self.name, self.tok = model, name, model.tokenizer
@@ -396,6 +407,7 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.speculative, self.speculative_k = speculative, speculative_k
         self.allow_local_images = allow_local_images
+        self.keepalive_seconds = keepalive_seconds
         batcher = Batcher(model, parallel, step_tokens) if parallel > 1 else None
         self.queue = GenerationQueue(max_queue, request_timeout, batcher)
         self.created = int(time.time())
@@ -479,20 +491,29 @@ class Service:
                                                     images=images))
 
     # ---- responses ------------------------------------------------------------------------------
-    async def events(self, request, job: Job):
+    async def events(self, request, job: Job, keepalive: bool = False):
         """`job`'s events up to its end. The client is watched the whole time (queued or running): its
-        disconnect cancels the job at once, as does leaving this generator early."""
-        queue = self.queue
+        disconnect cancels the job at once, as does leaving this generator early. With `keepalive`, a
+        ``("keepalive",)`` event whenever none came for the service's keep-alive interval."""
+        queue, wait = self.queue, self.keepalive_seconds if keepalive else None
 
         async def watch():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
             queue.cancel(job)
 
-        watcher = asyncio.ensure_future(watch())
+        watcher, getter = asyncio.ensure_future(watch()), None
         try:
             while True:
-                event = await job.out.get()
+                if wait is None:
+                    event = await job.out.get()
+                else:                         # one pending get across the waits: no event is lost to a timeout
+                    getter = getter or asyncio.ensure_future(job.out.get())
+                    done, _ = await asyncio.wait({getter}, timeout=wait)
+                    if not done:
+                        yield ("keepalive",)
+                        continue
+                    event, getter = getter.result(), None
                 if event[0] == "error":
                     e = event[1]
                     raise e if isinstance(e, APIError) else APIError(
@@ -502,13 +523,15 @@ class Service:
                     return
         finally:
             watcher.cancel()
+            if getter is not None:
+                getter.cancel()
             queue.cancel(job)
 
     async def _sse(self, request, job: Job, render: Render):
         try:
             for c in render.start():
                 yield c
-            async with contextlib.aclosing(self.events(request, job)) as evs:
+            async with contextlib.aclosing(self.events(request, job, keepalive=True)) as evs:
                 async for kind, *val in evs:
                     # one event-loop turn per event: tokens that arrived together would otherwise be written
                     # in one go, on past a write that found the connection gone (asyncio logs each such
@@ -517,6 +540,9 @@ class Service:
                     await asyncio.sleep(0)
                     if kind == "out":
                         for c in render.step(val[0]):
+                            yield c
+                    elif kind == "keepalive":
+                        for c in render.keepalive():
                             yield c
                     elif val[0] is not None:
                         for c in render.finish(val[0], val[1]):

@@ -28,6 +28,7 @@ from qwenmetal.api_responses import (
     tool_choice_of,
     tools_of,
 )
+from qwenmetal.grammar import BUDGET_NOTE
 from qwenmetal.serving import APIError
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -205,6 +206,13 @@ def test_a_string_input_streamed_and_not_and_through_the_stream_helper(openai_cl
     last = list(openai_client.responses.create(model=NAME, input="Name three birds.", max_output_tokens=3,
                                         temperature=0, stream=True))[-1]
     assert last.type == "response.incomplete" and _texts(last.response) == _texts(cut)
+
+
+def test_thinking_token_budget_closes_the_reasoning(openai_client, spawned_local):
+    budget = len(spawned_local.tokenizer.encode(BUDGET_NOTE)) + 1
+    r = openai_client.responses.create(model=NAME, input=Q, max_output_tokens=budget + 8, temperature=0,
+                                       reasoning={"effort": "high"}, extra_body={"thinking_token_budget": budget})
+    assert _texts(r)[0].strip().endswith(BUDGET_NOTE.strip())
 
 
 def test_instructions_and_function_call_items_render_as_the_chat_conversation(openai_client, spawned_local):

@@ -22,7 +22,7 @@ import uuid
 from collections import OrderedDict
 
 from .errors import brief
-from .serving import APIError, Render, Service, boolean, num, options_of, sse
+from .serving import THINKING_BUDGET, APIError, Render, Service, boolean, num, options_of, sse
 
 #: responses kept for ``previous_response_id`` / GET (least recently used out)
 DEFAULT_STORE_ENTRIES = 1024
@@ -563,7 +563,7 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
         except APIError as e:
             raise _renamed(e, origins) from None
         opts = options_of(body, svc.max_tokens(requested, len(turn.prompt_ids), svc.default_max_tokens, "input"),
-                          grammar=turn.grammar)
+                          THINKING_BUDGET, grammar=turn.grammar)
         base = {"id": _id("resp_"), "object": "response", "created_at": int(time.time()), "model": svc.name,
                 "status": "in_progress", "error": None, "incomplete_details": None, "instructions": instructions,
                 "max_output_tokens": requested, "output": [], "parallel_tool_calls": parallel,

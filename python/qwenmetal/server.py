@@ -31,6 +31,7 @@ from .serving import (
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     SHUTDOWN_JOIN_SECONDS,
+    THINKING_BUDGET,
     APIError,
     GenerationQueue,
     Render,
@@ -46,9 +47,6 @@ from .serving import (
 __all__ = ["APIError", "GenerationQueue", "MAX_STOP_STRINGS", "create_app", "serve", "uvicorn_server",
            "DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_GRACEFUL_TIMEOUT", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_REQUEST_TIMEOUT", "DEFAULT_STEP_TOKENS"]
-
-#: vLLM's request field for a thinking budget, as `GenerationOptions.thinking_budget`
-THINKING_BUDGET = {"thinking_token_budget": "thinking_budget"}
 
 
 def _usage(stats) -> dict:

@@ -300,6 +300,8 @@ def boolean(body, name, default=False):
 
 #: request fields that are `GenerationOptions` fields of the same name (max_tokens: see max_tokens_of)
 _OPTION_FIELDS = SAMPLING_KEYS + ("stop", "stop_token_ids", "ignore_eos")
+#: vLLM's request field for a thinking budget (`GenerationOptions.thinking_budget`), which the OpenAI routes take
+THINKING_BUDGET = {"thinking_token_budget": "thinking_budget"}
 #: OpenAI's documented ranges where they are narrower than qwenmetal's own checks
 _API_RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 

@@ -18,7 +18,7 @@ import math
 import mmap
 import os
 import stat
-from typing import Iterator, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 import ml_dtypes
 import numpy as np

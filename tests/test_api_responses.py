@@ -23,6 +23,7 @@ from qwenmetal.api_responses import (
     ResponseStore,
     input_messages,
     leading_system_merged,
+    listed_items,
     response_format_of,
     thinking_of,
     tool_choice_of,
@@ -141,9 +142,10 @@ def test_the_response_store_is_bounded():
         return {"id": f"resp_{i}", "output": ["x" * pad]}
     s = ResponseStore(max_entries=3, max_bytes=10_000)
     for i in range(4):
-        assert s.put(resp(i), [{"role": "user", "content": str(i)}])
-    assert len(s) == 3 and s.get("resp_0") is None             # least recently used out
+        assert s.put(resp(i), [{"role": "user", "content": str(i)}], listed_items(str(i)))
+    assert len(s) == 3 and s.get("resp_0") is None and s.input_items("resp_0") is None   # least recently used out
     assert s.get("resp_1")[1] == [{"role": "user", "content": "1"}]
+    assert s.input_items("resp_1")[0]["content"] == [{"type": "input_text", "text": "1"}]
     s.put(resp(4), [])                                            # resp_2 is now the oldest
     assert s.get("resp_2") is None and s.get("resp_1") is not None
     assert not s.put(resp(5, pad=20_000), [])                    # larger than the whole budget: not kept
@@ -294,6 +296,42 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(openai_c
         openai_client.responses.retrieve(nostore.id)
     with pytest.raises(openai.BadRequestError, match="not found"):
         openai_client.responses.create(model=NAME, input="Hi", previous_response_id=nostore.id, max_output_tokens=1)
+
+
+def test_input_items_are_listed_as_given_with_ids():
+    items = listed_items([{"role": "user", "content": "Hi"},
+                          {"type": "message", "role": "assistant", "content": "Hello", "id": "msg_given"},
+                          {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+    assert [it["type"] for it in items] == ["message", "message", "function_call", "function_call_output"]
+    assert [it["id"].split("_")[0] for it in items] == ["msg", "msg", "fc", "fco"]
+    assert items[1]["id"] == "msg_given" and items[1]["content"] == [{"type": "output_text", "text": "Hello"}]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Hi"}] and items[0]["status"] == "completed"
+    assert items[3]["output"] == "ok" and "status" not in items[2]
+
+
+def test_input_items_list_a_stored_responses_input_a_page_at_a_time(openai_client, spawned_url):
+    import httpx
+    import openai
+
+    given = [{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant", "content": "Hello",
+                                                 "id": "msg_given"},
+             {"role": "user", "content": [{"type": "input_text", "text": "And?"}]}]
+    r = openai_client.responses.create(model=NAME, input=given, max_output_tokens=2, temperature=0)
+    page = openai_client.responses.input_items.list(r.id)
+    assert [it.type for it in page.data] == ["message"] * 3 and page.data[1].id == "msg_given"
+    assert [it.content[0].text for it in page.data] == ["And?", "Hello", "Hi"]          # newest first
+    every = list(openai_client.responses.input_items.list(r.id, limit=1, order="asc"))  # the SDK pages by `after`
+    assert [it.id for it in every] == [it.id for it in reversed(page.data)]
+    head = {"Authorization": f"Bearer {API_KEY}"}
+    for q, param in [("order=sideways", "order"), ("limit=0", "limit"), ("limit=x", "limit"), ("after=nope", "after")]:
+        bad = httpx.get(f"{spawned_url}/v1/responses/{r.id}/input_items?{q}", headers=head, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, q
+    with pytest.raises(openai.NotFoundError, match="resp_x"):
+        openai_client.responses.input_items.list("resp_x")
+    nostore = openai_client.responses.create(model=NAME, input="Hi", store=False, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError, match=nostore.id):
+        openai_client.responses.input_items.list(nostore.id)
 
 
 def test_bad_requests(spawned_url, openai_client):

@@ -1,5 +1,5 @@
 """The OpenAI Responses API of ``qwenmetal serve``: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}`` (`routes`). Documented in docs/server.md, "POST /v1/responses".
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` (`routes`). Documented in docs/server.md, "POST /v1/responses".
 
 A request's ``input`` items (messages, function calls and their outputs, reasoning) become the internal chat
 form (`input_messages`: OpenAI chat-completions messages), its ``tools``, ``tool_choice`` and ``text.format``
@@ -81,6 +81,31 @@ def _text_of(value, where: str) -> str:
         return "".join(p["text"] for p in value)
     raise _bad(f"{where} must be a string or a list of input_text parts, got {brief(value, as_json=True)}", where,
                "unsupported_value")
+
+
+#: the id prefix of each input item type, for the items a request gives without one
+_ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def listed_items(items) -> list:
+    """A request's (already checked) ``input`` as ``GET /v1/responses/{id}/input_items`` lists it: every item
+    an object with its ``type`` and an ``id`` (given ones kept), message content as a list of parts (a
+    string input is one user message of one ``input_text`` part)."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for it in items:
+        it = dict(it)
+        t = it.setdefault("type", "message")
+        if t == "message":
+            if isinstance(it.get("content"), str):
+                kind = "output_text" if it.get("role") == "assistant" else "input_text"
+                it["content"] = [{"type": kind, "text": it["content"]}]
+            it.setdefault("status", "completed")
+        if not isinstance(it.get("id"), str):
+            it["id"] = _id(_ITEM_PREFIX.get(t, "item_"))
+        out.append(it)
+    return out
 
 
 def input_messages(items, param: str = "input") -> tuple:
@@ -232,8 +257,9 @@ def thinking_of(reasoning) -> bool | None:
 # the response store
 # ---------------------------------------------------------------------------------------------------
 class ResponseStore:
-    """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: each is the response
-    object and its conversation (internal messages, the reply included). Bounded by `max_entries` and
+    """Responses kept for ``previous_response_id``, ``GET /v1/responses/{id}`` and its ``input_items``: each
+    is the response object, its conversation (internal messages, the reply included) and the request's own
+    input items (`listed_items`). Bounded by `max_entries` and
     `max_bytes` (the JSON size of what is kept; least recently used out; one larger than `max_bytes` is not
     kept). Thread-safe. Stored objects are never modified (a continued conversation is a new list)."""
 
@@ -241,7 +267,7 @@ class ResponseStore:
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"max_entries and max_bytes must be >= 1, got {max_entries} and {max_bytes}")
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict = OrderedDict()      # id -> (response, messages, size)
+        self._entries: OrderedDict = OrderedDict()      # id -> (response, messages, input items, size)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -252,18 +278,20 @@ class ResponseStore:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, response: dict, messages: list) -> bool:
-        """Keep `response` (under its id) with its conversation `messages`; whether it was kept."""
-        size = len(json.dumps([response, messages], ensure_ascii=False, default=str).encode())
+    def put(self, response: dict, messages: list, items: list = ()) -> bool:
+        """Keep `response` (under its id) with its conversation `messages` and its request's input `items`;
+        whether it was kept."""
+        items = list(items)
+        size = len(json.dumps([response, messages, items], ensure_ascii=False, default=str).encode())
         if size > self.max_bytes:
             return False
         with self._lock:
             self._drop(response["id"])
-            self._entries[response["id"]] = (response, messages, size)
+            self._entries[response["id"]] = (response, messages, items, size)
             self._bytes += size
             while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                _, (_, _, s) = self._entries.popitem(last=False)
-                self._bytes -= s
+                _, e = self._entries.popitem(last=False)
+                self._bytes -= e[-1]
         return True
 
     def get(self, rid: str) -> tuple | None:
@@ -275,6 +303,12 @@ class ResponseStore:
             self._entries.move_to_end(rid)
             return e[0], e[1]
 
+    def input_items(self, rid: str) -> list | None:
+        """The input items of `rid`'s request, or None."""
+        with self._lock:
+            e = self._entries.get(rid)
+            return None if e is None else e[2]
+
     def delete(self, rid: str) -> bool:
         with self._lock:
             return self._drop(rid)
@@ -282,7 +316,7 @@ class ResponseStore:
     def _drop(self, rid: str) -> bool:
         e = self._entries.pop(rid, None)
         if e is not None:
-            self._bytes -= e[2]
+            self._bytes -= e[-1]
         return e is not None
 
 
@@ -422,10 +456,12 @@ class _Reply:
 
 
 class _Request:
-    """What a request decided, for its reply: the response's fields, the conversation, the turn."""
+    """What a request decided, for its reply: the response's fields, the conversation, the turn, and its
+    input items as they are listed."""
 
-    def __init__(self, base: dict, conversation: list, turn, store_it: bool):
+    def __init__(self, base: dict, conversation: list, turn, store_it: bool, items: list = ()):
         self.base, self.conversation, self.turn, self.store_it = base, conversation, turn, store_it
+        self.items = items
 
 
 class _ResponsesRender(Render):
@@ -475,7 +511,7 @@ class _ResponsesRender(Render):
         if len(msgs) == 1:                    # the reply as the client sends it back: its transcript
             self.req.turn.remember(self.model, msgs[0], rep.tokens)
         if self.req.store_it:
-            self.store.put(r, self.req.conversation + msgs)
+            self.store.put(r, self.req.conversation + msgs, self.req.items)
         return r
 
     def finish(self, reason: str, stats: dict) -> list:
@@ -514,7 +550,8 @@ def _renamed(e: APIError, origins: list) -> APIError:
 
 def routes(svc: Service, store: ResponseStore | None = None) -> list:
     """The Responses API's routes on `svc` (``POST /v1/responses``, ``GET`` / ``DELETE
-    /v1/responses/{id}``), with `store` (default: a new `ResponseStore`) keeping the responses."""
+    /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``), with `store` (default: a new
+    `ResponseStore`) keeping the responses."""
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -573,7 +610,7 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
                 "text": body.get("text") or {"format": {"type": "text"}},
                 "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "truncation": "disabled", "metadata": metadata or {}, "user": body.get("user"), "usage": None}
-        req = _Request(base, conversation, turn, store_it)
+        req = _Request(base, conversation, turn, store_it, listed_items(body.get("input")) if store_it else ())
         render = _ResponsesRender(req, svc.model, store, stream)
         return await svc.respond(request, svc.job(opts, turn.prompt_ids, turn.cache_points, turn.images), render,
                                  stream)
@@ -586,6 +623,35 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
             raise not_found(rid)
         return JSONResponse(got[0])
 
+    async def input_items(request):
+        """The input items of a stored response's request, a page at a time (OpenAI's list: ``limit`` 1-100,
+        default 20; ``order`` "desc" (default) or "asc"; ``after`` an item id)."""
+        svc.check_key(request)
+        rid = request.path_params["response_id"]
+        items = store.input_items(rid)
+        if items is None:
+            raise not_found(rid)
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise _bad(f"'order' must be 'asc' or 'desc', got {order!r}", "order")
+        try:
+            limit = int(q.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise _bad(f"'limit' must be an integer from 1 to 100, got {q.get('limit')!r}", "limit")
+        seq = items if order == "asc" else items[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [it["id"] for it in seq]
+            if after not in ids:
+                raise _bad(f"'after' names no input item of response '{rid}': {after!r}", "after")
+            seq = seq[ids.index(after) + 1:]
+        page = seq[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(seq) > limit})
+
     async def delete(request):
         svc.check_key(request)
         rid = request.path_params["response_id"]
@@ -595,4 +661,5 @@ def routes(svc: Service, store: ResponseStore | None = None) -> list:
 
     return [Route("/v1/responses", create, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete, methods=["DELETE"])]

@@ -1,5 +1,6 @@
 """The OpenAI Responses API of ``qwenmetal serve``: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` (`routes`). Documented in docs/server.md, "POST /v1/responses".
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` (`routes`). Documented in docs/server.md,
+"POST /v1/responses".
 
 A request's ``input`` items (messages, function calls and their outputs, reasoning) become the internal chat
 form (`input_messages`: OpenAI chat-completions messages), its ``tools``, ``tool_choice`` and ``text.format``

@@ -257,7 +257,7 @@ def test_the_budget_applies_only_inside_an_open_think_block(models):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "metal-sim"])
-def test_thinking_stops_at_its_budget_on_every_backend(models, backend):
+def test_thinking_stops_at_its_budget_on_every_backend(models, backend, monkeypatch):
     """A thinking turn of the tiny model (which never closes its think block by itself) thinks exactly
     `budget` tokens, the last of them the note, then ``</think>``; speculation gives the same tokens. On
     metal-sim with a budget shorter than the note, the GPU decode loop runs unmasked, several tokens per
@@ -274,12 +274,9 @@ def test_thinking_stops_at_its_budget_on_every_backend(models, backend):
         def recorded(s, t, n, **kw):
             calls.append((n, "mask" in kw))
             return loop(s, t, n, **kw)
-        m.decode_loop = recorded
-    try:
-        toks = [o.token for o in m.generate(prompt, max_tokens=budget + 3, temperature=0, ignore_eos=True,
-                                            cache=False, thinking_budget=budget)]
-    finally:
-        m.__dict__.pop("decode_loop", None)
+        monkeypatch.setattr(m, "decode_loop", recorded)
+    toks = [o.token for o in m.generate(prompt, max_tokens=budget + 3, temperature=0, ignore_eos=True,
+                                        cache=False, thinking_budget=budget)]
     assert toks.index(close) == budget
     if backend == "metal-sim":
         assert calls[0] == (budget - 1, False) and (1, True) in calls   # free run-ahead, then the forced close

@@ -635,7 +635,7 @@ def test_bad_server_options_raise(cpu_model):
         create_app(cpu_model, parallel=33)
     with pytest.raises(ValueError, match="single-stream"):
         create_app(cpu_model, parallel=2, speculative="lookup")
-    with pytest.raises(ValueError, match="keepalive_seconds must be a positive number"):
+    with pytest.raises(ValueError, match="keepalive_seconds must be > 0 seconds"):
         create_app(cpu_model, keepalive_seconds=0)
 
 

@@ -554,8 +554,9 @@ class _GpuDecode:
             s, sp = run.s, run.sampler
             budget = min(self.CHUNK, run.o.max_tokens - n, s.max_context - s.position)
             mask, g = {}, run.grammar
-            if g is not None and g.free_steps() > 0:  # unconstrained until a thinking budget's forcing starts
-                budget = min(budget, g.free_steps())
+            free = g.free_steps() if g is not None else 0
+            if free > 0:                          # unconstrained until a thinking budget's forcing starts
+                budget = min(budget, free)
             elif g is not None:                   # one token per call: the grammar moves after each
                 budget, mask = 1, {"mask": g.bitmask()}
             out = run.model.decode_loop(s, self.fed, budget, temperature=sp.temperature, top_k=sp.top_k,

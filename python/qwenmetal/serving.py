@@ -399,9 +399,8 @@ class Service:
                              f"{default_max_tokens!r}")
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be a positive integer, got {parallel!r}")
-        if keepalive_seconds is not None and not (isinstance(keepalive_seconds, (int, float))
-                                                  and not isinstance(keepalive_seconds, bool) and keepalive_seconds > 0):
-            raise ValueError(f"keepalive_seconds must be a positive number (or None: never), got {keepalive_seconds!r}")
+        if keepalive_seconds is not None and not keepalive_seconds > 0:
+            raise ValueError(f"keepalive_seconds must be > 0 seconds (or None: never), got {keepalive_seconds}")
         if speculative is not None and parallel > 1:
             raise ValueError("speculative decoding is single-stream: serve with parallel=1 (--parallel 1) to use it")
         self.model, self.name, self.tok = model, name, model.tokenizer
